@@ -1,0 +1,46 @@
+#pragma once
+// Contracts of the bus module: what a subscriber and an event bus are.
+
+#include <kvtier/bus/events.hpp>
+#include <kvtier/config.hpp>
+
+#include <concepts>
+
+namespace kvtier::inline KVTIER_ABI_TAG::bus {
+
+/// How a subscriber receives events.
+enum class delivery {
+  immediate,  ///< called inline on the publishing thread; must be thread-safe and cheap
+  deferred,   ///< queued and called later by drain(), one drainer at a time
+};
+
+/// S handles E when it has `on(const E&)`. Subscribers simply do not declare the events they
+/// ignore; the bus then never calls them for those.
+template <class S, class E>
+concept handles = event<E> && requires(S& s, const E& e) { s.on(e); };
+
+/// A subscriber's delivery: `static constexpr bus::delivery delivery_mode = ...;`, immediate
+/// when it does not say.
+template <class S>
+[[nodiscard]] consteval delivery delivery_of() {
+  if constexpr (requires { S::delivery_mode; }) return S::delivery_mode;
+  else return delivery::immediate;
+}
+
+/// Anything components can publish to: basic_event_bus<...> or null_bus.
+template <class B>
+concept event_bus = requires(B& b, const l1_read_finished& e) {
+  b.publish(e);
+  { B::template handles_event<l1_read_finished> } -> std::convertible_to<bool>;
+};
+
+/// An archetype event bus: the smallest type that models event_bus, for concept checks.
+struct event_bus_archetype {
+  template <event E>
+  static constexpr bool handles_event = false;
+  template <event E>
+  void publish(const E&) noexcept {}
+};
+static_assert(event_bus<event_bus_archetype>);
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::bus

@@ -1,0 +1,315 @@
+#pragma once
+// One aggregate struct per event type. Events own their data (no pointers into the
+// publisher), are cheap to copy (no heap), and carry the counts and ids their subscribers
+// need. Each has `static constexpr event_type type`.
+//
+// Counting rules (reference/lmcache-mp.md section 6.2, not repeated here):
+//   l2_prefetch_lookup_completed::hit_count   the pure L2 contiguous prefix, before any L1
+//                                             reservation;
+//   l2_prefetch_load_submitted::key_count     keys actually handed to backends;
+//   l2_prefetch_load_submitted::trimmed_count keys found in L2 but dropped by trimming;
+//   l2_prefetch_load_completed::failed_count  keys submitted and not loaded.
+
+#include <kvtier/bus/event_type.hpp>
+#include <kvtier/config.hpp>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <string_view>
+#include <concepts>
+#include <tuple>
+#include <utility>
+
+namespace kvtier::inline KVTIER_ABI_TAG::bus {
+
+/// A short name owned by value (backend names, reasons): at most 31 bytes, longer is cut.
+class short_name {
+ public:
+  constexpr short_name() noexcept = default;
+  /// From anything that converts to std::string_view (literals, std::string, string_view).
+  template <class S>
+    requires std::convertible_to<const S&, std::string_view>
+  constexpr short_name(const S& text) noexcept {  // NOLINT(google-explicit-constructor)
+    const std::string_view s(text);
+    size_ = static_cast<std::uint8_t>(std::min(s.size(), capacity));
+    std::copy_n(s.data(), size_, chars_.data());
+  }
+  [[nodiscard]] constexpr std::string_view view() const noexcept { return {chars_.data(), size_}; }
+  constexpr operator std::string_view() const noexcept { return view(); }  // NOLINT
+  friend constexpr bool operator==(const short_name& a, const short_name& b) noexcept {
+    return a.view() == b.view();
+  }
+
+  static constexpr std::size_t capacity = 31;
+
+ private:
+  std::array<char, capacity> chars_{};
+  std::uint8_t size_ = 0;
+};
+
+/// Why L1 objects went away.
+enum class removal_reason : std::uint8_t {
+  evicted,    ///< taken by the eviction policy above the watermark
+  deleted,    ///< deleted on request (clear, skip_l1 store policy, ...)
+  temporary,  ///< a temporary (prefetched) object freed after its last reader
+  abandoned,  ///< a write that failed and was dropped without becoming readable
+};
+inline constexpr std::size_t removal_reason_count = 4;
+[[nodiscard]] constexpr std::string_view name(removal_reason r) noexcept {
+  constexpr std::array<std::string_view, removal_reason_count> n = {"evicted", "deleted", "temporary", "abandoned"};
+  return n[static_cast<std::size_t>(r)];
+}
+
+/// What an L1 allocation was for.
+enum class allocation_purpose : std::uint8_t { store, prefetch };
+inline constexpr std::size_t allocation_purpose_count = 2;
+[[nodiscard]] constexpr std::string_view name(allocation_purpose p) noexcept {
+  return p == allocation_purpose::store ? "store" : "prefetch";
+}
+
+enum class lock_kind : std::uint8_t { read, write };
+inline constexpr std::size_t lock_kind_count = 2;
+[[nodiscard]] constexpr std::string_view name(lock_kind k) noexcept { return k == lock_kind::read ? "read" : "write"; }
+
+/// Why (part of) an L2 prefetch did not load.
+enum class prefetch_failure : std::uint8_t {
+  l1_out_of_memory,     ///< no L1 slots for the keys L2 had
+  io_error,             ///< the backend failed the read
+  corrupt_object,       ///< the object failed its checksum: dropped, never served
+  timeout,              ///< the request's deadline passed before the keys landed
+  backend_unavailable,  ///< the backend was down
+};
+inline constexpr std::size_t prefetch_failure_count = 5;
+[[nodiscard]] constexpr std::string_view name(prefetch_failure f) noexcept {
+  constexpr std::array<std::string_view, prefetch_failure_count> n = {"l1_out_of_memory", "io_error", "corrupt_object",
+                                                                      "timeout", "backend_unavailable"};
+  return n[static_cast<std::size_t>(f)];
+}
+
+/// The request types of the cache server (protocol/ maps its messages onto these).
+enum class request_kind : std::uint8_t {
+  register_kv,
+  unregister_kv,
+  lookup,
+  query_prefetch,
+  retrieve,
+  store,
+  free_lookup_locks,
+  end_request,
+  ping,
+  clear,
+  get_chunk_size,
+  status,
+  other,
+};
+inline constexpr std::size_t request_kind_count = 13;
+[[nodiscard]] constexpr std::string_view name(request_kind k) noexcept {
+  constexpr std::array<std::string_view, request_kind_count> n = {
+      "register_kv", "unregister_kv", "lookup", "query_prefetch", "retrieve", "store", "free_lookup_locks",
+      "end_request", "ping",          "clear",  "get_chunk_size", "status",   "other"};
+  return n[static_cast<std::size_t>(k)];
+}
+
+// ----------------------------------------------------------------------------------------
+// L1 tier
+// ----------------------------------------------------------------------------------------
+struct l1_read_reserved {
+  static constexpr event_type type = event_type::l1_read_reserved;
+  std::uint32_t key_count = 0;     ///< keys now read-locked
+  std::uint32_t failed_count = 0;  ///< keys that were absent or not readable
+};
+struct l1_read_finished {
+  static constexpr event_type type = event_type::l1_read_finished;
+  std::uint32_t key_count = 0;  ///< read locks released
+};
+struct l1_write_reserved {
+  static constexpr event_type type = event_type::l1_write_reserved;
+  std::uint32_t key_count = 0;     ///< keys now write-locked
+  std::uint32_t failed_count = 0;  ///< keys refused (exists, locked, out of memory)
+  allocation_purpose purpose = allocation_purpose::store;
+};
+struct l1_write_finished {
+  static constexpr event_type type = event_type::l1_write_finished;
+  std::uint32_t key_count = 0;  ///< keys made readable (offered to the store pipeline)
+};
+struct l1_write_finished_and_read_reserved {
+  static constexpr event_type type = event_type::l1_write_finished_and_read_reserved;
+  std::uint32_t key_count = 0;  ///< prefetched keys made readable and read-locked (not re-stored)
+};
+struct l1_keys_evicted {
+  static constexpr event_type type = event_type::l1_keys_evicted;
+  std::uint32_t key_count = 0;
+  std::uint64_t bytes = 0;
+  removal_reason reason = removal_reason::evicted;
+};
+struct l1_allocation_failed {
+  static constexpr event_type type = event_type::l1_allocation_failed;
+  std::uint32_t key_count = 0;  ///< keys of the batch that could not be allocated
+  allocation_purpose purpose = allocation_purpose::store;
+};
+struct l1_lock_expired {
+  static constexpr event_type type = event_type::l1_lock_expired;
+  std::uint32_t key_count = 0;  ///< locks released by their TTL (a client that went away)
+  lock_kind lock = lock_kind::read;
+};
+
+// ----------------------------------------------------------------------------------------
+// cache facade
+// ----------------------------------------------------------------------------------------
+struct cache_lookup {
+  static constexpr event_type type = event_type::cache_lookup;
+  std::uint64_t request_id = 0;
+  std::uint32_t requested_tokens = 0;  ///< tokens asked about (full chunks only)
+  std::uint32_t requested_keys = 0;
+  std::uint32_t l1_hit_keys = 0;    ///< leading keys already in L1
+  std::uint32_t l2_hit_keys = 0;    ///< keys after those, made available from L2
+  std::uint32_t chunk_tokens = 0;   ///< tokens per key, to turn keys into tokens
+};
+struct cache_read_prefetched {
+  static constexpr event_type type = event_type::cache_read_prefetched;
+  std::uint32_t succeeded_keys = 0;
+  std::uint32_t failed_keys = 0;
+};
+struct cache_write_reserved {
+  static constexpr event_type type = event_type::cache_write_reserved;
+  std::uint32_t succeeded_keys = 0;
+  std::uint32_t failed_keys = 0;
+};
+struct cache_write_finished {
+  static constexpr event_type type = event_type::cache_write_finished;
+  std::uint32_t succeeded_keys = 0;
+  std::uint32_t failed_keys = 0;
+};
+
+// ----------------------------------------------------------------------------------------
+// L2 store (one event per backend task)
+// ----------------------------------------------------------------------------------------
+struct l2_store_submitted {
+  static constexpr event_type type = event_type::l2_store_submitted;
+  std::uint8_t backend_index = 0;
+  short_name backend;
+  std::uint32_t key_count = 0;
+  std::uint64_t bytes = 0;
+};
+struct l2_store_completed {
+  static constexpr event_type type = event_type::l2_store_completed;
+  std::uint8_t backend_index = 0;
+  short_name backend;
+  std::uint32_t succeeded_count = 0;
+  std::uint32_t failed_count = 0;
+  std::uint64_t bytes = 0;        ///< bytes of the succeeded keys
+  std::uint64_t duration_ns = 0;  ///< submission to completion
+};
+
+// ----------------------------------------------------------------------------------------
+// L2 prefetch (per request; l2_backend_load_completed per backend task)
+// ----------------------------------------------------------------------------------------
+struct l2_prefetch_lookup_submitted {
+  static constexpr event_type type = event_type::l2_prefetch_lookup_submitted;
+  std::uint64_t request_id = 0;
+  std::uint32_t key_count = 0;
+  std::uint32_t backend_count = 0;
+};
+struct l2_prefetch_lookup_completed {
+  static constexpr event_type type = event_type::l2_prefetch_lookup_completed;
+  std::uint64_t request_id = 0;
+  std::uint32_t key_count = 0;
+  std::uint32_t hit_count = 0;  ///< pure L2 contiguous prefix, before L1 reservation
+};
+struct l2_prefetch_load_submitted {
+  static constexpr event_type type = event_type::l2_prefetch_load_submitted;
+  std::uint64_t request_id = 0;
+  std::uint32_t key_count = 0;      ///< keys actually submitted to backends
+  std::uint32_t backend_count = 0;  ///< load tasks (backends with at least one key)
+  std::uint32_t trimmed_count = 0;  ///< found in L2, dropped by trimming (hole or L1 reservation)
+  std::uint64_t bytes = 0;
+};
+struct l2_prefetch_load_completed {
+  static constexpr event_type type = event_type::l2_prefetch_load_completed;
+  std::uint64_t request_id = 0;
+  std::uint32_t loaded_count = 0;  ///< submitted and landed
+  std::uint32_t failed_count = 0;  ///< submitted and not landed
+  std::uint64_t bytes = 0;         ///< bytes loaded
+  std::uint64_t duration_ns = 0;   ///< lookup submission to completion
+};
+struct l2_prefetch_failed {
+  static constexpr event_type type = event_type::l2_prefetch_failed;
+  std::uint64_t request_id = 0;
+  prefetch_failure reason = prefetch_failure::io_error;
+  std::uint32_t key_count = 0;
+};
+struct l2_backend_load_completed {
+  static constexpr event_type type = event_type::l2_backend_load_completed;
+  std::uint8_t backend_index = 0;
+  short_name backend;
+  std::uint32_t key_count = 0;     ///< keys submitted to this backend
+  std::uint32_t loaded_count = 0;  ///< keys that landed
+  std::uint64_t bytes = 0;         ///< bytes that landed
+  std::uint64_t duration_ns = 0;
+};
+
+// ----------------------------------------------------------------------------------------
+// cache server
+// ----------------------------------------------------------------------------------------
+struct server_request_started {
+  static constexpr event_type type = event_type::server_request_started;
+  request_kind kind = request_kind::other;
+  std::uint64_t client_id = 0;
+};
+struct server_request_finished {
+  static constexpr event_type type = event_type::server_request_finished;
+  request_kind kind = request_kind::other;
+  std::uint64_t client_id = 0;
+  bool ok = true;
+  std::uint64_t duration_ns = 0;
+};
+
+// ----------------------------------------------------------------------------------------
+// engine connector
+// ----------------------------------------------------------------------------------------
+struct connector_healthy {
+  static constexpr event_type type = event_type::connector_healthy;
+  std::uint32_t rank = 0;
+  std::uint64_t unhealthy_ns = 0;  ///< how long it was unhealthy (0 at first connect)
+};
+struct connector_unhealthy {
+  static constexpr event_type type = event_type::connector_unhealthy;
+  std::uint32_t rank = 0;
+  short_name reason;  ///< "eof", "ping_timeout", "connect_failed", ...
+  std::uint32_t released_requests = 0;  ///< pending requests released on the edge
+};
+struct connector_reconnected {
+  static constexpr event_type type = event_type::connector_reconnected;
+  std::uint32_t rank = 0;
+  bool server_restarted = false;  ///< the boot token changed: the region was registered again
+};
+
+/// Every event type, in event_type order (the deferred queue stores a variant of these).
+using all_events =
+    std::tuple<l1_read_reserved, l1_read_finished, l1_write_reserved, l1_write_finished,
+               l1_write_finished_and_read_reserved, l1_keys_evicted, l1_allocation_failed, l1_lock_expired,
+               cache_lookup, cache_read_prefetched, cache_write_reserved, cache_write_finished,
+               l2_store_submitted, l2_store_completed, l2_prefetch_lookup_submitted,
+               l2_prefetch_lookup_completed, l2_prefetch_load_submitted, l2_prefetch_load_completed,
+               l2_prefetch_failed, l2_backend_load_completed, server_request_started, server_request_finished,
+               connector_healthy, connector_unhealthy, connector_reconnected>;
+
+static_assert(std::tuple_size_v<all_events> == event_type_count, "one struct per event_type");
+
+/// An event type: an aggregate with a static `type`.
+template <class E>
+concept event = requires {
+  { E::type } -> std::convertible_to<event_type>;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::bus
+
+namespace kvtier::inline KVTIER_ABI_TAG::bus::detail {
+template <std::size_t... I>
+consteval bool events_in_type_order(std::index_sequence<I...>) {
+  return ((std::tuple_element_t<I, all_events>::type == static_cast<event_type>(I)) && ...);
+}
+static_assert(events_in_type_order(std::make_index_sequence<event_type_count>{}),
+              "all_events lists the event structs in event_type order");
+}  // namespace kvtier::inline KVTIER_ABI_TAG::bus::detail

@@ -1,0 +1,184 @@
+#pragma once
+// token_hasher: the rolling prefix hash that names chunks of tokens.
+//
+//   h(-1) = root (a constant, see root())
+//   h(i)  = H( h(i-1) as 16 bytes little-endian (lo, hi) || tokens of chunk i as u32 LE )
+//
+// Only full chunks of chunk_size tokens are hashed; a trailing partial chunk is never cached.
+// The encoding is fixed and little-endian, so the same tokens give the same hashes in every
+// process, run and machine (tests pin the values). H is XXH3-128 by default; SHA-256 (first 16
+// bytes of the digest, via OpenSSL) is selectable where tenants do not trust each other and
+// collisions must be infeasible to construct.
+//
+// Dependencies beyond the standard library: xxhash.h (used header-only) and OpenSSL's
+// libcrypto. This is the one core/ header with dependencies; the others are std-only.
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/core/kv_layout.hpp>
+
+#include <array>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#ifndef XXH_INLINE_ALL
+#define XXH_INLINE_ALL
+#endif
+#include <xxhash.h>
+
+#include <openssl/evp.h>
+
+namespace kvtier::inline KVTIER_ABI_TAG {
+
+using token_id = std::uint32_t;
+
+enum class hash_algorithm : std::uint8_t { xxh3_128 = 0, sha256 = 1 };
+
+[[nodiscard]] constexpr std::string_view to_string(hash_algorithm a) noexcept {
+  return a == hash_algorithm::sha256 ? "sha256" : "xxh3_128";
+}
+
+/// Parses "xxh3_128" (also "xxh3") or "sha256".
+[[nodiscard]] constexpr std::optional<hash_algorithm> parse_hash_algorithm(std::string_view s) noexcept {
+  if (s == "xxh3_128" || s == "xxh3") return hash_algorithm::xxh3_128;
+  if (s == "sha256") return hash_algorithm::sha256;
+  return std::nullopt;
+}
+
+namespace detail {
+
+inline void put_le64(std::byte* p, std::uint64_t v) noexcept {
+  for (int i = 0; i < 8; ++i) p[i] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
+}
+inline std::uint64_t get_be64(const unsigned char* p) noexcept {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | p[i];
+  return v;
+}
+
+}  // namespace detail
+
+class token_hasher {
+ public:
+  static constexpr std::size_t default_chunk_size = 256;
+
+  explicit token_hasher(std::size_t chunk_size = default_chunk_size,
+                        hash_algorithm algorithm = hash_algorithm::xxh3_128)
+      : chunk_size_(chunk_size), algorithm_(algorithm) {
+    if (chunk_size == 0 || chunk_size > 65536)
+      throw std::invalid_argument("kvtier::token_hasher: chunk_size must be in 1..65536");
+  }
+
+  [[nodiscard]] std::size_t chunk_size() const noexcept { return chunk_size_; }
+  [[nodiscard]] hash_algorithm algorithm() const noexcept { return algorithm_; }
+
+  /// Number of full chunks in n tokens.
+  [[nodiscard]] std::size_t full_chunks(std::size_t n_tokens) const noexcept { return n_tokens / chunk_size_; }
+
+  /// h(-1): the hash of the ASCII string "kvtier.root.v1" under the selected algorithm.
+  [[nodiscard]] hash128 root() const {
+    static constexpr std::string_view seed = "kvtier.root.v1";
+    return digest(std::as_bytes(std::span(seed.data(), seed.size())), {});
+  }
+
+  /// h(i) from h(i-1) and the chunk's tokens (chunk.size() must equal chunk_size()).
+  [[nodiscard]] hash128 next(hash128 prefix, std::span<const token_id> chunk) const {
+    if (chunk.size() != chunk_size_)
+      throw std::invalid_argument("kvtier::token_hasher::next: a chunk has exactly chunk_size tokens");
+    std::array<std::byte, 16> p{};
+    detail::put_le64(p.data(), prefix.lo);
+    detail::put_le64(p.data() + 8, prefix.hi);
+    if constexpr (std::endian::native == std::endian::little) {
+      return digest(p, std::as_bytes(chunk));
+    } else {
+      std::vector<std::byte> le(chunk.size() * 4);
+      for (std::size_t i = 0; i < chunk.size(); ++i)
+        for (int b = 0; b < 4; ++b) le[i * 4 + static_cast<std::size_t>(b)] = static_cast<std::byte>((chunk[i] >> (8 * b)) & 0xff);
+      return digest(p, le);
+    }
+  }
+
+  /// Appends the hashes of the full chunks of `tokens` to `out`, continuing from `prefix`
+  /// (root() for a sequence that starts at token 0). Returns the last hash (or prefix).
+  hash128 append_chunk_hashes(std::span<const token_id> tokens, std::vector<hash128>& out,
+                              std::optional<hash128> prefix = std::nullopt) const {
+    hash128 h = prefix ? *prefix : root();
+    const std::size_t n = full_chunks(tokens.size());
+    out.reserve(out.size() + n);
+    for (std::size_t i = 0; i < n; ++i) {
+      h = next(h, tokens.subspan(i * chunk_size_, chunk_size_));
+      out.push_back(h);
+    }
+    return h;
+  }
+
+  /// The hashes of every full chunk of a sequence starting at token 0.
+  [[nodiscard]] std::vector<hash128> chunk_hashes(std::span<const token_id> tokens) const {
+    std::vector<hash128> out;
+    append_chunk_hashes(tokens, out);
+    return out;
+  }
+
+ private:
+  [[nodiscard]] hash128 digest(std::span<const std::byte> a, std::span<const std::byte> b) const {
+    if (algorithm_ == hash_algorithm::xxh3_128) {
+      XXH3_state_t state;
+      XXH3_INITSTATE(&state);
+      XXH3_128bits_reset(&state);
+      XXH3_128bits_update(&state, a.data(), a.size());
+      if (!b.empty()) XXH3_128bits_update(&state, b.data(), b.size());
+      const XXH128_hash_t h = XXH3_128bits_digest(&state);
+      return {h.low64, h.high64};
+    }
+    // SHA-256 over a || b; the first 16 digest bytes, big-endian, become (hi, lo).
+    EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+    if (ctx == nullptr) throw std::bad_alloc();
+    unsigned char md[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    const bool ok = EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) == 1 &&
+                    EVP_DigestUpdate(ctx, a.data(), a.size()) == 1 &&
+                    (b.empty() || EVP_DigestUpdate(ctx, b.data(), b.size()) == 1) &&
+                    EVP_DigestFinal_ex(ctx, md, &len) == 1;
+    EVP_MD_CTX_free(ctx);
+    if (!ok || len < 16) throw std::runtime_error("kvtier::token_hasher: OpenSSL SHA-256 failed");
+    return {detail::get_be64(md + 8), detail::get_be64(md)};
+  }
+
+  std::size_t chunk_size_;
+  hash_algorithm algorithm_;
+};
+
+/// The model namespace of chunk keys: XXH3-64 over the model name, the KV shape and an
+/// optional tenant salt, so different models, dtypes, layouts or tenants never share objects.
+[[nodiscard]] inline std::uint64_t make_model_id(std::string_view model_name, const model_shape& shape,
+                                                 std::string_view salt = {}) noexcept {
+  std::array<std::byte, 17> fields{};
+  auto put32 = [&](std::size_t at, std::uint32_t v) {
+    for (int i = 0; i < 4; ++i) fields[at + static_cast<std::size_t>(i)] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
+  };
+  put32(0, shape.num_layers);
+  put32(4, shape.num_kv_heads);
+  put32(8, shape.head_dim);
+  put32(12, shape.dtype_bytes);
+  fields[16] = static_cast<std::byte>(shape.attention);
+  XXH3_state_t state;
+  XXH3_INITSTATE(&state);
+  XXH3_64bits_reset(&state);
+  XXH3_64bits_update(&state, model_name.data(), model_name.size());
+  const char sep = '\0';
+  XXH3_64bits_update(&state, &sep, 1);
+  XXH3_64bits_update(&state, fields.data(), fields.size());
+  XXH3_64bits_update(&state, &sep, 1);
+  XXH3_64bits_update(&state, salt.data(), salt.size());
+  return XXH3_64bits_digest(&state);
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG

@@ -1,0 +1,30 @@
+#pragma once
+// Umbrella header: everything of kvtier::kvtier (the io_uring, Redis and CUDA parts have
+// their own targets and are included on their own).
+
+#include <kvtier/config.hpp>
+#include <kvtier/error.hpp>
+#include <kvtier/fwd.hpp>
+#include <kvtier/version.hpp>
+
+#include <kvtier/core/bitmap.hpp>
+#include <kvtier/core/buffer.hpp>
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/slot_allocator.hpp>
+#include <kvtier/core/token_hasher.hpp>
+
+#include <kvtier/bus/concepts.hpp>
+#include <kvtier/bus/event_bus.hpp>
+#include <kvtier/bus/event_type.hpp>
+#include <kvtier/bus/events.hpp>
+#include <kvtier/bus/null_bus.hpp>
+
+#include <kvtier/telemetry/counter.hpp>
+#include <kvtier/telemetry/exposition.hpp>
+#include <kvtier/telemetry/gauge.hpp>
+#include <kvtier/telemetry/histogram.hpp>
+#include <kvtier/telemetry/logger.hpp>
+#include <kvtier/telemetry/logging_subscriber.hpp>
+#include <kvtier/telemetry/metrics_subscriber.hpp>
+#include <kvtier/telemetry/registry.hpp>

@@ -1,0 +1,112 @@
+#pragma once
+// logging_subscriber: writes bus events as log lines through a logger. Deferred by default
+// (formatting is not for the hot path); drops under overload are counted by the bus. Each
+// event has a level: routine traffic at debug/trace, failures at warn, health edges at
+// warn/info, so the logger's level decides what is written.
+
+#include <kvtier/bus/concepts.hpp>
+#include <kvtier/bus/events.hpp>
+#include <kvtier/config.hpp>
+#include <kvtier/telemetry/logger.hpp>
+
+namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+
+class logging_subscriber {
+ public:
+  static constexpr bus::delivery delivery_mode = bus::delivery::deferred;
+
+  explicit logging_subscriber(logger& log) noexcept : log_(&log) {}
+
+  void on(const bus::l1_read_reserved& e) { log_->trace("L1 read reserved: {} keys, {} refused", e.key_count, e.failed_count); }
+  void on(const bus::l1_read_finished& e) { log_->trace("L1 read finished: {} keys", e.key_count); }
+  void on(const bus::l1_write_reserved& e) {
+    log_->trace("L1 write reserved ({}): {} keys, {} refused", bus::name(e.purpose), e.key_count, e.failed_count);
+  }
+  void on(const bus::l1_write_finished& e) { log_->trace("L1 write finished: {} keys", e.key_count); }
+  void on(const bus::l1_write_finished_and_read_reserved& e) {
+    log_->trace("L1 prefetched keys ready and read-locked: {}", e.key_count);
+  }
+  void on(const bus::l1_keys_evicted& e) {
+    log_->debug("L1 removed {} keys ({} bytes), reason {}", e.key_count, e.bytes, bus::name(e.reason));
+  }
+  void on(const bus::l1_allocation_failed& e) {
+    log_->warn("L1 allocation failed for {} keys ({})", e.key_count, bus::name(e.purpose));
+  }
+  void on(const bus::l1_lock_expired& e) {
+    log_->warn("L1 {} locks expired by TTL on {} keys (a client went away?)", bus::name(e.lock), e.key_count);
+  }
+
+  void on(const bus::cache_lookup& e) {
+    log_->debug("lookup {}: {} keys asked, {} in L1, {} from L2", e.request_id, e.requested_keys, e.l1_hit_keys,
+                e.l2_hit_keys);
+  }
+  void on(const bus::cache_read_prefetched& e) {
+    log_->debug("read prefetched: {} keys ok, {} failed", e.succeeded_keys, e.failed_keys);
+  }
+  void on(const bus::cache_write_reserved& e) {
+    log_->debug("write reserved: {} keys ok, {} refused", e.succeeded_keys, e.failed_keys);
+  }
+  void on(const bus::cache_write_finished& e) {
+    log_->debug("write finished: {} keys ok, {} abandoned", e.succeeded_keys, e.failed_keys);
+  }
+
+  void on(const bus::l2_store_submitted& e) {
+    log_->debug("L2 store submitted: {} keys ({} bytes) to backend {} ({})", e.key_count, e.bytes, e.backend_index,
+                e.backend.view());
+  }
+  void on(const bus::l2_store_completed& e) {
+    log_->log(e.failed_count ? log_level::warn : log_level::debug,
+              "L2 store completed: backend {} ({}), {} succeeded, {} failed, {:.3f} ms", e.backend_index,
+              e.backend.view(), e.succeeded_count, e.failed_count, static_cast<double>(e.duration_ns) * 1e-6);
+  }
+  void on(const bus::l2_prefetch_lookup_submitted& e) {
+    log_->debug("L2 prefetch {} lookup submitted: {} keys to {} backends", e.request_id, e.key_count, e.backend_count);
+  }
+  void on(const bus::l2_prefetch_lookup_completed& e) {
+    log_->debug("L2 prefetch {} lookup completed: {} of {} keys in the L2 prefix", e.request_id, e.hit_count,
+                e.key_count);
+  }
+  void on(const bus::l2_prefetch_load_submitted& e) {
+    log_->debug("L2 prefetch {} load submitted: {} keys in {} tasks, {} trimmed", e.request_id, e.key_count,
+                e.backend_count, e.trimmed_count);
+  }
+  void on(const bus::l2_prefetch_load_completed& e) {
+    log_->log(e.failed_count ? log_level::warn : log_level::debug,
+              "L2 prefetch {} load completed: {} loaded, {} failed, {:.3f} ms", e.request_id, e.loaded_count,
+              e.failed_count, static_cast<double>(e.duration_ns) * 1e-6);
+  }
+  void on(const bus::l2_prefetch_failed& e) {
+    log_->warn("L2 prefetch {} could not deliver {} keys: {}", e.request_id, e.key_count, bus::name(e.reason));
+  }
+  void on(const bus::l2_backend_load_completed& e) {
+    log_->debug("L2 backend {} ({}) load: {} of {} keys, {} bytes, {:.3f} ms", e.backend_index, e.backend.view(),
+                e.loaded_count, e.key_count, e.bytes, static_cast<double>(e.duration_ns) * 1e-6);
+  }
+
+  void on(const bus::server_request_started& e) {
+    log_->trace("request {} from client {} started", bus::name(e.kind), e.client_id);
+  }
+  void on(const bus::server_request_finished& e) {
+    log_->log(e.ok ? log_level::trace : log_level::warn, "request {} from client {} {} in {:.3f} ms",
+              bus::name(e.kind), e.client_id, e.ok ? "succeeded" : "failed",
+              static_cast<double>(e.duration_ns) * 1e-6);
+  }
+
+  void on(const bus::connector_healthy& e) {
+    log_->info("connector rank {}: server healthy{}", e.rank,
+               e.unhealthy_ns ? fmt::format(" again after {:.3f} s", static_cast<double>(e.unhealthy_ns) * 1e-9) : "");
+  }
+  void on(const bus::connector_unhealthy& e) {
+    log_->warn("connector rank {}: server unhealthy ({}), degraded mode: {} pending requests released", e.rank,
+               e.reason.view(), e.released_requests);
+  }
+  void on(const bus::connector_reconnected& e) {
+    log_->info("connector rank {}: reconnected{}", e.rank,
+               e.server_restarted ? " to a restarted server, KV region registered again" : "");
+  }
+
+ private:
+  logger* log_;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry

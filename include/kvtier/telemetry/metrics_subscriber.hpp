@@ -1,0 +1,365 @@
+#pragma once
+// metrics_subscriber: turns bus events into Prometheus metrics in a registry. Delivery is
+// immediate (inline on the publishing thread, owner-only relaxed updates), never behind the
+// dropping queue, so every count is exact. Every metric is registered by the constructor and
+// so present, at zero, from start-up. docs/metrics.md lists each one with the event that
+// moves it.
+
+#include <kvtier/bus/concepts.hpp>
+#include <kvtier/bus/events.hpp>
+#include <kvtier/config.hpp>
+#include <kvtier/telemetry/registry.hpp>
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+
+class metrics_subscriber {
+ public:
+  static constexpr bus::delivery delivery_mode = bus::delivery::immediate;
+
+  explicit metrics_subscriber(registry& reg) : s_(std::make_unique<state>(reg)) {}
+
+  /// Creates the per-backend series of L2 backend `index` (named `name`) so they read zero
+  /// before its first event. Backends first seen in an event are declared then.
+  void declare_backend(std::uint8_t index, std::string_view name) { s_->backend(index, name); }
+
+  // --- L1 ------------------------------------------------------------------------------
+  void on(const bus::l1_read_reserved& e) noexcept {
+    s_->l1_read_reserved_keys.inc(e.key_count);
+    s_->l1_read_failed_keys.inc(e.failed_count);
+  }
+  void on(const bus::l1_read_finished& e) noexcept { s_->l1_read_keys.inc(e.key_count); }
+  void on(const bus::l1_write_reserved& e) noexcept {
+    s_->l1_write_reserved_keys.inc(e.key_count);
+    s_->l1_write_failed_keys.inc(e.failed_count);
+  }
+  void on(const bus::l1_write_finished& e) noexcept { s_->l1_write_keys.inc(e.key_count); }
+  void on(const bus::l1_write_finished_and_read_reserved& e) noexcept {
+    s_->l1_write_keys.inc(e.key_count);
+    s_->l1_prefetched_keys.inc(e.key_count);
+  }
+  void on(const bus::l1_keys_evicted& e) noexcept {
+    const auto r = static_cast<std::size_t>(e.reason);
+    s_->l1_evicted_keys[r]->inc(e.key_count);
+    s_->l1_evicted_bytes[r]->inc(e.bytes);
+  }
+  void on(const bus::l1_allocation_failed& e) noexcept {
+    const auto p = static_cast<std::size_t>(e.purpose);
+    s_->l1_allocation_failures[p]->inc();
+    s_->l1_allocation_failed_keys[p]->inc(e.key_count);
+  }
+  void on(const bus::l1_lock_expired& e) noexcept {
+    s_->l1_lock_expired_keys[static_cast<std::size_t>(e.lock)]->inc(e.key_count);
+  }
+
+  // --- cache facade --------------------------------------------------------------------
+  void on(const bus::cache_lookup& e) noexcept {
+    s_->lookups.inc();
+    s_->lookup_requested_keys.inc(e.requested_keys);
+    s_->lookup_requested_tokens.inc(e.requested_tokens);
+    s_->lookup_hit_keys_l1.inc(e.l1_hit_keys);
+    s_->lookup_hit_keys_l2.inc(e.l2_hit_keys);
+    s_->lookup_hit_tokens_l1.inc(std::uint64_t{e.l1_hit_keys} * e.chunk_tokens);
+    s_->lookup_hit_tokens_l2.inc(std::uint64_t{e.l2_hit_keys} * e.chunk_tokens);
+  }
+  void on(const bus::cache_read_prefetched& e) noexcept {
+    s_->cache_read_requests.inc();
+    s_->cache_read_succeeded_keys.inc(e.succeeded_keys);
+    s_->cache_read_failed_keys.inc(e.failed_keys);
+  }
+  void on(const bus::cache_write_reserved& e) noexcept {
+    s_->cache_write_requests.inc();
+    s_->cache_write_succeeded_keys.inc(e.succeeded_keys);
+    s_->cache_write_failed_keys.inc(e.failed_keys);
+  }
+  void on(const bus::cache_write_finished& e) noexcept {
+    s_->cache_write_finished_keys.inc(e.succeeded_keys);
+    s_->cache_write_finish_failed_keys.inc(e.failed_keys);
+  }
+
+  // --- L2 store ------------------------------------------------------------------------
+  void on(const bus::l2_store_submitted& e) {
+    auto& b = s_->backend(e.backend_index, e.backend);
+    b.store_tasks.inc();
+    b.store_keys.inc(e.key_count);
+  }
+  void on(const bus::l2_store_completed& e) {
+    auto& b = s_->backend(e.backend_index, e.backend);
+    b.store_completed.inc();
+    b.store_succeeded_keys.inc(e.succeeded_count);
+    b.store_failed_keys.inc(e.failed_count);
+    b.store_bytes.inc(e.bytes);
+    b.store_duration.observe(static_cast<double>(e.duration_ns) * 1e-9);
+  }
+
+  // --- L2 prefetch ---------------------------------------------------------------------
+  void on(const bus::l2_prefetch_lookup_submitted& e) noexcept {
+    s_->prefetch_lookups.inc();
+    s_->prefetch_lookup_keys.inc(e.key_count);
+  }
+  void on(const bus::l2_prefetch_lookup_completed& e) noexcept { s_->prefetch_hit_keys.inc(e.hit_count); }
+  void on(const bus::l2_prefetch_load_submitted& e) noexcept {
+    s_->prefetch_load_tasks.inc(e.backend_count);
+    s_->prefetch_load_keys.inc(e.key_count);
+    s_->prefetch_trimmed_keys.inc(e.trimmed_count);
+  }
+  void on(const bus::l2_prefetch_load_completed& e) noexcept {
+    s_->prefetch_loaded_keys.inc(e.loaded_count);
+    s_->prefetch_failed_keys.inc(e.failed_count);
+    s_->prefetch_loaded_bytes.inc(e.bytes);
+    s_->prefetch_duration.observe(static_cast<double>(e.duration_ns) * 1e-9);
+  }
+  void on(const bus::l2_prefetch_failed& e) noexcept {
+    s_->prefetch_failure_keys[static_cast<std::size_t>(e.reason)]->inc(e.key_count);
+  }
+  void on(const bus::l2_backend_load_completed& e) {
+    auto& b = s_->backend(e.backend_index, e.backend);
+    b.load_keys.inc(e.key_count);
+    b.load_succeeded_keys.inc(e.loaded_count);
+    b.load_bytes.inc(e.bytes);
+    b.load_duration.observe(static_cast<double>(e.duration_ns) * 1e-9);
+  }
+
+  // --- server --------------------------------------------------------------------------
+  void on(const bus::server_request_started& e) noexcept {
+    s_->requests_in_flight[static_cast<std::size_t>(e.kind)]->add(1);
+  }
+  void on(const bus::server_request_finished& e) noexcept {
+    const auto k = static_cast<std::size_t>(e.kind);
+    s_->requests_in_flight[k]->sub(1);
+    s_->requests[k]->inc();
+    if (!e.ok) s_->request_errors[k]->inc();
+    s_->request_duration[k]->observe(static_cast<double>(e.duration_ns) * 1e-9);
+  }
+
+  // --- connector -----------------------------------------------------------------------
+  void on(const bus::connector_healthy&) noexcept { s_->connector_healthy.set(1); }
+  void on(const bus::connector_unhealthy& e) noexcept {
+    s_->connector_healthy.set(0);
+    s_->connector_unhealthy.inc();
+    s_->connector_released_requests.inc(e.released_requests);
+  }
+  void on(const bus::connector_reconnected& e) noexcept {
+    s_->connector_reconnects.inc();
+    if (e.server_restarted) s_->connector_server_restarts.inc();
+  }
+
+ private:
+  struct backend_metrics {
+    backend_metrics(registry& r, const label_pairs& l)
+        : store_tasks(r.add_counter("kvtier_l2_store_tasks_total", "L2 store tasks submitted", l)),
+          store_keys(r.add_counter("kvtier_l2_store_keys_total", "Keys submitted to L2 store", l)),
+          store_completed(r.add_counter("kvtier_l2_store_completed_total", "L2 store tasks completed", l)),
+          store_succeeded_keys(
+              r.add_counter("kvtier_l2_store_succeeded_keys_total", "Keys stored in L2 successfully", l)),
+          store_failed_keys(r.add_counter("kvtier_l2_store_failed_keys_total", "Keys whose L2 store failed", l)),
+          store_bytes(r.add_counter("kvtier_l2_store_bytes_total", "Bytes stored in L2 successfully", l)),
+          store_duration(r.add_histogram("kvtier_l2_store_duration_seconds",
+                                         "Time from L2 store submission to completion", latency_buckets_seconds(), l)),
+          load_keys(r.add_counter("kvtier_l2_load_keys_total", "Keys submitted for loading from this L2 backend", l)),
+          load_succeeded_keys(r.add_counter("kvtier_l2_load_succeeded_keys_total",
+                                            "Keys loaded from this L2 backend into L1", l)),
+          load_bytes(r.add_counter("kvtier_l2_load_bytes_total", "Bytes loaded from this L2 backend into L1", l)),
+          load_duration(r.add_histogram("kvtier_l2_load_duration_seconds", "Time of one L2 backend load task",
+                                        latency_buckets_seconds(), l)) {}
+    counter& store_tasks;
+    counter& store_keys;
+    counter& store_completed;
+    counter& store_succeeded_keys;
+    counter& store_failed_keys;
+    counter& store_bytes;
+    histogram& store_duration;
+    counter& load_keys;
+    counter& load_succeeded_keys;
+    counter& load_bytes;
+    histogram& load_duration;
+  };
+
+  template <std::size_t N, class Enum, class Make>
+  static std::array<counter*, N> per_enum_counters(registry& r, std::string_view name, std::string_view help,
+                                                   std::string_view label, Make name_of) {
+    std::array<counter*, N> a{};
+    for (std::size_t i = 0; i < N; ++i)
+      a[i] = &r.add_counter(name, help, {{std::string(label), std::string(name_of(static_cast<Enum>(i)))}});
+    return a;
+  }
+
+  struct state {
+    explicit state(registry& r)
+        : reg(r),
+          l1_read_keys(r.add_counter("kvtier_l1_read_keys_total", "L1 read locks released (keys read)")),
+          l1_read_reserved_keys(r.add_counter("kvtier_l1_read_reserved_keys_total", "L1 keys read-locked")),
+          l1_read_failed_keys(
+              r.add_counter("kvtier_l1_read_failed_keys_total", "L1 read reservations refused (absent or not readable)")),
+          l1_write_reserved_keys(r.add_counter("kvtier_l1_write_reserved_keys_total", "L1 keys write-locked")),
+          l1_write_failed_keys(r.add_counter("kvtier_l1_write_failed_keys_total",
+                                             "L1 write reservations refused (exists, locked, out of memory)")),
+          l1_write_keys(r.add_counter("kvtier_l1_write_keys_total", "L1 writes finished (keys made readable)")),
+          l1_prefetched_keys(r.add_counter("kvtier_l1_prefetched_keys_total",
+                                           "L1 keys written by L2 prefetch (not offered to L2 store)")),
+          l1_evicted_keys(per_enum_counters<bus::removal_reason_count, bus::removal_reason>(
+              r, "kvtier_l1_evicted_keys_total", "L1 objects removed, by reason", "reason",
+              [](bus::removal_reason x) { return bus::name(x); })),
+          l1_evicted_bytes(per_enum_counters<bus::removal_reason_count, bus::removal_reason>(
+              r, "kvtier_l1_evicted_bytes_total", "Bytes of L1 objects removed, by reason", "reason",
+              [](bus::removal_reason x) { return bus::name(x); })),
+          l1_allocation_failures(per_enum_counters<bus::allocation_purpose_count, bus::allocation_purpose>(
+              r, "kvtier_l1_allocation_failures_total", "L1 batch allocations that failed", "purpose",
+              [](bus::allocation_purpose x) { return bus::name(x); })),
+          l1_allocation_failed_keys(per_enum_counters<bus::allocation_purpose_count, bus::allocation_purpose>(
+              r, "kvtier_l1_allocation_failed_keys_total", "Keys of failed L1 batch allocations", "purpose",
+              [](bus::allocation_purpose x) { return bus::name(x); })),
+          l1_lock_expired_keys(per_enum_counters<bus::lock_kind_count, bus::lock_kind>(
+              r, "kvtier_l1_lock_expired_keys_total", "L1 locks released by their TTL", "lock",
+              [](bus::lock_kind x) { return bus::name(x); })),
+          lookups(r.add_counter("kvtier_lookups_total", "Cache lookups answered")),
+          lookup_requested_keys(r.add_counter("kvtier_lookup_requested_keys_total", "Chunks asked for by lookups")),
+          lookup_requested_tokens(
+              r.add_counter("kvtier_lookup_requested_tokens_total", "Tokens asked for by lookups (full chunks)")),
+          lookup_hit_keys_l1(r.add_counter("kvtier_lookup_hit_keys_total", "Chunks a lookup found, by tier",
+                                           {{"tier", "l1"}})),
+          lookup_hit_keys_l2(r.add_counter("kvtier_lookup_hit_keys_total", "Chunks a lookup found, by tier",
+                                           {{"tier", "l2"}})),
+          lookup_hit_tokens_l1(r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier",
+                                             {{"tier", "l1"}})),
+          lookup_hit_tokens_l2(r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier",
+                                             {{"tier", "l2"}})),
+          cache_read_requests(r.add_counter("kvtier_cache_read_requests_total", "Reads of prefetched chunks")),
+          cache_read_succeeded_keys(
+              r.add_counter("kvtier_cache_read_succeeded_keys_total", "Prefetched chunks read successfully")),
+          cache_read_failed_keys(
+              r.add_counter("kvtier_cache_read_failed_keys_total", "Prefetched chunks that could not be read")),
+          cache_write_requests(r.add_counter("kvtier_cache_write_requests_total", "Write reservations requested")),
+          cache_write_succeeded_keys(
+              r.add_counter("kvtier_cache_write_succeeded_keys_total", "Chunks reserved for writing")),
+          cache_write_failed_keys(
+              r.add_counter("kvtier_cache_write_failed_keys_total", "Chunks refused for writing (present or no room)")),
+          cache_write_finished_keys(
+              r.add_counter("kvtier_cache_write_finished_keys_total", "Chunks written and made readable")),
+          cache_write_finish_failed_keys(r.add_counter("kvtier_cache_write_finish_failed_keys_total",
+                                                       "Chunk writes abandoned (copy failed or fenced)")),
+          prefetch_lookups(r.add_counter("kvtier_l2_prefetch_lookups_total", "L2 prefetch requests (lookup phase)")),
+          prefetch_lookup_keys(r.add_counter("kvtier_l2_prefetch_lookup_keys_total", "Keys looked up in L2")),
+          prefetch_hit_keys(
+              r.add_counter("kvtier_l2_prefetch_hit_keys_total", "Keys in the contiguous L2 prefix of lookups")),
+          prefetch_load_tasks(r.add_counter("kvtier_l2_prefetch_load_tasks_total", "L2 load tasks submitted")),
+          prefetch_load_keys(r.add_counter("kvtier_l2_prefetch_load_keys_total", "Keys submitted for L2 load")),
+          prefetch_trimmed_keys(r.add_counter("kvtier_l2_prefetch_trimmed_keys_total",
+                                              "Keys found in L2 but dropped by prefix trimming")),
+          prefetch_loaded_keys(r.add_counter("kvtier_l2_prefetch_loaded_keys_total", "Keys loaded from L2 into L1")),
+          prefetch_failed_keys(
+              r.add_counter("kvtier_l2_prefetch_failed_keys_total", "Keys submitted for L2 load that did not land")),
+          prefetch_loaded_bytes(r.add_counter("kvtier_l2_prefetch_loaded_bytes_total", "Bytes loaded from L2")),
+          prefetch_failure_keys(per_enum_counters<bus::prefetch_failure_count, bus::prefetch_failure>(
+              r, "kvtier_l2_prefetch_failure_keys_total", "Keys an L2 prefetch could not deliver, by reason", "reason",
+              [](bus::prefetch_failure x) { return bus::name(x); })),
+          prefetch_duration(r.add_histogram("kvtier_l2_prefetch_duration_seconds",
+                                            "Time from L2 lookup submission to prefetch completion",
+                                            latency_buckets_seconds())),
+          connector_healthy(r.add_gauge("kvtier_connector_healthy", "1 while the connector's server is healthy")),
+          connector_unhealthy(
+              r.add_counter("kvtier_connector_unhealthy_total", "Transitions of the connector to unhealthy")),
+          connector_reconnects(r.add_counter("kvtier_connector_reconnects_total", "Connector reconnections")),
+          connector_server_restarts(
+              r.add_counter("kvtier_connector_server_restarts_total", "Server restarts seen by the connector")),
+          connector_released_requests(r.add_counter("kvtier_connector_released_requests_total",
+                                                    "Pending requests released when the server became unhealthy")) {
+      for (std::size_t k = 0; k < bus::request_kind_count; ++k) {
+        const label_pairs l = {{"type", std::string(bus::name(static_cast<bus::request_kind>(k)))}};
+        requests[k] = &r.add_counter("kvtier_server_requests_total", "Server requests handled, by type", l);
+        request_errors[k] =
+            &r.add_counter("kvtier_server_request_errors_total", "Server requests answered with an error", l);
+        requests_in_flight[k] =
+            &r.add_gauge("kvtier_server_requests_in_flight", "Server requests being handled, by type", l);
+        request_duration[k] = &r.add_histogram("kvtier_server_request_duration_seconds",
+                                               "Server request handling time, by type", latency_buckets_seconds(), l);
+      }
+    }
+
+    backend_metrics& backend(std::uint8_t index, std::string_view name) {
+      if (backend_metrics* b = backends[index].load(std::memory_order_acquire)) return *b;
+      std::lock_guard g(backend_mutex);
+      if (backend_metrics* b = backends[index].load(std::memory_order_relaxed)) return *b;
+      auto owned = std::make_unique<backend_metrics>(reg, label_pairs{{"backend", std::string(name)}});
+      backend_metrics* b = owned.get();
+      owned_backends.push_back(std::move(owned));
+      backends[index].store(b, std::memory_order_release);
+      return *b;
+    }
+
+    registry& reg;
+    counter& l1_read_keys;
+    counter& l1_read_reserved_keys;
+    counter& l1_read_failed_keys;
+    counter& l1_write_reserved_keys;
+    counter& l1_write_failed_keys;
+    counter& l1_write_keys;
+    counter& l1_prefetched_keys;
+    std::array<counter*, bus::removal_reason_count> l1_evicted_keys;
+    std::array<counter*, bus::removal_reason_count> l1_evicted_bytes;
+    std::array<counter*, bus::allocation_purpose_count> l1_allocation_failures;
+    std::array<counter*, bus::allocation_purpose_count> l1_allocation_failed_keys;
+    std::array<counter*, bus::lock_kind_count> l1_lock_expired_keys;
+    counter& lookups;
+    counter& lookup_requested_keys;
+    counter& lookup_requested_tokens;
+    counter& lookup_hit_keys_l1;
+    counter& lookup_hit_keys_l2;
+    counter& lookup_hit_tokens_l1;
+    counter& lookup_hit_tokens_l2;
+    counter& cache_read_requests;
+    counter& cache_read_succeeded_keys;
+    counter& cache_read_failed_keys;
+    counter& cache_write_requests;
+    counter& cache_write_succeeded_keys;
+    counter& cache_write_failed_keys;
+    counter& cache_write_finished_keys;
+    counter& cache_write_finish_failed_keys;
+    counter& prefetch_lookups;
+    counter& prefetch_lookup_keys;
+    counter& prefetch_hit_keys;
+    counter& prefetch_load_tasks;
+    counter& prefetch_load_keys;
+    counter& prefetch_trimmed_keys;
+    counter& prefetch_loaded_keys;
+    counter& prefetch_failed_keys;
+    counter& prefetch_loaded_bytes;
+    std::array<counter*, bus::prefetch_failure_count> prefetch_failure_keys;
+    histogram& prefetch_duration;
+    std::array<counter*, bus::request_kind_count> requests{};
+    std::array<counter*, bus::request_kind_count> request_errors{};
+    std::array<gauge*, bus::request_kind_count> requests_in_flight{};
+    std::array<histogram*, bus::request_kind_count> request_duration{};
+    gauge& connector_healthy;
+    counter& connector_unhealthy;
+    counter& connector_reconnects;
+    counter& connector_server_restarts;
+    counter& connector_released_requests;
+
+    std::array<std::atomic<backend_metrics*>, 256> backends{};
+    std::mutex backend_mutex;
+    std::vector<std::unique_ptr<backend_metrics>> owned_backends;
+  };
+
+  std::unique_ptr<state> s_;
+};
+
+/// Exposes a bus's own health: deferred events dropped (queue full) and delivered.
+template <class Bus>
+void export_bus_metrics(registry& reg, const Bus& b) {
+  reg.add_callback("kvtier_event_bus_dropped_events_total",
+                   "Events dropped for deferred subscribers because the bus queue was full", metric_type::counter, {},
+                   [&b] { return static_cast<double>(b.dropped()); });
+  reg.add_callback("kvtier_event_bus_delivered_events_total", "Events delivered to deferred subscribers",
+                   metric_type::counter, {}, [&b] { return static_cast<double>(b.delivered()); });
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry

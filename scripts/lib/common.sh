@@ -1,0 +1,45 @@
+# Shared by scripts/*.sh and bench/*.sh: Debian package installation and build directories.
+# Sourced, not executed.
+
+# Packages needed to configure and build everything (library, tests, examples, benchmarks).
+KVTIER_BUILD_PACKAGES=(
+  cmake ninja-build g++ make pkg-config ccache
+  libboost1.81-dev liburing-dev libfmt-dev nlohmann-json3-dev libxxhash-dev libssl-dev
+  libcli11-dev libhiredis-dev libbenchmark-dev catch2
+)
+# Servers and tools the test suite drives.
+KVTIER_TEST_PACKAGES=(prometheus redis-server redis-tools fio curl procps util-linux)
+
+# kvtier_ensure_packages PKG...: installs, non-interactively, those not installed yet.
+# Nothing is installed (and apt is not touched) when everything is present.
+kvtier_ensure_packages() {
+  local missing=() p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  [ ${#missing[@]} -eq 0 ] && return 0
+  echo "kvtier: installing missing Debian packages: ${missing[*]}" >&2
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "kvtier: run as root, or install them first: apt-get install ${missing[*]}" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  # A fresh machine may have empty package lists: update only when the install needs it.
+  if ! apt-get install -y -q --no-install-recommends "${missing[@]}"; then
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+  fi
+}
+
+# Settings that make ccache effective with precompiled headers.
+export CCACHE_SLOPPINESS="${CCACHE_SLOPPINESS:-pch_defines,time_macros,include_file_mtime,include_file_ctime}"
+export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
+
+kvtier_jobs() { nproc 2>/dev/null || echo 2; }
+
+# kvtier_configure DIR [cmake args...]: configures DIR with Ninja unless it already exists.
+kvtier_configure() {
+  local dir=$1
+  shift
+  cmake -S . -B "$dir" -G Ninja "$@"
+}

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Quick start, part 2: installs what is missing, builds into build/ and runs the whole ctest
+# suite, then an ASan+UBSan build of the tests (all but the long-running ones), then a TSan
+# build of the tests labelled `concurrency`.
+#   ./scripts/test.sh
+# KVTIER_SKIP_SANITIZERS=1 stops after the main suite (for quick local iterations).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/lib/common.sh
+
+kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" "${KVTIER_TEST_PACKAGES[@]}"
+jobs=$(kvtier_jobs)
+start=$(date +%s)
+stage() { echo; echo "== [$(( $(date +%s) - start ))s] $*"; }
+
+stage "main build (Release): build/"
+kvtier_configure build -DCMAKE_BUILD_TYPE=Release
+cmake --build build -j"$jobs"
+stage "main suite"
+ctest --test-dir build --output-on-failure --timeout 900 -j"$jobs"
+
+if [ "${KVTIER_SKIP_SANITIZERS:-0}" = 1 ]; then
+  stage "sanitizer builds skipped (KVTIER_SKIP_SANITIZERS=1)"
+  exit 0
+fi
+
+sanitizer_args=(-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS=-O1 -DKVTIER_BUILD_BENCH=OFF -DKVTIER_WITH_CUDA=OFF)
+
+stage "ASan+UBSan build: build-asan/"
+kvtier_configure build-asan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=address,undefined
+cmake --build build-asan -j"$jobs"
+stage "ASan+UBSan suite (without label long)"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --test-dir build-asan --output-on-failure --timeout 900 -j"$jobs" -LE 'long|consumer'
+
+stage "TSan build: build-tsan/"
+kvtier_configure build-tsan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=thread
+cmake --build build-tsan -j"$jobs"
+stage "TSan suite (label concurrency)"
+TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+  ctest --test-dir build-tsan --output-on-failure --timeout 900 -j"$jobs" -L concurrency
+
+stage "all passed"

@@ -1,0 +1,18 @@
+// One translation unit that includes every header of kvtier::kvtier, linked into a test
+// binary beside others that include the same headers: a non-inline definition in a header
+// would fail the link (ODR).
+#include <kvtier/kvtier.hpp>
+
+#include <catch2/catch.hpp>
+
+TEST_CASE("the umbrella header exposes the library and its version", "[odr]") {
+  CHECK(std::string(kvtier::version_string) ==
+        std::to_string(kvtier::version_major) + "." + std::to_string(kvtier::version_minor) + "." +
+            std::to_string(kvtier::version_patch));
+  kvtier::telemetry::registry reg;
+  kvtier::telemetry::logger log(kvtier::telemetry::log_level::off);
+  kvtier::default_event_bus bus{kvtier::telemetry::metrics_subscriber{reg},
+                                kvtier::telemetry::logging_subscriber{log}};
+  bus.publish(kvtier::bus::l1_write_finished{2});
+  CHECK(reg.value("kvtier_l1_write_keys_total") == 2.0);
+}

@@ -1,0 +1,93 @@
+#include <kvtier/core/token_hasher.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <numeric>
+#include <vector>
+
+using namespace kvtier;
+
+// Fixed vectors. They were computed independently of this code: the root with
+// `printf 'kvtier.root.v1' | xxh128sum` (and sha256sum), each chunk with xxh128sum / Python's
+// hashlib over the documented encoding (16-byte LE prefix || u32 LE tokens). A change here
+// means every stored object in every deployment becomes unreachable: never edit them.
+namespace {
+std::vector<token_id> iota_tokens(std::size_t n, token_id first = 0) {
+  std::vector<token_id> t(n);
+  std::iota(t.begin(), t.end(), first);
+  return t;
+}
+}  // namespace
+
+TEST_CASE("xxh3_128 chunk hashes match the fixed vectors", "[core][token_hasher]") {
+  const token_hasher h;  // chunk 256, xxh3_128
+  CHECK(h.root().to_hex() == "a9adbf7e4da9281782e3516ed994567f");
+  const auto hashes = h.chunk_hashes(iota_tokens(600));
+  REQUIRE(hashes.size() == 2);  // the trailing 88 tokens are never hashed
+  CHECK(hashes[0].to_hex() == "9f311b23a6bc6c2337626271ec95a508");
+  CHECK(hashes[1].to_hex() == "768727cfdd544fb1b74c592482262470");
+
+  const token_hasher small(4);
+  const auto s = small.chunk_hashes(iota_tokens(9, 1));
+  REQUIRE(s.size() == 2);
+  CHECK(s[0].to_hex() == "b2747f92442d1de6a116da93a5f46f04");
+  CHECK(s[1].to_hex() == "ae68132fb20f392f36a0a116d05eb1db");
+}
+
+TEST_CASE("sha256 chunk hashes match the fixed vectors", "[core][token_hasher]") {
+  const token_hasher h(256, hash_algorithm::sha256);
+  CHECK(h.root().to_hex() == "42bbdc48c68f1629087069220f379916");
+  const auto hashes = h.chunk_hashes(iota_tokens(512));
+  REQUIRE(hashes.size() == 2);
+  CHECK(hashes[0].to_hex() == "5000c50809eed98d6922d874a96cf1fe");
+  CHECK(hashes[1].to_hex() == "7ba390336af54d8523e9bd783e596573");
+  const auto s = token_hasher(4, hash_algorithm::sha256).chunk_hashes(iota_tokens(8, 1));
+  REQUIRE(s.size() == 2);
+  CHECK(s[0].to_hex() == "3b4dd38f2c01a69dbb6a817677c71554");
+  CHECK(s[1].to_hex() == "ee619338be8a67f4ab2a11dfb0758537");
+}
+
+TEST_CASE("a chunk hash depends on the whole prefix", "[core][token_hasher]") {
+  const token_hasher h(4);
+  auto a = iota_tokens(8);
+  auto b = a;
+  b[0] = 99;  // first chunk differs, second chunk identical
+  const auto ha = h.chunk_hashes(a);
+  const auto hb = h.chunk_hashes(b);
+  CHECK(ha[0] != hb[0]);
+  CHECK(ha[1] != hb[1]);
+  // Same tokens, same hashes; sequences that share a prefix share its hashes.
+  auto c = iota_tokens(12);
+  const auto hc = h.chunk_hashes(c);
+  CHECK(hc[0] == ha[0]);
+  CHECK(hc[1] == ha[1]);
+}
+
+TEST_CASE("hashing can continue from a stored prefix hash", "[core][token_hasher]") {
+  const token_hasher h(4);
+  const auto all = iota_tokens(12);
+  const auto whole = h.chunk_hashes(all);
+  std::vector<hash128> parts;
+  const hash128 last = h.append_chunk_hashes(std::span(all).first(4), parts);
+  h.append_chunk_hashes(std::span(all).subspan(4), parts, last);
+  CHECK(parts == whole);
+  CHECK_THROWS_AS(h.next(h.root(), std::span(all).first(3)), std::invalid_argument);
+  CHECK_THROWS_AS(token_hasher(0), std::invalid_argument);
+}
+
+TEST_CASE("hash algorithms parse from their names", "[core][token_hasher]") {
+  CHECK(parse_hash_algorithm("xxh3_128") == hash_algorithm::xxh3_128);
+  CHECK(parse_hash_algorithm("sha256") == hash_algorithm::sha256);
+  CHECK_FALSE(parse_hash_algorithm("md5").has_value());
+  CHECK(to_string(hash_algorithm::sha256) == "sha256");
+}
+
+TEST_CASE("model ids separate models, layouts and tenants", "[core][token_hasher]") {
+  const model_shape m{24, 2, 64, 2, attention_kind::mha};
+  CHECK(make_model_id("Qwen/Qwen2.5-0.5B", m) == 0xbf87279719ec01a4ULL);  // fixed vector
+  model_shape fp8 = m;
+  fp8.dtype_bytes = 1;
+  CHECK(make_model_id("Qwen/Qwen2.5-0.5B", fp8) != make_model_id("Qwen/Qwen2.5-0.5B", m));
+  CHECK(make_model_id("Qwen/Qwen2.5-0.5B", m, "tenant-a") != make_model_id("Qwen/Qwen2.5-0.5B", m));
+  CHECK(make_model_id("a", m, "bc") != make_model_id("ab", m, "c"));
+}
