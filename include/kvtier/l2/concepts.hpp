@@ -1,0 +1,103 @@
+#pragma once
+// The l2_backend concept: what every L2 tier (memory, disk, Redis, a fault injector around
+// any of them) provides to the store and prefetch pipelines.
+//
+// All operations are asynchronous and Asio-shaped (`async_xxx(args..., token)`, error_code
+// first). Every operation takes a deadline. The spans passed in (keys, buffers) must stay
+// valid until the operation completes; the pipelines keep them in their coroutine frames.
+//
+//   async_lookup_and_pin(keys, deadline, token)  -> void(error_code, bitmap found)
+//       Bit i set: key i is present AND pinned: it cannot be evicted from this backend until
+//       unpin(key). A failed lookup (error_code set) found and pinned nothing.
+//   unpin(keys)
+//       Releases one pin per key. Synchronous, never fails; unknown keys are ignored.
+//   async_load(keys, destinations, deadline, token) -> void(error_code, batch_result)
+//       Copies each object into the caller's buffer (an L1 slot), which must be exactly the
+//       object's size. Outcome ok only when every byte landed and the object passed its
+//       integrity check; corrupt objects are dropped from the backend and answer `corrupt`.
+//       THE BUFFER CONTRACT: the operation completes only once nothing will write the
+//       destinations any more (every device read completed or was cancelled). A deadline
+//       therefore makes the backend stop issuing and cancel what is in flight; it does not
+//       let the operation complete while the kernel may still write a buffer. A caller that
+//       cannot wait (the prefetch controller answering an engine) stops waiting on its own
+//       timer and keeps the destination slots reserved until this operation completes.
+//   async_store(keys, sources, deadline, token) -> void(error_code, batch_result)
+//       Stores each object (key -> the bytes of its source buffer). Keys already present
+//       answer `exists` and are not rewritten. Sources are only read until completion.
+//   async_remove(keys, deadline, token) -> void(error_code, batch_result)
+//   usage() -> usage_info, health() -> health_info, name() -> string_view: cheap, synchronous.
+//
+// Operations may be started from any thread; a backend serialises its state on its own
+// executor (get_executor()). Completion handlers run on their associated executors.
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/bitmap.hpp>
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/error.hpp>
+#include <kvtier/l2/types.hpp>
+
+#include <boost/asio/any_io_executor.hpp>
+
+#include <concepts>
+#include <cstddef>
+#include <span>
+#include <string_view>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+namespace detail {
+// Archetype completion handlers: the concept is checked with plain callbacks, which every
+// Asio completion token reduces to.
+struct lookup_handler_archetype {
+  void operator()(error_code, bitmap) const {}
+};
+struct batch_handler_archetype {
+  void operator()(error_code, batch_result) const {}
+};
+}  // namespace detail
+
+template <class B>
+concept l2_backend = requires(B& b, const B& cb, std::span<const chunk_key> keys,
+                              std::span<const std::span<std::byte>> destinations,
+                              std::span<const std::span<const std::byte>> sources, deadline d) {
+  { cb.name() } -> std::convertible_to<std::string_view>;
+  { b.get_executor() } -> std::convertible_to<boost::asio::any_io_executor>;
+  b.async_lookup_and_pin(keys, d, detail::lookup_handler_archetype{});
+  b.unpin(keys);
+  b.async_load(keys, destinations, d, detail::batch_handler_archetype{});
+  b.async_store(keys, sources, d, detail::batch_handler_archetype{});
+  b.async_remove(keys, d, detail::batch_handler_archetype{});
+  { cb.usage() } -> std::same_as<usage_info>;
+  { cb.health() } -> std::same_as<health_info>;
+};
+
+/// Backends that can damage their own stored copy of a key on command (for tests and the
+/// fault injector): the next load of that key must answer `corrupt`, never serve the bytes.
+template <class B>
+concept corruptible_backend = l2_backend<B> && requires(B& b, const chunk_key& k) {
+  { b.corrupt_stored(k) } -> std::same_as<bool>;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+/// The smallest type that models l2_backend, for checking the concept without a backend.
+struct l2_backend_archetype {
+  [[nodiscard]] std::string_view name() const { return "archetype"; }
+  [[nodiscard]] boost::asio::any_io_executor get_executor() const { return {}; }
+  template <class Token>
+  void async_lookup_and_pin(std::span<const chunk_key>, deadline, Token&&) {}
+  void unpin(std::span<const chunk_key>) {}
+  template <class Token>
+  void async_load(std::span<const chunk_key>, std::span<const std::span<std::byte>>, deadline, Token&&) {}
+  template <class Token>
+  void async_store(std::span<const chunk_key>, std::span<const std::span<const std::byte>>, deadline, Token&&) {}
+  template <class Token>
+  void async_remove(std::span<const chunk_key>, deadline, Token&&) {}
+  [[nodiscard]] usage_info usage() const { return {}; }
+  [[nodiscard]] health_info health() const { return {}; }
+};
+static_assert(l2_backend<l2_backend_archetype>);
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2

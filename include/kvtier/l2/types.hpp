@@ -1,0 +1,80 @@
+#pragma once
+// Vocabulary of the L2 tier: per-key outcomes, batch results, usage and health.
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/bitmap.hpp>
+
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+using clock = std::chrono::steady_clock;
+
+/// When an operation must complete by. Backends complete late operations with
+/// errc::timeout (and whatever had landed), never later than the deadline plus the time it
+/// takes to make the caller's buffers safe (see l2_backend in concepts.hpp).
+using deadline = clock::time_point;
+
+/// What happened to one key of a batch.
+enum class key_outcome : std::uint8_t {
+  ok,           ///< loaded / stored / removed
+  not_found,    ///< the backend does not have the key (a miss, not an error)
+  exists,       ///< store: the key was already stored (skipped, not rewritten)
+  io_error,     ///< the device or network failed this key
+  corrupt,      ///< the stored copy failed its header or checksum check: dropped, never served
+  no_space,     ///< store: the backend is full and nothing could be evicted
+  rejected,     ///< the key or its size is not acceptable (e.g. destination size mismatch)
+  timeout,      ///< the deadline passed before this key completed
+  unavailable,  ///< the backend is down
+};
+inline constexpr std::size_t key_outcome_count = 9;
+
+[[nodiscard]] constexpr std::string_view name(key_outcome o) noexcept {
+  constexpr std::array<std::string_view, key_outcome_count> n = {
+      "ok", "not_found", "exists", "io_error", "corrupt", "no_space", "rejected", "timeout", "unavailable"};
+  return n[static_cast<std::size_t>(o)];
+}
+
+/// Per-key outcomes of a load, store or remove, in the order of the keys passed.
+struct batch_result {
+  std::vector<key_outcome> outcomes;
+
+  batch_result() = default;
+  explicit batch_result(std::size_t n, key_outcome initial = key_outcome::timeout) : outcomes(n, initial) {}
+
+  [[nodiscard]] std::size_t size() const noexcept { return outcomes.size(); }
+  [[nodiscard]] bool ok(std::size_t i) const noexcept { return outcomes[i] == key_outcome::ok; }
+  [[nodiscard]] std::size_t count(key_outcome o) const noexcept {
+    std::size_t n = 0;
+    for (auto x : outcomes) n += x == o ? 1 : 0;
+    return n;
+  }
+  /// Bit i set when key i is ok.
+  [[nodiscard]] bitmap ok_bits() const {
+    bitmap b(outcomes.size());
+    for (std::size_t i = 0; i < outcomes.size(); ++i)
+      if (outcomes[i] == key_outcome::ok) b.set(i);
+    return b;
+  }
+};
+
+/// Bytes on the backend, as the backend measures them (the disk backend counts bytes actually
+/// allocated on the file system, not logical sizes).
+struct usage_info {
+  std::uint64_t bytes_used = 0;
+  std::uint64_t bytes_capacity = 0;  ///< 0 when the backend has no fixed capacity
+  std::uint64_t objects = 0;
+};
+
+struct health_info {
+  bool healthy = true;
+  std::string reason;  ///< why not, when not healthy
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2

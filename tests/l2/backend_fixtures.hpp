@@ -1,0 +1,30 @@
+#pragma once
+// Fixtures of the l2_backend conformance suite: one per backend. Each owns an io_context and
+// a backend of the requested capacity (bytes), and exposes both. Add a backend by writing its
+// fixture here and appending it to KVTIER_L2_BACKEND_FIXTURES.
+
+#include <kvtier/l2/memory_backend.hpp>
+
+#include <boost/asio/io_context.hpp>
+
+#include <cstdint>
+#include <memory>
+
+namespace kvtier::test {
+
+struct memory_backend_fixture {
+  boost::asio::io_context io;
+  std::unique_ptr<l2::memory_backend> b;
+
+  explicit memory_backend_fixture(std::uint64_t capacity_bytes) {
+    l2::memory_backend_options o;
+    o.name = "memory";
+    o.capacity_bytes = capacity_bytes;
+    b = std::make_unique<l2::memory_backend>(io.get_executor(), o);
+  }
+  l2::memory_backend& backend() { return *b; }
+};
+
+}  // namespace kvtier::test
+
+#define KVTIER_L2_BACKEND_FIXTURES kvtier::test::memory_backend_fixture

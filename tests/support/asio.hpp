@@ -1,0 +1,43 @@
+#pragma once
+// Test support: run an awaitable to completion on an io_context from a test body.
+
+#include <boost/asio/awaitable.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
+
+#include <exception>
+#include <optional>
+#include <stdexcept>
+#include <utility>
+
+namespace kvtier::test {
+
+/// Runs `a` on `io` until it and everything else queued on `io` finished; returns its value.
+template <class T>
+T run_sync(boost::asio::io_context& io, boost::asio::awaitable<T> a) {
+  std::optional<T> result;
+  std::exception_ptr error;
+  boost::asio::co_spawn(io, std::move(a), [&](std::exception_ptr e, T v) {
+    error = e;
+    result.emplace(std::move(v));
+  });
+  io.restart();
+  io.run();
+  if (error) std::rethrow_exception(error);
+  return std::move(*result);
+}
+
+inline void run_sync(boost::asio::io_context& io, boost::asio::awaitable<void> a) {
+  std::exception_ptr error;
+  bool done = false;
+  boost::asio::co_spawn(io, std::move(a), [&](std::exception_ptr e) {
+    error = e;
+    done = true;
+  });
+  io.restart();
+  io.run();
+  if (error) std::rethrow_exception(error);
+  if (!done) throw std::logic_error("run_sync: the awaitable did not complete");
+}
+
+}  // namespace kvtier::test
