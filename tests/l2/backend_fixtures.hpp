@@ -27,4 +27,23 @@ struct memory_backend_fixture {
 
 }  // namespace kvtier::test
 
-#define KVTIER_L2_BACKEND_FIXTURES kvtier::test::memory_backend_fixture
+
+#include <kvtier/l2/fault_injecting_backend.hpp>
+
+namespace kvtier::test {
+
+/// The fault injector with no fault injected behaves exactly like the backend it wraps.
+struct fault_injecting_memory_fixture {
+  memory_backend_fixture inner;
+  boost::asio::io_context& io = inner.io;
+  l2::fault_injecting_backend<l2::memory_backend> b{inner.backend()};
+
+  explicit fault_injecting_memory_fixture(std::uint64_t capacity_bytes) : inner(capacity_bytes) {}
+  l2::fault_injecting_backend<l2::memory_backend>& backend() { return b; }
+};
+
+}  // namespace kvtier::test
+
+// Every backend the conformance suite runs against.
+#define KVTIER_L2_BACKEND_FIXTURES \
+  kvtier::test::memory_backend_fixture, kvtier::test::fault_injecting_memory_fixture

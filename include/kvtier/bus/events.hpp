@@ -188,14 +188,14 @@ struct cache_write_finished {
 struct l2_store_submitted {
   static constexpr event_type type = event_type::l2_store_submitted;
   std::uint8_t backend_index = 0;
-  short_name backend;
+  short_name backend{};
   std::uint32_t key_count = 0;
   std::uint64_t bytes = 0;
 };
 struct l2_store_completed {
   static constexpr event_type type = event_type::l2_store_completed;
   std::uint8_t backend_index = 0;
-  short_name backend;
+  short_name backend{};
   std::uint32_t succeeded_count = 0;
   std::uint32_t failed_count = 0;
   std::uint64_t bytes = 0;        ///< bytes of the succeeded keys
@@ -242,7 +242,7 @@ struct l2_prefetch_failed {
 struct l2_backend_load_completed {
   static constexpr event_type type = event_type::l2_backend_load_completed;
   std::uint8_t backend_index = 0;
-  short_name backend;
+  short_name backend{};
   std::uint32_t key_count = 0;     ///< keys submitted to this backend
   std::uint32_t loaded_count = 0;  ///< keys that landed
   std::uint64_t bytes = 0;         ///< bytes that landed
@@ -276,7 +276,7 @@ struct connector_healthy {
 struct connector_unhealthy {
   static constexpr event_type type = event_type::connector_unhealthy;
   std::uint32_t rank = 0;
-  short_name reason;  ///< "eof", "ping_timeout", "connect_failed", ...
+  short_name reason{};  ///< "eof", "ping_timeout", "connect_failed", ...
   std::uint32_t released_requests = 0;  ///< pending requests released on the edge
 };
 struct connector_reconnected {

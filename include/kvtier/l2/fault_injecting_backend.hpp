@@ -1,0 +1,278 @@
+#pragma once
+// fault_injecting_backend<Backend>: wraps any l2_backend and, on command, fails, delays,
+// corrupts or hangs chosen operations. Used by tests and the fault-tolerance harness.
+//
+//   fault_kind::fail     matching keys answer `outcome` (io_error by default) and are not
+//                        passed to the inner backend (lookups report them missing); with no
+//                        key filter the whole operation fails with `error`.
+//   fault_kind::delay    the operation completes `delay` later than the inner one would.
+//   fault_kind::corrupt  before a load (after a store) the inner backend's stored copy of
+//                        each matching key is damaged (corruptible_backend), so the backend's
+//                        own integrity check must catch it: the key answers `corrupt`.
+//   fault_kind::hang     the operation does not start until release_hung() (and ignores the
+//                        caller's cancellation, like a stuck device); a hung load then runs
+//                        the inner load, writing the caller's buffers late. This is the
+//                        "late read lands in a reused slot" hazard the prefetch controller
+//                        must survive.
+// A fault applies to the next `times` operations of its kind (-1: until clear()).
+// Call release_hung() before destroying the wrapper while operations hang.
+
+#include <kvtier/config.hpp>
+#include <kvtier/detail/async.hpp>
+#include <kvtier/error.hpp>
+#include <kvtier/l2/concepts.hpp>
+#include <kvtier/l2/types.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <chrono>
+#include <functional>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+enum class fault_op : std::uint8_t { lookup, load, store, remove };
+enum class fault_kind : std::uint8_t { fail, delay, corrupt, hang };
+
+struct fault {
+  fault_op op = fault_op::load;
+  fault_kind kind = fault_kind::fail;
+  /// Keys the fault applies to; empty: every key (and, for fail, the whole operation).
+  std::function<bool(const chunk_key&)> match = {};
+  key_outcome outcome = key_outcome::io_error;       ///< fail: per-key outcome
+  error_code error = make_error_code(errc::io_error);  ///< fail without a filter: operation error
+  std::chrono::nanoseconds delay{0};                  ///< delay
+  int times = -1;                                     ///< operations affected; -1: until clear()
+};
+
+template <l2_backend Backend>
+class fault_injecting_backend {
+ public:
+  using executor_type = boost::asio::any_io_executor;
+
+  /// Wraps an existing backend (not owned; it must outlive the wrapper).
+  explicit fault_injecting_backend(Backend& inner) : inner_(&inner) {}
+
+  fault_injecting_backend(const fault_injecting_backend&) = delete;
+  fault_injecting_backend& operator=(const fault_injecting_backend&) = delete;
+
+  [[nodiscard]] Backend& inner() noexcept { return *inner_; }
+  [[nodiscard]] std::string_view name() const { return inner_->name(); }
+  [[nodiscard]] executor_type get_executor() const { return inner_->get_executor(); }
+  [[nodiscard]] usage_info usage() const { return inner_->usage(); }
+  [[nodiscard]] health_info health() const { return inner_->health(); }
+
+  void inject(fault f) {
+    std::lock_guard g(mutex_);
+    faults_.push_back(std::move(f));
+  }
+  void clear() {
+    std::lock_guard g(mutex_);
+    faults_.clear();
+  }
+  /// Lets every hung operation proceed.
+  void release_hung() {
+    std::lock_guard g(mutex_);
+    for (auto* t : hung_) t->cancel();
+  }
+  /// Operations currently hanging.
+  [[nodiscard]] std::size_t hung() const {
+    std::lock_guard g(mutex_);
+    return hung_.size();
+  }
+
+  template <class Token>
+  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
+    return kvtier::detail::async_run<void(error_code, bitmap)>(get_executor(), lookup_impl(keys, d),
+                                                               std::forward<Token>(token));
+  }
+  void unpin(std::span<const chunk_key> keys) { inner_->unpin(keys); }
+
+  template <class Token>
+  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
+                  Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(get_executor(), load_impl(keys, destinations, d),
+                                                                     std::forward<Token>(token));
+  }
+  template <class Token>
+  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
+                   Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(get_executor(), store_impl(keys, sources, d),
+                                                                     std::forward<Token>(token));
+  }
+  template <class Token>
+  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(get_executor(), remove_impl(keys, d),
+                                                                     std::forward<Token>(token));
+  }
+
+ private:
+  using lookup_tuple = std::tuple<error_code, bitmap>;
+  using batch_tuple = std::tuple<error_code, batch_result>;
+
+  // The faults that apply to this operation (consuming one use of each).
+  std::vector<fault> take(fault_op op) {
+    std::lock_guard g(mutex_);
+    std::vector<fault> out;
+    for (auto it = faults_.begin(); it != faults_.end();) {
+      if (it->op != op) {
+        ++it;
+        continue;
+      }
+      out.push_back(*it);
+      if (it->times > 0 && --it->times == 0) it = faults_.erase(it);
+      else ++it;
+    }
+    return out;
+  }
+
+  static bool matches(const fault& f, const chunk_key& k) { return !f.match || f.match(k); }
+
+  static const fault* find(const std::vector<fault>& fs, fault_kind kind) {
+    for (const auto& f : fs)
+      if (f.kind == kind) return &f;
+    return nullptr;
+  }
+
+  boost::asio::awaitable<void> hang_if(const std::vector<fault>& fs) {
+    if (!find(fs, fault_kind::hang)) co_return;
+    // A stuck device ignores the caller's cancellation; only release_hung() moves it on.
+    co_await boost::asio::this_coro::reset_cancellation_state(boost::asio::disable_cancellation());
+    boost::asio::steady_timer t(get_executor(), boost::asio::steady_timer::time_point::max());
+    {
+      std::lock_guard g(mutex_);
+      hung_.push_back(&t);
+    }
+    co_await t.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
+    std::lock_guard g(mutex_);
+    hung_.remove(&t);
+  }
+
+  boost::asio::awaitable<void> delay_if(const std::vector<fault>& fs) {
+    if (const fault* f = find(fs, fault_kind::delay)) {
+      boost::asio::steady_timer t(get_executor(), f->delay);
+      co_await t.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
+    }
+  }
+
+  void corrupt_if(const std::vector<fault>& fs, std::span<const chunk_key> keys) {
+    if constexpr (corruptible_backend<Backend>) {
+      if (const fault* f = find(fs, fault_kind::corrupt))
+        for (const auto& k : keys)
+          if (matches(*f, k)) inner_->corrupt_stored(k);
+    }
+  }
+
+  // Indices of keys the fail fault leaves to the inner backend; whole == true when the fault
+  // has no filter (the operation fails as a whole).
+  struct split {
+    const fault* fail = nullptr;
+    bool whole = false;
+    std::vector<std::size_t> passed;
+  };
+  static split split_keys(const std::vector<fault>& fs, std::span<const chunk_key> keys) {
+    split s;
+    s.fail = find(fs, fault_kind::fail);
+    s.whole = s.fail && !s.fail->match;
+    for (std::size_t i = 0; i < keys.size(); ++i)
+      if (!s.fail || (!s.whole && !matches(*s.fail, keys[i]))) s.passed.push_back(i);
+    return s;
+  }
+
+  boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d) {
+    const auto fs = take(fault_op::lookup);
+    co_await hang_if(fs);
+    const split s = split_keys(fs, keys);
+    bitmap found(keys.size());
+    if (s.whole) {
+      co_await delay_if(fs);
+      co_return lookup_tuple{s.fail->error, found};
+    }
+    std::vector<chunk_key> sub;
+    for (auto i : s.passed) sub.push_back(keys[i]);
+    auto [ec, sub_found] = co_await inner_->async_lookup_and_pin(sub, d, boost::asio::as_tuple(boost::asio::use_awaitable));
+    for (std::size_t j = 0; j < s.passed.size(); ++j)
+      if (sub_found.size() > j && sub_found.test(j)) found.set(s.passed[j]);
+    co_await delay_if(fs);
+    co_return lookup_tuple{ec, found};
+  }
+
+  boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
+                                                std::span<const std::span<std::byte>> destinations, deadline d) {
+    const auto fs = take(fault_op::load);
+    co_await hang_if(fs);
+    corrupt_if(fs, keys);
+    const split s = split_keys(fs, keys);
+    batch_result r(keys.size(), s.fail ? s.fail->outcome : key_outcome::timeout);
+    if (s.whole) {
+      co_await delay_if(fs);
+      co_return batch_tuple{s.fail->error, r};
+    }
+    std::vector<chunk_key> sub_keys;
+    std::vector<std::span<std::byte>> sub_dst;
+    for (auto i : s.passed) {
+      sub_keys.push_back(keys[i]);
+      sub_dst.push_back(destinations[i]);
+    }
+    auto [ec, sub] = co_await inner_->async_load(sub_keys, sub_dst, d, boost::asio::as_tuple(boost::asio::use_awaitable));
+    for (std::size_t j = 0; j < s.passed.size(); ++j)
+      r.outcomes[s.passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
+    co_await delay_if(fs);
+    co_return batch_tuple{ec, r};
+  }
+
+  boost::asio::awaitable<batch_tuple> store_impl(std::span<const chunk_key> keys,
+                                                 std::span<const std::span<const std::byte>> sources, deadline d) {
+    const auto fs = take(fault_op::store);
+    co_await hang_if(fs);
+    const split s = split_keys(fs, keys);
+    batch_result r(keys.size(), s.fail ? s.fail->outcome : key_outcome::timeout);
+    if (s.whole) {
+      co_await delay_if(fs);
+      co_return batch_tuple{s.fail->error, r};
+    }
+    std::vector<chunk_key> sub_keys;
+    std::vector<std::span<const std::byte>> sub_src;
+    for (auto i : s.passed) {
+      sub_keys.push_back(keys[i]);
+      sub_src.push_back(sources[i]);
+    }
+    auto [ec, sub] = co_await inner_->async_store(sub_keys, sub_src, d, boost::asio::as_tuple(boost::asio::use_awaitable));
+    for (std::size_t j = 0; j < s.passed.size(); ++j)
+      r.outcomes[s.passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
+    corrupt_if(fs, sub_keys);
+    co_await delay_if(fs);
+    co_return batch_tuple{ec, r};
+  }
+
+  boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d) {
+    const auto fs = take(fault_op::remove);
+    co_await hang_if(fs);
+    const split s = split_keys(fs, keys);
+    batch_result r(keys.size(), s.fail ? s.fail->outcome : key_outcome::timeout);
+    if (s.whole) co_return batch_tuple{s.fail->error, r};
+    std::vector<chunk_key> sub_keys;
+    for (auto i : s.passed) sub_keys.push_back(keys[i]);
+    auto [ec, sub] = co_await inner_->async_remove(sub_keys, d, boost::asio::as_tuple(boost::asio::use_awaitable));
+    for (std::size_t j = 0; j < s.passed.size(); ++j)
+      r.outcomes[s.passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
+    co_await delay_if(fs);
+    co_return batch_tuple{ec, r};
+  }
+
+  Backend* inner_;
+  mutable std::mutex mutex_;
+  std::vector<fault> faults_;
+  std::list<boost::asio::steady_timer*> hung_;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
