@@ -28,6 +28,7 @@ struct memory_backend_fixture {
 }  // namespace kvtier::test
 
 
+#include <kvtier/l2/any_backend.hpp>
 #include <kvtier/l2/fault_injecting_backend.hpp>
 
 namespace kvtier::test {
@@ -42,8 +43,24 @@ struct fault_injecting_memory_fixture {
   l2::fault_injecting_backend<l2::memory_backend>& backend() { return b; }
 };
 
+/// The type-erased wrapper the server uses, around a memory backend.
+struct any_memory_fixture {
+  boost::asio::io_context io;
+  std::shared_ptr<l2::memory_backend> mem;
+  std::unique_ptr<l2::any_backend> b;
+
+  explicit any_memory_fixture(std::uint64_t capacity_bytes) {
+    l2::memory_backend_options o;
+    o.capacity_bytes = capacity_bytes;
+    mem = std::make_shared<l2::memory_backend>(io.get_executor(), o);
+    b = std::make_unique<l2::any_backend>(mem);
+  }
+  l2::any_backend& backend() { return *b; }
+};
+
 }  // namespace kvtier::test
 
 // Every backend the conformance suite runs against.
-#define KVTIER_L2_BACKEND_FIXTURES \
-  kvtier::test::memory_backend_fixture, kvtier::test::fault_injecting_memory_fixture
+#define KVTIER_L2_BACKEND_FIXTURES                                                  \
+  kvtier::test::memory_backend_fixture, kvtier::test::fault_injecting_memory_fixture, \
+      kvtier::test::any_memory_fixture

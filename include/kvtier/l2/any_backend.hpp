@@ -1,0 +1,122 @@
+#pragma once
+// any_backend: a type-erased l2_backend. The server builds its L2 backends from run-time
+// configuration (JSON), so the pipelines hold a vector of these. The erasure costs one
+// virtual call and one type-erased handler per batch operation, nothing per key.
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/bitmap.hpp>
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/error.hpp>
+#include <kvtier/l2/concepts.hpp>
+#include <kvtier/l2/types.hpp>
+
+#include <boost/asio/any_completion_handler.hpp>
+#include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/async_result.hpp>
+
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+class any_backend {
+ public:
+  using executor_type = boost::asio::any_io_executor;
+  using lookup_handler = boost::asio::any_completion_handler<void(error_code, bitmap)>;
+  using batch_handler = boost::asio::any_completion_handler<void(error_code, batch_result)>;
+
+  /// Shares ownership of `backend`; keep the shared_ptr to reach the concrete type.
+  template <l2_backend B>
+  explicit any_backend(std::shared_ptr<B> backend) : impl_(std::make_shared<model<B>>(std::move(backend))) {}
+
+  [[nodiscard]] std::string_view name() const { return impl_->name(); }
+  [[nodiscard]] executor_type get_executor() const { return impl_->executor(); }
+  [[nodiscard]] usage_info usage() const { return impl_->usage(); }
+  [[nodiscard]] health_info health() const { return impl_->health(); }
+  void unpin(std::span<const chunk_key> keys) { impl_->unpin(keys); }
+
+  template <class Token>
+  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, bitmap)>(
+        [impl = impl_, keys, d](auto handler) { impl->lookup(keys, d, lookup_handler(std::move(handler))); }, token);
+  }
+  template <class Token>
+  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
+                  Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, batch_result)>(
+        [impl = impl_, keys, destinations, d](auto handler) {
+          impl->load(keys, destinations, d, batch_handler(std::move(handler)));
+        },
+        token);
+  }
+  template <class Token>
+  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
+                   Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, batch_result)>(
+        [impl = impl_, keys, sources, d](auto handler) {
+          impl->store(keys, sources, d, batch_handler(std::move(handler)));
+        },
+        token);
+  }
+  template <class Token>
+  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, batch_result)>(
+        [impl = impl_, keys, d](auto handler) { impl->remove(keys, d, batch_handler(std::move(handler))); }, token);
+  }
+
+  /// The concrete backend, when it is a B; nullptr otherwise.
+  template <class B>
+  [[nodiscard]] B* target() const noexcept {
+    auto* m = dynamic_cast<model<B>*>(impl_.get());
+    return m ? m->backend.get() : nullptr;
+  }
+
+ private:
+  struct interface {
+    virtual ~interface() = default;
+    [[nodiscard]] virtual std::string_view name() const = 0;
+    [[nodiscard]] virtual executor_type executor() const = 0;
+    [[nodiscard]] virtual usage_info usage() const = 0;
+    [[nodiscard]] virtual health_info health() const = 0;
+    virtual void unpin(std::span<const chunk_key>) = 0;
+    virtual void lookup(std::span<const chunk_key>, deadline, lookup_handler) = 0;
+    virtual void load(std::span<const chunk_key>, std::span<const std::span<std::byte>>, deadline, batch_handler) = 0;
+    virtual void store(std::span<const chunk_key>, std::span<const std::span<const std::byte>>, deadline,
+                       batch_handler) = 0;
+    virtual void remove(std::span<const chunk_key>, deadline, batch_handler) = 0;
+  };
+
+  template <class B>
+  struct model final : interface {
+    explicit model(std::shared_ptr<B> b) : backend(std::move(b)) {}
+    std::string_view name() const override { return backend->name(); }
+    executor_type executor() const override { return backend->get_executor(); }
+    usage_info usage() const override { return backend->usage(); }
+    health_info health() const override { return backend->health(); }
+    void unpin(std::span<const chunk_key> keys) override { backend->unpin(keys); }
+    void lookup(std::span<const chunk_key> keys, deadline d, lookup_handler h) override {
+      backend->async_lookup_and_pin(keys, d, std::move(h));
+    }
+    void load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> dst, deadline d,
+              batch_handler h) override {
+      backend->async_load(keys, dst, d, std::move(h));
+    }
+    void store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> src, deadline d,
+               batch_handler h) override {
+      backend->async_store(keys, src, d, std::move(h));
+    }
+    void remove(std::span<const chunk_key> keys, deadline d, batch_handler h) override {
+      backend->async_remove(keys, d, std::move(h));
+    }
+    std::shared_ptr<B> backend;
+  };
+
+  std::shared_ptr<interface> impl_;
+};
+
+static_assert(l2_backend<any_backend>);
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
