@@ -107,10 +107,10 @@ TEST_CASE("cache facade events move exactly their counters", "[telemetry][metric
   fixture f;
   CHECK(f.publish(bus::cache_lookup{1, 2560, 10, 4, 3, 256}) ==
         values{{"kvtier_lookups_total", 1},
-               {"kvtier_lookup_requested_keys_total", 10},
+               {"kvtier_lookup_requested_chunks_total", 10},
                {"kvtier_lookup_requested_tokens_total", 2560},
-               {"kvtier_lookup_hit_keys_total{tier=l1}", 4},
-               {"kvtier_lookup_hit_keys_total{tier=l2}", 3},
+               {"kvtier_lookup_hit_chunks_total{tier=l1}", 4},
+               {"kvtier_lookup_hit_chunks_total{tier=l2}", 3},
                {"kvtier_lookup_hit_tokens_total{tier=l1}", 1024},
                {"kvtier_lookup_hit_tokens_total{tier=l2}", 768}});
   CHECK(f.publish(bus::cache_read_prefetched{5, 1}) == values{{"kvtier_cache_read_requests_total", 1},

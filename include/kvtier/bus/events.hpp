@@ -161,10 +161,10 @@ struct cache_lookup {
   static constexpr event_type type = event_type::cache_lookup;
   std::uint64_t request_id = 0;
   std::uint32_t requested_tokens = 0;  ///< tokens asked about (full chunks only)
-  std::uint32_t requested_keys = 0;
-  std::uint32_t l1_hit_keys = 0;    ///< leading keys already in L1
-  std::uint32_t l2_hit_keys = 0;    ///< keys after those, made available from L2
-  std::uint32_t chunk_tokens = 0;   ///< tokens per key, to turn keys into tokens
+  std::uint32_t requested_chunks = 0;  ///< chunks asked about (a chunk = world_size shards)
+  std::uint32_t l1_hit_chunks = 0;     ///< leading chunks already in L1
+  std::uint32_t l2_hit_chunks = 0;     ///< chunks after those, brought in from L2
+  std::uint32_t chunk_tokens = 0;      ///< tokens per chunk, to turn chunks into tokens
 };
 struct cache_read_prefetched {
   static constexpr event_type type = event_type::cache_read_prefetched;

@@ -37,8 +37,8 @@ class logging_subscriber {
   }
 
   void on(const bus::cache_lookup& e) {
-    log_->debug("lookup {}: {} keys asked, {} in L1, {} from L2", e.request_id, e.requested_keys, e.l1_hit_keys,
-                e.l2_hit_keys);
+    log_->debug("lookup {}: {} chunks asked, {} in L1, {} from L2", e.request_id, e.requested_chunks, e.l1_hit_chunks,
+                e.l2_hit_chunks);
   }
   void on(const bus::cache_read_prefetched& e) {
     log_->debug("read prefetched: {} keys ok, {} failed", e.succeeded_keys, e.failed_keys);

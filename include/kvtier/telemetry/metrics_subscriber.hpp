@@ -63,12 +63,12 @@ class metrics_subscriber {
   // --- cache facade --------------------------------------------------------------------
   void on(const bus::cache_lookup& e) noexcept {
     s_->lookups.inc();
-    s_->lookup_requested_keys.inc(e.requested_keys);
+    s_->lookup_requested_chunks.inc(e.requested_chunks);
     s_->lookup_requested_tokens.inc(e.requested_tokens);
-    s_->lookup_hit_keys_l1.inc(e.l1_hit_keys);
-    s_->lookup_hit_keys_l2.inc(e.l2_hit_keys);
-    s_->lookup_hit_tokens_l1.inc(std::uint64_t{e.l1_hit_keys} * e.chunk_tokens);
-    s_->lookup_hit_tokens_l2.inc(std::uint64_t{e.l2_hit_keys} * e.chunk_tokens);
+    s_->lookup_hit_chunks_l1.inc(e.l1_hit_chunks);
+    s_->lookup_hit_chunks_l2.inc(e.l2_hit_chunks);
+    s_->lookup_hit_tokens_l1.inc(std::uint64_t{e.l1_hit_chunks} * e.chunk_tokens);
+    s_->lookup_hit_tokens_l2.inc(std::uint64_t{e.l2_hit_chunks} * e.chunk_tokens);
   }
   void on(const bus::cache_read_prefetched& e) noexcept {
     s_->cache_read_requests.inc();
@@ -221,13 +221,13 @@ class metrics_subscriber {
               r, "kvtier_l1_lock_expired_keys_total", "L1 locks released by their TTL", "lock",
               [](bus::lock_kind x) { return bus::name(x); })),
           lookups(r.add_counter("kvtier_lookups_total", "Cache lookups answered")),
-          lookup_requested_keys(r.add_counter("kvtier_lookup_requested_keys_total", "Chunks asked for by lookups")),
+          lookup_requested_chunks(r.add_counter("kvtier_lookup_requested_chunks_total", "Chunks asked for by lookups")),
           lookup_requested_tokens(
               r.add_counter("kvtier_lookup_requested_tokens_total", "Tokens asked for by lookups (full chunks)")),
-          lookup_hit_keys_l1(r.add_counter("kvtier_lookup_hit_keys_total", "Chunks a lookup found, by tier",
-                                           {{"tier", "l1"}})),
-          lookup_hit_keys_l2(r.add_counter("kvtier_lookup_hit_keys_total", "Chunks a lookup found, by tier",
-                                           {{"tier", "l2"}})),
+          lookup_hit_chunks_l1(r.add_counter("kvtier_lookup_hit_chunks_total", "Chunks a lookup found, by tier",
+                                             {{"tier", "l1"}})),
+          lookup_hit_chunks_l2(r.add_counter("kvtier_lookup_hit_chunks_total", "Chunks a lookup found, by tier",
+                                             {{"tier", "l2"}})),
           lookup_hit_tokens_l1(r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier",
                                              {{"tier", "l1"}})),
           lookup_hit_tokens_l2(r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier",
@@ -309,10 +309,10 @@ class metrics_subscriber {
     std::array<counter*, bus::allocation_purpose_count> l1_allocation_failed_keys;
     std::array<counter*, bus::lock_kind_count> l1_lock_expired_keys;
     counter& lookups;
-    counter& lookup_requested_keys;
+    counter& lookup_requested_chunks;
     counter& lookup_requested_tokens;
-    counter& lookup_hit_keys_l1;
-    counter& lookup_hit_keys_l2;
+    counter& lookup_hit_chunks_l1;
+    counter& lookup_hit_chunks_l2;
     counter& lookup_hit_tokens_l1;
     counter& lookup_hit_tokens_l2;
     counter& cache_read_requests;
