@@ -12,7 +12,7 @@
 
 namespace kvtier::test {
 
-/// Runs `a` on `io` until it and everything else queued on `io` finished; returns its value.
+/// Runs `io` until `a` completes (other work stays queued for the next run); returns its value.
 template <class T>
 T run_sync(boost::asio::io_context& io, boost::asio::awaitable<T> a) {
   std::optional<T> result;
@@ -20,10 +20,12 @@ T run_sync(boost::asio::io_context& io, boost::asio::awaitable<T> a) {
   boost::asio::co_spawn(io, std::move(a), [&](std::exception_ptr e, T v) {
     error = e;
     result.emplace(std::move(v));
+    io.stop();
   });
   io.restart();
   io.run();
   if (error) std::rethrow_exception(error);
+  if (!result) throw std::logic_error("run_sync: the awaitable did not complete");
   return std::move(*result);
 }
 
@@ -33,6 +35,7 @@ inline void run_sync(boost::asio::io_context& io, boost::asio::awaitable<void> a
   boost::asio::co_spawn(io, std::move(a), [&](std::exception_ptr e) {
     error = e;
     done = true;
+    io.stop();
   });
   io.restart();
   io.run();

@@ -1,0 +1,355 @@
+// The façade and both pipelines together, against memory backends (with the fault injector):
+// lookups (L1 prefix + L2 continuation), every trimming case of the prefetch plan, the four
+// counting rules (read off the metrics the bus exports), deadlines and hung backends, the
+// store policies, and abandoned writes.
+#include <kvtier/cache/tiered_cache.hpp>
+
+#include <kvtier/bus/event_bus.hpp>
+#include <kvtier/l1/policy/noop.hpp>
+#include <kvtier/l2/fault_injecting_backend.hpp>
+#include <kvtier/l2/memory_backend.hpp>
+#include <kvtier/telemetry/metrics_subscriber.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "support/asio.hpp"
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <cstring>
+#include <vector>
+
+using namespace kvtier;
+namespace asio = boost::asio;
+using kvtier::test::run_sync;
+
+namespace {
+
+constexpr std::size_t object_bytes = 8192;
+using metrics_bus = bus::basic_event_bus<telemetry::metrics_subscriber>;
+
+template <class Store = pipeline::write_through, class Wait = pipeline::wait_complete, class Eviction = l1::lru>
+struct traits : cache::default_traits {
+  using eviction_policy = Eviction;
+  using bus_type = metrics_bus;
+  using store_policy = Store;
+  using wait_policy = Wait;
+};
+
+chunk_key key(std::uint64_t i, std::uint16_t rank = 0, std::uint16_t ws = 1) {
+  return chunk_key{77, ws, rank, hash128{i, i * 31}};
+}
+
+std::vector<std::byte> payload(const chunk_key& k) {
+  std::vector<std::byte> b(object_bytes);
+  for (std::size_t j = 0; j < b.size(); ++j) b[j] = static_cast<std::byte>(k.hash.lo * 13 + k.rank * 7 + j);
+  return b;
+}
+
+template <class Traits = traits<>>
+struct fixture {
+  asio::io_context io;
+  telemetry::registry reg;
+  metrics_bus events{telemetry::metrics_subscriber{reg}};
+  std::shared_ptr<l2::memory_backend> mem;
+  std::shared_ptr<l2::fault_injecting_backend<l2::memory_backend>> faulty;
+  std::unique_ptr<cache::tiered_cache<Traits>> cache;
+
+  explicit fixture(std::size_t l1_slots = 64, typename cache::tiered_cache<Traits>::policies p = {},
+                   std::chrono::nanoseconds wait_cap = std::chrono::seconds(60)) {
+    mem = std::make_shared<l2::memory_backend>(io.get_executor(), l2::memory_backend_options{"mem", 1 << 26, 0, {}});
+    faulty = std::make_shared<l2::fault_injecting_backend<l2::memory_backend>>(*mem);
+    cache::cache_options o;
+    o.l1.slot_bytes = object_bytes;
+    o.l1.slot_count = l1_slots;
+    o.l1.eviction_watermark = 1.0;
+    o.l1.eviction_target = 0.9;
+    if constexpr (std::is_same_v<typename Traits::wait_policy, pipeline::wait_complete>) p.wait.cap = wait_cap;
+    cache = std::make_unique<cache::tiered_cache<Traits>>(io.get_executor(), o, events,
+                                                          std::vector<l2::any_backend>{l2::any_backend(faulty)}, p);
+  }
+
+  double metric(const char* name, const telemetry::label_pairs& l = {}) { return reg.value(name, l).value_or(-1); }
+
+  void put_l2(std::span<const chunk_key> keys) {
+    std::vector<std::vector<std::byte>> data;
+    for (const auto& k : keys) data.push_back(payload(k));
+    std::vector<std::span<const std::byte>> src(data.begin(), data.end());
+    run_sync(io, [&]() -> asio::awaitable<void> {
+      co_await mem->async_store(keys, src, l2::clock::now() + std::chrono::seconds(10),
+                                asio::as_tuple(asio::use_awaitable));
+    }());
+  }
+
+  // Writes keys into L1 through the façade (as a store from the engine would).
+  void put_l1(std::span<const chunk_key> keys) {
+    std::vector<l1::status> st(keys.size());
+    std::vector<std::span<std::byte>> buf(keys.size());
+    cache->reserve_write(keys, object_bytes, st, buf);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      REQUIRE(st[i] == l1::status::success);
+      const auto p = payload(keys[i]);
+      std::memcpy(buf[i].data(), p.data(), p.size());
+    }
+    cache->finish_write(keys, {}, st);
+    settle();
+  }
+
+  // Runs the io_context until the pipelines are idle.
+  void settle() {
+    run_sync(io, [&]() -> asio::awaitable<void> { co_await cache->wait_idle(); }());
+  }
+
+  cache::lookup_status lookup(std::span<const chunk_key> keys, std::size_t group = 1) {
+    cache::lookup_request r;
+    r.keys = keys;
+    r.group = group;
+    r.object_bytes = object_bytes;
+    r.chunk_tokens = 256;
+    const auto id = cache->start_lookup(r);
+    last_id = id;
+    auto [ec, st] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, cache::lookup_status>> {
+      co_return co_await cache->async_wait(id, asio::as_tuple(asio::use_awaitable));
+    }());
+    REQUIRE_FALSE(ec);
+    settle();
+    return st;
+  }
+
+  // Copies a locked object out and compares it with what was written.
+  bool serves_right_bytes(const chunk_key& k) {
+    std::vector<l1::status> st(1);
+    std::vector<std::span<const std::byte>> v(1);
+    if (cache->pin_for_copy(std::span(&k, 1), st, v) != 1) return false;
+    const auto p = payload(k);
+    const bool same = v[0].size() == p.size() && std::memcmp(v[0].data(), p.data(), p.size()) == 0;
+    cache->unpin_after_copy(std::span(&k, 1));
+    return same;
+  }
+
+  std::uint64_t last_id = 0;
+};
+
+std::vector<chunk_key> keys(std::uint64_t first, std::size_t n) {
+  std::vector<chunk_key> k;
+  for (std::size_t i = 0; i < n; ++i) k.push_back(key(first + i));
+  return k;
+}
+
+}  // namespace
+
+TEST_CASE("a lookup takes the L1 prefix, then continues from L2", "[cache]") {
+  fixture f;
+  const auto k = keys(0, 4);
+  f.put_l2(k);
+  f.put_l1(std::span(k).first(2));
+  const auto before_store = f.metric("kvtier_l2_store_keys_total", {{"backend", "mem"}});
+  const auto st = f.lookup(k);
+  CHECK(st.chunks == 4);
+  CHECK(st.l1_chunks == 2);
+  for (const auto& x : k) CHECK(f.serves_right_bytes(x));
+  // Counting rules: the lookup asked L2 for the 2 keys L1 lacked.
+  CHECK(f.metric("kvtier_l2_prefetch_lookups_total") == 1);
+  CHECK(f.metric("kvtier_l2_prefetch_lookup_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_hit_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_loaded_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_failed_keys_total") == 0);
+  CHECK(f.metric("kvtier_l2_prefetch_trimmed_keys_total") == 0);
+  CHECK(f.metric("kvtier_lookup_hit_chunks_total", {{"tier", "l1"}}) == 2);
+  CHECK(f.metric("kvtier_lookup_hit_chunks_total", {{"tier", "l2"}}) == 2);
+  CHECK(f.metric("kvtier_lookup_requested_tokens_total") == 4 * 256);
+  // Prefetched objects are never offered back to the store pipeline.
+  CHECK(f.metric("kvtier_l2_store_keys_total", {{"backend", "mem"}}) == before_store);
+  CHECK(f.metric("kvtier_l1_prefetched_keys_total") == 2);
+  f.cache->release_all(f.last_id);
+  CHECK(f.cache->status().lookups == 0);
+}
+
+TEST_CASE("an L2 hole trims the prefetch: hit keys are the pure prefix, trimmed keys counted apart", "[cache]") {
+  fixture f;
+  const auto k = keys(10, 5);
+  std::vector<chunk_key> in_l2 = {k[0], k[1], k[3], k[4]};
+  f.put_l2(in_l2);
+  const auto st = f.lookup(k);
+  CHECK(st.chunks == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_hit_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_trimmed_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_loaded_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_failed_keys_total") == 0);
+  CHECK(f.mem->pins(k[3]) == 0);  // trimmed keys were unpinned
+  CHECK(f.mem->pins(k[0]) == 0);  // loaded keys too, once loaded
+}
+
+TEST_CASE("L1 out of memory trims after reservation without touching the L2 hit count", "[cache]") {
+  fixture<traits<pipeline::write_through, pipeline::wait_complete, l1::noop>> f(2);  // two slots, never evicts
+  const auto k = keys(20, 4);
+  f.put_l2(k);
+  const auto st = f.lookup(k);
+  CHECK(st.chunks == 0);  // the whole batch did not fit: all or nothing
+  CHECK(f.metric("kvtier_l2_prefetch_hit_keys_total") == 4);   // pure L2 prefix
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 0);  // nothing submitted
+  CHECK(f.metric("kvtier_l2_prefetch_trimmed_keys_total") == 4);
+  CHECK(f.metric("kvtier_l2_prefetch_failed_keys_total") == 0);  // not submitted, not failed
+  CHECK(f.metric("kvtier_l2_prefetch_failure_keys_total", {{"reason", "l1_out_of_memory"}}) == 4);
+  CHECK(f.metric("kvtier_l1_allocation_failures_total", {{"purpose", "prefetch"}}) == 1);
+}
+
+TEST_CASE("a failed load counts only submitted keys; loaded keys after the hole are released", "[cache]") {
+  fixture f;
+  const auto k = keys(30, 3);
+  f.put_l2(k);
+  f.faulty->inject({.op = l2::fault_op::load,
+                    .kind = l2::fault_kind::fail,
+                    .match = [&](const chunk_key& x) { return x == k[1]; },
+                    .outcome = l2::key_outcome::io_error});
+  const auto st = f.lookup(k);
+  CHECK(st.chunks == 1);
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 3);
+  CHECK(f.metric("kvtier_l2_prefetch_loaded_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_failed_keys_total") == 1);
+  CHECK(f.metric("kvtier_l2_prefetch_failure_keys_total", {{"reason", "io_error"}}) == 1);
+  CHECK(f.serves_right_bytes(k[0]));
+  CHECK(f.cache->l1().state(k[1]) == l1::object_state::absent);  // abandoned, never readable
+  CHECK(f.cache->l1().state(k[2]) == l1::object_state::absent);  // temporary, released: freed
+  CHECK(f.metric("kvtier_l1_evicted_keys_total", {{"reason", "abandoned"}}) == 1);
+}
+
+TEST_CASE("a corrupt object is a miss, never served", "[cache]") {
+  fixture f;
+  const auto k = keys(40, 2);
+  f.put_l2(k);
+  f.faulty->inject({.op = l2::fault_op::load,
+                    .kind = l2::fault_kind::corrupt,
+                    .match = [&](const chunk_key& x) { return x == k[0]; }});
+  const auto st = f.lookup(k);
+  CHECK(st.chunks == 0);
+  CHECK(f.metric("kvtier_l2_prefetch_failure_keys_total", {{"reason", "corrupt_object"}}) == 1);
+  CHECK(f.cache->l1().state(k[0]) == l1::object_state::absent);
+  CHECK(f.mem->usage().objects == 1);  // the corrupt copy was dropped from L2
+}
+
+TEST_CASE("a hung backend does not hang the lookup, and its late read never lands in a reused slot", "[cache]") {
+  fixture<traits<pipeline::write_through, pipeline::wait_complete>> f(64, {}, std::chrono::milliseconds(50));
+  const auto k = keys(50, 2);
+  f.put_l2(k);
+  f.faulty->inject({.op = l2::fault_op::load, .kind = l2::fault_kind::hang});
+  cache::lookup_request r;
+  r.keys = k;
+  r.object_bytes = object_bytes;
+  r.chunk_tokens = 256;
+  const auto id = f.cache->start_lookup(r);
+  auto [ec, st] = run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code, cache::lookup_status>> {
+    co_return co_await f.cache->async_wait(id, asio::as_tuple(asio::use_awaitable));
+  }());
+  CHECK_FALSE(ec);
+  CHECK(st.chunks == 0);  // answered at the wait budget with what landed: nothing
+  REQUIRE(f.faulty->hung() == 1);
+  // The slots stay reserved while the kernel (here: the hung backend) may write them.
+  CHECK(f.cache->l1().state(k[0]) == l1::object_state::write_locked);
+  CHECK(f.cache->l1().state(k[1]) == l1::object_state::write_locked);
+  CHECK(f.metric("kvtier_l2_prefetch_loaded_keys_total") == 0);  // not complete yet: not counted
+  f.faulty->release_hung();
+  f.settle();
+  // The late read landed in the still-reserved slots, which were then dropped, unread.
+  CHECK(f.cache->l1().state(k[0]) == l1::object_state::absent);
+  CHECK(f.cache->l1().usage().slots_used == 0);
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_loaded_keys_total") == 0);
+  CHECK(f.metric("kvtier_l2_prefetch_failed_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_failure_keys_total", {{"reason", "timeout"}}) == 2);
+}
+
+TEST_CASE("best_effort answers from L1 at once and keeps what L2 brings for later", "[cache]") {
+  fixture<traits<pipeline::write_through, pipeline::best_effort>> f;
+  const auto k = keys(60, 3);
+  f.put_l2(k);
+  const auto st = f.lookup(k);
+  CHECK(st.chunks == 0);
+  CHECK(f.metric("kvtier_l2_prefetch_loaded_keys_total") == 3);
+  for (const auto& x : k) CHECK(f.cache->l1().state(x) == l1::object_state::ready);
+  CHECK(f.metric("kvtier_l2_store_keys_total", {{"backend", "mem"}}) == 0);  // not re-stored
+  f.cache->release_all(f.last_id);
+  const auto again = f.lookup(k);  // now an L1 hit
+  CHECK(again.chunks == 3);
+  CHECK(again.l1_chunks == 3);
+}
+
+TEST_CASE("with world size 2 a chunk is a hit only when both shards are present", "[cache]") {
+  fixture f;
+  std::vector<chunk_key> k;
+  for (std::uint64_t c = 0; c < 3; ++c)
+    for (std::uint16_t r = 0; r < 2; ++r) k.push_back(key(70 + c, r, 2));
+  std::vector<chunk_key> in_l2 = {k[0], k[1], k[2], k[4], k[5]};  // chunk 1 lacks rank 1
+  f.put_l2(in_l2);
+  const auto st = f.lookup(k, 2);
+  CHECK(st.chunks == 1);
+  CHECK(f.cache->l1().state(k[2]) == l1::object_state::absent);  // partial chunk given back
+  CHECK(f.metric("kvtier_lookup_requested_chunks_total") == 3);
+  CHECK(f.metric("kvtier_lookup_hit_chunks_total", {{"tier", "l2"}}) == 1);
+}
+
+TEST_CASE("write_through stores written keys in L2 and keeps them in L1", "[cache][store]") {
+  fixture f;
+  const auto k = keys(100, 5);
+  f.put_l1(k);
+  CHECK(f.metric("kvtier_l2_store_keys_total", {{"backend", "mem"}}) == 5);
+  CHECK(f.metric("kvtier_l2_store_succeeded_keys_total", {{"backend", "mem"}}) == 5);
+  CHECK(f.metric("kvtier_l2_store_failed_keys_total", {{"backend", "mem"}}) == 0);
+  CHECK(f.mem->usage().objects == 5);
+  for (const auto& x : k) CHECK(f.cache->l1().state(x) == l1::object_state::ready);
+  CHECK(f.metric("kvtier_l1_write_keys_total") == 5);
+}
+
+TEST_CASE("skip_l1 drops keys from L1 once L2 has them; a later lookup loads them back", "[cache][store]") {
+  fixture<traits<pipeline::skip_l1, pipeline::wait_complete, l1::noop>> f;
+  const auto k = keys(110, 4);
+  f.put_l1(k);
+  CHECK(f.mem->usage().objects == 4);
+  for (const auto& x : k) CHECK(f.cache->l1().state(x) == l1::object_state::absent);
+  CHECK(f.metric("kvtier_l1_evicted_keys_total", {{"reason", "deleted"}}) == 4);
+  const auto st = f.lookup(k);
+  CHECK(st.chunks == 4);
+  CHECK(f.metric("kvtier_l2_prefetch_loaded_keys_total") == 4);
+  for (const auto& x : k) CHECK(f.serves_right_bytes(x));
+}
+
+TEST_CASE("a failed store is counted, not retried, and L1 keeps the data", "[cache][store]") {
+  fixture f;
+  f.faulty->inject({.op = l2::fault_op::store, .kind = l2::fault_kind::fail, .outcome = l2::key_outcome::no_space});
+  const auto k = keys(120, 3);
+  f.put_l1(k);
+  CHECK(f.metric("kvtier_l2_store_keys_total", {{"backend", "mem"}}) == 3);
+  CHECK(f.metric("kvtier_l2_store_failed_keys_total", {{"backend", "mem"}}) == 3);
+  CHECK(f.metric("kvtier_l2_store_succeeded_keys_total", {{"backend", "mem"}}) == 0);
+  CHECK(f.mem->usage().objects == 0);
+  for (const auto& x : k) CHECK(f.cache->l1().state(x) == l1::object_state::ready);
+  CHECK(f.cache->status().store_inflight_tasks == 0);
+}
+
+TEST_CASE("selective stores a chunk once it has been seen twice", "[cache][store]") {
+  fixture<traits<pipeline::selective<2>>> f;
+  const auto k = keys(130, 2);
+  f.put_l1(k);
+  CHECK(f.mem->usage().objects == 0);
+  f.lookup(k);  // an L1 hit is the second sighting
+  f.cache->release_all(f.last_id);
+  f.settle();
+  CHECK(f.mem->usage().objects == 2);
+}
+
+TEST_CASE("an abandoned write is never readable and never stored", "[cache][store]") {
+  fixture f;
+  const auto k = keys(140, 2);
+  std::vector<l1::status> st(2);
+  std::vector<std::span<std::byte>> buf(2);
+  REQUIRE(f.cache->reserve_write(k, object_bytes, st, buf) == 2);
+  f.cache->abandon_write(k);
+  f.settle();
+  CHECK(f.cache->l1().state(k[0]) == l1::object_state::absent);
+  CHECK(f.metric("kvtier_l2_store_keys_total", {{"backend", "mem"}}) == 0);
+  CHECK(f.metric("kvtier_cache_write_finish_failed_keys_total") == 2);
+}
