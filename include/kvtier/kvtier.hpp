@@ -11,6 +11,7 @@
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_transfer.hpp>
 #include <kvtier/core/slot_allocator.hpp>
 #include <kvtier/core/token_hasher.hpp>
 

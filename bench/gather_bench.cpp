@@ -1,0 +1,302 @@
+// kvtier_bench_gather: bytes/s of gather_chunk and scatter_chunk (core/kv_transfer.hpp) next
+// to one memcpy of the same total bytes, with cold source and destination.
+//
+// Two shapes, block size 16, 256-token chunks, bf16:
+//   8b    32 layers, 8 KV heads, head dim 128: 32 MiB chunks, 32 KiB block segments
+//   05b   24 layers, 2 KV heads, head dim 64:   3 MiB chunks,  4 KiB block segments
+// Per shape: a paged KV region and a pool of chunk objects, each at least 4x the last-level
+// cache (sysfs cpu0/cache/index3/size, 32 MiB when absent), filled before timing. Every
+// chunk is a random set of blocks (a long-running engine's free list is shuffled, so block
+// ids are rarely consecutive). Each timed sweep copies `sweep` chunks; a global cursor
+// rotates chunk objects and blocks through the whole working set, so a chunk's object and
+// blocks were last touched one rotation (>= 4x LLC of traffic) ago. (The memcpy reads region
+// slice c, whose blocks belong to random chunks: under 10% of it was touched by the last few
+// copies.) One repeat runs memcpy, gather, memcpy,
+// scatter; a ratio x_vs_memcpy is the median over repeats of x_i / memcpy_i (the memcpy
+// just before x). The memcpy copies one whole chunk (object_bytes) from the region into an
+// object in one call.
+//
+//   kvtier_bench_gather [--quick] [--repeats=N] [--explore[=<substring of variant names>]]
+//     --quick    5 repeats instead of 21 (--repeats sets any number)
+//     --explore  also measures the variants tried while optimising (docs/performance.md):
+//                per-segment memcpy with per-segment index math, hoisted memcpy, streaming
+//                AVX-512 and AVX2 stores with 0-64 lines of the next segment prefetched,
+//                consecutive block ids (runs merged into one copy), and one streaming copy
+//                of a whole contiguous chunk (the limit for a copy that streams)
+//
+// Ends with RESULT lines: <op>_<shape>_gbps (medians) and <op>_vs_memcpy_<shape>.
+#include <kvtier/core/buffer.hpp>
+#include <kvtier/core/kv_transfer.hpp>
+
+#include <common/results.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace {
+
+using namespace kvtier;
+using clock_type = std::chrono::steady_clock;
+
+std::size_t llc_bytes() {
+  std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index3/size");
+  std::string s;
+  if (!(f >> s) || s.empty()) return std::size_t{32} << 20;
+  std::size_t mult = 1;
+  if (s.back() == 'K') mult = 1024, s.pop_back();
+  else if (s.back() == 'M') mult = std::size_t{1} << 20, s.pop_back();
+  else if (s.back() == 'G') mult = std::size_t{1} << 30, s.pop_back();
+  try {
+    const std::size_t v = std::stoull(s) * mult;
+    return v ? v : std::size_t{32} << 20;
+  } catch (...) {
+    return std::size_t{32} << 20;
+  }
+}
+
+struct shape_case {
+  const char* name;
+  model_shape model;
+};
+
+/// One shape's working set: paged region, object pool, block lists.
+class fixture {
+ public:
+  fixture(const model_shape& m, std::size_t ws_bytes, std::uint32_t block_size, std::uint32_t chunk_tokens,
+          bool consecutive_ids)
+      : chunk_{m, chunk_tokens} {
+    const std::size_t obj = chunk_.object_bytes();
+    num_chunks_ = (ws_bytes + obj - 1) / obj;
+    const std::uint32_t per_chunk = chunk_tokens / block_size;
+    layout_ = paged_kv_layout{m, block_size, static_cast<std::uint32_t>(num_chunks_ * per_chunk)};
+    region_ = aligned_buffer(layout_.total_bytes());
+    objects_ = aligned_buffer(num_chunks_ * obj);
+    // Touch everything before timing (page faults are not what we measure).
+    std::memset(region_.data(), 0x5a, region_.size());
+    std::memset(objects_.data(), 0xa5, objects_.size());
+    for (std::uint32_t l = 0; l < m.num_layers; ++l) layers_.push_back(region_.data() + l * layout_.layer_bytes());
+    std::vector<std::uint32_t> all(layout_.num_blocks);
+    std::iota(all.begin(), all.end(), 0u);
+    if (!consecutive_ids) std::shuffle(all.begin(), all.end(), std::mt19937_64{42});
+    for (std::size_t c = 0; c < num_chunks_; ++c)
+      blocks_.emplace_back(all.begin() + c * per_chunk, all.begin() + (c + 1) * per_chunk);
+  }
+
+  [[nodiscard]] paged_kv_view view() const { return {layout_, layers_}; }
+  [[nodiscard]] const chunk_layout& chunk() const { return chunk_; }
+  [[nodiscard]] std::size_t num_chunks() const { return num_chunks_; }
+  [[nodiscard]] std::size_t working_set() const { return region_.size() + objects_.size(); }
+
+  /// The next chunk in rotation: its blocks, its object, the region bytes a memcpy reads.
+  struct slot {
+    std::span<const std::uint32_t> blocks;
+    std::byte* object;
+    std::byte* region_slice;
+  };
+  slot next() {
+    const std::size_t c = cursor_++ % num_chunks_;
+    return {blocks_[c], objects_.data() + c * chunk_.object_bytes(), region_.data() + c * chunk_.object_bytes()};
+  }
+
+ private:
+  chunk_layout chunk_;
+  paged_kv_layout layout_;
+  std::size_t num_chunks_ = 0;
+  aligned_buffer region_;
+  aligned_buffer objects_;
+  std::vector<std::byte*> layers_;
+  std::vector<std::vector<std::uint32_t>> blocks_;
+  std::size_t cursor_ = 0;
+};
+
+/// One way to copy a chunk, timed over a sweep.
+using chunk_op = std::function<void(fixture&, const fixture::slot&)>;
+
+void check(std::error_code ec) {
+  if (ec) {
+    std::fprintf(stderr, "transfer failed: %s\n", ec.message().c_str());
+    std::exit(1);
+  }
+}
+
+/// GB/s of `op` over `sweep` chunks.
+double run_sweep(fixture& f, std::size_t sweep, const chunk_op& op) {
+  const auto t0 = clock_type::now();
+  for (std::size_t i = 0; i < sweep; ++i) op(f, f.next());
+  const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+  return static_cast<double>(sweep * f.chunk().object_bytes()) / s / 1e9;
+}
+
+const chunk_op op_memcpy = [](fixture& f, const fixture::slot& s) {
+  std::memcpy(s.object, s.region_slice, f.chunk().object_bytes());
+};
+const chunk_op op_gather = [](fixture& f, const fixture::slot& s) {
+  check(gather_chunk(f.view(), s.blocks, f.chunk(), s.object));
+};
+const chunk_op op_scatter = [](fixture& f, const fixture::slot& s) {
+  check(scatter_chunk(f.view(), s.blocks, f.chunk(), s.object));
+};
+
+// ---- variants tried while optimising (--explore) ----------------------------------------
+
+/// The first version: one memcpy per segment, offsets recomputed per segment from the
+/// layout helpers (no hoisting, no run merging).
+template <bool Gather>
+void naive_copy(fixture& f, const fixture::slot& s) {
+  const paged_kv_view v = f.view();
+  const chunk_layout& c = f.chunk();
+  const std::size_t seg = v.layout.segment_bytes();
+  for (std::uint32_t l = 0; l < c.model.num_layers; ++l)
+    for (std::uint32_t p = 0; p < c.model.planes(); ++p)
+      for (std::uint32_t i = 0; i < s.blocks.size(); ++i) {
+        std::byte* paged = v.layers[l] + v.layout.offset_in_layer(p, s.blocks[i]);
+        std::byte* obj = s.object + c.offset(l, p, i * v.layout.block_size);
+        if constexpr (Gather)
+          std::memcpy(obj, paged, seg);
+        else
+          std::memcpy(paged, obj, seg);
+      }
+}
+
+template <bool Gather>
+chunk_op with_mode(transfer_write mode) {
+  return [mode](fixture& f, const fixture::slot& s) {
+    if constexpr (Gather)
+      check(gather_chunk(f.view(), s.blocks, f.chunk(), s.object, 0, {mode}));
+    else
+      check(scatter_chunk(f.view(), s.blocks, f.chunk(), s.object, 0, {mode}));
+  };
+}
+
+template <bool Gather>
+chunk_op with_copy(detail::copy_function copy, std::size_t prefetch_lines) {
+  return [copy, prefetch_lines](fixture& f, const fixture::slot& s) {
+    if constexpr (Gather)
+      detail::copy_chunk<true>(f.view(), s.blocks, f.chunk(), s.object, 0, copy, prefetch_lines);
+    else
+      detail::copy_chunk<false>(f.view(), s.blocks, f.chunk(), static_cast<const std::byte*>(s.object), 0, copy,
+                                prefetch_lines);
+    detail::store_fence();
+  };
+}
+
+struct variant {
+  std::string name;
+  chunk_op op;
+  bool consecutive = false;  ///< run on a fixture whose chunks have consecutive block ids
+};
+
+void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, const std::string& only) {
+  fixture f(sc.model, ws, 16, 256, false);
+  const std::size_t obj = f.chunk().object_bytes();
+  // ~256 MiB per sweep: 8 chunks of 32 MiB, 85 of 3 MiB; tens of ms at 10 GB/s.
+  const std::size_t sweep = std::max<std::size_t>(1, (std::size_t{256} << 20) / obj);
+  std::printf("shape %s: chunk %zu KiB, segment %zu KiB, %zu chunks in rotation, working set %zu MiB, "
+              "%zu chunks per sweep, %d repeats\n",
+              sc.name, obj >> 10, f.view().layout.segment_bytes() >> 10, f.num_chunks(), f.working_set() >> 20,
+              sweep, repeats);
+  // Warm up code paths and the CPU probe.
+  run_sweep(f, 2, op_memcpy);
+  run_sweep(f, 2, op_gather);
+  run_sweep(f, 2, op_scatter);
+
+  std::vector<double> mg, g, ms, s;
+  for (int r = 0; r < repeats; ++r) {
+    mg.push_back(run_sweep(f, sweep, op_memcpy));
+    g.push_back(run_sweep(f, sweep, op_gather));
+    ms.push_back(run_sweep(f, sweep, op_memcpy));
+    s.push_back(run_sweep(f, sweep, op_scatter));
+  }
+  std::vector<double> m = mg;
+  m.insert(m.end(), ms.begin(), ms.end());
+  const std::string n = sc.name;
+  bench::print_result("memcpy_" + n + "_gbps", bench::median(m));
+  bench::print_result("gather_" + n + "_gbps", bench::median(g));
+  bench::print_result("scatter_" + n + "_gbps", bench::median(s));
+  bench::print_result("gather_vs_memcpy_" + n, bench::median_ratio(g, mg));
+  bench::print_result("scatter_vs_memcpy_" + n, bench::median_ratio(s, ms));
+
+  if (!explore) return;
+  std::vector<variant> vars;
+  for (int dir = 0; dir < 2; ++dir) {
+    const bool gather = dir == 0;
+    const std::string d = gather ? "gather" : "scatter";
+    auto pick = [&](auto gather_op, auto scatter_op) { return gather ? chunk_op(gather_op) : chunk_op(scatter_op); };
+    if (gather)  // the physical limit of a copy that writes around the cache: one whole chunk
+      vars.push_back({"contiguous_streaming_copy", [](fixture& ff, const fixture::slot& sl) {
+                        detail::select_copy(transfer_write::streaming, 0)(sl.object, sl.region_slice,
+                                                                      ff.chunk().object_bytes());
+                        detail::store_fence();
+                      }});
+    vars.push_back({d + "_naive_memcpy", pick(naive_copy<true>, naive_copy<false>)});
+    vars.push_back({d + "_hoisted_memcpy", pick(with_copy<true>(&detail::copy_cached, 0),
+                                                 with_copy<false>(&detail::copy_cached, 0))});
+    if (gather)
+      vars.push_back({d + "_hoisted_memcpy_prefetch8", pick(with_copy<true>(&detail::copy_cached, 8),
+                                                             with_copy<false>(&detail::copy_cached, 8))});
+    for (const auto& c : detail::available_copies()) {
+      if (std::string_view(c.name) == "memcpy") continue;
+      for (std::size_t lines : {0, 4, 8, 16, 64}) {
+        if (!gather && lines) continue;  // scatter prefetches nothing: it reads the object in order
+        vars.push_back({d + "_" + c.name + "_prefetch" + std::to_string(lines),
+                        pick(with_copy<true>(c.copy, lines), with_copy<false>(c.copy, lines))});
+      }
+    }
+    vars.push_back({d + "_consecutive_ids_cached", pick(with_mode<true>(transfer_write::cached),
+                                                         with_mode<false>(transfer_write::cached)),
+                    true});
+    vars.push_back({d + "_consecutive_ids_auto", pick(with_mode<true>(transfer_write::automatic),
+                                                       with_mode<false>(transfer_write::automatic)),
+                    true});
+  }
+  std::erase_if(vars, [&](const variant& v) { return v.name.find(only) == std::string::npos; });
+  fixture fc(sc.model, ws, 16, 256, true);
+  std::vector<std::vector<double>> vr(vars.size()), vm(vars.size());
+  for (int r = 0; r < repeats; ++r)
+    for (std::size_t k = 0; k < vars.size(); ++k) {
+      fixture& ff = vars[k].consecutive ? fc : f;
+      vm[k].push_back(run_sweep(ff, sweep, op_memcpy));
+      vr[k].push_back(run_sweep(ff, sweep, vars[k].op));
+    }
+  for (std::size_t k = 0; k < vars.size(); ++k)
+    std::printf("  %-40s %7.2f GB/s  memcpy %7.2f GB/s  ratio %.3f\n", vars[k].name.c_str(), bench::median(vr[k]),
+                bench::median(vm[k]), bench::median_ratio(vr[k], vm[k]));
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false, explore = false;
+  int repeats = 21;
+  std::string only;  // --explore=<substring>: only the variants whose name contains it
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--quick") quick = true;
+    else if (a == "--explore") explore = true;
+    else if (a.starts_with("--explore=")) explore = true, only = a.substr(10);
+    else if (a.starts_with("--repeats=")) repeats = std::max(1, std::atoi(a.c_str() + 10));
+    else {
+      std::fprintf(stderr, "usage: %s [--quick] [--repeats=N] [--explore[=<substring>]]\n", argv[0]);
+      return 2;
+    }
+  }
+  if (quick) repeats = 5;
+  const std::size_t llc = llc_bytes();
+  const std::size_t ws = 4 * llc;  // per buffer: the region, and the object pool
+  std::printf("LLC %zu MiB; region and object pool each >= %zu MiB\n", llc >> 20, ws >> 20);
+  const shape_case shapes[] = {
+      {"8b", {32, 8, 128, 2, attention_kind::mha}},
+      {"05b", {24, 2, 64, 2, attention_kind::mha}},
+  };
+  for (const auto& sc : shapes) run_shape(sc, ws, repeats, explore, only);
+}

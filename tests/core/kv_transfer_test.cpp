@@ -1,0 +1,458 @@
+#include <kvtier/core/kv_transfer.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <span>
+#include <string>
+#include <system_error>
+#include <vector>
+
+using namespace kvtier;
+
+namespace {
+
+constexpr std::byte sentinel{0xee};
+
+/// Fills bytes with a cheap pseudo-random sequence (splitmix64): distinct bytes everywhere,
+/// so a byte copied from or to the wrong place shows.
+void fill_random(std::span<std::byte> bytes, std::uint64_t seed) {
+  for (std::size_t i = 0; i < bytes.size(); i += 8) {
+    std::uint64_t z = (seed += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    std::memcpy(bytes.data() + i, &z, std::min<std::size_t>(8, bytes.size() - i));
+  }
+}
+
+/// An engine's paged KV cache in test memory: one allocation per layer (not contiguous,
+/// optionally at an odd offset inside it), or all layers back to back like a kv region.
+class test_cache {
+ public:
+  test_cache(const paged_kv_layout& layout, std::uint64_t seed, bool contiguous, std::size_t misalign = 0)
+      : layout_(layout) {
+    const std::size_t lb = layout.layer_bytes();
+    if (contiguous) {
+      storage_.emplace_back(lb * layout.model.num_layers + misalign);
+      for (std::uint32_t l = 0; l < layout.model.num_layers; ++l)
+        layers_.push_back(storage_[0].data() + misalign + l * lb);
+    } else {
+      for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) {
+        storage_.emplace_back(lb + misalign + 64);
+        layers_.push_back(storage_.back().data() + misalign);
+      }
+      std::reverse(storage_.begin(), storage_.end());  // pointers keep their targets
+    }
+    fill(seed);
+  }
+
+  void fill(std::uint64_t seed) {
+    for (auto& s : storage_) fill_random(s, seed++ * 1000003);
+  }
+  void fill_with(std::byte v) {
+    for (auto& s : storage_) std::fill(s.begin(), s.end(), v);
+  }
+
+  [[nodiscard]] paged_kv_view view() const { return {layout_, layers_}; }
+  [[nodiscard]] const paged_kv_layout& layout() const { return layout_; }
+  [[nodiscard]] std::byte* layer(std::uint32_t l) const { return layers_[l]; }
+  /// Every byte of the cache, padding included, for whole-state comparisons.
+  [[nodiscard]] std::vector<std::byte> snapshot() const {
+    std::vector<std::byte> all;
+    for (const auto& s : storage_) all.insert(all.end(), s.begin(), s.end());
+    return all;
+  }
+
+ private:
+  paged_kv_layout layout_;
+  std::vector<std::vector<std::byte>> storage_;
+  std::vector<std::byte*> layers_;
+};
+
+/// The trivially correct gather: byte by byte, straight from the layout definitions.
+void reference_gather(const test_cache& cache, const std::vector<std::uint32_t>& ids, const chunk_layout& chunk,
+                      std::byte* object, std::uint32_t skip) {
+  const auto& L = cache.layout();
+  const std::size_t tpb = L.model.token_plane_bytes();
+  for (std::uint32_t l = 0; l < L.model.num_layers; ++l)
+    for (std::uint32_t p = 0; p < L.model.planes(); ++p)
+      for (std::uint32_t i = 0; i < ids.size(); ++i)
+        for (std::uint32_t t = 0; t < L.block_size; ++t) {
+          const std::uint32_t token = i * L.block_size + t;
+          if (token < skip) continue;
+          for (std::size_t b = 0; b < tpb; ++b)
+            object[chunk.offset(l, p, token) + b] = cache.layer(l)[L.offset_in_layer(p, ids[i], t) + b];
+        }
+}
+
+/// The trivially correct scatter.
+void reference_scatter(const test_cache& cache, const std::vector<std::uint32_t>& ids, const chunk_layout& chunk,
+                       const std::byte* object, std::uint32_t skip) {
+  const auto& L = cache.layout();
+  const std::size_t tpb = L.model.token_plane_bytes();
+  for (std::uint32_t l = 0; l < L.model.num_layers; ++l)
+    for (std::uint32_t p = 0; p < L.model.planes(); ++p)
+      for (std::uint32_t i = 0; i < ids.size(); ++i)
+        for (std::uint32_t t = 0; t < L.block_size; ++t) {
+          const std::uint32_t token = i * L.block_size + t;
+          if (token < skip) continue;
+          for (std::size_t b = 0; b < tpb; ++b)
+            cache.layer(l)[L.offset_in_layer(p, ids[i], t) + b] = object[chunk.offset(l, p, token) + b];
+        }
+}
+
+enum class id_order { consecutive, reversed, shuffled, repeated };
+
+std::vector<std::uint32_t> make_ids(std::size_t n, std::uint32_t num_blocks, id_order order, std::uint64_t seed) {
+  std::vector<std::uint32_t> all(num_blocks);
+  std::iota(all.begin(), all.end(), 0u);
+  std::mt19937_64 rng(seed);
+  std::vector<std::uint32_t> ids;
+  switch (order) {
+    case id_order::consecutive: {  // one run starting at a random block
+      const std::uint32_t start = static_cast<std::uint32_t>(rng() % (num_blocks - n + 1));
+      ids.assign(all.begin() + start, all.begin() + start + static_cast<std::ptrdiff_t>(n));
+      break;
+    }
+    case id_order::reversed:
+      ids.assign(all.rbegin(), all.rbegin() + static_cast<std::ptrdiff_t>(n));
+      break;
+    case id_order::shuffled:  // non-contiguous, with the odd accidental run
+      std::shuffle(all.begin(), all.end(), rng);
+      ids.assign(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(n));
+      break;
+    case id_order::repeated:  // few distinct blocks, each used several times
+      for (std::size_t i = 0; i < n; ++i) ids.push_back(static_cast<std::uint32_t>(rng() % std::min<std::uint32_t>(3, num_blocks)));
+      break;
+  }
+  return ids;
+}
+
+struct transfer_case {
+  std::string name;
+  model_shape model;
+  std::uint32_t block_size;
+  std::uint32_t blocks_per_chunk;
+  std::uint32_t num_blocks;
+};
+
+std::vector<transfer_case> transfer_cases() {
+  return {
+      {"MHA, block size 1, one block", {3, 2, 4, 2, attention_kind::mha}, 1, 1, 5},
+      {"MHA, block size 1, many blocks", {3, 2, 4, 2, attention_kind::mha}, 1, 37, 50},
+      {"MHA, block size 16, one block", {4, 2, 8, 2, attention_kind::mha}, 16, 1, 4},
+      {"MHA, block size 16, many blocks", {4, 2, 8, 2, attention_kind::mha}, 16, 16, 40},
+      {"MHA, block size 64, fp32", {2, 1, 16, 4, attention_kind::mha}, 64, 3, 9},
+      {"MHA, odd token bytes (fp8, 3 x 5)", {2, 3, 5, 1, attention_kind::mha}, 16, 5, 11},
+      {"MLA, block size 1", {2, 1, 10, 1, attention_kind::mla}, 1, 9, 12},
+      {"MLA, block size 16", {3, 1, 72, 2, attention_kind::mla}, 16, 4, 10},
+      {"MLA, block size 64, one block", {2, 1, 36, 2, attention_kind::mla}, 64, 1, 3},
+      // The 8B model's 32 KiB segments (2 layers only, to stay quick).
+      {"MHA, 8B-like segments", {2, 8, 128, 2, attention_kind::mha}, 16, 4, 6},
+  };
+}
+
+/// Skip values worth testing for a chunk: none, one token, mid-block, a block multiple,
+/// one short of everything, everything.
+std::vector<std::uint32_t> skips_for(std::uint32_t chunk_tokens, std::uint32_t block_size) {
+  std::vector<std::uint32_t> s{0, 1, block_size / 2 + 1, block_size, chunk_tokens - 1, chunk_tokens};
+  std::erase_if(s, [&](std::uint32_t v) { return v > chunk_tokens; });
+  std::sort(s.begin(), s.end());
+  s.erase(std::unique(s.begin(), s.end()), s.end());
+  return s;
+}
+
+const char* mode_name(transfer_write m) {
+  switch (m) {
+    case transfer_write::automatic: return "automatic";
+    case transfer_write::cached: return "cached";
+    case transfer_write::streaming: return "streaming";
+  }
+  return "?";
+}
+
+}  // namespace
+
+TEST_CASE("gather and scatter match a byte-by-byte reference for every shape, id order, skip and write mode",
+          "[core][kv_transfer]") {
+  std::uint64_t seed = 1;
+  for (const auto& tc : transfer_cases()) {
+    const paged_kv_layout layout{tc.model, tc.block_size, tc.num_blocks};
+    const chunk_layout chunk{tc.model, tc.block_size * tc.blocks_per_chunk};
+    REQUIRE(layout.validation_error().empty());
+    REQUIRE(layout.compatibility_error(chunk).empty());
+    for (id_order order : {id_order::consecutive, id_order::reversed, id_order::shuffled, id_order::repeated})
+      for (std::uint32_t skip : skips_for(chunk.chunk_tokens, tc.block_size))
+        for (transfer_write mode : {transfer_write::automatic, transfer_write::cached, transfer_write::streaming}) {
+          ++seed;
+          const bool contiguous = seed % 2 == 0;
+          const std::size_t misalign = seed % 3 == 0 ? 3 : 0;  // unaligned layer and object bases
+          INFO(tc.name << ", order " << static_cast<int>(order) << ", skip " << skip << ", mode " << mode_name(mode)
+                       << (contiguous ? ", contiguous layers" : ", separate layers") << ", misalign " << misalign);
+          const auto ids = make_ids(tc.blocks_per_chunk, tc.num_blocks, order, seed);
+          test_cache cache(layout, seed, contiguous, misalign);
+
+          // Gather: the skipped prefix of the object keeps its sentinel.
+          std::vector<std::byte> obj_buf(chunk.object_bytes() + misalign, sentinel);
+          std::vector<std::byte> expected = obj_buf;
+          std::byte* obj = obj_buf.data() + misalign;
+          REQUIRE(gather_chunk(cache.view(), ids, chunk, obj, skip, {mode}) == std::error_code{});
+          reference_gather(cache, ids, chunk, expected.data() + misalign, skip);
+          REQUIRE(obj_buf == expected);
+
+          // Scatter into a cache filled with a sentinel (tokens that are skipped stay so),
+          // and into a copy with the reference.
+          test_cache dst(layout, 0, !contiguous, misalign);
+          test_cache ref(layout, 0, !contiguous, misalign);
+          dst.fill_with(sentinel);
+          ref.fill_with(sentinel);
+          // A distinct object, so repeated ids are not trivially the same bytes.
+          std::vector<std::byte> src_buf(chunk.object_bytes() + misalign);
+          fill_random(src_buf, seed * 7);
+          const std::byte* src = src_buf.data() + misalign;
+          REQUIRE(scatter_chunk(dst.view(), ids, chunk, src, skip, {mode}) == std::error_code{});
+          reference_scatter(ref, ids, chunk, src, skip);
+          REQUIRE(dst.snapshot() == ref.snapshot());
+        }
+  }
+}
+
+TEST_CASE("a gather then a scatter into other blocks reproduces the chunk's KV byte for byte",
+          "[core][kv_transfer]") {
+  for (attention_kind kind : {attention_kind::mha, attention_kind::mla}) {
+    const model_shape m = kind == attention_kind::mha ? model_shape{5, 8, 64, 2, kind}    // 1 KiB per token-plane
+                                                      : model_shape{8, 1, 576, 2, kind};  // DeepSeek's latent
+    const paged_kv_layout layout{m, 16, 64};
+    const chunk_layout chunk{m, 256};
+    // 2.5 MiB (MHA) and 2.25 MiB (MLA) objects: above the threshold, so automatic mode
+    // takes the streaming path where the CPU has one.
+    REQUIRE(chunk.object_bytes() >= transfer_streaming_threshold_bytes);
+    test_cache engine_a(layout, 11, true);
+    test_cache engine_b(layout, 12, false);
+    const auto ids_a = make_ids(16, 64, id_order::shuffled, 5);
+    const auto ids_b = make_ids(16, 64, id_order::consecutive, 6);
+    std::vector<std::byte> object(chunk.object_bytes());
+    REQUIRE_FALSE(gather_chunk(engine_a.view(), ids_a, chunk, object.data()));
+    REQUIRE_FALSE(scatter_chunk(engine_b.view(), ids_b, chunk, object.data()));
+    const std::size_t seg = layout.segment_bytes();
+    for (std::uint32_t l = 0; l < m.num_layers; ++l)
+      for (std::uint32_t p = 0; p < m.planes(); ++p)
+        for (std::size_t i = 0; i < 16; ++i)
+          REQUIRE(std::memcmp(engine_a.layer(l) + layout.offset_in_layer(p, ids_a[i]),
+                              engine_b.layer(l) + layout.offset_in_layer(p, ids_b[i]), seg) == 0);
+  }
+}
+
+TEST_CASE("a scatter with skip_tokens leaves the engine's tokens before the skip untouched",
+          "[core][kv_transfer]") {
+  const model_shape m{2, 2, 8, 2, attention_kind::mha};
+  const paged_kv_layout layout{m, 16, 8};
+  const chunk_layout chunk{m, 64};
+  test_cache cache(layout, 3, false);
+  test_cache original(layout, 3, false);  // same seed: the same bytes
+  const std::vector<std::uint32_t> ids{6, 1, 4, 3};
+  const std::vector<std::byte> object(chunk.object_bytes(), sentinel);
+  const std::uint32_t skip = 21;  // from token 5 of the second block (id 1) on
+  REQUIRE_FALSE(scatter_chunk(cache.view(), ids, chunk, object.data(), skip));
+  const std::size_t tpb = m.token_plane_bytes();
+  std::size_t kept = 0, written = 0;
+  for (std::uint32_t l = 0; l < m.num_layers; ++l)
+    for (std::uint32_t p = 0; p < 2; ++p)
+      for (std::uint32_t token = 0; token < 64; ++token) {
+        const std::size_t off = layout.offset_in_layer(p, ids[token / 16], token % 16);
+        const std::byte* at = cache.layer(l) + off;
+        if (token < skip) {
+          REQUIRE(std::memcmp(at, original.layer(l) + off, tpb) == 0);
+          ++kept;
+        } else {
+          REQUIRE(std::all_of(at, at + tpb, [](std::byte b) { return b == sentinel; }));
+          ++written;
+        }
+      }
+  CHECK(kept == 2u * 2 * 21);
+  CHECK(written == 2u * 2 * 43);
+  // Blocks outside the chunk are untouched as well.
+  for (std::uint32_t l = 0; l < m.num_layers; ++l)
+    for (std::uint32_t p = 0; p < 2; ++p)
+      for (std::uint32_t id : {0u, 2u, 5u, 7u})
+        CHECK(std::memcmp(cache.layer(l) + layout.offset_in_layer(p, id),
+                          original.layer(l) + layout.offset_in_layer(p, id), layout.segment_bytes()) == 0);
+}
+
+TEST_CASE("batched gather and scatter equal one call per chunk", "[core][kv_transfer]") {
+  const model_shape m{3, 2, 16, 2, attention_kind::mha};
+  const paged_kv_layout layout{m, 16, 48};
+  const chunk_layout chunk{m, 64};
+  test_cache cache(layout, 21, false);
+  const std::vector<std::vector<std::uint32_t>> ids{
+      make_ids(4, 48, id_order::shuffled, 1), make_ids(4, 48, id_order::consecutive, 2),
+      make_ids(4, 48, id_order::reversed, 3)};
+  const std::vector<std::uint32_t> skips{0, 17, 64};
+  for (transfer_write mode : {transfer_write::automatic, transfer_write::cached, transfer_write::streaming}) {
+    std::vector<std::vector<std::byte>> batched(3, std::vector<std::byte>(chunk.object_bytes(), sentinel));
+    std::vector<std::vector<std::byte>> single = batched;
+    std::vector<gather_item> items;
+    for (std::size_t k = 0; k < 3; ++k) {
+      items.push_back({ids[k], batched[k].data(), skips[k]});
+      REQUIRE_FALSE(gather_chunk(cache.view(), ids[k], chunk, single[k].data(), skips[k], {mode}));
+    }
+    REQUIRE_FALSE(gather_chunks(cache.view(), chunk, items, {mode}));
+    CHECK(batched == single);
+
+    // Scatter the gathered objects into fresh caches, batched and one by one; later items
+    // win where blocks repeat across items (ids[0] and ids[2] may share blocks).
+    test_cache a(layout, 0, true), b(layout, 0, false);
+    a.fill_with(sentinel);
+    b.fill_with(sentinel);
+    std::vector<scatter_item> sitems;
+    for (std::size_t k = 0; k < 3; ++k) {
+      sitems.push_back({ids[k], batched[k].data(), skips[k]});
+      REQUIRE_FALSE(scatter_chunk(b.view(), ids[k], chunk, batched[k].data(), skips[k], {mode}));
+    }
+    REQUIRE_FALSE(scatter_chunks(a.view(), chunk, sitems, {mode}));
+    const std::size_t lb = layout.layer_bytes();
+    for (std::uint32_t l = 0; l < m.num_layers; ++l)
+      REQUIRE(std::memcmp(a.layer(l), b.layer(l), lb) == 0);
+  }
+}
+
+TEST_CASE("an empty batch succeeds and copies nothing", "[core][kv_transfer]") {
+  const model_shape m{2, 1, 8, 2, attention_kind::mla};
+  const paged_kv_layout layout{m, 16, 4};
+  const chunk_layout chunk{m, 32};
+  test_cache cache(layout, 1, true);
+  const auto before = cache.snapshot();
+  CHECK_FALSE(gather_chunks(cache.view(), chunk, std::span<const gather_item>{}));
+  CHECK_FALSE(scatter_chunks(cache.view(), chunk, std::span<const scatter_item>{}));
+  CHECK(cache.snapshot() == before);
+}
+
+TEST_CASE("every invalid argument is refused with its own code before anything is copied",
+          "[core][kv_transfer]") {
+  const model_shape m{2, 2, 8, 2, attention_kind::mha};
+  const paged_kv_layout layout{m, 16, 8};
+  const chunk_layout chunk{m, 32};
+  test_cache cache(layout, 9, false);
+  const auto cache_before = cache.snapshot();
+  std::vector<std::byte> object(chunk.object_bytes(), sentinel);
+  const auto object_before = object;
+  const std::vector<std::uint32_t> good_ids{3, 5};
+
+  struct bad_case {
+    std::string what;
+    transfer_errc expected;
+    paged_kv_layout layout;
+    chunk_layout chunk;
+    std::vector<std::byte*> layers;
+    std::vector<std::uint32_t> ids;
+    bool null_object = false;
+    std::uint32_t skip = 0;
+  };
+  const std::vector<std::byte*> good_layers(cache.view().layers.begin(), cache.view().layers.end());
+  model_shape other = m;
+  other.head_dim = 16;
+  model_shape bad_model = m;
+  bad_model.dtype_bytes = 3;
+  const std::vector<bad_case> cases{
+      {"num_blocks 0", transfer_errc::invalid_layout, {m, 16, 0}, chunk, good_layers, good_ids},
+      {"block_size 0", transfer_errc::invalid_layout, {m, 0, 8}, chunk, good_layers, good_ids},
+      {"chunk_tokens 0", transfer_errc::invalid_layout, layout, {m, 0}, good_layers, good_ids},
+      {"dtype of 3 bytes", transfer_errc::invalid_layout, layout, {bad_model, 32}, good_layers, good_ids},
+      {"other model", transfer_errc::layout_mismatch, layout, {other, 32}, good_layers, good_ids},
+      {"chunk not a block multiple", transfer_errc::layout_mismatch, layout, {m, 40}, good_layers, {3, 5, 6}},
+      {"one layer pointer short", transfer_errc::layer_count, layout, chunk, {good_layers[0]}, good_ids},
+      {"one layer pointer too many", transfer_errc::layer_count, layout, chunk,
+       {good_layers[0], good_layers[1], good_layers[1]}, good_ids},
+      {"null layer pointer", transfer_errc::null_pointer, layout, chunk, {good_layers[0], nullptr}, good_ids},
+      {"null object", transfer_errc::null_pointer, layout, chunk, good_layers, good_ids, true},
+      {"too few block ids", transfer_errc::block_count, layout, chunk, good_layers, {3}},
+      {"too many block ids", transfer_errc::block_count, layout, chunk, good_layers, {3, 5, 6}},
+      {"no block ids", transfer_errc::block_count, layout, chunk, good_layers, {}},
+      {"block id == num_blocks", transfer_errc::block_id_out_of_range, layout, chunk, good_layers, {3, 8}},
+      {"huge block id", transfer_errc::block_id_out_of_range, layout, chunk, good_layers, {0xffffffffu, 1}},
+      {"skip beyond the chunk", transfer_errc::skip_out_of_range, layout, chunk, good_layers, good_ids, false, 33},
+  };
+  for (const auto& c : cases) {
+    INFO(c.what);
+    const paged_kv_view view{c.layout, c.layers};
+    std::byte* obj = c.null_object ? nullptr : object.data();
+    const std::error_code checked = check_transfer(view, c.ids, c.chunk, obj, c.skip);
+    const std::error_code gathered = gather_chunk(view, c.ids, c.chunk, obj, c.skip);
+    const std::error_code scattered = scatter_chunk(view, c.ids, c.chunk, obj, c.skip);
+    const gather_item gi{c.ids, obj, c.skip};
+    const scatter_item si{c.ids, obj, c.skip};
+    const std::error_code gathered_batch = gather_chunks(view, c.chunk, std::span(&gi, 1));
+    const std::error_code scattered_batch = scatter_chunks(view, c.chunk, std::span(&si, 1));
+    for (const std::error_code& ec : {checked, gathered, scattered, gathered_batch, scattered_batch}) {
+      CHECK(ec == c.expected);
+      CHECK(ec == std::errc::invalid_argument);
+      CHECK(ec.category() == transfer_category());
+      CHECK(std::string(ec.category().name()) == "kvtier.transfer");
+      CHECK_FALSE(ec.message().empty());
+      CHECK(ec.message() != transfer_category().message(0));
+    }
+  }
+  CHECK(cache.snapshot() == cache_before);
+  CHECK(object == object_before);
+}
+
+TEST_CASE("a batch with one invalid item copies none of its items", "[core][kv_transfer]") {
+  const model_shape m{2, 1, 8, 2, attention_kind::mla};
+  const paged_kv_layout layout{m, 16, 8};
+  const chunk_layout chunk{m, 32};
+  test_cache cache(layout, 4, true);
+  const auto cache_before = cache.snapshot();
+  std::vector<std::byte> a(chunk.object_bytes(), sentinel), b(chunk.object_bytes(), sentinel);
+  const std::vector<std::uint32_t> good{1, 2}, bad{1, 9};
+  const std::vector<gather_item> gitems{{good, a.data(), 0}, {bad, b.data(), 0}};
+  CHECK(gather_chunks(cache.view(), chunk, gitems) == transfer_errc::block_id_out_of_range);
+  CHECK(std::all_of(a.begin(), a.end(), [](std::byte x) { return x == sentinel; }));
+  const std::vector<scatter_item> sitems{{good, a.data(), 0}, {good, b.data(), 40}};
+  CHECK(scatter_chunks(cache.view(), chunk, sitems) == transfer_errc::skip_out_of_range);
+  CHECK(cache.snapshot() == cache_before);
+}
+
+TEST_CASE("transfer errors describe themselves and map to invalid_argument only", "[core][kv_transfer]") {
+  for (int v = 1; v <= static_cast<int>(transfer_errc::skip_out_of_range); ++v) {
+    const std::error_code ec = static_cast<transfer_errc>(v);
+    CHECK(ec);
+    CHECK(ec == std::errc::invalid_argument);
+    CHECK(ec.message().find("unknown") == std::string::npos);
+  }
+  const std::error_code unknown{99, transfer_category()};
+  CHECK(unknown != std::errc::invalid_argument);
+  CHECK(unknown.message() == "unknown kv transfer error");
+}
+
+TEST_CASE("every copy function this CPU runs copies exactly n bytes at any alignment", "[core][kv_transfer]") {
+  const auto copies = detail::available_copies();
+  REQUIRE(copies.size() >= 1);
+  CHECK(std::string(copies[0].name) == "memcpy");
+  std::vector<std::size_t> sizes;
+  for (std::size_t n = 0; n <= 300; ++n) sizes.push_back(n);
+  for (std::size_t n : {511u, 512u, 513u, 4095u, 4096u, 4097u, 70001u}) sizes.push_back(n);
+  std::mt19937_64 rng(77);
+  std::vector<std::byte> src(70001 + 128), dst, expected;
+  for (auto& b : src) b = static_cast<std::byte>(rng());
+  for (const auto& c : copies) {
+    INFO(c.name);
+    std::size_t mismatches = 0;
+    for (std::size_t n : sizes)
+      for (std::size_t so : {0u, 1u, 31u, 32u})
+        for (std::size_t d : {0u, 1u, 7u, 33u, 63u, 64u}) {
+          dst.assign(n + 192, sentinel);  // 64 guard bytes before, 64 - d + 64 after
+          expected = dst;
+          std::memcpy(expected.data() + 64 + d, src.data() + so, n);
+          c.copy(dst.data() + 64 + d, src.data() + so, n);
+          detail::store_fence();
+          if (dst != expected && mismatches++ == 0)
+            FAIL_CHECK("n " << n << ", source offset " << so << ", destination offset " << d);
+        }
+    CHECK(mismatches == 0);
+  }
+}
