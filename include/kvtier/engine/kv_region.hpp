@@ -1,0 +1,166 @@
+#pragma once
+// kv_region: an engine's paged KV cache in shared memory (a sealed memfd), plus one
+// generation counter per block for fencing. The engine creates it and registers its fd with
+// the server (SCM_RIGHTS); the server maps the same memory and copies between it and L1 with
+// core/kv_transfer.hpp. KV bytes never cross the socket.
+//
+// Layout of the memory (all offsets 4 KiB-aligned):
+//   [layer 0][layer 1]...[layer L-1]   each paged_kv_layout::layer_bytes(), vLLM's per-layer
+//                                      [plane][num_blocks][block_size][heads*head_dim]
+//   [generations]                      num_blocks std::atomic<uint64_t>
+//
+// Sealing: the engine seals the memfd against shrinking and growing (F_SEAL_SHRINK |
+// F_SEAL_GROW | F_SEAL_SEAL) before it sends it, and the server refuses an fd without those
+// seals or of the wrong size: a client can then never truncate the file under the server's
+// mapping (which would kill the server with SIGBUS).
+//
+// Fencing (a seqlock per block): the engine calls begin_reuse(block) BEFORE it writes a
+// block with new content; a store request carries the generations the engine read when it
+// issued the store; after copying, the server re-reads them (generation(), an acq_rel RMW so
+// the copy's reads cannot move after it) and stores the chunk only when none changed. A block
+// reused meanwhile is therefore never stored under the old key, even if the server was hung.
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/buffer.hpp>
+#include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_transfer.hpp>
+#include <kvtier/error.hpp>
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::engine {
+
+class kv_region {
+ public:
+  static constexpr unsigned required_seals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+
+  kv_region() = default;
+  kv_region(kv_region&& o) noexcept { swap(o); }
+  kv_region& operator=(kv_region&& o) noexcept {
+    if (this != &o) {
+      kv_region tmp(std::move(o));
+      swap(tmp);
+    }
+    return *this;
+  }
+  kv_region(const kv_region&) = delete;
+  kv_region& operator=(const kv_region&) = delete;
+  ~kv_region() { close(); }
+
+  /// Bytes of the memory of a region for `layout`.
+  [[nodiscard]] static std::size_t bytes_for(const paged_kv_layout& layout) noexcept {
+    return align_up(layout.total_bytes()) + align_up(std::size_t{layout.num_blocks} * sizeof(std::uint64_t));
+  }
+
+  /// Engine side: a new sealed memfd region, zero-filled (pages come on first touch).
+  [[nodiscard]] static result<kv_region> create(const paged_kv_layout& layout, const char* name = "kvtier-kv") {
+    if (!layout.validation_error().empty()) return make_error_code(errc::invalid_argument);
+    const int fd = ::memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) return error_code(errno, boost::system::system_category());
+    const std::size_t bytes = bytes_for(layout);
+    if (::ftruncate(fd, static_cast<off_t>(bytes)) != 0 || ::fcntl(fd, F_ADD_SEALS, required_seals) != 0) {
+      const int e = errno;
+      ::close(fd);
+      return error_code(e, boost::system::system_category());
+    }
+    return map(fd, layout, bytes);
+  }
+
+  /// Server side: maps an fd received from a client. Takes ownership of fd (closed on
+  /// failure too). Refuses (errc::layout_mismatch) an fd whose size is not bytes_for(layout)
+  /// or that lacks the seals that keep the client from resizing it.
+  [[nodiscard]] static result<kv_region> open(int fd, const paged_kv_layout& layout) {
+    if (!layout.validation_error().empty()) {
+      ::close(fd);
+      return make_error_code(errc::invalid_argument);
+    }
+    struct stat st {};
+    const int seals = ::fcntl(fd, F_GET_SEALS);
+    if (::fstat(fd, &st) != 0 || seals < 0 || (static_cast<unsigned>(seals) & required_seals) != required_seals ||
+        static_cast<std::size_t>(st.st_size) != bytes_for(layout)) {
+      ::close(fd);
+      return make_error_code(errc::layout_mismatch);
+    }
+    return map(fd, layout, bytes_for(layout));
+  }
+
+  [[nodiscard]] bool valid() const noexcept { return base_ != nullptr; }
+  [[nodiscard]] int fd() const noexcept { return fd_; }
+  [[nodiscard]] std::size_t bytes() const noexcept { return bytes_; }
+  [[nodiscard]] const paged_kv_layout& layout() const noexcept { return layout_; }
+
+  /// Base pointer of each layer's tensor.
+  [[nodiscard]] std::span<std::byte* const> layers() const noexcept { return layers_; }
+  /// The region as kv_transfer sees it.
+  [[nodiscard]] paged_kv_view view() const noexcept { return paged_kv_view{layout_, layers_}; }
+
+  /// Engine: announce that `block` is about to hold new content (before writing it).
+  void begin_reuse(std::uint32_t block) noexcept { generations_[block].fetch_add(1, std::memory_order_acq_rel); }
+
+  /// The generation of `block`. An acq_rel read-modify-write, so every read of the block's
+  /// bytes before it stays before it (the server's post-copy check).
+  [[nodiscard]] std::uint64_t generation(std::uint32_t block) const noexcept {
+    return generations_[block].fetch_add(0, std::memory_order_acq_rel);
+  }
+
+  /// Unmaps and closes (the other side keeps its own mapping).
+  void close() noexcept {
+    if (base_) ::munmap(base_, bytes_);
+    if (fd_ >= 0) ::close(fd_);
+    base_ = nullptr;
+    fd_ = -1;
+    bytes_ = 0;
+    layers_.clear();
+    generations_ = nullptr;
+  }
+
+ private:
+  static result<kv_region> map(int fd, const paged_kv_layout& layout, std::size_t bytes) {
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      const int e = errno;
+      ::close(fd);
+      return error_code(e, boost::system::system_category());
+    }
+    kv_region r;
+    r.fd_ = fd;
+    r.base_ = static_cast<std::byte*>(p);
+    r.bytes_ = bytes;
+    r.layout_ = layout;
+    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) r.layers_.push_back(r.base_ + l * layout.layer_bytes());
+    static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "generations live in shared memory");
+    r.generations_ = reinterpret_cast<std::atomic<std::uint64_t>*>(r.base_ + align_up(layout.total_bytes()));
+    return r;
+  }
+
+  void swap(kv_region& o) noexcept {
+    std::swap(fd_, o.fd_);
+    std::swap(base_, o.base_);
+    std::swap(bytes_, o.bytes_);
+    std::swap(layout_, o.layout_);
+    std::swap(layers_, o.layers_);
+    std::swap(generations_, o.generations_);
+  }
+
+  int fd_ = -1;
+  std::byte* base_ = nullptr;
+  std::size_t bytes_ = 0;
+  paged_kv_layout layout_{};
+  std::vector<std::byte*> layers_;
+  std::atomic<std::uint64_t>* generations_ = nullptr;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::engine

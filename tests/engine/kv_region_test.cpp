@@ -1,0 +1,57 @@
+#include <kvtier/engine/kv_region.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstring>
+
+using namespace kvtier;
+
+namespace {
+const paged_kv_layout small{{4, 2, 64, 2, attention_kind::mha}, 16, 8};
+}
+
+TEST_CASE("a region created by the engine is seen byte for byte by the server", "[engine][kv_region]") {
+  auto engine = engine::kv_region::create(small);
+  REQUIRE(engine.has_value());
+  CHECK(engine->bytes() == engine::kv_region::bytes_for(small));
+  REQUIRE(engine->layers().size() == 4);
+  std::memset(engine->layers()[3], 0x5a, small.layer_bytes());
+  auto server = engine::kv_region::open(::dup(engine->fd()), small);
+  REQUIRE(server.has_value());
+  CHECK(server->layers()[3][small.layer_bytes() - 1] == std::byte{0x5a});
+  server->layers()[0][0] = std::byte{0x11};  // shared both ways
+  CHECK(engine->layers()[0][0] == std::byte{0x11});
+}
+
+TEST_CASE("generations move when the engine reuses a block, and the server sees it", "[engine][kv_region]") {
+  auto engine = engine::kv_region::create(small);
+  REQUIRE(engine.has_value());
+  auto server = engine::kv_region::open(::dup(engine->fd()), small);
+  REQUIRE(server.has_value());
+  const auto g = server->generation(5);
+  engine->begin_reuse(5);
+  CHECK(server->generation(5) == g + 1);
+  CHECK(server->generation(4) == 0);
+}
+
+TEST_CASE("the server refuses a region of the wrong size or without seals", "[engine][kv_region]") {
+  auto engine = engine::kv_region::create(small);
+  REQUIRE(engine.has_value());
+  paged_kv_layout other = small;
+  other.num_blocks = 9;
+  auto wrong = engine::kv_region::open(::dup(engine->fd()), other);
+  REQUIRE_FALSE(wrong.has_value());
+  CHECK(wrong.error() == errc::layout_mismatch);
+
+  const int unsealed = ::memfd_create("unsealed", MFD_CLOEXEC);
+  REQUIRE(unsealed >= 0);
+  REQUIRE(::ftruncate(unsealed, static_cast<off_t>(engine::kv_region::bytes_for(small))) == 0);
+  auto r = engine::kv_region::open(unsealed, small);  // takes ownership, closes on failure
+  REQUIRE_FALSE(r.has_value());
+  CHECK(r.error() == errc::layout_mismatch);
+  // The seals hold: the engine itself cannot shrink its region any more.
+  CHECK(::ftruncate(engine->fd(), 4096) != 0);
+}
