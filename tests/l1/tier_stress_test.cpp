@@ -41,6 +41,10 @@ struct thread_stats {
   std::uint64_t read_holds = 0;
   std::uint64_t bad = 0;        // answers the state machine does not allow
   std::uint64_t corrupt = 0;    // a read-locked object whose bytes changed
+  int first_bad_line = 0;       // where the first bad answer was seen
+  void fail(int line) {
+    if (bad++ == 0) first_bad_line = line;
+  }
 };
 
 // One client thread: random batches on overlapping keys. When locks expire (with_expiry),
@@ -58,13 +62,13 @@ void client(Tier& t, unsigned seed, int ops, std::size_t key_space, const atomic
   std::vector<chunk_key> ks;
   auto good_end = [&](status s) {
     if (s == status::success || s == status::not_found) ++st.ended;
-    else ++st.bad;
+    else st.fail(__LINE__);
   };
   auto verify = [&](const chunk_key& k) {
     std::vector<status> o(1);
     const std::span<const chunk_key> one(&k, 1);
     if (t.read_views(one, o, views) != 1 || views[0].size() != object_bytes) {
-      ++st.bad;
+      st.fail(__LINE__);
       return;
     }
     for (auto b : views[0])
@@ -94,7 +98,7 @@ void client(Tier& t, unsigned seed, int ops, std::size_t key_space, const atomic
       st.reserved += t.reserve_write(ks, object_bytes, o, out, bufs);
       for (std::size_t j = 0; j < ks.size(); ++j) {
         if (out[j] != status::success) {
-          if (out[j] != status::not_writable && out[j] != status::out_of_memory && out[j] != status::not_found) ++st.bad;
+          if (out[j] != status::not_writable && out[j] != status::out_of_memory && out[j] != status::not_found) st.fail(__LINE__);
           continue;
         }
         if (o.mode == write_mode::new_only) ++st.created;
@@ -112,7 +116,7 @@ void client(Tier& t, unsigned seed, int ops, std::size_t key_space, const atomic
           if (r[0] == status::success) {
             verify(ks[j]);
             t.finish_read(one, 0, lock_lifetime::pinned, r);
-            if (r[0] != status::success) ++st.bad;
+            if (r[0] != status::success) st.fail(__LINE__);
           }
         } else {
           t.abandon_write(one, r);
@@ -125,20 +129,23 @@ void client(Tier& t, unsigned seed, int ops, std::size_t key_space, const atomic
         ++st.read_holds;
         if (pinned || !with_expiry) verify(ks[0]);
         t.finish_read(ks, extra, life, out);
-        if (out[0] != status::success && !(out[0] == status::wrong_state && !pinned)) ++st.bad;
+        // An expired holder hears wrong_state, or not_found when its object was freed with
+        // the expiry (a temporary or removed object).
+        const bool expired_answer = out[0] == status::wrong_state || out[0] == status::not_found;
+        if (out[0] != status::success && !(expired_answer && !pinned && with_expiry)) st.fail(__LINE__);
       } else if (out[0] != status::not_found && out[0] != status::not_readable) {
-        ++st.bad;
+        st.fail(__LINE__);
       }
     } else if (op == 6) {
       t.remove(ks, rng() % 2 == 0, out);
-      if (out[0] != status::success && out[0] != status::not_found && out[0] != status::locked) ++st.bad;
+      if (out[0] != status::success && out[0] != status::not_found && out[0] != status::locked) st.fail(__LINE__);
     } else if (op == 7) {
       (void)t.touch(ks);
     } else if (op == 8) {
       (void)(rng() % 2 ? t.evict() : t.expire_locks());
     } else {
       const auto u = t.usage();
-      if (u.slots_used != u.objects + u.removing || u.slots_used > t.slot_count() || u.evictable > u.objects) ++st.bad;
+      if (u.slots_used != u.objects + u.removing || u.slots_used > t.slot_count() || u.evictable > u.objects) st.fail(__LINE__);
     }
   }
 }
@@ -179,12 +186,14 @@ TEMPLATE_TEST_CASE("concurrent clients keep the tier consistent while it evicts 
     sum.ended += s.ended;
     sum.read_holds += s.read_holds;
     sum.bad += s.bad;
+    if (s.bad > 0) sum.first_bad_line = s.first_bad_line;
     sum.corrupt += s.corrupt;
   }
   INFO("created " << sum.created << ", reserved " << sum.reserved << ", ended " << sum.ended << ", read holds "
                   << sum.read_holds << ", expired " << counts->expired_as(bus::lock_kind::write) << " write / "
                   << counts->expired_as(bus::lock_kind::read) << " read, oom keys "
                   << counts->allocation_failed_keys[0] + counts->allocation_failed_keys[1]);
+  INFO("first bad answer checked at line " << sum.first_bad_line);
   CHECK(sum.bad == 0);
   CHECK(sum.corrupt == 0);
   CHECK(sum.created > 0);

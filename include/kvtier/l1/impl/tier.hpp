@@ -62,25 +62,38 @@ std::size_t tier<Policy, Bus>::reserve_write(std::span<const chunk_key> keys, st
   std::size_t oom = 0;
   {
     std::lock_guard g(mutex_);
-    const time_point now = options_.clock();
+    lazy_now now{options_.clock};
     new_positions_.clear();
+    new_index_slots_.clear();
     for (std::size_t i = 0; i < keys.size(); ++i) {
       if (!buffers.empty()) buffers[i] = {};
-      auto it = index_.find(keys[i]);
-      if (it != index_.end() && it->second == nullptr) {  // a new key earlier in this batch
-        out[i] = status::not_writable;
-        continue;
-      }
-      entry* e = it == index_.end() ? nullptr : it->second;
-      if (e != nullptr && expire(*e, now, t)) e = nullptr;
-      if (e == nullptr) {
-        if (o.mode == write_mode::update) {
+      entry* e = nullptr;
+      if (o.mode == write_mode::update) {
+        const auto it = index_.find(keys[i]);
+        if (it != index_.end()) e = it->second;
+        if (e != nullptr && expire(*e, now, t)) e = nullptr;
+        if (e == nullptr) {
           out[i] = status::not_found;
           continue;
         }
-        index_.emplace(keys[i], nullptr);
-        new_positions_.push_back(i);
-        continue;
+      } else {
+        // One hash lookup for a new key: the placeholder (nullptr) is filled below through
+        // a pointer to the mapped value, which stays valid while other keys come and go.
+        auto [it, inserted] = index_.try_emplace(keys[i], nullptr);
+        if (!inserted && it->second == nullptr) {  // a new key earlier in this batch
+          out[i] = status::not_writable;
+          continue;
+        }
+        e = it->second;
+        if (e != nullptr && expire(*e, now, t)) {  // expiry removed it (and its index node)
+          e = nullptr;
+          it = index_.try_emplace(keys[i], nullptr).first;
+        }
+        if (e == nullptr) {
+          new_positions_.push_back(i);
+          new_index_slots_.push_back(&it->second);
+          continue;
+        }
       }
       if (o.mode == write_mode::new_only || !writable(*e)) {
         out[i] = status::not_writable;
@@ -105,7 +118,7 @@ std::size_t tier<Policy, Bus>::reserve_write(std::span<const chunk_key> keys, st
           e.key = keys[i];
           e.bytes = object_bytes;
           e.temporary = o.temporary;
-          index_.find(keys[i])->second = &e;
+          *new_index_slots_[j] = &e;
           lock_write(e, o.lock, now);
           ++objects_;
           object_bytes_ += object_bytes;
@@ -161,7 +174,7 @@ std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys
   std::size_t ok = 0;
   {
     std::lock_guard g(mutex_);
-    const time_point now = options_.clock();
+    lazy_now now{options_.clock};
     if (listener != nullptr) *listener = listener_;
     // Keys are collected only for a listener (the store pipeline); none: no allocation.
     if (listener == nullptr || !*listener) finished = nullptr;
@@ -200,7 +213,7 @@ std::size_t tier<Policy, Bus>::abandon_write(std::span<const chunk_key> keys, st
   std::size_t ok = 0;
   {
     std::lock_guard g(mutex_);
-    const time_point now = options_.clock();
+    lazy_now now{options_.clock};
     for (std::size_t i = 0; i < keys.size(); ++i) {
       entry* e = lookup(keys[i], now, t);
       if (e == nullptr || (e->removing && !e->write_locked)) {
@@ -232,7 +245,7 @@ std::size_t tier<Policy, Bus>::reserve_read(std::span<const chunk_key> keys, std
   std::size_t ok = 0;
   {
     std::lock_guard g(mutex_);
-    const time_point now = options_.clock();
+    lazy_now now{options_.clock};
     for (std::size_t i = 0; i < keys.size(); ++i) {
       entry* e = lookup(keys[i], now, t);
       if (e == nullptr || e->removing) {
@@ -261,7 +274,7 @@ std::size_t tier<Policy, Bus>::finish_read(std::span<const chunk_key> keys, std:
   std::size_t ok = 0;
   {
     std::lock_guard g(mutex_);
-    const time_point now = options_.clock();
+    lazy_now now{options_.clock};
     for (std::size_t i = 0; i < keys.size(); ++i) {
       entry* e = lookup(keys[i], now, t);
       if (e == nullptr) {
@@ -293,7 +306,7 @@ std::size_t tier<Policy, Bus>::read_views(std::span<const chunk_key> keys, std::
   std::size_t ok = 0;
   {
     std::lock_guard g(mutex_);
-    const time_point now = options_.clock();
+    lazy_now now{options_.clock};
     for (std::size_t i = 0; i < keys.size(); ++i) {
       views[i] = {};
       entry* e = lookup(keys[i], now, t);
@@ -320,7 +333,7 @@ std::size_t tier<Policy, Bus>::touch(std::span<const chunk_key> keys) {
   std::size_t ok = 0;
   {
     std::lock_guard g(mutex_);
-    const time_point now = options_.clock();
+    lazy_now now{options_.clock};
     for (const auto& k : keys) {
       entry* e = lookup(k, now, t);
       if (e != nullptr && !e->removing && !e->write_locked && e->in_policy) {
@@ -343,7 +356,7 @@ std::size_t tier<Policy, Bus>::remove(std::span<const chunk_key> keys, bool forc
   std::size_t ok = 0;
   {
     std::lock_guard g(mutex_);
-    const time_point now = options_.clock();
+    lazy_now now{options_.clock};
     for (std::size_t i = 0; i < keys.size(); ++i) {
       entry* e = lookup(keys[i], now, t);
       if (e == nullptr || e->removing) {
@@ -371,7 +384,7 @@ std::size_t tier<Policy, Bus>::clear(bool force) {
   std::size_t removed = 0;
   {
     std::lock_guard g(mutex_);
-    const time_point now = options_.clock();
+    lazy_now now{options_.clock};
     for (std::size_t s = 0; s < options_.slot_count; ++s) {
       entry& e = entries_[s];
       if (!slots_.is_allocated(e.slot) || e.removing) continue;
@@ -408,7 +421,8 @@ std::size_t tier<Policy, Bus>::expire_locks() {
   std::size_t n = 0;
   {
     std::lock_guard g(mutex_);
-    n = expire_all(options_.clock(), t);
+    lazy_now now{options_.clock};
+    n = expire_all(now, t);
   }
   publish(t);
   return n;
@@ -430,7 +444,8 @@ object_state tier<Policy, Bus>::state(const chunk_key& key) {
   object_state s = object_state::absent;
   {
     std::lock_guard g(mutex_);
-    if (entry* e = lookup(key, options_.clock(), t)) s = state_of(*e);
+    lazy_now now{options_.clock};
+    if (entry* e = lookup(key, now, t)) s = state_of(*e);
   }
   publish(t);
   return s;
@@ -442,7 +457,8 @@ std::optional<object_info> tier<Policy, Bus>::info(const chunk_key& key) {
   std::optional<object_info> r;
   {
     std::lock_guard g(mutex_);
-    if (entry* e = lookup(key, options_.clock(), t))
+    lazy_now now{options_.clock};
+    if (entry* e = lookup(key, now, t))
       r = object_info{state_of(*e), e->bytes, e->temporary, e->write_locked && e->write_pinned,
                       e->expiring_readers, e->pinned_readers};
   }
@@ -514,12 +530,12 @@ void tier<Policy, Bus>::adjust(entry& e, F&& f) {
 }
 
 template <class Policy, class Bus>
-void tier<Policy, Bus>::lock_write(entry& e, lock_lifetime lifetime, time_point now) {
+void tier<Policy, Bus>::lock_write(entry& e, lock_lifetime lifetime, lazy_now& now) {
   adjust(e, [&] {
     e.write_locked = true;
     e.write_pinned = lifetime == lock_lifetime::pinned;
     if (!e.write_pinned) {
-      e.write_deadline = now + options_.write_lock_ttl;
+      e.write_deadline = now() + options_.write_lock_ttl;
       earliest_deadline_ = std::min(earliest_deadline_, e.write_deadline);
     }
   });
@@ -534,13 +550,13 @@ void tier<Policy, Bus>::unlock_write(entry& e) {
 }
 
 template <class Policy, class Bus>
-void tier<Policy, Bus>::add_readers(entry& e, lock_lifetime lifetime, std::uint32_t n, time_point now) {
+void tier<Policy, Bus>::add_readers(entry& e, lock_lifetime lifetime, std::uint32_t n, lazy_now& now) {
   adjust(e, [&] {
     if (lifetime == lock_lifetime::pinned) {
       e.pinned_readers += n;
     } else {
       e.expiring_readers += n;
-      e.read_deadline = now + options_.read_lock_ttl;
+      e.read_deadline = now() + options_.read_lock_ttl;
       earliest_deadline_ = std::min(earliest_deadline_, e.read_deadline);
     }
   });
@@ -584,7 +600,7 @@ void tier<Policy, Bus>::free_slot(entry& e) {
 // private: composite steps
 // ---------------------------------------------------------------------------------------
 template <class Policy, class Bus>
-typename tier<Policy, Bus>::entry* tier<Policy, Bus>::lookup(const chunk_key& key, time_point now, tally& t) {
+typename tier<Policy, Bus>::entry* tier<Policy, Bus>::lookup(const chunk_key& key, lazy_now& now, tally& t) {
   auto it = index_.find(key);
   if (it == index_.end() || it->second == nullptr) return nullptr;
   entry* e = it->second;
@@ -592,9 +608,9 @@ typename tier<Policy, Bus>::entry* tier<Policy, Bus>::lookup(const chunk_key& ke
 }
 
 template <class Policy, class Bus>
-bool tier<Policy, Bus>::expire(entry& e, time_point now, tally& t) {
+bool tier<Policy, Bus>::expire(entry& e, lazy_now& now, tally& t) {
   if (!e.has_expiring_lock()) return false;
-  if (e.write_locked && !e.write_pinned && now >= e.write_deadline) {
+  if (e.write_locked && !e.write_pinned && now() >= e.write_deadline) {
     // The writer went silent: its data never completed, so the object goes (an update
     // that expires loses the old object too, its memory was being overwritten).
     ++t.expired[static_cast<std::size_t>(bus::lock_kind::write)];
@@ -603,7 +619,7 @@ bool tier<Policy, Bus>::expire(entry& e, time_point now, tally& t) {
     else remove_object(e, bus::removal_reason::abandoned, t);
     return true;
   }
-  if (e.expiring_readers > 0 && now >= e.read_deadline) {
+  if (e.expiring_readers > 0 && now() >= e.read_deadline) {
     ++t.expired[static_cast<std::size_t>(bus::lock_kind::read)];
     drop_readers(e, lock_lifetime::expiring, e.expiring_readers);
     return release_if_done(e, t);
@@ -612,8 +628,8 @@ bool tier<Policy, Bus>::expire(entry& e, time_point now, tally& t) {
 }
 
 template <class Policy, class Bus>
-std::size_t tier<Policy, Bus>::expire_all(time_point now, tally& t) {
-  if (now < earliest_deadline_) return 0;
+std::size_t tier<Policy, Bus>::expire_all(lazy_now& now, tally& t) {
+  if (earliest_deadline_ == time_point::max() || now() < earliest_deadline_) return 0;
   const auto before = t.expired;
   time_point earliest = time_point::max();
   for (std::size_t s = 0; s < options_.slot_count; ++s) {
@@ -674,7 +690,7 @@ void tier<Policy, Bus>::free_removed(entry& e) {
 }
 
 template <class Policy, class Bus>
-bool tier<Policy, Bus>::ensure_room(std::size_t need, time_point now, tally& t) {
+bool tier<Policy, Bus>::ensure_room(std::size_t need, lazy_now& now, tally& t) {
   for (bool swept = false;; swept = true) {
     const std::size_t free = slots_.free_count();
     const std::size_t used = slots_.used_count();
