@@ -48,7 +48,7 @@ using namespace kvtier;
 
 struct trace {
   std::string name;
-  std::vector<std::uint64_t> keys;        // all requests, concatenated
+  std::vector<std::uint64_t> keys;         // all requests, concatenated
   std::vector<std::uint32_t> request_end;  // end offset of each request in `keys`
   std::size_t cache_objects = 0;
   double watermark = 1.0;
@@ -132,8 +132,8 @@ outcome run(const trace& t) {
   o.slot_bytes = 4096;
   o.slot_count = t.cache_objects;
   o.eviction_watermark = t.watermark;
-  o.eviction_target = t.target > 0 ? t.target
-                                   : static_cast<double>(t.cache_objects - 16) / static_cast<double>(t.cache_objects);
+  o.eviction_target =
+      t.target > 0 ? t.target : static_cast<double>(t.cache_objects - 16) / static_cast<double>(t.cache_objects);
   l1::tier<Policy> tier(o);
 
   std::vector<chunk_key> keys(t.keys.size());
@@ -210,7 +210,8 @@ int main(int argc, char** argv) {
       for (const auto& p : policies) {  // interleaved: p1, p2, ..., p1, p2, ...
         const outcome o = p.run(t);
         const std::string id = std::string(p.name) + "_" + t.name;
-        if (r > 0 && o.hit_ratio != hit_ratio[id]) std::fprintf(stderr, "warning: %s is not deterministic\n", id.c_str());
+        if (r > 0 && o.hit_ratio != hit_ratio[id])
+          std::fprintf(stderr, "warning: %s is not deterministic\n", id.c_str());
         hit_ratio[id] = o.hit_ratio;
         mops[id].push_back(o.mops);
       }

@@ -74,8 +74,8 @@ int main() {
   using namespace kvtier;
   l1::tier_options options;
   options.slot_bytes = 4096;
-  options.slot_count = 10;        // evict above 8 objects, down to 7
-  l1::tier<fifo> tier(options);   // the policy is just a template argument
+  options.slot_count = 10;       // evict above 8 objects, down to 7
+  l1::tier<fifo> tier(options);  // the policy is just a template argument
 
   // Store objects 0..7 one by one, reading object 0 after each store: under LRU, 0 would
   // stay; under FIFO it is still the first to go.
@@ -98,7 +98,8 @@ int main() {
   for (std::uint64_t i = 0; i <= 8; ++i)
     if (tier.contains(key(i))) std::printf(" %llu", static_cast<unsigned long long>(i));
   std::printf("\n");
-  const bool ok = !tier.contains(key(0)) && !tier.contains(key(1)) && tier.contains(key(2)) && tier.usage().objects == 7;
+  const bool ok =
+      !tier.contains(key(0)) && !tier.contains(key(1)) && tier.contains(key(2)) && tier.usage().objects == 7;
   std::printf("%s\n", ok ? "objects 0 and 1 were evicted first, as FIFO says" : "unexpected eviction order");
   return ok ? 0 : 1;
 }

@@ -85,8 +85,8 @@ struct harness {
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("a policy's victims are at most n distinct, present, unlocked objects", "[l1][policy]", lru,
-                   s3fifo, arc, noop, eviction_policy_archetype) {
+TEMPLATE_TEST_CASE("a policy's victims are at most n distinct, present, unlocked objects", "[l1][policy]", lru, s3fifo,
+                   arc, noop, eviction_policy_archetype) {
   harness<TestType> h(300, 64);
   std::mt19937_64 rng(42);
   std::size_t selected = 0;
@@ -96,8 +96,10 @@ TEMPLATE_TEST_CASE("a policy's victims are at most n distinct, present, unlocked
     switch (rng() % 6) {
       case 0:
       case 1:
-        if (!it.present) h.insert(id);
-        else h.access(id);
+        if (!it.present)
+          h.insert(id);
+        else
+          h.access(id);
         break;
       case 2:
         if (it.present) it.locked = !it.locked;
@@ -113,16 +115,17 @@ TEMPLATE_TEST_CASE("a policy's victims are at most n distinct, present, unlocked
         const std::size_t can = h.unlocked_present();
         const auto v = h.select(n);
         selected += v.size();
-        if constexpr (evicts<TestType>) REQUIRE(v.size() == std::min(n, can));
-        else REQUIRE(v.empty());
+        if constexpr (evicts<TestType>)
+          REQUIRE(v.size() == std::min(n, can));
+        else
+          REQUIRE(v.empty());
       }
     }
   }
   if constexpr (evicts<TestType>) CHECK(selected > 1000);
 }
 
-TEMPLATE_TEST_CASE("an evicting policy finds a victim behind many locked objects", "[l1][policy]", lru, s3fifo,
-                   arc) {
+TEMPLATE_TEST_CASE("an evicting policy finds a victim behind many locked objects", "[l1][policy]", lru, s3fifo, arc) {
   harness<TestType> h(100, 50);
   for (std::uint64_t i = 0; i < 100; ++i) h.insert(i);
   for (std::uint64_t i = 0; i < 100; i += 3) h.access(i);
@@ -152,8 +155,10 @@ TEMPLATE_TEST_CASE("a key can come back after it was evicted or deleted", "[l1][
     if (!h.all[i].present) h.insert(i);  // ghost hits for the evicting policies
   for (std::uint64_t i = 0; i < 10; ++i) CHECK(h.all[i].present);
   v = h.select(10);
-  if constexpr (evicts<TestType>) CHECK(v.size() == 10);
-  else CHECK(v.empty());
+  if constexpr (evicts<TestType>)
+    CHECK(v.size() == 10);
+  else
+    CHECK(v.empty());
 }
 
 // ----------------------------------------------------------------------------------------
@@ -246,8 +251,10 @@ TEST_CASE("arc keeps its ghost lists within the paper's bounds", "[l1][policy][a
   std::mt19937_64 rng(7);
   for (int step = 0; step < 20'000; ++step) {
     const std::uint64_t id = rng() % 1000;
-    if (!h.all[id].present) h.insert(id);
-    else h.access(id);
+    if (!h.all[id].present)
+      h.insert(id);
+    else
+      h.access(id);
     if (h.policy.t1_size() + h.policy.t2_size() > 50) (void)h.select(5);
     REQUIRE(h.policy.t1_size() + h.policy.b1_size() <= 50 + 5);
     REQUIRE(h.policy.t1_size() + h.policy.t2_size() + h.policy.b1_size() + h.policy.b2_size() <= 100 + 5);
@@ -314,8 +321,8 @@ TEST_CASE("the fingerprint table agrees with a hash map", "[l1][policy][ghost]")
 // ----------------------------------------------------------------------------------------
 // every policy in a tier
 // ----------------------------------------------------------------------------------------
-TEMPLATE_TEST_CASE("a tier evicts down to its target and never takes locked objects", "[l1][policy][tier]", lru,
-                   s3fifo, arc, noop) {
+TEMPLATE_TEST_CASE("a tier evicts down to its target and never takes locked objects", "[l1][policy][tier]", lru, s3fifo,
+                   arc, noop) {
   tier_options o;
   o.slot_bytes = 4096;
   o.slot_count = 20;
@@ -366,8 +373,10 @@ TEMPLATE_TEST_CASE("objects a client holds survive any amount of eviction", "[l1
     }
     if (t.reserve_read(k, 0, lock_lifetime::pinned, one) == 1) {
       ++hits;
-      if (held.size() < 8) held.insert(id);
-      else REQUIRE(t.finish_read(k, 0, lock_lifetime::pinned, one) == 1);
+      if (held.size() < 8)
+        held.insert(id);
+      else
+        REQUIRE(t.finish_read(k, 0, lock_lifetime::pinned, one) == 1);
     } else if (t.reserve_write(k, 100, {}, one) == 1) {
       REQUIRE(t.finish_write(k, one) == 1);
     }

@@ -25,9 +25,8 @@ inline std::vector<chunk_key> keys(std::initializer_list<std::uint64_t> ids) {
 
 /// A clock the test moves by hand (shared by copies, so a tier_options can hold one).
 struct manual_clock {
-  std::shared_ptr<std::chrono::steady_clock::time_point> now =
-      std::make_shared<std::chrono::steady_clock::time_point>(std::chrono::steady_clock::time_point{} +
-                                                               std::chrono::hours(1));
+  std::shared_ptr<std::chrono::steady_clock::time_point> now = std::make_shared<std::chrono::steady_clock::time_point>(
+      std::chrono::steady_clock::time_point{} + std::chrono::hours(1));
   std::chrono::steady_clock::time_point operator()() const { return *now; }
   void advance(std::chrono::steady_clock::duration d) const { *now += d; }
 };
@@ -79,7 +78,9 @@ struct l1_recorder {
     c->allocation_failures.fetch_add(1, relaxed);
     c->allocation_failed_keys[static_cast<std::size_t>(e.purpose)].fetch_add(e.key_count, relaxed);
   }
-  void on(const bus::l1_lock_expired& e) { c->expired[static_cast<std::size_t>(e.lock)].fetch_add(e.key_count, relaxed); }
+  void on(const bus::l1_lock_expired& e) {
+    c->expired[static_cast<std::size_t>(e.lock)].fetch_add(e.key_count, relaxed);
+  }
 };
 
 using recording_bus = bus::basic_event_bus<l1_recorder>;

@@ -35,13 +35,13 @@ struct atomic_clock {
 };
 
 struct thread_stats {
-  std::uint64_t created = 0;    // new-mode reservations that succeeded
-  std::uint64_t reserved = 0;   // all reservations that succeeded
-  std::uint64_t ended = 0;      // finish/abandon calls answering success or not_found
+  std::uint64_t created = 0;   // new-mode reservations that succeeded
+  std::uint64_t reserved = 0;  // all reservations that succeeded
+  std::uint64_t ended = 0;     // finish/abandon calls answering success or not_found
   std::uint64_t read_holds = 0;
-  std::uint64_t bad = 0;        // answers the state machine does not allow
-  std::uint64_t corrupt = 0;    // a read-locked object whose bytes changed
-  int first_bad_line = 0;       // where the first bad answer was seen
+  std::uint64_t bad = 0;      // answers the state machine does not allow
+  std::uint64_t corrupt = 0;  // a read-locked object whose bytes changed
+  int first_bad_line = 0;     // where the first bad answer was seen
   void fail(int line) {
     if (bad++ == 0) first_bad_line = line;
   }
@@ -61,8 +61,10 @@ void client(Tier& t, unsigned seed, int ops, std::size_t key_space, const atomic
   std::vector<std::span<const std::byte>> views(1);
   std::vector<chunk_key> ks;
   auto good_end = [&](status s) {
-    if (s == status::success || s == status::not_found) ++st.ended;
-    else st.fail(__LINE__);
+    if (s == status::success || s == status::not_found)
+      ++st.ended;
+    else
+      st.fail(__LINE__);
   };
   auto verify = [&](const chunk_key& k) {
     std::vector<status> o(1);
@@ -80,8 +82,7 @@ void client(Tier& t, unsigned seed, int ops, std::size_t key_space, const atomic
   for (int i = 0; i < ops; ++i) {
     // Every client moves time on: 20 s every 25 operations, so a lock left behind expires
     // after about 750 operations of its thread (write TTL 600 s).
-    if (with_expiry && i % 25 == 0)
-      clock->ns->fetch_add(std::chrono::nanoseconds(std::chrono::seconds(20)).count());
+    if (with_expiry && i % 25 == 0) clock->ns->fetch_add(std::chrono::nanoseconds(std::chrono::seconds(20)).count());
     const auto op = rng() % 10;
     const bool pinned = rng() % 2 == 0;
     const auto life = pinned ? lock_lifetime::pinned : lock_lifetime::expiring;
@@ -98,7 +99,8 @@ void client(Tier& t, unsigned seed, int ops, std::size_t key_space, const atomic
       st.reserved += t.reserve_write(ks, object_bytes, o, out, bufs);
       for (std::size_t j = 0; j < ks.size(); ++j) {
         if (out[j] != status::success) {
-          if (out[j] != status::not_writable && out[j] != status::out_of_memory && out[j] != status::not_found) st.fail(__LINE__);
+          if (out[j] != status::not_writable && out[j] != status::out_of_memory && out[j] != status::not_found)
+            st.fail(__LINE__);
           continue;
         }
         if (o.mode == write_mode::new_only) ++st.created;
@@ -145,15 +147,16 @@ void client(Tier& t, unsigned seed, int ops, std::size_t key_space, const atomic
       (void)(rng() % 2 ? t.evict() : t.expire_locks());
     } else {
       const auto u = t.usage();
-      if (u.slots_used != u.objects + u.removing || u.slots_used > t.slot_count() || u.evictable > u.objects) st.fail(__LINE__);
+      if (u.slots_used != u.objects + u.removing || u.slots_used > t.slot_count() || u.evictable > u.objects)
+        st.fail(__LINE__);
     }
   }
 }
 
 }  // namespace
 
-TEMPLATE_TEST_CASE("concurrent clients keep the tier consistent while it evicts constantly",
-                   "[l1][tier][concurrency]", lru, s3fifo, arc, noop) {
+TEMPLATE_TEST_CASE("concurrent clients keep the tier consistent while it evicts constantly", "[l1][tier][concurrency]",
+                   lru, s3fifo, arc, noop) {
   const bool with_expiry = GENERATE(false, true);
   CAPTURE(with_expiry);
   atomic_clock clock;
@@ -197,7 +200,9 @@ TEMPLATE_TEST_CASE("concurrent clients keep the tier consistent while it evicts 
   CHECK(sum.bad == 0);
   CHECK(sum.corrupt == 0);
   CHECK(sum.created > 0);
-  CHECK(sum.read_holds > 0);
+  // With expiry the tier can spend the whole run full of crashed writers' locks (noop never
+  // evicts), so reads may all miss; the check that expiry did its job is below.
+  if (!with_expiry) CHECK(sum.read_holds > 0);
 
   auto u = t.usage();
   CHECK(u.slots_used == u.objects + u.removing);
@@ -213,7 +218,9 @@ TEMPLATE_TEST_CASE("concurrent clients keep the tier consistent while it evicts 
   // Each object created went away exactly once, whatever the reason.
   CHECK(counts->removed_total() == sum.created);
   CHECK(counts->write_reserved == sum.reserved);
-  if (!with_expiry) {
+  if (with_expiry) {
+    CHECK(counts->expired_as(bus::lock_kind::write) > 0);  // the crashed writers' locks went
+  } else {
     CHECK(sum.ended == sum.reserved);  // every reservation ended exactly once
     CHECK(counts->read_reserved + counts->finished_and_read_reserved == counts->read_finished);
     CHECK(counts->expired_as(bus::lock_kind::read) + counts->expired_as(bus::lock_kind::write) == 0);

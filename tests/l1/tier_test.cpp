@@ -357,8 +357,7 @@ TEST_CASE("remove refuses locked keys unless forced", "[l1][tier]") {
   CHECK(f.counts->removed_as(bus::removal_reason::deleted) == 1);
 }
 
-TEST_CASE("a read-locked object removed by force stays readable to its holders until the last release",
-          "[l1][tier]") {
+TEST_CASE("a read-locked object removed by force stays readable to its holders until the last release", "[l1][tier]") {
   fixture f;
   const auto k = keys({1});
   std::vector<status> out(1);
@@ -371,8 +370,8 @@ TEST_CASE("a read-locked object removed by force stays readable to its holders u
   CHECK(f.remove(k, true) == all(1, status::success));
   CHECK(f.l1->state(k[0]) == object_state::removing);
   CHECK_FALSE(f.l1->contains(k[0]));
-  CHECK(f.read(k) == all(1, status::not_found));       // new lookups miss
-  CHECK(f.write(k) == all(1, status::not_writable));   // the key is busy until freed
+  CHECK(f.read(k) == all(1, status::not_found));      // new lookups miss
+  CHECK(f.write(k) == all(1, status::not_writable));  // the key is busy until freed
   CHECK(f.remove(k, true) == all(1, status::not_found));
   auto u = f.l1->usage();
   CHECK(u.objects == 0);
@@ -394,15 +393,18 @@ TEST_CASE("a read-locked object removed by force stays readable to its holders u
 
 TEST_CASE("a write-locked object removed by force is freed when its writer ends", "[l1][tier]") {
   fixture f;
-  REQUIRE(f.write(keys({1, 2})) == all(2, status::success));
-  CHECK(f.remove(keys({1, 2}), true) == all(2, status::success));
-  CHECK(f.l1->usage().slots_used == 2);
-  CHECK(f.finish(keys({1})) == all(1, status::not_found));      // the write was discarded
+  REQUIRE(f.write(keys({1, 2, 3})) == all(3, status::success));
+  CHECK(f.remove(keys({1, 2, 3}), true) == all(3, status::success));
+  CHECK(f.l1->usage().slots_used == 3);
+  CHECK(f.l1->state(key(1)) == object_state::removing);
+  CHECK(f.finish(keys({1})) == all(1, status::not_found));  // the write was discarded
   CHECK(f.abandon(keys({2})) == all(1, status::success));
+  CHECK(f.finish_and_read(keys({3})) == all(1, status::not_found));
   CHECK(f.l1->usage().slots_used == 0);
   CHECK(f.l1->usage().removing == 0);
   CHECK(f.counts->write_finished == 0);
-  CHECK(f.counts->removed_as(bus::removal_reason::deleted) == 2);
+  CHECK(f.counts->finished_and_read_reserved == 0);
+  CHECK(f.counts->removed_as(bus::removal_reason::deleted) == 3);
   CHECK(f.counts->removed_as(bus::removal_reason::abandoned) == 0);
 }
 
@@ -543,13 +545,13 @@ TEST_CASE("expiring read holds go together read_lock_ttl after the latest acquir
   f.clock.advance(seconds(200));
   REQUIRE(f.read(keys({1}), 1) == all(1, status::success));  // 3 expiring holds, deadline 500 s
   REQUIRE(f.read(keys({1}), 0, lock_lifetime::pinned) == all(1, status::success));
-  f.clock.advance(seconds(100));                             // t = 300: key 2's hold expires
+  f.clock.advance(seconds(100));  // t = 300: key 2's hold expires
   CHECK(f.l1->expire_locks() == 1);
   CHECK(f.l1->state(key(2)) == object_state::ready);
   CHECK(f.l1->info(key(1))->expiring_readers == 3);
   f.clock.advance(seconds(199));
   CHECK(f.l1->expire_locks() == 0);
-  f.clock.advance(seconds(1));                               // t = 500
+  f.clock.advance(seconds(1));  // t = 500
   CHECK(f.l1->expire_locks() == 1);
   CHECK(f.l1->info(key(1))->expiring_readers == 0);
   CHECK(f.l1->info(key(1))->pinned_readers == 1);
@@ -636,8 +638,7 @@ TEST_CASE("a batch that does not fit allocates nothing and evicts nothing", "[l1
   CHECK(f.write(keys({4})) == all(1, status::success));  // one still fits
 }
 
-TEST_CASE("a batch that fits only after evicting takes unlocked objects, down to the target",
-          "[l1][tier][eviction]") {
+TEST_CASE("a batch that fits only after evicting takes unlocked objects, down to the target", "[l1][tier][eviction]") {
   fixture f(10, 0.8, 0.5);  // evict above 8 slots, down to 5
   make_ready(f, keys({1, 2, 3, 4, 5, 6, 7, 8}));
   REQUIRE(f.read(keys({1, 2})) == all(2, status::success));

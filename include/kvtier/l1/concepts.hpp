@@ -49,6 +49,8 @@ struct victim_predicate_archetype {
   [[nodiscard]] bool operator()(const Hook&) const noexcept { return true; }
 };
 
+// clang-format 14 mis-indents requires-expressions.
+// clang-format off
 template <class P>
 concept eviction_policy =
     std::is_class_v<typename P::hook> && !std::is_final_v<typename P::hook> &&
@@ -61,10 +63,13 @@ concept eviction_policy =
       p.on_remove(h);
       p.select_victims(n, pred, out);
     };
+// clang-format on
 
 /// True when P takes the optional capacity hint.
 template <class P>
-concept capacity_aware_policy = eviction_policy<P> && requires(P& p, std::size_t objects) { p.set_capacity(objects); };
+concept capacity_aware_policy = eviction_policy<P> && requires(P& p, std::size_t objects) {
+  p.set_capacity(objects);
+};
 
 /// The smallest type that models eviction_policy: never evicts, keeps nothing.
 struct eviction_policy_archetype {

@@ -30,8 +30,8 @@ inline constexpr std::size_t status_count = 7;
 
 /// "success", "not_found", ..., for logs and protocol dumps.
 [[nodiscard]] constexpr std::string_view name(status s) noexcept {
-  constexpr std::array<std::string_view, status_count> n = {
-      "success", "not_found", "not_readable", "not_writable", "wrong_state", "locked", "out_of_memory"};
+  constexpr std::array<std::string_view, status_count> n = {"success",     "not_found", "not_readable", "not_writable",
+                                                            "wrong_state", "locked",    "out_of_memory"};
   const auto i = static_cast<std::size_t>(s);
   return i < status_count ? n[i] : std::string_view{"unknown"};
 }

@@ -102,9 +102,9 @@ struct object_info {
   object_state state = object_state::absent;
   std::size_t bytes = 0;
   bool temporary = false;
-  bool write_pinned = false;            ///< write-locked with a pinned lock
-  std::uint32_t expiring_readers = 0;   ///< read holds released by the TTL
-  std::uint32_t pinned_readers = 0;     ///< read holds that never expire
+  bool write_pinned = false;           ///< write-locked with a pinned lock
+  std::uint32_t expiring_readers = 0;  ///< read holds released by the TTL
+  std::uint32_t pinned_readers = 0;    ///< read holds that never expire
 };
 
 /// Called with the keys a finish_write made readable (the store pipeline's hook).
@@ -130,9 +130,11 @@ class tier {
   tier(tier_options options, Bus& bus, Policy policy = Policy{});
 
   /// A tier that publishes nothing (Bus = bus::null_bus).
+  // clang-format off
   explicit tier(tier_options options, Policy policy = Policy{})
     requires std::same_as<Bus, bus::null_bus>
       : tier(std::move(options), null_bus_instance(), std::move(policy)) {}
+  // clang-format on
 
   tier(const tier&) = delete;
   tier& operator=(const tier&) = delete;
@@ -319,9 +321,7 @@ class tier {
   static void check_extra(std::uint32_t extra_count);
 
   [[nodiscard]] static bool evictable(const entry& e) noexcept { return e.in_policy && !e.locked(); }
-  [[nodiscard]] static bool writable(const entry& e) noexcept {
-    return !e.removing && !e.locked() && !e.temporary;
-  }
+  [[nodiscard]] static bool writable(const entry& e) noexcept { return !e.removing && !e.locked() && !e.temporary; }
   [[nodiscard]] static object_state state_of(const entry& e) noexcept;
   [[nodiscard]] static entry& entry_of(typename Policy::hook& h) noexcept { return static_cast<entry&>(h); }
 

@@ -14,12 +14,13 @@ namespace kvtier::inline KVTIER_ABI_TAG::l1 {
 
 inline void tier_options::validate() const {
   auto fail = [](const std::string& what) { throw std::invalid_argument("kvtier::l1::tier_options: " + what); };
-  if (slot_bytes == 0) fail("slot_bytes is 0: set it to the size of the largest object (e.g. chunk_layout::object_bytes())");
+  if (slot_bytes == 0)
+    fail("slot_bytes is 0: set it to the size of the largest object (e.g. chunk_layout::object_bytes())");
   if (slot_count == 0) fail("slot_count is 0: give the tier at least one slot");
   if (slot_count > UINT32_MAX) fail("slot_count " + std::to_string(slot_count) + " exceeds 2^32 - 1: use larger slots");
-  if (slot_bytes > SIZE_MAX / 2 / slot_count)
-    fail("slot_bytes * slot_count overflows: lower slot_count or slot_bytes");
-  if (write_lock_ttl <= clock_type::duration::zero()) fail("write_lock_ttl must be positive (LMCache's default: 600 s)");
+  if (slot_bytes > SIZE_MAX / 2 / slot_count) fail("slot_bytes * slot_count overflows: lower slot_count or slot_bytes");
+  if (write_lock_ttl <= clock_type::duration::zero())
+    fail("write_lock_ttl must be positive (LMCache's default: 600 s)");
   if (read_lock_ttl <= clock_type::duration::zero()) fail("read_lock_ttl must be positive (LMCache's default: 300 s)");
   if (!(eviction_watermark > 0.0 && eviction_watermark <= 1.0))
     fail("eviction_watermark " + std::to_string(eviction_watermark) + " must be in (0, 1] (default 0.8)");
@@ -137,8 +138,8 @@ std::size_t tier<Policy, Bus>::reserve_write(std::span<const chunk_key> keys, st
   }
   publish(t);
   if (oom > 0) bus_.publish(bus::l1_allocation_failed{static_cast<std::uint32_t>(oom), o.purpose});
-  bus_.publish(bus::l1_write_reserved{static_cast<std::uint32_t>(ok), static_cast<std::uint32_t>(keys.size() - ok),
-                                      o.purpose});
+  bus_.publish(
+      bus::l1_write_reserved{static_cast<std::uint32_t>(ok), static_cast<std::uint32_t>(keys.size() - ok), o.purpose});
   return ok;
 }
 
@@ -154,9 +155,8 @@ std::size_t tier<Policy, Bus>::finish_write(std::span<const chunk_key> keys, std
 }
 
 template <class Policy, class Bus>
-std::size_t tier<Policy, Bus>::finish_write_and_reserve_read(std::span<const chunk_key> keys,
-                                                             std::uint32_t extra_count, lock_lifetime read_lock,
-                                                             std::span<status> out) {
+std::size_t tier<Policy, Bus>::finish_write_and_reserve_read(std::span<const chunk_key> keys, std::uint32_t extra_count,
+                                                             lock_lifetime read_lock, std::span<status> out) {
   check_span(keys.size(), out.size(), "out");
   check_extra(extra_count);
   const std::size_t ok = finish_write_impl(keys, out, true, extra_count, read_lock, nullptr, nullptr);
@@ -166,8 +166,7 @@ std::size_t tier<Policy, Bus>::finish_write_and_reserve_read(std::span<const chu
 
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys, std::span<status> out,
-                                                 bool reserve_read, std::uint32_t extra_count,
-                                                 lock_lifetime read_lock,
+                                                 bool reserve_read, std::uint32_t extra_count, lock_lifetime read_lock,
                                                  std::shared_ptr<const write_listener>* listener,
                                                  std::vector<chunk_key>* finished) {
   tally t;
@@ -177,8 +176,10 @@ std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys
     lazy_now now{options_.clock};
     if (listener != nullptr) *listener = listener_;
     // Keys are collected only for a listener (the store pipeline); none: no allocation.
-    if (listener == nullptr || !*listener) finished = nullptr;
-    else finished->reserve(keys.size());
+    if (listener == nullptr || !*listener)
+      finished = nullptr;
+    else
+      finished->reserve(keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) {
       entry* e = lookup(keys[i], now, t);
       if (e == nullptr) {
@@ -222,8 +223,10 @@ std::size_t tier<Policy, Bus>::abandon_write(std::span<const chunk_key> keys, st
         out[i] = status::wrong_state;
       } else {
         unlock_write(*e);
-        if (e->removing) free_removed(*e);  // already counted when it was removed
-        else remove_object(*e, bus::removal_reason::abandoned, t);
+        if (e->removing)
+          free_removed(*e);  // already counted when it was removed
+        else
+          remove_object(*e, bus::removal_reason::abandoned, t);
         out[i] = status::success;
         ++ok;
       }
@@ -459,8 +462,12 @@ std::optional<object_info> tier<Policy, Bus>::info(const chunk_key& key) {
     std::lock_guard g(mutex_);
     lazy_now now{options_.clock};
     if (entry* e = lookup(key, now, t))
-      r = object_info{state_of(*e), e->bytes, e->temporary, e->write_locked && e->write_pinned,
-                      e->expiring_readers, e->pinned_readers};
+      r = object_info{.state = state_of(*e),
+                      .bytes = e->bytes,
+                      .temporary = e->temporary,
+                      .write_pinned = e->write_locked && e->write_pinned,
+                      .expiring_readers = e->expiring_readers,
+                      .pinned_readers = e->pinned_readers};
   }
   publish(t);
   return r;
@@ -504,9 +511,8 @@ void tier<Policy, Bus>::on_write_finished(write_listener listener) {
 template <class Policy, class Bus>
 void tier<Policy, Bus>::check_span(std::size_t keys, std::size_t other, const char* what) {
   if (keys != other)
-    throw std::invalid_argument(std::string("kvtier::l1::tier: the '") + what + "' span has " +
-                                std::to_string(other) + " elements for " + std::to_string(keys) +
-                                " keys: give one per key");
+    throw std::invalid_argument(std::string("kvtier::l1::tier: the '") + what + "' span has " + std::to_string(other) +
+                                " elements for " + std::to_string(keys) + " keys: give one per key");
 }
 
 template <class Policy, class Bus>
@@ -525,8 +531,10 @@ void tier<Policy, Bus>::adjust(entry& e, F&& f) {
   const bool before = evictable(e);
   std::forward<F>(f)();
   const bool after = evictable(e);
-  if (before && !after) --evictable_;
-  else if (!before && after) ++evictable_;
+  if (before && !after)
+    --evictable_;
+  else if (!before && after)
+    ++evictable_;
 }
 
 template <class Policy, class Bus>
@@ -615,8 +623,10 @@ bool tier<Policy, Bus>::expire(entry& e, lazy_now& now, tally& t) {
     // that expires loses the old object too, its memory was being overwritten).
     ++t.expired[static_cast<std::size_t>(bus::lock_kind::write)];
     unlock_write(e);
-    if (e.removing) free_removed(e);
-    else remove_object(e, bus::removal_reason::abandoned, t);
+    if (e.removing)
+      free_removed(e);
+    else
+      remove_object(e, bus::removal_reason::abandoned, t);
     return true;
   }
   if (e.expiring_readers > 0 && now() >= e.read_deadline) {

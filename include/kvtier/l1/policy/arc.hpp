@@ -85,8 +85,7 @@ class arc {
     detail::list_node* cur2 = t2_.back();
     std::size_t taken = 0;
     while (taken < n && (cur1 != nullptr || cur2 != nullptr)) {
-      const bool from_t1 =
-          cur2 == nullptr || (cur1 != nullptr && !t1_.empty() && static_cast<double>(t1_.size()) > p_);
+      const bool from_t1 = cur2 == nullptr || (cur1 != nullptr && !t1_.empty() && static_cast<double>(t1_.size()) > p_);
       detail::intrusive_list& list = from_t1 ? t1_ : t2_;
       detail::list_node*& cur = from_t1 ? cur1 : cur2;
       // The first unlocked object from the LRU end of the chosen list.
@@ -119,8 +118,10 @@ class arc {
     h.list = list;
   }
   void detach(hook& h) noexcept {
-    if (h.list == list_t1) t1_.erase(h);
-    else if (h.list == list_t2) t2_.erase(h);
+    if (h.list == list_t1)
+      t1_.erase(h);
+    else if (h.list == list_t2)
+      t2_.erase(h);
     h.list = list_none;
   }
   void trim_ghosts() noexcept {

@@ -157,14 +157,14 @@ class s3fifo {
   [[nodiscard]] std::size_t main_size() const noexcept { return main_.size(); }
   [[nodiscard]] std::size_t ghost_size() const noexcept { return ghost_.size(); }
   [[nodiscard]] std::size_t small_target() const noexcept { return small_target_; }
-  [[nodiscard]] bool in_ghost(const chunk_key& key) const noexcept {
-    return ghost_.contains(detail::fingerprint(key));
-  }
+  [[nodiscard]] bool in_ghost(const chunk_key& key) const noexcept { return ghost_.contains(detail::fingerprint(key)); }
 
  private:
   void detach(hook& h) noexcept {
-    if (h.queue == queue_small) small_.erase(h);
-    else if (h.queue == queue_main) main_.erase(h);
+    if (h.queue == queue_small)
+      small_.erase(h);
+    else if (h.queue == queue_main)
+      main_.erase(h);
     h.queue = queue_none;
   }
 

@@ -103,8 +103,7 @@ class fingerprint_table {
 class ghost_fifo {
  public:
   /// Remembers at most `capacity` fingerprints; 0 disables the list.
-  explicit ghost_fifo(std::size_t capacity = 0)
-      : capacity_(capacity), ring_(2 * capacity), table_(capacity) {}
+  explicit ghost_fifo(std::size_t capacity = 0) : capacity_(capacity), ring_(2 * capacity), table_(capacity) {}
 
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
   [[nodiscard]] std::size_t size() const noexcept { return table_.size(); }
