@@ -22,6 +22,17 @@ class basic_event_bus;
 struct null_bus;
 }  // namespace bus
 
+namespace l1 {
+class lru;
+class s3fifo;
+class arc;
+class noop;
+struct tier_options;
+/// The L1 tier (l1/tier.hpp); by default LRU eviction and no events.
+template <class Policy = lru, class Bus = bus::null_bus>
+class tier;
+}  // namespace l1
+
 namespace telemetry {
 class counter;
 class gauge;

@@ -21,6 +21,14 @@
 #include <kvtier/bus/events.hpp>
 #include <kvtier/bus/null_bus.hpp>
 
+#include <kvtier/l1/concepts.hpp>
+#include <kvtier/l1/policy/arc.hpp>
+#include <kvtier/l1/policy/lru.hpp>
+#include <kvtier/l1/policy/noop.hpp>
+#include <kvtier/l1/policy/s3fifo.hpp>
+#include <kvtier/l1/status.hpp>
+#include <kvtier/l1/tier.hpp>
+
 #include <kvtier/telemetry/counter.hpp>
 #include <kvtier/telemetry/exposition.hpp>
 #include <kvtier/telemetry/gauge.hpp>

@@ -1,0 +1,380 @@
+#pragma once
+// l1::tier<Policy, Bus>: the L1 tier, chunk objects in CPU memory, one object per fixed-size
+// slot of one arena, with LMCache's per-key state machine (reference/lmcache-mp.md section 3):
+//
+//   absent --reserve_write--> write_locked --finish_write--> ready <--> read_locked(n)
+//                               |  |                          |  reserve_read / finish_read
+//                               |  +--finish_write_and_reserve_read--> read_locked(n)
+//                               +--abandon_write / write TTL--> absent (never readable)
+//   ready --remove / evict--> absent;  read_locked(n) --remove(force)--> removing --last lock--> absent
+//   temporary object: read_locked(1) --finish_read--> absent (freed with its last reader)
+//
+// Every operation takes a batch of keys and answers per key (l1::status) in a span the
+// caller provides, so a batch allocates nothing; it returns the number of successes.
+// reserve_write allocates the new keys of a batch all or nothing, evicting unlocked objects
+// first when the tier would pass its eviction watermark. Locks are expiring (TTL, for remote
+// clients) or pinned (for the server's own I/O and copies); see l1::lock_lifetime.
+//
+// Thread safety: every member function may be called from any thread. One mutex guards the
+// tier (LMCache does the same; the machines have 2 cores). Bus events and the write listener
+// run after the mutex is released; the policy runs under it.
+//
+// Events (bus/events.hpp), with exact counts: l1_write_reserved (+ l1_allocation_failed when
+// the new keys did not fit), l1_write_finished, l1_write_finished_and_read_reserved,
+// l1_read_reserved, l1_read_finished, l1_keys_evicted (reasons evicted, deleted, temporary,
+// abandoned), l1_lock_expired.
+
+#include <kvtier/bus/concepts.hpp>
+#include <kvtier/bus/events.hpp>
+#include <kvtier/bus/null_bus.hpp>
+#include <kvtier/config.hpp>
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/core/slot_allocator.hpp>
+#include <kvtier/fwd.hpp>
+#include <kvtier/l1/concepts.hpp>
+#include <kvtier/l1/policy/lru.hpp>
+#include <kvtier/l1/status.hpp>
+#include <kvtier/telemetry/registry.hpp>
+
+#include <array>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+
+using clock_type = std::chrono::steady_clock;
+
+/// Configuration of a tier. validate() (called by the constructor) throws
+/// std::invalid_argument naming the field and what to change.
+struct tier_options {
+  /// Bytes of one slot: the largest object the tier holds, rounded up to 4 KiB.
+  std::size_t slot_bytes = 0;
+  /// Slots in the arena; capacity = slot_count * slot_bytes (allocated at construction).
+  std::size_t slot_count = 0;
+  /// TTL of an expiring write lock (LMCache --l1-write-ttl-seconds).
+  clock_type::duration write_lock_ttl = std::chrono::seconds(600);
+  /// TTL of expiring read locks, counted from the latest acquire (--l1-read-ttl-seconds).
+  clock_type::duration read_lock_ttl = std::chrono::seconds(300);
+  /// Eviction starts when an allocation would take the used slots above this share.
+  double eviction_watermark = 0.8;
+  /// ... and frees unlocked objects until the used slots are down to this share.
+  double eviction_target = 0.7;
+  /// The time source of the TTLs; tests inject a manual clock so they never sleep.
+  std::function<clock_type::time_point()> clock = [] { return clock_type::now(); };
+
+  void validate() const;
+};
+
+/// What reserve_write does with the keys of one batch.
+struct write_options {
+  write_mode mode = write_mode::new_only;
+  /// The write lock's lifetime: expiring for remote clients, pinned for the server's own I/O.
+  lock_lifetime lock = lock_lifetime::expiring;
+  /// A temporary object (prefetched for one reader) is freed when its last read lock goes.
+  bool temporary = false;
+  /// Reported in l1_write_reserved and l1_allocation_failed.
+  bus::allocation_purpose purpose = bus::allocation_purpose::store;
+};
+
+/// Memory accounting of a tier (also exported as gauges, see export_metrics).
+struct usage_info {
+  std::size_t bytes_used = 0;      ///< slots_used * slot_bytes
+  std::size_t bytes_capacity = 0;  ///< slot_count * slot_bytes
+  std::size_t objects = 0;         ///< keys held (write-locked, ready or read-locked)
+  std::size_t slots_used = 0;      ///< objects + removing
+  std::size_t removing = 0;        ///< removed while locked, memory freed at the last unlock
+  std::size_t object_bytes = 0;    ///< sum of the objects' sizes (<= bytes_used)
+  std::size_t evictable = 0;       ///< ready, unlocked objects the policy may take
+};
+
+/// The state of one object, for tests and status pages.
+struct object_info {
+  object_state state = object_state::absent;
+  std::size_t bytes = 0;
+  bool temporary = false;
+  bool write_pinned = false;           ///< write-locked with a pinned lock
+  std::uint32_t expiring_readers = 0;  ///< read holds released by the TTL
+  std::uint32_t pinned_readers = 0;    ///< read holds that never expire
+};
+
+/// Called with the keys a finish_write made readable (the store pipeline's hook).
+using write_listener = std::function<void(std::span<const chunk_key>)>;
+
+/// The L1 tier. `Policy` models l1::eviction_policy; `Bus` models bus::event_bus and must
+/// outlive the tier. Not copyable or movable (the policy links hooks inside the tier).
+template <class Policy, class Bus>
+class tier {
+  static_assert(eviction_policy<Policy>, "kvtier::l1::tier: Policy must model kvtier::l1::eviction_policy");
+  static_assert(bus::event_bus<Bus>, "kvtier::l1::tier: Bus must model kvtier::bus::event_bus");
+
+ public:
+  using policy_type = Policy;
+  using bus_type = Bus;
+  using time_point = clock_type::time_point;
+
+  /// Largest extra_count of the read operations (1 + extra_count holds are taken per key).
+  static constexpr std::uint32_t max_extra_count = 1023;
+
+  /// Allocates the arena (slot_count * slot_bytes). Throws std::invalid_argument for bad
+  /// options, std::bad_alloc when the arena cannot be allocated.
+  tier(tier_options options, Bus& bus, Policy policy = Policy{});
+
+  /// A tier that publishes nothing (Bus = bus::null_bus).
+  // clang-format off
+  explicit tier(tier_options options, Policy policy = Policy{})
+    requires std::same_as<Bus, bus::null_bus>
+      : tier(std::move(options), null_bus_instance(), std::move(policy)) {}
+  // clang-format on
+
+  tier(const tier&) = delete;
+  tier& operator=(const tier&) = delete;
+
+  // --- writes ------------------------------------------------------------------------
+  /// Write-locks the keys of the batch for an object of `object_bytes` (1..slot_bytes).
+  /// Per key (o.mode): new_only: an absent key is created, an existing one answers
+  /// not_writable; update: an existing writable key (ready, unlocked, not temporary) is
+  /// write-locked again, an absent one answers not_found, a busy one not_writable; all: both.
+  /// A key repeated in the batch answers not_writable the second time.
+  /// The new keys are allocated all or nothing: when they do not all fit, even after
+  /// evicting unlocked objects and dropping expired locks, every new key answers
+  /// out_of_memory and none is allocated (no object is evicted for a batch that fails).
+  /// When the allocation takes the used slots above the eviction watermark, unlocked
+  /// objects are evicted first, down to the eviction target.
+  /// `buffers`, when not empty (size == keys.size()), receives each success's memory
+  /// (object_bytes bytes, 4 KiB-aligned) and an empty span for each failure.
+  /// Throws std::invalid_argument when a span's size differs from keys.size() or
+  /// object_bytes is 0 or larger than slot_bytes.
+  std::size_t reserve_write(std::span<const chunk_key> keys, std::size_t object_bytes, const write_options& o,
+                            std::span<status> out, std::span<std::span<std::byte>> buffers = {});
+
+  /// Makes write-locked keys ready (readable, evictable) and calls the write listener with
+  /// them (after the mutex is released). Answers: not_found (absent, or removed while the
+  /// write ran: its memory is freed now), wrong_state (not write-locked).
+  std::size_t finish_write(std::span<const chunk_key> keys, std::span<status> out);
+
+  /// Drops write-locked keys without ever making them readable (a failed write or
+  /// prefetch): the memory is freed at once, l1_keys_evicted{abandoned} is published and
+  /// the store pipeline never hears of them (LMCache issue #5032). An update-mode rewrite
+  /// that is abandoned loses the old object too (its memory was being overwritten).
+  /// Answers: not_found, wrong_state (not write-locked).
+  std::size_t abandon_write(std::span<const chunk_key> keys, std::span<status> out);
+
+  /// Atomically makes write-locked keys ready and takes 1 + extra_count read holds of
+  /// `read_lock` lifetime on each, so eviction cannot slip in between (the prefetch
+  /// controller's finalize). Not offered to the write listener (prefetched objects are
+  /// already in L2). Answers as finish_write.
+  std::size_t finish_write_and_reserve_read(std::span<const chunk_key> keys, std::uint32_t extra_count,
+                                            lock_lifetime read_lock, std::span<status> out);
+
+  // --- reads -------------------------------------------------------------------------
+  /// Takes 1 + extra_count read holds of the given lifetime on each readable key (the
+  /// policy sees a read). Answers: not_found (absent or removing), not_readable (being
+  /// written). An expiring hold lasts read_lock_ttl from the latest expiring acquire on the
+  /// key; when it passes, all expiring holds of the key go at once.
+  std::size_t reserve_read(std::span<const chunk_key> keys, std::uint32_t extra_count, lock_lifetime lifetime,
+                           std::span<status> out);
+
+  /// Releases 1 + extra_count holds of the given lifetime. A temporary object, or one
+  /// removed while locked, is freed with its last hold. Answers: not_found, wrong_state
+  /// (fewer holds of that lifetime than asked: nothing is released; also what a holder
+  /// whose expiring holds already expired gets).
+  std::size_t finish_read(std::span<const chunk_key> keys, std::uint32_t extra_count, lock_lifetime lifetime,
+                          std::span<status> out);
+
+  /// The memory of read-locked objects, without taking a hold (LMCache's unsafe_read): valid
+  /// while the caller holds a read lock on the key. Also serves holders of an object removed
+  /// while they read. Answers: not_found, not_readable (being written), wrong_state (not
+  /// read-locked). `views` (size == keys.size()) gets an empty span for each failure.
+  std::size_t read_views(std::span<const chunk_key> keys, std::span<status> out,
+                         std::span<std::span<const std::byte>> views);
+
+  /// Counts a read of ready objects for the policy without locking them (LMCache's
+  /// touch_keys). Returns how many were readable.
+  std::size_t touch(std::span<const chunk_key> keys);
+
+  // --- removal -----------------------------------------------------------------------
+  /// Deletes keys. A locked key answers locked unless `force`; forced, it leaves the tier
+  /// at once (lookups miss, reserve_write answers not_writable for it) and its memory is
+  /// freed when its last lock is released or expires (memory is never pulled from under a
+  /// reader or an in-flight write). Answers: success, not_found, locked.
+  std::size_t remove(std::span<const chunk_key> keys, bool force, std::span<status> out);
+
+  /// Deletes every unlocked object, and with `force` the locked ones as remove(force) does.
+  /// Returns the number of objects deleted.
+  std::size_t clear(bool force);
+
+  /// When the used slots are above the watermark, evicts unlocked objects down to the
+  /// target; returns the number evicted. reserve_write does this by itself; a host may also
+  /// call it from a timer.
+  std::size_t evict();
+
+  /// Releases every lock whose TTL has passed (they are otherwise released lazily, when an
+  /// operation touches the key or an allocation runs short). Call it periodically, e.g.
+  /// once a second. Returns the number of locks released (a key's expiring read holds
+  /// count as one).
+  std::size_t expire_locks();
+
+  // --- queries -----------------------------------------------------------------------
+  /// The state of a key (after releasing its expired locks).
+  [[nodiscard]] object_state state(const chunk_key& key);
+  /// True when the key is readable now (ready or read-locked).
+  [[nodiscard]] bool contains(const chunk_key& key) {
+    const auto s = state(key);
+    return s == object_state::ready || s == object_state::read_locked;
+  }
+  /// Locks and size of a key, nullopt when absent.
+  [[nodiscard]] std::optional<object_info> info(const chunk_key& key);
+  [[nodiscard]] usage_info usage() const;
+
+  /// Registers the callback gauges kvtier_l1_bytes_used, kvtier_l1_bytes_capacity and
+  /// kvtier_l1_objects (with `labels`, e.g. {{"tier", "l1"}} when a process has several).
+  /// They read usage() at scrape time; the registry must not be scraped after the tier is
+  /// destroyed.
+  void export_metrics(telemetry::registry& registry, const telemetry::label_pairs& labels = {});
+
+  /// Sets (or, with an empty function, clears) the listener called after finish_write with
+  /// the keys it made readable, outside the tier's mutex (it may call back into the tier).
+  /// Never called for abandon_write or finish_write_and_reserve_read.
+  void on_write_finished(write_listener listener);
+
+  /// Runs f(policy) under the tier's mutex (introspection for tests and benchmarks).
+  template <class F>
+  decltype(auto) with_policy(F&& f) {
+    std::lock_guard g(mutex_);
+    return std::forward<F>(f)(policy_);
+  }
+
+  /// The arena, for one-time registration (io_uring fixed buffers, cudaHostRegister).
+  [[nodiscard]] std::span<std::byte> arena() noexcept { return slots_.arena(); }
+  [[nodiscard]] std::size_t slot_bytes() const noexcept { return slots_.slot_bytes(); }
+  [[nodiscard]] std::size_t slot_count() const noexcept { return slots_.slot_count(); }
+  [[nodiscard]] const tier_options& options() const noexcept { return options_; }
+  /// Slots at the eviction watermark and target (what the shares mean for this tier).
+  [[nodiscard]] std::size_t watermark_slots() const noexcept { return watermark_slots_; }
+  [[nodiscard]] std::size_t target_slots() const noexcept { return target_slots_; }
+
+ private:
+  // One entry per slot (entries_[s] describes slot s), so entries never move and the
+  // policy's hook is embedded (intrusive, no per-key node). Fields are guarded by mutex_.
+  struct entry : Policy::hook {
+    chunk_key key{};
+    std::size_t bytes = 0;
+    slot_id slot = 0;
+    std::uint32_t expiring_readers = 0;
+    std::uint32_t pinned_readers = 0;
+    time_point write_deadline{};
+    time_point read_deadline{};  ///< latest expiring acquire + read_lock_ttl
+    bool write_locked = false;
+    bool write_pinned = false;
+    bool temporary = false;
+    bool in_policy = false;  ///< on_insert was called and on_remove not yet
+    bool removing = false;   ///< removed while locked; freed at the last unlock
+
+    [[nodiscard]] std::uint32_t readers() const noexcept { return expiring_readers + pinned_readers; }
+    [[nodiscard]] bool locked() const noexcept { return write_locked || readers() > 0; }
+    [[nodiscard]] bool has_expiring_lock() const noexcept {
+      return (write_locked && !write_pinned) || expiring_readers > 0;
+    }
+  };
+
+  // The time of one operation, read from the clock on first use only: an operation that
+  // meets no expiring lock never reads it (a clock_gettime was 17% of the policy benchmark).
+  class lazy_now {
+   public:
+    explicit lazy_now(const std::function<time_point()>& clock) noexcept : clock_(clock) {}
+    time_point operator()() {
+      if (!read_) {
+        now_ = clock_();
+        read_ = true;
+      }
+      return now_;
+    }
+
+   private:
+    const std::function<time_point()>& clock_;
+    time_point now_{};
+    bool read_ = false;
+  };
+
+  // What one operation has to publish once the mutex is released.
+  struct tally {
+    std::array<std::uint32_t, bus::removal_reason_count> removed_keys{};
+    std::array<std::uint64_t, bus::removal_reason_count> removed_bytes{};
+    std::array<std::uint32_t, bus::lock_kind_count> expired{};
+  };
+
+  static bus::null_bus& null_bus_instance() noexcept {
+    static bus::null_bus b;
+    return b;
+  }
+  static void check_span(std::size_t keys, std::size_t other, const char* what);
+  static void check_extra(std::uint32_t extra_count);
+
+  [[nodiscard]] static bool evictable(const entry& e) noexcept { return e.in_policy && !e.locked(); }
+  [[nodiscard]] static bool writable(const entry& e) noexcept { return !e.removing && !e.locked() && !e.temporary; }
+  [[nodiscard]] static object_state state_of(const entry& e) noexcept;
+  [[nodiscard]] static entry& entry_of(typename Policy::hook& h) noexcept { return static_cast<entry&>(h); }
+
+  // Leaf mutators: each keeps evictable_ exact, none calls another.
+  template <class F>
+  void adjust(entry& e, F&& f);
+  void lock_write(entry& e, lock_lifetime lifetime, lazy_now& now);
+  void unlock_write(entry& e);
+  void add_readers(entry& e, lock_lifetime lifetime, std::uint32_t n, lazy_now& now);
+  void drop_readers(entry& e, lock_lifetime lifetime, std::uint32_t n);
+  void policy_insert(entry& e);
+  void policy_leave(entry& e);
+  void free_slot(entry& e);
+
+  // Composite steps.
+  entry* lookup(const chunk_key& key, lazy_now& now, tally& t);
+  bool expire(entry& e, lazy_now& now, tally& t);
+  std::size_t expire_all(lazy_now& now, tally& t);
+  bool release_if_done(entry& e, tally& t);
+  void remove_object(entry& e, bus::removal_reason reason, tally& t);
+  void mark_removing(entry& e, tally& t);
+  void free_removed(entry& e);
+  bool ensure_room(std::size_t need, lazy_now& now, tally& t);
+  std::size_t evict_n(std::size_t n, tally& t);
+  std::size_t finish_write_impl(std::span<const chunk_key> keys, std::span<status> out, bool reserve_read,
+                                std::uint32_t extra_count, lock_lifetime read_lock,
+                                std::shared_ptr<const write_listener>* listener, std::vector<chunk_key>* finished);
+  void publish(const tally& t);
+
+  tier_options options_;
+  Bus& bus_;
+  mutable std::mutex mutex_;
+  slot_allocator slots_;
+  Policy policy_;
+  std::unique_ptr<entry[]> entries_;
+  std::unordered_map<chunk_key, entry*, chunk_key_hash> index_;  ///< nullptr: a key being reserved
+  std::shared_ptr<const write_listener> listener_;
+  std::size_t watermark_slots_ = 0;
+  std::size_t target_slots_ = 0;
+  std::size_t objects_ = 0;
+  std::size_t object_bytes_ = 0;
+  std::size_t removing_ = 0;
+  std::size_t evictable_ = 0;
+  /// No expiring lock has a deadline before this (a lower bound: sweeps are skipped until
+  /// then, so a tier whose locks are all pinned never sweeps).
+  time_point earliest_deadline_ = time_point::max();
+  // Scratch of reserve_write and eviction, reused under the mutex (no allocation per call).
+  std::vector<std::size_t> new_positions_;
+  std::vector<entry**> new_index_slots_;
+  std::vector<slot_id> new_slots_;
+  std::vector<typename Policy::hook*> victims_;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+
+#include <kvtier/l1/impl/tier.hpp>

@@ -1,0 +1,730 @@
+#include <kvtier/l1/tier.hpp>
+
+#include <kvtier/l1/policy/lru.hpp>
+#include <kvtier/l1/policy/noop.hpp>
+#include <kvtier/telemetry/registry.hpp>
+
+#include "l1/support.hpp"
+
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+using namespace kvtier;
+using namespace kvtier::l1;
+using kvtier::l1::test::key;
+using kvtier::l1::test::keys;
+using kvtier::l1::test::manual_clock;
+using std::chrono::seconds;
+
+namespace {
+
+using test_tier = tier<lru, test::recording_bus>;
+
+// A tier of `slots` 4 KiB slots with a manual clock and a bus that counts events.
+struct fixture {
+  explicit fixture(std::size_t slots = 8, double watermark = 1.0, double target = 0.5) {
+    options.slot_bytes = 4096;
+    options.slot_count = slots;
+    options.eviction_watermark = watermark;
+    options.eviction_target = target;
+    options.clock = clock;
+    l1 = std::make_unique<test_tier>(options, bus);
+  }
+
+  std::vector<status> write(const std::vector<chunk_key>& ks, write_options o = {}, std::size_t bytes = 1000) {
+    std::vector<status> out(ks.size());
+    l1->reserve_write(ks, bytes, o, out);
+    return out;
+  }
+  std::vector<status> finish(const std::vector<chunk_key>& ks) {
+    std::vector<status> out(ks.size());
+    l1->finish_write(ks, out);
+    return out;
+  }
+  std::vector<status> abandon(const std::vector<chunk_key>& ks) {
+    std::vector<status> out(ks.size());
+    l1->abandon_write(ks, out);
+    return out;
+  }
+  std::vector<status> read(const std::vector<chunk_key>& ks, std::uint32_t extra = 0,
+                           lock_lifetime l = lock_lifetime::expiring) {
+    std::vector<status> out(ks.size());
+    l1->reserve_read(ks, extra, l, out);
+    return out;
+  }
+  std::vector<status> unread(const std::vector<chunk_key>& ks, std::uint32_t extra = 0,
+                             lock_lifetime l = lock_lifetime::expiring) {
+    std::vector<status> out(ks.size());
+    l1->finish_read(ks, extra, l, out);
+    return out;
+  }
+  std::vector<status> finish_and_read(const std::vector<chunk_key>& ks, std::uint32_t extra = 0,
+                                      lock_lifetime l = lock_lifetime::expiring) {
+    std::vector<status> out(ks.size());
+    l1->finish_write_and_reserve_read(ks, extra, l, out);
+    return out;
+  }
+  std::vector<status> remove(const std::vector<chunk_key>& ks, bool force = false) {
+    std::vector<status> out(ks.size());
+    l1->remove(ks, force, out);
+    return out;
+  }
+  manual_clock clock;
+  test::l1_recorder recorder;
+  std::shared_ptr<test::l1_counts> counts = recorder.c;
+  test::recording_bus bus{recorder};
+  tier_options options;
+  std::unique_ptr<test_tier> l1;
+};
+
+std::vector<status> all(std::size_t n, status s) { return std::vector<status>(n, s); }
+
+void make_ready(fixture& f, const std::vector<chunk_key>& ks) {
+  REQUIRE(f.write(ks) == all(ks.size(), status::success));
+  REQUIRE(f.finish(ks) == all(ks.size(), status::success));
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------------------
+// vocabulary and options
+// ----------------------------------------------------------------------------------------
+TEST_CASE("every status, write mode and object state has a stable name", "[l1][status]") {
+  CHECK(name(status::success) == "success");
+  CHECK(name(status::not_found) == "not_found");
+  CHECK(name(status::not_readable) == "not_readable");
+  CHECK(name(status::not_writable) == "not_writable");
+  CHECK(name(status::wrong_state) == "wrong_state");
+  CHECK(name(status::locked) == "locked");
+  CHECK(name(status::out_of_memory) == "out_of_memory");
+  CHECK(name(static_cast<status>(200)) == "unknown");
+  CHECK(name(write_mode::new_only) == "new");
+  CHECK(name(write_mode::update) == "update");
+  CHECK(name(write_mode::all) == "all");
+  CHECK(name(lock_lifetime::pinned) == "pinned");
+  CHECK(name(object_state::removing) == "removing");
+}
+
+TEST_CASE("bad tier options are refused with a message naming the field", "[l1][tier][options]") {
+  auto good = [] {
+    tier_options o;
+    o.slot_bytes = 4096;
+    o.slot_count = 4;
+    return o;
+  };
+  auto refuses = [](const tier_options& o, const std::string& field) {
+    try {
+      tier<lru> t(o);
+      FAIL("accepted bad options for " << field);
+    } catch (const std::invalid_argument& e) {
+      CHECK_THAT(e.what(), Catch::Contains(field));
+    }
+  };
+  CHECK_NOTHROW(tier<lru>(good()));
+  auto o = good();
+  o.slot_bytes = 0;
+  refuses(o, "slot_bytes");
+  o = good();
+  o.slot_count = 0;
+  refuses(o, "slot_count");
+  o = good();
+  o.write_lock_ttl = seconds(0);
+  refuses(o, "write_lock_ttl");
+  o = good();
+  o.read_lock_ttl = seconds(-1);
+  refuses(o, "read_lock_ttl");
+  o = good();
+  o.eviction_watermark = 0.0;
+  refuses(o, "eviction_watermark");
+  o = good();
+  o.eviction_watermark = 1.5;
+  refuses(o, "eviction_watermark");
+  o = good();
+  o.eviction_target = 0.9;  // above the default watermark 0.8
+  refuses(o, "eviction_target");
+  o = good();
+  o.eviction_target = -0.1;
+  refuses(o, "eviction_target");
+  o = good();
+  o.clock = nullptr;
+  refuses(o, "clock");
+}
+
+TEST_CASE("slots are whole pages and the capacity is slot_count times slot_bytes", "[l1][tier]") {
+  tier_options o;
+  o.slot_bytes = 5000;
+  o.slot_count = 10;
+  tier<lru> t(o);
+  CHECK(t.slot_bytes() == 8192);
+  CHECK(t.arena().size() == 10 * 8192);
+  CHECK(t.usage().bytes_capacity == 10 * 8192);
+  CHECK(t.usage().bytes_used == 0);
+  CHECK(t.watermark_slots() == 8);
+  CHECK(t.target_slots() == 7);
+}
+
+TEST_CASE("misuse of the batch spans and sizes throws", "[l1][tier]") {
+  fixture f;
+  const auto ks = keys({1, 2});
+  std::vector<status> one(1);
+  CHECK_THROWS_AS(f.l1->reserve_write(ks, 100, {}, one), std::invalid_argument);
+  std::vector<status> out(2);
+  std::vector<std::span<std::byte>> bufs(3);
+  CHECK_THROWS_AS(f.l1->reserve_write(ks, 100, {}, out, bufs), std::invalid_argument);
+  CHECK_THROWS_AS(f.l1->reserve_write(ks, 0, {}, out), std::invalid_argument);
+  CHECK_THROWS_AS(f.l1->reserve_write(ks, 4097, {}, out), std::invalid_argument);
+  CHECK_THROWS_AS(f.l1->reserve_read(ks, test_tier::max_extra_count + 1, lock_lifetime::pinned, out),
+                  std::invalid_argument);
+  std::vector<std::span<const std::byte>> views(1);
+  CHECK_THROWS_AS(f.l1->read_views(ks, out, views), std::invalid_argument);
+  CHECK(f.l1->usage().slots_used == 0);
+}
+
+// ----------------------------------------------------------------------------------------
+// the state machine
+// ----------------------------------------------------------------------------------------
+TEST_CASE("an object goes absent, write_locked, ready, read_locked, ready, absent", "[l1][tier]") {
+  fixture f;
+  const auto k = keys({1});
+  CHECK(f.l1->state(k[0]) == object_state::absent);
+
+  std::vector<status> out(1);
+  std::vector<std::span<std::byte>> buf(1);
+  CHECK(f.l1->reserve_write(k, 1000, {}, out, buf) == 1);
+  CHECK(out[0] == status::success);
+  REQUIRE(buf[0].size() == 1000);
+  CHECK(reinterpret_cast<std::uintptr_t>(buf[0].data()) % 4096 == 0);
+  std::memset(buf[0].data(), 0xab, buf[0].size());
+  CHECK(f.l1->state(k[0]) == object_state::write_locked);
+  CHECK_FALSE(f.l1->contains(k[0]));
+
+  CHECK(f.finish(k) == all(1, status::success));
+  CHECK(f.l1->state(k[0]) == object_state::ready);
+  CHECK(f.l1->contains(k[0]));
+
+  CHECK(f.read(k, 1) == all(1, status::success));  // two holds
+  CHECK(f.l1->state(k[0]) == object_state::read_locked);
+  std::vector<std::span<const std::byte>> views(1);
+  CHECK(f.l1->read_views(k, out, views) == 1);
+  REQUIRE(views[0].size() == 1000);
+  CHECK(views[0][999] == std::byte{0xab});
+  CHECK(f.unread(k) == all(1, status::success));
+  CHECK(f.l1->state(k[0]) == object_state::read_locked);  // one hold left
+  CHECK(f.unread(k) == all(1, status::success));
+  CHECK(f.l1->state(k[0]) == object_state::ready);
+
+  CHECK(f.remove(k) == all(1, status::success));
+  CHECK(f.l1->state(k[0]) == object_state::absent);
+  CHECK(f.l1->usage().slots_used == 0);
+
+  const auto& c = *f.counts;
+  CHECK(c.write_reserved == 1);
+  CHECK(c.write_finished == 1);
+  CHECK(c.read_reserved == 1);
+  CHECK(c.read_finished == 2);
+  CHECK(c.removed_as(bus::removal_reason::deleted) == 1);
+  CHECK(c.removed_bytes[static_cast<std::size_t>(bus::removal_reason::deleted)] == 1000);
+}
+
+TEST_CASE("usage counts objects, slots and bytes through the states", "[l1][tier]") {
+  fixture f;
+  REQUIRE(f.write(keys({1, 2, 3}), {}, 3000) == all(3, status::success));
+  auto u = f.l1->usage();
+  CHECK(u.objects == 3);
+  CHECK(u.slots_used == 3);
+  CHECK(u.bytes_used == 3 * 4096);
+  CHECK(u.object_bytes == 9000);
+  CHECK(u.evictable == 0);  // write-locked
+  REQUIRE(f.finish(keys({1, 2})) == all(2, status::success));
+  CHECK(f.l1->usage().evictable == 2);
+  REQUIRE(f.read(keys({1})) == all(1, status::success));
+  CHECK(f.l1->usage().evictable == 1);
+}
+
+TEST_CASE("mode new refuses existing keys and a key repeated in the batch", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1}));
+  REQUIRE(f.write(keys({2})) == all(1, status::success));  // write-locked
+  CHECK(f.write(keys({1, 2, 3, 3})) ==
+        std::vector<status>{status::not_writable, status::not_writable, status::success, status::not_writable});
+  CHECK(f.l1->usage().objects == 3);
+  CHECK(f.counts->write_reserved == 3);  // 1 (make_ready), 2, 3
+  CHECK(f.counts->write_refused == 3);
+}
+
+TEST_CASE("mode update rewrites only existing writable keys", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1, 2}));
+  REQUIRE(f.write(keys({3})) == all(1, status::success));  // write-locked
+  REQUIRE(f.read(keys({2})) == all(1, status::success));   // read-locked
+  write_options tmp;
+  tmp.temporary = true;
+  REQUIRE(f.write(keys({4}), tmp) == all(1, status::success));
+  REQUIRE(f.finish(keys({4})) == all(1, status::success));  // a ready temporary object
+
+  write_options upd;
+  upd.mode = write_mode::update;
+  std::vector<status> out(5);
+  std::vector<std::span<std::byte>> buf(5);
+  f.l1->reserve_write(keys({1, 2, 3, 4, 9}), 2000, upd, out, buf);
+  CHECK(out == std::vector<status>{status::success, status::not_writable, status::not_writable, status::not_writable,
+                                   status::not_found});
+  CHECK(buf[0].size() == 2000);
+  CHECK(buf[1].empty());
+  CHECK(f.l1->state(key(1)) == object_state::write_locked);
+  CHECK(f.l1->info(key(1))->bytes == 2000);
+  CHECK(f.finish(keys({1})) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::ready);
+  CHECK(f.l1->usage().objects == 4);  // an update allocates nothing
+}
+
+TEST_CASE("mode all creates absent keys and rewrites writable ones", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1, 2}));
+  REQUIRE(f.read(keys({2})) == all(1, status::success));
+  write_options o;
+  o.mode = write_mode::all;
+  CHECK(f.write(keys({1, 2, 3}), o) == std::vector<status>{status::success, status::not_writable, status::success});
+  CHECK(f.l1->state(key(1)) == object_state::write_locked);
+  CHECK(f.l1->state(key(3)) == object_state::write_locked);
+  CHECK(f.l1->usage().objects == 3);
+}
+
+TEST_CASE("finish_write answers not_found and wrong_state", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1}));
+  REQUIRE(f.write(keys({2})) == all(1, status::success));
+  CHECK(f.finish(keys({9, 1, 2, 2})) ==
+        std::vector<status>{status::not_found, status::wrong_state, status::success, status::wrong_state});
+  CHECK(f.counts->write_finished == 2);  // 1 (make_ready) and 2
+}
+
+TEST_CASE("reserve_read answers not_found and not_readable", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1}));
+  REQUIRE(f.write(keys({2})) == all(1, status::success));
+  CHECK(f.read(keys({9, 2, 1})) == std::vector<status>{status::not_found, status::not_readable, status::success});
+  CHECK(f.counts->read_reserved == 1);
+  CHECK(f.counts->read_refused == 2);
+}
+
+TEST_CASE("finish_read releases exactly the holds of the given lifetime", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1, 2}));
+  CHECK(f.unread(keys({9, 1})) == std::vector<status>{status::not_found, status::wrong_state});
+  REQUIRE(f.read(keys({1}), 2, lock_lifetime::pinned) == all(1, status::success));  // 3 pinned holds
+  REQUIRE(f.read(keys({1}), 0, lock_lifetime::expiring) == all(1, status::success));
+  CHECK(f.l1->info(key(1))->pinned_readers == 3);
+  CHECK(f.l1->info(key(1))->expiring_readers == 1);
+  CHECK(f.unread(keys({1}), 1, lock_lifetime::expiring) == all(1, status::wrong_state));  // only 1 expiring
+  CHECK(f.l1->info(key(1))->expiring_readers == 1);  // nothing released on wrong_state
+  CHECK(f.unread(keys({1}), 1, lock_lifetime::pinned) == all(1, status::success));
+  CHECK(f.unread(keys({1}), 0, lock_lifetime::expiring) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::read_locked);
+  CHECK(f.unread(keys({1}), 0, lock_lifetime::pinned) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::ready);
+  CHECK(f.unread(keys({1}), 0, lock_lifetime::pinned) == all(1, status::wrong_state));
+}
+
+TEST_CASE("read views serve read-locked objects only", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1, 2}));
+  REQUIRE(f.write(keys({3})) == all(1, status::success));
+  REQUIRE(f.read(keys({1})) == all(1, status::success));
+  const auto ks = keys({1, 2, 3, 9});
+  std::vector<status> out(4);
+  std::vector<std::span<const std::byte>> views(4);
+  CHECK(f.l1->read_views(ks, out, views) == 1);
+  CHECK(out == std::vector<status>{status::success, status::wrong_state, status::not_readable, status::not_found});
+  CHECK(views[0].size() == 1000);
+  CHECK(views[1].empty());
+  CHECK(views[2].empty());
+}
+
+TEST_CASE("remove refuses locked keys unless forced", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1, 2}));
+  REQUIRE(f.write(keys({3})) == all(1, status::success));
+  REQUIRE(f.read(keys({2})) == all(1, status::success));
+  CHECK(f.remove(keys({1, 2, 3, 9})) ==
+        std::vector<status>{status::success, status::locked, status::locked, status::not_found});
+  CHECK(f.l1->state(key(2)) == object_state::read_locked);
+  CHECK(f.l1->state(key(3)) == object_state::write_locked);
+  CHECK(f.counts->removed_as(bus::removal_reason::deleted) == 1);
+}
+
+TEST_CASE("a read-locked object removed by force stays readable to its holders until the last release", "[l1][tier]") {
+  fixture f;
+  const auto k = keys({1});
+  std::vector<status> out(1);
+  std::vector<std::span<std::byte>> buf(1);
+  REQUIRE(f.l1->reserve_write(k, 1000, {}, out, buf) == 1);
+  std::memset(buf[0].data(), 0x5a, 1000);
+  REQUIRE(f.finish(k) == all(1, status::success));
+  REQUIRE(f.read(k, 1) == all(1, status::success));
+
+  CHECK(f.remove(k, true) == all(1, status::success));
+  CHECK(f.l1->state(k[0]) == object_state::removing);
+  CHECK_FALSE(f.l1->contains(k[0]));
+  CHECK(f.read(k) == all(1, status::not_found));      // new lookups miss
+  CHECK(f.write(k) == all(1, status::not_writable));  // the key is busy until freed
+  CHECK(f.remove(k, true) == all(1, status::not_found));
+  auto u = f.l1->usage();
+  CHECK(u.objects == 0);
+  CHECK(u.removing == 1);
+  CHECK(u.slots_used == 1);  // memory not pulled from under the reader
+  CHECK(f.counts->removed_as(bus::removal_reason::deleted) == 1);
+
+  std::vector<std::span<const std::byte>> views(1);
+  CHECK(f.l1->read_views(k, out, views) == 1);
+  CHECK(views[0][0] == std::byte{0x5a});
+  CHECK(f.unread(k) == all(1, status::success));
+  CHECK(f.l1->usage().slots_used == 1);
+  CHECK(f.unread(k) == all(1, status::success));
+  CHECK(f.l1->usage().slots_used == 0);
+  CHECK(f.l1->state(k[0]) == object_state::absent);
+  CHECK(f.write(k) == all(1, status::success));  // free to be written again
+  CHECK(f.counts->removed_total() == 1);         // counted once, at the removal
+}
+
+TEST_CASE("a write-locked object removed by force is freed when its writer ends", "[l1][tier]") {
+  fixture f;
+  REQUIRE(f.write(keys({1, 2, 3})) == all(3, status::success));
+  CHECK(f.remove(keys({1, 2, 3}), true) == all(3, status::success));
+  CHECK(f.l1->usage().slots_used == 3);
+  CHECK(f.l1->state(key(1)) == object_state::removing);
+  CHECK(f.finish(keys({1})) == all(1, status::not_found));  // the write was discarded
+  CHECK(f.abandon(keys({2})) == all(1, status::success));
+  CHECK(f.finish_and_read(keys({3})) == all(1, status::not_found));
+  CHECK(f.l1->usage().slots_used == 0);
+  CHECK(f.l1->usage().removing == 0);
+  CHECK(f.counts->write_finished == 0);
+  CHECK(f.counts->finished_and_read_reserved == 0);
+  CHECK(f.counts->removed_as(bus::removal_reason::deleted) == 3);
+  CHECK(f.counts->removed_as(bus::removal_reason::abandoned) == 0);
+}
+
+TEST_CASE("an abandoned write is never readable and never reaches the store listener", "[l1][tier]") {
+  fixture f;
+  std::vector<chunk_key> heard;
+  f.l1->on_write_finished([&](std::span<const chunk_key> ks) { heard.insert(heard.end(), ks.begin(), ks.end()); });
+  REQUIRE(f.write(keys({1, 2})) == all(2, status::success));
+  CHECK(f.abandon(keys({1, 2, 9})) == std::vector<status>{status::success, status::success, status::not_found});
+  CHECK(f.l1->state(key(1)) == object_state::absent);
+  CHECK(f.read(keys({1})) == all(1, status::not_found));
+  CHECK(heard.empty());
+  CHECK(f.counts->write_finished == 0);
+  CHECK(f.counts->removed_as(bus::removal_reason::abandoned) == 2);
+  CHECK(f.counts->removed_bytes[static_cast<std::size_t>(bus::removal_reason::abandoned)] == 2000);
+  CHECK(f.l1->usage().slots_used == 0);
+
+  make_ready(f, keys({3}));
+  CHECK(f.abandon(keys({3})) == all(1, status::wrong_state));  // ready, not being written
+  CHECK(f.l1->state(key(3)) == object_state::ready);
+  CHECK(heard == keys({3}));
+}
+
+TEST_CASE("an abandoned update drops the object it was overwriting", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1}));
+  write_options upd;
+  upd.mode = write_mode::update;
+  REQUIRE(f.write(keys({1}), upd) == all(1, status::success));
+  CHECK(f.abandon(keys({1})) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::absent);
+  CHECK(f.l1->usage().objects == 0);
+  CHECK(f.l1->usage().evictable == 0);
+}
+
+TEST_CASE("the write listener hears finish_write outside the tier's lock", "[l1][tier]") {
+  fixture f;
+  std::vector<chunk_key> heard;
+  std::size_t objects_seen = 0;
+  f.l1->on_write_finished([&](std::span<const chunk_key> ks) {
+    heard.insert(heard.end(), ks.begin(), ks.end());
+    objects_seen = f.l1->usage().objects;  // calling back in would deadlock under the lock
+  });
+  REQUIRE(f.write(keys({1, 2, 3})) == all(3, status::success));
+  CHECK(f.finish(keys({1, 9, 3})) == std::vector<status>{status::success, status::not_found, status::success});
+  CHECK(heard == keys({1, 3}));
+  CHECK(objects_seen == 3);
+  f.l1->on_write_finished({});
+  CHECK(f.finish(keys({2})) == all(1, status::success));
+  CHECK(heard.size() == 2);
+}
+
+TEST_CASE("finish_write_and_reserve_read is atomic and not offered to the store listener", "[l1][tier]") {
+  fixture f;
+  bool heard = false;
+  f.l1->on_write_finished([&](std::span<const chunk_key>) { heard = true; });
+  write_options o;
+  o.temporary = true;
+  o.lock = lock_lifetime::pinned;
+  o.purpose = bus::allocation_purpose::prefetch;
+  REQUIRE(f.write(keys({1, 2}), o) == all(2, status::success));
+  make_ready(f, keys({3}));
+  heard = false;
+  CHECK(f.finish_and_read(keys({1, 2, 3, 9}), 1) ==
+        std::vector<status>{status::success, status::success, status::wrong_state, status::not_found});
+  CHECK_FALSE(heard);
+  CHECK(f.l1->state(key(1)) == object_state::read_locked);
+  CHECK(f.l1->info(key(1))->expiring_readers == 2);
+  CHECK(f.counts->finished_and_read_reserved == 2);
+  CHECK(f.counts->write_finished == 1);  // key 3's own finish_write only
+}
+
+TEST_CASE("a temporary object is freed when its last reader finishes", "[l1][tier]") {
+  fixture f;
+  write_options o;
+  o.temporary = true;
+  REQUIRE(f.write(keys({1}), o) == all(1, status::success));
+  REQUIRE(f.finish_and_read(keys({1}), 0, lock_lifetime::pinned) == all(1, status::success));
+  REQUIRE(f.read(keys({1})) == all(1, status::success));  // a second reader
+  CHECK(f.l1->info(key(1))->temporary);
+  CHECK(f.unread(keys({1}), 0, lock_lifetime::pinned) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::read_locked);
+  CHECK(f.unread(keys({1})) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::absent);
+  CHECK(f.l1->usage().slots_used == 0);
+  CHECK(f.counts->removed_as(bus::removal_reason::temporary) == 1);
+}
+
+TEST_CASE("a temporary object finished without readers stays until read and released", "[l1][tier]") {
+  fixture f;
+  write_options o;
+  o.temporary = true;
+  REQUIRE(f.write(keys({1}), o) == all(1, status::success));
+  REQUIRE(f.finish(keys({1})) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::ready);
+  REQUIRE(f.read(keys({1})) == all(1, status::success));
+  REQUIRE(f.unread(keys({1})) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::absent);
+}
+
+TEST_CASE("touch counts readable keys only", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1, 2}));
+  REQUIRE(f.write(keys({3})) == all(1, status::success));
+  CHECK(f.l1->touch(keys({1, 2, 3, 9})) == 2);
+}
+
+// ----------------------------------------------------------------------------------------
+// TTL
+// ----------------------------------------------------------------------------------------
+TEST_CASE("an expiring write lock expires after write_lock_ttl and drops the object", "[l1][tier][ttl]") {
+  fixture f;
+  REQUIRE(f.write(keys({1})) == all(1, status::success));
+  write_options pinned;
+  pinned.lock = lock_lifetime::pinned;
+  REQUIRE(f.write(keys({2}), pinned) == all(1, status::success));
+
+  f.clock.advance(seconds(599));
+  CHECK(f.l1->expire_locks() == 0);
+  CHECK(f.l1->state(key(1)) == object_state::write_locked);
+  f.clock.advance(seconds(1));
+  CHECK(f.l1->state(key(1)) == object_state::absent);  // expiry on touch
+  CHECK(f.counts->expired_as(bus::lock_kind::write) == 1);
+  CHECK(f.counts->removed_as(bus::removal_reason::abandoned) == 1);
+  CHECK(f.finish(keys({1})) == all(1, status::not_found));  // the late writer learns it
+
+  f.clock.advance(std::chrono::hours(24 * 365));
+  CHECK(f.l1->expire_locks() == 0);
+  CHECK(f.l1->state(key(2)) == object_state::write_locked);  // pinned: never expires
+  CHECK(f.finish(keys({2})) == all(1, status::success));
+  CHECK(f.l1->usage().slots_used == 1);
+}
+
+TEST_CASE("expiring read holds go together read_lock_ttl after the latest acquire", "[l1][tier][ttl]") {
+  fixture f;
+  make_ready(f, keys({1, 2}));
+  REQUIRE(f.read(keys({1, 2})) == all(2, status::success));  // t = 0
+  f.clock.advance(seconds(200));
+  REQUIRE(f.read(keys({1}), 1) == all(1, status::success));  // 3 expiring holds, deadline 500 s
+  REQUIRE(f.read(keys({1}), 0, lock_lifetime::pinned) == all(1, status::success));
+  f.clock.advance(seconds(100));  // t = 300: key 2's hold expires
+  CHECK(f.l1->expire_locks() == 1);
+  CHECK(f.l1->state(key(2)) == object_state::ready);
+  CHECK(f.l1->info(key(1))->expiring_readers == 3);
+  f.clock.advance(seconds(199));
+  CHECK(f.l1->expire_locks() == 0);
+  f.clock.advance(seconds(1));  // t = 500
+  CHECK(f.l1->expire_locks() == 1);
+  CHECK(f.l1->info(key(1))->expiring_readers == 0);
+  CHECK(f.l1->info(key(1))->pinned_readers == 1);
+  CHECK(f.l1->state(key(1)) == object_state::read_locked);
+  CHECK(f.counts->expired_as(bus::lock_kind::read) == 2);
+  CHECK(f.unread(keys({1})) == all(1, status::wrong_state));  // the expired holder is told
+  CHECK(f.unread(keys({1}), 0, lock_lifetime::pinned) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::ready);
+}
+
+TEST_CASE("TTLs are configurable", "[l1][tier][ttl]") {
+  fixture f;
+  f.options.write_lock_ttl = seconds(5);
+  f.options.read_lock_ttl = seconds(2);
+  f.l1 = std::make_unique<test_tier>(f.options, f.bus);
+  make_ready(f, keys({1}));
+  REQUIRE(f.write(keys({2})) == all(1, status::success));
+  REQUIRE(f.read(keys({1})) == all(1, status::success));
+  f.clock.advance(seconds(2));
+  CHECK(f.l1->state(key(1)) == object_state::ready);
+  CHECK(f.l1->state(key(2)) == object_state::write_locked);
+  f.clock.advance(seconds(3));
+  CHECK(f.l1->state(key(2)) == object_state::absent);
+}
+
+TEST_CASE("an expired read lock frees a temporary object and a removed one", "[l1][tier][ttl]") {
+  fixture f;
+  write_options o;
+  o.temporary = true;
+  REQUIRE(f.write(keys({1}), o) == all(1, status::success));
+  REQUIRE(f.finish_and_read(keys({1})) == all(1, status::success));
+  make_ready(f, keys({2}));
+  REQUIRE(f.read(keys({2})) == all(1, status::success));
+  REQUIRE(f.remove(keys({2}), true) == all(1, status::success));
+  REQUIRE(f.l1->usage().slots_used == 2);
+  f.clock.advance(seconds(300));
+  CHECK(f.l1->expire_locks() == 2);
+  CHECK(f.l1->usage().slots_used == 0);
+  CHECK(f.l1->usage().removing == 0);
+  CHECK(f.counts->removed_as(bus::removal_reason::temporary) == 1);
+  CHECK(f.counts->removed_as(bus::removal_reason::deleted) == 1);
+}
+
+TEST_CASE("an expired write lock of a removed object frees its memory", "[l1][tier][ttl]") {
+  fixture f;
+  REQUIRE(f.write(keys({1})) == all(1, status::success));
+  REQUIRE(f.remove(keys({1}), true) == all(1, status::success));
+  f.clock.advance(seconds(600));
+  CHECK(f.l1->expire_locks() == 1);
+  CHECK(f.l1->usage().slots_used == 0);
+  CHECK(f.counts->removed_total() == 1);
+}
+
+TEST_CASE("an allocation short of room reclaims expired locks first", "[l1][tier][ttl]") {
+  fixture f(4);
+  REQUIRE(f.write(keys({1, 2, 3, 4})) == all(4, status::success));  // a client that then crashed
+  CHECK(f.write(keys({5})) == all(1, status::out_of_memory));
+  f.clock.advance(seconds(601));
+  CHECK(f.write(keys({5, 6})) == all(2, status::success));  // no expire_locks() call needed
+  CHECK(f.counts->expired_as(bus::lock_kind::write) == 4);
+  CHECK(f.l1->usage().objects == 2);
+}
+
+// ----------------------------------------------------------------------------------------
+// allocation and eviction
+// ----------------------------------------------------------------------------------------
+TEST_CASE("a batch that does not fit allocates nothing and evicts nothing", "[l1][tier][eviction]") {
+  fixture f(4, 1.0, 0.5);
+  make_ready(f, keys({1, 2}));
+  REQUIRE(f.read(keys({1, 2})) == all(2, status::success));  // locked: not evictable
+  REQUIRE(f.write(keys({3})) == all(1, status::success));
+  write_options o;
+  o.mode = write_mode::all;
+  o.purpose = bus::allocation_purpose::prefetch;
+  // Two new keys, one free slot: both out_of_memory; the existing ones answer per mode.
+  CHECK(f.write(keys({4, 1, 5}), o) ==
+        std::vector<status>{status::out_of_memory, status::not_writable, status::out_of_memory});
+  CHECK(f.l1->state(key(4)) == object_state::absent);
+  CHECK(f.l1->state(key(5)) == object_state::absent);
+  CHECK(f.l1->usage().slots_used == 3);
+  CHECK(f.counts->allocation_failures == 1);
+  CHECK(f.counts->allocation_failed_keys[static_cast<std::size_t>(bus::allocation_purpose::prefetch)] == 2);
+  CHECK(f.counts->removed_total() == 0);
+  CHECK(f.write(keys({4})) == all(1, status::success));  // one still fits
+}
+
+TEST_CASE("a batch that fits only after evicting takes unlocked objects, down to the target", "[l1][tier][eviction]") {
+  fixture f(10, 0.8, 0.5);  // evict above 8 slots, down to 5
+  make_ready(f, keys({1, 2, 3, 4, 5, 6, 7, 8}));
+  REQUIRE(f.read(keys({1, 2})) == all(2, status::success));
+  CHECK(f.write(keys({9})) == all(1, status::success));
+  // 8 used + 1 > 8: evict 8 + 1 - 5 = 4 unlocked objects, LRU first (3, 4, 5, 6).
+  CHECK(f.counts->removed_as(bus::removal_reason::evicted) == 4);
+  CHECK(f.l1->usage().slots_used == 5);
+  for (auto id : {1, 2, 7, 8, 9}) CHECK(f.l1->state(key(static_cast<std::uint64_t>(id))) != object_state::absent);
+  for (auto id : {3, 4, 5, 6}) CHECK(f.l1->state(key(static_cast<std::uint64_t>(id))) == object_state::absent);
+}
+
+TEST_CASE("evict() frees down to the target only above the watermark", "[l1][tier][eviction]") {
+  fixture f(10, 0.5, 0.2);  // watermark 5 slots, target 2
+  make_ready(f, keys({1, 2, 3, 4, 5}));
+  CHECK(f.l1->evict() == 0);  // at the watermark, not above
+  // Locked objects cannot be evicted, so an allocation that fits in free slots goes above
+  // the watermark.
+  REQUIRE(f.read(keys({1, 2, 3, 4, 5})) == all(5, status::success));
+  REQUIRE(f.write(keys({6, 7, 8})) == all(3, status::success));
+  CHECK(f.counts->removed_total() == 0);
+  CHECK(f.l1->usage().slots_used == 8);
+  CHECK(f.l1->evict() == 0);  // everything is locked
+  REQUIRE(f.finish(keys({6, 7, 8})) == all(3, status::success));
+  REQUIRE(f.unread(keys({1, 2, 3, 4, 5})) == all(5, status::success));
+  CHECK(f.l1->evict() == 6);
+  CHECK(f.l1->usage().slots_used == 2);
+  CHECK(f.counts->removed_as(bus::removal_reason::evicted) == 6);
+  CHECK(f.l1->evict() == 0);
+}
+
+TEST_CASE("a full tier with the noop policy answers out_of_memory", "[l1][tier][eviction]") {
+  tier_options o;
+  o.slot_bytes = 4096;
+  o.slot_count = 3;
+  tier<noop> t(o);
+  std::vector<status> out(3);
+  REQUIRE(t.reserve_write(keys({1, 2, 3}), 100, {}, out) == 3);
+  REQUIRE(t.finish_write(keys({1, 2, 3}), out) == 3);
+  std::vector<status> one(1);
+  CHECK(t.reserve_write(keys({4}), 100, {}, one) == 0);
+  CHECK(one[0] == status::out_of_memory);
+  CHECK(t.evict() == 0);
+  CHECK(t.usage().objects == 3);
+  REQUIRE(t.remove(keys({2}), false, one) == 1);
+  CHECK(t.reserve_write(keys({4}), 100, {}, one) == 1);
+}
+
+TEST_CASE("clear removes unlocked objects, and locked ones only when forced", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1, 2, 3}));
+  REQUIRE(f.read(keys({2})) == all(1, status::success));
+  REQUIRE(f.write(keys({4})) == all(1, status::success));
+  CHECK(f.l1->clear(false) == 2);
+  CHECK(f.l1->usage().objects == 2);
+  CHECK(f.l1->clear(true) == 2);
+  CHECK(f.l1->usage().objects == 0);
+  CHECK(f.l1->usage().removing == 2);
+  CHECK(f.unread(keys({2})) == all(1, status::success));
+  CHECK(f.abandon(keys({4})) == all(1, status::success));
+  CHECK(f.l1->usage().slots_used == 0);
+  CHECK(f.counts->removed_as(bus::removal_reason::deleted) == 4);
+}
+
+// ----------------------------------------------------------------------------------------
+// metrics and the default bus
+// ----------------------------------------------------------------------------------------
+TEST_CASE("export_metrics registers usage gauges read at scrape time", "[l1][tier][metrics]") {
+  fixture f;
+  telemetry::registry reg;
+  f.l1->export_metrics(reg, {{"tier", "l1"}});
+  const telemetry::label_pairs l{{"tier", "l1"}};
+  CHECK(reg.value("kvtier_l1_bytes_capacity", l) == 8.0 * 4096);
+  CHECK(reg.value("kvtier_l1_objects", l) == 0.0);
+  make_ready(f, keys({1, 2}));
+  CHECK(reg.value("kvtier_l1_objects", l) == 2.0);
+  CHECK(reg.value("kvtier_l1_bytes_used", l) == 2.0 * 4096);
+}
+
+TEST_CASE("a tier without a bus works and publishes nothing", "[l1][tier]") {
+  tier_options o;
+  o.slot_bytes = 4096;
+  o.slot_count = 2;
+  tier<> t(o);
+  static_assert(std::is_same_v<decltype(t), tier<lru, bus::null_bus>>);
+  std::vector<status> out(1);
+  CHECK(t.reserve_write(keys({1}), 10, {}, out) == 1);
+  CHECK(t.finish_write(keys({1}), out) == 1);
+  CHECK(t.contains(key(1)));
+}
