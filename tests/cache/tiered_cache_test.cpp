@@ -68,7 +68,7 @@ struct fixture {
     o.l1.eviction_target = 0.9;
     if constexpr (std::is_same_v<typename Traits::wait_policy, pipeline::wait_complete>) p.wait.cap = wait_cap;
     cache = std::make_unique<cache::tiered_cache<Traits>>(io.get_executor(), o, events,
-                                                          std::vector<l2::any_backend>{l2::any_backend(faulty)}, p);
+                                                          std::vector<l2::any_backend>{l2::any_backend(faulty)}, std::move(p));
   }
 
   double metric(const char* name, const telemetry::label_pairs& l = {}) { return reg.value(name, l).value_or(-1); }
