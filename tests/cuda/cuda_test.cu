@@ -435,6 +435,49 @@ void test_descriptor_wire_format() {
   CHECK(e.validate() == kc::region_errc::bad_descriptor);
 }
 
+void test_registration_plan() {
+  section("host_registration::plan: pieces for parallel cudaHostRegister");
+  kvtier::aligned_buffer arena(std::size_t{63} << 20);
+  const std::size_t slot = std::size_t{3} << 20;
+  kc::registration_options ro;
+  ro.piece_alignment = slot;
+  ro.max_piece_bytes = std::size_t{16} << 20;
+  auto covers = [&](const std::vector<std::span<std::byte>>& pieces, std::span<std::byte> range, std::size_t align) {
+    std::byte* at = range.data();
+    for (const auto& piece : pieces) {
+      if (piece.data() != at || piece.empty()) return false;
+      if ((piece.data() - range.data()) % align != 0) return false;
+      at += piece.size();
+    }
+    return at == range.data() + range.size();
+  };
+  // 16 MiB cap, 3 MiB slots: pieces of 15 MiB (5 slots), the last one 3 MiB.
+  auto p = kc::host_registration::plan(arena.span(), ro, 4);
+  CHECK(p.size() == 5 && p[0].size() == 15 * (std::size_t{1} << 20) && p[4].size() == slot);
+  CHECK(covers(p, arena.span(), slot));
+  // 16 threads: at least one piece each where the range allows it (21 slots -> 11 pieces of 2).
+  p = kc::host_registration::plan(arena.span(), ro, 16);
+  CHECK(p.size() >= 11 && covers(p, arena.span(), slot));
+  // No slot size: page boundaries only.
+  ro.piece_alignment = 0;
+  p = kc::host_registration::plan(arena.span().first(10 * 4096), ro, 3);
+  CHECK(p.size() == 3 && covers(p, arena.span().first(10 * 4096), 4096));
+  // A slot size that is not a page multiple: boundaries on multiples of both.
+  ro.piece_alignment = 6000;
+  p = kc::host_registration::plan(arena.span(), ro, 8);
+  CHECK(covers(p, arena.span(), std::lcm(std::size_t{6000}, std::size_t{4096})));
+  // A range that does not start on a page: one piece.
+  p = kc::host_registration::plan(arena.span().subspan(100), ro, 8);
+  CHECK(p.size() == 1 && p[0].size() == arena.size() - 100);
+  CHECK(kc::host_registration::plan({}, ro, 8).empty());
+  // Without a driver, registering fails with the runtime's error and leaves nothing behind.
+  if (!kc::probe_devices().usable()) {
+    std::error_code ec;
+    const kc::host_registration r = kc::host_registration::register_range(arena.span(), {}, ec);
+    CHECK(ec && ec.category() == kc::cuda_category() && r.empty());
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // Device checks.
 // ---------------------------------------------------------------------------------------
@@ -881,6 +924,7 @@ int main(int argc, char** argv) {
   test_validation_matches_cpu(probe.usable());
   test_host_replay();
   test_descriptor_wire_format();
+  test_registration_plan();
 
   if (!probe.usable()) {
     std::printf("%d host-side checks, %d failed\n", checks, failures);

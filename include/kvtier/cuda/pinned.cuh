@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <functional>
 #include <mutex>
+#include <numeric>
 #include <span>
 #include <string>
 #include <string_view>
@@ -102,15 +103,20 @@ class pinned_buffer {
   std::size_t size_ = 0;
 };
 
+/// The page size piece boundaries are aligned to: 4 KiB (x86-64). On a kernel with 64 KiB
+/// pages (some aarch64 systems, e.g. Grace) pass a piece_alignment that is a multiple of 64 KiB.
+inline constexpr std::size_t host_page_bytes = 4096;
+
 /// How host_registration splits and registers a range.
 struct registration_options {
   /// Host threads registering pieces at once (0: std::thread::hardware_concurrency()).
   unsigned threads = 0;
   /// Upper bound of one piece. Smaller pieces balance better between threads; each is one
-  /// driver registration (a few microseconds of bookkeeping each). 1 GiB by default.
+  /// driver registration. 1 GiB by default.
   std::size_t max_piece_bytes = std::size_t{1} << 30;
   /// Piece boundaries fall on multiples of this (from the start of the range): pass the L1
-  /// slot size so that no slot spans two registrations. 0 or 1: no constraint.
+  /// slot size so that no slot spans two registrations. Always also a multiple of the page
+  /// size (host_page_bytes). 0 or 1: page boundaries only.
   std::size_t piece_alignment = 0;
   /// The device whose context the registering threads use (the flags make the pages pinned
   /// for every device of the process).
@@ -142,17 +148,8 @@ class host_registration {
     ec.clear();
     host_registration r;
     if (range.empty()) return r;
-    const std::size_t align = options.piece_alignment > 1 ? options.piece_alignment : 1;
-    std::size_t piece = std::max(options.max_piece_bytes, align);
-    piece -= piece % align;  // pieces start at multiples of align from range.data()
     unsigned threads = options.threads ? options.threads : std::max(1u, std::thread::hardware_concurrency());
-    // Spread the range over the threads even below max_piece_bytes (a 64 GiB arena on 16
-    // threads: 16 pieces of 4 GiB would be fewer than 64 of 1 GiB, but one piece per thread
-    // at least).
-    const std::size_t per_thread = (range.size() + threads - 1) / threads;
-    if (per_thread < piece) piece = std::max(align, (per_thread + align - 1) / align * align);
-    for (std::size_t off = 0; off < range.size(); off += piece)
-      r.pieces_.push_back({range.data() + off, std::min(piece, range.size() - off)});
+    r.pieces_ = plan(range, options, threads);
     threads = static_cast<unsigned>(std::min<std::size_t>(threads, r.pieces_.size()));
     r.device_ = options.device;
     r.threads_ = threads;
@@ -186,6 +183,29 @@ class host_registration {
       options.log(msg);
     }
     return r;
+  }
+
+  /// How register_range splits `range` for `threads` threads: consecutive pieces of at most
+  /// max_piece_bytes, at least one per thread, boundaries on multiples of piece_alignment and
+  /// of the page size (a page registered twice fails), the whole range as one piece when it
+  /// does not start on a page. No CUDA call.
+  [[nodiscard]] static std::vector<std::span<std::byte>> plan(std::span<std::byte> range,
+                                                              const registration_options& options, unsigned threads) {
+    std::vector<std::span<std::byte>> pieces;
+    if (range.empty()) return pieces;
+    threads = std::max(1u, threads);
+    const bool page_aligned = reinterpret_cast<std::uintptr_t>(range.data()) % host_page_bytes == 0;
+    const std::size_t align =
+        page_aligned ? std::lcm(options.piece_alignment > 1 ? options.piece_alignment : 1, host_page_bytes) : range.size();
+    std::size_t piece = std::max(options.max_piece_bytes, align);
+    piece -= piece % align;
+    // At least one piece per thread even below max_piece_bytes (a 4 GiB arena on 16 threads:
+    // 16 pieces of 256 MiB rather than 4 of 1 GiB).
+    const std::size_t per_thread = (range.size() + threads - 1) / threads;
+    if (per_thread < piece) piece = std::max(align, (per_thread + align - 1) / align * align);
+    for (std::size_t off = 0; off < range.size(); off += piece)
+      pieces.push_back(range.subspan(off, std::min(piece, range.size() - off)));
+    return pieces;
   }
 
   /// register_range that throws std::system_error.
