@@ -19,13 +19,15 @@
 // for DMA, HBM3/3e 3.3-4.8 TB/s): a 32 MiB chunk (8B model) takes ~600 us over PCIe either
 // way; staged adds 64 MiB of HBM traffic, ~15-20 us of kernel, hidden behind the previous
 // chunk's DMA (ring), so the batch costs about the DMA time plus one gather. What decides
-// is what else the GPU is doing: the engine's own kernels. Kernels of different processes
-// are time-sliced on the SMs (no MPS), while the copy engines run beside them; staged holds
-// the SMs ~3% of the transfer time, zero-copy for all of it (its CTAs sit stalled on PCIe
-// round trips, ~1-2 us each). vLLM measured the same (reference/peers.md: "DMA beat custom
-// copy kernels end to end because it interferes less with compute"). Zero-copy wins where
+// is what else the GPU is doing: the engine's own kernels. Without MPS, kernels of
+// different processes do not share the SMs at the same time (the GPU time-slices between
+// contexts), whereas DMA runs on the copy engines: staged holds the SMs ~3% of the transfer
+// time, zero-copy for all of it (its CTAs wait on PCIe round trips of ~1-2 us). vLLM found
+// the same end to end (reference/peers.md: "DMA beat custom copy kernels end to end because
+// it interferes less with compute"). bench/cuda measures both modes' bandwidth; their
+// interference with a running engine is still to be measured. Zero-copy wins where the
 // latency of small transfers matters more than SM time (no staging hop, one launch) and
-// needs no device memory; it stays available as an option, and bench/cuda measures both.
+// needs no device memory: it stays available as an option.
 // The staging ring costs staging_chunks * chunk.object_bytes() of device memory (3 x 32 MiB
 // for the 8B model).
 //
@@ -38,6 +40,11 @@
 // whole batch has landed, and is what a server waits on (cudaEventQuery, a host function
 // after cudaStreamWaitEvent) before it publishes L1 objects (store) or answers (retrieve).
 // Streams are non-blocking (they never wait for the legacy default stream).
+//
+// Errors: the arguments of a whole batch are checked before anything is enqueued (the
+// transfer_errc codes of core/kv_transfer.hpp); a CUDA error while enqueuing (rare: a
+// sticky error of the context) returns at once, leaving the items before it enqueued, and
+// `done` not recorded: treat the batch as failed.
 //
 // Not thread-safe: one engine per server worker thread and registered KV cache. Objects
 // must be pinned host memory (pinned.cuh); for zero_copy, device-accessible at their host

@@ -28,8 +28,9 @@
 // The kernel: one CTA (256 threads) copies one block segment, i.e. one (item, layer, plane,
 // block), with vector accesses as wide as every address and size allows: 16 bytes for
 // bf16/fp16 models whose heads * head_dim is a multiple of 8 (all the common ones), else 8,
-// 4, 2 or 1. Each thread keeps 4 loads in flight before storing (enough bytes in flight per
-// SM to cover PCIe read latency on the zero-copy path: ~64 KiB per SM at 4 resident CTAs).
+// 4, 2 or 1. Each thread keeps 4 loads in flight before storing: 16 KiB per CTA, up to 8
+// CTAs per SM, so a zero-copy scatter keeps megabytes of PCIe reads in flight, well above
+// the bandwidth-delay product (~55 GB/s * ~1.5 us = ~80 KiB).
 // One launch covers a whole batch: grid = pieces * layers * planes * blocks. The block ids,
 // object pointers and offsets travel in the kernel's parameter block (under 4 KiB, passed
 // as __grid_constant__ so threads read it in place); a batch larger than one parameter block
@@ -38,7 +39,7 @@
 // Scatter and repeated block ids: CTAs of one launch run in any order, so two writes of the
 // same block in one launch would race, while the CPU scatter promises "the last occurrence
 // wins". The launcher therefore cuts a scatter launch before a block id that the launch
-// already writes (a hash set of the ids on the host, ~1 ns per id); the later write then
+// already writes (a fixed-size hash set of the ids on the host); the later write then
 // runs in a later launch on the same stream. vLLM never repeats a block in one request, so
 // this costs nothing there.
 
