@@ -1,6 +1,8 @@
 # Fails when a core/ header (token_hasher.hpp excepted) or config.hpp includes anything but
-# standard headers and other std-only kvtier headers.
-file(GLOB _headers ${KVTIER_INCLUDE_DIR}/kvtier/core/*.hpp)
+# standard headers and other std-only kvtier headers, or when a cuda/ header includes
+# anything but those, CUDA's own headers and other cuda/ headers: the CUDA path must build
+# with nvcc alone on a machine without Boost or fmt (bench/cuda/check.sh).
+file(GLOB _headers ${KVTIER_INCLUDE_DIR}/kvtier/core/*.hpp ${KVTIER_INCLUDE_DIR}/kvtier/cuda/*.cuh)
 list(APPEND _headers ${KVTIER_INCLUDE_DIR}/kvtier/config.hpp)
 set(_bad "")
 foreach(h IN LISTS _headers)
@@ -17,12 +19,14 @@ foreach(h IN LISTS _headers)
       continue()
     elseif(_inc MATCHES "^kvtier/core/[a-z_]+\\.hpp$" AND NOT _inc STREQUAL "kvtier/core/token_hasher.hpp")
       continue()
+    elseif(_name MATCHES "\\.cuh$" AND _inc MATCHES "^(kvtier/cuda/[a-z_]+\\.cuh|cuda\\.h|cuda_runtime\\.h|cuda_runtime_api\\.h)$")
+      continue()
     endif()
     list(APPEND _bad "${_name}: ${_inc}")
   endforeach()
 endforeach()
 if(_bad)
   string(REPLACE ";" "\n  " _msg "${_bad}")
-  message(FATAL_ERROR "core/ headers must need only the standard library, but include:\n  ${_msg}")
+  message(FATAL_ERROR "core/ headers must need only the standard library (cuda/ headers: and CUDA), but include:\n  ${_msg}")
 endif()
-message(STATUS "core/ headers include only standard headers")
+message(STATUS "core/ headers include only standard headers; cuda/ headers only those and CUDA")

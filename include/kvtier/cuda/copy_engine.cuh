@@ -1,0 +1,317 @@
+#pragma once
+// cuda/copy_engine: moves chunks between a registered GPU KV cache and pinned L1 slots on
+// streams of its own, ordered by events. What the cache server runs for a store (paged KV ->
+// L1) and a retrieve (L1 -> paged KV). Standard library and the CUDA runtime only.
+//
+// Two ways, chosen per engine (copy_mode):
+//
+//   staged (default)  store:    gather kernel, paged blocks -> device staging buffer (HBM to
+//                               HBM), then cudaMemcpyAsync staging -> pinned L1 slot (DMA);
+//                     retrieve: cudaMemcpyAsync L1 slot -> staging (DMA), then scatter
+//                               kernel staging -> paged blocks.
+//                     The kernels run on the kernel stream, the DMA on the copy stream; a
+//                     ring of `staging_chunks` buffers lets chunk i+1 be gathered while
+//                     chunk i is in flight over the bus.
+//   zero_copy         one batch kernel reads the paged blocks and writes the pinned L1 slots
+//                     directly (or the reverse): every access crosses the bus.
+//
+// Why staged is the default, on paper (H100/H200 SXM: PCIe Gen5 x16 ~55 GB/s per direction
+// for DMA, HBM3/3e 3.3-4.8 TB/s): a 32 MiB chunk (8B model) takes ~600 us over PCIe either
+// way; staged adds 64 MiB of HBM traffic, ~15-20 us of kernel, hidden behind the previous
+// chunk's DMA (ring), so the batch costs about the DMA time plus one gather. What decides
+// is what else the GPU is doing: the engine's own kernels. Without MPS, kernels of
+// different processes do not share the SMs at the same time (the GPU time-slices between
+// contexts), whereas DMA runs on the copy engines: staged holds the SMs ~3% of the transfer
+// time, zero-copy for all of it (its CTAs wait on PCIe round trips of ~1-2 us). vLLM found
+// the same end to end (reference/peers.md: "DMA beat custom copy kernels end to end because
+// it interferes less with compute"). bench/cuda measures both modes' bandwidth; their
+// interference with a running engine is still to be measured. Zero-copy wins where the
+// latency of small transfers matters more than SM time (no staging hop, one launch) and
+// needs no device memory: it stays available as an option.
+// The staging ring costs staging_chunks * chunk.object_bytes() of device memory (3 x 32 MiB
+// for the 8B model).
+//
+// skip_tokens: a store leaves the skipped bytes of the L1 object untouched and a retrieve
+// does not read them: the DMA is then a cudaMemcpy2DAsync over the object's (layer, plane)
+// slabs, skipping the first skip_tokens tokens of each.
+//
+// Ordering: `after` (may be null) is an event the work waits for (the engine's forward
+// step, an interprocess event: ipc_region.cuh); `done` (may be null) is recorded when the
+// whole batch has landed, and is what a server waits on (cudaEventQuery, a host function
+// after cudaStreamWaitEvent) before it publishes L1 objects (store) or answers (retrieve).
+// Streams are non-blocking (they never wait for the legacy default stream).
+//
+// Errors: the arguments of a whole batch are checked before anything is enqueued (the
+// transfer_errc codes of core/kv_transfer.hpp); a CUDA error while enqueuing (rare: a
+// sticky error of the context) returns at once, leaving the items before it enqueued, and
+// `done` not recorded: treat the batch as failed.
+//
+// Not thread-safe: one engine per server worker thread and registered KV cache. Objects
+// must be pinned host memory (pinned.cuh); for zero_copy, device-accessible at their host
+// address (checked once: cudaDevAttrCanUseHostPointerForRegisteredMem).
+
+#include <kvtier/cuda/check.cuh>
+#include <kvtier/cuda/kv_transfer.cuh>
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_transfer.hpp>
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::cuda {
+
+enum class copy_mode : std::uint8_t {
+  staged = 0,     ///< kernel to/from a device staging buffer + DMA to/from the pinned slot
+  zero_copy = 1,  ///< kernel reads/writes the pinned slot directly
+};
+
+struct copy_engine_options {
+  copy_mode mode = copy_mode::staged;
+  /// Staging buffers in the ring (staged mode): 2 overlaps one gather with one DMA; 3 keeps
+  /// the DMA busy when a kernel is delayed by the engine's work.
+  std::uint32_t staging_chunks = 3;
+  /// The device of the KV cache; -1: the device current when the engine is created.
+  int device = -1;
+};
+
+class copy_engine {
+ public:
+  copy_engine() noexcept = default;
+
+  /// An engine for `cache` (a view whose table lives on options.device) and chunks of
+  /// `chunk`. ec: a transfer_errc when the view or layouts are invalid, std::errc::
+  /// not_supported for zero_copy on a device that cannot use host pointers, else a
+  /// cuda_category() code (stream, event or staging allocation failed).
+  [[nodiscard]] static copy_engine create(const paged_kv_view& cache, const chunk_layout& chunk,
+                                          const copy_engine_options& options, std::error_code& ec) {
+    ec.clear();
+    copy_engine c;
+    if ((ec = detail::validate_cache(cache, chunk))) return c;
+    c.cache_ = cache;
+    c.chunk_ = chunk;
+    c.mode_ = options.mode;
+    c.device_ = options.device;
+    auto fail = [&](cudaError_t e) {
+      (void)cudaGetLastError();
+      ec = make_error_code(e);
+      return copy_engine{};  // c's destructor frees what was made
+    };
+    if (c.device_ < 0)
+      if (const cudaError_t e = cudaGetDevice(&c.device_); e != cudaSuccess) return fail(e);
+    if (const cudaError_t e = cudaSetDevice(c.device_); e != cudaSuccess) return fail(e);
+    if (c.mode_ == copy_mode::zero_copy) {
+      int host_ptr_ok = 0;
+      if (const cudaError_t e = cudaDeviceGetAttribute(&host_ptr_ok, cudaDevAttrCanUseHostPointerForRegisteredMem, c.device_);
+          e != cudaSuccess)
+        return fail(e);
+      if (!host_ptr_ok) {
+        ec = std::make_error_code(std::errc::not_supported);
+        return copy_engine{};
+      }
+    }
+    if (const cudaError_t e = cudaStreamCreateWithFlags(&c.kernel_stream_, cudaStreamNonBlocking); e != cudaSuccess)
+      return fail(e);
+    if (c.mode_ == copy_mode::staged) {
+      if (const cudaError_t e = cudaStreamCreateWithFlags(&c.copy_stream_, cudaStreamNonBlocking); e != cudaSuccess)
+        return fail(e);
+      const std::uint32_t n = options.staging_chunks ? options.staging_chunks : 1;
+      void* s = nullptr;
+      if (const cudaError_t e = cudaMalloc(&s, std::size_t{n} * chunk.object_bytes()); e != cudaSuccess) return fail(e);
+      c.staging_ = static_cast<std::byte*>(s);
+      c.ring_.resize(n);
+      for (ring_entry& r : c.ring_) {
+        if (const cudaError_t e = cudaEventCreateWithFlags(&r.filled, cudaEventDisableTiming); e != cudaSuccess)
+          return fail(e);
+        if (const cudaError_t e = cudaEventCreateWithFlags(&r.free, cudaEventDisableTiming); e != cudaSuccess)
+          return fail(e);
+      }
+    }
+    return c;
+  }
+
+  /// create() that throws std::system_error.
+  [[nodiscard]] static copy_engine create(const paged_kv_view& cache, const chunk_layout& chunk,
+                                          const copy_engine_options& options = {}) {
+    std::error_code ec;
+    copy_engine c = create(cache, chunk, options, ec);
+    if (ec) throw std::system_error(ec, "kvtier::cuda::copy_engine");
+    return c;
+  }
+
+  copy_engine(copy_engine&& o) noexcept { swap(o); }
+  copy_engine& operator=(copy_engine&& o) noexcept {
+    if (this != &o) {
+      copy_engine tmp(std::move(o));
+      swap(tmp);
+    }
+    return *this;
+  }
+  copy_engine(const copy_engine&) = delete;
+  copy_engine& operator=(const copy_engine&) = delete;
+  ~copy_engine() { release(); }
+
+  /// Store: copies every item's chunk from the paged cache into its pinned object (L1
+  /// slot), after `after`, recording `done` at the end. Validates every item first (the
+  /// transfer_errc of core/kv_transfer.hpp); nothing is enqueued when one is invalid.
+  [[nodiscard]] std::error_code store(std::span<const gather_item> items, cudaEvent_t after = nullptr,
+                                      cudaEvent_t done = nullptr) noexcept {
+    if (auto ec = validate(items)) return ec;
+    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return fail(e);
+    if (after)
+      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, after, 0); e != cudaSuccess) return fail(e);
+    if (mode_ == copy_mode::zero_copy) {
+      if (auto ec = gather_chunks(cache_, chunk_, items, {}, kernel_stream_)) return ec;
+      return record(done, kernel_stream_);
+    }
+    for (const gather_item& it : items) {
+      if (it.skip_tokens >= chunk_.chunk_tokens) continue;
+      ring_entry& r = ring_[next_];
+      std::byte* staging = staging_ + next_ * chunk_.object_bytes();
+      next_ = (next_ + 1) % ring_.size();
+      // The buffer's previous content has left (its DMA or scatter is done).
+      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, r.free, 0); e != cudaSuccess) return fail(e);
+      if (auto ec = gather_chunk(cache_, it.block_ids, chunk_, staging, it.skip_tokens, {}, kernel_stream_)) return ec;
+      if (const cudaError_t e = cudaEventRecord(r.filled, kernel_stream_); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamWaitEvent(copy_stream_, r.filled, 0); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = dma(it.object, staging, it.skip_tokens, cudaMemcpyDeviceToHost); e != cudaSuccess)
+        return fail(e);
+      if (const cudaError_t e = cudaEventRecord(r.free, copy_stream_); e != cudaSuccess) return fail(e);
+    }
+    // Everything on the kernel stream feeds the copy stream, so the copy stream's end is the
+    // batch's end.
+    return record(done, copy_stream_);
+  }
+
+  /// Retrieve: copies every item's pinned object into its blocks of the paged cache (but the
+  /// first skip_tokens tokens), items in order (a later item wins on a repeated block), after
+  /// `after`, recording `done` at the end. Validates every item first.
+  [[nodiscard]] std::error_code retrieve(std::span<const scatter_item> items, cudaEvent_t after = nullptr,
+                                         cudaEvent_t done = nullptr) noexcept {
+    if (auto ec = validate(items)) return ec;
+    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return fail(e);
+    if (after)
+      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, after, 0); e != cudaSuccess) return fail(e);
+    if (mode_ == copy_mode::zero_copy) {
+      if (auto ec = scatter_chunks(cache_, chunk_, items, {}, kernel_stream_)) return ec;
+      return record(done, kernel_stream_);
+    }
+    for (const scatter_item& it : items) {
+      if (it.skip_tokens >= chunk_.chunk_tokens) continue;
+      ring_entry& r = ring_[next_];
+      std::byte* staging = staging_ + next_ * chunk_.object_bytes();
+      next_ = (next_ + 1) % ring_.size();
+      if (const cudaError_t e = cudaStreamWaitEvent(copy_stream_, r.free, 0); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = dma(staging, it.object, it.skip_tokens, cudaMemcpyHostToDevice); e != cudaSuccess)
+        return fail(e);
+      if (const cudaError_t e = cudaEventRecord(r.filled, copy_stream_); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, r.filled, 0); e != cudaSuccess) return fail(e);
+      if (auto ec = scatter_chunk(cache_, it.block_ids, chunk_, staging, it.skip_tokens, {}, kernel_stream_)) return ec;
+      if (const cudaError_t e = cudaEventRecord(r.free, kernel_stream_); e != cudaSuccess) return fail(e);
+    }
+    return record(done, kernel_stream_);
+  }
+
+  /// Blocks until everything enqueued so far has completed.
+  [[nodiscard]] std::error_code synchronize() noexcept {
+    if (kernel_stream_)
+      if (const cudaError_t e = cudaStreamSynchronize(kernel_stream_); e != cudaSuccess) return fail(e);
+    if (copy_stream_)
+      if (const cudaError_t e = cudaStreamSynchronize(copy_stream_); e != cudaSuccess) return fail(e);
+    return {};
+  }
+
+  [[nodiscard]] copy_mode mode() const noexcept { return mode_; }
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] const chunk_layout& chunk() const noexcept { return chunk_; }
+  [[nodiscard]] cudaStream_t kernel_stream() const noexcept { return kernel_stream_; }
+  /// The DMA stream (staged mode; nullptr in zero_copy mode).
+  [[nodiscard]] cudaStream_t copy_stream() const noexcept { return copy_stream_; }
+  /// Device bytes held for staging.
+  [[nodiscard]] std::size_t staging_bytes() const noexcept { return ring_.size() * chunk_.object_bytes(); }
+  [[nodiscard]] bool empty() const noexcept { return kernel_stream_ == nullptr; }
+
+ private:
+  struct ring_entry {
+    cudaEvent_t filled = nullptr;  ///< the buffer holds the chunk (gathered, or landed by DMA)
+    cudaEvent_t free = nullptr;    ///< the buffer's content has left (DMA'd out, or scattered)
+  };
+
+  template <class Item>
+  [[nodiscard]] std::error_code validate(std::span<const Item> items) const noexcept {
+    if (kernel_stream_ == nullptr) return std::make_error_code(std::errc::invalid_argument);  // an empty (moved-from) engine
+    for (const Item& it : items)
+      if (auto ec = check_transfer(cache_, it.block_ids, chunk_, it.object, it.skip_tokens)) return ec;
+    return {};
+  }
+
+  [[nodiscard]] static std::error_code fail(cudaError_t e) noexcept {
+    (void)cudaGetLastError();
+    return make_error_code(e);
+  }
+
+  [[nodiscard]] static std::error_code record(cudaEvent_t done, cudaStream_t s) noexcept {
+    if (done)
+      if (const cudaError_t e = cudaEventRecord(done, s); e != cudaSuccess) return fail(e);
+    return {};
+  }
+
+  /// The DMA of one object's bytes that are not skipped, on the copy stream: one contiguous
+  /// copy, or one 2D copy over the (layer, plane) slabs when tokens are skipped.
+  template <class Dst, class Src>
+  [[nodiscard]] cudaError_t dma(Dst* dst, Src* src, std::uint32_t skip_tokens, cudaMemcpyKind kind) noexcept {
+    if (skip_tokens == 0) return cudaMemcpyAsync(dst, src, chunk_.object_bytes(), kind, copy_stream_);
+    const std::size_t slab = chunk_.slab_bytes();
+    const std::size_t off = std::size_t{skip_tokens} * chunk_.model.token_plane_bytes();
+    const std::size_t rows = std::size_t{chunk_.model.planes()} * chunk_.model.num_layers;
+    return cudaMemcpy2DAsync(reinterpret_cast<std::byte*>(dst) + off, slab, reinterpret_cast<const std::byte*>(src) + off,
+                             slab, slab - off, rows, kind, copy_stream_);
+  }
+
+  void swap(copy_engine& o) noexcept {
+    std::swap(cache_, o.cache_);
+    std::swap(chunk_, o.chunk_);
+    std::swap(mode_, o.mode_);
+    std::swap(device_, o.device_);
+    std::swap(kernel_stream_, o.kernel_stream_);
+    std::swap(copy_stream_, o.copy_stream_);
+    std::swap(staging_, o.staging_);
+    std::swap(ring_, o.ring_);
+    std::swap(next_, o.next_);
+  }
+
+  void release() noexcept {
+    if (kernel_stream_ == nullptr && copy_stream_ == nullptr && staging_ == nullptr && ring_.empty()) return;
+    (void)cudaSetDevice(device_);
+    (void)synchronize();  // the staging buffer must not be freed under a running copy
+    for (ring_entry& r : ring_) {
+      if (r.filled) (void)cudaEventDestroy(r.filled);
+      if (r.free) (void)cudaEventDestroy(r.free);
+    }
+    ring_.clear();
+    if (staging_) (void)cudaFree(staging_);
+    if (copy_stream_) (void)cudaStreamDestroy(copy_stream_);
+    if (kernel_stream_) (void)cudaStreamDestroy(kernel_stream_);
+    staging_ = nullptr;
+    copy_stream_ = kernel_stream_ = nullptr;
+  }
+
+  paged_kv_view cache_{};
+  chunk_layout chunk_{};
+  copy_mode mode_ = copy_mode::staged;
+  int device_ = 0;
+  cudaStream_t kernel_stream_ = nullptr;
+  cudaStream_t copy_stream_ = nullptr;
+  std::byte* staging_ = nullptr;
+  std::vector<ring_entry> ring_;
+  std::size_t next_ = 0;  ///< the ring entry the next chunk uses
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::cuda

@@ -1,0 +1,465 @@
+#pragma once
+// cuda/kv_transfer: the GPU gather/scatter between an engine's paged KV cache (device memory)
+// and contiguous chunk objects. The same functions as core/kv_transfer.hpp with a stream
+// appended; compiled by nvcc. Standard library and the CUDA runtime only.
+//
+//   layer_table                  the device-resident table of layer base pointers, uploaded
+//                                once when a KV cache is registered (vLLM's per-layer tensors
+//                                never move); its null check happens there
+//   paged_kv_view                layout + that table (the device twin of kvtier::paged_kv_view)
+//   gather_chunk / gather_chunks    paged KV -> chunk object(s), on a stream
+//   scatter_chunk / scatter_chunks  chunk object(s) -> paged KV, on a stream
+//   check_transfer               the host-side checks alone
+//
+// Layouts, skip_tokens and the error codes are those of core/kv_transfer.hpp (read its header
+// comment): every call validates all its arguments on the host and returns the same
+// transfer_errc before anything is enqueued; a batch enqueues nothing when one item is
+// invalid. A CUDA failure to launch comes back as a cuda_category() code. The copy is ordered
+// on `stream` (nullptr: the legacy default stream) and complete when the stream gets there;
+// nothing waits on the host, nothing allocates.
+//
+// Memory: `cache.layers` and every block live on the current device; `object` is any address
+// a kernel of that device can use: device memory (the staging buffer of copy_engine) or
+// pinned host memory (cudaHostAlloc, or cudaHostRegister'ed where the device can use host
+// pointers: the zero-copy path, every access crosses PCIe/NVLink-C2C). The object must not
+// overlap the paged cache. The caller sets the current device (cudaSetDevice) to the one
+// that owns the cache and the stream.
+//
+// The kernel: one CTA (256 threads) copies one block segment, i.e. one (item, layer, plane,
+// block), with vector accesses as wide as every address and size allows: 16 bytes for
+// bf16/fp16 models whose heads * head_dim is a multiple of 8 (all the common ones), else 8,
+// 4, 2 or 1. Each thread keeps 4 loads in flight before storing: 16 KiB per CTA, up to 8
+// CTAs per SM, so a zero-copy scatter keeps megabytes of PCIe reads in flight, well above
+// the bandwidth-delay product (~55 GB/s * ~1.5 us = ~80 KiB).
+// One launch covers a whole batch: grid = pieces * layers * planes * blocks. The block ids,
+// object pointers and offsets travel in the kernel's parameter block (under 4 KiB, passed
+// as __grid_constant__ so threads read it in place); a batch larger than one parameter block
+// (576 block ids: 36 chunks of 16 blocks) takes several launches, in order on the stream.
+//
+// Scatter and repeated block ids: CTAs of one launch run in any order, so two writes of the
+// same block in one launch would race, while the CPU scatter promises "the last occurrence
+// wins". The launcher therefore cuts a scatter launch before a block id that the launch
+// already writes (a fixed-size hash set of the ids on the host); the later write then
+// runs in a later launch on the same stream. vLLM never repeats a block in one request, so
+// this costs nothing there.
+
+#include <kvtier/cuda/check.cuh>
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_transfer.hpp>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <system_error>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::cuda {
+
+/// A device-resident array of layer base pointers, as kernels see it. Never dereferenced on
+/// the host.
+struct layer_table_view {
+  std::byte* const* device_data = nullptr;  ///< device memory: `size` pointers, none null
+  std::uint32_t size = 0;
+  /// The largest power of two <= 16 that divides every layer base address: the launcher
+  /// picks its vector width from it.
+  std::uint32_t alignment = 16;
+};
+
+/// The device twin of kvtier::paged_kv_view: the layout plus the device table of layer bases.
+struct paged_kv_view {
+  paged_kv_layout layout;
+  layer_table_view layers;
+};
+
+/// The owned device table of layer base pointers, on the device that was current at upload.
+/// Move-only; frees the table on destruction.
+class layer_table {
+ public:
+  layer_table() noexcept = default;
+
+  /// Copies `layers` (device pointers, one per layer) into a new device array (a blocking
+  /// cudaMemcpy: once per registration). Fails with transfer_errc::layer_count on an empty
+  /// span, transfer_errc::null_pointer when a pointer is null, else a cuda_category() code.
+  [[nodiscard]] static layer_table upload(std::span<std::byte* const> layers, std::error_code& ec) {
+    ec.clear();
+    layer_table t;
+    if (layers.empty() || layers.size() > UINT32_MAX) {
+      ec = transfer_errc::layer_count;
+      return t;
+    }
+    std::uintptr_t bits = 16;
+    for (std::byte* p : layers) {
+      if (p == nullptr) {
+        ec = transfer_errc::null_pointer;
+        return t;
+      }
+      bits |= reinterpret_cast<std::uintptr_t>(p);
+    }
+    void* d = nullptr;
+    if (const cudaError_t e = cudaMalloc(&d, layers.size() * sizeof(std::byte*)); e != cudaSuccess) {
+      (void)cudaGetLastError();
+      ec = make_error_code(e);
+      return t;
+    }
+    t.data_ = static_cast<std::byte**>(d);
+    t.size_ = static_cast<std::uint32_t>(layers.size());
+    t.alignment_ = static_cast<std::uint32_t>(bits & (~bits + 1));  // lowest set bit, <= 16
+    if (const cudaError_t e = cudaMemcpy(d, layers.data(), layers.size() * sizeof(std::byte*), cudaMemcpyHostToDevice);
+        e != cudaSuccess) {
+      (void)cudaGetLastError();
+      ec = make_error_code(e);
+      return layer_table{};  // t frees the table
+    }
+    return t;
+  }
+
+  layer_table(layer_table&& o) noexcept
+      : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)), alignment_(o.alignment_) {}
+  layer_table& operator=(layer_table&& o) noexcept {
+    if (this != &o) {
+      release();
+      data_ = std::exchange(o.data_, nullptr);
+      size_ = std::exchange(o.size_, 0);
+      alignment_ = o.alignment_;
+    }
+    return *this;
+  }
+  layer_table(const layer_table&) = delete;
+  layer_table& operator=(const layer_table&) = delete;
+  ~layer_table() { release(); }
+
+  [[nodiscard]] layer_table_view view() const noexcept { return {data_, size_, alignment_}; }
+  [[nodiscard]] bool empty() const noexcept { return data_ == nullptr; }
+
+ private:
+  void release() noexcept {
+    if (data_) (void)cudaFree(data_);
+    data_ = nullptr;
+    size_ = 0;
+  }
+
+  std::byte** data_ = nullptr;
+  std::uint32_t size_ = 0;
+  std::uint32_t alignment_ = 16;
+};
+
+namespace detail {
+
+/// Threads per CTA: 256 threads * 16 bytes = one 4 KiB segment (0.5B model shape) per pass.
+inline constexpr unsigned copy_threads = 256;
+/// Loads each thread issues before it stores.
+inline constexpr unsigned copy_unroll = 4;
+/// Capacity of one launch's parameter block (kept under the classic 4 KiB limit).
+inline constexpr std::uint32_t launch_max_pieces = 64;
+inline constexpr std::uint32_t launch_max_ids = 576;
+
+/// A run of block positions [begin, end) of one item, copied by one launch.
+struct piece_desc {
+  std::byte* object = nullptr;      ///< the item's object (written by a gather, read by a scatter)
+  std::uint32_t ids_base = 0;       ///< index in launch_params::ids of block position `begin`
+  std::uint32_t begin = 0;          ///< first block position (chunk order)
+  std::uint32_t end = 0;            ///< one past the last
+  std::uint32_t begin_offset = 0;   ///< bytes of block `begin` left alone (skip_tokens inside it)
+};
+
+struct launch_params {
+  std::byte* const* layers = nullptr;  ///< device table
+  std::uint64_t segment_bytes = 0;     ///< one (layer, plane, block)
+  std::uint64_t plane_stride = 0;      ///< one plane of one layer's tensor
+  std::uint64_t slab_bytes = 0;        ///< one (layer, plane) of the object
+  std::uint32_t planes = 0;
+  std::uint32_t num_layers = 0;
+  std::uint32_t max_piece_blocks = 0;  ///< grid extent per (piece, layer, plane)
+  std::uint32_t num_pieces = 0;
+  piece_desc pieces[launch_max_pieces];
+  std::uint32_t ids[launch_max_ids];
+};
+static_assert(sizeof(launch_params) <= 4096, "the kernel parameter block must stay within 4 KiB");
+
+/// Copies len bytes (a multiple of sizeof(Vec), both addresses Vec-aligned) with the CTA's
+/// threads, copy_unroll loads in flight per thread.
+template <class Vec>
+__device__ __forceinline__ void copy_bytes(std::byte* dst, const std::byte* src, std::uint64_t len) {
+  Vec* d = reinterpret_cast<Vec*>(dst);
+  const Vec* s = reinterpret_cast<const Vec*>(src);
+  const std::uint64_t n = len / sizeof(Vec);
+  constexpr std::uint64_t stride = copy_threads;
+  std::uint64_t i = threadIdx.x;
+  for (; i + (copy_unroll - 1) * stride < n; i += copy_unroll * stride) {
+    Vec v[copy_unroll];
+#pragma unroll
+    for (unsigned u = 0; u < copy_unroll; ++u) v[u] = s[i + u * stride];
+#pragma unroll
+    for (unsigned u = 0; u < copy_unroll; ++u) d[i + u * stride] = v[u];
+  }
+  for (; i < n; i += stride) d[i] = s[i];
+}
+
+/// What one CTA copies: len bytes from src to dst, or nothing (active == false).
+struct segment_copy {
+  std::byte* dst = nullptr;
+  const std::byte* src = nullptr;
+  std::uint64_t len = 0;
+  bool active = false;
+};
+
+/// The block segment of CTA `cta`: cta = ((piece * num_layers + layer) * planes + plane) *
+/// max_piece_blocks + k, block position begin + k of the piece. Host and device (tests
+/// replay a launch on the host with it).
+template <bool Gather>
+__host__ __device__ __forceinline__ segment_copy locate_segment(const launch_params& p, std::uint32_t cta) {
+  const std::uint32_t k = cta % p.max_piece_blocks;
+  cta /= p.max_piece_blocks;
+  const std::uint32_t plane = cta % p.planes;
+  cta /= p.planes;
+  const std::uint32_t layer = cta % p.num_layers;
+  cta /= p.num_layers;
+  const piece_desc& pc = p.pieces[cta];
+  const std::uint32_t j = pc.begin + k;
+  if (j >= pc.end) return {};
+  const std::uint64_t offset = k == 0 ? pc.begin_offset : 0;
+  const std::uint64_t id = p.ids[pc.ids_base + k];
+  std::byte* paged = p.layers[layer] + plane * p.plane_stride + id * p.segment_bytes + offset;
+  std::byte* obj = pc.object + (std::uint64_t{layer} * p.planes + plane) * p.slab_bytes + j * p.segment_bytes + offset;
+  if constexpr (Gather)
+    return {obj, paged, p.segment_bytes - offset, true};
+  else
+    return {paged, obj, p.segment_bytes - offset, true};
+}
+
+/// One CTA per block segment (locate_segment). A template, so that every translation unit
+/// may instantiate it (no -rdc needed).
+template <bool Gather, class Vec>
+__global__ void __launch_bounds__(copy_threads) copy_segments_kernel(const __grid_constant__ launch_params p) {
+  const segment_copy s = locate_segment<Gather>(p, blockIdx.x);
+  if (s.active) copy_bytes<Vec>(s.dst, s.src, s.len);
+}
+
+/// CTAs of one launch.
+[[nodiscard]] inline std::uint64_t grid_size(const launch_params& p) noexcept {
+  return std::uint64_t{p.num_pieces} * p.num_layers * p.planes * p.max_piece_blocks;
+}
+
+/// The widest access (16, 8, 4, 2 or 1 bytes) that divides every bit pattern OR-ed into bits.
+[[nodiscard]] inline unsigned vector_bytes(std::uintptr_t bits) noexcept {
+  for (unsigned v : {16u, 8u, 4u, 2u})
+    if ((bits & (v - 1)) == 0) return v;
+  return 1;
+}
+
+/// Launches one parameter block with `vec`-byte accesses on `stream`.
+template <bool Gather>
+[[nodiscard]] inline cudaError_t launch(const launch_params& p, unsigned vec, cudaStream_t stream) noexcept {
+  const std::uint64_t grid = grid_size(p);
+  if (grid == 0) return cudaSuccess;
+  if (grid > 0x7fffffffu) return cudaErrorInvalidConfiguration;  // unreachable with the capacities above
+  const dim3 g(static_cast<unsigned>(grid));
+  switch (vec) {
+    case 16: copy_segments_kernel<Gather, uint4><<<g, copy_threads, 0, stream>>>(p); break;
+    case 8: copy_segments_kernel<Gather, uint2><<<g, copy_threads, 0, stream>>>(p); break;
+    case 4: copy_segments_kernel<Gather, unsigned><<<g, copy_threads, 0, stream>>>(p); break;
+    case 2: copy_segments_kernel<Gather, unsigned short><<<g, copy_threads, 0, stream>>>(p); break;
+    default: copy_segments_kernel<Gather, unsigned char><<<g, copy_threads, 0, stream>>>(p); break;
+  }
+  return cudaGetLastError();
+}
+
+/// A fixed-capacity set of block ids (open addressing), cleared per launch: finds the
+/// repeated block ids of a scatter launch without allocating.
+class id_set {
+ public:
+  id_set() noexcept {
+    for (auto& s : slots_) s = empty;
+  }
+  void clear() noexcept {
+    for (std::uint32_t i = 0; i < used_count_; ++i) slots_[used_[i]] = empty;
+    used_count_ = 0;
+  }
+  /// Inserts id; false when it was already there. At most launch_max_ids ids between clears.
+  bool insert(std::uint32_t id) noexcept {
+    std::uint32_t h = (id * 2654435761u) & (capacity - 1);
+    while (slots_[h] != empty) {
+      if (slots_[h] == id) return false;
+      h = (h + 1) & (capacity - 1);
+    }
+    slots_[h] = id;
+    used_[used_count_++] = h;
+    return true;
+  }
+
+ private:
+  static constexpr std::uint32_t capacity = 2048;      // > 2 * launch_max_ids: short probes
+  static constexpr std::uint32_t empty = 0xffffffffu;  // never a valid block id
+  std::uint32_t slots_[capacity];
+  std::uint32_t used_[launch_max_ids];
+  std::uint32_t used_count_ = 0;
+};
+
+/// What a gather keeps instead of an id_set: nothing.
+struct no_id_set {
+  void clear() noexcept {}
+  bool insert(std::uint32_t) noexcept { return true; }
+};
+
+/// The checks common to every item (validate_cache of the CPU path, with the table checked
+/// for presence: its entries were checked when it was uploaded).
+[[nodiscard]] inline std::error_code validate_cache(const paged_kv_view& cache, const chunk_layout& chunk) noexcept {
+  if (!cache.layout.validation_error().empty() || !chunk.validation_error().empty())
+    return transfer_errc::invalid_layout;
+  if (!(chunk.model == cache.layout.model) || chunk.chunk_tokens % cache.layout.block_size != 0)
+    return transfer_errc::layout_mismatch;
+  if (cache.layers.size != cache.layout.model.num_layers) return transfer_errc::layer_count;
+  if (cache.layers.device_data == nullptr) return transfer_errc::null_pointer;
+  return {};
+}
+
+/// Packs validated items into parameter blocks and calls launch(params, vector_bytes) for
+/// each full one, in order; stops at the first launch that fails. The library passes a
+/// launcher that enqueues copy_segments_kernel; tests pass one that replays the launch on the
+/// host with locate_segment.
+template <bool Gather, class Item, class Launch>
+[[nodiscard]] inline std::error_code pack(const paged_kv_view& cache, const chunk_layout& chunk,
+                                          std::span<const Item> items, Launch&& launch) noexcept {
+  const paged_kv_layout& layout = cache.layout;
+  const std::size_t tpb = layout.model.token_plane_bytes();
+  const std::uint32_t nblocks = chunk.chunk_tokens / layout.block_size;
+  launch_params p;
+  p.layers = cache.layers.device_data;
+  p.segment_bytes = layout.segment_bytes();
+  p.plane_stride = layout.segment_bytes() * layout.num_blocks;
+  p.slab_bytes = chunk.slab_bytes();
+  p.planes = layout.model.planes();
+  p.num_layers = layout.model.num_layers;
+  // Every offset the kernel forms is a multiple of token_plane_bytes; layer bases and
+  // objects bring their own alignment.
+  const std::uintptr_t base_bits = tpb | cache.layers.alignment;
+  std::uintptr_t bits = base_bits;
+  std::uint32_t num_ids = 0;
+  // Only a scatter needs the set (10 KiB of stack, no allocation).
+  std::conditional_t<Gather, no_id_set, id_set> written;
+
+  auto flush = [&]() noexcept -> cudaError_t {
+    const cudaError_t e = launch(static_cast<const launch_params&>(p), vector_bytes(bits));
+    p.num_pieces = 0;
+    p.max_piece_blocks = 0;
+    num_ids = 0;
+    bits = base_bits;
+    written.clear();
+    return e;
+  };
+  auto close = [&](piece_desc& pc) noexcept { p.max_piece_blocks = std::max(p.max_piece_blocks, pc.end - pc.begin); };
+
+  for (const Item& it : items) {
+    const std::uint32_t first = it.skip_tokens / layout.block_size;
+    if (first >= nblocks) continue;  // the whole chunk is skipped
+    const auto first_offset = static_cast<std::uint32_t>((it.skip_tokens % layout.block_size) * tpb);
+    std::byte* object = const_cast<std::byte*>(static_cast<const std::byte*>(it.object));
+    std::uint32_t j = first;
+    while (j < nblocks) {
+      // Open a piece at block position j (launch the full parameter block first).
+      if (p.num_pieces == launch_max_pieces || num_ids == launch_max_ids)
+        if (const cudaError_t e = flush(); e != cudaSuccess) return make_error_code(e);
+      const std::uint32_t offset = j == first ? first_offset : 0;
+      piece_desc& pc = p.pieces[p.num_pieces++];
+      pc = {object, num_ids, j, j, offset};
+      bits |= reinterpret_cast<std::uintptr_t>(object) | offset;
+      // A scatter stops before a block this launch already writes.
+      while (j < nblocks && num_ids < launch_max_ids && written.insert(it.block_ids[j])) {
+        p.ids[num_ids++] = it.block_ids[j];
+        pc.end = ++j;
+      }
+      if (pc.end == pc.begin)
+        --p.num_pieces;  // the repeat was its first block: nothing to copy in this launch
+      else
+        close(pc);
+      if (j < nblocks)  // stopped early (full, or a repeat): the rest goes in the next launch
+        if (const cudaError_t e = flush(); e != cudaSuccess) return make_error_code(e);
+    }
+  }
+  if (p.num_pieces)
+    if (const cudaError_t e = flush(); e != cudaSuccess) return make_error_code(e);
+  return {};
+}
+
+/// pack() with the kernel launcher on `stream`.
+template <bool Gather, class Item>
+[[nodiscard]] inline std::error_code enqueue(const paged_kv_view& cache, const chunk_layout& chunk,
+                                             std::span<const Item> items, cudaStream_t stream) noexcept {
+  return pack<Gather>(cache, chunk, items,
+                      [stream](const launch_params& p, unsigned vec) noexcept { return launch<Gather>(p, vec, stream); });
+}
+
+}  // namespace detail
+
+/// Checks a gather or scatter of one chunk without enqueuing: the codes gather_chunk and
+/// scatter_chunk would return.
+[[nodiscard]] inline std::error_code check_transfer(const paged_kv_view& cache,
+                                                    std::span<const std::uint32_t> block_ids,
+                                                    const chunk_layout& chunk, const std::byte* object,
+                                                    std::uint32_t skip_tokens = 0) noexcept {
+  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
+  return ::kvtier::detail::validate_item(cache.layout, chunk, block_ids, object, skip_tokens);
+}
+
+/// Enqueues on `stream` the copy of the chunk made of `block_ids` (chunk order) from the
+/// paged cache into `object`, but its first skip_tokens tokens (left untouched).
+/// options.write is ignored (the GPU has no such choice).
+[[nodiscard]] inline std::error_code gather_chunk(const paged_kv_view& cache, std::span<const std::uint32_t> block_ids,
+                                                  const chunk_layout& chunk, std::byte* object,
+                                                  std::uint32_t skip_tokens = 0, transfer_options options = {},
+                                                  cudaStream_t stream = nullptr) noexcept {
+  (void)options;
+  if (auto ec = check_transfer(cache, block_ids, chunk, object, skip_tokens)) return ec;
+  const gather_item item{block_ids, object, skip_tokens};
+  return detail::enqueue<true, gather_item>(cache, chunk, {&item, 1}, stream);
+}
+
+/// Enqueues on `stream` the copy of `object` into the blocks `block_ids` (chunk order), but
+/// its first skip_tokens tokens, whose bytes in the cache stay as they are. Repeated block
+/// ids are allowed; the last occurrence wins.
+[[nodiscard]] inline std::error_code scatter_chunk(const paged_kv_view& cache,
+                                                   std::span<const std::uint32_t> block_ids,
+                                                   const chunk_layout& chunk, const std::byte* object,
+                                                   std::uint32_t skip_tokens = 0, transfer_options options = {},
+                                                   cudaStream_t stream = nullptr) noexcept {
+  (void)options;
+  if (auto ec = check_transfer(cache, block_ids, chunk, object, skip_tokens)) return ec;
+  const scatter_item item{block_ids, object, skip_tokens};
+  return detail::enqueue<false, scatter_item>(cache, chunk, {&item, 1}, stream);
+}
+
+/// gather_chunk for several chunks of the same layout, in one launch (several past 576
+/// block ids): all items are validated first, and nothing is enqueued when one is invalid.
+[[nodiscard]] inline std::error_code gather_chunks(const paged_kv_view& cache, const chunk_layout& chunk,
+                                                   std::span<const gather_item> items, transfer_options options = {},
+                                                   cudaStream_t stream = nullptr) noexcept {
+  (void)options;
+  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
+  for (const gather_item& it : items)
+    if (auto ec = ::kvtier::detail::validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens))
+      return ec;
+  return detail::enqueue<true, gather_item>(cache, chunk, items, stream);
+}
+
+/// scatter_chunk for several chunks of the same layout: all items are validated first, and
+/// nothing is enqueued when one is invalid. Where two items name the same block, the later
+/// one wins (as on the CPU).
+[[nodiscard]] inline std::error_code scatter_chunks(const paged_kv_view& cache, const chunk_layout& chunk,
+                                                    std::span<const scatter_item> items, transfer_options options = {},
+                                                    cudaStream_t stream = nullptr) noexcept {
+  (void)options;
+  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
+  for (const scatter_item& it : items)
+    if (auto ec = ::kvtier::detail::validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens))
+      return ec;
+  return detail::enqueue<false, scatter_item>(cache, chunk, items, stream);
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::cuda
