@@ -37,3 +37,13 @@
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 #include <kvtier/telemetry/registry.hpp>
+
+#include <kvtier/protocol/codec.hpp>
+#include <kvtier/protocol/connection.hpp>
+#include <kvtier/protocol/field.hpp>
+#include <kvtier/protocol/frame.hpp>
+#include <kvtier/protocol/frame_decoder.hpp>
+#include <kvtier/protocol/limits.hpp>
+#include <kvtier/protocol/messages.hpp>
+#include <kvtier/protocol/unique_fd.hpp>
+#include <kvtier/protocol/unix_socket.hpp>

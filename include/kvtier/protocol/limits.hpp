@@ -1,0 +1,57 @@
+#pragma once
+// The constants of the engine <-> server wire protocol: the frame magic, the protocol
+// version, the header size, and the size limit of every field. docs/protocol.md is the
+// reference; each limit here is checked before anything is allocated for the field.
+
+#include <kvtier/config.hpp>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+
+namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+
+/// The first four bytes of every frame: "KVT1".
+inline constexpr std::array<std::byte, 4> frame_magic = {std::byte{'K'}, std::byte{'V'}, std::byte{'T'},
+                                                         std::byte{'1'}};
+
+/// The protocol version this build speaks; carried in every frame header. A frame with any
+/// other version is refused with errc::version_mismatch (no negotiation: both sides of a
+/// Unix socket ship together, and a silent downgrade would hide a deployment mistake).
+inline constexpr std::uint16_t protocol_version = 1;
+
+/// Bytes of the frame header: magic (4), version (u16), type (u16), call id (u64), body
+/// length (u32), little-endian. This layout is frozen for every version, so a peer speaking
+/// another version can still be told so, with its call id.
+inline constexpr std::size_t frame_header_size = 4 + 2 + 2 + 8 + 4;
+
+// Per-field limits (bytes for strings, elements for vectors). A field above its limit is
+// errc::message_too_large, on encode and on decode.
+
+/// An engine request id (vLLM's are ~40 bytes: "cmpl-" + uuid + suffixes).
+inline constexpr std::uint32_t max_request_key_bytes = 256;
+/// A model name ("meta-llama/Llama-3.1-70B-Instruct" is 33 bytes).
+inline constexpr std::uint32_t max_model_name_bytes = 256;
+/// Chunk hashes in one lookup/retrieve/store: 65536 chunks of 256 tokens = 16M tokens, far
+/// beyond any context window; 1 MiB of hashes.
+inline constexpr std::uint32_t max_chunk_hashes = 65536;
+/// Block ids (and block generations) in one retrieve/store: 65536 chunks of 16 blocks.
+/// 4 MiB of ids plus 8 MiB of generations: a maximal store body is ~13 MiB, under the
+/// default body limit.
+inline constexpr std::uint32_t max_block_ids = std::uint32_t{1} << 20;
+/// The JSON document of a status reply.
+inline constexpr std::uint32_t max_status_json_bytes = std::uint32_t{4} << 20;
+/// The text of an error reply.
+inline constexpr std::uint32_t max_error_message_bytes = 4096;
+
+/// Default limit of one frame body: 16 MiB holds the largest legal store request (~13 MiB).
+inline constexpr std::uint32_t default_max_body_bytes = std::uint32_t{16} << 20;
+
+/// The run-time limits of one side of a connection.
+struct limits {
+  /// Bytes of one frame body, checked on the header before the body is buffered. A smaller
+  /// value refuses large lookups/stores (errc::message_too_large); at most 4 GiB - 1 (u32).
+  std::uint32_t max_body_bytes = default_max_body_bytes;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol

@@ -1,0 +1,505 @@
+#pragma once
+// The messages between an engine worker (connector) and the cache server, one struct each,
+// and `message`, the variant a decoder yields. docs/protocol.md is the reference.
+//
+// Requests carry chunk hashes (the connector hashes tokens itself with core/token_hasher),
+// block ids of the engine's registered KV region, and `request_key`, the engine's request
+// id. KV bytes never travel here: the region is one memfd passed once with SCM_RIGHTS
+// beside register_kv_request (see connection.hpp). Every request is answered by its own
+// response type or by error_response, with the request's call id (frame header).
+//
+// Each struct has `static constexpr message_type type`, a defaulted operator==, and
+// `fields(self)`: its members in wire order with their limits (field.hpp). Requests name
+// their answer as `response_type`.
+
+#include <kvtier/bus/events.hpp>
+#include <kvtier/config.hpp>
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/core/kv_layout.hpp>
+#include <kvtier/error.hpp>
+#include <kvtier/protocol/field.hpp>
+#include <kvtier/protocol/limits.hpp>
+
+#include <concepts>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+
+/// The message type in the frame header. Values are stable: append, never renumber.
+/// A response is its request's value | 0x8000; error_response (0x8000) answers any request.
+enum class message_type : std::uint16_t {
+  register_kv_request = 0x0001,
+  unregister_kv_request = 0x0002,
+  lookup_request = 0x0003,
+  query_prefetch_request = 0x0004,
+  retrieve_request = 0x0005,
+  store_request = 0x0006,
+  free_lookup_locks_request = 0x0007,
+  end_request_request = 0x0008,
+  ping_request = 0x0009,
+  clear_request = 0x000a,
+  get_chunk_size_request = 0x000b,
+  status_request = 0x000c,
+
+  error_response = 0x8000,
+  register_kv_response = 0x8001,
+  unregister_kv_response = 0x8002,
+  lookup_response = 0x8003,
+  query_prefetch_response = 0x8004,
+  retrieve_response = 0x8005,
+  store_response = 0x8006,
+  free_lookup_locks_response = 0x8007,
+  end_request_response = 0x8008,
+  ping_response = 0x8009,
+  clear_response = 0x800a,
+  get_chunk_size_response = 0x800b,
+  status_response = 0x800c,
+};
+
+/// Bit set in every response type.
+inline constexpr std::uint16_t response_bit = 0x8000;
+
+[[nodiscard]] constexpr bool is_response(message_type t) noexcept {
+  return (static_cast<std::uint16_t>(t) & response_bit) != 0;
+}
+
+// ---------------------------------------------------------------------------------------
+// Responses (declared first: requests name theirs).
+// ---------------------------------------------------------------------------------------
+
+/// Answers any request that failed: a kvtier::errc value and a human-readable reason.
+/// Its body layout (u32 code, string message) is frozen for every protocol version, so a
+/// peer of another version can read why it was refused.
+struct error_response {
+  static constexpr message_type type = message_type::error_response;
+  std::uint32_t code = 0;  ///< a kvtier::errc value (unknown values are kept as they are)
+  std::string message;     ///< <= max_error_message_bytes
+
+  /// The code in the kvtier category.
+  [[nodiscard]] error_code error() const noexcept { return {static_cast<int>(code), kvtier_category()}; }
+
+  /// An error reply; `text` is cut to max_error_message_bytes.
+  [[nodiscard]] static error_response make(errc e, std::string_view text) {
+    return {static_cast<std::uint32_t>(e), std::string(text.substr(0, max_error_message_bytes))};
+  }
+
+  friend bool operator==(const error_response&, const error_response&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{field("code", self.code), bounded("message", self.message, max_error_message_bytes)};
+  }
+};
+
+struct register_kv_response {
+  static constexpr message_type type = message_type::register_kv_response;
+  std::uint64_t boot_token = 0;    ///< random per server boot; a change reveals a restart
+  std::uint64_t client_id = 0;     ///< the server's id of this registration (status, metrics)
+  std::uint64_t model_id = 0;      ///< the model namespace of this engine's chunk keys
+  std::uint32_t chunk_tokens = 0;  ///< tokens per chunk the server uses (echo or override)
+
+  friend bool operator==(const register_kv_response&, const register_kv_response&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{field("boot_token", self.boot_token), field("client_id", self.client_id),
+                      field("model_id", self.model_id), field("chunk_tokens", self.chunk_tokens)};
+  }
+};
+
+/// An empty acknowledgement; one distinct type per request so a reply names what it answers.
+template <message_type Type>
+struct empty_response {
+  static constexpr message_type type = Type;
+  friend bool operator==(const empty_response&, const empty_response&) = default;
+  static constexpr auto fields(auto&) noexcept { return std::tuple{}; }
+};
+using unregister_kv_response = empty_response<message_type::unregister_kv_response>;
+/// The lookup was accepted; its prefetch runs in the background (poll query_prefetch).
+using lookup_response = empty_response<message_type::lookup_response>;
+using free_lookup_locks_response = empty_response<message_type::free_lookup_locks_response>;
+using end_request_response = empty_response<message_type::end_request_response>;
+using clear_response = empty_response<message_type::clear_response>;
+
+/// Where the prefetch of a request stands.
+enum class prefetch_state : std::uint8_t {
+  pending = 0,  ///< still running: ask again
+  done = 1,     ///< finished: hit counts are final (reported once, like LMCache's pop-once)
+  unknown = 2,  ///< no lookup under that key (never submitted, already reported, or reaped)
+};
+[[nodiscard]] constexpr std::string_view name(prefetch_state s) noexcept {
+  switch (s) {
+    case prefetch_state::pending: return "pending";
+    case prefetch_state::done: return "done";
+    case prefetch_state::unknown: return "unknown";
+  }
+  return "invalid";
+}
+
+struct query_prefetch_response {
+  static constexpr message_type type = message_type::query_prefetch_response;
+  prefetch_state state = prefetch_state::unknown;
+  std::uint32_t hit_chunks = 0;     ///< contiguous prefix now read-locked in L1 for retrieve
+  std::uint32_t l1_hit_chunks = 0;  ///< of those, how many were already in L1 at lookup
+
+  friend bool operator==(const query_prefetch_response&, const query_prefetch_response&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{enumerated("state", self.state, prefetch_state::unknown), field("hit_chunks", self.hit_chunks),
+                      field("l1_hit_chunks", self.l1_hit_chunks)};
+  }
+};
+
+struct retrieve_response {
+  static constexpr message_type type = message_type::retrieve_response;
+  std::uint32_t retrieved_chunks = 0;  ///< contiguous prefix that landed in the engine's blocks
+
+  friend bool operator==(const retrieve_response&, const retrieve_response&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{field("retrieved_chunks", self.retrieved_chunks)};
+  }
+};
+
+struct store_response {
+  static constexpr message_type type = message_type::store_response;
+  std::uint32_t stored = 0;           ///< chunks copied into L1 (and offered to L2)
+  std::uint32_t already_present = 0;  ///< chunks the cache had (nothing copied)
+  std::uint32_t failed = 0;           ///< out of memory, fenced (generation changed), ...
+
+  friend bool operator==(const store_response&, const store_response&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{field("stored", self.stored), field("already_present", self.already_present),
+                      field("failed", self.failed)};
+  }
+};
+
+struct ping_response {
+  static constexpr message_type type = message_type::ping_response;
+  std::uint64_t boot_token = 0;      ///< as in register_kv_response: a change means restart
+  std::uint64_t server_time_ns = 0;  ///< the server's steady clock (diagnostics only)
+
+  friend bool operator==(const ping_response&, const ping_response&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{field("boot_token", self.boot_token), field("server_time_ns", self.server_time_ns)};
+  }
+};
+
+struct get_chunk_size_response {
+  static constexpr message_type type = message_type::get_chunk_size_response;
+  std::uint32_t chunk_tokens = 0;
+
+  friend bool operator==(const get_chunk_size_response&, const get_chunk_size_response&) = default;
+  static constexpr auto fields(auto& self) noexcept { return std::tuple{field("chunk_tokens", self.chunk_tokens)}; }
+};
+
+struct status_response {
+  static constexpr message_type type = message_type::status_response;
+  std::string json;  ///< registrations, locks held per client, L1 usage; <= max_status_json_bytes
+
+  friend bool operator==(const status_response&, const status_response&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{bounded("json", self.json, max_status_json_bytes)};
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Requests.
+// ---------------------------------------------------------------------------------------
+
+/// Registers the engine worker's paged KV region. Exactly one fd (the region's memfd)
+/// travels with this frame (SCM_RIGHTS); the frame's `fd` on the server side.
+struct register_kv_request {
+  static constexpr message_type type = message_type::register_kv_request;
+  using response_type = register_kv_response;
+  std::uint64_t instance_id = 0;  ///< the engine worker's pid (ping and reaping use it)
+  std::uint16_t rank = 0;         ///< tensor-parallel rank of this worker
+  std::uint16_t world_size = 1;   ///< tensor-parallel world size
+  std::string model_name;         ///< <= max_model_name_bytes
+  model_shape model;              ///< layers, KV heads, head dim, dtype bytes, MHA/MLA
+  std::uint32_t block_size = 0;   ///< tokens per paged-KV block
+  std::uint32_t num_blocks = 0;   ///< blocks in the region
+  std::uint32_t chunk_tokens = 0; ///< tokens per chunk the engine hashes with
+  std::uint64_t region_bytes = 0; ///< size of the memfd region
+
+  /// The paged KV layout the region holds.
+  [[nodiscard]] paged_kv_layout layout() const noexcept { return {model, block_size, num_blocks}; }
+
+  friend bool operator==(const register_kv_request&, const register_kv_request&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{field("instance_id", self.instance_id),   field("rank", self.rank),
+                      field("world_size", self.world_size),
+                      bounded("model_name", self.model_name, max_model_name_bytes),
+                      field("model", self.model),               field("block_size", self.block_size),
+                      field("num_blocks", self.num_blocks),     field("chunk_tokens", self.chunk_tokens),
+                      field("region_bytes", self.region_bytes)};
+  }
+};
+
+/// Drops this connection's registration (and its locks); the region fd is closed.
+struct unregister_kv_request {
+  static constexpr message_type type = message_type::unregister_kv_request;
+  using response_type = unregister_kv_response;
+  friend bool operator==(const unregister_kv_request&, const unregister_kv_request&) = default;
+  static constexpr auto fields(auto&) noexcept { return std::tuple{}; }
+};
+
+/// Starts the lookup + prefetch of a request's chunks (the scheduler side).
+struct lookup_request {
+  static constexpr message_type type = message_type::lookup_request;
+  using response_type = lookup_response;
+  std::string request_key;            ///< <= max_request_key_bytes
+  std::uint64_t model_id = 0;         ///< from register_kv_response
+  std::uint16_t world_size = 1;       ///< prefetch every rank's shard
+  std::vector<hash128> chunk_hashes;  ///< rolling prefix hashes of the full chunks, <= max_chunk_hashes
+
+  friend bool operator==(const lookup_request&, const lookup_request&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes),
+                      field("model_id", self.model_id), field("world_size", self.world_size),
+                      bounded("chunk_hashes", self.chunk_hashes, max_chunk_hashes)};
+  }
+};
+
+struct query_prefetch_request {
+  static constexpr message_type type = message_type::query_prefetch_request;
+  using response_type = query_prefetch_response;
+  std::string request_key;  ///< <= max_request_key_bytes
+
+  friend bool operator==(const query_prefetch_request&, const query_prefetch_request&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes)};
+  }
+};
+
+/// Copies prefetched chunks from L1 into the engine's blocks (the worker side).
+struct retrieve_request {
+  static constexpr message_type type = message_type::retrieve_request;
+  using response_type = retrieve_response;
+  std::string request_key;            ///< <= max_request_key_bytes
+  std::uint16_t rank = 0;
+  std::uint32_t first_chunk = 0;      ///< index of chunk_hashes[0] in the request's prompt
+  std::vector<hash128> chunk_hashes;  ///< <= max_chunk_hashes
+  std::vector<std::uint32_t> block_ids;  ///< destination blocks, chunk by chunk, <= max_block_ids
+  std::uint32_t skip_tokens = 0;      ///< leading tokens the engine already has (not overwritten)
+
+  friend bool operator==(const retrieve_request&, const retrieve_request&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes), field("rank", self.rank),
+                      field("first_chunk", self.first_chunk),
+                      bounded("chunk_hashes", self.chunk_hashes, max_chunk_hashes),
+                      bounded("block_ids", self.block_ids, max_block_ids), field("skip_tokens", self.skip_tokens)};
+  }
+};
+
+/// Copies the engine's blocks into L1 under the given chunk hashes (the worker side).
+struct store_request {
+  static constexpr message_type type = message_type::store_request;
+  using response_type = store_response;
+  std::string request_key;               ///< <= max_request_key_bytes
+  std::uint16_t rank = 0;
+  std::uint32_t first_chunk = 0;         ///< index of chunk_hashes[0] in the request's prompt
+  std::vector<hash128> chunk_hashes;     ///< <= max_chunk_hashes
+  std::vector<std::uint32_t> block_ids;  ///< source blocks, chunk by chunk, <= max_block_ids
+  /// One per block id: the fencing seqlock value the engine read for that block; the server
+  /// re-reads it after copying and drops the chunk if the block was reused meanwhile.
+  std::vector<std::uint64_t> block_generations;
+
+  /// Null when the lengths agree (one generation per block id), else why not.
+  [[nodiscard]] const char* wire_error() const noexcept {
+    return block_generations.size() == block_ids.size() ? nullptr
+                                                        : "block_generations must hold one value per block id";
+  }
+
+  friend bool operator==(const store_request&, const store_request&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes), field("rank", self.rank),
+                      field("first_chunk", self.first_chunk),
+                      bounded("chunk_hashes", self.chunk_hashes, max_chunk_hashes),
+                      bounded("block_ids", self.block_ids, max_block_ids),
+                      bounded("block_generations", self.block_generations, max_block_ids)};
+  }
+};
+
+/// Releases the lookup's read locks of chunks that will never be retrieved.
+struct free_lookup_locks_request {
+  static constexpr message_type type = message_type::free_lookup_locks_request;
+  using response_type = free_lookup_locks_response;
+  std::string request_key;  ///< <= max_request_key_bytes
+
+  friend bool operator==(const free_lookup_locks_request&, const free_lookup_locks_request&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes)};
+  }
+};
+
+/// The engine finished the request: the server drops its session state.
+struct end_request_request {
+  static constexpr message_type type = message_type::end_request_request;
+  using response_type = end_request_response;
+  std::string request_key;  ///< <= max_request_key_bytes
+
+  friend bool operator==(const end_request_request&, const end_request_request&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes)};
+  }
+};
+
+struct ping_request {
+  static constexpr message_type type = message_type::ping_request;
+  using response_type = ping_response;
+  std::uint64_t instance_id = 0;  ///< keeps this worker's registration from being reaped
+
+  friend bool operator==(const ping_request&, const ping_request&) = default;
+  static constexpr auto fields(auto& self) noexcept { return std::tuple{field("instance_id", self.instance_id)}; }
+};
+
+struct clear_request {
+  static constexpr message_type type = message_type::clear_request;
+  using response_type = clear_response;
+  bool force = false;  ///< also drop locked objects (their locks are broken)
+
+  friend bool operator==(const clear_request&, const clear_request&) = default;
+  static constexpr auto fields(auto& self) noexcept { return std::tuple{field("force", self.force)}; }
+};
+
+struct get_chunk_size_request {
+  static constexpr message_type type = message_type::get_chunk_size_request;
+  using response_type = get_chunk_size_response;
+  friend bool operator==(const get_chunk_size_request&, const get_chunk_size_request&) = default;
+  static constexpr auto fields(auto&) noexcept { return std::tuple{}; }
+};
+
+/// Asks for the server's state as JSON (tests and operators read it).
+struct status_request {
+  static constexpr message_type type = message_type::status_request;
+  using response_type = status_response;
+  friend bool operator==(const status_request&, const status_request&) = default;
+  static constexpr auto fields(auto&) noexcept { return std::tuple{}; }
+};
+
+// ---------------------------------------------------------------------------------------
+// The variant and its vocabulary.
+// ---------------------------------------------------------------------------------------
+
+/// Any decoded message.
+using message = std::variant<register_kv_request, unregister_kv_request, lookup_request, query_prefetch_request,
+                             retrieve_request, store_request, free_lookup_locks_request, end_request_request,
+                             ping_request, clear_request, get_chunk_size_request, status_request,
+                             error_response, register_kv_response, unregister_kv_response, lookup_response,
+                             query_prefetch_response, retrieve_response, store_response,
+                             free_lookup_locks_response, end_request_response, ping_response, clear_response,
+                             get_chunk_size_response, status_response>;
+
+/// A type that travels in a frame: an alternative of `message`.
+template <class T>
+concept wire_message = requires(T& m, const T& c) {
+  { T::type } -> std::convertible_to<message_type>;
+  T::fields(m);
+  T::fields(c);
+};
+
+/// A request: a wire message with a `response_type`.
+template <class T>
+concept wire_request = wire_message<T> && wire_message<typename T::response_type> &&
+                       (T::response_type::type == static_cast<message_type>(static_cast<std::uint16_t>(T::type) |
+                                                                            response_bit));
+
+[[nodiscard]] inline message_type type_of(const message& m) noexcept {
+  return std::visit([](const auto& x) { return std::decay_t<decltype(x)>::type; }, m);
+}
+
+namespace detail {
+template <std::size_t... I>
+constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
+  return ((static_cast<std::uint16_t>(std::variant_alternative_t<I, message>::type) == t) || ...);
+}
+}  // namespace detail
+
+/// True for the values that name a message of this protocol version.
+[[nodiscard]] constexpr bool is_known(std::uint16_t type) noexcept {
+  return detail::known_type(type, std::make_index_sequence<std::variant_size_v<message>>{});
+}
+
+/// The request a type belongs to (a response maps to its request), for the server's
+/// metrics; error_response and unknown values are `other`.
+[[nodiscard]] constexpr bus::request_kind request_kind_of(message_type t) noexcept {
+  using k = bus::request_kind;
+  switch (static_cast<message_type>(static_cast<std::uint16_t>(t) & ~response_bit)) {
+    case message_type::register_kv_request: return k::register_kv;
+    case message_type::unregister_kv_request: return k::unregister_kv;
+    case message_type::lookup_request: return k::lookup;
+    case message_type::query_prefetch_request: return k::query_prefetch;
+    case message_type::retrieve_request: return k::retrieve;
+    case message_type::store_request: return k::store;
+    case message_type::free_lookup_locks_request: return k::free_lookup_locks;
+    case message_type::end_request_request: return k::end_request;
+    case message_type::ping_request: return k::ping;
+    case message_type::clear_request: return k::clear;
+    case message_type::get_chunk_size_request: return k::get_chunk_size;
+    case message_type::status_request: return k::status;
+    default: return k::other;
+  }
+}
+
+/// The message's struct name ("lookup_request"); "unknown" for other values.
+[[nodiscard]] constexpr std::string_view name(message_type t) noexcept {
+  switch (t) {
+    case message_type::register_kv_request: return "register_kv_request";
+    case message_type::unregister_kv_request: return "unregister_kv_request";
+    case message_type::lookup_request: return "lookup_request";
+    case message_type::query_prefetch_request: return "query_prefetch_request";
+    case message_type::retrieve_request: return "retrieve_request";
+    case message_type::store_request: return "store_request";
+    case message_type::free_lookup_locks_request: return "free_lookup_locks_request";
+    case message_type::end_request_request: return "end_request_request";
+    case message_type::ping_request: return "ping_request";
+    case message_type::clear_request: return "clear_request";
+    case message_type::get_chunk_size_request: return "get_chunk_size_request";
+    case message_type::status_request: return "status_request";
+    case message_type::error_response: return "error_response";
+    case message_type::register_kv_response: return "register_kv_response";
+    case message_type::unregister_kv_response: return "unregister_kv_response";
+    case message_type::lookup_response: return "lookup_response";
+    case message_type::query_prefetch_response: return "query_prefetch_response";
+    case message_type::retrieve_response: return "retrieve_response";
+    case message_type::store_response: return "store_response";
+    case message_type::free_lookup_locks_response: return "free_lookup_locks_response";
+    case message_type::end_request_response: return "end_request_response";
+    case message_type::ping_response: return "ping_response";
+    case message_type::clear_response: return "clear_response";
+    case message_type::get_chunk_size_response: return "get_chunk_size_response";
+    case message_type::status_response: return "status_response";
+  }
+  return "unknown";
+}
+
+/// True for the one request that carries an fd (the KV region's memfd).
+[[nodiscard]] constexpr bool carries_fd(message_type t) noexcept { return t == message_type::register_kv_request; }
+
+namespace detail {
+template <std::size_t... I>
+constexpr bool all_wire_messages(std::index_sequence<I...>) noexcept {
+  return (wire_message<std::variant_alternative_t<I, message>> && ...);
+}
+template <std::size_t... I>
+constexpr bool types_unique(std::index_sequence<I...>) noexcept {
+  constexpr std::uint16_t t[] = {static_cast<std::uint16_t>(std::variant_alternative_t<I, message>::type)...};
+  for (std::size_t a = 0; a < sizeof...(I); ++a)
+    for (std::size_t b = a + 1; b < sizeof...(I); ++b)
+      if (t[a] == t[b]) return false;
+  return true;
+}
+}  // namespace detail
+static_assert(detail::all_wire_messages(std::make_index_sequence<std::variant_size_v<message>>{}));
+static_assert(detail::types_unique(std::make_index_sequence<std::variant_size_v<message>>{}),
+              "two message structs share a message_type");
+static_assert(wire_request<register_kv_request> && wire_request<unregister_kv_request> &&
+              wire_request<lookup_request> && wire_request<query_prefetch_request> &&
+              wire_request<retrieve_request> && wire_request<store_request> &&
+              wire_request<free_lookup_locks_request> && wire_request<end_request_request> &&
+              wire_request<ping_request> && wire_request<clear_request> &&
+              wire_request<get_chunk_size_request> && wire_request<status_request>);
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol

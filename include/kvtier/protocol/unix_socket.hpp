@@ -1,0 +1,171 @@
+#pragma once
+// Creating the server's listening Unix-domain socket and connecting to it.
+//
+//   listen_unix(executor, path[, options])    -> result<acceptor>
+//   connect_unix(executor, path)              -> result<socket>        (synchronous)
+//   async_connect_unix(executor, path, token) -> void(error_code, socket)
+//
+// listen_unix never steals a live socket: when `path` exists it must be a socket nobody
+// listens on (a connect is refused), and only then is it unlinked and replaced. A live
+// server there gives boost::asio::error::address_in_use; a file
+// that is not a socket is left alone (std::errc::file_exists). Two servers starting on
+// one path at the same instant may still race between the probe and bind; bind then fails
+// for one of them.
+//
+// The socket file gets `mode` (0600: only the server's user may connect) with no window:
+// on Linux a pathname socket is created with the mode of the socket inode (less the
+// umask), so the mode is set with fchmod before bind, and again with chmod after bind in
+// case the umask took bits away.
+
+#include <kvtier/config.hpp>
+#include <kvtier/error.hpp>
+
+#include <boost/asio/async_result.hpp>
+#include <boost/asio/basic_socket_acceptor.hpp>
+#include <boost/asio/basic_stream_socket.hpp>
+#include <boost/asio/compose.hpp>
+#include <boost/asio/error.hpp>
+#include <boost/asio/local/stream_protocol.hpp>
+#include <boost/asio/post.hpp>
+
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <utility>
+
+namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+
+struct listen_options {
+  /// Permission bits of the socket file.
+  ::mode_t mode = 0600;
+  /// listen(2) backlog.
+  int backlog = SOMAXCONN;
+};
+
+namespace detail {
+
+inline error_code errno_code(int e = errno) noexcept { return {e, boost::system::system_category()}; }
+
+/// A pathname endpoint, or invalid_argument when the path is empty or does not fit in
+/// sockaddr_un (107 bytes on Linux).
+inline result<boost::asio::local::stream_protocol::endpoint> unix_endpoint(const std::string& path) {
+  if (path.empty() || path.size() >= sizeof(sockaddr_un{}.sun_path) || path.find('\0') != std::string::npos)
+    return make_error_code(errc::invalid_argument);
+  return boost::asio::local::stream_protocol::endpoint(path);
+}
+
+/// True when something accepts connections at `path` (or may: a full backlog).
+inline result<bool> someone_listens(const std::string& path) {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return {boost::system::in_place_error, errno_code()};
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int rc = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof addr);
+  const int e = errno;
+  ::close(fd);
+  if (rc == 0) return true;
+  // A listener whose backlog is full answers EAGAIN to a non-blocking connect: alive.
+  if (e == EAGAIN || e == EINPROGRESS) return true;
+  if (e == ECONNREFUSED || e == ENOENT) return false;
+  return {boost::system::in_place_error, errno_code(e)};
+}
+
+template <class Socket>
+struct connect_op {
+  std::unique_ptr<Socket> socket;
+  result<boost::asio::local::stream_protocol::endpoint> ep;
+  bool started = false;
+
+  template <class Self>
+  void operator()(Self& self, error_code ec = {}) {
+    if (!started) {
+      started = true;
+      if (!ep) {
+        // Fail through the executor, never inside the initiating call.
+        boost::asio::post(socket->get_executor(), std::move(self));
+        return;
+      }
+      socket->async_connect(*ep, std::move(self));
+      return;
+    }
+    if (!ep) ec = ep.error();
+    self.complete(ec, std::move(*socket));
+  }
+};
+
+}  // namespace detail
+
+/// Listens on the Unix-domain socket `path` (see the header comment for the rules).
+template <class Executor>
+[[nodiscard]] result<boost::asio::basic_socket_acceptor<boost::asio::local::stream_protocol, Executor>> listen_unix(
+    const Executor& ex, const std::string& path, const listen_options& options = {}) {
+  using acceptor_type = boost::asio::basic_socket_acceptor<boost::asio::local::stream_protocol, Executor>;
+  auto ep = detail::unix_endpoint(path);
+  if (!ep) return ep.error();
+
+  struct ::stat st{};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) return make_error_code(boost::system::errc::file_exists);
+    auto live = detail::someone_listens(path);
+    if (!live) return live.error();
+    if (*live) return make_error_code(boost::asio::error::address_in_use);
+    if (::unlink(path.c_str()) != 0 && errno != ENOENT) return detail::errno_code();
+  } else if (errno != ENOENT) {
+    return detail::errno_code();
+  }
+
+  acceptor_type acceptor(ex);
+  error_code ec;
+  acceptor.open(ep->protocol(), ec);
+  if (ec) return ec;
+  if (::fchmod(acceptor.native_handle(), options.mode) != 0) return detail::errno_code();
+  acceptor.bind(*ep, ec);
+  if (ec) return ec;
+  if (::chmod(path.c_str(), options.mode) != 0) {
+    const error_code e = detail::errno_code();
+    ::unlink(path.c_str());
+    return e;
+  }
+  acceptor.listen(options.backlog, ec);
+  if (ec) {
+    ::unlink(path.c_str());
+    return ec;
+  }
+  return acceptor;
+}
+
+/// Connects to the Unix-domain socket `path` (a local connect completes at once, or fails:
+/// ECONNREFUSED when nothing listens, ENOENT when there is no such file).
+template <class Executor>
+[[nodiscard]] result<boost::asio::basic_stream_socket<boost::asio::local::stream_protocol, Executor>> connect_unix(
+    const Executor& ex, const std::string& path) {
+  auto ep = detail::unix_endpoint(path);
+  if (!ep) return ep.error();
+  boost::asio::basic_stream_socket<boost::asio::local::stream_protocol, Executor> socket(ex);
+  error_code ec;
+  socket.connect(*ep, ec);
+  if (ec) return ec;
+  return socket;
+}
+
+/// Connects asynchronously. Completion: void(error_code, socket), on the handler's
+/// associated executor; cancellation as Asio's socket::async_connect (terminal: the socket
+/// is closed and operation_aborted reported).
+template <class Executor, class Token>
+auto async_connect_unix(const Executor& ex, const std::string& path, Token&& token) {
+  using socket_type = boost::asio::basic_stream_socket<boost::asio::local::stream_protocol, Executor>;
+  auto socket = std::make_unique<socket_type>(ex);
+  auto& io = *socket;
+  return boost::asio::async_compose<Token, void(error_code, socket_type)>(
+      detail::connect_op<socket_type>{std::move(socket), detail::unix_endpoint(path)}, token, io);
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol

@@ -1,0 +1,331 @@
+#include <kvtier/protocol/codec.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "protocol/allocation_tracker.hpp"
+#include "protocol/protocol_fixtures.hpp"
+
+#include <set>
+#include <string>
+#include <variant>
+#include <vector>
+
+using namespace kvtier;
+namespace p = kvtier::protocol;
+using kvtier::test::bytes_builder;
+using kvtier::test::largest_allocation;
+using kvtier::test::make_frame;
+
+namespace {
+
+/// Decodes a whole frame (header + body) with the public codec.
+p::decode_result<p::message> decode_whole(const std::vector<std::byte>& bytes, const p::limits& lim = {}) {
+  REQUIRE(bytes.size() >= p::frame_header_size);
+  const auto h = p::read_header(std::span<const std::byte, p::frame_header_size>(bytes.data(), p::frame_header_size));
+  return p::decode_message(h, std::span<const std::byte>(bytes).subspan(p::frame_header_size), lim);
+}
+
+template <class T>
+std::vector<std::byte> encode_raw(const T& msg, std::uint64_t call_id = 1) {
+  return p::detail::encode_unchecked(p::frame_header{p::protocol_version, T::type, call_id, 0}, msg);
+}
+
+/// One below, at and one above a field limit: encode and decode accept the first two; the
+/// third is refused by encode, and a frame built anyway is refused by decode, both with
+/// message_too_large and a reason naming the field.
+template <class T, class Resize>
+void check_field_limit(T msg, std::string_view field, std::uint32_t limit, Resize resize) {
+  INFO("field " << field << ", limit " << limit);
+  for (std::uint64_t n : {std::uint64_t{limit} - 1, std::uint64_t{limit}}) {
+    resize(msg, static_cast<std::size_t>(n));
+    auto bytes = p::encode_frame(9, msg);
+    REQUIRE(bytes.has_value());
+    auto back = decode_whole(*bytes);
+    REQUIRE(back.has_value());
+    CHECK(std::get<T>(*back) == msg);
+  }
+  resize(msg, std::size_t{limit} + 1);
+  auto refused = p::encode_frame(9, msg);
+  REQUIRE_FALSE(refused.has_value());
+  CHECK(refused.error() == errc::message_too_large);
+  auto decoded = decode_whole(encode_raw(msg, 77));
+  REQUIRE_FALSE(decoded.has_value());
+  CHECK(decoded.error().code == errc::message_too_large);
+  CHECK(decoded.error().call_id == 77);
+  CHECK(decoded.error().reason.find(field) != std::string::npos);
+}
+
+}  // namespace
+
+TEST_CASE("every message type survives an encode and decode round trip", "[protocol][codec]") {
+  const auto samples = kvtier::test::sample_messages();
+  std::set<std::size_t> covered;
+  std::uint64_t call_id = 0x0102030405060708ULL;
+  for (const auto& m : samples) {
+    INFO(p::name(p::type_of(m)));
+    covered.insert(m.index());
+    auto bytes = p::encode_frame(call_id, m);
+    REQUIRE(bytes.has_value());
+    const auto h = p::read_header(std::span<const std::byte, p::frame_header_size>(bytes->data(), p::frame_header_size));
+    CHECK(h.version == p::protocol_version);
+    CHECK(h.type == p::type_of(m));
+    CHECK(h.call_id == call_id);
+    CHECK(h.body_bytes == bytes->size() - p::frame_header_size);
+    auto back = decode_whole(*bytes);
+    REQUIRE(back.has_value());
+    CHECK(*back == m);
+    ++call_id;
+  }
+  CHECK(covered.size() == std::variant_size_v<p::message>);
+}
+
+TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protocol][codec]") {
+  SECTION("a ping request") {
+    auto bytes = p::encode_frame(0x1122334455667788ULL, p::ping_request{0x0102030405060708ULL});
+    REQUIRE(bytes.has_value());
+    bytes_builder want;
+    want.raw("KVT1").u16(1).u16(0x0009).u64(0x1122334455667788ULL).u32(8).u64(0x0102030405060708ULL);
+    CHECK(*bytes == want.bytes);
+  }
+  SECTION("a lookup request with a string and a vector of hashes") {
+    auto bytes = p::encode_frame(3, p::lookup_request{"ab", 5, 2, {hash128{1, 2}}});
+    REQUIRE(bytes.has_value());
+    bytes_builder body;
+    body.str("ab").u64(5).u16(2).u32(1).u64(1).u64(2);
+    CHECK(*bytes == make_frame(p::message_type::lookup_request, 3, body.bytes));
+  }
+  SECTION("a register request with its nested model shape") {
+    p::register_kv_request r;
+    r.instance_id = 1;
+    r.rank = 2;
+    r.world_size = 4;
+    r.model_name = "m";
+    r.model = model_shape{32, 1, 576, 2, attention_kind::mla};
+    r.block_size = 64;
+    r.num_blocks = 10;
+    r.chunk_tokens = 256;
+    r.region_bytes = 1 << 20;
+    auto bytes = p::encode_frame(1, r);
+    REQUIRE(bytes.has_value());
+    bytes_builder body;
+    body.u64(1).u16(2).u16(4).str("m").u32(32).u32(1).u32(576).u32(2).u8(1).u32(64).u32(10).u32(256).u64(1 << 20);
+    CHECK(*bytes == make_frame(p::message_type::register_kv_request, 1, body.bytes));
+    CHECK(r.layout().total_bytes() == std::size_t{32} * 10 * 64 * 576 * 2);
+  }
+}
+
+TEST_CASE("requests and their responses map onto the bus request kinds", "[protocol][messages]") {
+  using k = bus::request_kind;
+  CHECK(p::request_kind_of(p::message_type::register_kv_request) == k::register_kv);
+  CHECK(p::request_kind_of(p::message_type::unregister_kv_request) == k::unregister_kv);
+  CHECK(p::request_kind_of(p::message_type::lookup_request) == k::lookup);
+  CHECK(p::request_kind_of(p::message_type::query_prefetch_request) == k::query_prefetch);
+  CHECK(p::request_kind_of(p::message_type::retrieve_request) == k::retrieve);
+  CHECK(p::request_kind_of(p::message_type::store_request) == k::store);
+  CHECK(p::request_kind_of(p::message_type::free_lookup_locks_request) == k::free_lookup_locks);
+  CHECK(p::request_kind_of(p::message_type::end_request_request) == k::end_request);
+  CHECK(p::request_kind_of(p::message_type::ping_request) == k::ping);
+  CHECK(p::request_kind_of(p::message_type::clear_request) == k::clear);
+  CHECK(p::request_kind_of(p::message_type::get_chunk_size_request) == k::get_chunk_size);
+  CHECK(p::request_kind_of(p::message_type::status_request) == k::status);
+  CHECK(p::request_kind_of(p::message_type::error_response) == k::other);
+  CHECK(p::request_kind_of(static_cast<p::message_type>(0x0777)) == k::other);
+  // Every response maps like its request; every type has a name and counts as known.
+  for (const auto& m : kvtier::test::sample_messages()) {
+    const auto t = p::type_of(m);
+    CHECK(p::is_known(static_cast<std::uint16_t>(t)));
+    CHECK(p::name(t) != "unknown");
+    if (p::is_response(t) && t != p::message_type::error_response) {
+      const auto req = static_cast<p::message_type>(static_cast<std::uint16_t>(t) & ~p::response_bit);
+      CHECK(p::request_kind_of(t) == p::request_kind_of(req));
+      CHECK(p::request_kind_of(t) != k::other);
+    }
+  }
+  CHECK_FALSE(p::is_known(0x0777));
+  CHECK(p::name(static_cast<p::message_type>(0x0777)) == "unknown");
+  CHECK(p::carries_fd(p::message_type::register_kv_request));
+  CHECK_FALSE(p::carries_fd(p::message_type::store_request));
+  static_assert(std::is_same_v<p::lookup_request::response_type, p::lookup_response>);
+}
+
+TEST_CASE("every field limit accepts one below and at the limit and refuses one above", "[protocol][codec]") {
+  auto resize_string = [](auto member) {
+    return [member](auto& m, std::size_t n) { (m.*member).assign(n, 'k'); };
+  };
+  check_field_limit(p::lookup_request{}, "request_key", p::max_request_key_bytes,
+                    resize_string(&p::lookup_request::request_key));
+  check_field_limit(p::query_prefetch_request{}, "request_key", p::max_request_key_bytes,
+                    resize_string(&p::query_prefetch_request::request_key));
+  check_field_limit(p::retrieve_request{}, "request_key", p::max_request_key_bytes,
+                    resize_string(&p::retrieve_request::request_key));
+  check_field_limit(p::store_request{}, "request_key", p::max_request_key_bytes,
+                    resize_string(&p::store_request::request_key));
+  check_field_limit(p::free_lookup_locks_request{}, "request_key", p::max_request_key_bytes,
+                    resize_string(&p::free_lookup_locks_request::request_key));
+  check_field_limit(p::end_request_request{}, "request_key", p::max_request_key_bytes,
+                    resize_string(&p::end_request_request::request_key));
+  check_field_limit(p::register_kv_request{}, "model_name", p::max_model_name_bytes,
+                    resize_string(&p::register_kv_request::model_name));
+  check_field_limit(p::error_response{}, "message", p::max_error_message_bytes,
+                    resize_string(&p::error_response::message));
+  check_field_limit(p::status_response{}, "json", p::max_status_json_bytes, resize_string(&p::status_response::json));
+  check_field_limit(p::lookup_request{"r", 1, 1, {}}, "chunk_hashes", p::max_chunk_hashes,
+                    [](p::lookup_request& m, std::size_t n) { m.chunk_hashes.assign(n, hash128{1, 2}); });
+  check_field_limit(p::retrieve_request{}, "chunk_hashes", p::max_chunk_hashes,
+                    [](p::retrieve_request& m, std::size_t n) { m.chunk_hashes.assign(n, hash128{3, 4}); });
+  check_field_limit(p::retrieve_request{}, "block_ids", p::max_block_ids,
+                    [](p::retrieve_request& m, std::size_t n) { m.block_ids.assign(n, 7u); });
+  check_field_limit(p::store_request{}, "chunk_hashes", p::max_chunk_hashes,
+                    [](p::store_request& m, std::size_t n) { m.chunk_hashes.assign(n, hash128{5, 6}); });
+  check_field_limit(p::store_request{}, "block_ids", p::max_block_ids, [](p::store_request& m, std::size_t n) {
+    m.block_ids.assign(n, 9u);
+    m.block_generations.assign(n, 10u);
+  });
+}
+
+TEST_CASE("the largest legal store fits the default body limit and a smaller limit refuses it", "[protocol][codec]") {
+  p::store_request s;
+  s.request_key.assign(p::max_request_key_bytes, 'x');
+  s.chunk_hashes.assign(p::max_chunk_hashes, hash128{1, 1});
+  s.block_ids.assign(p::max_block_ids, 3);
+  s.block_generations.assign(p::max_block_ids, 4);
+  auto bytes = p::encode_frame(1, s);
+  REQUIRE(bytes.has_value());
+  CHECK(bytes->size() < p::default_max_body_bytes);
+  auto back = decode_whole(*bytes);
+  REQUIRE(back.has_value());
+  CHECK(std::get<p::store_request>(*back) == s);
+
+  const p::limits small{1 << 20};
+  auto refused = p::encode_frame(1, s, small);
+  REQUIRE_FALSE(refused.has_value());
+  CHECK(refused.error() == errc::message_too_large);
+  auto too_large = decode_whole(*bytes, small);
+  REQUIRE_FALSE(too_large.has_value());
+  CHECK(too_large.error().code == errc::message_too_large);
+}
+
+TEST_CASE("a length that the body does not hold is refused before anything is allocated", "[protocol][codec]") {
+  SECTION("a vector count within its limit but past the end of the body") {
+    bytes_builder body;
+    body.str("r").u64(1).u16(1).u32(p::max_chunk_hashes).u64(1).u64(2);  // claims 65536, holds 1
+    const auto frame = make_frame(p::message_type::lookup_request, 5, body.bytes);
+    p::decode_result<p::message> r = p::message{};
+    const std::size_t largest = largest_allocation([&] { r = decode_whole(frame); });
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().reason.find("chunk_hashes") != std::string::npos);
+    CHECK(largest < 4096);
+  }
+  SECTION("a vector count far above its limit") {
+    bytes_builder body;
+    body.str("r").u16(0).u32(0).u32(0xffffffffu);  // retrieve_request: chunk_hashes count 4 G
+    const auto frame = make_frame(p::message_type::retrieve_request, 5, body.bytes);
+    p::decode_result<p::message> r = p::message{};
+    const std::size_t largest = largest_allocation([&] { r = decode_whole(frame); });
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::message_too_large);
+    CHECK(largest < 4096);
+  }
+  SECTION("a string length past the end of the body") {
+    bytes_builder body;
+    body.u32(200).raw("short");
+    const auto frame = make_frame(p::message_type::query_prefetch_request, 5, body.bytes);
+    p::decode_result<p::message> r = p::message{};
+    const std::size_t largest = largest_allocation([&] { r = decode_whole(frame); });
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(largest < 4096);
+  }
+  SECTION("while a legal large body does allocate (the tracker sees allocations)") {
+    p::lookup_request big{"r", 1, 1, std::vector<hash128>(p::max_chunk_hashes, hash128{1, 1})};
+    const auto frame = encode_raw(big);
+    p::decode_result<p::message> r = p::message{};
+    const std::size_t largest = largest_allocation([&] { r = decode_whole(frame); });
+    REQUIRE(r.has_value());
+    CHECK(largest >= p::max_chunk_hashes * sizeof(hash128));
+  }
+}
+
+TEST_CASE("malformed bodies are protocol errors with a reason", "[protocol][codec]") {
+  SECTION("trailing bytes after the last field") {
+    bytes_builder body;
+    body.u64(1).u8(0);
+    auto r = decode_whole(make_frame(p::message_type::ping_request, 8, body.bytes));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().call_id == 8);
+    CHECK(r.error().reason.find("trailing") != std::string::npos);
+  }
+  SECTION("a body shorter than its fixed fields") {
+    bytes_builder body;
+    body.u32(1);
+    auto r = decode_whole(make_frame(p::message_type::ping_request, 8, body.bytes));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().reason.find("ping_request.instance_id") != std::string::npos);
+  }
+  SECTION("a boolean byte other than 0 or 1") {
+    bytes_builder body;
+    body.u8(2);
+    auto r = decode_whole(make_frame(p::message_type::clear_request, 8, body.bytes));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+  }
+  SECTION("an enumeration value past the last known one") {
+    bytes_builder body;
+    body.u8(3).u32(0).u32(0);
+    auto r = decode_whole(make_frame(p::message_type::query_prefetch_response, 8, body.bytes));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().reason.find("state") != std::string::npos);
+  }
+  SECTION("an attention kind that is neither MHA nor MLA") {
+    bytes_builder body;
+    body.u64(1).u16(0).u16(1).str("m").u32(1).u32(1).u32(1).u32(2).u8(2).u32(16).u32(1).u32(256).u64(4096);
+    auto r = decode_whole(make_frame(p::message_type::register_kv_request, 8, body.bytes));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().reason.find("attention") != std::string::npos);
+  }
+  SECTION("a store whose generations do not match its block ids") {
+    p::store_request s{"k", 0, 0, {hash128{1, 1}}, {1, 2}, {1}};
+    auto refused = p::encode_frame(1, s);
+    REQUIRE_FALSE(refused.has_value());
+    CHECK(refused.error() == errc::invalid_argument);
+    auto r = decode_whole(encode_raw(s));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+  }
+  SECTION("an unknown message type") {
+    auto r = decode_whole(make_frame(static_cast<p::message_type>(0x0777), 8, {}));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().call_id == 8);
+  }
+  SECTION("a header from another version") {
+    auto r = decode_whole(make_frame(p::message_type::status_request, 8, {}, 2));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::version_mismatch);
+  }
+  SECTION("a body whose size disagrees with its header") {
+    p::frame_header h{p::protocol_version, p::message_type::ping_request, 8, 9};
+    std::vector<std::byte> body(8);
+    auto r = p::decode_message(h, body);
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+  }
+}
+
+TEST_CASE("decode errors throw only when their value is asked for", "[protocol][codec]") {
+  auto r = decode_whole(make_frame(p::message_type::ping_request, 8, {}));
+  REQUIRE_FALSE(r.has_value());
+  CHECK_THROWS_AS(r.value(), boost::system::system_error);
+}
+
+TEST_CASE("an error reply is cut to its limit and names a kvtier error", "[protocol][messages]") {
+  auto e = p::error_response::make(errc::not_registered, std::string(10000, 'e'));
+  CHECK(e.message.size() == p::max_error_message_bytes);
+  CHECK(e.error() == errc::not_registered);
+  CHECK(p::encode_frame(1, e).has_value());
+}
