@@ -8,4 +8,6 @@ namespace kvtier::test {
 void count_allocations(bool on) noexcept;
 /// operator new calls counted on this thread since counting started.
 std::size_t counted_allocations() noexcept;
+/// False in sanitizer builds, which keep their own operator new: nothing is counted there.
+bool allocation_counting_available() noexcept;
 }  // namespace kvtier::test

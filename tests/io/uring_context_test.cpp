@@ -274,6 +274,34 @@ TEST_CASE("a coroutine racing a read against a timer cancels the read when the t
   CHECK(test::all_bytes(in.span(), std::byte{0x11}));
 }
 
+TEST_CASE("cancelling async_read_all cancels its parts in the kernel and completes once", "[io][uring][cancel][transfer]") {
+  KVTIER_REQUIRE_URING();
+  asio::io_context ctx;
+  io::uring_context ring(ctx.get_executor());
+  test::pipe_pair p;  // every part waits on the empty pipe
+  aligned_buffer in = aligned_buffer_of(6 << 20, std::byte{0x66});
+  io::transfer_options o;
+  o.part_bytes = 1 << 20;
+  o.max_parts_in_flight = 4;
+  asio::cancellation_signal sig;
+  op_result r;
+  io::async_read_all(ring, p.read_end.get(), in.span(), 0, o, asio::bind_cancellation_slot(sig.slot(), r.handler()));
+  test::poll(ctx);
+  CHECK(ring.in_flight() == 4);
+  sig.emit(asio::cancellation_type::terminal);
+  REQUIRE(test::run_until(ctx, [&] { return r.calls > 0; }));
+  CHECK(r.calls == 1);
+  CHECK(r.ec == asio::error::operation_aborted);
+  CHECK(r.n == 0);
+  CHECK(ring.in_flight() == 0);
+  CHECK(ring.stats().ops_cancelled.load() == 4);
+  CHECK(ring.stats().ops_started.load() == 4);  // the last two parts never started
+  REQUIRE(::write(p.write_end.get(), "after", 5) == 5);
+  test::poll(ctx);
+  CHECK(test::all_bytes(in.span(), std::byte{0x66}));
+  CHECK(r.calls == 1);
+}
+
 TEST_CASE("an operation cancelled while queued in the ring never reaches the kernel", "[io][uring][cancel]") {
   KVTIER_REQUIRE_URING();
   asio::io_context ctx;
@@ -425,7 +453,8 @@ TEST_CASE("in steady state an operation takes no heap allocation", "[io][uring][
   }());
   INFO("operator new calls for 800 co_awaited reads: " << allocations);
   CHECK(op_heap_delta == 0);
-  CHECK(allocations == 0);
+  if (test::allocation_counting_available()) CHECK(allocations == 0);
+  else WARN("sanitizer build: operator new is not counted, only the ring's own op cache is checked");
   CHECK(test::matches_pattern(in.span(), 5));
 }
 

@@ -405,7 +405,11 @@ class uring_core {
   void after_work() noexcept {
     try {
       fill_from_pending();
-      if (::io_uring_sq_ready(&ring_.ring) > 0 || !ready_.empty() || cancels_owed_ > 0) post_turn();
+      // CQEs still in the ring (a handler threw out of the reaping loop, or they landed
+      // after it) would not signal the eventfd again: a turn reaps them.
+      if (::io_uring_sq_ready(&ring_.ring) > 0 || !ready_.empty() || cancels_owed_ > 0 ||
+          ::io_uring_cq_ready(&ring_.ring) > 0)
+        post_turn();
       arm_wait();
     } catch (const std::exception& e) {
       // Only allocation can fail here; the ring cannot make progress without its turn.
