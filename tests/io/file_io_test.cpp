@@ -1,0 +1,394 @@
+// The file_io conformance suite: the same behaviour from every engine (uring_context,
+// pread_pool, io_engine both ways), and the transfer helpers (async_read_all /
+// async_write_all) on each.
+#include <kvtier/io/concepts.hpp>
+#include <kvtier/io/transfer.hpp>
+
+#include "io_test_support.hpp"
+
+#include <support/asio.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <array>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace asio = boost::asio;
+using namespace kvtier;
+using kvtier::test::aligned_buffer_of;
+
+static_assert(io::file_io<io::file_io_archetype>);
+static_assert(io::file_io<io::uring_context>);
+static_assert(io::file_io<io::pread_pool>);
+static_assert(io::file_io<io::io_engine>);
+
+/// What a callback saw: how many times it ran, and its last arguments.
+struct size_result {
+  int calls = 0;
+  error_code ec;
+  std::size_t n = 0;
+  auto handler() {
+    return [this](error_code e, std::size_t bytes) {
+      ++calls;
+      ec = e;
+      n = bytes;
+    };
+  }
+};
+
+struct void_result {
+  int calls = 0;
+  error_code ec;
+  auto handler() {
+    return [this](error_code e) {
+      ++calls;
+      ec = e;
+    };
+  }
+};
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("a written block reads back the same bytes, through O_DIRECT and through the page cache",
+                   "[io][conformance]", KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  const bool direct = GENERATE(true, false);
+  INFO(TestType::name << (direct ? " O_DIRECT" : " buffered"));
+  const std::string path = (dir.path() / "data").string();
+  test::unique_fd fd = test::open_or_throw(path, O_RDWR | O_CREAT | (direct ? O_DIRECT : 0));
+
+  aligned_buffer out(64 * 1024);
+  test::fill_pattern(out.span(), 7);
+  size_result w;
+  f.engine().async_write(fd.get(), std::span<const std::byte>(out.span()), 8192, w.handler());
+  CHECK(w.calls == 0);  // never inline in the initiating call
+  REQUIRE(test::run_until(f.io, [&] { return w.calls > 0; }));
+  CHECK(w.calls == 1);
+  CHECK_FALSE(w.ec);
+  CHECK(w.n == out.size());
+
+  aligned_buffer in = aligned_buffer_of(out.size(), std::byte{0});
+  size_result r;
+  f.engine().async_read(fd.get(), in.span(), 8192, r.handler());
+  REQUIRE(test::run_until(f.io, [&] { return r.calls > 0; }));
+  CHECK(r.calls == 1);
+  CHECK_FALSE(r.ec);
+  CHECK(r.n == in.size());
+  CHECK(test::matches_pattern(in.span(), 7));
+}
+
+TEMPLATE_TEST_CASE("a read past the end of the file comes back short, then empty", "[io][conformance]",
+                   KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  const std::string path = (dir.path() / "short").string();
+  test::write_pattern_file(path, 10000, 3);  // not a multiple of 4 KiB: O_DIRECT's last block is short
+  const bool direct = GENERATE(true, false);
+  test::unique_fd fd = test::open_or_throw(path, O_RDONLY | (direct ? O_DIRECT : 0));
+
+  aligned_buffer in = aligned_buffer_of(16384, std::byte{0xee});
+  aligned_buffer past = aligned_buffer_of(4096, std::byte{0xee});
+  size_result a;
+  size_result b;
+  f.engine().async_read(fd.get(), in.span(), 0, a.handler());
+  f.engine().async_read(fd.get(), past.span(), 12288, b.handler());
+  REQUIRE(test::run_until(f.io, [&] { return a.calls > 0 && b.calls > 0; }));
+  CHECK_FALSE(a.ec);
+  CHECK(a.n == 10000);
+  CHECK(test::matches_pattern(in.span().first(10000), 3));
+  // Past the count the buffer is unspecified: ext4 O_DIRECT zero-fills the rest of the
+  // request (a hole past EOF), buffered reads leave it alone.
+  if (!direct) CHECK(test::all_bytes(in.span().subspan(10000), std::byte{0xee}));
+  CHECK_FALSE(b.ec);
+  CHECK(b.n == 0);
+  CHECK(test::all_bytes(past.span(), std::byte{0xee}));
+}
+
+TEMPLATE_TEST_CASE("errors come back as error codes: EBADF for a bad descriptor, EINVAL for unaligned O_DIRECT",
+                   "[io][conformance]", KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  const std::string path = (dir.path() / "d").string();
+  test::write_pattern_file(path, 65536, 1);
+  test::unique_fd fd = test::open_or_throw(path, O_RDONLY | O_DIRECT);
+  aligned_buffer in = aligned_buffer_of(16384, std::byte{0x5a});
+
+  size_result bad_fd;
+  size_result bad_offset;
+  size_result bad_buffer;
+  size_result bad_length;
+  f.engine().async_read(-1, in.span(), 0, bad_fd.handler());
+  f.engine().async_read(fd.get(), in.span().first(4096), 100, bad_offset.handler());
+  f.engine().async_read(fd.get(), in.span().subspan(1, 4096), 0, bad_buffer.handler());
+  f.engine().async_read(fd.get(), in.span().first(1000), 0, bad_length.handler());
+  REQUIRE(test::run_until(f.io, [&] {
+    return bad_fd.calls && bad_offset.calls && bad_buffer.calls && bad_length.calls;
+  }));
+  CHECK(bad_fd.ec == boost::system::errc::bad_file_descriptor);
+  CHECK(bad_offset.ec == boost::system::errc::invalid_argument);
+  CHECK(bad_buffer.ec == boost::system::errc::invalid_argument);
+  CHECK(bad_length.ec == boost::system::errc::invalid_argument);
+  CHECK(bad_fd.n == 0);
+  CHECK(test::all_bytes(in.span(), std::byte{0x5a}));
+  CHECK(f.engine().stats().ops_failed.load() == 4);
+}
+
+TEMPLATE_TEST_CASE("many operations started at once all complete, each exactly once", "[io][conformance]",
+                   KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  const std::string path = (dir.path() / "many").string();
+  constexpr std::size_t blocks = 300;  // more than the ring's 256 SQEs
+  test::write_pattern_file(path, blocks * 4096, 9);
+  const bool direct = GENERATE(true, false);
+  test::unique_fd fd = test::open_or_throw(path, O_RDONLY | (direct ? O_DIRECT : 0));
+
+  aligned_buffer in = aligned_buffer_of(blocks * 4096, std::byte{0});
+  std::vector<size_result> results(blocks);
+  std::size_t done = 0;
+  for (std::size_t i = 0; i < blocks; ++i) {
+    // Backwards, so each read is checked against its own offset.
+    const std::size_t b = blocks - 1 - i;
+    f.engine().async_read(fd.get(), in.span().subspan(b * 4096, 4096), b * 4096,
+                          [&, h = results[b].handler()](error_code ec, std::size_t n) mutable {
+                            h(ec, n);
+                            ++done;
+                          });
+  }
+  REQUIRE(test::run_until(f.io, [&] { return done == blocks; }));
+  for (std::size_t b = 0; b < blocks; ++b) {
+    INFO("block " << b);
+    CHECK(results[b].calls == 1);
+    CHECK_FALSE(results[b].ec);
+    CHECK(results[b].n == 4096);
+  }
+  CHECK(test::matches_pattern(in.span(), 9));
+  CHECK(f.engine().in_flight() == 0);
+  CHECK(f.engine().stats().ops_started.load() == blocks);
+}
+
+TEMPLATE_TEST_CASE("readv and writev move scattered buffers", "[io][conformance]", KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  test::unique_fd fd = test::open_or_throw((dir.path() / "v").string(), O_RDWR | O_CREAT | O_DIRECT);
+  aligned_buffer head(4096);
+  aligned_buffer body(3 * 4096);
+  test::fill_pattern(head.span(), 2, 0);
+  test::fill_pattern(body.span(), 2, 4096);
+  const std::array<::iovec, 2> out{::iovec{head.data(), head.size()}, ::iovec{body.data(), body.size()}};
+  size_result w;
+  f.engine().async_writev(fd.get(), std::span<const ::iovec>(out), 0, w.handler());
+  REQUIRE(test::run_until(f.io, [&] { return w.calls > 0; }));
+  CHECK_FALSE(w.ec);
+  CHECK(w.n == 4 * 4096);
+
+  aligned_buffer a = aligned_buffer_of(8192, std::byte{0});
+  aligned_buffer b = aligned_buffer_of(8192, std::byte{0});
+  const std::array<::iovec, 2> in{::iovec{a.data(), a.size()}, ::iovec{b.data(), b.size()}};
+  size_result r;
+  f.engine().async_readv(fd.get(), std::span<const ::iovec>(in), 0, r.handler());
+  REQUIRE(test::run_until(f.io, [&] { return r.calls > 0; }));
+  CHECK_FALSE(r.ec);
+  CHECK(r.n == 4 * 4096);
+  CHECK(test::matches_pattern(a.span(), 2, 0));
+  CHECK(test::matches_pattern(b.span(), 2, 8192));
+}
+
+TEMPLATE_TEST_CASE("openat, fsync, fdatasync, renameat, unlinkat and close work on real files", "[io][conformance]",
+                   KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  test::unique_fd dfd = test::open_or_throw(dir.path().string(), O_RDONLY | O_DIRECTORY);
+  auto& e = f.engine();
+
+  test::run_sync(f.io, [&]() -> asio::awaitable<void> {
+    auto tok = asio::as_tuple(asio::use_awaitable);
+    auto [oec, fd] = co_await e.async_openat(dfd.get(), "obj.tmp", O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600, tok);
+    REQUIRE_FALSE(oec);
+    REQUIRE(fd >= 0);
+    aligned_buffer data(4096);
+    test::fill_pattern(data.span(), 4);
+    auto [wec, wn] = co_await e.async_write(fd, std::span<const std::byte>(data.span()), 0, tok);
+    CHECK_FALSE(wec);
+    CHECK(wn == 4096);
+    auto [sec] = co_await e.async_fdatasync(fd, tok);
+    CHECK_FALSE(sec);
+    auto [fsec] = co_await e.async_fsync(fd, tok);
+    CHECK_FALSE(fsec);
+    auto [cec] = co_await e.async_close(fd, tok);
+    CHECK_FALSE(cec);
+
+    auto [rec] = co_await e.async_renameat(dfd.get(), "obj.tmp", dfd.get(), "obj", RENAME_NOREPLACE, tok);
+    CHECK_FALSE(rec);
+    auto [o2ec, fd2] = co_await e.async_openat(dfd.get(), "other", O_WRONLY | O_CREAT | O_CLOEXEC, 0600, tok);
+    REQUIRE_FALSE(o2ec);
+    auto [c2ec] = co_await e.async_close(fd2, tok);
+    CHECK_FALSE(c2ec);
+    auto [exists] = co_await e.async_renameat(dfd.get(), "other", dfd.get(), "obj", RENAME_NOREPLACE, tok);
+    CHECK(exists == boost::system::errc::file_exists);
+
+    auto [uec] = co_await e.async_unlinkat(dfd.get(), "other", 0, tok);
+    CHECK_FALSE(uec);
+    auto [missing, mfd] = co_await e.async_openat(dfd.get(), "other", O_RDONLY | O_CLOEXEC, 0, tok);
+    CHECK(missing == boost::system::errc::no_such_file_or_directory);
+    CHECK(mfd == -1);
+    auto [badclose] = co_await e.async_close(-1, tok);
+    CHECK(badclose == boost::system::errc::bad_file_descriptor);
+  }());
+
+  struct ::stat st {};
+  REQUIRE(::stat((dir.path() / "obj").c_str(), &st) == 0);
+  CHECK(st.st_size == 4096);
+  CHECK(::access((dir.path() / "obj.tmp").c_str(), F_OK) != 0);
+}
+
+TEMPLATE_TEST_CASE("operations started after shutdown complete with shutting_down", "[io][conformance]",
+                   KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  const std::string path = (dir.path() / "s").string();
+  test::write_pattern_file(path, 4096, 5);
+  test::unique_fd fd = test::open_or_throw(path, O_RDONLY);
+  f.engine().shutdown();
+  aligned_buffer in = aligned_buffer_of(4096, std::byte{0});
+  size_result r;
+  void_result s;
+  f.engine().async_read(fd.get(), in.span(), 0, r.handler());
+  f.engine().async_fsync(fd.get(), s.handler());
+  CHECK(r.calls == 0);
+  REQUIRE(test::run_until(f.io, [&] { return r.calls > 0 && s.calls > 0; }));
+  CHECK(r.ec == errc::shutting_down);
+  CHECK(s.ec == errc::shutting_down);
+  CHECK(test::all_bytes(in.span(), std::byte{0}));
+}
+
+TEMPLATE_TEST_CASE("coroutines co_await operations and resume on their executor", "[io][conformance]",
+                   KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  const std::string path = (dir.path() / "co").string();
+  test::write_pattern_file(path, 8192, 6);
+  test::unique_fd fd = test::open_or_throw(path, O_RDONLY);
+  auto& e = f.engine();
+  const std::size_t n = test::run_sync(f.io, [&]() -> asio::awaitable<std::size_t> {
+    aligned_buffer in(8192);
+    std::size_t total = 0;
+    for (int i = 0; i < 4; ++i) {
+      // The plain use_awaitable form throws on error and returns the byte count.
+      total += co_await e.async_read(fd.get(), in.span(), 0, asio::use_awaitable);
+      CHECK(f.io.get_executor().running_in_this_thread());
+    }
+    CHECK(test::matches_pattern(in.span(), 6));
+    try {
+      (void)co_await e.async_read(-1, in.span(), 0, asio::use_awaitable);
+      FAIL("a read of fd -1 must throw");
+    } catch (const boost::system::system_error& err) {
+      CHECK(err.code() == boost::system::errc::bad_file_descriptor);
+    }
+    co_return total;
+  }());
+  CHECK(n == 4 * 8192);
+}
+
+TEMPLATE_TEST_CASE("async_write_all and async_read_all move a 5 MiB object in parts", "[io][conformance][transfer]",
+                   KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  const bool direct = GENERATE(true, false);
+  test::unique_fd fd = test::open_or_throw((dir.path() / "obj").string(), O_RDWR | O_CREAT | (direct ? O_DIRECT : 0));
+  constexpr std::size_t size = 5 * 1024 * 1024 + 12288;  // 5 full parts and a short last one
+  aligned_buffer out(size);
+  test::fill_pattern(out.span(), 8);
+  io::transfer_options opts;
+  opts.part_bytes = 1 << 20;
+  opts.max_parts_in_flight = 4;
+
+  size_result w;
+  io::async_write_all(f.engine(), fd.get(), std::span<const std::byte>(out.span()), 4096, opts, w.handler());
+  CHECK(w.calls == 0);
+  REQUIRE(test::run_until(f.io, [&] { return w.calls > 0; }));
+  CHECK(w.calls == 1);
+  CHECK_FALSE(w.ec);
+  CHECK(w.n == size);
+  CHECK(f.engine().stats().ops_completed.load() == 6);
+
+  aligned_buffer in = aligned_buffer_of(size, std::byte{0});
+  size_result r;
+  io::async_read_all(f.engine(), fd.get(), in.span(), 4096, r.handler());
+  REQUIRE(test::run_until(f.io, [&] { return r.calls > 0; }));
+  CHECK(r.calls == 1);
+  CHECK_FALSE(r.ec);
+  CHECK(r.n == size);
+  CHECK(test::matches_pattern(in.span(), 8));
+  test::poll(f.io);
+  CHECK(f.engine().in_flight() == 0);
+}
+
+TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with the bytes it has", "[io][conformance][transfer]",
+                   KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  const std::string path = (dir.path() / "trunc").string();
+  constexpr std::size_t on_disk = 2 * 1024 * 1024 + 4096 + 100;  // ends inside the third 1 MiB part
+  test::write_pattern_file(path, on_disk, 11);
+  const bool direct = GENERATE(true, false);
+  test::unique_fd fd = test::open_or_throw(path, O_RDONLY | (direct ? O_DIRECT : 0));
+  aligned_buffer in = aligned_buffer_of(4 * 1024 * 1024, std::byte{0});
+  const std::size_t part = GENERATE(std::size_t{1} << 20, std::size_t{256} << 10);
+  io::transfer_options opts;
+  opts.part_bytes = part;
+
+  const auto [ec, n] = test::run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code, std::size_t>> {
+    co_return co_await io::async_read_all(f.engine(), fd.get(), in.span(), 0, opts, asio::as_tuple(asio::use_awaitable));
+  }());
+  CHECK(ec == asio::error::eof);
+  CHECK(n == on_disk);
+  CHECK(test::matches_pattern(in.span().first(on_disk), 11));
+
+  aligned_buffer empty;
+  const auto [ec0, n0] = test::run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code, std::size_t>> {
+    co_return co_await io::async_read_all(f.engine(), fd.get(), empty.span(), 0, asio::as_tuple(asio::use_awaitable));
+  }());
+  CHECK_FALSE(ec0);
+  CHECK(n0 == 0);
+}
+
+TEMPLATE_TEST_CASE("async_read_all reports the first failing part's error", "[io][conformance][transfer]",
+                   KVTIER_IO_ENGINE_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  size_result r;
+  aligned_buffer in(3 << 20);
+  io::async_read_all(f.engine(), -1, in.span(), 0, r.handler());
+  REQUIRE(test::run_until(f.io, [&] { return r.calls > 0; }));
+  CHECK(r.calls == 1);
+  CHECK(r.ec == boost::system::errc::bad_file_descriptor);
+  CHECK(r.n == 0);
+  CHECK_THROWS_AS(io::async_read_all(f.engine(), -1, in.span(), 0, io::transfer_options{0, 4}, r.handler()),
+                  std::invalid_argument);
+  CHECK_THROWS_AS(io::async_read_all(f.engine(), -1, in.span(), 0, io::transfer_options{4096, 65}, r.handler()),
+                  std::invalid_argument);
+}
