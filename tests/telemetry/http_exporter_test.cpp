@@ -1,0 +1,153 @@
+#include <kvtier/telemetry/http_exporter.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <boost/asio/connect.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/write.hpp>
+
+#include <string>
+#include <thread>
+
+using namespace kvtier;
+using namespace kvtier::telemetry;
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+
+namespace {
+
+// The exporter on its own io_context thread; the test talks to it with blocking sockets.
+struct fixture {
+  asio::io_context io;
+  registry reg;
+  http_exporter http;
+  std::uint16_t port = 0;
+  std::thread runner;
+
+  explicit fixture(http_exporter_options o = {}) : http(io.get_executor(), o) {
+    reg.add_counter("kvtier_test_hits_total", "Hits").inc(7);
+    http.route("/metrics", [this] { return http_response::metrics(reg); });
+    http.route("/healthz", [] { return http_response::json(200, R"({"status":"serving"})"); });
+    auto p = http.start();
+    REQUIRE(p.has_value());
+    port = *p;
+    runner = std::thread([this] {
+      auto guard = asio::make_work_guard(io);
+      io.run();
+    });
+  }
+  ~fixture() {
+    asio::post(io, [this] {
+      http.stop();
+      io.stop();
+    });
+    runner.join();
+  }
+
+  // Sends raw bytes and reads until the server closes the connection.
+  std::string exchange(const std::string& request) {
+    asio::io_context client;
+    tcp::socket s(client);
+    s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+    asio::write(s, asio::buffer(request));
+    std::string out;
+    error_code ec;
+    char buf[4096];
+    for (;;) {
+      const std::size_t n = s.read_some(asio::buffer(buf), ec);
+      out.append(buf, n);
+      if (ec) break;
+    }
+    return out;
+  }
+};
+
+std::string get(const std::string& path, const std::string& extra = "") {
+  return "GET " + path + " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + extra + "\r\n";
+}
+
+}  // namespace
+
+TEST_CASE("GET /metrics serves the exposition with the Prometheus content type", "[telemetry][http]") {
+  fixture f;
+  const auto r = f.exchange(get("/metrics"));
+  CHECK(r.starts_with("HTTP/1.1 200 OK\r\n"));
+  CHECK(r.find("Content-Type: text/plain; version=0.0.4; charset=utf-8\r\n") != std::string::npos);
+  CHECK(r.find("kvtier_test_hits_total 7\n") != std::string::npos);
+  CHECK(f.exchange(get("/metrics?x=1")).find("kvtier_test_hits_total 7") != std::string::npos);
+}
+
+TEST_CASE("unknown paths are 404, other methods 405, HEAD has no body", "[telemetry][http]") {
+  fixture f;
+  CHECK(f.exchange(get("/nope")).starts_with("HTTP/1.1 404 Not Found"));
+  const auto post = f.exchange("POST /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
+  CHECK(post.starts_with("HTTP/1.1 405"));
+  CHECK(post.find("Allow: GET, HEAD") != std::string::npos);
+  const auto head = f.exchange("HEAD /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+  CHECK(head.starts_with("HTTP/1.1 200"));
+  CHECK(head.find("serving") == std::string::npos);
+  const auto health = f.exchange(get("/healthz"));
+  CHECK(health.find("application/json") != std::string::npos);
+  CHECK(health.find(R"({"status":"serving"})") != std::string::npos);
+}
+
+TEST_CASE("a keep-alive connection serves several requests", "[telemetry][http]") {
+  fixture f;
+  const std::string two = "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+  const auto r = f.exchange(two);
+  std::size_t count = 0;
+  for (std::size_t at = 0; (at = r.find("HTTP/1.1 200", at)) != std::string::npos; ++at) ++count;
+  CHECK(count == 2);
+}
+
+TEST_CASE("malformed and oversized requests close that connection only", "[telemetry][http]") {
+  fixture f;
+  const auto garbage = f.exchange("\x01\x02 not http at all\r\n\r\n");
+  CHECK(garbage.find("200") == std::string::npos);
+  const auto huge = f.exchange(get("/metrics", "X-Big: " + std::string(20000, 'a') + "\r\n"));
+  CHECK(huge.find("200 OK") == std::string::npos);
+  CHECK(f.exchange(get("/metrics")).starts_with("HTTP/1.1 200 OK"));  // still serving
+}
+
+TEST_CASE("an idle connection is closed after the idle timeout", "[telemetry][http]") {
+  http_exporter_options o;
+  o.idle_timeout = std::chrono::milliseconds(100);
+  fixture f(o);
+  asio::io_context client;
+  tcp::socket s(client);
+  s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), f.port));
+  char c;
+  error_code ec;
+  const std::size_t n = s.read_some(asio::buffer(&c, 1), ec);  // blocks until the server closes
+  CHECK(n == 0);
+  CHECK(ec == asio::error::eof);
+}
+
+TEST_CASE("connections beyond the limit are refused, the others served", "[telemetry][http]") {
+  http_exporter_options o;
+  o.max_connections = 1;
+  fixture f(o);
+  asio::io_context client;
+  tcp::socket first(client);
+  first.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), f.port));
+  asio::write(first, asio::buffer(std::string("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")));
+  char buf[512];
+  error_code ec;
+  CHECK(first.read_some(asio::buffer(buf), ec) > 0);  // served, connection kept open
+  tcp::socket second(client);
+  second.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), f.port));
+  const std::size_t n = second.read_some(asio::buffer(buf), ec);  // closed at once by the server
+  CHECK(n == 0);
+  CHECK(ec == asio::error::eof);
+}
+
+TEST_CASE("binding a bad address is a clear error", "[telemetry][http]") {
+  asio::io_context io;
+  http_exporter_options o;
+  o.address = "not-an-address";
+  http_exporter h(io.get_executor(), o);
+  auto r = h.start();
+  REQUIRE_FALSE(r.has_value());
+  CHECK(r.error() == errc::invalid_config);
+}
