@@ -18,7 +18,7 @@ if(KVTIER_SANITIZE)
   if(NOT KVTIER_SANITIZE MATCHES "^(address,undefined|address|undefined|thread)$")
     message(FATAL_ERROR "KVTIER_SANITIZE='${KVTIER_SANITIZE}': use 'address,undefined' or 'thread'")
   endif()
-  add_compile_options(-fsanitize=${KVTIER_SANITIZE} -fno-omit-frame-pointer -g)
+  add_compile_options(-fsanitize=${KVTIER_SANITIZE} -fno-omit-frame-pointer -g1)
   # g++ 12 reports false -Wmaybe-uninitialized inside libstdc++ (std::regex, std::function)
   # and false -Wmismatched-new-delete on coroutine frames once sanitizer instrumentation
   # changes inlining; real bugs are what the sanitizers find.

@@ -35,7 +35,7 @@ ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:ha
 
 stage "TSan build: build-tsan/"
 kvtier_configure build-tsan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=thread
-cmake --build build-tsan -j"$jobs"
+cmake --build build-tsan -j"$jobs" --target kvtier_concurrency_tests
 stage "TSan suite (label concurrency)"
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   ctest --test-dir build-tsan --output-on-failure --timeout 900 -j"$jobs" -L concurrency
