@@ -582,6 +582,20 @@ TEST_CASE("a server that answers pings but no work trips the breaker", "[engine]
   CHECK(c.get_finished(ids{"b0", "b1", "b2"}).sending.size() == 3);
 }
 
+TEST_CASE("a server that lost the registration gets it again", "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  h.server->forget_registrations();
+  c.store("x", tokens(ct, 15), 0, 1, range(0, 2));
+  REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1 && r.healthy.size() == 2; }));
+  const auto s = h.rec.snapshot();
+  CHECK(s.unhealthy.at(0).reason.view() == "not_registered");
+  CHECK(s.stores.at(0).outcome == bus::connector_outcome::failed);
+  CHECK(h.server->received(p::message_type::register_kv_request) == 2);
+}
+
 TEST_CASE("a refused registration or another chunk size keeps the connector degraded and says why",
           "[engine][connector][concurrency]") {
   SECTION("refused registration") {

@@ -120,6 +120,12 @@ class fake_server {
       lookups_.clear();
     });
   }
+  /// Forgets every registration without closing the connections (a server bug).
+  void forget_registrations() {
+    on_io([this] {
+      for (auto& s : sessions_) s->registered = false;
+    });
+  }
   /// Registrations are refused with `e` (nullopt: accepted again).
   void reject_registrations(std::optional<errc> e) {
     std::lock_guard g(m_);

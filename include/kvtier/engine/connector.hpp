@@ -52,6 +52,7 @@
 #include <kvtier/engine/options.hpp>
 #include <kvtier/engine/quarantine.hpp>
 #include <kvtier/error.hpp>
+#include <kvtier/fwd.hpp>
 #include <kvtier/protocol/codec.hpp>
 #include <kvtier/protocol/connection.hpp>
 #include <kvtier/protocol/messages.hpp>
@@ -105,7 +106,7 @@ struct connector_stats {
   std::size_t open_connections = 0; ///< the current one plus those kept for late replies
 };
 
-template <class Bus = bus::null_bus>
+template <class Bus>
 class connector {
  public:
   static_assert(bus::event_bus<Bus>, "kvtier::engine::connector: Bus must model kvtier::bus::event_bus");

@@ -11,7 +11,8 @@
 // Why the server turned unhealthy is a short reason string (bus::connector_unhealthy::reason):
 // "eof", "socket_error", "ping_timeout", "timeouts" (breaker), "protocol_error",
 // "connect_failed", "handshake_timeout", "chunk_size_mismatch", "register_failed",
-// "server_restarted" (boot token changed under a live connection), "ping_error".
+// "server_restarted" (boot token changed under a live connection), "ping_error",
+// "not_registered" (the server answered that it no longer knows the registration).
 
 #include <kvtier/config.hpp>
 

@@ -707,7 +707,14 @@ bool connector<Bus>::on_frame_io(peer& p, protocol::frame f) {
       return false;
     }
     if (p.epoch == current_epoch_) breaker_.on_reply();
+    const bool forgotten = r.status == call_status::error_reply &&
+                           std::get<protocol::error_response>(*decoded).error() == errc::not_registered;
     complete_locked(*c, std::move(r));
+    // The server lost this connection's registration without closing it: register again.
+    if (forgotten && p.epoch == current_epoch_ && state_ == health_state::healthy) {
+      last_error_ = "the server no longer knows this connection's registration";
+      mark_unhealthy_io("not_registered");
+    }
     return true;
   }
   ++stats_.late_replies;
