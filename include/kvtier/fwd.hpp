@@ -33,6 +33,16 @@ template <class Policy = lru, class Bus = bus::null_bus>
 class tier;
 }  // namespace l1
 
+namespace engine {
+class kv_region;
+struct connector_options;
+class finished_tracker;
+class quarantine;
+/// The engine worker's connector (engine/connector.hpp); by default it publishes nothing.
+template <class Bus = bus::null_bus>
+class connector;
+}  // namespace engine
+
 namespace telemetry {
 class counter;
 class gauge;

@@ -21,6 +21,13 @@
 #include <kvtier/bus/events.hpp>
 #include <kvtier/bus/null_bus.hpp>
 
+#include <kvtier/engine/connector.hpp>
+#include <kvtier/engine/finished_tracker.hpp>
+#include <kvtier/engine/health.hpp>
+#include <kvtier/engine/kv_region.hpp>
+#include <kvtier/engine/options.hpp>
+#include <kvtier/engine/quarantine.hpp>
+
 #include <kvtier/l1/concepts.hpp>
 #include <kvtier/l1/policy/arc.hpp>
 #include <kvtier/l1/policy/lru.hpp>

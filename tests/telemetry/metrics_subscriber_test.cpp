@@ -187,6 +187,46 @@ TEST_CASE("server and connector events move their metrics", "[telemetry][metrics
   CHECK(f.publish(bus::connector_reconnected{0, false}) == values{{"kvtier_connector_reconnects_total", 1}});
 }
 
+TEST_CASE("connector outcome events move their metrics, by outcome", "[telemetry][metrics_subscriber]") {
+  fixture f;
+  using o = bus::connector_outcome;
+  CHECK(f.publish(bus::connector_lookup_completed{0, o::ok, 10, 4, 256, 2'000'000}) ==
+        values{{"kvtier_connector_lookups_total{outcome=ok}", 1},
+               {"kvtier_connector_lookup_requested_tokens_total", 2560},
+               {"kvtier_connector_lookup_hit_tokens_total", 1024},
+               {"kvtier_connector_lookup_duration_seconds:count", 1},
+               {"kvtier_connector_lookup_duration_seconds:sum", 0.002}});
+  CHECK(f.publish(bus::connector_retrieve_completed{0, o::partial, 4, 3, 16, 1'000'000}) ==
+        values{{"kvtier_connector_retrieves_total{outcome=partial}", 1},
+               {"kvtier_connector_retrieve_requested_chunks_total", 4},
+               {"kvtier_connector_retrieved_chunks_total", 3},
+               {"kvtier_connector_retrieve_duration_seconds:count", 1},
+               {"kvtier_connector_retrieve_duration_seconds:sum", 0.001}});
+  CHECK(f.publish(bus::connector_store_completed{0, o::ok, 5, 2, 2, 1, 4'000'000}) ==
+        values{{"kvtier_connector_stores_total{outcome=ok}", 1},
+               {"kvtier_connector_store_requested_chunks_total", 5},
+               {"kvtier_connector_store_chunks_total{result=stored}", 2},
+               {"kvtier_connector_store_chunks_total{result=already_present}", 2},
+               {"kvtier_connector_store_chunks_total{result=failed}", 1},
+               {"kvtier_connector_store_duration_seconds:count", 1},
+               {"kvtier_connector_store_duration_seconds:sum", 0.004}});
+  CHECK(f.publish(bus::connector_store_completed{0, o::unhealthy, 3, 0, 0, 0, 0}) ==
+        values{{"kvtier_connector_stores_total{outcome=unhealthy}", 1},
+               {"kvtier_connector_store_requested_chunks_total", 3},
+               {"kvtier_connector_store_duration_seconds:count", 1}});
+  CHECK(f.publish(bus::connector_load_error{0, o::timeout, 16}) ==
+        values{{"kvtier_connector_load_error_blocks_total{reason=timeout}", 16}});
+  // Two ranks on one bus: the gauge adds their quarantines up.
+  CHECK(f.publish(bus::connector_quarantine_changed{0, 16, 0, 16}) ==
+        values{{"kvtier_connector_quarantined_blocks", 16}, {"kvtier_connector_quarantine_held_blocks_total", 16}});
+  CHECK(f.publish(bus::connector_quarantine_changed{1, 4, 0, 4}) ==
+        values{{"kvtier_connector_quarantined_blocks", 4}, {"kvtier_connector_quarantine_held_blocks_total", 4}});
+  CHECK(f.publish(bus::connector_quarantine_changed{0, 0, 16, 0}) ==
+        values{{"kvtier_connector_quarantined_blocks", -16},
+               {"kvtier_connector_quarantine_released_blocks_total", 16}});
+  CHECK(f.reg.value("kvtier_connector_quarantined_blocks") == 4.0);
+}
+
 namespace {
 struct deferred_sink {
   static constexpr bus::delivery delivery_mode = bus::delivery::deferred;

@@ -44,9 +44,14 @@ enum class event_type : std::uint16_t {
   connector_healthy,
   connector_unhealthy,
   connector_reconnected,
+  connector_lookup_completed,
+  connector_retrieve_completed,
+  connector_store_completed,
+  connector_load_error,
+  connector_quarantine_changed,
 };
 
-inline constexpr std::size_t event_type_count = static_cast<std::size_t>(event_type::connector_reconnected) + 1;
+inline constexpr std::size_t event_type_count = static_cast<std::size_t>(event_type::connector_quarantine_changed) + 1;
 
 namespace detail {
 inline constexpr std::array<std::string_view, event_type_count> event_type_names = {
@@ -75,6 +80,11 @@ inline constexpr std::array<std::string_view, event_type_count> event_type_names
     "connector.healthy",
     "connector.unhealthy",
     "connector.reconnected",
+    "connector.lookup.completed",
+    "connector.retrieve.completed",
+    "connector.store.completed",
+    "connector.load_error",
+    "connector.quarantine.changed",
 };
 }  // namespace detail
 

@@ -87,6 +87,21 @@ inline constexpr std::size_t prefetch_failure_count = 5;
   return n[static_cast<std::size_t>(f)];
 }
 
+/// How a connector call ended (lookups, retrieves, stores), and why blocks became load errors.
+enum class connector_outcome : std::uint8_t {
+  ok,         ///< the server answered (a lookup may still find nothing, a store refuse chunks)
+  partial,    ///< a retrieve answered with fewer chunks than asked: the rest are load errors
+  failed,     ///< the server answered with an error (or a lookup it did not know)
+  timeout,    ///< the call's deadline passed (a retrieve's blocks are quarantined)
+  unhealthy,  ///< skipped or released because the server is unhealthy
+};
+inline constexpr std::size_t connector_outcome_count = 5;
+[[nodiscard]] constexpr std::string_view name(connector_outcome o) noexcept {
+  constexpr std::array<std::string_view, connector_outcome_count> n = {"ok", "partial", "failed", "timeout",
+                                                                       "unhealthy"};
+  return n[static_cast<std::size_t>(o)];
+}
+
 /// The request types of the cache server (protocol/ maps its messages onto these).
 enum class request_kind : std::uint8_t {
   register_kv,
@@ -284,6 +299,52 @@ struct connector_reconnected {
   std::uint32_t rank = 0;
   bool server_restarted = false;  ///< the boot token changed: the region was registered again
 };
+/// A lookup got its answer (lookup_result stops being pending).
+struct connector_lookup_completed {
+  static constexpr event_type type = event_type::connector_lookup_completed;
+  std::uint32_t rank = 0;
+  connector_outcome outcome = connector_outcome::ok;
+  std::uint32_t requested_chunks = 0;  ///< full chunks of the request's tokens
+  std::uint32_t hit_chunks = 0;        ///< chunks every rank has (0 unless ok)
+  std::uint32_t chunk_tokens = 0;      ///< to turn chunks into tokens
+  std::uint64_t duration_ns = 0;       ///< lookup() to the answer
+};
+/// A retrieve completed (it is then reported finished receiving).
+struct connector_retrieve_completed {
+  static constexpr event_type type = event_type::connector_retrieve_completed;
+  std::uint32_t rank = 0;
+  connector_outcome outcome = connector_outcome::ok;
+  std::uint32_t requested_chunks = 0;
+  std::uint32_t retrieved_chunks = 0;   ///< the prefix whose KV is in the engine's blocks
+  std::uint32_t load_error_blocks = 0;  ///< blocks the engine must recompute
+  std::uint64_t duration_ns = 0;        ///< retrieve() to completion
+};
+/// A store completed, or was skipped (outcome unhealthy).
+struct connector_store_completed {
+  static constexpr event_type type = event_type::connector_store_completed;
+  std::uint32_t rank = 0;
+  connector_outcome outcome = connector_outcome::ok;
+  std::uint32_t requested_chunks = 0;
+  std::uint32_t stored_chunks = 0;           ///< copied into the cache
+  std::uint32_t already_present_chunks = 0;  ///< the cache had them
+  std::uint32_t failed_chunks = 0;           ///< refused: no room, or fenced (block reused meanwhile)
+  std::uint64_t duration_ns = 0;             ///< store() to completion
+};
+/// Blocks became load errors (take_load_error_blocks hands them to the engine).
+struct connector_load_error {
+  static constexpr event_type type = event_type::connector_load_error;
+  std::uint32_t rank = 0;
+  connector_outcome reason = connector_outcome::failed;  ///< partial, failed, timeout or unhealthy
+  std::uint32_t block_count = 0;
+};
+/// Blocks entered or left quarantine.
+struct connector_quarantine_changed {
+  static constexpr event_type type = event_type::connector_quarantine_changed;
+  std::uint32_t rank = 0;
+  std::uint32_t held_blocks = 0;      ///< blocks that entered quarantine
+  std::uint32_t released_blocks = 0;  ///< blocks that left it (late reply, server process gone)
+  std::uint32_t quarantined_blocks = 0;  ///< this connector's quarantined blocks afterwards
+};
 
 /// Every event type, in event_type order (the deferred queue stores a variant of these).
 using all_events =
@@ -293,7 +354,9 @@ using all_events =
                l2_store_submitted, l2_store_completed, l2_prefetch_lookup_submitted,
                l2_prefetch_lookup_completed, l2_prefetch_load_submitted, l2_prefetch_load_completed,
                l2_prefetch_failed, l2_backend_load_completed, server_request_started, server_request_finished,
-               connector_healthy, connector_unhealthy, connector_reconnected>;
+               connector_healthy, connector_unhealthy, connector_reconnected, connector_lookup_completed,
+               connector_retrieve_completed, connector_store_completed, connector_load_error,
+               connector_quarantine_changed>;
 
 static_assert(std::tuple_size_v<all_events> == event_type_count, "one struct per event_type");
 

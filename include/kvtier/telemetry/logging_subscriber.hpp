@@ -104,6 +104,32 @@ class logging_subscriber {
     log_->info("connector rank {}: reconnected{}", e.rank,
                e.server_restarted ? " to a restarted server, KV region registered again" : "");
   }
+  void on(const bus::connector_lookup_completed& e) {
+    log_->log(e.outcome == bus::connector_outcome::ok ? log_level::debug : log_level::warn,
+              "connector rank {}: lookup {}: {} of {} chunks hit, {:.3f} ms", e.rank, bus::name(e.outcome),
+              e.hit_chunks, e.requested_chunks, static_cast<double>(e.duration_ns) * 1e-6);
+  }
+  void on(const bus::connector_retrieve_completed& e) {
+    log_->log(e.outcome == bus::connector_outcome::ok ? log_level::debug : log_level::warn,
+              "connector rank {}: retrieve {}: {} of {} chunks, {} load-error blocks, {:.3f} ms", e.rank,
+              bus::name(e.outcome), e.retrieved_chunks, e.requested_chunks, e.load_error_blocks,
+              static_cast<double>(e.duration_ns) * 1e-6);
+  }
+  void on(const bus::connector_store_completed& e) {
+    log_->log(e.outcome == bus::connector_outcome::ok ? log_level::debug : log_level::warn,
+              "connector rank {}: store {}: {} chunks asked, {} stored, {} present, {} failed, {:.3f} ms", e.rank,
+              bus::name(e.outcome), e.requested_chunks, e.stored_chunks, e.already_present_chunks, e.failed_chunks,
+              static_cast<double>(e.duration_ns) * 1e-6);
+  }
+  void on(const bus::connector_load_error& e) {
+    log_->warn("connector rank {}: {} blocks are load errors ({}), the engine recomputes them", e.rank, e.block_count,
+               bus::name(e.reason));
+  }
+  void on(const bus::connector_quarantine_changed& e) {
+    log_->log(e.held_blocks ? log_level::warn : log_level::info,
+              "connector rank {}: quarantine +{} -{} blocks, {} quarantined", e.rank, e.held_blocks,
+              e.released_blocks, e.quarantined_blocks);
+  }
 
  private:
   logger* log_;

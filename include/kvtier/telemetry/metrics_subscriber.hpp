@@ -151,6 +151,36 @@ class metrics_subscriber {
     s_->connector_reconnects.inc();
     if (e.server_restarted) s_->connector_server_restarts.inc();
   }
+  void on(const bus::connector_lookup_completed& e) noexcept {
+    s_->connector_lookups[static_cast<std::size_t>(e.outcome)]->inc();
+    s_->connector_lookup_requested_tokens.inc(std::uint64_t{e.requested_chunks} * e.chunk_tokens);
+    s_->connector_lookup_hit_tokens.inc(std::uint64_t{e.hit_chunks} * e.chunk_tokens);
+    s_->connector_lookup_duration.observe(static_cast<double>(e.duration_ns) * 1e-9);
+  }
+  void on(const bus::connector_retrieve_completed& e) noexcept {
+    s_->connector_retrieves[static_cast<std::size_t>(e.outcome)]->inc();
+    s_->connector_retrieve_requested_chunks.inc(e.requested_chunks);
+    s_->connector_retrieved_chunks.inc(e.retrieved_chunks);
+    s_->connector_retrieve_duration.observe(static_cast<double>(e.duration_ns) * 1e-9);
+  }
+  void on(const bus::connector_store_completed& e) noexcept {
+    s_->connector_stores[static_cast<std::size_t>(e.outcome)]->inc();
+    s_->connector_store_requested_chunks.inc(e.requested_chunks);
+    s_->connector_store_chunks_stored.inc(e.stored_chunks);
+    s_->connector_store_chunks_present.inc(e.already_present_chunks);
+    s_->connector_store_chunks_failed.inc(e.failed_chunks);
+    s_->connector_store_duration.observe(static_cast<double>(e.duration_ns) * 1e-9);
+  }
+  void on(const bus::connector_load_error& e) noexcept {
+    s_->connector_load_error_blocks[static_cast<std::size_t>(e.reason)]->inc(e.block_count);
+  }
+  void on(const bus::connector_quarantine_changed& e) noexcept {
+    // add/sub rather than set: several connectors (ranks) may share one bus.
+    s_->connector_quarantined_blocks.add(static_cast<double>(e.held_blocks));
+    s_->connector_quarantined_blocks.sub(static_cast<double>(e.released_blocks));
+    s_->connector_quarantine_held.inc(e.held_blocks);
+    s_->connector_quarantine_released.inc(e.released_blocks);
+  }
 
  private:
   struct backend_metrics {
@@ -271,7 +301,48 @@ class metrics_subscriber {
           connector_server_restarts(
               r.add_counter("kvtier_connector_server_restarts_total", "Server restarts seen by the connector")),
           connector_released_requests(r.add_counter("kvtier_connector_released_requests_total",
-                                                    "Pending requests released when the server became unhealthy")) {
+                                                    "Pending requests released when the server became unhealthy")),
+          connector_lookups(per_enum_counters<bus::connector_outcome_count, bus::connector_outcome>(
+              r, "kvtier_connector_lookups_total", "Connector lookups answered, by outcome", "outcome",
+              [](bus::connector_outcome x) { return bus::name(x); })),
+          connector_lookup_requested_tokens(r.add_counter("kvtier_connector_lookup_requested_tokens_total",
+                                                          "Tokens (full chunks) the connector looked up")),
+          connector_lookup_hit_tokens(
+              r.add_counter("kvtier_connector_lookup_hit_tokens_total", "Tokens the connector's lookups found")),
+          connector_lookup_duration(r.add_histogram("kvtier_connector_lookup_duration_seconds",
+                                                    "Time from lookup to its answer", latency_buckets_seconds())),
+          connector_retrieves(per_enum_counters<bus::connector_outcome_count, bus::connector_outcome>(
+              r, "kvtier_connector_retrieves_total", "Connector retrieves completed, by outcome", "outcome",
+              [](bus::connector_outcome x) { return bus::name(x); })),
+          connector_retrieve_requested_chunks(r.add_counter("kvtier_connector_retrieve_requested_chunks_total",
+                                                            "Chunks the connector asked to retrieve")),
+          connector_retrieved_chunks(r.add_counter("kvtier_connector_retrieved_chunks_total",
+                                                   "Chunks retrieved into the engine's blocks")),
+          connector_retrieve_duration(r.add_histogram("kvtier_connector_retrieve_duration_seconds",
+                                                      "Time from retrieve to completion", latency_buckets_seconds())),
+          connector_stores(per_enum_counters<bus::connector_outcome_count, bus::connector_outcome>(
+              r, "kvtier_connector_stores_total", "Connector stores completed or skipped, by outcome", "outcome",
+              [](bus::connector_outcome x) { return bus::name(x); })),
+          connector_store_requested_chunks(r.add_counter("kvtier_connector_store_requested_chunks_total",
+                                                         "Chunks the connector asked to store")),
+          connector_store_chunks_stored(r.add_counter("kvtier_connector_store_chunks_total",
+                                                      "Chunks of completed stores, by result", {{"result", "stored"}})),
+          connector_store_chunks_present(r.add_counter("kvtier_connector_store_chunks_total",
+                                                       "Chunks of completed stores, by result",
+                                                       {{"result", "already_present"}})),
+          connector_store_chunks_failed(r.add_counter("kvtier_connector_store_chunks_total",
+                                                      "Chunks of completed stores, by result", {{"result", "failed"}})),
+          connector_store_duration(r.add_histogram("kvtier_connector_store_duration_seconds",
+                                                   "Time from store to completion", latency_buckets_seconds())),
+          connector_load_error_blocks(per_enum_counters<bus::connector_outcome_count, bus::connector_outcome>(
+              r, "kvtier_connector_load_error_blocks_total", "Blocks reported as load errors, by reason", "reason",
+              [](bus::connector_outcome x) { return bus::name(x); })),
+          connector_quarantined_blocks(r.add_gauge("kvtier_connector_quarantined_blocks",
+                                                   "Engine blocks quarantined (a server may still write them)")),
+          connector_quarantine_held(r.add_counter("kvtier_connector_quarantine_held_blocks_total",
+                                                  "Blocks that entered quarantine")),
+          connector_quarantine_released(r.add_counter("kvtier_connector_quarantine_released_blocks_total",
+                                                      "Blocks that left quarantine")) {
       for (std::size_t k = 0; k < bus::request_kind_count; ++k) {
         const label_pairs l = {{"type", std::string(bus::name(static_cast<bus::request_kind>(k)))}};
         requests[k] = &r.add_counter("kvtier_server_requests_total", "Server requests handled, by type", l);
@@ -343,6 +414,24 @@ class metrics_subscriber {
     counter& connector_reconnects;
     counter& connector_server_restarts;
     counter& connector_released_requests;
+    std::array<counter*, bus::connector_outcome_count> connector_lookups;
+    counter& connector_lookup_requested_tokens;
+    counter& connector_lookup_hit_tokens;
+    histogram& connector_lookup_duration;
+    std::array<counter*, bus::connector_outcome_count> connector_retrieves;
+    counter& connector_retrieve_requested_chunks;
+    counter& connector_retrieved_chunks;
+    histogram& connector_retrieve_duration;
+    std::array<counter*, bus::connector_outcome_count> connector_stores;
+    counter& connector_store_requested_chunks;
+    counter& connector_store_chunks_stored;
+    counter& connector_store_chunks_present;
+    counter& connector_store_chunks_failed;
+    histogram& connector_store_duration;
+    std::array<counter*, bus::connector_outcome_count> connector_load_error_blocks;
+    gauge& connector_quarantined_blocks;
+    counter& connector_quarantine_held;
+    counter& connector_quarantine_released;
 
     std::array<std::atomic<backend_metrics*>, 256> backends{};
     std::mutex backend_mutex;

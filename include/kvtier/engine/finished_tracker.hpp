@@ -1,0 +1,230 @@
+#pragma once
+// finished_tracker: which request ids the connector reports to the engine as finished
+// receiving (their KV loads are over) and finished sending (the engine finished them and
+// their KV stores are over), following vLLM's KV-connector contract. Pure bookkeeping, no
+// I/O, not thread-safe (the connector guards it with its mutex).
+//
+// Rules (docs/fault-tolerance.md, reference/lmcache-mp.md 8.3-8.4):
+//   recving   an id whose retrieves all completed (success or load error), once per
+//             completion; a retrieve that fails is still "finished receiving" (the failed
+//             blocks are load errors, reported apart).
+//   sending   an id the engine reported finished, once every store and retrieve it has is
+//             over (at once when it has none); reported once.
+//   never     an id with a retrieve still pending in `sending`;
+//             an id in both lists of one call: when an id the engine already finished has
+//             its retrieve complete, the recving report is its last one (vLLM frees such a
+//             request on finished_recving; a later finished_sending would name a freed
+//             request), so it is retired without a sending report;
+//             an id again after its last report: the engine's re-reports (async scheduling
+//             reports an id several times; LMCache's duplicate-report bug) are swallowed by
+//             a window of the last `window` retired ids.
+//   drain     while the server is unhealthy every pending retrieve and store counts as
+//             done, so no request waits for a server that will not answer.
+//
+// Memory is bounded however long the engine runs: an id's entry goes away with its last
+// report (or when nothing is left to report), and the window of retired ids holds at most
+// `window` 128-bit hashes of ids (LMCache kept every id forever: issue #5339). An id is
+// remembered by its XXH3-128 hash; two ids of one window colliding (odds ~ window^2 / 2^129)
+// would swallow one report.
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/chunk_key.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#ifndef XXH_INLINE_ALL
+#define XXH_INLINE_ALL
+#endif
+#include <xxhash.h>
+
+namespace kvtier::inline KVTIER_ABI_TAG::engine {
+
+/// What get_finished returns: ids finished sending (stores over, blocks may be freed) and
+/// finished receiving (loads over, the request may run).
+struct finished_requests {
+  std::vector<std::string> sending;
+  std::vector<std::string> recving;
+};
+
+class finished_tracker {
+ public:
+  /// `window`: retired ids remembered to swallow re-reports (>= 1).
+  explicit finished_tracker(std::size_t window = 65536) : window_capacity_(window) {
+    if (window == 0) throw std::invalid_argument("kvtier::engine::finished_tracker: window must be >= 1");
+  }
+
+  /// A retrieve of `id` was issued.
+  void retrieve_started(std::string_view id) {
+    entry& e = entries_[std::string(id)];
+    ++e.retrieves;
+  }
+
+  /// A retrieve of `id` completed (data landed, or load error). When it was the last pending
+  /// retrieve of `id`, `id` becomes due in `recving`. Ignored when none is pending.
+  void retrieve_done(std::string_view id) {
+    auto it = find(id);
+    if (it == entries_.end() || it->second.retrieves == 0) return;
+    if (--it->second.retrieves == 0 && !it->second.recv_due) {
+      it->second.recv_due = true;
+      recv_due_.push_back(it->first);
+    }
+  }
+
+  /// A store of `id` was issued.
+  void store_started(std::string_view id) { ++entries_[std::string(id)].stores; }
+
+  /// A store of `id` completed (stored, refused, failed or timed out). Ignored when none is
+  /// pending.
+  void store_done(std::string_view id) {
+    auto it = find(id);
+    if (it == entries_.end() || it->second.stores == 0) return;
+    --it->second.stores;
+    erase_if_idle(it);
+  }
+
+  /// The engine's finished ids of this step in, the reports due out (see the rules above).
+  /// Re-reports of retired ids and of ids already waiting are ignored.
+  finished_requests take_finished(std::span<const std::string> finished_by_engine) {
+    finished_requests out;
+    for (const std::string& id : finished_by_engine) {
+      if (retired(id)) {
+        ++ignored_reports_;
+        continue;
+      }
+      entry& e = entries_[id];
+      if (e.engine_finished) {
+        ++ignored_reports_;
+        continue;
+      }
+      e.engine_finished = true;
+      send_wait_.insert(id);
+    }
+
+    out.recving.reserve(recv_due_.size());
+    for (std::string& id : recv_due_) {
+      auto it = entries_.find(id);
+      if (it == entries_.end() || !it->second.recv_due) continue;
+      it->second.recv_due = false;
+      if (it->second.engine_finished) {
+        // Its last report: never also in sending (same call or later).
+        it->second.engine_finished = false;
+        send_wait_.erase(id);
+        retire(id);
+      }
+      erase_if_idle(it);
+      out.recving.push_back(std::move(id));
+    }
+    recv_due_.clear();
+
+    for (auto w = send_wait_.begin(); w != send_wait_.end();) {
+      auto it = entries_.find(*w);
+      if (it != entries_.end() && (it->second.retrieves != 0 || it->second.stores != 0 || it->second.recv_due)) {
+        ++w;
+        continue;
+      }
+      out.sending.push_back(*w);
+      retire(*w);
+      if (it != entries_.end()) {
+        it->second.engine_finished = false;
+        erase_if_idle(it);
+      }
+      w = send_wait_.erase(w);
+    }
+    return out;
+  }
+
+  /// The server is gone: every pending retrieve and store counts as completed (retrieves
+  /// become due in `recving`). Returns how many operations were released.
+  std::size_t drain() {
+    std::size_t released = 0;
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      entry& e = it->second;
+      released += e.retrieves + e.stores;
+      e.stores = 0;
+      if (e.retrieves != 0) {
+        e.retrieves = 0;
+        if (!e.recv_due) {
+          e.recv_due = true;
+          recv_due_.push_back(it->first);
+        }
+      }
+      if (e.idle()) it = entries_.erase(it);
+      else ++it;
+    }
+    return released;
+  }
+
+  /// Ids with state (something pending, due or waiting); 0 when all is reported.
+  [[nodiscard]] std::size_t tracked() const noexcept { return entries_.size(); }
+  /// Retired ids remembered (<= window()).
+  [[nodiscard]] std::size_t remembered() const noexcept { return window_.size(); }
+  [[nodiscard]] std::size_t window() const noexcept { return window_capacity_; }
+  /// Engine reports ignored so far (re-reports).
+  [[nodiscard]] std::uint64_t ignored_reports() const noexcept { return ignored_reports_; }
+  [[nodiscard]] std::uint32_t pending_retrieves(std::string_view id) const {
+    auto it = entries_.find(std::string(id));
+    return it == entries_.end() ? 0 : it->second.retrieves;
+  }
+  [[nodiscard]] std::uint32_t pending_stores(std::string_view id) const {
+    auto it = entries_.find(std::string(id));
+    return it == entries_.end() ? 0 : it->second.stores;
+  }
+
+ private:
+  struct entry {
+    std::uint32_t retrieves = 0;   ///< retrieves issued and not completed
+    std::uint32_t stores = 0;      ///< stores issued and not completed
+    bool recv_due = false;         ///< in recv_due_: its retrieves completed, not yet reported
+    bool engine_finished = false;  ///< in send_wait_: the engine finished it, not yet reported
+    [[nodiscard]] bool idle() const noexcept { return retrieves == 0 && stores == 0 && !recv_due && !engine_finished; }
+  };
+  struct hash_of_hash {
+    std::size_t operator()(const hash128& h) const noexcept { return static_cast<std::size_t>(h.lo ^ (h.hi * 31)); }
+  };
+
+  using map_type = std::unordered_map<std::string, entry>;
+
+  map_type::iterator find(std::string_view id) { return entries_.find(std::string(id)); }
+
+  void erase_if_idle(map_type::iterator it) {
+    if (it->second.idle()) entries_.erase(it);
+  }
+
+  static hash128 id_hash(std::string_view id) noexcept {
+    const XXH128_hash_t h = XXH3_128bits(id.data(), id.size());
+    return {h.low64, h.high64};
+  }
+
+  [[nodiscard]] bool retired(std::string_view id) const { return window_set_.contains(id_hash(id)); }
+
+  void retire(std::string_view id) {
+    const hash128 h = id_hash(id);
+    if (!window_set_.insert(h).second) return;
+    window_.push_back(h);
+    if (window_.size() > window_capacity_) {
+      window_set_.erase(window_.front());
+      window_.pop_front();
+    }
+  }
+
+  std::size_t window_capacity_;
+  map_type entries_;
+  std::vector<std::string> recv_due_;             ///< ids whose retrieves completed, in order
+  std::unordered_set<std::string> send_wait_;     ///< engine-finished ids not yet reported
+  std::deque<hash128> window_;                    ///< retired ids, oldest first
+  std::unordered_set<hash128, hash_of_hash> window_set_;
+  std::uint64_t ignored_reports_ = 0;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::engine

@@ -1,0 +1,117 @@
+#pragma once
+// connector_options: everything an engine worker's connector needs to know, with the
+// defaults docs/fault-tolerance.md explains. The KV layout itself (model shape, block size,
+// number of blocks) is not repeated here: it is the layout of the kv_region the connector
+// is given, so the two can never disagree.
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/token_hasher.hpp>
+#include <kvtier/protocol/limits.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace kvtier::inline KVTIER_ABI_TAG::engine {
+
+/// Every deadline and period of the connector. The values are the unscaled ones: the
+/// connector multiplies each by connector_options::timeout_scale (config::timeout_scale by
+/// default: 1 in optimised builds, 4 under ASan, 10 under TSan), so a slow sanitizer build is
+/// not taken for a hung server.
+struct connector_timeouts {
+  using duration = std::chrono::milliseconds;
+
+  /// Period of the liveness ping while healthy. An idle connector pings too: the server reaps
+  /// clients that stay silent (contract: 30 s), and a hang is only seen through a request.
+  duration ping_interval{200};
+  /// A ping unanswered this long means the server is hung: the connector turns unhealthy.
+  /// Detection takes at most ping_interval + ping_timeout after the server stops answering.
+  duration ping_timeout{1000};
+  /// Deadline of the small calls: get_chunk_size, register, lookup ack, query_prefetch,
+  /// free_lookup_locks, end_request.
+  duration request_timeout{2000};
+  /// How long a lookup may stay pending (prefetch still running) before it answers 0 and its
+  /// locks are freed.
+  duration lookup_timeout{5000};
+  /// Deadline of a retrieve: past it the blocks are load errors (recomputed) and quarantined.
+  duration retrieve_timeout{5000};
+  /// Deadline of a store: past it the store counts as finished (the engine may reuse the
+  /// blocks; generation fencing keeps a late copy from being stored).
+  duration store_timeout{10000};
+  /// Reconnection backoff: the first retry after reconnect_initial, doubling up to
+  /// reconnect_max.
+  duration reconnect_initial{50};
+  duration reconnect_max{2000};
+  /// 0: quarantined blocks are released only by the server's late answer or the proof that
+  /// its process is gone (the safe default). Otherwise, also after this long: a capacity
+  /// versus safety trade for deployments where the server's process cannot be watched.
+  duration quarantine_limit{0};
+};
+
+/// The connector's configuration. Construct, fill in, pass to engine::connector.
+struct connector_options {
+  /// The server's Unix socket.
+  std::string socket_path;
+  /// This worker's tensor-parallel rank and the world size.
+  std::uint16_t rank = 0;
+  std::uint16_t world_size = 1;
+  /// Whether this connector issues lookups (the "scheduler" role); unset: rank == 0.
+  std::optional<bool> scheduler;
+  /// The model's name; with the region's model shape it makes the model id.
+  std::string model_name;
+  /// Tokens per chunk; must equal the server's and be a multiple of the region's block size.
+  std::uint32_t chunk_tokens = 256;
+  /// The chunk hash (must match every other engine that shares the cache).
+  hash_algorithm hash = hash_algorithm::xxh3_128;
+  /// This worker's id towards the server (ping, status); 0: the process id.
+  std::uint64_t instance_id = 0;
+
+  connector_timeouts timeouts;
+  /// Multiplies every timeout and period of `timeouts`.
+  int timeout_scale = config::timeout_scale;
+  /// Interval between query_prefetch polls of a pending lookup (not scaled: it is a
+  /// latency, not a deadline). 2 ms keeps a lookup's extra latency small and costs at most
+  /// 500 small requests per second per pending lookup.
+  std::chrono::microseconds lookup_poll_interval{2000};
+  /// Consecutive call timeouts (pings aside) that trip the breaker: the server is declared
+  /// unhealthy even though pings still pass (it answers pings but not work).
+  std::uint32_t breaker_threshold = 3;
+  /// Request ids remembered after their final finished report, to swallow the engine's
+  /// re-reports (finished_tracker). 65536 ids ~ 2 MiB.
+  std::size_t finished_window = 65536;
+  /// Lookup answers kept for lookup_result after they arrive; the oldest go first past this
+  /// (end_request removes an answer at once).
+  std::size_t max_lookups = 65536;
+
+  [[nodiscard]] bool is_scheduler() const noexcept { return scheduler.value_or(rank == 0); }
+
+  /// `d` times timeout_scale.
+  [[nodiscard]] std::chrono::milliseconds scaled(std::chrono::milliseconds d) const noexcept {
+    return d * timeout_scale;
+  }
+
+  /// Empty when valid, else what is wrong and how to fix it.
+  [[nodiscard]] std::string validation_error() const {
+    if (socket_path.empty()) return "socket_path is empty: set it to the server's Unix socket";
+    if (world_size == 0) return "world_size must be >= 1";
+    if (rank >= world_size) return "rank must be below world_size";
+    if (model_name.size() > protocol::max_model_name_bytes) return "model_name is longer than 256 bytes";
+    if (chunk_tokens == 0 || chunk_tokens > 65536) return "chunk_tokens must be in 1..65536";
+    if (timeout_scale < 1) return "timeout_scale must be >= 1";
+    const auto& t = timeouts;
+    for (auto d : {t.ping_interval, t.ping_timeout, t.request_timeout, t.lookup_timeout, t.retrieve_timeout,
+                   t.store_timeout, t.reconnect_initial, t.reconnect_max})
+      if (d.count() <= 0) return "every timeout, period and backoff must be > 0 (quarantine_limit may be 0)";
+    if (t.quarantine_limit.count() < 0) return "quarantine_limit must be >= 0";
+    if (t.reconnect_initial > t.reconnect_max) return "reconnect_initial must not exceed reconnect_max";
+    if (lookup_poll_interval.count() <= 0) return "lookup_poll_interval must be > 0";
+    if (breaker_threshold == 0) return "breaker_threshold must be >= 1";
+    if (finished_window == 0) return "finished_window must be >= 1";
+    if (max_lookups == 0) return "max_lookups must be >= 1";
+    return {};
+  }
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::engine

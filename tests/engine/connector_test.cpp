@@ -1,0 +1,693 @@
+#include <kvtier/engine/connector.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "engine/event_recorder.hpp"
+#include "engine/fake_server.hpp"
+#include "support/process.hpp"
+
+#include <kvtier/bus/event_bus.hpp>
+#include <kvtier/telemetry/metrics_subscriber.hpp>
+
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+using namespace kvtier;
+using namespace std::chrono_literals;
+namespace p = kvtier::protocol;
+using engine::connector;
+using engine::connector_options;
+using engine::kv_region;
+using kvtier::test::event_recorder;
+using kvtier::test::fake_server;
+using kvtier::test::temp_dir;
+using ids = std::vector<std::string>;
+using blocks = std::vector<std::uint32_t>;
+
+namespace {
+
+constexpr std::uint32_t ct = 8;  // tokens per chunk: 2 blocks of 4
+const paged_kv_layout layout{{2, 2, 16, 2, attention_kind::mha}, 4, 32};
+// Metrics first: by the time the recorder wakes a waiting test, the metrics are updated.
+using test_bus = bus::basic_event_bus<telemetry::metrics_subscriber, event_recorder>;
+using record = event_recorder::record;
+
+kv_region make_region() {
+  auto r = kv_region::create(layout);
+  if (!r) throw std::runtime_error("kv_region::create failed");
+  return std::move(*r);
+}
+
+std::vector<token_id> tokens(std::size_t n, token_id seed) {
+  std::vector<token_id> t(n);
+  std::iota(t.begin(), t.end(), seed * 1000);
+  return t;
+}
+
+/// Every byte of `block` (all layers, K and V) set to v.
+void fill_block(kv_region& r, std::uint32_t block, std::uint8_t v) {
+  for (std::byte* layer : r.layers())
+    for (std::uint32_t plane = 0; plane < layout.model.planes(); ++plane)
+      std::memset(layer + layout.offset_in_layer(plane, block), v, layout.segment_bytes());
+}
+
+bool block_is(const kv_region& r, std::uint32_t block, std::uint8_t v) {
+  for (std::byte* layer : r.layers())
+    for (std::uint32_t plane = 0; plane < layout.model.planes(); ++plane) {
+      const std::byte* s = layer + layout.offset_in_layer(plane, block);
+      for (std::size_t i = 0; i < layout.segment_bytes(); ++i)
+        if (s[i] != std::byte{v}) return false;
+    }
+  return true;
+}
+
+blocks range(std::uint32_t first, std::uint32_t n) {
+  blocks b(n);
+  std::iota(b.begin(), b.end(), first);
+  return b;
+}
+
+blocks sorted(blocks b) {
+  std::sort(b.begin(), b.end());
+  return b;
+}
+
+struct harness {
+  temp_dir dir{"kvtier-engine"};
+  std::string path = (dir.path() / "server.sock").string();
+  telemetry::registry reg;
+  event_recorder rec;
+  test_bus bus{telemetry::metrics_subscriber{reg}, rec};
+  kv_region region = make_region();
+  std::unique_ptr<fake_server> server;
+
+  void start_server(std::uint32_t chunk_tokens = ct) {
+    server = std::make_unique<fake_server>(path, chunk_tokens);
+    server->start();
+  }
+
+  /// Generous deadlines everywhere a test does not provoke a timeout: a loaded machine must
+  /// not turn a healthy server unhealthy.
+  [[nodiscard]] connector_options options(std::uint16_t rank = 0, std::uint16_t world_size = 1) const {
+    connector_options o;
+    o.socket_path = path;
+    o.rank = rank;
+    o.world_size = world_size;
+    o.model_name = "test-model";
+    o.chunk_tokens = ct;
+    o.timeouts.ping_interval = 20ms;
+    o.timeouts.ping_timeout = 10s;
+    o.timeouts.request_timeout = 10s;
+    o.timeouts.lookup_timeout = 60s;
+    o.timeouts.retrieve_timeout = 30s;
+    o.timeouts.store_timeout = 30s;
+    o.timeouts.reconnect_initial = 5ms;
+    o.timeouts.reconnect_max = 100ms;
+    return o;
+  }
+
+  template <class Pred>
+  bool wait(Pred pred) {
+    return rec.wait(pred);
+  }
+
+  /// Fills the blocks of chunks [0, n) (blocks first .. first + 2n) with values v0, v0+1, ...
+  void fill(std::uint32_t first, std::uint32_t count, std::uint8_t v0, kv_region* r = nullptr) {
+    for (std::uint32_t i = 0; i < count; ++i) fill_block(r ? *r : region, first + i, static_cast<std::uint8_t>(v0 + i));
+    if (server) server->sync();
+  }
+
+  template <class C>
+  void store_and_wait(C& c, const std::string& id, const std::vector<token_id>& toks, std::uint32_t first_chunk,
+                      std::uint32_t chunks, const blocks& b) {
+    const std::size_t before = rec.snapshot().stores.size();
+    c.store(id, toks, first_chunk, chunks, b);
+    REQUIRE(wait([&](const record& r) { return r.stores.size() > before; }));
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a lookup answers the tokens of the cached chunk prefix, polling a pending prefetch",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  const auto toks = tokens(4 * ct + 3, 1);  // 4 full chunks and a partial one
+  h.fill(0, 6, 1);
+  h.store_and_wait(c, "s", toks, 0, 3, range(0, 6));
+
+  h.server->set_pending_queries(3);
+  c.lookup("q", toks);
+  c.lookup("q", toks);  // idempotent per request id
+  REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 1; }));
+  CHECK(c.lookup_result("q") == std::optional<std::size_t>(3 * ct));
+  CHECK(c.lookup_result("q") == std::optional<std::size_t>(3 * ct));  // stable
+  CHECK(h.server->received(p::message_type::lookup_request) == 1);
+  CHECK(h.server->received(p::message_type::query_prefetch_request) == 4);  // 3 pending, then done
+  const auto e = h.rec.snapshot().lookups.at(0);
+  CHECK(e.outcome == bus::connector_outcome::ok);
+  CHECK(e.requested_chunks == 4);
+  CHECK(e.hit_chunks == 3);
+
+  // A prompt that shares only its first chunk with the stored one.
+  auto other = toks;
+  other[ct + 1] += 1;
+  h.server->set_pending_queries(0);
+  c.lookup("q2", other);
+  REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 2; }));
+  CHECK(c.lookup_result("q2") == std::optional<std::size_t>(ct));
+
+  CHECK(c.lookup_result("never-looked-up") == std::optional<std::size_t>(0));
+  c.end_request("q");
+  CHECK(c.lookup_result("q") == std::optional<std::size_t>(0));  // the answer went with the request
+  CHECK(h.server->wait_received(p::message_type::end_request_request, 1));
+}
+
+TEST_CASE("a retrieve writes the cached KV into the engine's blocks and reports each id once",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  const auto toks = tokens(4 * ct, 2);
+  h.fill(0, 6, 1);
+  h.store_and_wait(c, "s", toks, 0, 3, range(0, 6));
+  CHECK(c.get_finished(ids{"s"}).sending == ids{"s"});
+
+  c.retrieve("r", toks, 0, range(10, 6));
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
+  auto f = c.get_finished(ids{});
+  CHECK(f.recving == ids{"r"});
+  CHECK(f.sending.empty());
+  CHECK(c.get_finished(ids{}).recving.empty());
+  h.server->sync();
+  for (std::uint32_t k = 0; k < 6; ++k) CHECK(block_is(h.region, 10 + k, static_cast<std::uint8_t>(1 + k)));
+  CHECK(c.take_load_error_blocks().empty());
+  CHECK(h.rec.snapshot().retrieves.at(0).outcome == bus::connector_outcome::ok);
+
+  SECTION("a shorter prefix: the blocks of the missing chunks are load errors") {
+    c.retrieve("p", toks, 0, range(16, 8));
+    REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 2; }));
+    const auto ev = h.rec.snapshot().retrieves.at(1);
+    CHECK(ev.outcome == bus::connector_outcome::partial);
+    CHECK(ev.retrieved_chunks == 3);
+    CHECK(sorted(c.take_load_error_blocks()) == blocks{22, 23});
+    CHECK(c.take_load_error_blocks().empty());  // each once
+    CHECK(c.get_finished(ids{}).recving == ids{"p"});
+    CHECK(c.quarantined_blocks().empty());  // the server answered: nothing to fence
+  }
+  SECTION("skipped tokens the engine already has are not overwritten") {
+    fill_block(h.region, 24, 99);
+    fill_block(h.region, 25, 0);
+    h.server->sync();
+    c.retrieve("k", toks, 1, blocks{24, 25}, 4);  // chunk 1, its first block already computed
+    REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 2; }));
+    h.server->sync();
+    CHECK(block_is(h.region, 24, 99));
+    CHECK(block_is(h.region, 25, 4));  // block 3 held chunk 1's second half
+    CHECK(c.take_load_error_blocks().empty());
+  }
+}
+
+TEST_CASE("a timed-out retrieve is a load error and its blocks stay quarantined until the late reply",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  auto o = h.options();
+  o.timeouts.retrieve_timeout = 100ms;
+  connector<test_bus> c(o, h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  const auto toks = tokens(2 * ct, 3);
+  h.fill(0, 4, 1);
+  h.store_and_wait(c, "s", toks, 0, 2, range(0, 4));
+
+  h.server->hold(p::message_type::retrieve_request);
+  c.retrieve("t", toks, 0, range(8, 4));
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
+  const auto ev = h.rec.snapshot().retrieves.at(0);
+  CHECK(ev.outcome == bus::connector_outcome::timeout);
+  CHECK(ev.load_error_blocks == 4);
+  CHECK(c.get_finished(ids{}).recving == ids{"t"});  // never silent, never stuck
+  CHECK(sorted(c.take_load_error_blocks()) == range(8, 4));
+  CHECK(c.quarantined_blocks() == range(8, 4));
+  CHECK(c.block_is_quarantined(9));
+  const auto g8 = h.region.generation(8);
+  CHECK_FALSE(c.block_reused(8));  // the engine must recompute elsewhere
+  CHECK(h.region.generation(8) == g8);
+  CHECK(c.block_reused(12));
+  CHECK(c.healthy());  // one slow call is not a dead server
+  CHECK(h.rec.snapshot().quarantine.at(0).held_blocks == 4);
+
+  h.server->release_held();  // the server wakes up, writes the blocks and answers late
+  REQUIRE(h.wait([](const record& r) { return r.released_blocks() == 4; }));
+  CHECK(c.quarantined_blocks().empty());
+  CHECK(c.block_reused(8));
+  CHECK(c.stats().late_replies == 1);
+  CHECK(c.get_finished(ids{}).recving.empty());  // the late reply reports nothing again
+}
+
+TEST_CASE("finished reporting: no id with a pending retrieve is finished sending, stores are waited for",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  const auto toks = tokens(2 * ct, 4);
+  h.fill(0, 4, 1);
+  h.store_and_wait(c, "setup", toks, 0, 2, range(0, 4));
+
+  h.server->hold(p::message_type::retrieve_request);
+  c.retrieve("a", toks, 0, range(8, 4));
+  REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
+  for (int i = 0; i < 3; ++i) {  // the engine finished it (and re-reports it) while it loads
+    const auto f = c.get_finished(ids{"a"});
+    CHECK(f.sending.empty());
+    CHECK(f.recving.empty());
+  }
+  h.server->hold(p::message_type::retrieve_request, false);
+  h.server->release_held();
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
+  auto f = c.get_finished(ids{});
+  CHECK(f.recving == ids{"a"});
+  CHECK(f.sending.empty());
+  CHECK(c.get_finished(ids{"a"}).sending.empty());  // retired with its receiving report
+
+  h.server->hold(p::message_type::store_request);
+  c.store("b", toks, 0, 2, range(0, 4));
+  REQUIRE(h.server->wait_received(p::message_type::store_request, 2));
+  CHECK(c.get_finished(ids{"b"}).sending.empty());
+  CHECK(c.get_finished(ids{"b"}).sending.empty());
+  h.server->release_held();
+  REQUIRE(h.wait([](const record& r) { return r.stores.size() == 2; }));
+  f = c.get_finished(ids{});
+  CHECK(f.sending == ids{"b"});
+  CHECK(f.recving.empty());
+  CHECK(c.get_finished(ids{"b"}).sending.empty());
+  CHECK(c.get_finished(ids{"setup", "b"}).sending == ids{"setup"});  // first report of "setup"
+  CHECK(c.get_finished(ids{"setup", "b"}).sending.empty());
+  CHECK(c.stats().tracked_requests == 0);
+}
+
+TEST_CASE("the server's EOF makes the connector unhealthy at once and releases every pending request",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  const auto toks = tokens(2 * ct, 5);
+  h.fill(0, 4, 1);
+  h.store_and_wait(c, "setup", toks, 0, 2, range(0, 4));
+
+  h.server->hold(p::message_type::retrieve_request);
+  h.server->hold(p::message_type::store_request);
+  h.server->set_pending_queries(std::numeric_limits<std::uint64_t>::max());
+  c.lookup("l", toks);
+  c.retrieve("r", toks, 0, range(8, 4));
+  c.store("s", toks, 0, 2, range(0, 4));
+  REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
+  REQUIRE(h.server->wait_received(p::message_type::store_request, 2));
+  REQUIRE(h.server->wait_received(p::message_type::query_prefetch_request, 1));
+  CHECK_FALSE(c.lookup_result("l").has_value());  // pending
+
+  h.server->close_connections();
+  REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1; }));
+  const auto u = h.rec.snapshot().unhealthy.at(0);
+  CHECK(u.reason.view() == "eof");
+  CHECK(u.released_requests == 3);
+  CHECK(c.lookup_result("l") == std::optional<std::size_t>(0));
+  const auto f = c.get_finished(ids{"s"});
+  CHECK(f.recving == ids{"r"});
+  CHECK(f.sending == ids{"s"});
+  CHECK(sorted(c.take_load_error_blocks()) == range(8, 4));
+  // EOF does not prove the server process gone (here it lives on): the blocks stay fenced.
+  CHECK(c.quarantined_blocks() == range(8, 4));
+  const auto s = h.rec.snapshot();
+  CHECK(s.stores.back().outcome == bus::connector_outcome::unhealthy);
+  CHECK(s.retrieves.back().outcome == bus::connector_outcome::unhealthy);
+  CHECK(s.lookups.back().outcome == bus::connector_outcome::unhealthy);
+
+  // It reconnects to the same server (same boot token).
+  REQUIRE(h.wait([](const record& r) { return r.reconnected.size() == 1; }));
+  CHECK_FALSE(h.rec.snapshot().reconnected.at(0).server_restarted);
+  CHECK(c.wait_ready(60s));
+  CHECK(c.quarantined_blocks() == range(8, 4));
+  CHECK(h.server->received(p::message_type::register_kv_request) == 2);
+}
+
+TEST_CASE("a hung server is declared unhealthy by the ping timeout, and recovery follows",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  auto o = h.options();
+  o.timeouts.ping_timeout = 100ms;
+  o.timeouts.request_timeout = 200ms;
+  connector<test_bus> c(o, h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  // A retrieve is in flight when the server stops.
+  h.server->hold(p::message_type::retrieve_request);
+  c.retrieve("h", tokens(ct, 14), 0, blocks{8, 9});
+  REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
+
+  h.server->hang();  // stopped (SIGSTOP): the socket stays open, nothing is answered
+  REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1; }));
+  const auto u = h.rec.snapshot().unhealthy.at(0);
+  CHECK(u.reason.view() == "ping_timeout");
+  CHECK(u.released_requests == 1);
+  CHECK_FALSE(c.healthy());
+  CHECK_THAT(c.last_error(), Catch::Contains("ping unanswered"));
+  CHECK(c.get_finished(ids{}).recving == ids{"h"});
+  CHECK(sorted(c.take_load_error_blocks()) == blocks{8, 9});
+  CHECK(c.quarantined_blocks() == blocks{8, 9});  // the server may wake up and write them
+
+  // It wakes up (SIGCONT): it answers the retrieve on the old connection, which the
+  // connector kept open for that, and the connector reconnects.
+  h.server->hang(false);
+  h.server->release_held();
+  REQUIRE(h.wait([](const record& r) { return r.released_blocks() == 2; }));
+  CHECK(c.quarantined_blocks().empty());
+  REQUIRE(h.wait([](const record& r) { return r.healthy.size() == 2; }));
+  const auto s = h.rec.snapshot();
+  CHECK(s.healthy.at(1).unhealthy_ns > 0);
+  CHECK_FALSE(s.reconnected.at(0).server_restarted);
+  CHECK(c.healthy());
+  CHECK(c.get_finished(ids{}).recving.empty());  // the late reply reports nothing again
+}
+
+TEST_CASE("after a server restart the connector registers its region again and reports the restart",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  const auto first_boot = c.boot_token();
+  CHECK(first_boot == h.server->boot_token());
+
+  h.server->restart();
+  REQUIRE(h.wait([](const record& r) { return r.reconnected.size() == 1; }));
+  const auto s = h.rec.snapshot();
+  CHECK(s.reconnected.at(0).server_restarted);
+  CHECK(s.unhealthy.at(0).reason.view() == "eof");
+  CHECK(c.wait_ready(60s));
+  CHECK(c.boot_token() == h.server->boot_token());
+  CHECK(c.boot_token() != first_boot);
+  CHECK(h.server->received(p::message_type::register_kv_request) == 2);
+  CHECK(c.stats().registrations == 2);
+
+  // And it works again: a store reaches the new server.
+  const auto toks = tokens(ct, 6);
+  h.fill(0, 2, 1);
+  h.store_and_wait(c, "after", toks, 0, 1, range(0, 2));
+  CHECK(h.rec.snapshot().stores.back().stored_chunks == 1);
+}
+
+TEST_CASE("without a server the connector runs degraded: stores skipped, retrieves fail fast, lookups 0",
+          "[engine][connector][concurrency]") {
+  harness h;  // no server yet
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1; }));
+  CHECK(h.rec.snapshot().unhealthy.at(0).reason.view() == "connect_failed");
+  CHECK(c.state() == engine::health_state::unhealthy);
+  CHECK_FALSE(c.wait_ready(1ms));
+  CHECK_THAT(c.last_error(), Catch::Contains("cannot connect"));
+
+  const auto toks = tokens(2 * ct, 7);
+  c.store("s", toks, 0, 2, range(0, 4));
+  c.retrieve("r", toks, 0, range(4, 4));
+  c.lookup("l", toks);
+  CHECK(c.lookup_result("l") == std::optional<std::size_t>(0));
+  auto s = h.rec.snapshot();
+  CHECK(s.stores.at(0).outcome == bus::connector_outcome::unhealthy);
+  CHECK(s.retrieves.at(0).outcome == bus::connector_outcome::unhealthy);
+  CHECK(s.lookups.at(0).outcome == bus::connector_outcome::unhealthy);
+  const auto f = c.get_finished(ids{"s"});
+  CHECK(f.sending == ids{"s"});
+  CHECK(f.recving == ids{"r"});
+  CHECK(sorted(c.take_load_error_blocks()) == range(4, 4));
+  CHECK(c.quarantined_blocks().empty());  // never sent: nothing can write them
+
+  h.start_server();
+  REQUIRE(c.wait_ready(60s));
+  REQUIRE(h.wait([](const record& r) { return r.healthy.size() == 1; }));
+  s = h.rec.snapshot();
+  CHECK(s.healthy.at(0).unhealthy_ns > 0);
+  CHECK(s.reconnected.empty());  // the first registration is no reconnection
+  CHECK(h.server->received(p::message_type::store_request) == 0);
+}
+
+TEST_CASE("fencing: a block reused after its store was issued is never stored under the old key",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  const auto toks = tokens(2 * ct, 8);
+  h.fill(0, 4, 1);
+  std::vector<std::uint64_t> at_issue;
+  for (std::uint32_t b = 0; b < 4; ++b) at_issue.push_back(h.region.generation(b));
+
+  h.server->hold(p::message_type::store_request);
+  c.store("f", toks, 0, 2, range(0, 4));
+  REQUIRE(h.server->wait_received(p::message_type::store_request, 1));
+  REQUIRE(c.block_reused(3));  // the engine frees and reuses chunk 1's second block
+  CHECK(h.region.generation(3) == at_issue[3] + 1);
+  fill_block(h.region, 3, 77);
+  h.server->sync();
+  h.server->release_held();  // the server copies now: chunk 1 holds new bytes in block 3
+  REQUIRE(h.wait([](const record& r) { return r.stores.size() == 1; }));
+  const auto ev = h.rec.snapshot().stores.at(0);
+  CHECK(ev.stored_chunks == 1);
+  CHECK(ev.failed_chunks == 1);
+  const auto sent = h.server->stores();
+  REQUIRE(sent.size() == 1);
+  CHECK(sent[0].block_generations == at_issue);  // read at issue time, not at copy time
+  const auto hashes = c.chunk_hashes(toks);
+  const std::uint64_t model = make_model_id("test-model", layout.model);
+  CHECK(h.server->has_chunk(chunk_key{model, 1, 0, hashes[0]}));
+  CHECK_FALSE(h.server->has_chunk(chunk_key{model, 1, 0, hashes[1]}));
+
+  // Stored again with its final content, chunk 1 is accepted.
+  h.server->hold(p::message_type::store_request, false);
+  h.store_and_wait(c, "f2", toks, 1, 1, blocks{2, 3});
+  CHECK(h.rec.snapshot().stores.back().stored_chunks == 1);
+  CHECK(h.server->has_chunk(chunk_key{model, 1, 0, hashes[1]}));
+}
+
+TEST_CASE("world size 2: a chunk is a hit only when both ranks' shards are cached",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  kv_region region1 = make_region();
+  connector<test_bus> c0(h.options(0, 2), h.region, h.bus);
+  connector<test_bus> c1(h.options(1, 2), region1, h.bus);
+  REQUIRE(c0.wait_ready(60s));
+  REQUIRE(c1.wait_ready(60s));
+  const auto toks = tokens(4 * ct, 9);
+  h.fill(0, 8, 10);
+  h.fill(0, 8, 50, &region1);
+  h.store_and_wait(c0, "w", toks, 0, 4, range(0, 8));
+  h.store_and_wait(c1, "w", toks, 0, 2, range(0, 4));
+
+  c0.lookup("x", toks);
+  REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 1; }));
+  CHECK(c0.lookup_result("x") == std::optional<std::size_t>(2 * ct));
+  CHECK_THROWS_AS(c1.lookup("x", toks), std::logic_error);  // lookups are the scheduler's
+
+  h.store_and_wait(c1, "w2", toks, 2, 2, range(4, 4));
+  c0.lookup("y", toks);
+  REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 2; }));
+  CHECK(c0.lookup_result("y") == std::optional<std::size_t>(4 * ct));
+
+  // Each rank retrieves its own shard into its own region.
+  c1.retrieve("y", toks, 0, range(16, 8));
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
+  CHECK(c1.get_finished(ids{}).recving == ids{"y"});
+  CHECK(c0.get_finished(ids{}).recving.empty());
+  h.server->sync();
+  for (std::uint32_t k = 0; k < 8; ++k) CHECK(block_is(region1, 16 + k, static_cast<std::uint8_t>(50 + k)));
+  CHECK(h.rec.snapshot().retrieves.at(0).rank == 1);
+}
+
+TEST_CASE("the connector's events and metrics count a session exactly", "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  const auto toks = tokens(4 * ct, 10);
+  h.fill(0, 4, 1);
+  h.store_and_wait(c, "m", toks, 0, 2, range(0, 4));
+  c.lookup("m", toks);
+  REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 1; }));
+  c.retrieve("m", toks, 0, range(8, 4));
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
+  c.retrieve("n", toks, 0, range(12, 6));  // 3 chunks, 2 cached
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 2; }));
+
+  const auto s = h.rec.snapshot();
+  CHECK(s.count<bus::connector_healthy>() == 1);
+  CHECK(s.count<bus::connector_unhealthy>() == 0);
+  CHECK(s.count<bus::connector_reconnected>() == 0);
+  CHECK(s.count<bus::connector_store_completed>() == 1);
+  CHECK(s.count<bus::connector_lookup_completed>() == 1);
+  CHECK(s.count<bus::connector_retrieve_completed>() == 2);
+  CHECK(s.count<bus::connector_load_error>() == 1);
+  CHECK(s.count<bus::connector_quarantine_changed>() == 0);
+  CHECK(s.load_errors.at(0).block_count == 2);
+  CHECK(s.load_errors.at(0).reason == bus::connector_outcome::partial);
+
+  const auto& reg = h.reg;
+  CHECK(reg.value("kvtier_connector_healthy") == 1.0);
+  CHECK(reg.value("kvtier_connector_stores_total", {{"outcome", "ok"}}) == 1.0);
+  CHECK(reg.value("kvtier_connector_store_requested_chunks_total") == 2.0);
+  CHECK(reg.value("kvtier_connector_store_chunks_total", {{"result", "stored"}}) == 2.0);
+  CHECK(reg.value("kvtier_connector_lookups_total", {{"outcome", "ok"}}) == 1.0);
+  CHECK(reg.value("kvtier_connector_lookup_requested_tokens_total") == 4.0 * ct);
+  CHECK(reg.value("kvtier_connector_lookup_hit_tokens_total") == 2.0 * ct);
+  CHECK(reg.value("kvtier_connector_retrieves_total", {{"outcome", "ok"}}) == 1.0);
+  CHECK(reg.value("kvtier_connector_retrieves_total", {{"outcome", "partial"}}) == 1.0);
+  CHECK(reg.value("kvtier_connector_retrieve_requested_chunks_total") == 5.0);
+  CHECK(reg.value("kvtier_connector_retrieved_chunks_total") == 4.0);
+  CHECK(reg.value("kvtier_connector_load_error_blocks_total", {{"reason", "partial"}}) == 2.0);
+  CHECK(reg.value("kvtier_connector_quarantined_blocks") == 0.0);
+}
+
+TEST_CASE("a server that answers pings but no work trips the breaker", "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  auto o = h.options();
+  o.timeouts.store_timeout = 50ms;
+  o.breaker_threshold = 3;
+  connector<test_bus> c(o, h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  h.server->hold(p::message_type::store_request);
+  const auto toks = tokens(ct, 11);
+  for (int i = 0; i < 3; ++i) c.store("b" + std::to_string(i), toks, 0, 1, range(0, 2));
+  REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1; }));
+  const auto s = h.rec.snapshot();
+  CHECK(s.unhealthy.at(0).reason.view() == "timeouts");
+  CHECK(std::count_if(s.stores.begin(), s.stores.end(),
+                      [](const auto& e) { return e.outcome == bus::connector_outcome::timeout; }) == 3);
+  CHECK(c.get_finished(ids{"b0", "b1", "b2"}).sending.size() == 3);
+}
+
+TEST_CASE("a server that lost the registration gets it again", "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  h.server->forget_registrations();
+  c.store("x", tokens(ct, 15), 0, 1, range(0, 2));
+  REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1 && r.healthy.size() == 2; }));
+  const auto s = h.rec.snapshot();
+  CHECK(s.unhealthy.at(0).reason.view() == "not_registered");
+  CHECK(s.stores.at(0).outcome == bus::connector_outcome::failed);
+  CHECK(h.server->received(p::message_type::register_kv_request) == 2);
+}
+
+TEST_CASE("a refused registration or another chunk size keeps the connector degraded and says why",
+          "[engine][connector][concurrency]") {
+  SECTION("refused registration") {
+    harness h;
+    h.start_server();
+    h.server->reject_registrations(errc::layout_mismatch);
+    connector<test_bus> c(h.options(), h.region, h.bus);
+    REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1; }));
+    CHECK(h.rec.snapshot().unhealthy.at(0).reason.view() == "register_failed");
+    CHECK_THAT(c.last_error(), Catch::Contains("rejected by the test script"));
+    CHECK_FALSE(c.healthy());
+    h.server->reject_registrations(std::nullopt);
+    CHECK(c.wait_ready(60s));
+  }
+  SECTION("chunk size mismatch") {
+    harness h;
+    h.start_server(2 * ct);
+    connector<test_bus> c(h.options(), h.region, h.bus);
+    REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1; }));
+    CHECK(h.rec.snapshot().unhealthy.at(0).reason.view() == "chunk_size_mismatch");
+    CHECK_THAT(c.last_error(), Catch::Contains("chunk_tokens=16"));
+    CHECK(h.server->received(p::message_type::register_kv_request) == 0);
+  }
+}
+
+TEST_CASE("bad arguments and bad options are refused before anything is sent", "[engine][connector]") {
+  harness h;
+  auto o = h.options();
+  o.chunk_tokens = 6;  // not a multiple of the block size (4)
+  CHECK_THROWS_AS(connector<test_bus>(o, h.region, h.bus), std::invalid_argument);
+  o = h.options();
+  o.rank = 1;  // world_size 1
+  CHECK_THROWS_AS(connector<test_bus>(o, h.region, h.bus), std::invalid_argument);
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  const auto toks = tokens(2 * ct, 12);
+  CHECK_THROWS_AS(c.retrieve("x", toks, 0, blocks{0, 1, 2}), std::invalid_argument);   // not whole chunks
+  CHECK_THROWS_AS(c.retrieve("x", toks, 1, range(0, 4)), std::invalid_argument);       // too few tokens
+  CHECK_THROWS_AS(c.store("x", toks, 0, 1, blocks{0, 99}), std::invalid_argument);     // block out of range
+  CHECK_THROWS_AS(c.store("", toks, 0, 1, blocks{0, 1}), std::invalid_argument);       // empty id
+  CHECK_THROWS_AS(c.lookup(std::string(300, 'x'), toks), std::invalid_argument);     // id too long
+  CHECK_THROWS_AS((void)c.block_reused(32), std::out_of_range);
+  CHECK(c.stats().calls_issued == 0);
+}
+
+TEST_CASE("quarantined blocks are released when the server's process is gone", "[engine][connector][concurrency]") {
+  temp_dir dir("kvtier-engine");
+  const std::string path = (dir.path() / "server.sock").string();
+  // The server runs in a child process (forked while this process has one thread), so that
+  // it can die. It never answers retrieves.
+  const ::pid_t child = ::fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+    try {
+      fake_server srv(path, ct);
+      srv.hold(p::message_type::retrieve_request);
+      srv.run();
+    } catch (...) {
+    }
+    ::_exit(1);
+  }
+  {
+    telemetry::registry reg;
+    event_recorder rec;
+    test_bus b{telemetry::metrics_subscriber{reg}, rec};
+    kv_region region = make_region();
+    connector_options o;
+    o.socket_path = path;
+    o.model_name = "test-model";
+    o.chunk_tokens = ct;
+    o.timeouts.ping_timeout = 10s;
+    o.timeouts.request_timeout = 10s;
+    o.timeouts.retrieve_timeout = 100ms;
+    o.timeouts.reconnect_initial = 5ms;
+    o.timeouts.reconnect_max = 50ms;
+    connector<test_bus> c(o, region, b);
+    REQUIRE(c.wait_ready(60s));
+    c.retrieve("g", tokens(ct, 13), 0, blocks{6, 7});
+    REQUIRE(rec.wait([](const record& r) { return r.retrieves.size() == 1; }));
+    CHECK(rec.snapshot().retrieves.at(0).outcome == bus::connector_outcome::timeout);
+    CHECK(c.quarantined_blocks() == blocks{6, 7});
+
+    // (The connector may have started before the child listened: count edges from here.)
+    const std::size_t edges = rec.snapshot().unhealthy.size();
+    REQUIRE(::kill(child, SIGKILL) == 0);
+    int status = 0;
+    REQUIRE(::waitpid(child, &status, 0) == child);
+    REQUIRE(rec.wait([](const record& r) { return r.released_blocks() == 2; }));
+    CHECK(c.quarantined_blocks().empty());
+    CHECK(c.block_reused(6));
+    REQUIRE(rec.wait([&](const record& r) { return r.unhealthy.size() == edges + 1; }));
+    CHECK(rec.snapshot().unhealthy.back().reason.view() == "eof");
+    CHECK(c.stats().open_connections == 0);
+  }
+}
