@@ -246,13 +246,13 @@ inline run_report engine::run(std::vector<request_spec> specs) {
     if (has_connector()) {
       for (auto& rs : ranks_) {
         auto f = rs->conn->get_finished(finished_now);
-        for (const auto& id : f.finished_recving) {
+        for (const auto& id : f.recving) {
           if (!rs->recv_seen.insert(id).second) ++rep.duplicate_finished;
           if (auto it = by_id.find(id); it != by_id.end() && it->second->ph == phase::retrieving &&
                                         --it->second->retrieve_pending == 0)
             finish_retrieve(*it->second);
         }
-        for (const auto& id : f.finished_sending) {
+        for (const auto& id : f.sending) {
           if (!rs->send_seen.insert(id).second) ++rep.duplicate_finished;
           if (auto it = by_id.find(id); it != by_id.end() && it->second->send_pending > 0) --it->second->send_pending;
         }
