@@ -206,10 +206,17 @@ class redis_cluster {
   redis_cluster() {
     for (int i = 0; i < 3; ++i) nodes_.push_back(std::make_unique<redis_server>(true));
     std::string cmd = "redis-cli --cluster create";
-    for (auto& n : nodes_) cmd += " " + n->endpoint();
+    for (auto& n : nodes_) {
+      cmd += ' ';
+      cmd += n->endpoint();
+    }
     cmd += " --cluster-replicas 0 --cluster-yes";
     const auto r = run_command(cmd);
-    if (r.exit_code != 0) throw std::runtime_error("redis-cli --cluster create failed: " + r.output);
+    if (r.exit_code != 0) {
+      std::string msg = "redis-cli --cluster create failed: ";
+      msg.append(r.output);
+      throw std::runtime_error(msg);
+    }
     if (!wait_ok()) throw std::runtime_error("the cluster did not reach cluster_state:ok");
   }
 

@@ -595,12 +595,19 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
         ++t.redirect_limit;
         return key_outcome::io_error;
       }
+      // Not this key's fault: the node cannot serve now (cluster down, loading, a replica, a
+      // script running) or this client may not (no AUTH: Redis 7 refuses even to read a
+      // large argument from an unauthenticated client, "unauthenticated bulk length").
       for (std::string_view down : {"CLUSTERDOWN", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOAUTH", "WRONGPASS",
                                     "READONLY", "BUSY", "NOPERM"})
         if (s.starts_with(down)) {
           ++t.unavailable;
           return key_outcome::unavailable;
         }
+      if (s.find("unauthenticated") != std::string_view::npos) {
+        ++t.unavailable;
+        return key_outcome::unavailable;
+      }
     }
     ++t.server;
     return key_outcome::io_error;
