@@ -28,6 +28,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <random>
 #include <set>
 #include <vector>
@@ -226,7 +227,7 @@ TEST_CASE("options are checked and read from JSON key for key, passwords never f
       "key_prefix": "fleet", "connections_per_node": 8, "ttl_seconds": 3600, "username": "kv",
       "password_env": "KV_REDIS_PASSWORD", "connect_timeout_ms": 250, "reconnect_backoff_min_ms": 10,
       "reconnect_backoff_max_ms": 5000, "info_interval_ms": 2000, "log_interval_ms": 30000,
-      "max_redirects": 3})"));
+      "max_redirects": 3, "max_inflight_bytes_per_connection": 8388608})"));
   CHECK(o.name == "shared");
   CHECK(o.nodes.size() == 2);
   CHECK(o.cluster);
@@ -239,6 +240,7 @@ TEST_CASE("options are checked and read from JSON key for key, passwords never f
   CHECK(o.reconnect_backoff_max_ms == std::chrono::milliseconds(5000));
   CHECK(o.info_interval_ms == std::chrono::milliseconds(2000));
   CHECK(o.max_redirects == 3);
+  CHECK(o.max_inflight_bytes_per_connection == 8u << 20);
   auto throws_naming = [](const char* json, const char* what) {
     try {
       (void)l2::redis_options_from_json(nlohmann::json::parse(json));
@@ -672,6 +674,40 @@ TEST_CASE("a reply that comes after the deadline is read and dropped; the connec
   CHECK(fresh == bytes_of(k, n));
   CHECK(late == std::vector<std::byte>(n, std::byte{0xee}));  // the late reply went nowhere
   CHECK(fake.connections == 1);                                // and cost no reconnection
+}
+
+TEST_CASE("large GETs are not pipelined past max_inflight_bytes_per_connection", "[redis][buffers]") {
+  asio::io_context io;
+  fake_redis fake(io);
+  constexpr std::size_t n = 64 * 1024;
+  std::size_t gets = 0;
+  fake.answer = [&](const std::vector<std::string>& a) -> std::string {
+    if (a[0] == "GET") ++gets;  // answered by the test, one at a time
+    return {};
+  };
+  l2::redis_backend_options o;
+  o.nodes = {"127.0.0.1:" + std::to_string(fake.port())};
+  o.connections_per_node = 1;
+  o.info_interval_ms = std::chrono::hours(1);
+  o.max_inflight_bytes_per_connection = 100 * 1024;  // room for one object at a time
+  l2::redis_backend b(io.get_executor(), o);
+  REQUIRE(run_until(io, [&] { return b.health().healthy; }));
+  const auto k = keys(0, 3);
+  std::vector<std::vector<std::byte>> out(3, std::vector<std::byte>(n));
+  std::vector<std::span<std::byte>> dst(out.begin(), out.end());
+  std::optional<l2::batch_result> result;
+  b.async_load(k, dst, soon(), [&](error_code, l2::batch_result r) { result = std::move(r); });
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    REQUIRE(run_until(io, [&] { return gets == i + 1; }));
+    io.restart();
+    io.run_for(std::chrono::milliseconds(50));  // room for a wrongly pipelined GET to show up
+    CHECK(gets == i + 1);
+    const std::string v = object_value(k[i], n);
+    fake.send(0, "$" + std::to_string(v.size()) + "\r\n" + v + "\r\n");
+  }
+  REQUIRE(run_until(io, [&] { return result.has_value(); }));
+  CHECK(result->count(key_outcome::ok) == 3);
+  for (std::size_t i = 0; i < k.size(); ++i) CHECK(out[i] == bytes_of(k[i], n));
 }
 
 TEST_CASE("a malformed reply drops the connection and counts a protocol error", "[redis]") {

@@ -33,6 +33,11 @@ struct redis_backend_options {
   /// TCP connections per Redis node; requests of a batch are spread over them round-robin
   /// and pipelined on each.
   std::uint32_t connections_per_node = 4;
+  /// Replies one connection may have outstanding, in expected bytes (one GET always goes):
+  /// deeper pipelining of large values only piles them up in Redis's output buffers (with
+  /// 3 MiB objects, the default keeps one GET per connection in flight; measured in
+  /// docs/performance.md). Small requests pipeline without limit.
+  std::uint64_t max_inflight_bytes_per_connection = std::uint64_t{4} << 20;
   /// Expiry of each stored object in seconds (SET ... EX); 0: no expiry (Redis's maxmemory
   /// policy alone evicts).
   std::uint32_t ttl_seconds = 0;
@@ -79,6 +84,7 @@ struct redis_backend_options {
     if (key_prefix.find_first_of(" \r\n") != std::string::npos)
       throw bad("key_prefix must not contain spaces or line breaks");
     if (connections_per_node == 0 || connections_per_node > 256) throw bad("connections_per_node must be in [1, 256]");
+    if (max_inflight_bytes_per_connection == 0) throw bad("max_inflight_bytes_per_connection must be > 0");
     if (!password_file.empty() && !password_env.empty())
       throw bad("set password_file or password_env, not both");
     if (cluster && database != 0) throw bad("database must be 0 with cluster (Redis Cluster has one database)");

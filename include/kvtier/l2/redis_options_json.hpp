@@ -55,6 +55,9 @@ namespace kvtier::inline KVTIER_ABI_TAG::l2 {
       o.key_prefix = get_string(key, v);
     } else if (key == "connections_per_node") {
       o.connections_per_node = get_uint(key, v);
+    } else if (key == "max_inflight_bytes_per_connection") {
+      if (!v.is_number_integer() || v.get<std::int64_t>() <= 0) throw fail(key, "must be a positive integer");
+      o.max_inflight_bytes_per_connection = static_cast<std::uint64_t>(v.get<std::int64_t>());
     } else if (key == "ttl_seconds") {
       o.ttl_seconds = get_uint(key, v);
     } else if (key == "username") {

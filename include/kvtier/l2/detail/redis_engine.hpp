@@ -437,6 +437,7 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
     lo.username = options_.username;
     lo.password = password_;
     lo.database = options_.database;
+    lo.max_inflight_bytes = options_.max_inflight_bytes_per_connection;
     n.conns[i].link = std::make_shared<redis_link>(strand_, std::move(lo), static_cast<redis_link_owner*>(this));
     n.conns[i].link->start();
   }
@@ -456,13 +457,20 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
   /// A connection of the node: one that is up (round-robin), else one still connecting
   /// (the command waits there), else none (the node is down and waits to reconnect).
   std::shared_ptr<redis_link> pick_link(redis_node& n) {
+    // The least loaded connection that is up (expected reply bytes; ties: round-robin).
     const std::size_t k = n.conns.size();
+    std::shared_ptr<redis_link> best;
+    std::size_t at = 0;
     for (std::size_t j = 0; j < k; ++j) {
       auto& c = n.conns[(n.rr + j) % k];
-      if (c.link && c.link->up()) {
-        n.rr = (n.rr + j + 1) % k;
-        return c.link;
+      if (c.link && c.link->up() && (!best || c.link->load() < best->load())) {
+        best = c.link;
+        at = j;
       }
+    }
+    if (best) {
+      n.rr = (n.rr + at + 1) % k;
+      return best;
     }
     for (auto& c : n.conns)
       if (c.link && c.link->current() != redis_link::state::closed) return c.link;
@@ -824,6 +832,7 @@ inline void redis_batch::issue(std::size_t i, redis_node* n, bool asking) {
     case command::get:
       redis_format_append(r->head, {"GET", it.key});
       r->kind = redis_reply_kind::object;
+      r->reply_bytes = object_header_bytes + it.dst.size();
       r->dst = it.dst;
       r->expect = it.expect;
       break;
