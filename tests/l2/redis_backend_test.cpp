@@ -9,6 +9,7 @@
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/l2/redis_options_json.hpp>
+#include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/registry.hpp>
 
 #include <catch2/catch.hpp>
@@ -60,8 +61,8 @@ struct client {
   asio::io_context io;
   std::unique_ptr<l2::redis_backend> b;
 
-  explicit client(l2::redis_backend_options o, bool wait_healthy = true) {
-    b = std::make_unique<l2::redis_backend>(io.get_executor(), std::move(o));
+  explicit client(l2::redis_backend_options o, bool wait_healthy = true, telemetry::logger* log = nullptr) {
+    b = std::make_unique<l2::redis_backend>(io.get_executor(), std::move(o), log);
     if (wait_healthy) REQUIRE(run_until(io, [&] { return b->health().healthy; }));
   }
 
@@ -401,7 +402,11 @@ TEST_CASE("Redis killed mid-run: lookups miss and stores fail within the deadlin
   test::redis_server s;
   auto o = standalone_options(s);
   o.reconnect_backoff_max_ms = std::chrono::milliseconds(200);
-  client c(o);
+  o.log_interval_ms = std::chrono::hours(1);
+  std::vector<std::string> lines;
+  telemetry::logger log(telemetry::log_level::info, "test",
+                        [&](telemetry::log_level, std::string_view line) { lines.emplace_back(line); });
+  client c(o, true, &log);
   telemetry::registry reg;
   c.b->export_metrics(reg);
   const auto k = keys(0, 8);
@@ -433,6 +438,14 @@ TEST_CASE("Redis killed mid-run: lookups miss and stores fail within the deadlin
   CHECK(st.error(l2::redis_error_kind::unavailable) >= 4 + 8 + 8);
   CHECK(reg.value("kvtier_l2_redis_errors_total", {{"backend", "redis"}, {"kind", "unavailable"}}).value_or(0) ==
         static_cast<double>(st.error(l2::redis_error_kind::unavailable)));
+  // Three operations failed, each logged its keys: one line per kind per interval.
+  auto logged = [&](std::string_view kind) {
+    std::size_t n = 0;
+    for (const auto& l : lines) n += l.find("': " + std::string(kind) + " x") != std::string::npos ? 1 : 0;
+    return n;
+  };
+  CHECK(logged("unavailable") == 1);
+  CHECK(logged("disconnect") == 1);
 
   s.restart();  // empty: persistence is off
   REQUIRE(run_until(c.io, [&] { return c.b->health().healthy; }));
