@@ -76,16 +76,26 @@ bench_config parse(int argc, char** argv) {
       if (!a.starts_with(name) || a.size() <= name.size() || a[name.size()] != '=') return std::nullopt;
       return std::stoull(std::string(a.substr(name.size() + 1)));
     };
-    if (auto v = value("--port")) c.port = static_cast<int>(*v);
-    else if (auto v2 = value("--objects")) c.objects = *v2;
-    else if (auto v3 = value("--object-bytes")) c.object_bytes = *v3;
-    else if (auto v4 = value("--connections")) c.connections = *v4;
-    else if (auto v5 = value("--lookup-keys")) c.lookup_keys = *v5;
-    else if (auto v6 = value("--requests")) c.requests = *v6;
-    else if (auto v7 = value("--repeats")) c.repeats = *v7;
-    else if (auto v8 = value("--max-inflight-bytes")) c.max_inflight_bytes = *v8;
-    else if (a == "--quick") c.repeats = 3;
-    else throw std::invalid_argument("unknown argument: " + std::string(a));
+    if (auto v = value("--port"))
+      c.port = static_cast<int>(*v);
+    else if (auto v2 = value("--objects"))
+      c.objects = *v2;
+    else if (auto v3 = value("--object-bytes"))
+      c.object_bytes = *v3;
+    else if (auto v4 = value("--connections"))
+      c.connections = *v4;
+    else if (auto v5 = value("--lookup-keys"))
+      c.lookup_keys = *v5;
+    else if (auto v6 = value("--requests"))
+      c.requests = *v6;
+    else if (auto v7 = value("--repeats"))
+      c.repeats = *v7;
+    else if (auto v8 = value("--max-inflight-bytes"))
+      c.max_inflight_bytes = *v8;
+    else if (a == "--quick")
+      c.repeats = 3;
+    else
+      throw std::invalid_argument("unknown argument: " + std::string(a));
   }
   if (c.port <= 0) throw std::invalid_argument("--port=P is required (bench/l2_redis.sh starts a redis-server)");
   if (c.requests == 0) c.requests = 2 * c.objects;
@@ -226,7 +236,8 @@ int main(int argc, char** argv) try {
       co_return 0;
     });
     for (auto id : ids) tc.release_all(id);
-    if (tc.status().l1.objects != 0) throw std::runtime_error("L1 kept prefetched objects: the next sweep would hit L1");
+    if (tc.status().l1.objects != 0)
+      throw std::runtime_error("L1 kept prefetched objects: the next sweep would hit L1");
     return chunks;
   };
 
@@ -242,7 +253,8 @@ int main(int argc, char** argv) try {
     const double secs = std::chrono::duration<double>(clock_type::now() - t0).count();
     const double our_bps = static_cast<double>(chunks) * static_cast<double>(c.object_bytes) / secs;
     const double their_bps = redis_benchmark_rps(c) * static_cast<double>(c.object_bytes);
-    if (chunks != sweeps * c.objects) std::printf("  (repeat %zu: %zu of %zu objects loaded)\n", r, chunks, sweeps * c.objects);
+    if (chunks != sweeps * c.objects)
+      std::printf("  (repeat %zu: %zu of %zu objects loaded)\n", r, chunks, sweeps * c.objects);
     std::printf("  repeat %zu: kvtier %.3f GB/s, redis-benchmark %.3f GB/s, ratio %.3f\n", r, our_bps / 1e9,
                 their_bps / 1e9, our_bps / their_bps);
     ours.push_back(our_bps);

@@ -36,16 +36,18 @@
 
 using namespace kvtier;
 namespace asio = boost::asio;
+using kvtier::test::reply_text;
 using kvtier::test::run_sync;
 using kvtier::test::run_until;
-using kvtier::test::reply_text;
 using l2::key_outcome;
 
 namespace {
 
 constexpr std::size_t object_bytes = 16 * 1024;
 
-chunk_key key_of(std::uint64_t i, std::uint64_t model = 0xabc) { return chunk_key{model, 1, 0, hash128{i * 977 + 3, i}}; }
+chunk_key key_of(std::uint64_t i, std::uint64_t model = 0xabc) {
+  return chunk_key{model, 1, 0, hash128{i * 977 + 3, i}};
+}
 
 std::vector<std::byte> bytes_of(const chunk_key& k, std::size_t n = object_bytes) {
   std::vector<std::byte> b(n);
@@ -81,8 +83,9 @@ struct client {
     }());
   }
   // Loads into fresh buffers filled with 0xee; `out` keeps them.
-  std::tuple<error_code, l2::batch_result> load(std::span<const chunk_key> keys, std::vector<std::vector<std::byte>>& out,
-                                                std::size_t n = object_bytes, l2::deadline d = soon()) {
+  std::tuple<error_code, l2::batch_result> load(std::span<const chunk_key> keys,
+                                                std::vector<std::vector<std::byte>>& out, std::size_t n = object_bytes,
+                                                l2::deadline d = soon()) {
     out.assign(keys.size(), std::vector<std::byte>(n, std::byte{0xee}));
     std::vector<std::span<std::byte>> dst(out.begin(), out.end());
     return run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
@@ -148,7 +151,16 @@ TEST_CASE("the key slot is CRC16/XMODEM modulo 16384 of the key or its first non
 TEST_CASE("the slot function agrees with CLUSTER KEYSLOT of a real cluster", "[redis][slot][cluster]") {
   auto& c = test::shared_cluster();
   l2::redis_backend_options o = cluster_options(c);
-  std::vector<std::string> probe = {"a", "b", "kvtier", "{a}b", "a{b}c", "{}x", "x{}", "{{x}}", "}{x}", "\xff\xfe\x01",
+  std::vector<std::string> probe = {"a",
+                                    "b",
+                                    "kvtier",
+                                    "{a}b",
+                                    "a{b}c",
+                                    "{}x",
+                                    "x{}",
+                                    "{{x}}",
+                                    "}{x}",
+                                    "\xff\xfe\x01",
                                     "a long key with spaces and : colons"};
   std::mt19937_64 rng(42);
   for (int i = 0; i < 60; ++i) {
@@ -188,8 +200,10 @@ TEST_CASE("a SET framed around the caller's value is byte for byte what hiredis 
     INFO(ttl);
     const auto f = l2::detail::redis_set_frame(key, value.size(), ttl);
     std::string expected;
-    if (ttl == 0) l2::detail::redis_format_append(expected, {"SET", key, value, "NX"});
-    else l2::detail::redis_format_append(expected, {"SET", key, value, "NX", "EX", std::to_string(ttl)});
+    if (ttl == 0)
+      l2::detail::redis_format_append(expected, {"SET", key, value, "NX"});
+    else
+      l2::detail::redis_format_append(expected, {"SET", key, value, "NX", "EX", std::to_string(ttl)});
     CHECK(f.head + value + f.tail == expected);
   }
 }
@@ -613,8 +627,10 @@ std::string object_value(const chunk_key& k, std::size_t n) {
 
 }  // namespace
 
-TEST_CASE("a reply that stalls mid-payload: the load times out, the connection is dropped, the buffer is "
-          "never written afterwards", "[redis][buffers]") {
+TEST_CASE(
+    "a reply that stalls mid-payload: the load times out, the connection is dropped, the buffer is "
+    "never written afterwards",
+    "[redis][buffers]") {
   asio::io_context io;
   fake_redis fake(io);
   const chunk_key k = key_of(7);
@@ -686,7 +702,7 @@ TEST_CASE("a reply that comes after the deadline is read and dropped; the connec
   CHECK(r2.outcomes[0] == key_outcome::ok);
   CHECK(fresh == bytes_of(k, n));
   CHECK(late == std::vector<std::byte>(n, std::byte{0xee}));  // the late reply went nowhere
-  CHECK(fake.connections == 1);                                // and cost no reconnection
+  CHECK(fake.connections == 1);                               // and cost no reconnection
 }
 
 TEST_CASE("large GETs are not pipelined past max_inflight_bytes_per_connection", "[redis][buffers]") {
@@ -790,7 +806,8 @@ TEST_CASE("a slot migrating under the backend: ASK during the migration, MOVED a
   auto& src = cl.node(static_cast<std::size_t>(from));
   auto& dst = cl.node(static_cast<std::size_t>(to));
   const std::string s = std::to_string(slot);
-  REQUIRE(reply_text(dst.command({"CLUSTER", "SETSLOT", s, "IMPORTING", cl.id(static_cast<std::size_t>(from))})) == "OK");
+  REQUIRE(reply_text(dst.command({"CLUSTER", "SETSLOT", s, "IMPORTING", cl.id(static_cast<std::size_t>(from))})) ==
+          "OK");
   REQUIRE(reply_text(src.command({"CLUSTER", "SETSLOT", s, "MIGRATING", cl.id(static_cast<std::size_t>(to))})) == "OK");
 
   // The new key is not on the source: it answers ASK, the backend asks the target.
@@ -806,11 +823,13 @@ TEST_CASE("a slot migrating under the backend: ASK during the migration, MOVED a
   CHECK(c.b->stats().moved == 0);
 
   // Finish the migration; the backend's map still names the source.
-  auto m = src.command({"MIGRATE", "127.0.0.1", std::to_string(dst.port()), "", "0", "5000", "KEYS",
-                        c.b->key_of(old_key)});
+  auto m =
+      src.command({"MIGRATE", "127.0.0.1", std::to_string(dst.port()), "", "0", "5000", "KEYS", c.b->key_of(old_key)});
   REQUIRE(reply_text(m) == "OK");
-  for (std::size_t i : {static_cast<std::size_t>(to), static_cast<std::size_t>(from), static_cast<std::size_t>(3 - from - to)})
-    REQUIRE(reply_text(cl.node(i).command({"CLUSTER", "SETSLOT", s, "NODE", cl.id(static_cast<std::size_t>(to))})) == "OK");
+  for (std::size_t i :
+       {static_cast<std::size_t>(to), static_cast<std::size_t>(from), static_cast<std::size_t>(3 - from - to)})
+    REQUIRE(reply_text(cl.node(i).command({"CLUSTER", "SETSLOT", s, "NODE", cl.id(static_cast<std::size_t>(to))})) ==
+            "OK");
   REQUIRE(cl.wait_ok());
   CHECK(c.loads_right_bytes(std::span(&old_key, 1)));
   CHECK(c.b->stats().moved >= 1);
@@ -888,7 +907,7 @@ struct cache_node {
     co.l1.eviction_watermark = 1.0;
     co.l1.eviction_target = 0.9;
     cache = std::make_unique<cache::tiered_cache<cache_traits>>(io.get_executor(), co, events,
-                                                                  std::vector<l2::any_backend>{l2::any_backend(redis)});
+                                                                std::vector<l2::any_backend>{l2::any_backend(redis)});
   }
   void settle() {
     run_sync(io, [&]() -> asio::awaitable<void> { co_await cache->wait_idle(); }());

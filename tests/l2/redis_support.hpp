@@ -110,8 +110,7 @@ class redis_server {
   explicit redis_server(bool cluster = false, std::vector<std::string> extra = {})
       : dir_("kvtier-redis"), cluster_(cluster), extra_(std::move(extra)) {
     for (unsigned attempt = 0; attempt < port_count; ++attempt) {
-      const auto port =
-          static_cast<std::uint16_t>(first_port + detail::next_port_offset().fetch_add(1) % port_count);
+      const auto port = static_cast<std::uint16_t>(first_port + detail::next_port_offset().fetch_add(1) % port_count);
       if (!detail::port_free(port) || (cluster_ && !detail::port_free(static_cast<std::uint16_t>(port + 10000))))
         continue;
       port_ = port;
@@ -153,13 +152,26 @@ class redis_server {
 
  private:
   bool spawn() {
-    std::vector<std::string> args = {"redis-server", "--port", std::to_string(port_), "--bind", "127.0.0.1",
-                                     "--save", "", "--appendonly", "no", "--dir", dir_.path().string(),
-                                     "--logfile", (dir_.path() / "redis.log").string(), "--daemonize", "no",
-                                     "--protected-mode", "no"};
+    std::vector<std::string> args = {"redis-server",
+                                     "--port",
+                                     std::to_string(port_),
+                                     "--bind",
+                                     "127.0.0.1",
+                                     "--save",
+                                     "",
+                                     "--appendonly",
+                                     "no",
+                                     "--dir",
+                                     dir_.path().string(),
+                                     "--logfile",
+                                     (dir_.path() / "redis.log").string(),
+                                     "--daemonize",
+                                     "no",
+                                     "--protected-mode",
+                                     "no"};
     if (cluster_) {
-      for (const char* a : {"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                            "--cluster-node-timeout", "2000"})
+      for (const char* a :
+           {"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000"})
         args.emplace_back(a);
     }
     args.insert(args.end(), extra_.begin(), extra_.end());

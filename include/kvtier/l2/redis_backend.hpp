@@ -136,14 +136,16 @@ class redis_backend {
   auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
                   Token&& token) {
     return kvtier::detail::async_run<void(error_code, batch_result)>(
-        executor_type(engine_->strand()), detail::redis_engine::load(engine_, keys, destinations, d), std::forward<Token>(token));
+        executor_type(engine_->strand()), detail::redis_engine::load(engine_, keys, destinations, d),
+        std::forward<Token>(token));
   }
 
   template <class Token>
   auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
                    Token&& token) {
     return kvtier::detail::async_run<void(error_code, batch_result)>(
-        executor_type(engine_->strand()), detail::redis_engine::store(engine_, keys, sources, d), std::forward<Token>(token));
+        executor_type(engine_->strand()), detail::redis_engine::store(engine_, keys, sources, d),
+        std::forward<Token>(token));
   }
 
   template <class Token>
@@ -168,7 +170,8 @@ class redis_backend {
     const std::string b(name());
     for (std::size_t k = 0; k < redis_error_kind_count; ++k)
       reg.add_callback("kvtier_l2_redis_errors_total", "Failures of the Redis L2 backend by kind (keys or connections)",
-                       metric_type::counter, {{"backend", b}, {"kind", std::string(l2::name(static_cast<redis_error_kind>(k)))}},
+                       metric_type::counter,
+                       {{"backend", b}, {"kind", std::string(l2::name(static_cast<redis_error_kind>(k)))}},
                        [c, k] { return static_cast<double>(c->errors[k].load(std::memory_order_relaxed)); });
     reg.add_callback("kvtier_l2_redis_reconnects_total", "Connections to Redis re-established after a failure",
                      metric_type::counter, {{"backend", b}},
@@ -196,8 +199,7 @@ class redis_backend {
     if (!o.password_file.empty()) {
       std::ifstream f(o.password_file, std::ios::binary);
       if (!f)
-        throw std::invalid_argument("redis_backend_options: password_file '" + o.password_file +
-                                    "' cannot be read");
+        throw std::invalid_argument("redis_backend_options: password_file '" + o.password_file + "' cannot be read");
       std::ostringstream s;
       s << f.rdbuf();
       std::string p = s.str();

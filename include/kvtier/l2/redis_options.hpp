@@ -63,9 +63,7 @@ struct redis_backend_options {
 
   /// Throws std::invalid_argument naming the field when a value is out of range.
   void validate() const {
-    auto bad = [](const std::string& what) {
-      return std::invalid_argument("redis_backend_options: " + what);
-    };
+    auto bad = [](const std::string& what) { return std::invalid_argument("redis_backend_options: " + what); };
     if (name.empty()) throw bad("name must not be empty");
     if (nodes.empty()) throw bad("nodes must list at least one \"host:port\"");
     if (!cluster && nodes.size() != 1)
@@ -75,8 +73,10 @@ struct redis_backend_options {
       bool ok = colon != std::string::npos && colon > 0 && colon + 1 < n.size() && n.size() - colon - 1 <= 5;
       std::uint32_t port = 0;
       for (std::size_t i = colon + 1; ok && i < n.size(); ++i) {
-        if (n[i] < '0' || n[i] > '9') ok = false;
-        else port = port * 10 + static_cast<std::uint32_t>(n[i] - '0');
+        if (n[i] < '0' || n[i] > '9')
+          ok = false;
+        else
+          port = port * 10 + static_cast<std::uint32_t>(n[i] - '0');
       }
       if (!ok || port == 0 || port > 65535) throw bad("nodes: '" + n + "' is not \"host:port\"");
     }
@@ -85,8 +85,7 @@ struct redis_backend_options {
       throw bad("key_prefix must not contain spaces or line breaks");
     if (connections_per_node == 0 || connections_per_node > 256) throw bad("connections_per_node must be in [1, 256]");
     if (max_inflight_bytes_per_connection == 0) throw bad("max_inflight_bytes_per_connection must be > 0");
-    if (!password_file.empty() && !password_env.empty())
-      throw bad("set password_file or password_env, not both");
+    if (!password_file.empty() && !password_env.empty()) throw bad("set password_file or password_env, not both");
     if (cluster && database != 0) throw bad("database must be 0 with cluster (Redis Cluster has one database)");
     if (connect_timeout_ms.count() <= 0) throw bad("connect_timeout_ms must be > 0");
     if (reconnect_backoff_min_ms.count() <= 0 || reconnect_backoff_max_ms < reconnect_backoff_min_ms)

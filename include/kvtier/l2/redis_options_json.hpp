@@ -81,8 +81,9 @@ namespace kvtier::inline KVTIER_ABI_TAG::l2 {
     } else if (key == "max_redirects") {
       o.max_redirects = get_uint(key, v);
     } else if (key == "password") {
-      throw fail(key, "is not accepted: put the password in a file (password_file) or an environment "
-                      "variable (password_env)");
+      throw fail(key,
+                 "is not accepted: put the password in a file (password_file) or an environment "
+                 "variable (password_env)");
     } else {
       throw fail(key, "is not a redis backend option");
     }

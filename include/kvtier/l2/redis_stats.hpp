@@ -30,16 +30,16 @@ inline constexpr std::size_t redis_error_kind_count = 10;
 
 [[nodiscard]] constexpr std::string_view name(redis_error_kind k) noexcept {
   constexpr std::array<std::string_view, redis_error_kind_count> n = {
-      "connect", "disconnect", "auth", "protocol", "timeout", "unavailable", "server", "oom", "redirect_limit",
-      "corrupt"};
+      "connect",     "disconnect", "auth", "protocol",       "timeout",
+      "unavailable", "server",     "oom",  "redirect_limit", "corrupt"};
   return n[static_cast<std::size_t>(k)];
 }
 
 struct redis_backend_stats {
   std::array<std::uint64_t, redis_error_kind_count> errors{};
-  std::uint64_t reconnects = 0;   ///< connections re-established after a failure
-  std::uint64_t moved = 0;        ///< MOVED redirects followed
-  std::uint64_t ask = 0;          ///< ASK redirects followed
+  std::uint64_t reconnects = 0;  ///< connections re-established after a failure
+  std::uint64_t moved = 0;       ///< MOVED redirects followed
+  std::uint64_t ask = 0;         ///< ASK redirects followed
   std::uint32_t connections_up = 0;
 
   [[nodiscard]] std::uint64_t error(redis_error_kind k) const noexcept { return errors[static_cast<std::size_t>(k)]; }

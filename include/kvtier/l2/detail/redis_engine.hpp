@@ -53,10 +53,10 @@ class redis_engine;
 /// One Redis node and its connections.
 struct redis_node {
   struct conn {
-    std::shared_ptr<redis_link> link;             ///< nullptr while waiting to reconnect
+    std::shared_ptr<redis_link> link;  ///< nullptr while waiting to reconnect
     std::unique_ptr<boost::asio::steady_timer> retry;
-    std::chrono::milliseconds backoff{0};         ///< wait before the next attempt
-    bool failed = false;                          ///< the last attempt or connection failed
+    std::chrono::milliseconds backoff{0};  ///< wait before the next attempt
+    bool failed = false;                   ///< the last attempt or connection failed
   };
   redis_endpoint ep;
   std::string name;  ///< "host:port"
@@ -79,10 +79,10 @@ class redis_batch final : public redis_reply_sink {
   enum class command : std::uint8_t { exists, get, set, del, raw };
   struct item {
     command cmd = command::raw;
-    std::string key;                ///< the Redis key (routing and command argument)
+    std::string key;  ///< the Redis key (routing and command argument)
     std::uint16_t slot = 0;
-    redis_node* fixed = nullptr;    ///< node-addressed command (INFO, DBSIZE, CLUSTER SLOTS)
-    std::vector<std::string> args;  ///< raw: the whole command
+    redis_node* fixed = nullptr;                          ///< node-addressed command (INFO, DBSIZE, CLUSTER SLOTS)
+    std::vector<std::string> args;                        ///< raw: the whole command
     std::array<std::byte, object_header_bytes> header{};  ///< set: the object header
     std::span<const std::byte> payload;                   ///< set: the caller's bytes
     std::span<std::byte> dst;                             ///< get: the caller's buffer
@@ -135,8 +135,7 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
     std::atomic<std::uint32_t> connections_up{0};
   };
 
-  redis_engine(boost::asio::any_io_executor ex, redis_backend_options o, std::string password,
-               telemetry::logger* log)
+  redis_engine(boost::asio::any_io_executor ex, redis_backend_options o, std::string password, telemetry::logger* log)
       : strand_(boost::asio::make_strand(std::move(ex))),
         options_(std::move(o)),
         password_(std::move(password)),
@@ -145,7 +144,8 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
         slots_(redis_cluster_slots, nullptr),
         counters_(std::make_shared<counters>()) {
     for (auto& t : throttles_)
-      t = std::make_unique<telemetry::log_throttle>(std::chrono::duration_cast<clock::duration>(options_.log_interval_ms));
+      t = std::make_unique<telemetry::log_throttle>(
+          std::chrono::duration_cast<clock::duration>(options_.log_interval_ms));
     health_ = {false, "not connected yet"};
   }
 
@@ -255,8 +255,9 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
       e.tally_failure(it, tally);
     }
     e.report_tally(tally, "lookup");
-    if (ec) co_return lookup_tuple{ec == boost::asio::error::operation_aborted ? ec : make_error_code(errc::timeout),
-                                   bitmap(n)};
+    if (ec)
+      co_return lookup_tuple{ec == boost::asio::error::operation_aborted ? ec : make_error_code(errc::timeout),
+                             bitmap(n)};
     if (n > 0 && tally.answered == 0)
       co_return lookup_tuple{make_error_code(tally.unavailable == n ? errc::backend_unavailable : errc::io_error),
                              bitmap(n)};
@@ -290,9 +291,12 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
     for (std::size_t i = 0; i < n; ++i) {
       auto& it = b.items()[i];
       using st = redis_reply_event::status;
-      if (it.done && it.result.st == st::object_ok) r.outcomes[i] = key_outcome::ok;
-      else if (it.done && it.result.st == st::object_nil) r.outcomes[i] = key_outcome::not_found;
-      else if (it.done && it.result.st == st::object_size) r.outcomes[i] = key_outcome::rejected;
+      if (it.done && it.result.st == st::object_ok)
+        r.outcomes[i] = key_outcome::ok;
+      else if (it.done && it.result.st == st::object_nil)
+        r.outcomes[i] = key_outcome::not_found;
+      else if (it.done && it.result.st == st::object_size)
+        r.outcomes[i] = key_outcome::rejected;
       else if (it.done && it.result.st == st::object_corrupt) {
         r.outcomes[i] = key_outcome::corrupt;
         corrupt.push_back(it.key);
@@ -367,8 +371,8 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
     co_return batch_tuple{error_code{}, r};
   }
 
-  static boost::asio::awaitable<batch_tuple> remove(std::shared_ptr<redis_engine> self,
-                                                    std::span<const chunk_key> keys, deadline d) {
+  static boost::asio::awaitable<batch_tuple> remove(std::shared_ptr<redis_engine> self, std::span<const chunk_key> keys,
+                                                    deadline d) {
     auto& e = *self;
     const std::size_t n = keys.size();
     batch_result r(n, key_outcome::timeout);
@@ -381,8 +385,10 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
     {
       std::lock_guard g(e.pins_mutex_);
       for (std::size_t i = 0; i < n; ++i) {
-        if (e.pins_.contains(keys[i])) r.outcomes[i] = key_outcome::rejected;
-        else sent.push_back(i);
+        if (e.pins_.contains(keys[i]))
+          r.outcomes[i] = key_outcome::rejected;
+        else
+          sent.push_back(i);
       }
     }
     redis_batch b(e, d);
@@ -510,10 +516,10 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
     if (c == nullptr) return;
     c->link.reset();  // (the link itself is kept alive by whoever closed it)
     n->last_error = std::string(why);
-    const auto kind = handshake ? redis_error_kind::auth
+    const auto kind = handshake                           ? redis_error_kind::auth
                       : why.starts_with("protocol error") ? redis_error_kind::protocol
-                      : was_up ? redis_error_kind::disconnect
-                               : redis_error_kind::connect;
+                      : was_up                            ? redis_error_kind::disconnect
+                                                          : redis_error_kind::connect;
     report(kind, 1, n->name + ": " + std::string(why));
     c->failed = true;
     if (!shut_down_) {
@@ -546,7 +552,8 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
     } else {
       std::string down;
       for (redis_node* m : masters_)
-        if (m->up() == 0) down += (down.empty() ? "" : ", ") + m->name + (m->last_error.empty() ? "" : " (" + m->last_error + ")");
+        if (m->up() == 0)
+          down += (down.empty() ? "" : ", ") + m->name + (m->last_error.empty() ? "" : " (" + m->last_error + ")");
       if (!down.empty()) h = {false, "no connection to master " + down};
     }
     counters_->connections_up.store(up, std::memory_order_relaxed);
@@ -557,7 +564,8 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
   void note_mutation(std::int64_t objects, std::int64_t bytes) {
     ++mutations_;
     std::lock_guard g(state_mutex_);
-    usage_.objects = static_cast<std::uint64_t>(std::max<std::int64_t>(0, static_cast<std::int64_t>(usage_.objects) + objects));
+    usage_.objects =
+        static_cast<std::uint64_t>(std::max<std::int64_t>(0, static_cast<std::int64_t>(usage_.objects) + objects));
     usage_.bytes_used =
         static_cast<std::uint64_t>(std::max<std::int64_t>(0, static_cast<std::int64_t>(usage_.bytes_used) + bytes));
   }
@@ -606,8 +614,8 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
       // Not this key's fault: the node cannot serve now (cluster down, loading, a replica, a
       // script running) or this client may not (no AUTH: Redis 7 refuses even to read a
       // large argument from an unauthenticated client, "unauthenticated bulk length").
-      for (std::string_view down : {"CLUSTERDOWN", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOAUTH", "WRONGPASS",
-                                    "READONLY", "BUSY", "NOPERM"})
+      for (std::string_view down :
+           {"CLUSTERDOWN", "LOADING", "MASTERDOWN", "TRYAGAIN", "NOAUTH", "WRONGPASS", "READONLY", "BUSY", "NOPERM"})
         if (s.starts_with(down)) {
           ++t.unavailable;
           return key_outcome::unavailable;
@@ -816,8 +824,8 @@ inline void redis_batch::issue(std::size_t i, redis_node* n, bool asking) {
   if (!link) {
     redis_reply_event e;
     e.st = redis_reply_event::status::failed;
-    e.text = n == nullptr ? std::string("no Redis node") : "not connected to " + n->name +
-                                                              (n->last_error.empty() ? "" : " (" + n->last_error + ")");
+    e.text = n == nullptr ? std::string("no Redis node")
+                          : "not connected to " + n->name + (n->last_error.empty() ? "" : " (" + n->last_error + ")");
     finish(i, std::move(e));
     return;
   }
@@ -827,8 +835,12 @@ inline void redis_batch::issue(std::size_t i, redis_node* n, bool asking) {
     r->asking = true;
   }
   switch (it.cmd) {
-    case command::exists: redis_format_append(r->head, {"EXISTS", it.key}); break;
-    case command::del: redis_format_append(r->head, {"DEL", it.key}); break;
+    case command::exists:
+      redis_format_append(r->head, {"EXISTS", it.key});
+      break;
+    case command::del:
+      redis_format_append(r->head, {"DEL", it.key});
+      break;
     case command::get:
       redis_format_append(r->head, {"GET", it.key});
       r->kind = redis_reply_kind::object;

@@ -68,13 +68,13 @@ namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
 /// What came back for one request.
 struct redis_reply_event {
   enum class status : std::uint8_t {
-    reply,          ///< generic reply in `reply` (never an error reply)
-    error,          ///< an error reply ("-MOVED ...", "-OOM ...", ...): its text in `text`
-    object_ok,      ///< object: the payload landed in the destination and passed its checks
-    object_nil,     ///< object: no such key
-    object_corrupt, ///< object: not a valid object of the key asked for (header, key, length, checksum)
-    object_size,    ///< object: a valid object of another size than the destination
-    failed,         ///< no reply: the connection failed (or was closed) first
+    reply,           ///< generic reply in `reply` (never an error reply)
+    error,           ///< an error reply ("-MOVED ...", "-OOM ...", ...): its text in `text`
+    object_ok,       ///< object: the payload landed in the destination and passed its checks
+    object_nil,      ///< object: no such key
+    object_corrupt,  ///< object: not a valid object of the key asked for (header, key, length, checksum)
+    object_size,     ///< object: a valid object of another size than the destination
+    failed,          ///< no reply: the connection failed (or was closed) first
   };
   status st = status::failed;
   redis_reply_ptr reply;
@@ -104,9 +104,9 @@ struct redis_request {
   std::size_t reply_bytes = 0;
 
   redis_reply_kind kind = redis_reply_kind::generic;
-  bool asking = false;             ///< head starts with ASKING: one "+OK" comes first
-  std::span<std::byte> dst;        ///< object: where the payload goes (empty: discard)
-  chunk_key expect;                ///< object: the key the header must carry
+  bool asking = false;       ///< head starts with ASKING: one "+OK" comes first
+  std::span<std::byte> dst;  ///< object: where the payload goes (empty: discard)
+  chunk_key expect;          ///< object: the key the header must carry
 
   redis_reply_sink* sink = nullptr;  ///< nullptr: abandoned, the reply is dropped
   std::size_t tag = 0;
@@ -132,9 +132,9 @@ struct redis_link_owner {
 struct redis_link_options {
   redis_endpoint endpoint;
   std::chrono::milliseconds connect_timeout{1000};
-  std::string username;  ///< AUTH username password (empty: AUTH password)
-  std::string password;  ///< empty: no AUTH
-  unsigned database = 0; ///< SELECT after connecting (standalone only)
+  std::string username;   ///< AUTH username password (empty: AUTH password)
+  std::string password;   ///< empty: no AUTH
+  unsigned database = 0;  ///< SELECT after connecting (standalone only)
   /// Requests are written while the replies outstanding on the connection are expected to
   /// bring fewer bytes than this (one request always goes). Redis answers a connection's
   /// pipelined commands as soon as it reads them, so 16 pipelined GETs of 3 MiB sit as 48 MiB
@@ -328,10 +328,9 @@ class redis_link : public std::enable_shared_from_this<redis_link>, private redi
     if (k == 0) return;
     n_writing_ += k;
     writing_ = true;
-    boost::asio::async_write(socket_, write_bufs_,
-                             [self = shared_from_this()](boost::system::error_code ec, std::size_t) {
-                               self->on_written(ec);
-                             });
+    boost::asio::async_write(
+        socket_, write_bufs_,
+        [self = shared_from_this()](boost::system::error_code ec, std::size_t) { self->on_written(ec); });
   }
 
   void on_written(boost::system::error_code ec) {
@@ -398,9 +397,7 @@ class redis_link : public std::enable_shared_from_this<redis_link>, private redi
     (void)self;
   }
 
-  [[nodiscard]] std::string_view buffered() const noexcept {
-    return {rbuf_.data() + rbegin_, rend_ - rbegin_};
-  }
+  [[nodiscard]] std::string_view buffered() const noexcept { return {rbuf_.data() + rbegin_, rend_ - rbegin_}; }
 
   // Takes one CRLF-terminated line out of the buffer (without the CRLF).
   bool take_line(std::string& line) {
@@ -435,10 +432,12 @@ class redis_link : public std::enable_shared_from_this<redis_link>, private redi
   void deliver(redis_reply_event&& e) {
     std::unique_ptr<redis_request> r = std::move(fifo_.front());
     fifo_.pop_front();
-    if (n_written_ > 0) --n_written_;
-    else if (n_writing_ > 0) --n_writing_;
+    if (n_written_ > 0)
+      --n_written_;
+    else if (n_writing_ > 0)
+      --n_writing_;
     inflight_bytes_ -= r->reply_bytes;
-    obj_ = {};  // (only meaningful after an object reply)
+    obj_ = {};                              // (only meaningful after an object reply)
     if (r->reply_bytes > 0) start_write();  // room for what waited behind the budget
     if (r->sink != nullptr) r->sink->on_reply(r->tag, std::move(e));
   }
@@ -506,7 +505,7 @@ class redis_link : public std::enable_shared_from_this<redis_link>, private redi
     std::size_t header_got = 0;
     std::array<std::byte, object_header_bytes> header{};
     std::uint64_t payload_checksum = 0;
-    std::size_t done = 0;          ///< payload bytes landed in dst
+    std::size_t done = 0;  ///< payload bytes landed in dst
     std::uint64_t discard_left = 0;
     redis_reply_event::status verdict = redis_reply_event::status::object_corrupt;
   };
@@ -532,8 +531,8 @@ class redis_link : public std::enable_shared_from_this<redis_link>, private redi
             deliver(std::move(e));
             return step::delivered;
           }
-          const auto n = line.size() > 1 && line[0] == '$' ? redis_parse_uint(std::string_view(line).substr(1))
-                                                           : std::nullopt;
+          const auto n =
+              line.size() > 1 && line[0] == '$' ? redis_parse_uint(std::string_view(line).substr(1)) : std::nullopt;
           if (!n) {
             fatal_ = "unexpected reply to GET: " + line.substr(0, 32);
             return step::fatal;

@@ -218,8 +218,8 @@ struct redis_slot_range {
 
 /// Parses a CLUSTER SLOTS reply; an empty host (unknown endpoint) becomes `asked_host`.
 /// nullopt when the reply does not have the documented shape.
-[[nodiscard]] inline std::optional<std::vector<redis_slot_range>> redis_parse_cluster_slots(const redisReply& r,
-                                                                                          std::string_view asked_host) {
+[[nodiscard]] inline std::optional<std::vector<redis_slot_range>> redis_parse_cluster_slots(
+    const redisReply& r, std::string_view asked_host) {
   if (r.type != REDIS_REPLY_ARRAY) return std::nullopt;
   std::vector<redis_slot_range> out;
   for (std::size_t i = 0; i < r.elements; ++i) {
