@@ -12,6 +12,12 @@ find_package(PkgConfig REQUIRED)
 if(NOT TARGET PkgConfig::URING)
   pkg_check_modules(URING REQUIRED IMPORTED_TARGET GLOBAL liburing)
 endif()
+# hiredis is optional: only kvtier::redis (l2/redis_backend.hpp) needs it. Without it the
+# kvtier::redis target is not defined (our build) or not usable (an installed kvtier), and
+# everything else works; consumers that do not link kvtier::redis never need hiredis.
+if(NOT TARGET PkgConfig::HIREDIS)
+  pkg_check_modules(HIREDIS QUIET IMPORTED_TARGET GLOBAL hiredis)
+endif()
 
 # xxHash is used header-only (XXH_INLINE_ALL), so only its header has to be present.
 find_path(KVTIER_XXHASH_INCLUDE_DIR xxhash.h)

@@ -60,7 +60,77 @@ struct any_memory_fixture {
 
 }  // namespace kvtier::test
 
+namespace kvtier::test {
+/// Whether a pin keeps the backend from evicting the object. A fixture declares
+/// `static constexpr bool pins_prevent_eviction = false;` when its backend's pins are
+/// advisory (Redis evicts by its own maxmemory policy); the eviction test then checks what
+/// such a backend must still guarantee (see backend_conformance_test.cpp).
+template <class Fixture>
+inline constexpr bool pins_prevent_eviction = [] {
+  if constexpr (requires { Fixture::pins_prevent_eviction; }) return Fixture::pins_prevent_eviction;
+  else return true;
+}();
+}  // namespace kvtier::test
+
+#ifndef KVTIER_L2_TEST_REDIS
 // Every backend the conformance suite runs against.
 #define KVTIER_L2_BACKEND_FIXTURES                                                  \
   kvtier::test::memory_backend_fixture, kvtier::test::fault_injecting_memory_fixture, \
       kvtier::test::any_memory_fixture
+#else
+// kvtier_test_redis compiles the suite a second time (l2/redis_conformance_test.cpp) with
+// these: a real standalone Redis and a real three-master cluster (tests/l2/redis_support.hpp),
+// shared by the tests of the process and emptied (FLUSHALL) for each fixture.
+#include <kvtier/l2/redis_backend.hpp>
+
+#include "l2/redis_support.hpp"
+
+namespace kvtier::test {
+
+/// The backend on one of the shared servers. Redis's memory is not limited here (eviction
+/// is Redis's policy: redis_backend_test.cpp tests it with maxmemory set): `capacity` is
+/// ignored, and pins do not prevent eviction.
+template <bool Cluster>
+struct redis_fixture {
+  static constexpr bool pins_prevent_eviction = false;
+  boost::asio::io_context io;
+  std::unique_ptr<l2::redis_backend> b;
+
+  explicit redis_fixture(std::uint64_t /*capacity_bytes*/) {
+    l2::redis_backend_options o;
+    o.name = Cluster ? "redis-cluster" : "redis";
+    o.cluster = Cluster;
+    o.connections_per_node = 2;
+    if constexpr (Cluster) {
+      auto& c = shared_cluster();
+      c.flush();
+      o.nodes = {c.node(0).endpoint()};
+    } else {
+      auto& s = shared_standalone();
+      s.command({"FLUSHALL"});
+      o.nodes = {s.endpoint()};
+    }
+    b = std::make_unique<l2::redis_backend>(io.get_executor(), o);
+    if (!run_until(io, [&] { return b->health().healthy; }))
+      throw std::runtime_error("redis backend not healthy: " + b->health().reason);
+  }
+  l2::redis_backend& backend() { return *b; }
+
+  /// Damages the stored payload behind the backend's back (redis-cli SETRANGE); false when
+  /// the key is absent.
+  bool corrupt_stored(const chunk_key& k) {
+    const std::uint16_t port = Cluster ? shared_cluster().node(0).port() : shared_standalone().port();
+    const std::string cli = "redis-cli -c -p " + std::to_string(port) + " ";
+    const std::string key = "'" + b->key_of(k) + "'";
+    if (run_command(cli + "EXISTS " + key).output.find('1') != 0) return false;
+    const auto r = run_command(cli + "SETRANGE " + key + " " + std::to_string(l2::object_header_bytes) + " CORRUPT!");
+    return r.exit_code == 0 && !r.output.empty() && r.output[0] >= '1' && r.output[0] <= '9';
+  }
+};
+using redis_standalone_fixture = redis_fixture<false>;
+using redis_cluster_fixture = redis_fixture<true>;
+
+}  // namespace kvtier::test
+
+#define KVTIER_L2_BACKEND_FIXTURES kvtier::test::redis_standalone_fixture, kvtier::test::redis_cluster_fixture
+#endif

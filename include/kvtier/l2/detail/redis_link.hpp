@@ -1,0 +1,644 @@
+#pragma once
+// redis_link: one TCP connection to one Redis node, pipelined. Requests are written in
+// order, as many at once as are queued (one writev of up to 64 buffers per system call);
+// replies are matched to requests in order (RESP answers in order on a connection).
+//
+// Two kinds of replies:
+//   generic  parsed by a hiredis redisReader (EXISTS, SET, DEL, INFO, CLUSTER SLOTS, AUTH...).
+//   object   the reply of a GET of one stored object. Its first line is read here ("$<n>",
+//            "$-1", or an error line); then the 72-byte object header is read and checked
+//            (magic, header checksum, the key asked for, length) and, only when it is good
+//            and the payload has exactly the size of the caller's buffer, the payload is
+//            read from the socket straight into that buffer (an L1 slot): no copy through
+//            hiredis's buffer and no reply object, where hiredis's own reader would copy a
+//            3 MiB value twice and read it 16 KiB per system call. The payload checksum is
+//            verified before the reply is reported ok. Anything else is read and dropped.
+// hiredis parses every other byte; the link hands it exactly the bytes of generic replies
+// (redis_reader::unconsumed() gives back what follows a generic reply).
+//
+// Threading: everything runs on the link's executor (the backend's strand); no call blocks.
+// Lifetime: the link's coroutines hold a shared_ptr to it; the owner (the backend's node
+// pool) is called back through a raw pointer that the owner clears (detach_owner) before it
+// goes away.
+//
+// Caller buffers (a SET's value, a GET's destination) are referenced, never copied. abandon()
+// detaches a request whose operation gives up (deadline, cancellation): a queued request is
+// dropped unsent; a reply not yet begun is read and discarded when it comes; a request
+// whose caller buffer is being written or read right now closes the connection, which
+// (epoll reactor: close() deregisters the descriptor under the lock that I/O is performed
+// under) guarantees that nothing touches the buffer once abandon() returns.
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/error.hpp>
+#include <kvtier/l2/detail/redis_wire.hpp>
+#include <kvtier/l2/object_format.hpp>
+
+#include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/awaitable.hpp>
+#include <boost/asio/buffer.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/connect.hpp>
+#include <boost/asio/detached.hpp>
+#include <boost/asio/error.hpp>
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <boost/asio/write.hpp>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+
+/// What came back for one request.
+struct redis_reply_event {
+  enum class status : std::uint8_t {
+    reply,           ///< generic reply in `reply` (never an error reply)
+    error,           ///< an error reply ("-MOVED ...", "-OOM ...", ...): its text in `text`
+    object_ok,       ///< object: the payload landed in the destination and passed its checks
+    object_nil,      ///< object: no such key
+    object_corrupt,  ///< object: not a valid object of the key asked for (header, key, length, checksum)
+    object_size,     ///< object: a valid object of another size than the destination
+    failed,          ///< no reply: the connection failed (or was closed) first
+  };
+  status st = status::failed;
+  redis_reply_ptr reply;
+  std::string text;
+};
+
+/// Receives the replies of the requests it submitted. Called on the link's executor.
+struct redis_reply_sink {
+  virtual void on_reply(std::size_t tag, redis_reply_event&& event) = 0;
+
+ protected:
+  ~redis_reply_sink() = default;
+};
+
+enum class redis_reply_kind : std::uint8_t { generic, object };
+
+struct redis_request {
+  // Outgoing bytes: head, then (SET) the object header and the caller's payload, then tail.
+  std::string head;
+  std::array<std::byte, object_header_bytes> object_header{};
+  bool has_object_header = false;
+  std::span<const std::byte> payload;  ///< the caller's memory, read while the request is written
+  std::string tail;
+
+  /// Bytes the reply will bring (object replies: the value; others ~0): the link keeps at
+  /// most max_inflight_bytes of these outstanding (see redis_link_options).
+  std::size_t reply_bytes = 0;
+
+  redis_reply_kind kind = redis_reply_kind::generic;
+  bool asking = false;       ///< head starts with ASKING: one "+OK" comes first
+  std::span<std::byte> dst;  ///< object: where the payload goes (empty: discard)
+  chunk_key expect;          ///< object: the key the header must carry
+
+  redis_reply_sink* sink = nullptr;  ///< nullptr: abandoned, the reply is dropped
+  std::size_t tag = 0;
+
+  enum class io : std::uint8_t { queued, writing, written };
+  io state = io::queued;
+  bool reading_dst = false;  ///< the payload is being read into dst right now
+};
+
+/// Callbacks into the node pool that owns the link.
+struct redis_link_owner {
+  /// The connection is up and its handshake (AUTH, SELECT) succeeded.
+  virtual void on_link_up(class redis_link& link) = 0;
+  /// The connection failed or was closed; called once, after every request was failed.
+  /// `handshake` says the failure was an AUTH/SELECT refusal.
+  virtual void on_link_down(class redis_link& link, error_code ec, std::string_view why, bool was_up,
+                            bool handshake) = 0;
+
+ protected:
+  ~redis_link_owner() = default;
+};
+
+struct redis_link_options {
+  redis_endpoint endpoint;
+  std::chrono::milliseconds connect_timeout{1000};
+  std::string username;   ///< AUTH username password (empty: AUTH password)
+  std::string password;   ///< empty: no AUTH
+  unsigned database = 0;  ///< SELECT after connecting (standalone only)
+  /// Requests are written while the replies outstanding on the connection are expected to
+  /// bring fewer bytes than this (one request always goes). Redis answers a connection's
+  /// pipelined commands as soon as it reads them, so 16 pipelined GETs of 3 MiB sit as 48 MiB
+  /// in its output buffers and are copied cold: measured, loads ran at 0.6x redis-benchmark's
+  /// GET rate that way, 1.0x with one or two per connection.
+  std::size_t max_inflight_bytes = std::size_t{4} << 20;
+};
+
+class redis_link : public std::enable_shared_from_this<redis_link>, private redis_reply_sink {
+ public:
+  enum class state : std::uint8_t { idle, connecting, ready, closed };
+
+  redis_link(boost::asio::any_io_executor ex, redis_link_options o, redis_link_owner* owner)
+      : ex_(std::move(ex)), options_(std::move(o)), owner_(owner), socket_(ex_), connect_timer_(ex_) {
+    rbuf_.resize(read_chunk);
+  }
+
+  redis_link(const redis_link&) = delete;
+  redis_link& operator=(const redis_link&) = delete;
+
+  [[nodiscard]] state current() const noexcept { return state_; }
+  [[nodiscard]] bool up() const noexcept { return state_ == state::ready && handshake_left_ == 0; }
+  [[nodiscard]] std::size_t pending() const noexcept { return fifo_.size(); }
+  /// Reply bytes expected from everything submitted and not answered yet (for choosing the
+  /// least loaded connection).
+  [[nodiscard]] std::size_t load() const noexcept { return inflight_bytes_ + queued_bytes_; }
+  [[nodiscard]] const redis_endpoint& endpoint() const noexcept { return options_.endpoint; }
+
+  /// Connects (in the background); requests may be submitted at once, they are written once
+  /// connected. Call on the link's executor.
+  void start() {
+    if (state_ != state::idle) return;
+    state_ = state::connecting;
+    boost::asio::co_spawn(ex_, connect_and_read(shared_from_this()), boost::asio::detached);
+  }
+
+  /// Queues a request (written as soon as the connection allows). Returns it, for abandon().
+  redis_request* submit(std::unique_ptr<redis_request> r) {
+    redis_request* p = r.get();
+    queued_bytes_ += r->reply_bytes;
+    fifo_.push_back(std::move(r));
+    if (state_ == state::ready) start_write();
+    return p;
+  }
+
+  /// Detaches a request from its sink (see the header comment). May close the connection.
+  void abandon(redis_request* r) {
+    auto it = std::find_if(fifo_.begin(), fifo_.end(), [r](const auto& p) { return p.get() == r; });
+    if (it == fifo_.end()) return;
+    r->sink = nullptr;
+    if (r->state == redis_request::io::queued) {
+      queued_bytes_ -= r->reply_bytes;
+      fifo_.erase(it);
+      return;
+    }
+    const bool writing_caller_memory = r->state == redis_request::io::writing && !r->payload.empty();
+    if (writing_caller_memory || r->reading_dst) {
+      close(make_error_code(errc::timeout), "an operation gave up while its buffer was in transfer");
+      return;
+    }
+    r->dst = {};  // an object reply not yet begun is discarded when it comes
+  }
+
+  /// Closes the connection: every request still waiting is failed (status failed), the owner
+  /// is told once. Safe to call in any state.
+  void close(error_code ec, std::string_view why) {
+    if (state_ == state::closed) return;
+    const bool was_up = up();
+    state_ = state::closed;
+    boost::system::error_code ignored;
+    socket_.close(ignored);
+    connect_timer_.cancel();
+    auto pending = std::move(fifo_);
+    fifo_.clear();
+    n_written_ = n_writing_ = 0;
+    inflight_bytes_ = queued_bytes_ = 0;
+    for (auto& r : pending) {
+      if (r->sink == nullptr || r->sink == this) continue;
+      redis_reply_event e;
+      e.st = redis_reply_event::status::failed;
+      e.text = std::string(why);
+      r->sink->on_reply(r->tag, std::move(e));
+    }
+    if (owner_ != nullptr) owner_->on_link_down(*this, ec, why, was_up, handshake_failed_);
+  }
+
+  /// No more owner callbacks (the owner is being destroyed); the connection stays as it is
+  /// and closes with the link.
+  void forget_owner() noexcept { owner_ = nullptr; }
+
+  /// The owner goes away: no more callbacks; the connection is closed.
+  void detach_owner() {
+    owner_ = nullptr;
+    close(make_error_code(errc::shutting_down), "shutting down");
+  }
+
+ private:
+  static constexpr std::size_t read_chunk = 256 * 1024;
+  static constexpr std::size_t max_line = 64 * 1024;
+
+  // --- connect -------------------------------------------------------------------------
+  static boost::asio::awaitable<void> connect_and_read(std::shared_ptr<redis_link> self) {
+    namespace asio = boost::asio;
+    using asio::ip::tcp;
+    auto& s = *self;
+    s.resolver_.emplace(s.ex_);
+    // The timer closes what is in progress; it captures only the link (never this frame),
+    // and does nothing once the link left the connecting state.
+    s.connect_timer_.expires_after(s.options_.connect_timeout);
+    s.connect_timer_.async_wait([self](boost::system::error_code ec) {
+      if (ec || self->state_ != state::connecting) return;
+      self->connect_timed_out_ = true;
+      if (self->resolver_) self->resolver_->cancel();
+      boost::system::error_code ignored;
+      self->socket_.close(ignored);
+    });
+    auto [rec, results] = co_await s.resolver_->async_resolve(
+        s.options_.endpoint.host, std::to_string(s.options_.endpoint.port), asio::as_tuple(asio::use_awaitable));
+    if (s.state_ != state::connecting) co_return;
+    if (rec || s.connect_timed_out_) {
+      s.connect_timer_.cancel();
+      s.close(s.connect_timed_out_ ? make_error_code(errc::timeout) : rec,
+              s.connect_timed_out_ ? "connect timed out (resolving)" : "cannot resolve " + s.options_.endpoint.host);
+      co_return;
+    }
+    auto [cec, ep] = co_await asio::async_connect(s.socket_, results, asio::as_tuple(asio::use_awaitable));
+    (void)ep;
+    s.connect_timer_.cancel();
+    if (s.state_ != state::connecting) co_return;
+    if (cec || s.connect_timed_out_) {
+      s.close(s.connect_timed_out_ ? make_error_code(errc::timeout) : cec,
+              s.connect_timed_out_ ? std::string("connect timed out") : "connect: " + cec.message());
+      co_return;
+    }
+    boost::system::error_code ignored;
+    s.socket_.set_option(tcp::no_delay(true), ignored);
+    s.state_ = state::ready;
+    s.queue_handshake();
+    if (s.handshake_left_ == 0 && s.owner_ != nullptr) s.owner_->on_link_up(s);
+    s.start_write();
+    co_await s.read_loop(self);
+  }
+
+  // AUTH and SELECT go first, ahead of anything queued while connecting.
+  void queue_handshake() {
+    std::vector<std::unique_ptr<redis_request>> hs;
+    if (!options_.password.empty()) {
+      auto r = std::make_unique<redis_request>();
+      r->head = options_.username.empty() ? redis_format({"AUTH", options_.password})
+                                          : redis_format({"AUTH", options_.username, options_.password});
+      hs.push_back(std::move(r));
+    }
+    if (options_.database != 0) {
+      auto r = std::make_unique<redis_request>();
+      r->head = redis_format({"SELECT", std::to_string(options_.database)});
+      hs.push_back(std::move(r));
+    }
+    handshake_left_ = hs.size();
+    for (auto it = hs.rbegin(); it != hs.rend(); ++it) {
+      (*it)->sink = this;
+      fifo_.push_front(std::move(*it));
+    }
+  }
+
+  void on_reply(std::size_t, redis_reply_event&& e) override {  // handshake replies
+    if (e.st != redis_reply_event::status::reply) {
+      handshake_failed_ = true;
+      close(make_error_code(errc::backend_unavailable), "handshake refused: " + e.text);
+      return;
+    }
+    if (--handshake_left_ == 0 && owner_ != nullptr) owner_->on_link_up(*this);
+  }
+
+  // --- write ---------------------------------------------------------------------------
+  void start_write() {
+    if (writing_ || state_ != state::ready) return;
+    write_bufs_.clear();
+    std::size_t k = 0;
+    for (std::size_t i = n_written_ + n_writing_; i < fifo_.size(); ++i, ++k) {
+      redis_request& r = *fifo_[i];
+      if (r.reply_bytes > 0 && inflight_bytes_ > 0 && inflight_bytes_ + r.reply_bytes > options_.max_inflight_bytes)
+        break;  // written when replies come back (deliver)
+      inflight_bytes_ += r.reply_bytes;
+      queued_bytes_ -= r.reply_bytes;
+      r.state = redis_request::io::writing;
+      write_bufs_.emplace_back(r.head.data(), r.head.size());
+      if (r.has_object_header) write_bufs_.emplace_back(r.object_header.data(), r.object_header.size());
+      if (!r.payload.empty()) write_bufs_.emplace_back(r.payload.data(), r.payload.size());
+      if (!r.tail.empty()) write_bufs_.emplace_back(r.tail.data(), r.tail.size());
+    }
+    if (k == 0) return;
+    n_writing_ += k;
+    writing_ = true;
+    boost::asio::async_write(
+        socket_, write_bufs_,
+        [self = shared_from_this()](boost::system::error_code ec, std::size_t) { self->on_written(ec); });
+  }
+
+  void on_written(boost::system::error_code ec) {
+    writing_ = false;
+    if (state_ != state::ready) return;
+    if (ec) {
+      close(ec, "write: " + ec.message());
+      return;
+    }
+    // Replies may already have popped some of the requests of this write (their bytes were
+    // all sent, or Redis could not have answered): the rest start at n_written_.
+    for (std::size_t i = n_written_; i < n_written_ + n_writing_; ++i) fifo_[i]->state = redis_request::io::written;
+    n_written_ += n_writing_;
+    n_writing_ = 0;
+    start_write();
+  }
+
+  // --- read ----------------------------------------------------------------------------
+  enum class step : std::uint8_t { need_more, direct, fatal, delivered };
+
+  boost::asio::awaitable<void> read_loop(std::shared_ptr<redis_link> self) {
+    namespace asio = boost::asio;
+    while (state_ == state::ready) {
+      const step s = parse();
+      if (state_ != state::ready) co_return;  // a sink closed the link
+      if (s == step::fatal) {
+        close(make_error_code(errc::protocol_error), "protocol error: " + fatal_);
+        co_return;
+      }
+      if (s == step::direct) {
+        redis_request& r = *fifo_.front();
+        const auto want = asio::buffer(r.dst.data() + obj_.done, r.dst.size() - obj_.done);
+        r.reading_dst = true;
+        auto [ec, n] = co_await asio::async_read(socket_, want, asio::as_tuple(asio::use_awaitable));
+        if (state_ != state::ready) co_return;  // closed (abandoned mid-read): r is gone
+        r.reading_dst = false;
+        if (ec) {
+          close(ec, ec == asio::error::eof ? std::string("connection closed by the server") : "read: " + ec.message());
+          co_return;
+        }
+        obj_.done += n;
+        continue;
+      }
+      // need_more: compact, then read into the buffer.
+      if (rbegin_ > 0 && rbegin_ == rend_) rbegin_ = rend_ = 0;
+      if (rend_ == rbuf_.size()) {
+        if (rbegin_ > 0) {
+          std::memmove(rbuf_.data(), rbuf_.data() + rbegin_, rend_ - rbegin_);
+          rend_ -= rbegin_;
+          rbegin_ = 0;
+        } else {
+          rbuf_.resize(rbuf_.size() * 2);  // a line longer than the buffer (bounded by max_line)
+        }
+      }
+      auto [ec, n] = co_await socket_.async_read_some(asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
+                                                      asio::as_tuple(asio::use_awaitable));
+      if (state_ != state::ready) co_return;
+      if (ec) {
+        close(ec, ec == asio::error::eof ? std::string("connection closed by the server") : "read: " + ec.message());
+        co_return;
+      }
+      rend_ += n;
+    }
+    (void)self;
+  }
+
+  [[nodiscard]] std::string_view buffered() const noexcept { return {rbuf_.data() + rbegin_, rend_ - rbegin_}; }
+
+  // Takes one CRLF-terminated line out of the buffer (without the CRLF).
+  bool take_line(std::string& line) {
+    const auto b = buffered();
+    const auto eol = b.find("\r\n");
+    if (eol == std::string_view::npos) {
+      if (b.size() > max_line) fatal_ = "reply line too long";
+      return false;
+    }
+    line.assign(b.data(), eol);
+    rbegin_ += eol + 2;
+    return true;
+  }
+
+  // Gives hiredis's unconsumed bytes back to the front of our buffer.
+  void reclaim_from_reader() {
+    const auto u = reader_.unconsumed();
+    if (u.empty()) {
+      if (!reader_.empty()) reader_.reset();
+      return;
+    }
+    std::string keep(u);
+    reader_.reset();
+    const std::string_view rest = buffered();
+    std::string merged = keep + std::string(rest);
+    if (rbuf_.size() < merged.size()) rbuf_.resize(merged.size());
+    std::memcpy(rbuf_.data(), merged.data(), merged.size());
+    rbegin_ = 0;
+    rend_ = merged.size();
+  }
+
+  void deliver(redis_reply_event&& e) {
+    std::unique_ptr<redis_request> r = std::move(fifo_.front());
+    fifo_.pop_front();
+    if (n_written_ > 0)
+      --n_written_;
+    else if (n_writing_ > 0)
+      --n_writing_;
+    inflight_bytes_ -= r->reply_bytes;
+    obj_ = {};                              // (only meaningful after an object reply)
+    if (r->reply_bytes > 0) start_write();  // room for what waited behind the budget
+    if (r->sink != nullptr) r->sink->on_reply(r->tag, std::move(e));
+  }
+
+  // Parses and delivers every complete reply in the buffer.
+  step parse() {
+    fatal_.clear();
+    while (state_ == state::ready) {
+      if (fifo_.empty() || fifo_.front()->state == redis_request::io::queued) {
+        if (!buffered().empty() || !reader_.unconsumed().empty()) {
+          fatal_ = "a reply without a request";
+          return step::fatal;
+        }
+        return step::need_more;
+      }
+      redis_request& r = *fifo_.front();
+      if (r.asking) {  // ASKING's "+OK" (or an error, which the command's reply will repeat)
+        reclaim_from_reader();
+        std::string line;
+        if (!take_line(line)) return fatal_.empty() ? step::need_more : step::fatal;
+        if (line.empty() || (line[0] != '+' && line[0] != '-')) {
+          fatal_ = "unexpected reply to ASKING";
+          return step::fatal;
+        }
+        r.asking = false;
+        continue;
+      }
+      if (r.kind == redis_reply_kind::generic) {
+        const auto b = buffered();
+        if (!reader_.feed(b.data(), b.size())) {
+          fatal_ = std::string(reader_.error());
+          return step::fatal;
+        }
+        rbegin_ = rend_ = 0;
+        redis_reply_ptr reply;
+        const auto st = reader_.next(reply);
+        if (st == redis_reader::status::error) {
+          fatal_ = std::string(reader_.error());
+          return step::fatal;
+        }
+        if (st == redis_reader::status::incomplete) return step::need_more;
+        redis_reply_event e;
+        if (reply->type == REDIS_REPLY_ERROR) {
+          e.st = redis_reply_event::status::error;
+          e.text = std::string(redis_reply_text(*reply));
+        } else {
+          e.st = redis_reply_event::status::reply;
+          e.reply = std::move(reply);
+        }
+        deliver(std::move(e));
+        continue;
+      }
+      reclaim_from_reader();
+      const step s = parse_object(r);  // r may be gone when it answers delivered
+      if (!fatal_.empty()) return step::fatal;
+      if (s != step::delivered) return s;
+    }
+    return step::need_more;
+  }
+
+  enum class object_phase : std::uint8_t { line, header, payload, discard, crlf };
+  struct object_progress {
+    object_phase phase = object_phase::line;
+    std::uint64_t value_bytes = 0;
+    std::size_t header_got = 0;
+    std::array<std::byte, object_header_bytes> header{};
+    std::uint64_t payload_checksum = 0;
+    std::size_t done = 0;  ///< payload bytes landed in dst
+    std::uint64_t discard_left = 0;
+    redis_reply_event::status verdict = redis_reply_event::status::object_corrupt;
+  };
+
+  // Advances the object reply at the head; `delivered` once it went to its sink.
+  step parse_object(redis_request& r) {
+    using status = redis_reply_event::status;
+    for (;;) {
+      switch (obj_.phase) {
+        case object_phase::line: {
+          std::string line;
+          if (!take_line(line)) return step::need_more;
+          if (!line.empty() && line[0] == '-') {
+            redis_reply_event e;
+            e.st = status::error;
+            e.text = line.substr(1);
+            deliver(std::move(e));
+            return step::delivered;
+          }
+          if (line == "$-1") {
+            redis_reply_event e;
+            e.st = status::object_nil;
+            deliver(std::move(e));
+            return step::delivered;
+          }
+          const auto n =
+              line.size() > 1 && line[0] == '$' ? redis_parse_uint(std::string_view(line).substr(1)) : std::nullopt;
+          if (!n) {
+            fatal_ = "unexpected reply to GET: " + line.substr(0, 32);
+            return step::fatal;
+          }
+          obj_.value_bytes = *n;
+          if (*n < object_header_bytes) {
+            obj_.verdict = status::object_corrupt;
+            obj_.discard_left = *n;
+            obj_.phase = object_phase::discard;
+          } else {
+            obj_.phase = object_phase::header;
+          }
+          break;
+        }
+        case object_phase::header: {
+          const auto b = buffered();
+          const std::size_t take = std::min(b.size(), object_header_bytes - obj_.header_got);
+          std::memcpy(obj_.header.data() + obj_.header_got, b.data(), take);
+          obj_.header_got += take;
+          rbegin_ += take;
+          if (obj_.header_got < object_header_bytes) return step::need_more;
+          const std::uint64_t payload = obj_.value_bytes - object_header_bytes;
+          const auto h = decode_header(obj_.header);
+          if (!h || h->key != r.expect || h->payload_bytes != payload) {
+            obj_.verdict = status::object_corrupt;  // torn, foreign or another key's object
+          } else if (r.dst.empty() || payload != r.dst.size()) {
+            obj_.verdict = status::object_size;  // (or abandoned: nobody reads the verdict)
+          } else {
+            obj_.verdict = status::object_ok;
+            obj_.payload_checksum = h->payload_checksum;
+            obj_.phase = object_phase::payload;
+            break;
+          }
+          obj_.discard_left = payload;
+          obj_.phase = object_phase::discard;
+          break;
+        }
+        case object_phase::payload: {
+          if (r.dst.empty()) {  // abandoned between two reads: drop the rest
+            obj_.discard_left = obj_.value_bytes - object_header_bytes - obj_.done;
+            obj_.phase = object_phase::discard;
+            break;
+          }
+          const auto b = buffered();
+          const std::size_t take = std::min(b.size(), r.dst.size() - obj_.done);
+          std::memcpy(r.dst.data() + obj_.done, b.data(), take);
+          obj_.done += take;
+          rbegin_ += take;
+          if (obj_.done < r.dst.size()) return step::direct;
+          obj_.phase = object_phase::crlf;
+          break;
+        }
+        case object_phase::discard: {
+          const auto b = buffered();
+          const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(b.size(), obj_.discard_left));
+          obj_.discard_left -= take;
+          rbegin_ += take;
+          if (obj_.discard_left > 0) return step::need_more;
+          obj_.phase = object_phase::crlf;
+          break;
+        }
+        case object_phase::crlf: {
+          const auto b = buffered();
+          if (b.size() < 2) return step::need_more;
+          if (b[0] != '\r' || b[1] != '\n') {
+            fatal_ = "bulk reply not terminated by CRLF";
+            return step::fatal;
+          }
+          rbegin_ += 2;
+          redis_reply_event e;
+          e.st = obj_.verdict;
+          if (e.st == status::object_ok && payload_checksum(r.dst) != obj_.payload_checksum)
+            e.st = status::object_corrupt;
+          deliver(std::move(e));
+          return step::delivered;
+        }
+      }
+    }
+  }
+
+  boost::asio::any_io_executor ex_;
+  redis_link_options options_;
+  redis_link_owner* owner_;
+  boost::asio::ip::tcp::socket socket_;
+  boost::asio::steady_timer connect_timer_;
+  std::optional<boost::asio::ip::tcp::resolver> resolver_;
+  bool connect_timed_out_ = false;
+  state state_ = state::idle;
+  std::size_t handshake_left_ = 0;
+  bool handshake_failed_ = false;
+
+  // FIFO of requests: [written...][writing...][queued...]; replies pop the front.
+  std::deque<std::unique_ptr<redis_request>> fifo_;
+  std::size_t n_written_ = 0;
+  std::size_t n_writing_ = 0;
+  bool writing_ = false;
+  std::vector<boost::asio::const_buffer> write_bufs_;
+  std::size_t inflight_bytes_ = 0;  ///< reply_bytes of written (or writing) requests
+  std::size_t queued_bytes_ = 0;    ///< reply_bytes of queued requests
+
+  std::vector<char> rbuf_;
+  std::size_t rbegin_ = 0;
+  std::size_t rend_ = 0;
+  redis_reader reader_;
+  object_progress obj_;
+  std::string fatal_;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail

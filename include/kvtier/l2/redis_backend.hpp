@@ -1,0 +1,219 @@
+#pragma once
+// redis_backend: an L2 backend on a shared Redis (standalone) or Redis Cluster, so that the
+// cache servers of a fleet share KV through a store they already run. Target kvtier::redis
+// (kvtier + hiredis, found with pkg-config); docs/deployment.md says when and how to use it.
+//
+// Transport. hiredis formats the commands and parses the replies (redisFormatCommandArgv,
+// redisReader); Asio owns the sockets: each node gets `connections_per_node` TCP
+// connections, every command of a batch is issued before any reply is awaited, each to the
+// least loaded connection, and pipelined there: small commands without limit, GETs while the
+// replies outstanding on the connection stay under max_inflight_bytes_per_connection (deeper
+// pipelining of large values piles them up in Redis's output buffers: measured 0.53x of
+// redis-benchmark's rate unbounded, 1.0x with one 3 MiB GET per connection, docs/
+// performance.md). Nothing blocks the executor. hiredis's own
+// connection objects are not used: the async context would need an event-loop adapter for
+// the same sockets, and its reader copies a GET's value twice (into its buffer, then into a
+// reply object) reading 16 KiB per system call; here a GET's payload is read from the socket
+// straight into the caller's L1 slot after its header was checked (detail/redis_link.hpp).
+//
+// Stored form. One Redis string per object: the 72-byte header of object_format.hpp (magic,
+// version, the chunk key, payload size, XXH3 payload checksum, header checksum), then the
+// payload, written with SET key value NX [EX ttl_seconds]. The key is
+//     "<key_prefix>:<model id, 16 hex>:<world size>:<rank>:<chunk hash, 32 hex>"
+// (key_of()); the model id folds the model name and the KV layout (make_model_id), so
+// incompatible layouts never share a key, and the prefix separates deployments.
+//
+// Operations (all pipelined, all bounded by their deadline):
+//   lookup_and_pin  EXISTS per key. "Pinned" means: this backend will not remove the key
+//                   (async_remove answers `rejected`) until unpin(). Redis has no pins: its
+//                   maxmemory policy, a TTL, or another server may still delete a pinned key.
+//                   The load then answers not_found, which the prefetch pipeline counts as a
+//                   failed key and recomputes; a wrong byte is never served. Pins are local to
+//                   this process and cost nothing on Redis.
+//   load            GET per key. ok only when the value is exactly a valid header carrying the
+//                   requested key, a payload of the destination's size and a matching checksum.
+//                   A value of a foreign key, a torn or garbage value answers `corrupt` and is
+//                   deleted (DEL, awaited before the load completes, so a following lookup
+//                   misses it); a valid object of another size answers `rejected` (kept).
+//   store           SET NX per key: `exists` when the key is present (not rewritten), `ok`,
+//                   `no_space` when Redis answers OOM (maxmemory with a noeviction policy).
+//   remove          DEL per key: `ok`, `not_found`, or `rejected` for a key pinned here.
+//   usage()         Redis's figures, refreshed every info_interval_ms in the background
+//                   (INFO memory used_memory and maxmemory, DBSIZE, summed over the cluster's
+//                   masters; bytes_capacity 0 when a master has no maxmemory); between two
+//                   refreshes, this backend's own stores and removes are added. The whole
+//                   database is counted, other prefixes included.
+//   health()        healthy while every node that owns slots has a connection up.
+// Failures: with no connection to a key's node the key answers `unavailable` at once (an
+// operation where every key is unavailable completes with errc::backend_unavailable; a lookup
+// then finds nothing); a node that does not answer leaves its keys to the deadline (`timeout`,
+// errc::timeout); broken connections reconnect in the background with exponential backoff
+// (reconnect_backoff_min_ms .. max_ms). Every failure is counted (stats(), export_metrics) and
+// logged through a log_throttle, at most once per log_interval_ms per kind.
+// Deadlines and buffers: when an operation gives up, requests not yet sent are dropped, replies
+// not yet begun are discarded when they come, and a connection still reading into (or writing
+// from) the caller's buffer is closed; so when the operation completes nothing touches the
+// buffers any more (the buffer contract of l2_backend).
+// Cluster: keys go to the master of their CRC16 slot (hash tags honoured); the slot map comes
+// from CLUSTER SLOTS at start, every info_interval_ms and after a MOVED (which also updates
+// that slot at once); ASK is followed with ASKING on the named node; at most max_redirects
+// redirects per command.
+// AUTH (with username when set) and SELECT are sent on every (re)connection; the password is
+// read once at construction from password_file or the variable named by password_env.
+//
+// Threading: the backend serialises its state on a strand of the executor given (operations
+// may be started from any thread; completions go to the caller's associated executor);
+// unpin(), usage(), health() and stats() are thread-safe. Cancelling an operation (its
+// handler's cancellation slot, terminal) makes it give up as at its deadline and complete
+// with operation_aborted. Destroying the backend closes its connections from its strand
+// (outstanding operations complete with their keys `unavailable`).
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/bitmap.hpp>
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/detail/async.hpp>
+#include <kvtier/error.hpp>
+#include <kvtier/l2/concepts.hpp>
+#include <kvtier/l2/detail/redis_engine.hpp>
+#include <kvtier/l2/redis_options.hpp>
+#include <kvtier/l2/redis_stats.hpp>
+#include <kvtier/l2/types.hpp>
+#include <kvtier/telemetry/logger.hpp>
+#include <kvtier/telemetry/registry.hpp>
+
+#include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/post.hpp>
+
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <span>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+class redis_backend {
+ public:
+  using executor_type = boost::asio::any_io_executor;
+
+  /// Validates the options (std::invalid_argument names the field), reads the password, and
+  /// starts connecting in the background (operations may be started at once: they wait for
+  /// the connections, within their deadlines). `log` (optional) must outlive the backend.
+  redis_backend(executor_type executor, redis_backend_options options, telemetry::logger* log = nullptr) {
+    options.validate();
+    std::string password = read_password(options);
+    engine_ = std::make_shared<detail::redis_engine>(std::move(executor), std::move(options), std::move(password), log);
+    boost::asio::post(engine_->strand(), [e = engine_] { e->start(); });
+  }
+
+  redis_backend(const redis_backend&) = delete;
+  redis_backend& operator=(const redis_backend&) = delete;
+
+  ~redis_backend() {
+    boost::asio::post(engine_->strand(), [e = engine_] { e->shutdown(); });
+  }
+
+  [[nodiscard]] std::string_view name() const noexcept { return engine_->options().name; }
+  [[nodiscard]] executor_type get_executor() const noexcept { return engine_->strand(); }
+  [[nodiscard]] const redis_backend_options& options() const noexcept { return engine_->options(); }
+
+  /// The Redis key of a chunk key (see the header comment).
+  [[nodiscard]] std::string key_of(const chunk_key& k) const { return engine_->key_of(k); }
+
+  template <class Token>
+  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
+    return kvtier::detail::async_run<void(error_code, bitmap)>(
+        executor_type(engine_->strand()), detail::redis_engine::lookup(engine_, keys, d), std::forward<Token>(token));
+  }
+
+  void unpin(std::span<const chunk_key> keys) { engine_->unpin(keys); }
+
+  template <class Token>
+  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
+                  Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(
+        executor_type(engine_->strand()), detail::redis_engine::load(engine_, keys, destinations, d),
+        std::forward<Token>(token));
+  }
+
+  template <class Token>
+  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
+                   Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(
+        executor_type(engine_->strand()), detail::redis_engine::store(engine_, keys, sources, d),
+        std::forward<Token>(token));
+  }
+
+  template <class Token>
+  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(
+        executor_type(engine_->strand()), detail::redis_engine::remove(engine_, keys, d), std::forward<Token>(token));
+  }
+
+  [[nodiscard]] usage_info usage() const { return engine_->usage(); }
+  [[nodiscard]] health_info health() const { return engine_->health(); }
+  [[nodiscard]] redis_backend_stats stats() const { return engine_->stats(); }
+  /// Pins this backend holds on key (for tests).
+  [[nodiscard]] std::uint32_t pins(const chunk_key& key) const { return engine_->pins(key); }
+
+  /// Registers, with label backend=<name>: kvtier_l2_redis_errors_total{kind} (one child per
+  /// redis_error_kind), kvtier_l2_redis_reconnects_total, kvtier_l2_redis_redirects_total{kind=
+  /// moved|ask}, kvtier_l2_redis_connections (gauge: connections up). Read at scrape time from
+  /// counters that stay valid as long as the registry (they are shared with it).
+  void export_metrics(telemetry::registry& reg) const {
+    using telemetry::metric_type;
+    const auto c = engine_->counter_cells();
+    const std::string b(name());
+    for (std::size_t k = 0; k < redis_error_kind_count; ++k)
+      reg.add_callback("kvtier_l2_redis_errors_total", "Failures of the Redis L2 backend by kind (keys or connections)",
+                       metric_type::counter,
+                       {{"backend", b}, {"kind", std::string(l2::name(static_cast<redis_error_kind>(k)))}},
+                       [c, k] { return static_cast<double>(c->errors[k].load(std::memory_order_relaxed)); });
+    reg.add_callback("kvtier_l2_redis_reconnects_total", "Connections to Redis re-established after a failure",
+                     metric_type::counter, {{"backend", b}},
+                     [c] { return static_cast<double>(c->reconnects.load(std::memory_order_relaxed)); });
+    reg.add_callback("kvtier_l2_redis_redirects_total", "Redis Cluster redirects followed", metric_type::counter,
+                     {{"backend", b}, {"kind", "moved"}},
+                     [c] { return static_cast<double>(c->moved.load(std::memory_order_relaxed)); });
+    reg.add_callback("kvtier_l2_redis_redirects_total", "Redis Cluster redirects followed", metric_type::counter,
+                     {{"backend", b}, {"kind", "ask"}},
+                     [c] { return static_cast<double>(c->ask.load(std::memory_order_relaxed)); });
+    reg.add_callback("kvtier_l2_redis_connections", "Connections to Redis nodes that are up", metric_type::gauge,
+                     {{"backend", b}},
+                     [c] { return static_cast<double>(c->connections_up.load(std::memory_order_relaxed)); });
+  }
+
+ private:
+  static std::string read_password(const redis_backend_options& o) {
+    if (!o.password_env.empty()) {
+      const char* v = std::getenv(o.password_env.c_str());
+      if (v == nullptr)
+        throw std::invalid_argument("redis_backend_options: password_env names '" + o.password_env +
+                                    "', which is not set");
+      return v;
+    }
+    if (!o.password_file.empty()) {
+      std::ifstream f(o.password_file, std::ios::binary);
+      if (!f)
+        throw std::invalid_argument("redis_backend_options: password_file '" + o.password_file + "' cannot be read");
+      std::ostringstream s;
+      s << f.rdbuf();
+      std::string p = s.str();
+      while (!p.empty() && (p.back() == '\n' || p.back() == '\r')) p.pop_back();
+      if (p.empty())
+        throw std::invalid_argument("redis_backend_options: password_file '" + o.password_file + "' is empty");
+      return p;
+    }
+    return {};
+  }
+
+  std::shared_ptr<detail::redis_engine> engine_;
+};
+
+static_assert(l2_backend<redis_backend>);
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
