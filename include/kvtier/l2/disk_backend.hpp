@@ -36,9 +36,11 @@
 // header block read into a buffer of ours and its payload straight into the caller's buffer
 // in part_bytes parts; the parts of all keys of a batch share queue_depth reads in flight,
 // issued in key order (the prefix the prefetch needs first lands first) and batched into one
-// io_uring_enter per executor turn. The checksum of a key is verified as soon as its last
-// part lands, while the other keys' reads proceed. A payload whose size is not a multiple
-// of 4 KiB reads its last block into a bounce block.
+// io_uring_enter per executor turn. The payload checksum is computed in part-sized steps as
+// the parts land (stores: as they are issued), so the I/O thread never stalls for a whole
+// object's hash while the device queue drains; a key answers ok only once its digest
+// matches its header. A payload whose size is not a multiple of 4 KiB moves its last block
+// through a bounce block.
 //
 // DEADLINES AND THE BUFFER CONTRACT: at the deadline (or on the caller's cancellation) the
 // operation stops issuing and asks the engine to cancel what is in flight, then waits
@@ -120,9 +122,9 @@ struct disk_backend_options {
   /// Reads or writes in flight per operation (1..256): 8-32 saturate an NVMe device.
   unsigned queue_depth = 16;
   /// Threads of the pread fallback: each runs one blocking read at a time, so this is the
-  /// fallback's queue depth. O_DIRECT reads sleep in the kernel, so threads beyond the cores
-  /// cost little.
-  unsigned pread_threads = 8;
+  /// fallback's queue depth (16, as queue_depth). O_DIRECT reads sleep in the kernel, so
+  /// threads beyond the cores cost little CPU (measured: docs/performance.md).
+  unsigned pread_threads = 16;
   disk_sync sync = disk_sync::data;
   /// fallocate each object before writing it: ENOSPC shows before any byte is written, and
   /// O_DIRECT writes into allocated extents run in parallel on ext4 (an extending write
@@ -252,6 +254,7 @@ class disk_backend {
   struct load_item;
   struct store_item;
   struct part;
+  struct hash_state;
 
   void open_directory();
   void recover();
@@ -269,7 +272,8 @@ class disk_backend {
   template <class Body>
   boost::asio::awaitable<void> fan_worker(fan_state& fs, unsigned lane, std::size_t n, Body& body);
 
-  boost::asio::awaitable<void> load_part(std::vector<load_item>& items, const part& p, fan_state& fs, unsigned lane);
+  boost::asio::awaitable<void> load_part(std::vector<load_item>& items, std::vector<part>& parts, std::size_t i,
+                                         fan_state& fs, unsigned lane);
   void verify_loaded(load_item& it);
   boost::asio::awaitable<void> store_part(std::vector<store_item>& items, const part& p, fan_state& fs,
                                           unsigned lane);

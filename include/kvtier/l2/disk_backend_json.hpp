@@ -15,7 +15,7 @@
 //   eviction         "lru" | "fifo" | "none" ("lru"; none: a full tier refuses stores)
 //   high_watermark, low_watermark   numbers in (0, 1] (0.95, 0.90)
 //   queue_depth      integer 1..256 (16);  part_kib  integer, KiB per read/write (1024)
-//   pread_threads    integer 1..64 (8)
+//   pread_threads    integer 1..64 (16)
 //   sync             "data" | "none" ("data": fdatasync + directory fsync per batch)
 //   preallocate      bool (true);  verify_on_start  bool (false)
 // Unknown keys are errors (a typo must not silently fall back to a default). Every error
