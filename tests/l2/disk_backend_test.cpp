@@ -16,6 +16,7 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -27,11 +28,14 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <optional>
 #include <set>
+#include <thread>
 #include <vector>
 
 using namespace kvtier;
@@ -848,4 +852,79 @@ TEST_CASE("the JSON options parse with clear errors", "[l2][disk]") {
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "queue_depth": 0})"), Catch::Contains("out of range"));
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "high_watermark": 0.5, "low_watermark": 0.8})"),
              Catch::Contains("exceeds"));
+}
+
+// --- threads ------------------------------------------------------------------------------------
+
+TEST_CASE("operations started from several threads while the I/O thread runs stay consistent",
+          "[l2][disk][concurrency]") {
+  temp_dir dir;
+  asio::io_context io;
+  auto work = asio::make_work_guard(io);
+  auto opts = options_for(dir.path(), 3 << 20);  // small: stores evict while others load
+  l2::disk_backend b(io.get_executor(), opts);
+  constexpr std::size_t bytes = 64 * 1024;
+  const objects first(0, 32, bytes);  // what the reader reads while the writer evicts
+  REQUIRE(store(io, b, first).count(l2::key_outcome::ok) == 32);
+  std::thread io_thread([&] { io.run(); });
+
+  // Blocks the calling thread until one operation started on the backend completes.
+  auto wait_for = [](auto start) {
+    std::promise<std::pair<error_code, l2::batch_result>> p;
+    auto f = p.get_future();
+    start([&p](error_code ec, l2::batch_result r) { p.set_value({ec, std::move(r)}); });
+    return f.get();
+  };
+  std::atomic<std::size_t> stored{0}, loaded{0}, wrong{0}, lookups{0};
+  std::thread writer([&] {
+    for (std::uint64_t round = 0; round < 40; ++round) {
+      const objects o(32 + round * 4 % 64, 4, bytes);
+      const auto src = o.sources();
+      auto [ec, r] = wait_for([&](auto h) { b.async_store(o.keys, src, soon(), h); });
+      stored += r.count(l2::key_outcome::ok);
+    }
+  });
+  std::thread reader([&] {
+    for (std::uint64_t round = 0; round < 40; ++round) {
+      std::vector<chunk_key> keys;
+      for (std::uint64_t i = 0; i < 4; ++i) keys.push_back(key_of((round * 4 + i) % 32));
+      std::vector<aligned_buffer> out;
+      std::vector<std::span<std::byte>> dst;
+      for (int i = 0; i < 4; ++i) out.emplace_back(bytes);
+      for (auto& x : out) dst.emplace_back(x.data(), bytes);
+      auto [ec, r] = wait_for([&](auto h) { b.async_load(keys, dst, soon(), h); });
+      for (std::size_t i = 0; i < 4; ++i)
+        if (r.outcomes[i] == l2::key_outcome::ok) {
+          ++loaded;
+          if (!matches(keys[i], dst[i])) ++wrong;
+        }
+    }
+  });
+  std::thread poker([&] {
+    for (std::uint64_t round = 0; round < 200; ++round) {
+      const auto k = key_of(round % 96);
+      std::promise<bitmap> p;
+      auto f = p.get_future();
+      b.async_lookup_and_pin(std::span(&k, 1), soon(), [&p](error_code, bitmap found) { p.set_value(found); });
+      if (f.get().test(0)) {
+        ++lookups;
+        b.unpin(std::span(&k, 1));
+      }
+      (void)b.usage();
+      (void)b.health();
+      (void)b.pins(k);
+    }
+  });
+  writer.join();
+  reader.join();
+  poker.join();
+  work.reset();
+  io_thread.join();
+  CHECK(stored.load() > 0);
+  CHECK(wrong.load() == 0);
+  CHECK(b.usage().bytes_used <= opts.capacity_bytes);
+  CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
+  for (std::uint64_t i = 0; i < 96; ++i) CHECK(b.pins(key_of(i)) == 0);
+  INFO("loaded " << loaded.load() << ", lookup hits " << lookups.load());
+  CHECK(scan(dir.path()).temp_files == 0);
 }
