@@ -73,10 +73,41 @@ inline constexpr bool pins_prevent_eviction = [] {
 }  // namespace kvtier::test
 
 #ifndef KVTIER_L2_TEST_REDIS
+#include <kvtier/io/probe.hpp>
+#include <kvtier/l2/disk_backend.hpp>
+
+#include "support/process.hpp"
+
+namespace kvtier::test {
+
+/// The disk backend in a fresh directory (on the file system of $TMPDIR, ext4 here), with
+/// O_DIRECT, on the engine the probe picks (io_uring where the kernel allows it) or the
+/// one forced.
+template <io::engine_choice Engine>
+struct basic_disk_fixture {
+  temp_dir dir{"kvtier-disk"};
+  boost::asio::io_context io;
+  std::unique_ptr<l2::disk_backend> b;
+
+  explicit basic_disk_fixture(std::uint64_t capacity_bytes) {
+    l2::disk_backend_options o;
+    o.name = "disk";
+    o.path = dir.path() / "l2";
+    o.capacity_bytes = capacity_bytes;
+    o.io = Engine;
+    b = std::make_unique<l2::disk_backend>(io.get_executor(), o);
+  }
+  l2::disk_backend& backend() { return *b; }
+};
+using disk_backend_fixture = basic_disk_fixture<io::engine_choice::automatic>;
+using disk_pread_fixture = basic_disk_fixture<io::engine_choice::pread>;
+
+}  // namespace kvtier::test
+
 // Every backend the conformance suite runs against.
-#define KVTIER_L2_BACKEND_FIXTURES                                                  \
+#define KVTIER_L2_BACKEND_FIXTURES                                                    \
   kvtier::test::memory_backend_fixture, kvtier::test::fault_injecting_memory_fixture, \
-      kvtier::test::any_memory_fixture
+      kvtier::test::any_memory_fixture, kvtier::test::disk_backend_fixture, kvtier::test::disk_pread_fixture
 #else
 // kvtier_test_redis compiles the suite a second time (l2/redis_conformance_test.cpp) with
 // these: a real standalone Redis and a real three-master cluster (tests/l2/redis_support.hpp),

@@ -1,0 +1,306 @@
+// l2_disk_bench: the disk L2 backend against fio on the same file system, same block size
+// (the backend's part size, 1 MiB) and same queue depth (the backend's parts in flight, 16).
+//
+// Loads: N objects stored once by the backend; each repeat runs, interleaved,
+//   fio   ioengine=io_uring, direct=1, rw=read, bs=1M, iodepth=16 over THE SAME object files
+//         (file_service_type=sequential: one file after the other, like our key order);
+//   ours  tiered_cache lookups of `batch` keys at a time (the prefetch_controller loads them
+//         from the disk backend into L1 slots, checksums verified), one lookup after the
+//         other, each released once answered; bytes loaded / wall time of the phase;
+//   ours through the pread fallback (io = pread, pread_threads = the queue depth).
+// Stores: each repeat, fio rw=write (new files, fsync_on_close=1) and our backend storing N
+//   objects in batches of `batch` (temporary file, O_DIRECT writes, fdatasync, rename,
+//   directory fsync per batch) into a fresh directory.
+// For 32 MiB objects (a 256-token chunk of Llama-3.1-8B) and 3 MiB objects.
+// Each ratio is the median of the per-repeat ratios (bench/common/results.hpp).
+//
+// Usage: kvtier_bench_l2_disk [--dir DIR] [--gib X] [--repeats N] [--quick] [--fio PATH]
+//   DIR defaults to $KVTIER_BENCH_DIR, else ./l2-disk-bench (it must not be tmpfs for the
+//   figures to mean anything); X GiB per measurement (default 2); --quick: 0.25 GiB, 2 repeats.
+#include <kvtier/cache/tiered_cache.hpp>
+#include <kvtier/core/buffer.hpp>
+#include <kvtier/l2/disk_backend.hpp>
+
+#include <common/results.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+namespace asio = boost::asio;
+namespace fs = std::filesystem;
+using namespace kvtier;
+using clock_type = std::chrono::steady_clock;
+
+struct bench_config {
+  fs::path dir;
+  double gib = 2.0;
+  int repeats = 5;
+  std::string fio = "fio";
+  unsigned depth = 16;
+  std::size_t part = std::size_t{1} << 20;
+  std::size_t batch = 8;
+};
+
+chunk_key key_of(std::size_t object_bytes, std::uint64_t i) {
+  return chunk_key{0xbe7c, 1, 0, hash128{i, object_bytes}};
+}
+
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return q + "'";
+}
+
+/// Runs fio on a job file; returns the job's bandwidth in bytes per second.
+double run_fio(const bench_config& cfg, const fs::path& jobfile, bool write) {
+  const std::string cmd = shell_quote(cfg.fio) + " --output-format=json " + shell_quote(jobfile.string());
+  std::FILE* p = ::popen(cmd.c_str(), "r");
+  if (p == nullptr) throw std::runtime_error("cannot run " + cmd);
+  std::string out;
+  char buf[65536];
+  std::size_t n = 0;
+  while ((n = std::fread(buf, 1, sizeof buf, p)) > 0) out.append(buf, n);
+  const int status = ::pclose(p);
+  if (status != 0) throw std::runtime_error("fio failed (status " + std::to_string(status) + "): " + cmd);
+  // fio may print notes before the JSON document.
+  const auto start = out.find('{');
+  if (start == std::string::npos) throw std::runtime_error("fio printed no JSON: " + out);
+  const auto j = nlohmann::json::parse(out.substr(start));
+  const auto& job = j.at("jobs").at(0).at(write ? "write" : "read");
+  const double bytes = job.at("io_bytes").get<double>();
+  const double ms = job.at("runtime").get<double>();
+  if (bytes <= 0 || ms <= 0) throw std::runtime_error("fio moved nothing: " + cmd);
+  return bytes / (ms / 1000.0);
+}
+
+l2::disk_backend_options backend_options(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes,
+                                         std::size_t n, io::engine_choice engine) {
+  l2::disk_backend_options o;
+  o.name = "disk";
+  o.path = dir;
+  o.capacity_bytes = static_cast<std::uint64_t>(n + 16) * (object_bytes + (1 << 20));
+  o.io = engine;
+  o.queue_depth = cfg.depth;
+  o.part_bytes = cfg.part;
+  o.pread_threads = cfg.depth;
+  return o;
+}
+
+/// Stores n objects in batches; returns bytes per second.
+double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes, std::size_t n,
+                  std::vector<aligned_buffer>& sources) {
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), backend_options(cfg, dir, object_bytes, n, io::engine_choice::automatic));
+  std::size_t ok = 0;
+  const auto t0 = clock_type::now();
+  for (std::size_t first = 0; first < n; first += cfg.batch) {
+    const std::size_t m = std::min(cfg.batch, n - first);
+    std::vector<chunk_key> keys;
+    std::vector<std::span<const std::byte>> src;
+    for (std::size_t i = 0; i < m; ++i) {
+      keys.push_back(key_of(object_bytes, first + i));
+      src.emplace_back(sources[i].data(), object_bytes);
+    }
+    std::optional<l2::batch_result> r;
+    b.async_store(keys, src, l2::clock::now() + std::chrono::minutes(5),
+                  [&](error_code, l2::batch_result res) { r = std::move(res); });
+    io.restart();
+    io.run();
+    if (!r) throw std::runtime_error("a store did not complete");
+    ok += r->count(l2::key_outcome::ok);
+  }
+  const double s = seconds_since(t0);
+  if (ok != n) throw std::runtime_error("stored " + std::to_string(ok) + " of " + std::to_string(n) + " objects");
+  return static_cast<double>(n * object_bytes) / s;
+}
+
+/// Loads n objects through tiered_cache lookups of cfg.batch keys; returns bytes per second.
+double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes, std::size_t n,
+                 io::engine_choice engine, bool* used_uring = nullptr) {
+  asio::io_context io;
+  auto disk = std::make_shared<l2::disk_backend>(io.get_executor(),
+                                                 backend_options(cfg, dir, object_bytes, n, engine));
+  if (used_uring != nullptr) *used_uring = disk->engine_kind() == io::engine_kind::uring;
+  if (disk->usage().objects != n) throw std::runtime_error("the load set lacks objects");
+  bus::null_bus events;
+  cache::cache_options o;
+  o.l1.slot_bytes = object_bytes;
+  o.l1.slot_count = 2 * cfg.batch;
+  cache::tiered_cache<> c(io.get_executor(), o, events, std::vector<l2::any_backend>{l2::any_backend(disk)});
+  (void)disk->register_buffers(c.l1().arena());  // as the server does; the kernel may refuse
+  std::size_t loaded = 0;
+  const auto t0 = clock_type::now();
+  for (std::size_t first = 0; first < n; first += cfg.batch) {
+    const std::size_t m = std::min(cfg.batch, n - first);
+    std::vector<chunk_key> keys;
+    for (std::size_t i = 0; i < m; ++i) keys.push_back(key_of(object_bytes, first + i));
+    cache::lookup_request r;
+    r.keys = keys;
+    r.object_bytes = object_bytes;
+    r.chunk_tokens = 256;
+    const auto id = c.start_lookup(r);
+    std::optional<cache::lookup_status> st;
+    c.async_wait(id, [&](error_code, cache::lookup_status s) { st = s; });
+    io.restart();
+    while (!st)
+      if (io.run_one() == 0) throw std::runtime_error("a lookup never answered");
+    loaded += st->chunks;
+    c.release_all(id);
+  }
+  const double s = seconds_since(t0);
+  if (loaded != n) throw std::runtime_error("loaded " + std::to_string(loaded) + " of " + std::to_string(n) + " objects");
+  bool idle = false;  // the store pipeline's loop keeps the io_context busy: run until idle
+  asio::co_spawn(io, c.wait_idle(), [&](std::exception_ptr) { idle = true; });
+  while (!idle)
+    if (io.run_one() == 0) break;
+  return static_cast<double>(n * object_bytes) / s;
+}
+
+/// fio reads every file under the backend's objects/ directory (opendir): the same files,
+/// whole (the 4 KiB header block included, 0.01% of a 32 MiB object).
+fs::path write_read_job(const bench_config& cfg, const fs::path& at, const fs::path& set) {
+  std::ofstream j(at);
+  j << "[global]\nioengine=io_uring\ndirect=1\nrw=read\nbs=" << cfg.part << "\niodepth=" << cfg.depth
+    << "\nnumjobs=1\nfile_service_type=sequential\n[read]\nopendir=" << (set / "objects").string() << "\n";
+  return at;
+}
+
+fs::path write_write_job(const bench_config& cfg, const fs::path& at, const fs::path& dir, std::size_t object_bytes,
+                         std::size_t n) {
+  std::ofstream j(at);
+  j << "[global]\nioengine=io_uring\ndirect=1\nrw=write\nbs=" << cfg.part << "\niodepth=" << cfg.depth
+    << "\nnumjobs=1\nfile_service_type=sequential\nfsync_on_close=1\ndirectory=" << dir.string()
+    << "\nnrfiles=" << n << "\nfilesize=" << object_bytes << "\nsize=" << n * object_bytes << "\n[write]\n";
+  return at;
+}
+
+std::string size_label(std::size_t object_bytes) { return std::to_string(object_bytes >> 20) + " MiB"; }
+
+struct figures {
+  std::vector<double> fio_read, ours_read, ours_pread, fio_write, ours_write;
+};
+
+figures measure(const bench_config& cfg, std::size_t object_bytes) {
+  const std::size_t n = std::max<std::size_t>(
+      cfg.batch, static_cast<std::size_t>(cfg.gib * static_cast<double>(std::size_t{1} << 30)) / object_bytes);
+  std::printf("== %s objects: %zu per measurement (%.2f GiB), batches of %zu, bs %zu KiB, depth %u\n",
+              size_label(object_bytes).c_str(), n, static_cast<double>(n * object_bytes) / (1 << 30), cfg.batch,
+              cfg.part >> 10, cfg.depth);
+  std::vector<aligned_buffer> sources;
+  for (std::size_t i = 0; i < cfg.batch; ++i) {
+    sources.emplace_back(object_bytes);
+    for (std::size_t j = 0; j < object_bytes; j += 8) {
+      const std::uint64_t v = (i + 1) * 0x9e3779b97f4a7c15ULL ^ j;
+      std::memcpy(sources.back().data() + j, &v, 8);
+    }
+  }
+  const fs::path set = cfg.dir / ("load-" + std::to_string(object_bytes >> 20) + "m");
+  fs::remove_all(set);
+  ours_store(cfg, set, object_bytes, n, sources);  // the load set (not timed as a figure)
+  const fs::path read_job = write_read_job(cfg, cfg.dir / "read.fio", set);
+  figures f;
+  bool uring = false;
+  for (int r = 0; r < cfg.repeats; ++r) {
+    // Odd repeats run ours first: a drift of the device over time (this VM's disk swings 2x)
+    // then does not favour either side.
+    const bool fio_first = r % 2 == 0;
+    auto fio_read = [&] { f.fio_read.push_back(run_fio(cfg, read_job, false)); };
+    auto fio_write = [&] {
+      const fs::path fio_dir = cfg.dir / "fio-write";
+      fs::remove_all(fio_dir);
+      fs::create_directories(fio_dir);
+      f.fio_write.push_back(
+          run_fio(cfg, write_write_job(cfg, cfg.dir / "write.fio", fio_dir, object_bytes, n), true));
+      fs::remove_all(fio_dir);
+    };
+    if (fio_first) fio_read();
+    f.ours_read.push_back(ours_load(cfg, set, object_bytes, n, io::engine_choice::automatic, &uring));
+    f.ours_pread.push_back(ours_load(cfg, set, object_bytes, n, io::engine_choice::pread));
+    if (!fio_first) fio_read();
+    if (fio_first) fio_write();
+    const fs::path ours_dir = cfg.dir / "ours-write";
+    fs::remove_all(ours_dir);
+    f.ours_write.push_back(ours_store(cfg, ours_dir, object_bytes, n, sources));
+    fs::remove_all(ours_dir);
+    if (!fio_first) fio_write();
+    std::printf("  repeat %d: read fio %.2f, ours %.2f (%s), pread %.2f GB/s; write fio %.2f, ours %.2f GB/s\n", r,
+                f.fio_read.back() / 1e9, f.ours_read.back() / 1e9, uring ? "io_uring" : "pread fallback",
+                f.ours_pread.back() / 1e9, f.fio_write.back() / 1e9, f.ours_write.back() / 1e9);
+    std::fflush(stdout);
+  }
+  fs::remove_all(set);
+  return f;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  bench_config cfg;
+  const char* env_dir = std::getenv("KVTIER_BENCH_DIR");
+  cfg.dir = env_dir != nullptr ? fs::path(env_dir) : fs::path("l2-disk-bench");
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--dir") cfg.dir = next();
+    else if (a == "--gib") cfg.gib = std::stod(next());
+    else if (a == "--repeats") cfg.repeats = std::stoi(next());
+    else if (a == "--fio") cfg.fio = next();
+    else if (a == "--quick") {
+      cfg.gib = 0.25;
+      cfg.repeats = 2;
+    } else throw std::invalid_argument("unknown argument " + a + " (use --dir, --gib, --repeats, --quick, --fio)");
+  }
+  if (cfg.repeats < 1 || cfg.gib <= 0) throw std::invalid_argument("--repeats and --gib must be positive");
+  fs::create_directories(cfg.dir);
+  std::printf("l2_disk_bench in %s (%s)\n", cfg.dir.c_str(), io::probe_uring().detail.c_str());
+
+  const figures big = measure(cfg, std::size_t{32} << 20);
+  const figures small = measure(cfg, std::size_t{3} << 20);
+
+  using kvtier::bench::median;
+  using kvtier::bench::median_ratio;
+  using kvtier::bench::print_result;
+  print_result("l2_load_vs_fio", median_ratio(big.ours_read, big.fio_read));
+  print_result("l2_store_vs_fio", median_ratio(big.ours_write, big.fio_write));
+  print_result("l2_load_vs_fio_3m", median_ratio(small.ours_read, small.fio_read));
+  print_result("l2_store_vs_fio_3m", median_ratio(small.ours_write, small.fio_write));
+  print_result("l2_load_pread_vs_fio", median_ratio(big.ours_pread, big.fio_read));
+  print_result("l2_load_pread_vs_fio_3m", median_ratio(small.ours_pread, small.fio_read));
+  print_result("l2_load_gbps", median(big.ours_read) / 1e9);
+  print_result("fio_read_gbps", median(big.fio_read) / 1e9);
+  print_result("l2_load_pread_gbps", median(big.ours_pread) / 1e9);
+  print_result("l2_store_gbps", median(big.ours_write) / 1e9);
+  print_result("fio_write_gbps", median(big.fio_write) / 1e9);
+  print_result("l2_load_3m_gbps", median(small.ours_read) / 1e9);
+  print_result("fio_read_3m_gbps", median(small.fio_read) / 1e9);
+  print_result("l2_store_3m_gbps", median(small.ours_write) / 1e9);
+  print_result("fio_write_3m_gbps", median(small.fio_write) / 1e9);
+  return 0;
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "kvtier_bench_l2_disk: %s\n", e.what());
+  return 1;
+}

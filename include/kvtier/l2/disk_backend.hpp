@@ -1,0 +1,327 @@
+#pragma once
+// disk_backend: the L2 tier on a local file system (NVMe), through io_uring (or the pread
+// thread pool where the kernel refuses io_uring), O_DIRECT, checksummed, capacity-bounded.
+// Models l2_backend and corruptible_backend (concepts.hpp). Full description, with the
+// reasons for each choice: docs/l2-disk.md.
+//
+// FORMAT (detail/disk_layout.hpp): one file per object, <path>/objects/<ss>/<key>.kvo, a
+// 4 KiB header block (object_format.hpp's 72-byte header: magic, version, key, length,
+// XXH3-64 of the payload, header checksum) then the payload padded to 4 KiB. Writes go to
+// <path>/tmp/ and are renamed into place (renameat2 RENAME_NOREPLACE): an object is never
+// visible before it is complete, and a concurrent store of the same key answers `exists`.
+// Durability (sync = data, the default): fdatasync before the rename, one fsync of each
+// touched shard directory per batch. Correctness never depends on it: every load checks the
+// header (key, length) and the payload checksum before answering ok.
+//
+// RECOVERY (constructor): the index is rebuilt from the directory. Temporary files are
+// deleted; each object file's header block is read and checked (magic, version, header
+// checksum, key == file name, file size == header block + padded payload; optionally the
+// payload checksum, verify_on_start); files that fail are deleted and counted. Objects are
+// ordered for eviction by modification time. A second process on the same directory is
+// refused (flock on <path>/LOCK).
+//
+// CAPACITY: counted in bytes the file system really allocated (st_blocks * 512, measured at
+// commit and at the scan), not logical sizes. A store first reserves its estimated size;
+// when usage would pass high_watermark * capacity it evicts unpinned objects (LRU or FIFO)
+// down to low_watermark * capacity; when even that cannot make room (everything pinned, or
+// eviction none) the key answers no_space and nothing is evicted.
+//
+// FAILURES: ENOSPC (or EDQUOT) from the file system fails the key with no_space; its
+// temporary file is removed, kvtier_l2_disk_enospc_total moves, a warning is logged at most
+// once per warn_interval, and the caller (the store pipeline) keeps its L1 copy. On load,
+// EIO, a truncated file, a bad header or a checksum mismatch fail the key (io_error or
+// corrupt), drop the object and move a counter: a wrong byte is never reported ok.
+//
+// LOADS: each key's file is opened (O_DIRECT when the destination is 4 KiB aligned), its
+// header block read into a buffer of ours and its payload straight into the caller's buffer
+// in part_bytes parts; the parts of all keys of a batch share queue_depth reads in flight,
+// issued in key order (the prefix the prefetch needs first lands first) and batched into one
+// io_uring_enter per executor turn. The payload checksum is computed in part-sized steps as
+// the parts land (stores: as they are issued), so the I/O thread never stalls for a whole
+// object's hash while the device queue drains; a key answers ok only once its digest
+// matches its header. A payload whose size is not a multiple of 4 KiB moves its last block
+// through a bounce block.
+//
+// DEADLINES AND THE BUFFER CONTRACT: at the deadline (or on the caller's cancellation) the
+// operation stops issuing and asks the engine to cancel what is in flight, then waits
+// until every read of the caller's buffers has completed or been cancelled; only then does
+// it complete (errc::timeout, or operation_aborted when cancelled). Keys whose every part
+// had landed and verified are still ok; the others answer timeout. O_DIRECT reads at the
+// device cannot be cancelled: the completion waits for them (bounded by the device).
+//
+// THREADING: operations may be started from any thread; the backend runs its I/O on a
+// strand of the executor given (the io engine's threading rule). unpin, usage, health,
+// corrupt_stored and pins take a mutex and may be called from any thread. Destroy the
+// backend when no operation is running, before its io_context.
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/bitmap.hpp>
+#include <kvtier/core/buffer.hpp>
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/detail/async.hpp>
+#include <kvtier/error.hpp>
+#include <kvtier/io/io_engine.hpp>
+#include <kvtier/io/probe.hpp>
+#include <kvtier/l2/concepts.hpp>
+#include <kvtier/l2/detail/disk_index.hpp>
+#include <kvtier/l2/detail/disk_layout.hpp>
+#include <kvtier/l2/object_format.hpp>
+#include <kvtier/l2/types.hpp>
+#include <kvtier/telemetry/logger.hpp>
+#include <kvtier/telemetry/registry.hpp>
+
+#include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/awaitable.hpp>
+#include <boost/asio/cancellation_signal.hpp>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+/// What a store makes durable before it answers ok.
+enum class disk_sync : std::uint8_t {
+  none,  ///< nothing: a crash may lose recent objects (loads still verify: never a wrong byte)
+  data,  ///< fdatasync of each object before its rename, fsync of the touched directories per batch
+};
+
+struct disk_backend_options {
+  std::string name = "disk";
+  /// The directory (created when missing). One process at a time (flock).
+  std::filesystem::path path;
+  /// Bytes the objects may allocate on the file system (st_blocks * 512). Required, > 0.
+  std::uint64_t capacity_bytes = 0;
+  disk_eviction eviction = disk_eviction::lru;
+  /// Eviction starts when a store would pass high * capacity and frees down to low *
+  /// capacity (0 < low <= high <= 1). 0.95/0.90: a store of 32 MiB evicts a batch of ~5% at
+  /// once instead of one object per store, and a little room stays for st_blocks overshoot.
+  double high_watermark = 0.95;
+  double low_watermark = 0.90;
+  /// O_DIRECT for loads and stores whose buffers are 4 KiB aligned (L1 slots are). Falls
+  /// back to buffered I/O, with a warning, on a file system that refuses it.
+  bool o_direct = true;
+  /// The I/O engine: automatic (KVTIER_IO_BACKEND, else the probe), uring, pread.
+  io::engine_choice io = io::engine_choice::automatic;
+  /// Bytes per read/write (rounded up to 4 KiB). 1 MiB: >= 256 KiB keeps the submission cost
+  /// under 1% (peers.md 4.3) and 1 MiB parts saturate the target disk (docs/io.md).
+  std::size_t part_bytes = std::size_t{1} << 20;
+  /// Reads or writes in flight per operation (1..256): 8-32 saturate an NVMe device.
+  unsigned queue_depth = 16;
+  /// Threads of the pread fallback: each runs one blocking read at a time, so this is the
+  /// fallback's queue depth (16, as queue_depth). O_DIRECT reads sleep in the kernel, so
+  /// threads beyond the cores cost little CPU (measured: docs/performance.md).
+  unsigned pread_threads = 16;
+  disk_sync sync = disk_sync::data;
+  /// fallocate each object before writing it: ENOSPC shows before any byte is written, and
+  /// O_DIRECT writes into allocated extents run in parallel on ext4 (an extending write
+  /// takes the inode lock exclusively).
+  bool preallocate = true;
+  /// Read and checksum every payload at start-up (slow: reads the whole disk). Off: the
+  /// header and the size are checked at start-up, the payload by every load.
+  bool verify_on_start = false;
+  /// At most one warning per interval for each recurring failure (ENOSPC, EIO, corruption).
+  std::chrono::nanoseconds warn_interval = std::chrono::seconds(10);
+  /// health() reports unhealthy after this many I/O errors in a row (a success resets).
+  unsigned unhealthy_after_errors = 8;
+
+  /// Throws std::invalid_argument naming the option to fix.
+  void validate() const;
+};
+
+/// What the start-up scan found.
+struct disk_recovery_report {
+  std::uint64_t objects = 0;        ///< objects recovered and servable
+  std::uint64_t bytes = 0;          ///< their allocated bytes
+  std::uint64_t dropped = 0;        ///< torn, corrupt or misplaced object files deleted
+  std::uint64_t temp_files = 0;     ///< temporary files (interrupted stores) deleted
+  std::uint64_t foreign_files = 0;  ///< files that are not ours, left alone
+  std::uint64_t evicted = 0;        ///< objects evicted because they exceeded the capacity
+};
+
+/// Counters of one backend (shared, so metric callbacks may outlive it).
+struct disk_stats {
+  enum op : std::uint8_t { load, store, remove, op_count };
+  std::atomic<std::uint64_t> enospc{0};                        ///< stores failed by ENOSPC/EDQUOT
+  std::array<std::atomic<std::uint64_t>, op_count> io_errors{};  ///< keys failed by an I/O error
+  std::atomic<std::uint64_t> corrupt_objects{0};  ///< loads that found a bad header, short file or checksum
+  std::atomic<std::uint64_t> dropped_objects{0};  ///< objects dropped after a failed load
+  std::atomic<std::uint64_t> evicted_objects{0};
+  std::atomic<std::uint64_t> evicted_bytes{0};
+  std::array<std::atomic<std::uint64_t>, op_count> timeouts{};  ///< keys that missed their deadline
+  std::atomic<std::uint64_t> loaded_bytes{0};  ///< payload bytes of loads answered ok
+  std::atomic<std::uint64_t> stored_bytes{0};  ///< payload bytes of stores answered ok
+  std::atomic<std::uint64_t> recovered_objects{0};
+  std::atomic<std::uint64_t> recovered_bytes{0};
+  std::atomic<std::uint64_t> recovery_dropped{0};
+  std::atomic<std::uint64_t> recovery_temp_files{0};
+  std::atomic<bool> o_direct{false};
+};
+
+class disk_backend {
+ public:
+  using executor_type = boost::asio::any_io_executor;
+
+  /// Opens (creates) the directory, rebuilds the index (see RECOVERY) and starts the I/O
+  /// engine on a strand of `executor`. `log` (default: stderr at warn) and `metrics` (the
+  /// engine's kvtier_io_* and this backend's kvtier_l2_disk_* metrics) may be null.
+  /// Throws std::invalid_argument for bad options, std::runtime_error when the directory
+  /// cannot be used (not writable, another process holds it, foreign FORMAT file).
+  disk_backend(executor_type executor, disk_backend_options options, telemetry::logger* log = nullptr,
+               telemetry::registry* metrics = nullptr);
+  ~disk_backend();
+
+  disk_backend(const disk_backend&) = delete;
+  disk_backend& operator=(const disk_backend&) = delete;
+
+  [[nodiscard]] std::string_view name() const noexcept { return options_.name; }
+  [[nodiscard]] executor_type get_executor() const noexcept { return executor_; }
+  [[nodiscard]] usage_info usage() const;
+  [[nodiscard]] health_info health() const;
+
+  /// void(error_code, bitmap found): found keys are pinned (never evicted) until unpin().
+  template <class Token>
+  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
+    return kvtier::detail::async_run<void(error_code, bitmap)>(executor_, lookup_impl(keys, d),
+                                                               std::forward<Token>(token));
+  }
+  void unpin(std::span<const chunk_key> keys);
+
+  /// void(error_code, batch_result); see LOADS and DEADLINES above.
+  template <class Token>
+  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
+                  Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, load_impl(keys, destinations, d),
+                                                                     std::forward<Token>(token));
+  }
+  /// void(error_code, batch_result): ok, exists, no_space, io_error, timeout per key.
+  template <class Token>
+  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
+                   Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, store_impl(keys, sources, d),
+                                                                     std::forward<Token>(token));
+  }
+  /// void(error_code, batch_result): ok, not_found, rejected (pinned, or a store in flight).
+  template <class Token>
+  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, remove_impl(keys, d),
+                                                                     std::forward<Token>(token));
+  }
+
+  /// Flips the first payload byte of the stored object ON DISK (a buffered write through a
+  /// separate descriptor): the next load answers corrupt and drops it. False when absent.
+  bool corrupt_stored(const chunk_key& key);
+
+  /// Registers memory (the L1 arena: tier.arena()) as io_uring fixed buffers; reads into it
+  /// then use READ_FIXED. Call before the first operation, or from the backend's executor.
+  /// Returns the engine's answer (the pread fallback accepts and ignores it).
+  error_code register_buffers(std::span<std::byte> region);
+
+  /// Registers the kvtier_l2_disk_* metrics (labels: backend, and op where it applies).
+  void export_metrics(telemetry::registry& reg) const;
+
+  /// Pins currently held on key (for tests).
+  [[nodiscard]] std::uint32_t pins(const chunk_key& key) const;
+  [[nodiscard]] const disk_stats& stats() const noexcept { return *stats_; }
+  [[nodiscard]] const disk_recovery_report& recovery() const noexcept { return recovery_; }
+  [[nodiscard]] const disk_backend_options& options() const noexcept { return options_; }
+  [[nodiscard]] io::engine_kind engine_kind() const noexcept { return engine_->kind(); }
+  /// Whether O_DIRECT is in use (asked for, and accepted by the file system).
+  [[nodiscard]] bool o_direct_active() const noexcept { return direct_; }
+  /// Engine operations in flight (0 whenever no backend operation runs).
+  [[nodiscard]] std::size_t io_in_flight() const noexcept { return engine_->in_flight(); }
+  /// Where the file of key lives (whether or not it exists), for tests and tools.
+  [[nodiscard]] std::filesystem::path object_file(const chunk_key& key) const;
+
+ private:
+  using lookup_tuple = std::tuple<error_code, bitmap>;
+  using batch_tuple = std::tuple<error_code, batch_result>;
+
+  struct fan_state;
+  struct load_item;
+  struct store_item;
+  struct part;
+  struct hash_state;
+
+  void open_directory();
+  void recover();
+  void close_fds() noexcept;
+
+  boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d);
+  boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
+                                                std::span<const std::span<std::byte>> destinations, deadline d);
+  boost::asio::awaitable<batch_tuple> store_impl(std::span<const chunk_key> keys,
+                                                 std::span<const std::span<const std::byte>> sources, deadline d);
+  boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d);
+
+  template <class Body>
+  boost::asio::awaitable<void> fan_out(fan_state& fs, std::size_t n, unsigned width, deadline d, Body& body);
+  template <class Body>
+  boost::asio::awaitable<void> fan_worker(fan_state& fs, unsigned lane, std::size_t n, Body& body);
+
+  boost::asio::awaitable<void> load_part(std::vector<load_item>& items, std::vector<part>& parts, std::size_t i,
+                                         fan_state& fs, unsigned lane);
+  void verify_loaded(load_item& it);
+  boost::asio::awaitable<void> store_part(std::vector<store_item>& items, const part& p, fan_state& fs,
+                                          unsigned lane);
+  boost::asio::awaitable<void> commit_stored(store_item& it, fan_state& fs, unsigned lane);
+  void fail_store(store_item& it, const error_code& ec);
+  /// Unlinks names relative to dirfd, not stoppable (cleanup always completes); the error of
+  /// each (ENOENT counts as success).
+  template <class Name>
+  boost::asio::awaitable<std::vector<error_code>> unlink_all(int dirfd, std::vector<Name> names);
+  /// Removes victims chosen by the index: unlink, then forget; counts evictions.
+  boost::asio::awaitable<void> evict(std::vector<detail::disk_victim> victims);
+  /// Drops objects a load found bad, when the index still holds the same generation.
+  boost::asio::awaitable<void> drop(std::vector<std::pair<chunk_key, std::uint64_t>> bad);
+
+  void count_io_error(disk_stats::op op, const error_code& ec, const chunk_key& key);
+  void count_enospc(const chunk_key& key);
+  void count_corrupt(const chunk_key& key, std::string_view why);
+  void count_success() noexcept;
+
+  executor_type executor_;
+  disk_backend_options options_;
+  std::unique_ptr<telemetry::logger> own_log_;
+  telemetry::logger* log_;
+  std::shared_ptr<disk_stats> stats_ = std::make_shared<disk_stats>();
+  disk_recovery_report recovery_;
+  bool direct_ = false;
+
+  int lock_fd_ = -1;
+  int objects_fd_ = -1;
+  int tmp_fd_ = -1;
+  std::array<int, detail::disk_shard_count> shard_fds_{};
+
+  mutable std::mutex mutex_;
+  detail::disk_index index_;
+  std::uint64_t next_generation_ = 1;
+  std::uint64_t next_temp_ = 1;
+  unsigned consecutive_errors_ = 0;
+  std::string last_error_;
+
+  telemetry::log_throttle enospc_log_;
+  telemetry::log_throttle io_error_log_;
+  telemetry::log_throttle corrupt_log_;
+
+  std::unique_ptr<io::io_engine> engine_;  // last: destroyed first (it waits for in-flight ops)
+};
+
+static_assert(corruptible_backend<disk_backend>);
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+
+#include <kvtier/l2/impl/disk_backend.hpp>

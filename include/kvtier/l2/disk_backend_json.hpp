@@ -1,0 +1,166 @@
+#pragma once
+// disk_backend_options from the server's JSON configuration (one entry of its "l2" list):
+//
+//   {"type": "disk", "name": "nvme0", "path": "/mnt/nvme/kvtier", "capacity_gb": 512,
+//    "o_direct": true, "io": "auto", "eviction": "lru"}
+//
+// Keys (all but path and one capacity are optional; defaults: disk_backend.hpp):
+//   type             "disk" (checked when present)
+//   name             string, the backend's name in metrics and logs ("disk")
+//   path             string, the directory (required)
+//   capacity_gb      number > 0, GiB (2^30 bytes) the objects may allocate, or
+//   capacity_bytes   integer > 0 (exactly one of the two)
+//   o_direct         bool (true)
+//   io               "auto" | "uring" | "pread" ("auto": KVTIER_IO_BACKEND, else the probe)
+//   eviction         "lru" | "fifo" | "none" ("lru"; none: a full tier refuses stores)
+//   high_watermark, low_watermark   numbers in (0, 1] (0.95, 0.90)
+//   queue_depth      integer 1..256 (16);  part_kib  integer, KiB per read/write (1024)
+//   pread_threads    integer 1..64 (16)
+//   sync             "data" | "none" ("data": fdatasync + directory fsync per batch)
+//   preallocate      bool (true);  verify_on_start  bool (false)
+// Unknown keys are errors (a typo must not silently fall back to a default). Every error
+// is a std::invalid_argument that names the key and what to write instead.
+
+#include <kvtier/config.hpp>
+#include <kvtier/io/probe.hpp>
+#include <kvtier/l2/disk_backend.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+namespace detail {
+
+[[noreturn]] inline void json_fail(const std::string& what) {
+  throw std::invalid_argument("disk backend configuration: " + what);
+}
+
+inline const nlohmann::json* json_find(const nlohmann::json& j, const char* key) {
+  auto it = j.find(key);
+  return it == j.end() ? nullptr : &*it;
+}
+
+inline bool json_bool(const nlohmann::json& v, const char* key) {
+  if (!v.is_boolean()) json_fail(std::string("'") + key + "' must be true or false, got " + v.dump());
+  return v.get<bool>();
+}
+
+inline std::string json_string(const nlohmann::json& v, const char* key) {
+  if (!v.is_string()) json_fail(std::string("'") + key + "' must be a string, got " + v.dump());
+  return v.get<std::string>();
+}
+
+inline std::uint64_t json_uint(const nlohmann::json& v, const char* key, std::uint64_t lo, std::uint64_t hi) {
+  if (!v.is_number_integer() || (v.is_number_integer() && !v.is_number_unsigned() && v.get<std::int64_t>() < 0))
+    json_fail(std::string("'") + key + "' must be a non-negative integer, got " + v.dump());
+  const auto x = v.get<std::uint64_t>();
+  if (x < lo || x > hi)
+    json_fail(std::string("'") + key + "' = " + std::to_string(x) + " is out of range [" + std::to_string(lo) + ", " +
+              std::to_string(hi) + "]");
+  return x;
+}
+
+inline double json_fraction(const nlohmann::json& v, const char* key) {
+  if (!v.is_number()) json_fail(std::string("'") + key + "' must be a number, got " + v.dump());
+  const double x = v.get<double>();
+  if (!(x > 0 && x <= 1)) json_fail(std::string("'") + key + "' = " + v.dump() + " must be in (0, 1]");
+  return x;
+}
+
+}  // namespace detail
+
+/// nlohmann's conversion hook: `j.get<l2::disk_backend_options>()`. See the header comment.
+inline void from_json(const nlohmann::json& j, disk_backend_options& o) {
+  using detail::json_fail;
+  if (!j.is_object()) json_fail("expected an object, got " + j.dump());
+  static constexpr std::string_view known[] = {
+      "type",        "name",        "path",        "capacity_gb",   "capacity_bytes", "o_direct",
+      "io",          "eviction",    "high_watermark", "low_watermark", "queue_depth", "part_kib",
+      "pread_threads", "sync",      "preallocate", "verify_on_start"};
+  for (const auto& [k, v] : j.items()) {
+    bool ok = false;
+    for (auto n : known) ok = ok || k == n;
+    if (!ok) {
+      std::string list;
+      for (auto n : known) list += std::string(list.empty() ? "" : ", ") + std::string(n);
+      json_fail("unknown key '" + k + "' (known: " + list + ")");
+    }
+  }
+  disk_backend_options out;
+  if (const auto* v = detail::json_find(j, "type")) {
+    if (detail::json_string(*v, "type") != "disk")
+      json_fail("'type' is " + v->dump() + ": this parser reads \"disk\" backends only");
+  }
+  if (const auto* v = detail::json_find(j, "name")) out.name = detail::json_string(*v, "name");
+  if (out.name.empty()) json_fail("'name' is empty");
+  const auto* path = detail::json_find(j, "path");
+  if (path == nullptr) json_fail("'path' is missing: the directory of the disk tier, e.g. \"/mnt/nvme/kvtier\"");
+  out.path = detail::json_string(*path, "path");
+  if (out.path.empty()) json_fail("'path' is empty");
+
+  const auto* gb = detail::json_find(j, "capacity_gb");
+  const auto* bytes = detail::json_find(j, "capacity_bytes");
+  if ((gb == nullptr) == (bytes == nullptr))
+    json_fail(gb == nullptr ? "the capacity is missing: set 'capacity_gb' (GiB) or 'capacity_bytes'"
+                            : "both 'capacity_gb' and 'capacity_bytes' are set: keep one");
+  if (gb != nullptr) {
+    if (!gb->is_number() || !(gb->get<double>() > 0) || !std::isfinite(gb->get<double>()))
+      json_fail("'capacity_gb' must be a number > 0, got " + gb->dump());
+    out.capacity_bytes = static_cast<std::uint64_t>(gb->get<double>() * static_cast<double>(std::uint64_t{1} << 30));
+    if (out.capacity_bytes == 0) json_fail("'capacity_gb' = " + gb->dump() + " is less than one byte");
+  } else {
+    out.capacity_bytes = detail::json_uint(*bytes, "capacity_bytes", 1, UINT64_MAX);
+  }
+
+  if (const auto* v = detail::json_find(j, "o_direct")) out.o_direct = detail::json_bool(*v, "o_direct");
+  if (const auto* v = detail::json_find(j, "io")) {
+    const auto s = detail::json_string(*v, "io");
+    const auto c = io::parse_engine_choice(s);
+    if (!c || s.empty()) json_fail("'io' is \"" + s + "\": use \"auto\", \"uring\" or \"pread\"");
+    out.io = *c;
+  }
+  if (const auto* v = detail::json_find(j, "eviction")) {
+    const auto s = detail::json_string(*v, "eviction");
+    if (s == "lru") out.eviction = disk_eviction::lru;
+    else if (s == "fifo") out.eviction = disk_eviction::fifo;
+    else if (s == "none") out.eviction = disk_eviction::none;
+    else json_fail("'eviction' is \"" + s + "\": use \"lru\", \"fifo\" or \"none\"");
+  }
+  if (const auto* v = detail::json_find(j, "high_watermark")) out.high_watermark = detail::json_fraction(*v, "high_watermark");
+  if (const auto* v = detail::json_find(j, "low_watermark")) out.low_watermark = detail::json_fraction(*v, "low_watermark");
+  if (out.low_watermark > out.high_watermark)
+    json_fail("'low_watermark' (" + std::to_string(out.low_watermark) + ") exceeds 'high_watermark' (" +
+              std::to_string(out.high_watermark) + ")");
+  if (const auto* v = detail::json_find(j, "queue_depth"))
+    out.queue_depth = static_cast<unsigned>(detail::json_uint(*v, "queue_depth", 1, 256));
+  if (const auto* v = detail::json_find(j, "part_kib"))
+    out.part_bytes = static_cast<std::size_t>(detail::json_uint(*v, "part_kib", 4, 64 * 1024)) * 1024;
+  if (const auto* v = detail::json_find(j, "pread_threads"))
+    out.pread_threads = static_cast<unsigned>(detail::json_uint(*v, "pread_threads", 1, 64));
+  if (const auto* v = detail::json_find(j, "sync")) {
+    const auto s = detail::json_string(*v, "sync");
+    if (s == "data") out.sync = disk_sync::data;
+    else if (s == "none") out.sync = disk_sync::none;
+    else json_fail("'sync' is \"" + s + "\": use \"data\" or \"none\"");
+  }
+  if (const auto* v = detail::json_find(j, "preallocate")) out.preallocate = detail::json_bool(*v, "preallocate");
+  if (const auto* v = detail::json_find(j, "verify_on_start"))
+    out.verify_on_start = detail::json_bool(*v, "verify_on_start");
+  out.validate();
+  o = std::move(out);
+}
+
+/// The options one JSON entry describes; throws std::invalid_argument naming the bad key.
+[[nodiscard]] inline disk_backend_options disk_backend_options_from_json(const nlohmann::json& j) {
+  disk_backend_options o;
+  from_json(j, o);
+  return o;
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2

@@ -1,0 +1,930 @@
+// The disk backend beyond the conformance suite: format and index, restart, crash recovery
+// (a child killed mid-write), torn files, ENOSPC on a small tmpfs, EIO and corruption (never
+// a wrong byte), capacity by st_blocks, deadlines and the buffer contract, JSON options.
+#include <kvtier/l2/disk_backend.hpp>
+
+#include <kvtier/core/buffer.hpp>
+#include <kvtier/l2/disk_backend_json.hpp>
+#include <kvtier/l2/fault_injecting_backend.hpp>
+#include <kvtier/telemetry/registry.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "support/asio.hpp"
+#include "support/process.hpp"
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/executor_work_guard.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <optional>
+#include <set>
+#include <thread>
+#include <vector>
+
+using namespace kvtier;
+namespace asio = boost::asio;
+namespace fs = std::filesystem;
+using kvtier::test::run_sync;
+using kvtier::test::temp_dir;
+
+namespace {
+
+chunk_key key_of(std::uint64_t i) { return chunk_key{0xd15c, 1, 0, hash128{i * 0x9e3779b97f4a7c15ULL + 7, i}}; }
+
+/// The bytes of key k's object: a function of the key alone, so any object served can be
+/// checked byte for byte without remembering what was written.
+void fill_for(const chunk_key& k, std::span<std::byte> out) {
+  std::uint64_t x = k.hash.lo ^ (k.hash.hi << 1) ^ out.size();
+  for (std::size_t j = 0; j < out.size(); j += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    const std::size_t n = std::min<std::size_t>(8, out.size() - j);
+    std::memcpy(out.data() + j, &x, n);
+  }
+}
+bool matches(const chunk_key& k, std::span<const std::byte> got) {
+  std::vector<std::byte> want(got.size());
+  fill_for(k, want);
+  return std::memcmp(want.data(), got.data(), got.size()) == 0;
+}
+
+l2::deadline soon() { return l2::clock::now() + std::chrono::seconds(60 * config::timeout_scale); }
+
+l2::disk_backend_options options_for(const fs::path& p, std::uint64_t capacity = std::uint64_t{1} << 30) {
+  l2::disk_backend_options o;
+  o.path = p;
+  o.capacity_bytes = capacity;
+  return o;
+}
+
+struct captured_log {
+  std::vector<std::string> lines;
+  telemetry::logger log{telemetry::log_level::info, "test",
+                        [this](telemetry::log_level, std::string_view l) { lines.emplace_back(l); }};
+  [[nodiscard]] std::size_t count(std::string_view needle) const {
+    std::size_t n = 0;
+    for (const auto& l : lines) n += l.find(needle) != std::string::npos ? 1 : 0;
+    return n;
+  }
+};
+
+/// Objects of `bytes` each for keys [first, first + n), in 4 KiB-aligned buffers.
+struct objects {
+  std::vector<chunk_key> keys;
+  std::vector<aligned_buffer> data;
+  std::size_t bytes;
+  objects(std::uint64_t first, std::size_t n, std::size_t object_bytes) : bytes(object_bytes) {
+    for (std::size_t i = 0; i < n; ++i) {
+      keys.push_back(key_of(first + i));
+      data.emplace_back(object_bytes);
+      fill_for(keys.back(), std::span(data.back().data(), object_bytes));
+    }
+  }
+  [[nodiscard]] std::vector<std::span<const std::byte>> sources() const {
+    std::vector<std::span<const std::byte>> s;
+    for (const auto& b : data) s.emplace_back(b.data(), bytes);
+    return s;
+  }
+};
+
+template <class B>
+l2::batch_result store(asio::io_context& io, B& b, std::span<const chunk_key> keys,
+                       std::vector<std::span<const std::byte>> src, l2::deadline d = soon()) {
+  auto [ec, r] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
+    co_return co_await b.async_store(keys, src, d, asio::as_tuple(asio::use_awaitable));
+  }());
+  (void)ec;
+  return r;
+}
+template <class B>
+l2::batch_result store(asio::io_context& io, B& b, const objects& o) {
+  return store(io, b, o.keys, o.sources());
+}
+
+struct loaded {
+  error_code ec;
+  l2::batch_result r;
+  std::vector<aligned_buffer> out;
+};
+
+template <class B>
+loaded load(asio::io_context& io, B& b, std::span<const chunk_key> keys, std::size_t bytes, l2::deadline d = soon()) {
+  loaded l;
+  std::vector<std::span<std::byte>> dst;
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    l.out.emplace_back(bytes);
+    std::memset(l.out.back().data(), 0xee, l.out.back().size());
+  }
+  for (auto& x : l.out) dst.emplace_back(x.data(), bytes);
+  std::tie(l.ec, l.r) = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
+    co_return co_await b.async_load(keys, dst, d, asio::as_tuple(asio::use_awaitable));
+  }());
+  return l;
+}
+
+template <class B>
+bitmap lookup(asio::io_context& io, B& b, std::span<const chunk_key> keys) {
+  auto [ec, found] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, bitmap>> {
+    co_return co_await b.async_lookup_and_pin(keys, soon(), asio::as_tuple(asio::use_awaitable));
+  }());
+  (void)ec;
+  return found;
+}
+
+template <class B>
+l2::batch_result remove(asio::io_context& io, B& b, std::span<const chunk_key> keys) {
+  auto [ec, r] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
+    co_return co_await b.async_remove(keys, soon(), asio::as_tuple(asio::use_awaitable));
+  }());
+  (void)ec;
+  return r;
+}
+
+/// What is on disk under a backend's directory: object files and their allocated bytes.
+struct on_disk {
+  std::size_t objects = 0;
+  std::uint64_t allocated = 0;
+  std::size_t temp_files = 0;
+};
+on_disk scan(const fs::path& root) {
+  on_disk d;
+  for (const auto& e : fs::recursive_directory_iterator(root / "objects")) {
+    if (!e.is_regular_file() || e.path().extension() != ".kvo") continue;
+    struct ::stat st {};
+    REQUIRE(::stat(e.path().c_str(), &st) == 0);
+    ++d.objects;
+    d.allocated += static_cast<std::uint64_t>(st.st_blocks) * 512;
+  }
+  for (const auto& e : fs::directory_iterator(root / "tmp")) d.temp_files += e.is_regular_file() ? 1 : 0;
+  return d;
+}
+
+/// Checks every object the backend says it has against the bytes its key implies.
+std::size_t check_all_served(asio::io_context& io, l2::disk_backend& b, std::span<const chunk_key> candidates,
+                             std::size_t bytes) {
+  std::size_t served = 0;
+  for (const auto& k : candidates) {
+    auto l = load(io, b, std::span(&k, 1), bytes);
+    const auto o = l.r.outcomes[0];
+    INFO(k.to_string() << " " << l2::name(o));
+    CHECK((o == l2::key_outcome::ok || o == l2::key_outcome::not_found));
+    if (o == l2::key_outcome::ok) {
+      CHECK(matches(k, std::span(l.out[0].data(), bytes)));
+      ++served;
+    }
+  }
+  return served;
+}
+
+/// A small tmpfs mounted on a fresh directory for the scope of a test (root only).
+class tmpfs_mount {
+ public:
+  explicit tmpfs_mount(std::size_t bytes) {
+    const std::string opts = "size=" + std::to_string(bytes);
+    if (::mount("tmpfs", dir_.path().c_str(), "tmpfs", 0, opts.c_str()) == 0) mounted_ = true;
+    else error_ = std::strerror(errno);
+  }
+  tmpfs_mount(const tmpfs_mount&) = delete;
+  tmpfs_mount& operator=(const tmpfs_mount&) = delete;
+  ~tmpfs_mount() {
+    if (mounted_) ::umount2(dir_.path().c_str(), MNT_DETACH);
+  }
+  [[nodiscard]] bool mounted() const noexcept { return mounted_; }
+  [[nodiscard]] const std::string& error() const noexcept { return error_; }
+  [[nodiscard]] fs::path path() const { return dir_.path(); }
+
+ private:
+  temp_dir dir_{"kvtier-tmpfs"};
+  bool mounted_ = false;
+  std::string error_;
+};
+
+}  // namespace
+
+// --- format and index --------------------------------------------------------------------------
+
+TEST_CASE("object file names round-trip their key and spread over the shards", "[l2][disk]") {
+  std::set<unsigned> shards;
+  for (std::uint64_t i = 0; i < 2000; ++i) {
+    const auto k = key_of(i);
+    const auto p = l2::detail::object_path_of(k);
+    const std::string_view v = p.view();
+    REQUIRE(v.size() == 3 + 56 + 4);
+    CHECK(v.substr(0, 2) == fmt::format("{:02x}", l2::detail::shard_of(k)));
+    const auto back = l2::detail::parse_object_name(v.substr(3));
+    REQUIRE(back.has_value());
+    CHECK(*back == k);
+    shards.insert(l2::detail::shard_of(k));
+  }
+  CHECK(shards.size() > 200);  // 2000 keys over 256 shards: nearly all used
+  CHECK_FALSE(l2::detail::parse_object_name("zz").has_value());
+  CHECK_FALSE(l2::detail::parse_object_name(std::string(56, 'g') + ".kvo").has_value());
+  CHECK_FALSE(l2::detail::parse_object_name(std::string(56, 'a') + ".tmp").has_value());
+  const auto t = l2::detail::temp_name_of(key_of(1), 0x1234);
+  CHECK(std::string(t.view()).ends_with(".0000000000001234.tmp"));
+}
+
+TEST_CASE("the object check catches bad headers, foreign keys, bad flags and wrong sizes", "[l2][disk]") {
+  aligned_buffer block(4096);
+  l2::object_header h;
+  h.key = key_of(5);
+  h.payload_bytes = 10000;
+  h.payload_checksum = 42;
+  l2::detail::encode_header_block(h, std::span<std::byte, 4096>(block.data(), 4096));
+  l2::object_header out;
+  const std::uint64_t good_size = 4096 + 12288;
+  CHECK(l2::detail::object_file_bytes(10000) == good_size);
+  CHECK(l2::detail::check_object(block.span(), key_of(5), good_size, out) == l2::detail::object_check::ok);
+  CHECK(out == h);
+  CHECK(l2::detail::check_object(block.span(), key_of(6), good_size, out) == l2::detail::object_check::wrong_key);
+  CHECK(l2::detail::check_object(block.span(), key_of(5), good_size - 4096, out) ==
+        l2::detail::object_check::wrong_size);
+  block.data()[50] ^= std::byte{1};  // inside the header: its checksum fails
+  CHECK(l2::detail::check_object(block.span(), key_of(5), good_size, out) == l2::detail::object_check::bad_header);
+  h.flags = 1;
+  l2::detail::encode_header_block(h, std::span<std::byte, 4096>(block.data(), 4096));
+  CHECK(l2::detail::check_object(block.span(), key_of(5), good_size, out) == l2::detail::object_check::bad_flags);
+  h.flags = 0;
+  h.payload_bytes = ~std::uint64_t{0} - 100;  // would wrap the size arithmetic
+  l2::detail::encode_header_block(h, std::span<std::byte, 4096>(block.data(), 4096));
+  CHECK(l2::detail::check_object(block.span(), key_of(5), 4096, out) == l2::detail::object_check::wrong_size);
+}
+
+TEST_CASE("the index evicts in LRU or FIFO order between the watermarks and never pinned objects", "[l2][disk]") {
+  using l2::detail::disk_index;
+  for (auto policy : {l2::disk_eviction::lru, l2::disk_eviction::fifo}) {
+    disk_index idx(policy);
+    for (std::uint64_t i = 0; i < 10; ++i) idx.add_ready(key_of(i), 100, 100, i + 1);
+    CHECK(idx.bytes_used() == 1000);
+    idx.touch(*idx.find_ready(key_of(0)));  // a use: last under LRU, no change under FIFO
+    idx.find_ready(key_of(1))->pins = 1;
+    // 1000 + 50 > 0.95 * 1100: evict down to 0.5 * 1100 = 550 -> 500 bytes of victims.
+    auto v = idx.make_room(50, 1100, 0.95, 0.5);
+    REQUIRE(v.has_value());
+    std::vector<chunk_key> gone;
+    for (const auto& x : *v) gone.push_back(x.key);
+    const std::vector<chunk_key> want_lru = {key_of(2), key_of(3), key_of(4), key_of(5), key_of(6)};
+    const std::vector<chunk_key> want_fifo = {key_of(0), key_of(2), key_of(3), key_of(4), key_of(5)};
+    CHECK(gone == (policy == l2::disk_eviction::lru ? want_lru : want_fifo));
+    CHECK(idx.find_ready(key_of(1)) != nullptr);  // pinned: kept
+    CHECK(idx.objects() == 5);
+    CHECK(idx.bytes_used() == 1000);  // counted until the unlinks finish
+    for (const auto& x : *v) idx.finish_remove(x.key, x.generation);
+    CHECK(idx.bytes_used() == 500);
+  }
+  disk_index all_pinned;
+  all_pinned.add_ready(key_of(1), 100, 100, 1);
+  all_pinned.find_ready(key_of(1))->pins = 1;
+  CHECK_FALSE(all_pinned.make_room(50, 120, 0.9, 0.5).has_value());  // cannot fit: nothing evicted
+  CHECK(all_pinned.objects() == 1);
+  disk_index none(l2::disk_eviction::none);
+  none.add_ready(key_of(1), 100, 100, 1);
+  CHECK_FALSE(none.make_room(50, 120, 0.9, 0.5).has_value());
+  CHECK(none.make_room(20, 120, 0.9, 0.5).has_value());
+}
+
+TEST_CASE("an index commit measures the bytes and a late step never touches a newer object", "[l2][disk]") {
+  l2::detail::disk_index idx;
+  idx.begin_write(key_of(1), 10, 8192, 7);
+  CHECK(idx.find_ready(key_of(1)) == nullptr);  // invisible while written
+  CHECK(idx.bytes_used() == 8192);
+  CHECK_FALSE(idx.commit(key_of(1), 6, 8192));  // another generation
+  CHECK(idx.commit(key_of(1), 7, 12288));
+  CHECK(idx.bytes_used() == 12288);
+  CHECK_FALSE(idx.start_remove(key_of(1), 6).has_value());
+  CHECK(idx.start_remove(key_of(1), 7) == 7);
+  idx.finish_remove(key_of(1), 7);
+  CHECK(idx.entries() == 0);
+  CHECK(idx.bytes_used() == 0);
+}
+
+// --- the backend -----------------------------------------------------------------------------
+
+TEST_CASE("objects survive a restart with the same usage, in their eviction order", "[l2][disk]") {
+  temp_dir dir;
+  const objects o(0, 6, 256 * 1024);
+  l2::usage_info before;
+  {
+    asio::io_context io;
+    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+    CHECK(store(io, b, o).count(l2::key_outcome::ok) == 6);
+    before = b.usage();
+    CHECK(b.o_direct_active());
+  }
+  asio::io_context io;
+  captured_log cap;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()), &cap.log);
+  CHECK(b.recovery().objects == 6);
+  CHECK(b.recovery().dropped == 0);
+  CHECK(b.usage().objects == before.objects);
+  CHECK(b.usage().bytes_used == before.bytes_used);
+  CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
+  CHECK(cap.count("6 objects") == 1);  // the start-up line says what it found
+  auto l = load(io, b, o.keys, o.bytes);
+  CHECK_FALSE(l.ec);
+  for (std::size_t i = 0; i < 6; ++i) {
+    CHECK(l.r.outcomes[i] == l2::key_outcome::ok);
+    CHECK(matches(o.keys[i], std::span(l.out[i].data(), o.bytes)));
+  }
+}
+
+TEST_CASE("a second backend on the same directory, or a foreign directory, is refused", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  l2::disk_backend first(io.get_executor(), options_for(dir.path() / "a"));
+  CHECK_THROWS_WITH(l2::disk_backend(io.get_executor(), options_for(dir.path() / "a")),
+                    Catch::Contains("in use by another disk backend"));
+  fs::create_directories(dir.path() / "b");
+  std::ofstream(dir.path() / "b" / "FORMAT") << "something else 7\n";
+  CHECK_THROWS_WITH(l2::disk_backend(io.get_executor(), options_for(dir.path() / "b")), Catch::Contains("FORMAT"));
+  auto bad = options_for(dir.path() / "c", 0);
+  CHECK_THROWS_WITH(l2::disk_backend(io.get_executor(), bad), Catch::Contains("capacity_bytes is 0"));
+}
+
+TEST_CASE("sizes that are not 4 KiB multiples and unaligned buffers round-trip", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  for (std::size_t bytes : {std::size_t{1}, std::size_t{4095}, std::size_t{4097}, std::size_t{1 << 20} + 100}) {
+    INFO(bytes);
+    const auto k = key_of(1000 + bytes);
+    std::vector<std::byte> src(bytes + 1);  // data() + 1: not aligned, so buffered I/O
+    fill_for(k, std::span(src.data() + 1, bytes));
+    auto r = store(io, b, std::span(&k, 1), {std::span<const std::byte>(src.data() + 1, bytes)});
+    REQUIRE(r.outcomes[0] == l2::key_outcome::ok);
+    CHECK(fs::file_size(b.object_file(k)) == l2::detail::object_file_bytes(bytes));
+    auto l = load(io, b, std::span(&k, 1), bytes);  // aligned destination: O_DIRECT + bounce tail
+    CHECK(l.r.outcomes[0] == l2::key_outcome::ok);
+    CHECK(matches(k, std::span(l.out[0].data(), bytes)));
+    std::vector<std::byte> dst(bytes + 3);
+    std::vector<std::span<std::byte>> d = {std::span(dst.data() + 3, bytes)};
+    auto [ec, r2] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
+      co_return co_await b.async_load(std::span(&k, 1), d, soon(), asio::as_tuple(asio::use_awaitable));
+    }());
+    CHECK(r2.outcomes[0] == l2::key_outcome::ok);
+    CHECK(matches(k, d[0]));
+  }
+}
+
+TEST_CASE("two stores of one key at once: one writes, the other answers exists", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  const objects o(50, 1, 4 << 20);
+  const auto src = o.sources();
+  std::vector<l2::batch_result> results;
+  for (int i = 0; i < 2; ++i)
+    b.async_store(o.keys, src, soon(), [&](error_code, l2::batch_result r) { results.push_back(std::move(r)); });
+  io.run();
+  REQUIRE(results.size() == 2);
+  CHECK(results[0].count(l2::key_outcome::ok) + results[1].count(l2::key_outcome::ok) == 1);
+  CHECK(results[0].count(l2::key_outcome::exists) + results[1].count(l2::key_outcome::exists) == 1);
+  CHECK(scan(dir.path()).objects == 1);
+  CHECK(scan(dir.path()).temp_files == 0);
+}
+
+TEST_CASE("usage is what st_blocks says; eviction keeps it under capacity and spares pinned keys",
+          "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  const std::size_t bytes = 64 * 1024;
+  const std::uint64_t capacity = 1 << 20;  // ~15 objects of 68 KiB on disk
+  auto opts = options_for(dir.path(), capacity);
+  l2::disk_backend b(io.get_executor(), opts);
+  const objects first(0, 4, bytes);
+  REQUIRE(store(io, b, first).count(l2::key_outcome::ok) == 4);
+  REQUIRE(lookup(io, b, std::span(first.keys).first(2)).to_string() == "11");  // pin two
+  std::size_t ok = 0;
+  for (std::uint64_t round = 0; round < 10; ++round) {
+    const objects more(100 + round * 4, 4, bytes);
+    ok += store(io, b, more).count(l2::key_outcome::ok);
+    const auto u = b.usage();
+    CHECK(u.bytes_used <= capacity);
+    CHECK(u.bytes_used == scan(dir.path()).allocated);  // bytes really allocated, not sizes
+    CHECK(u.objects == scan(dir.path()).objects);
+  }
+  CHECK(ok == 40);
+  CHECK(b.stats().evicted_objects.load() > 0);
+  CHECK(lookup(io, b, std::span(first.keys).first(2)).to_string() == "11");  // pinned survived
+  CHECK(lookup(io, b, std::span(first.keys).subspan(2)).to_string() == "00");  // the others went
+  b.unpin(std::span(first.keys).first(2));
+  b.unpin(std::span(first.keys).first(2));
+  CHECK(b.pins(first.keys[0]) == 0);
+}
+
+TEST_CASE("with eviction none a full backend answers no_space and evicts nothing", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  auto opts = options_for(dir.path(), 5 * 68 * 1024);
+  opts.eviction = l2::disk_eviction::none;
+  l2::disk_backend b(io.get_executor(), opts);
+  const objects o(0, 8, 64 * 1024);
+  const auto r = store(io, b, o);
+  CHECK(r.count(l2::key_outcome::ok) == 5);
+  CHECK(r.count(l2::key_outcome::no_space) == 3);
+  CHECK(b.stats().evicted_objects.load() == 0);
+  CHECK(b.stats().enospc.load() == 0);  // the capacity, not the file system
+  CHECK(scan(dir.path()).temp_files == 0);
+}
+
+TEST_CASE("a payload corrupted on disk answers corrupt, is dropped and counted", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  telemetry::registry reg;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()), nullptr, &reg);
+  const objects o(0, 3, 1 << 20);
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 3);
+  REQUIRE(b.corrupt_stored(o.keys[1]));
+  CHECK_FALSE(b.corrupt_stored(key_of(999)));
+  auto l = load(io, b, o.keys, o.bytes);
+  CHECK(l.r.outcomes[0] == l2::key_outcome::ok);
+  CHECK(l.r.outcomes[1] == l2::key_outcome::corrupt);
+  CHECK(l.r.outcomes[2] == l2::key_outcome::ok);
+  CHECK(lookup(io, b, std::span(o.keys).subspan(1, 1)).to_string() == "0");
+  CHECK_FALSE(fs::exists(b.object_file(o.keys[1])));
+  CHECK(reg.value("kvtier_l2_disk_corrupt_objects_total", {{"backend", "disk"}}) == 1);
+  CHECK(reg.value("kvtier_l2_disk_dropped_objects_total", {{"backend", "disk"}}) == 1);
+  CHECK(reg.value("kvtier_l2_disk_o_direct", {{"backend", "disk"}}) == 1);
+  CHECK(reg.value("kvtier_io_uring_enabled").has_value());  // the engine's metrics too
+  CHECK(b.usage().objects == 2);
+}
+
+TEST_CASE("a file truncated or rewritten behind the backend's back is never served", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  const objects o(0, 3, 2 << 20);
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 3);
+  fs::resize_file(b.object_file(o.keys[0]), 4096 + (1 << 20));  // a short read
+  {  // another key's object copied over this one: the header names the other key
+    fs::copy_file(b.object_file(o.keys[2]), b.object_file(o.keys[1]), fs::copy_options::overwrite_existing);
+  }
+  fs::remove(b.object_file(o.keys[2]));  // gone behind our back
+  auto l = load(io, b, o.keys, o.bytes);
+  CHECK(l.r.outcomes[0] == l2::key_outcome::corrupt);
+  CHECK(l.r.outcomes[1] == l2::key_outcome::corrupt);
+  CHECK(l.r.outcomes[2] == l2::key_outcome::not_found);
+  CHECK(l.r.count(l2::key_outcome::ok) == 0);
+  CHECK(b.stats().corrupt_objects.load() == 2);
+  CHECK(b.usage().objects == 0);
+  CHECK(scan(dir.path()).objects == 0);
+}
+
+TEST_CASE("injected EIO fails the key, the others load; a corruption fault is caught by the checksum",
+          "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  l2::disk_backend disk(io.get_executor(), options_for(dir.path()));
+  l2::fault_injecting_backend<l2::disk_backend> b(disk);
+  const objects o(0, 3, 256 * 1024);
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 3);
+  b.inject({.op = l2::fault_op::load,
+            .kind = l2::fault_kind::fail,
+            .match = [&](const chunk_key& k) { return k == o.keys[0]; },
+            .outcome = l2::key_outcome::io_error,
+            .times = 1});
+  auto l = load(io, b, o.keys, o.bytes);
+  CHECK(l.r.outcomes[0] == l2::key_outcome::io_error);
+  CHECK(l.r.outcomes[1] == l2::key_outcome::ok);
+  CHECK(matches(o.keys[1], std::span(l.out[1].data(), o.bytes)));
+  CHECK(std::to_integer<int>(l.out[0].data()[0]) == 0xee);  // the failed key's buffer untouched
+  b.inject({.op = l2::fault_op::load,
+            .kind = l2::fault_kind::corrupt,
+            .match = [&](const chunk_key& k) { return k == o.keys[2]; },
+            .times = 1});
+  auto l2r = load(io, b, o.keys, o.bytes);
+  CHECK(l2r.r.outcomes[0] == l2::key_outcome::ok);
+  CHECK(l2r.r.outcomes[2] == l2::key_outcome::corrupt);
+  CHECK(disk.usage().objects == 2);
+}
+
+TEST_CASE("removing answers ok, not_found, or rejected while pinned", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  const objects o(0, 2, 8192);
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 2);
+  REQUIRE(lookup(io, b, std::span(o.keys).first(1)).to_string() == "1");
+  std::vector<chunk_key> ks = {o.keys[0], o.keys[1], key_of(77)};
+  auto r = remove(io, b, ks);
+  CHECK(r.outcomes[0] == l2::key_outcome::rejected);
+  CHECK(r.outcomes[1] == l2::key_outcome::ok);
+  CHECK(r.outcomes[2] == l2::key_outcome::not_found);
+  CHECK_FALSE(fs::exists(b.object_file(o.keys[1])));
+  CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
+}
+
+// --- deadlines and the buffer contract ----------------------------------------------------------
+
+TEST_CASE("a load whose deadline passed answers timeout and writes nothing", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  const objects o(0, 2, 1 << 20);
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 2);
+  auto l = load(io, b, o.keys, o.bytes, l2::clock::now() - std::chrono::seconds(1));
+  CHECK(l.ec == errc::timeout);
+  CHECK(l.r.count(l2::key_outcome::timeout) == 2);
+  CHECK(std::to_integer<int>(l.out[0].data()[0]) == 0xee);
+  CHECK(b.stats().timeouts[l2::disk_stats::load].load() == 2);
+}
+
+TEST_CASE("a load cut by its deadline or cancelled completes only when no read can land any more",
+          "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  auto opts = options_for(dir.path());
+  opts.queue_depth = 4;
+  l2::disk_backend b(io.get_executor(), opts);
+  const objects o(0, 4, 16 << 20);
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 4);
+  for (int mode = 0; mode < 2; ++mode) {
+    INFO((mode == 0 ? "deadline" : "cancellation"));
+    std::vector<aligned_buffer> out;
+    std::vector<std::span<std::byte>> dst;
+    for (int i = 0; i < 4; ++i) {
+      out.emplace_back(o.bytes);
+      std::memset(out.back().data(), 0xee, o.bytes);
+    }
+    for (auto& x : out) dst.emplace_back(x.data(), o.bytes);
+    asio::cancellation_signal cancel;
+    std::optional<std::tuple<error_code, l2::batch_result, std::size_t>> result;
+    const auto d = mode == 0 ? l2::clock::now() + std::chrono::milliseconds(2) : soon();
+    b.async_load(o.keys, dst, d, asio::bind_cancellation_slot(cancel.slot(), [&](error_code ec, l2::batch_result r) {
+                   // THE BUFFER CONTRACT: when this runs, nothing reads into dst any more.
+                   result.emplace(ec, std::move(r), b.io_in_flight());
+                 }));
+    if (mode == 1) asio::post(io, [&] { cancel.emit(asio::cancellation_type::terminal); });
+    io.restart();
+    io.run();
+    REQUIRE(result);
+    CHECK(std::get<2>(*result) == 0);
+    const auto& r = std::get<1>(*result);
+    CHECK(r.count(l2::key_outcome::ok) + r.count(l2::key_outcome::timeout) == 4);
+    if (r.count(l2::key_outcome::timeout) > 0) {
+      const error_code want = mode == 0 ? make_error_code(errc::timeout) : error_code(asio::error::operation_aborted);
+      CHECK(std::get<0>(*result) == want);
+    }
+    // Keys answered ok hold their bytes; and every buffer stays as it was at completion
+    // while the backend keeps working (no late read lands).
+    std::vector<std::vector<std::byte>> snapshot;
+    for (std::size_t i = 0; i < 4; ++i) {
+      if (r.outcomes[i] == l2::key_outcome::ok) CHECK(matches(o.keys[i], dst[i]));
+      snapshot.emplace_back(dst[i].begin(), dst[i].end());
+    }
+    auto more = load(io, b, o.keys, o.bytes);
+    CHECK(more.r.count(l2::key_outcome::ok) == 4);
+    for (std::size_t i = 0; i < 4; ++i) CHECK(std::memcmp(snapshot[i].data(), dst[i].data(), o.bytes) == 0);
+  }
+}
+
+TEST_CASE("a store cut by its deadline leaves no temporary file and no half object", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  auto opts = options_for(dir.path());
+  opts.queue_depth = 2;
+  l2::disk_backend b(io.get_executor(), opts);
+  const objects o(0, 4, 16 << 20);
+  auto r = store(io, b, o.keys, o.sources(), l2::clock::now() + std::chrono::milliseconds(3));
+  CHECK(r.count(l2::key_outcome::ok) + r.count(l2::key_outcome::timeout) == 4);
+  CHECK(b.io_in_flight() == 0);
+  const auto d = scan(dir.path());
+  CHECK(d.temp_files == 0);
+  CHECK(d.objects == r.count(l2::key_outcome::ok));
+  CHECK(b.usage().bytes_used == d.allocated);
+  CHECK(check_all_served(io, b, o.keys, o.bytes) == r.count(l2::key_outcome::ok));
+}
+
+// --- crash recovery -----------------------------------------------------------------------------
+
+TEST_CASE("torn, foreign and misnamed files are dropped at start-up; good ones are served", "[l2][disk]") {
+  temp_dir dir;
+  const objects o(0, 8, 64 * 1024);
+  std::vector<fs::path> files;
+  {
+    asio::io_context io;
+    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+    REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 8);
+    for (const auto& k : o.keys) files.push_back(b.object_file(k));
+  }
+  fs::resize_file(files[0], 4096 + 32 * 1024);  // truncated payload
+  {                                               // a bad header (magic)
+    std::fstream f(files[1], std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(0);
+    f.put('X');
+  }
+  fs::copy_file(files[3], files[2], fs::copy_options::overwrite_existing);  // header names key 3
+  fs::resize_file(files[4], 0);                                              // zero length
+  {  // a payload byte flipped: passes the header check, caught by the load's checksum
+    std::fstream f(files[5], std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4096 + 100);
+    f.put('Z');
+  }
+  std::ofstream(dir.path() / "tmp" / (std::string(56, 'a') + ".0000000000000001.tmp")) << "half an object";
+  std::ofstream(files[6].parent_path() / "README") << "not ours";
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  CHECK(b.recovery().dropped == 4);
+  CHECK(b.recovery().temp_files == 1);
+  CHECK(b.recovery().foreign_files == 1);
+  CHECK(b.recovery().objects == 4);
+  for (std::size_t i : {0, 1, 2, 4}) CHECK_FALSE(fs::exists(files[i]));  // deleted
+  CHECK(fs::exists(files[3]));
+  CHECK(fs::exists(files[6].parent_path() / "README"));  // foreign files are left alone
+  auto l = load(io, b, o.keys, o.bytes);
+  for (std::size_t i = 0; i < 8; ++i) {
+    INFO(i);
+    if (i < 3 || i == 4) CHECK(l.r.outcomes[i] == l2::key_outcome::not_found);
+    else if (i == 5) CHECK(l.r.outcomes[i] == l2::key_outcome::corrupt);
+    else {
+      CHECK(l.r.outcomes[i] == l2::key_outcome::ok);
+      CHECK(matches(o.keys[i], std::span(l.out[i].data(), o.bytes)));
+    }
+  }
+  CHECK(scan(dir.path()).temp_files == 0);
+}
+
+TEST_CASE("verify_on_start drops an object whose payload checksum fails", "[l2][disk]") {
+  temp_dir dir;
+  const objects o(0, 2, 64 * 1024);
+  fs::path victim;
+  {
+    asio::io_context io;
+    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+    REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 2);
+    REQUIRE(b.corrupt_stored(o.keys[0]));
+    victim = b.object_file(o.keys[0]);
+  }
+  asio::io_context io;
+  auto opts = options_for(dir.path());
+  opts.verify_on_start = true;
+  l2::disk_backend b(io.get_executor(), opts);
+  CHECK(b.recovery().dropped == 1);
+  CHECK(b.recovery().objects == 1);
+  CHECK_FALSE(fs::exists(victim));
+}
+
+TEST_CASE("a writer killed mid-store leaves only whole objects, and the restarted backend serves them",
+          "[l2][disk]") {
+  // The child stores 4 MiB objects in batches of 4, reporting each finished batch on a pipe.
+  // The parent kills it (SIGKILL) after k batches, while the next batch's writes, fsyncs or
+  // renames are in flight, then starts a backend on the directory.
+  constexpr std::size_t bytes = 4 << 20;
+  constexpr std::uint64_t per_batch = 4;
+  for (const int kill_after : {1, 2, 3, 5}) {
+    INFO("killed after " << kill_after << " batches");
+    temp_dir dir;
+    int fds[2];
+    REQUIRE(::pipe(fds) == 0);
+    const pid_t pid = ::fork();
+    REQUIRE(pid >= 0);
+    if (pid == 0) {  // the child: never returns into the test runner
+      ::close(fds[0]);
+      try {
+        asio::io_context io;
+        l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+        for (std::uint64_t batch = 0;; ++batch) {
+          const objects o(batch * per_batch, per_batch, bytes);
+          const auto r = store(io, b, o);
+          const char c = r.count(l2::key_outcome::ok) == per_batch ? 'k' : 'x';
+          if (::write(fds[1], &c, 1) != 1) ::_exit(3);
+        }
+      } catch (...) {
+        ::_exit(2);
+      }
+    }
+    ::close(fds[1]);
+    int acked = 0;
+    char c = 0;
+    while (acked < kill_after && ::read(fds[0], &c, 1) == 1) {
+      REQUIRE(c == 'k');
+      ++acked;
+    }
+    ::kill(pid, SIGKILL);
+    int status = 0;
+    REQUIRE(::waitpid(pid, &status, 0) == pid);
+    ::close(fds[0]);
+    REQUIRE(acked == kill_after);
+    CHECK(WIFSIGNALED(status));
+
+    asio::io_context io;
+    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+    std::vector<chunk_key> candidates;
+    for (std::uint64_t i = 0; i < (static_cast<std::uint64_t>(kill_after) + 3) * per_batch; ++i)
+      candidates.push_back(key_of(i));
+    const std::size_t served = check_all_served(io, b, candidates, bytes);
+    CHECK(served >= static_cast<std::size_t>(kill_after) * per_batch);  // every acked object survived
+    const auto d = scan(dir.path());
+    CHECK(d.temp_files == 0);
+    CHECK(d.objects == served);
+    CHECK(b.usage().objects == served);
+    CHECK(b.usage().bytes_used == d.allocated);
+    CHECK(b.stats().corrupt_objects.load() == 0);  // no torn object was ever visible
+  }
+}
+
+// --- ENOSPC -----------------------------------------------------------------------------------
+
+TEST_CASE("a full file system fails stores with no_space, leaves nothing half-written, keeps serving",
+          "[l2][disk]") {
+  for (const bool preallocate : {true, false}) {
+    INFO("preallocate " << preallocate);
+    tmpfs_mount mnt(24 << 20);
+    if (!mnt.mounted()) {
+      WARN("cannot mount a tmpfs (" << mnt.error() << "): the ENOSPC test needs root; skipped");
+      CHECK_FALSE(mnt.error().empty());
+      return;
+    }
+    asio::io_context io;
+    captured_log cap;
+    auto opts = options_for(mnt.path() / "l2", std::uint64_t{1} << 30);  // above the file system
+    opts.preallocate = preallocate;
+    opts.warn_interval = std::chrono::hours(1);
+    l2::disk_backend b(io.get_executor(), opts, &cap.log);
+    std::size_t ok = 0, no_space = 0;
+    std::vector<chunk_key> stored;
+    for (std::uint64_t batch = 0; batch < 20 && no_space < 4; ++batch) {
+      const objects o(batch * 2, 2, 1 << 20);
+      const auto r = store(io, b, o);
+      for (std::size_t i = 0; i < 2; ++i) {
+        if (r.outcomes[i] == l2::key_outcome::ok) {
+          ++ok;
+          stored.push_back(o.keys[i]);
+        } else {
+          CHECK(r.outcomes[i] == l2::key_outcome::no_space);
+          ++no_space;
+        }
+      }
+    }
+    CHECK(ok > 10);
+    CHECK(no_space >= 4);
+    CHECK(b.stats().enospc.load() == no_space);
+    CHECK(cap.count("ENOSPC") == 1);  // logged once per interval
+    const auto d = scan(mnt.path() / "l2");
+    CHECK(d.temp_files == 0);  // nothing half-written is visible, nothing left behind
+    CHECK(d.objects == ok);
+    CHECK(b.usage().objects == ok);
+    CHECK(b.usage().bytes_used == d.allocated);
+    CHECK(check_all_served(io, b, stored, 1 << 20) == ok);  // still serving what it has
+  }
+}
+
+// --- engine and options -----------------------------------------------------------------------
+
+TEST_CASE("reads into a registered arena use fixed buffers where the kernel allows", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  telemetry::registry reg;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()), nullptr, &reg);
+  const objects o(0, 2, 1 << 20);
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 2);
+  const double fixed_before = reg.value("kvtier_io_fixed_ops_total").value_or(0);
+  aligned_buffer arena(4 << 20);
+  const auto ec = b.register_buffers(arena.span());
+  std::vector<std::span<std::byte>> dst = {std::span(arena.data(), o.bytes),
+                                           std::span(arena.data() + (2 << 20), o.bytes)};
+  auto [lec, r] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
+    co_return co_await b.async_load(o.keys, dst, soon(), asio::as_tuple(asio::use_awaitable));
+  }());
+  CHECK(r.count(l2::key_outcome::ok) == 2);
+  CHECK(matches(o.keys[1], dst[1]));
+  if (b.engine_kind() == io::engine_kind::uring && !ec) {
+    CHECK(reg.value("kvtier_io_fixed_ops_total").value_or(0) >= fixed_before + 2);  // 1 MiB parts, 2 keys
+  } else {
+    WARN("fixed buffers not active here: " << ec.message());
+    CHECK(r.count(l2::key_outcome::ok) == 2);
+  }
+}
+
+TEST_CASE("the JSON options parse with clear errors", "[l2][disk]") {
+  using nlohmann::json;
+  const auto o = l2::disk_backend_options_from_json(json::parse(R"({"type": "disk", "name": "nvme0",
+      "path": "/mnt/x", "capacity_gb": 1.5, "o_direct": false, "io": "pread", "eviction": "fifo",
+      "queue_depth": 32, "part_kib": 512, "sync": "none"})"));
+  CHECK(o.name == "nvme0");
+  CHECK(o.path == "/mnt/x");
+  CHECK(o.capacity_bytes == (std::uint64_t{3} << 29));
+  CHECK_FALSE(o.o_direct);
+  CHECK(o.io == io::engine_choice::pread);
+  CHECK(o.eviction == l2::disk_eviction::fifo);
+  CHECK(o.queue_depth == 32);
+  CHECK(o.part_bytes == 512 * 1024);
+  CHECK(o.sync == l2::disk_sync::none);
+  const auto d = json::parse(R"({"path": "/p", "capacity_bytes": 4096})").get<l2::disk_backend_options>();
+  CHECK(d.capacity_bytes == 4096);
+  CHECK(d.eviction == l2::disk_eviction::lru);
+  CHECK(d.o_direct);
+  auto fails = [](const char* text) {
+    try {
+      (void)l2::disk_backend_options_from_json(json::parse(text));
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  CHECK_THAT(fails(R"({"capacity_gb": 1})"), Catch::Contains("'path' is missing"));
+  CHECK_THAT(fails(R"({"path": "/p"})"), Catch::Contains("capacity is missing"));
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "capacity_bytes": 5})"), Catch::Contains("keep one"));
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": -1})"), Catch::Contains("'capacity_gb' must be"));
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "io": "threads"})"), Catch::Contains("\"pread\""));
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "eviction": "random"})"), Catch::Contains("'eviction'"));
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "o_direct": "yes"})"), Catch::Contains("true or false"));
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "capacity": 3})"), Catch::Contains("unknown key 'capacity'"));
+  CHECK_THAT(fails(R"({"type": "redis", "path": "/p", "capacity_gb": 1})"), Catch::Contains("'type'"));
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "queue_depth": 0})"), Catch::Contains("out of range"));
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "high_watermark": 0.5, "low_watermark": 0.8})"),
+             Catch::Contains("exceeds"));
+}
+
+// --- threads ------------------------------------------------------------------------------------
+
+TEST_CASE("operations started from several threads while the I/O thread runs stay consistent",
+          "[l2][disk][concurrency]") {
+  temp_dir dir;
+  asio::io_context io;
+  auto work = asio::make_work_guard(io);
+  auto opts = options_for(dir.path(), 3 << 20);  // small: stores evict while others load
+  l2::disk_backend b(io.get_executor(), opts);
+  constexpr std::size_t bytes = 64 * 1024;
+  const objects first(0, 32, bytes);  // what the reader reads while the writer evicts
+  REQUIRE(store(io, b, first).count(l2::key_outcome::ok) == 32);
+  std::thread io_thread([&] { io.run(); });
+
+  // Blocks the calling thread until one operation started on the backend completes.
+  auto wait_for = [](auto start) {
+    std::promise<std::pair<error_code, l2::batch_result>> p;
+    auto f = p.get_future();
+    start([&p](error_code ec, l2::batch_result r) { p.set_value({ec, std::move(r)}); });
+    return f.get();
+  };
+  std::atomic<std::size_t> stored{0}, loaded{0}, wrong{0}, lookups{0};
+  std::thread writer([&] {
+    for (std::uint64_t round = 0; round < 40; ++round) {
+      const objects o(32 + round * 4 % 64, 4, bytes);
+      const auto src = o.sources();
+      auto [ec, r] = wait_for([&](auto h) { b.async_store(o.keys, src, soon(), h); });
+      stored += r.count(l2::key_outcome::ok);
+    }
+  });
+  std::thread reader([&] {
+    for (std::uint64_t round = 0; round < 40; ++round) {
+      std::vector<chunk_key> keys;
+      for (std::uint64_t i = 0; i < 4; ++i) keys.push_back(key_of((round * 4 + i) % 32));
+      std::vector<aligned_buffer> out;
+      std::vector<std::span<std::byte>> dst;
+      for (int i = 0; i < 4; ++i) out.emplace_back(bytes);
+      for (auto& x : out) dst.emplace_back(x.data(), bytes);
+      auto [ec, r] = wait_for([&](auto h) { b.async_load(keys, dst, soon(), h); });
+      for (std::size_t i = 0; i < 4; ++i)
+        if (r.outcomes[i] == l2::key_outcome::ok) {
+          ++loaded;
+          if (!matches(keys[i], dst[i])) ++wrong;
+        }
+    }
+  });
+  std::thread poker([&] {
+    for (std::uint64_t round = 0; round < 200; ++round) {
+      const auto k = key_of(round % 96);
+      std::promise<bitmap> p;
+      auto f = p.get_future();
+      b.async_lookup_and_pin(std::span(&k, 1), soon(), [&p](error_code, bitmap found) { p.set_value(found); });
+      if (f.get().test(0)) {
+        ++lookups;
+        b.unpin(std::span(&k, 1));
+      }
+      (void)b.usage();
+      (void)b.health();
+      (void)b.pins(k);
+    }
+  });
+  writer.join();
+  reader.join();
+  poker.join();
+  work.reset();
+  io_thread.join();
+  CHECK(stored.load() > 0);
+  CHECK(wrong.load() == 0);
+  CHECK(b.usage().bytes_used <= opts.capacity_bytes);
+  CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
+  for (std::uint64_t i = 0; i < 96; ++i) CHECK(b.pins(key_of(i)) == 0);
+  INFO("loaded " << loaded.load() << ", lookup hits " << lookups.load());
+  CHECK(scan(dir.path()).temp_files == 0);
+}
