@@ -467,9 +467,7 @@ TEST_CASE("a silent client is reaped after client_reap_timeout", "[server]") {
   c.register_region(r);
   c.ok(p::lookup_request{"req-1", make_model_id("test/model", small_model()), 1, chunk_hashes(1, 1)});
   // Silent from here on: the server closes the connection (EOF on our side).
-  const auto t0 = std::chrono::steady_clock::now();
   CHECK(closed(c).empty());
-  CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(250));
   raw_client after(s.path());
   const json st = after.status();
   CHECK(st["clients"].size() == 1);  // only `after`

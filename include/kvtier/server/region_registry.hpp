@@ -82,6 +82,9 @@ class region_registry {
     std::size_t slot_bytes = 0;        ///< the L1 slot size: the largest object
   };
 
+  /// Largest tensor-parallel world size accepted (a lookup holds world_size keys per chunk).
+  static constexpr std::uint16_t max_world_size = 1024;
+
   explicit region_registry(requirements req) : req_(req) {}
 
   /// Validates `r`, maps its region (fd), and makes it connection `client_id`'s registration,
@@ -91,6 +94,9 @@ class region_registry {
   request_result<const registration*> register_client(std::uint64_t client_id, const protocol::register_kv_request& r,
                                                       protocol::unique_fd fd) {
     if (!fd) return fail(errc::invalid_argument, "register_kv_request came without the region's memfd (SCM_RIGHTS)");
+    if (r.world_size > max_world_size)
+      return fail(errc::invalid_argument, "world_size " + std::to_string(r.world_size) + " is above " +
+                                              std::to_string(max_world_size));
     if (r.world_size == 0 || r.rank >= r.world_size)
       return fail(errc::invalid_argument, "rank " + std::to_string(r.rank) + " is not below world_size " +
                                               std::to_string(r.world_size));

@@ -98,6 +98,10 @@ class session_host {
 
 class session : public std::enable_shared_from_this<session> {
  public:
+  /// Most keys (chunks x world size) one lookup may take: 2^20, e.g. the protocol's 65536
+  /// chunks at world size 16; bounds the memory (40 MiB of keys) and time of one request.
+  static constexpr std::size_t max_lookup_keys = std::size_t{1} << 20;
+
   using connection_type = protocol::basic_connection<boost::asio::any_io_executor>;
   using clock = std::chrono::steady_clock;
 
@@ -300,6 +304,11 @@ class session : public std::enable_shared_from_this<session> {
                            "this connection holds " + std::to_string(ctx_.lookups.owned(id_)) +
                                " lookups (max_lookups_per_client): send end_request for finished requests"};
     const std::size_t ws = reg.world_size;
+    if (r.chunk_hashes.size() * ws > max_lookup_keys)
+      return request_error{errc::invalid_argument,
+                           "lookup_request: " + std::to_string(r.chunk_hashes.size()) + " chunks x world size " +
+                               std::to_string(ws) + " is above " + std::to_string(max_lookup_keys) +
+                               " keys: look up fewer chunks at once"};
     std::vector<chunk_key> keys;
     keys.reserve(r.chunk_hashes.size() * ws);
     for (const hash128& h : r.chunk_hashes)
