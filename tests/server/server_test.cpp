@@ -184,6 +184,9 @@ TEST_CASE("a registration is refused with a message that says what to change", "
   SECTION("a rank that is not below the world size") {
     CHECK(c.refused(r.registration(2, 2), r.region.fd()).code == static_cast<std::uint32_t>(errc::invalid_argument));
   }
+  SECTION("a world size above 1024") {
+    CHECK(c.refused(r.registration(0, 2000), r.region.fd()).code == static_cast<std::uint32_t>(errc::invalid_argument));
+  }
   SECTION("a chunk that is not a whole number of blocks") {
     engine_region odd(small_model(), 3, 30);
     CHECK(c.refused(odd.registration(), odd.region.fd()).code == static_cast<std::uint32_t>(errc::layout_mismatch));
@@ -428,6 +431,23 @@ TEST_CASE("free_lookup_locks and end_request give the lookup's locks back", "[se
   CHECK(evictable() == 2);
   CHECK(c.status()["lookups"] == 0);
   c.ok(p::free_lookup_locks_request{"unknown keys are fine"});
+}
+
+TEST_CASE("the open lookups of one connection are bounded by max_lookups_per_client", "[server]") {
+  running_server s([](server::server_config& c) { c.max_lookups_per_client = 2; });
+  raw_client c(s.path());
+  engine_region r;
+  const auto reg = c.register_region(r);
+  const auto h = chunk_hashes(18, 1);
+  c.ok(p::lookup_request{"a", reg.model_id, 1, h});
+  c.ok(p::lookup_request{"b", reg.model_id, 1, h});
+  const auto e = c.refused(p::lookup_request{"c", reg.model_id, 1, h});
+  CHECK(e.code == static_cast<std::uint32_t>(errc::out_of_memory));
+  CHECK_THAT(e.message, Catch::Contains("end_request"));
+  c.ok(p::lookup_request{"a", reg.model_id, 1, h});  // replacing its own lookup is fine
+  c.ok(p::end_request_request{"b"});
+  c.ok(p::lookup_request{"c", reg.model_id, 1, h});
+  CHECK(c.status()["lookups"] == 2);
 }
 
 TEST_CASE("a client that disconnects or unregisters is reaped: registration and lookups released", "[server]") {
