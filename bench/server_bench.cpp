@@ -70,8 +70,10 @@ class client {
   typename Req::response_type call(const Req& req, int fd = -1) {
     const std::uint64_t id = next_++;
     p::message m = run([&]() -> asio::awaitable<p::message> {
-      if (fd >= 0) co_await conn_.async_send(id, req, fd, asio::use_awaitable);
-      else co_await conn_.async_send(id, req, asio::use_awaitable);
+      if (fd >= 0)
+        co_await conn_.async_send(id, req, fd, asio::use_awaitable);
+      else
+        co_await conn_.async_send(id, req, asio::use_awaitable);
       p::frame f = co_await conn_.async_read_frame(asio::use_awaitable);
       auto d = p::decode_message(f);
       if (!d) throw std::runtime_error(d.error().reason);
@@ -146,8 +148,15 @@ shape_result measure(const std::string& tag, model_shape shape, int repeats) {
     std::memset(baseline.data(), 1, baseline.size());
 
     client c(cfg.socket_path);
-    p::register_kv_request reg{static_cast<std::uint64_t>(::getpid()), 0, 1, "bench/" + tag, shape, block_size,
-                               num_blocks, chunk_tokens, region.bytes()};
+    p::register_kv_request reg{static_cast<std::uint64_t>(::getpid()),
+                               0,
+                               1,
+                               "bench/" + tag,
+                               shape,
+                               block_size,
+                               num_blocks,
+                               chunk_tokens,
+                               region.bytes()};
     const auto r = c.call(reg, region.fd());
 
     std::vector<std::uint32_t> all(num_blocks);

@@ -77,13 +77,15 @@ TEST_CASE("a configuration survives to_json and parse unchanged", "[server][conf
 
 TEST_CASE("a bad configuration is refused naming the key, the value and what to change", "[server][config]") {
   CHECK(refusal({{"chunk_sise", 256}}).starts_with("unknown key chunk_sise (256): remove it or check its spelling"));
-  CHECK(refusal({{"chunk_size", 0}}) == "chunk_size (0): must be an integer in 1..65536, a multiple of the engine's "
-                                        "block size, e.g. 256");
+  CHECK(refusal({{"chunk_size", 0}}) ==
+        "chunk_size (0): must be an integer in 1..65536, a multiple of the engine's "
+        "block size, e.g. 256");
   CHECK(refusal({{"chunk_size", -3}}).starts_with("chunk_size (-3): must be an integer"));
   CHECK(refusal({{"chunk_size", "256"}}).starts_with("chunk_size (\"256\"): must be an integer"));
   CHECK(refusal({{"eviction_policy", "LRU"}}) == "eviction_policy (\"LRU\"): must be one of lru, s3fifo, arc, noop");
-  CHECK(refusal({{"eviction_target", 0.9}}).starts_with("eviction_target (0.9): must be >= 0 and below "
-                                                         "eviction_watermark (0.8)"));
+  CHECK(refusal({{"eviction_target", 0.9}})
+            .starts_with("eviction_target (0.9): must be >= 0 and below "
+                         "eviction_watermark (0.8)"));
   CHECK(refusal({{"l1_size_mb", 1}}).find("raise --l1-size-mb/--l1-size-gb or lower --l1-slot-bytes") !=
         std::string::npos);
   CHECK(refusal({{"l1_size_mb", 64}, {"l1_size_gb", 1}}).starts_with("l1_size (given more than once)"));
@@ -97,8 +99,7 @@ TEST_CASE("the backend factory parses memory backends and refuses unknown types 
   const backend_factory& f = backend_factory::builtin();
   CHECK(f.types() == std::vector<std::string>{"memory"});
   const json list = json::array({json{{"type", "memory"}, {"capacity_gb", 1}, {"bandwidth_gbps", 2.5}},
-                                 json{{"type", "memory"}},
-                                 json{{"type", "memory"}, {"name", "memory-1"}}});
+                                 json{{"type", "memory"}}, json{{"type", "memory"}, {"name", "memory-1"}}});
   const auto specs = f.parse_all(std::vector<json>(list.begin(), list.end()));
   REQUIRE(specs.size() == 3);
   CHECK(specs[0].name == "memory");
@@ -119,12 +120,14 @@ TEST_CASE("the backend factory parses memory backends and refuses unknown types 
     }
     return std::string();
   };
-  CHECK(refused({{"type", "disk"}}).starts_with("l2_backends[0].type (\"disk\"): this build has no such backend type; "
-                                                "known types: memory"));
+  CHECK(refused({{"type", "disk"}})
+            .starts_with("l2_backends[0].type (\"disk\"): this build has no such backend type; "
+                         "known types: memory"));
   CHECK(refused({{"capacity_gb", 1}}).starts_with("l2_backends[0].type (missing): give the backend's \"type\""));
   CHECK(refused({{"type", "memory"}, {"capacity_gib", 1}}).starts_with("unknown key l2_backends[0].capacity_gib (1)"));
   CHECK(refused({{"type", "memory"}, {"capacity_mb", 0}}).starts_with("l2_backends[0].capacity (0)"));
-  CHECK(refused({{"type", "memory"}, {"latency_us", -1}}).starts_with("l2_backends[0].latency_us (-1): must be a number"));
+  CHECK(refused({{"type", "memory"}, {"latency_us", -1}})
+            .starts_with("l2_backends[0].latency_us (-1): must be a number"));
   CHECK(refused(json{{"type", "memory"}}).empty());
   const json dup = json::array({json{{"type", "memory"}, {"name", "a"}}, json{{"type", "memory"}, {"name", "a"}}});
   CHECK_THROWS_AS(f.parse_all(std::vector<json>(dup.begin(), dup.end())), config_error);

@@ -32,10 +32,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <chrono>
 #include <fcntl.h>
-#include <filesystem>
+#include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <optional>
@@ -135,7 +135,8 @@ struct engine_region {
   }
 
   p::register_kv_request registration(std::uint16_t rank = 0, std::uint16_t world_size = 1,
-                                      std::string model = "test/model", std::uint32_t chunk_tokens = test_chunk_tokens) const {
+                                      std::string model = "test/model",
+                                      std::uint32_t chunk_tokens = test_chunk_tokens) const {
     p::register_kv_request r;
     r.instance_id = static_cast<std::uint64_t>(::getpid());
     r.rank = rank;
@@ -170,7 +171,9 @@ class raw_client {
     if (const error_code ec = send(id, req, fd))
       throw std::runtime_error(std::string("sending ") + std::string(p::name(Req::type)) + ": " + ec.message());
     auto [rec, f] = read_frame();
-    if (rec) throw std::runtime_error(std::string("reading the reply to ") + std::string(p::name(Req::type)) + ": " + rec.message());
+    if (rec)
+      throw std::runtime_error(std::string("reading the reply to ") + std::string(p::name(Req::type)) + ": " +
+                               rec.message());
     if (f.header.call_id != id) throw std::runtime_error("a reply with another call id");
     auto m = p::decode_message(f);
     if (!m) throw std::runtime_error("an undecodable reply: " + m.error().reason);

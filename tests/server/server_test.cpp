@@ -60,8 +60,8 @@ p::store_request store_req(const engine_region& r, std::vector<hash128> hashes, 
   return s;
 }
 
-p::retrieve_request retrieve_req(std::vector<hash128> hashes, std::vector<std::uint32_t> blocks,
-                                 std::uint32_t skip = 0, std::uint16_t rank = 0, std::string key = "req-1") {
+p::retrieve_request retrieve_req(std::vector<hash128> hashes, std::vector<std::uint32_t> blocks, std::uint32_t skip = 0,
+                                 std::uint16_t rank = 0, std::string key = "req-1") {
   p::retrieve_request r;
   r.request_key = std::move(key);
   r.rank = rank;
@@ -564,8 +564,8 @@ TEST_CASE("malformed, truncated, oversized and random frames affect only their o
     CHECK(code_of(p::decode_message(f2).value()) == static_cast<std::uint32_t>(errc::protocol_error));
 
     p::query_prefetch_request long_key{std::string(p::max_request_key_bytes + 1, 'k')};
-    REQUIRE_FALSE(bad.send_bytes(p::detail::encode_unchecked(p::frame_header{p::protocol_version, long_key.type, 3, 0},
-                                                             long_key)));
+    REQUIRE_FALSE(bad.send_bytes(
+        p::detail::encode_unchecked(p::frame_header{p::protocol_version, long_key.type, 3, 0}, long_key)));
     auto [ec3, f3] = bad.read_frame();
     REQUIRE_FALSE(ec3);
     CHECK(code_of(p::decode_message(f3).value()) == static_cast<std::uint32_t>(errc::message_too_large));
@@ -586,12 +586,13 @@ TEST_CASE("malformed, truncated, oversized and random frames affect only their o
       for (int i = 0; i < 20; ++i) {
         std::vector<std::byte> f;
         const auto pick = rng() % 4;
-        const std::uint16_t type = pick == 0 ? static_cast<std::uint16_t>(rng()) : static_cast<std::uint16_t>(1 + rng() % 12);
+        const std::uint16_t type =
+            pick == 0 ? static_cast<std::uint16_t>(rng()) : static_cast<std::uint16_t>(1 + rng() % 12);
         const std::uint32_t body = static_cast<std::uint32_t>(rng() % 64);
         f = header(pick == 1 ? static_cast<std::uint16_t>(rng() % 3) : p::protocol_version, type, rng(), body);
         for (std::uint32_t k = 0; k < body; ++k) f.push_back(static_cast<std::byte>(rng()));
         if (pick == 3) f.resize(rng() % f.size());  // cut anywhere, also inside the header
-        if (bad.send_bytes(f)) break;  // the server closed on us: fine
+        if (bad.send_bytes(f)) break;               // the server closed on us: fine
       }
       bad.shutdown_write();
       (void)closed(bad);  // answers (any), then EOF, within the deadline
@@ -638,7 +639,8 @@ TEST_CASE("an L2 backend serves chunks L1 dropped, through the prefetch", "[serv
   r.fill_blocks(src, 77);
   CHECK(c.ok(store_req(r, hashes, src)).stored == 2);
   // Wait until the store pipeline put both in L2, then drop L1.
-  wait_for_status(c, [](const json& j) { return j["backends"][0]["objects"] == 2 && j["store"]["inflight_tasks"] == 0; });
+  wait_for_status(c,
+                  [](const json& j) { return j["backends"][0]["objects"] == 2 && j["store"]["inflight_tasks"] == 0; });
   c.ok(p::clear_request{false});
   CHECK(c.status()["l1"]["objects"] == 0);
   const auto q = lookup_done(c, reg.model_id, hashes);

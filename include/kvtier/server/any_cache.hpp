@@ -60,8 +60,8 @@ class any_cache {
   virtual void unpin_after_copy(std::span<const chunk_key> keys) = 0;
   virtual void release(lookup_id id, std::span<const chunk_key> keys) = 0;
   virtual void release_all(lookup_id id) = 0;
-  virtual std::size_t reserve_write(std::span<const chunk_key> keys, std::size_t object_bytes, std::span<l1::status> out,
-                                    std::span<std::span<std::byte>> buffers) = 0;
+  virtual std::size_t reserve_write(std::span<const chunk_key> keys, std::size_t object_bytes,
+                                    std::span<l1::status> out, std::span<std::span<std::byte>> buffers) = 0;
   virtual std::size_t finish_write(std::span<const chunk_key> keys, const pipeline::write_context& ctx,
                                    std::span<l1::status> out) = 0;
   virtual std::size_t abandon_write(std::span<const chunk_key> keys) = 0;
@@ -165,10 +165,12 @@ std::unique_ptr<any_cache> make_cache_with(boost::asio::any_io_executor ex, cons
   wait.per_1k_tokens = std::chrono::milliseconds(c.prefetch_timeout_per_1k_tokens_ms);
   wait.cap = std::chrono::milliseconds(c.prefetch_timeout_cap_ms);
   switch (c.eviction) {
-    case eviction_kind::lru: return detail::make_cache_with<l1::lru>(std::move(ex), o, bus, std::move(backends), store, wait);
+    case eviction_kind::lru:
+      return detail::make_cache_with<l1::lru>(std::move(ex), o, bus, std::move(backends), store, wait);
     case eviction_kind::s3fifo:
       return detail::make_cache_with<l1::s3fifo>(std::move(ex), o, bus, std::move(backends), store, wait);
-    case eviction_kind::arc: return detail::make_cache_with<l1::arc>(std::move(ex), o, bus, std::move(backends), store, wait);
+    case eviction_kind::arc:
+      return detail::make_cache_with<l1::arc>(std::move(ex), o, bus, std::move(backends), store, wait);
     case eviction_kind::noop:
       return detail::make_cache_with<l1::noop>(std::move(ex), o, bus, std::move(backends), store, wait);
   }

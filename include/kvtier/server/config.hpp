@@ -42,8 +42,12 @@ inline constexpr std::array<std::string_view, 4> eviction_names = {"lru", "s3fif
 inline constexpr std::array<std::string_view, 2> store_names = {"write_through", "skip_l1"};
 inline constexpr std::array<std::string_view, 3> prefetch_wait_names = {"best_effort", "wait_complete", "timeout"};
 
-[[nodiscard]] constexpr std::string_view name(eviction_kind k) noexcept { return eviction_names[static_cast<std::size_t>(k)]; }
-[[nodiscard]] constexpr std::string_view name(store_kind k) noexcept { return store_names[static_cast<std::size_t>(k)]; }
+[[nodiscard]] constexpr std::string_view name(eviction_kind k) noexcept {
+  return eviction_names[static_cast<std::size_t>(k)];
+}
+[[nodiscard]] constexpr std::string_view name(store_kind k) noexcept {
+  return store_names[static_cast<std::size_t>(k)];
+}
 [[nodiscard]] constexpr std::string_view name(prefetch_wait_kind k) noexcept {
   return prefetch_wait_names[static_cast<std::size_t>(k)];
 }
@@ -61,38 +65,40 @@ struct server_config {
   std::string socket_path = default_socket_path();  ///< "socket": the Unix socket (mode 0600)
 
   // --- L1 ------------------------------------------------------------------------------
-  std::uint32_t chunk_tokens = 256;                        ///< "chunk_size": tokens per chunk
-  std::uint64_t l1_size_bytes = std::uint64_t{1} << 30;    ///< "l1_size_gb" | "l1_size_mb" | "l1_size_bytes"
-  std::uint64_t l1_slot_bytes = std::uint64_t{4} << 20;    ///< "l1_slot_bytes": largest chunk object
-  eviction_kind eviction = eviction_kind::lru;             ///< "eviction_policy"
-  double eviction_watermark = 0.8;                         ///< "eviction_watermark": share of slots
-  double eviction_target = 0.7;                            ///< "eviction_target": evict down to this share
-  double l1_write_ttl_s = 600;                             ///< "l1_write_ttl_seconds"
-  double l1_read_ttl_s = 300;                              ///< "l1_read_ttl_seconds": lookup locks
-  double lookup_ttl_s = 300;                               ///< "lookup_ttl_seconds": forget unreleased lookups
+  std::uint32_t chunk_tokens = 256;                      ///< "chunk_size": tokens per chunk
+  std::uint64_t l1_size_bytes = std::uint64_t{1} << 30;  ///< "l1_size_gb" | "l1_size_mb" | "l1_size_bytes"
+  std::uint64_t l1_slot_bytes = std::uint64_t{4} << 20;  ///< "l1_slot_bytes": largest chunk object
+  eviction_kind eviction = eviction_kind::lru;           ///< "eviction_policy"
+  double eviction_watermark = 0.8;                       ///< "eviction_watermark": share of slots
+  double eviction_target = 0.7;                          ///< "eviction_target": evict down to this share
+  double l1_write_ttl_s = 600;                           ///< "l1_write_ttl_seconds"
+  double l1_read_ttl_s = 300;                            ///< "l1_read_ttl_seconds": lookup locks
+  double lookup_ttl_s = 300;                             ///< "lookup_ttl_seconds": forget unreleased lookups
 
   // --- L2 and pipelines ----------------------------------------------------------------
-  std::vector<nlohmann::json> l2_backends;                 ///< "l2_backends": backend_factory descriptions
-  store_kind store_policy = store_kind::write_through;     ///< "l2_store_policy"
+  std::vector<nlohmann::json> l2_backends;                           ///< "l2_backends": backend_factory descriptions
+  store_kind store_policy = store_kind::write_through;               ///< "l2_store_policy"
   prefetch_wait_kind prefetch_policy = prefetch_wait_kind::timeout;  ///< "prefetch_policy"
-  std::uint32_t prefetch_timeout_base_ms = 2000;           ///< "prefetch_timeout_base_ms" (timeout)
-  std::uint32_t prefetch_timeout_per_1k_tokens_ms = 100;   ///< "prefetch_timeout_per_1k_tokens_ms" (timeout)
-  std::uint32_t prefetch_timeout_cap_ms = 30000;           ///< "prefetch_timeout_cap_ms" (timeout, wait_complete)
-  std::uint32_t prefetch_max_in_flight = 8;                ///< "prefetch_max_in_flight"
+  std::uint32_t prefetch_timeout_base_ms = 2000;                     ///< "prefetch_timeout_base_ms" (timeout)
+  std::uint32_t prefetch_timeout_per_1k_tokens_ms = 100;             ///< "prefetch_timeout_per_1k_tokens_ms" (timeout)
+  std::uint32_t prefetch_timeout_cap_ms = 30000;  ///< "prefetch_timeout_cap_ms" (timeout, wait_complete)
+  std::uint32_t prefetch_max_in_flight = 8;       ///< "prefetch_max_in_flight"
 
   // --- clients, logs, shutdown ---------------------------------------------------------
   telemetry::log_level log_level = telemetry::log_level::info;  ///< "log_level"
   /// "client_reap_timeout" (seconds): a connection silent this long is closed and reaped.
   /// The default is stretched by config::timeout_scale in sanitizer builds.
   double client_reap_timeout_s = 30.0 * config::timeout_scale;
-  std::uint32_t max_lookups_per_client = 16384;            ///< "max_lookups_per_client"
-  double shutdown_timeout_s = 5;                           ///< "shutdown_timeout": wait for L2 work at exit
-  std::uint16_t metrics_port = 0;                          ///< "metrics_port": reserved (HTTP /metrics, 0 = off)
+  std::uint32_t max_lookups_per_client = 16384;  ///< "max_lookups_per_client"
+  double shutdown_timeout_s = 5;                 ///< "shutdown_timeout": wait for L2 work at exit
+  std::uint16_t metrics_port = 0;                ///< "metrics_port": reserved (HTTP /metrics, 0 = off)
 
   friend bool operator==(const server_config&, const server_config&) = default;
 
   /// The L1 slots: l1_size_bytes / l1_slot_bytes.
-  [[nodiscard]] std::uint64_t l1_slot_count() const noexcept { return l1_slot_bytes ? l1_size_bytes / l1_slot_bytes : 0; }
+  [[nodiscard]] std::uint64_t l1_slot_count() const noexcept {
+    return l1_slot_bytes ? l1_size_bytes / l1_slot_bytes : 0;
+  }
 
   /// Reads the keys of `j` over this configuration (keys absent keep their value). Throws
   /// config_error for an unknown key, a wrong type or an out-of-range value.
@@ -162,10 +168,12 @@ inline void server_config::merge_json(const nlohmann::json& j) {
   if (auto v = r.string("prefetch_policy", detail::choices(prefetch_wait_names)))
     prefetch_policy = detail::enum_of<prefetch_wait_kind>(prefetch_wait_names, *v);
   constexpr std::uint64_t max_ms = 24ULL * 3600 * 1000;
-  if (auto v = r.integer("prefetch_timeout_base_ms", 0, max_ms)) prefetch_timeout_base_ms = static_cast<std::uint32_t>(*v);
+  if (auto v = r.integer("prefetch_timeout_base_ms", 0, max_ms))
+    prefetch_timeout_base_ms = static_cast<std::uint32_t>(*v);
   if (auto v = r.integer("prefetch_timeout_per_1k_tokens_ms", 0, max_ms))
     prefetch_timeout_per_1k_tokens_ms = static_cast<std::uint32_t>(*v);
-  if (auto v = r.integer("prefetch_timeout_cap_ms", 0, max_ms)) prefetch_timeout_cap_ms = static_cast<std::uint32_t>(*v);
+  if (auto v = r.integer("prefetch_timeout_cap_ms", 0, max_ms))
+    prefetch_timeout_cap_ms = static_cast<std::uint32_t>(*v);
   if (auto v = r.integer("prefetch_max_in_flight", 1, 65536)) prefetch_max_in_flight = static_cast<std::uint32_t>(*v);
   if (auto v = r.string("log_level", {"trace", "debug", "info", "warn", "error", "off"}))
     log_level = *telemetry::parse_log_level(*v);
@@ -173,7 +181,8 @@ inline void server_config::merge_json(const nlohmann::json& j) {
   if (auto v = r.integer("max_lookups_per_client", 1, std::uint64_t{1} << 24))
     max_lookups_per_client = static_cast<std::uint32_t>(*v);
   if (auto v = r.number("shutdown_timeout", 0, 3600, "in seconds, e.g. 5")) shutdown_timeout_s = *v;
-  if (auto v = r.integer("metrics_port", 0, 65535, "0 turns the HTTP endpoint off")) metrics_port = static_cast<std::uint16_t>(*v);
+  if (auto v = r.integer("metrics_port", 0, 65535, "0 turns the HTTP endpoint off"))
+    metrics_port = static_cast<std::uint16_t>(*v);
   r.finish();
 }
 
@@ -186,8 +195,7 @@ inline void server_config::validate(const backend_factory& backends) const {
                            " bytes: choose a shorter path");
   if (chunk_tokens == 0 || chunk_tokens > 65536)
     throw config_error("chunk_size", std::to_string(chunk_tokens), "must be in 1..65536, e.g. 256");
-  if (l1_slot_bytes < 4096)
-    throw config_error("l1_slot_bytes", std::to_string(l1_slot_bytes), "must be at least 4096");
+  if (l1_slot_bytes < 4096) throw config_error("l1_slot_bytes", std::to_string(l1_slot_bytes), "must be at least 4096");
   if (l1_size_bytes < l1_slot_bytes)
     throw config_error("l1 size", std::to_string(l1_size_bytes) + " bytes",
                        "L1 must hold at least one slot of l1_slot_bytes (" + std::to_string(l1_slot_bytes) +
@@ -196,11 +204,12 @@ inline void server_config::validate(const backend_factory& backends) const {
     throw config_error("eviction_watermark", json_object_reader::format(eviction_watermark),
                        "must be in (0, 1], e.g. 0.8");
   if (!(eviction_target >= 0 && eviction_target < eviction_watermark))
-    throw config_error("eviction_target", json_object_reader::format(eviction_target),
-                       "must be >= 0 and below eviction_watermark (" + json_object_reader::format(eviction_watermark) +
-                           "), e.g. 0.7");
-  for (auto [what, v] : {std::pair{"l1_write_ttl_seconds", l1_write_ttl_s}, std::pair{"l1_read_ttl_seconds", l1_read_ttl_s},
-                         std::pair{"lookup_ttl_seconds", lookup_ttl_s}, std::pair{"client_reap_timeout", client_reap_timeout_s}})
+    throw config_error(
+        "eviction_target", json_object_reader::format(eviction_target),
+        "must be >= 0 and below eviction_watermark (" + json_object_reader::format(eviction_watermark) + "), e.g. 0.7");
+  for (auto [what, v] :
+       {std::pair{"l1_write_ttl_seconds", l1_write_ttl_s}, std::pair{"l1_read_ttl_seconds", l1_read_ttl_s},
+        std::pair{"lookup_ttl_seconds", lookup_ttl_s}, std::pair{"client_reap_timeout", client_reap_timeout_s}})
     if (!(v > 0)) throw config_error(what, json_object_reader::format(v), "must be above 0 seconds");
   if (!(shutdown_timeout_s >= 0))
     throw config_error("shutdown_timeout", json_object_reader::format(shutdown_timeout_s), "must be >= 0 seconds");

@@ -97,7 +97,8 @@ class json_object_reader {
     if (!v) return std::nullopt;
     std::string fix = "must be a number";
     if (lo > -std::numeric_limits<double>::max()) fix += " >= " + format(lo);
-    if (hi < std::numeric_limits<double>::max()) fix += (lo > -std::numeric_limits<double>::max() ? " and <= " : " <= ") + format(hi);
+    if (hi < std::numeric_limits<double>::max())
+      fix += (lo > -std::numeric_limits<double>::max() ? " and <= " : " <= ") + format(hi);
     if (!hint.empty()) fix += ", " + std::string(hint);
     if (!v->is_number()) throw error(key, *v, fix);
     const double d = v->get<double>();

@@ -71,7 +71,9 @@ struct registration {
   std::chrono::steady_clock::time_point registered_at{};
 
   /// The chunk key of this worker's shard of chunk `hash`.
-  [[nodiscard]] chunk_key key(const hash128& hash) const noexcept { return chunk_key{model_id, world_size, rank, hash}; }
+  [[nodiscard]] chunk_key key(const hash128& hash) const noexcept {
+    return chunk_key{model_id, world_size, rank, hash};
+  }
 };
 
 class region_registry {
@@ -95,11 +97,11 @@ class region_registry {
                                                       protocol::unique_fd fd) {
     if (!fd) return fail(errc::invalid_argument, "register_kv_request came without the region's memfd (SCM_RIGHTS)");
     if (r.world_size > max_world_size)
-      return fail(errc::invalid_argument, "world_size " + std::to_string(r.world_size) + " is above " +
-                                              std::to_string(max_world_size));
+      return fail(errc::invalid_argument,
+                  "world_size " + std::to_string(r.world_size) + " is above " + std::to_string(max_world_size));
     if (r.world_size == 0 || r.rank >= r.world_size)
-      return fail(errc::invalid_argument, "rank " + std::to_string(r.rank) + " is not below world_size " +
-                                              std::to_string(r.world_size));
+      return fail(errc::invalid_argument,
+                  "rank " + std::to_string(r.rank) + " is not below world_size " + std::to_string(r.world_size));
     if (r.model_name.empty()) return fail(errc::invalid_argument, "model_name is empty: send the model's name");
     const paged_kv_layout layout = r.layout();
     if (auto e = layout.validation_error(); !e.empty()) return fail(errc::invalid_argument, "KV layout: " + e);
@@ -108,7 +110,8 @@ class region_registry {
                                              " differs from the server's chunk size " +
                                              std::to_string(req_.chunk_tokens) +
                                              ": hash with the server's chunk size (get_chunk_size) or restart the "
-                                             "server with --chunk-size " + std::to_string(r.chunk_tokens));
+                                             "server with --chunk-size " +
+                                             std::to_string(r.chunk_tokens));
     const chunk_layout chunk{r.model, req_.chunk_tokens};
     if (auto e = layout.compatibility_error(chunk); !e.empty()) return fail(errc::layout_mismatch, e);
     if (chunk.object_bytes() > req_.slot_bytes)

@@ -40,9 +40,12 @@ struct runtime_wait_policy {
 
   [[nodiscard]] std::chrono::nanoseconds wait_budget(std::size_t tokens) const noexcept {
     switch (kind) {
-      case prefetch_wait_kind::best_effort: return {};
-      case prefetch_wait_kind::wait_complete: return cap;
-      case prefetch_wait_kind::timeout: break;
+      case prefetch_wait_kind::best_effort:
+        return {};
+      case prefetch_wait_kind::wait_complete:
+        return cap;
+      case prefetch_wait_kind::timeout:
+        break;
     }
     return std::min(base + per_1k_tokens * static_cast<std::int64_t>(tokens) / 1024, cap);
   }

@@ -93,7 +93,8 @@ struct server_options {
 
 class server final : private session_host {
  public:
-  using acceptor_type = boost::asio::basic_socket_acceptor<boost::asio::local::stream_protocol, boost::asio::any_io_executor>;
+  using acceptor_type =
+      boost::asio::basic_socket_acceptor<boost::asio::local::stream_protocol, boost::asio::any_io_executor>;
 
   /// Builds everything but the listening socket. Throws config_error for a configuration
   /// that does not validate, std::invalid_argument or std::bad_alloc when L1 cannot be set
@@ -252,11 +253,11 @@ class server final : private session_host {
     j["clients"] = std::move(clients);
     j["lookups"] = lookups_.size();
     const cache::cache_status cs = cache_->status();
-    j["l1"] = {{"bytes_used", cs.l1.bytes_used},         {"bytes_capacity", cs.l1.bytes_capacity},
-               {"objects", cs.l1.objects},               {"slots_used", cs.l1.slots_used},
-               {"slot_bytes", cache_->slot_bytes()},     {"slot_count", cache_->slot_count()},
-               {"evictable", cs.l1.evictable},           {"removing", cs.l1.removing},
-               {"object_bytes", cs.l1.object_bytes},     {"cache_lookups", cs.lookups}};
+    j["l1"] = {{"bytes_used", cs.l1.bytes_used},     {"bytes_capacity", cs.l1.bytes_capacity},
+               {"objects", cs.l1.objects},           {"slots_used", cs.l1.slots_used},
+               {"slot_bytes", cache_->slot_bytes()}, {"slot_count", cache_->slot_count()},
+               {"evictable", cs.l1.evictable},       {"removing", cs.l1.removing},
+               {"object_bytes", cs.l1.object_bytes}, {"cache_lookups", cs.lookups}};
     json backends = json::array();
     for (std::size_t b = 0; b < cs.backends.size(); ++b) {
       const auto& x = cs.backends[b];
@@ -335,8 +336,8 @@ class server final : private session_host {
     const auto timeout = config_.client_reap_timeout();
     // Four checks per timeout, at most one a second: a silent client goes 1.0-1.25x the
     // timeout after its last frame.
-    const auto interval = std::clamp<std::chrono::nanoseconds>(timeout / 4, std::chrono::milliseconds(5),
-                                                               std::chrono::seconds(1));
+    const auto interval =
+        std::clamp<std::chrono::nanoseconds>(timeout / 4, std::chrono::milliseconds(5), std::chrono::seconds(1));
     for (;;) {
       reap_timer_.expires_after(interval);
       auto [ec] = co_await reap_timer_.async_wait(as_tuple(use_awaitable));
@@ -368,8 +369,8 @@ class server final : private session_host {
     connections_.store(sessions_.size(), std::memory_order_relaxed);
     if (s->close_reason().starts_with("protocol error")) reaped_.fetch_add(1, std::memory_order_relaxed);
     const bool notable = had_registration || released > 0 || !s->close_reason().starts_with("disconnected");
-    log_.log(notable && !stopping_ ? telemetry::log_level::info : telemetry::log_level::debug,
-             "client {}: {}{}{}", id, s->close_reason(), had_registration ? "; registration dropped" : "",
+    log_.log(notable && !stopping_ ? telemetry::log_level::info : telemetry::log_level::debug, "client {}: {}{}{}", id,
+             s->close_reason(), had_registration ? "; registration dropped" : "",
              released ? fmt::format("; {} lookups released", released) : std::string());
   }
 

@@ -112,9 +112,7 @@ class session : public std::enable_shared_from_this<session> {
   session& operator=(const session&) = delete;
 
   /// Starts the read loop on the connection's executor.
-  void start() {
-    boost::asio::co_spawn(conn_.get_executor(), run(shared_from_this()), boost::asio::detached);
-  }
+  void start() { boost::asio::co_spawn(conn_.get_executor(), run(shared_from_this()), boost::asio::detached); }
 
   /// Closes the connection; the loop ends and the host reaps it. `reason` goes to the log.
   void close(std::string reason) {
@@ -155,8 +153,8 @@ class session : public std::enable_shared_from_this<session> {
         if (const protocol::decode_error* e = conn_.last_read_error()) {
           // The stream is broken: say why (with the call id when the header was readable),
           // then close.
-          const errc code = e->code.category() == kvtier_category() ? static_cast<errc>(e->code.value())
-                                                                     : errc::protocol_error;
+          const errc code =
+              e->code.category() == kvtier_category() ? static_cast<errc>(e->code.value()) : errc::protocol_error;
           set_reason("protocol error: " + e->reason);
           const auto reply = protocol::error_response::make(code, e->reason + "; closing the connection");
           const std::uint64_t call_id = e->call_id;
@@ -189,13 +187,16 @@ class session : public std::enable_shared_from_this<session> {
   }
 
   // --- dispatch ------------------------------------------------------------------------
-  static protocol::error_response error(errc e, std::string_view text) { return protocol::error_response::make(e, text); }
+  static protocol::error_response error(errc e, std::string_view text) {
+    return protocol::error_response::make(e, text);
+  }
 
   protocol::message dispatch(protocol::frame& f) {
     auto decoded = protocol::decode_message(f, conn_.frame_limits());
     if (!decoded) {
       const auto& e = decoded.error();
-      const errc code = e.code.category() == kvtier_category() ? static_cast<errc>(e.code.value()) : errc::protocol_error;
+      const errc code =
+          e.code.category() == kvtier_category() ? static_cast<errc>(e.code.value()) : errc::protocol_error;
       return error(code, e.reason);
     }
     if (protocol::is_response(f.header.type))
@@ -209,8 +210,10 @@ class session : public std::enable_shared_from_this<session> {
               return error(errc::protocol_error, "not a request");
             } else {
               request_result<typename T::response_type> r = [&] {
-                if constexpr (std::is_same_v<T, protocol::register_kv_request>) return on(m, std::move(f.fd));
-                else return on(m);
+                if constexpr (std::is_same_v<T, protocol::register_kv_request>)
+                  return on(m, std::move(f.fd));
+                else
+                  return on(m);
               }();
               if (!r) return r.error().response();
               return protocol::message(std::move(*r));
@@ -242,12 +245,11 @@ class session : public std::enable_shared_from_this<session> {
                                                        " differs from the registration's rank " +
                                                        std::to_string(reg.rank)};
     if (block_ids.size() != chunks * reg.blocks_per_chunk)
-      return request_error{errc::invalid_argument,
-                           std::string(what) + ": " + std::to_string(block_ids.size()) + " block ids for " +
-                               std::to_string(chunks) + " chunks; each chunk takes " +
-                               std::to_string(reg.blocks_per_chunk) + " blocks (chunk_tokens " +
-                               std::to_string(reg.chunk.chunk_tokens) + " / block_size " +
-                               std::to_string(reg.layout.block_size) + ")"};
+      return request_error{
+          errc::invalid_argument,
+          std::string(what) + ": " + std::to_string(block_ids.size()) + " block ids for " + std::to_string(chunks) +
+              " chunks; each chunk takes " + std::to_string(reg.blocks_per_chunk) + " blocks (chunk_tokens " +
+              std::to_string(reg.chunk.chunk_tokens) + " / block_size " + std::to_string(reg.layout.block_size) + ")"};
     for (const std::uint32_t b : block_ids)
       if (b >= reg.layout.num_blocks)
         return request_error{errc::invalid_argument, std::string(what) + ": block id " + std::to_string(b) +
@@ -268,11 +270,11 @@ class session : public std::enable_shared_from_this<session> {
       return reg.error();
     }
     const registration& g = **reg;
-    ctx_.log.info("client {}: registered pid {} rank {}/{} model {} ({} layers, {} KV heads, head dim {}), {} blocks "
-                  "of {} tokens, {} MiB region",
-                  id_, g.instance_id, g.rank, g.world_size, g.model_name, g.chunk.model.num_layers,
-                  g.chunk.model.num_kv_heads, g.chunk.model.head_dim, g.layout.num_blocks, g.layout.block_size,
-                  g.region.bytes() >> 20);
+    ctx_.log.info(
+        "client {}: registered pid {} rank {}/{} model {} ({} layers, {} KV heads, head dim {}), {} blocks "
+        "of {} tokens, {} MiB region",
+        id_, g.instance_id, g.rank, g.world_size, g.model_name, g.chunk.model.num_layers, g.chunk.model.num_kv_heads,
+        g.chunk.model.head_dim, g.layout.num_blocks, g.layout.block_size, g.region.bytes() >> 20);
     return protocol::register_kv_response{ctx_.boot_token, id_, g.model_id, g.chunk.chunk_tokens};
   }
 
@@ -305,10 +307,10 @@ class session : public std::enable_shared_from_this<session> {
                                " lookups (max_lookups_per_client): send end_request for finished requests"};
     const std::size_t ws = reg.world_size;
     if (r.chunk_hashes.size() * ws > max_lookup_keys)
-      return request_error{errc::invalid_argument,
-                           "lookup_request: " + std::to_string(r.chunk_hashes.size()) + " chunks x world size " +
-                               std::to_string(ws) + " is above " + std::to_string(max_lookup_keys) +
-                               " keys: look up fewer chunks at once"};
+      return request_error{errc::invalid_argument, "lookup_request: " + std::to_string(r.chunk_hashes.size()) +
+                                                       " chunks x world size " + std::to_string(ws) + " is above " +
+                                                       std::to_string(max_lookup_keys) +
+                                                       " keys: look up fewer chunks at once"};
     std::vector<chunk_key> keys;
     keys.reserve(r.chunk_hashes.size() * ws);
     for (const hash128& h : r.chunk_hashes)
@@ -337,7 +339,8 @@ class session : public std::enable_shared_from_this<session> {
     if (auto st = ctx_.cache.poll(e->cache_id))
       return protocol::query_prefetch_response{protocol::prefetch_state::done, static_cast<std::uint32_t>(st->chunks),
                                                static_cast<std::uint32_t>(st->l1_chunks)};
-    if (ctx_.cache.known(e->cache_id)) return protocol::query_prefetch_response{protocol::prefetch_state::pending, 0, 0};
+    if (ctx_.cache.known(e->cache_id))
+      return protocol::query_prefetch_response{protocol::prefetch_state::pending, 0, 0};
     ctx_.lookups.take(model_id, r.request_key);  // expired in the cache (lookup_ttl)
     return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
   }
@@ -365,8 +368,8 @@ class session : public std::enable_shared_from_this<session> {
     for (std::size_t i = 0; i < prefix; ++i) {
       const std::uint64_t done = std::uint64_t{ct} * i;
       const std::uint64_t skip = r.skip_tokens > done ? std::min<std::uint64_t>(r.skip_tokens - done, ct) : 0;
-      items[i] = scatter_item{std::span(r.block_ids).subspan(i * bpc, bpc), views[i].data(),
-                              static_cast<std::uint32_t>(skip)};
+      items[i] =
+          scatter_item{std::span(r.block_ids).subspan(i * bpc, bpc), views[i].data(), static_cast<std::uint32_t>(skip)};
     }
     std::uint32_t retrieved = static_cast<std::uint32_t>(prefix);
     if (const std::error_code ec = scatter_chunks(reg.region.view(), reg.chunk, items)) {
