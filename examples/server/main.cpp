@@ -1,0 +1,217 @@
+// kvtier-server: the kvtier cache server. Engines connect over a Unix socket (one
+// connection per worker), register their paged KV cache as shared memory, and look up,
+// retrieve and store chunks; the server keeps them in L1 (CPU memory) and its L2 backends.
+// docs/server.md is the manual.
+//
+//   kvtier-server [--config FILE] [--socket PATH] [--l1-size-gb N] [--l2-backend JSON]... [...]
+//
+// Every flag has a JSON key of the same name (dashes as underscores) for --config files;
+// flags override the file. A bad value exits 2 with "kvtier-server: <what> (<value>): <what
+// to change>"; a failure to start (socket in use, L1 not allocatable) exits 1; SIGTERM or
+// SIGINT shut down in order and exit 0.
+#include <kvtier/server/config.hpp>
+#include <kvtier/server/server.hpp>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <map>
+#include <new>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace {
+
+using kvtier::server::config_error;
+using nlohmann::json;
+
+enum class kind { number, text };
+
+// One flag and the JSON key it sets.
+struct flag {
+  const char* name;  // CLI11 spelling, e.g. "--chunk-size"
+  const char* key;   // JSON key, e.g. "chunk_size"
+  kind type;
+  const char* help;
+  std::string value;  // as given
+};
+
+// A value given on the command line as JSON: numbers become numbers; anything else stays
+// text, so that the configuration reader refuses it with its own message.
+json flag_value(const flag& f) {
+  if (f.type == kind::number) {
+    json j = json::parse(f.value, nullptr, /*allow_exceptions=*/false);
+    if (j.is_number()) return j;
+  }
+  return f.value;
+}
+
+json read_json_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw config_error("--config", path, "cannot open the file: check the path and its permissions");
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  try {
+    return json::parse(text);
+  } catch (const json::parse_error& e) {
+    throw config_error("--config", path, std::string("not valid JSON: ") + e.what());
+  }
+}
+
+int bad_config(const std::string& message) {
+  std::fprintf(stderr, "kvtier-server: %s\n", message.c_str());
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  namespace srv = kvtier::server;
+  const json defaults = srv::server_config{}.to_json();
+  auto default_of = [&](const char* key) { return defaults.contains(key) ? defaults[key].dump() : std::string(); };
+
+  std::vector<flag> flags = {
+      {"--socket", "socket", kind::text, "Unix socket path (mode 0600)", {}},
+      {"--chunk-size", "chunk_size", kind::number, "tokens per chunk (engines must hash with the same)", {}},
+      {"--l1-size-gb", "l1_size_gb", kind::number, "L1 (CPU memory) size in GiB (default 1)", {}},
+      {"--l1-size-mb", "l1_size_mb", kind::number, "L1 size in MiB (instead of --l1-size-gb)", {}},
+      {"--l1-slot-bytes",
+       "l1_slot_bytes",
+       kind::number,
+       "bytes of one L1 slot = the largest chunk object (0.5B model: 3 MiB, 8B: 32 MiB)",
+       {}},
+      {"--eviction-policy", "eviction_policy", kind::text, "lru, s3fifo, arc or noop", {}},
+      {"--eviction-watermark", "eviction_watermark", kind::number, "share of L1 slots at which eviction starts", {}},
+      {"--eviction-target", "eviction_target", kind::number, "share of L1 slots eviction frees down to", {}},
+      {"--l1-write-ttl-seconds", "l1_write_ttl_seconds", kind::number, "TTL of expiring L1 write locks", {}},
+      {"--l1-read-ttl-seconds", "l1_read_ttl_seconds", kind::number, "TTL of a lookup's L1 read locks", {}},
+      {"--lookup-ttl-seconds", "lookup_ttl_seconds", kind::number, "forget lookups never released after this long", {}},
+      {"--l2-store-policy", "l2_store_policy", kind::text, "write_through or skip_l1", {}},
+      {"--prefetch-policy", "prefetch_policy", kind::text, "best_effort, wait_complete or timeout", {}},
+      {"--prefetch-timeout-base-ms", "prefetch_timeout_base_ms", kind::number, "timeout policy: base wait", {}},
+      {"--prefetch-timeout-per-1k-tokens-ms",
+       "prefetch_timeout_per_1k_tokens_ms",
+       kind::number,
+       "timeout policy: wait added per 1024 tokens",
+       {}},
+      {"--prefetch-timeout-cap-ms",
+       "prefetch_timeout_cap_ms",
+       kind::number,
+       "timeout and wait_complete policies: longest wait",
+       {}},
+      {"--prefetch-max-in-flight",
+       "prefetch_max_in_flight",
+       kind::number,
+       "prefetch requests past admission at once",
+       {}},
+      {"--log-level", "log_level", kind::text, "trace, debug, info, warn, error or off", {}},
+      {"--client-reap-timeout",
+       "client_reap_timeout",
+       kind::number,
+       "seconds of silence after which a client is reaped (pings keep it alive)",
+       {}},
+      {"--max-lookups-per-client", "max_lookups_per_client", kind::number, "open lookups one connection may hold", {}},
+      {"--shutdown-timeout", "shutdown_timeout", kind::number, "seconds to wait for in-flight L2 work at exit", {}},
+      {"--metrics-port", "metrics_port", kind::number, "HTTP /metrics port (reserved; 0 = off)", {}},
+  };
+
+  CLI::App app{"kvtier-server: the kvtier cache server (docs/server.md)", "kvtier-server"};
+  app.set_version_flag("--version", kvtier::version_string);
+  app.get_formatter()->column_width(44);
+  std::string config_file;
+  std::vector<std::string> backends;
+  bool print_config = false;
+  app.add_option("--config", config_file, "JSON configuration file (keys = flag names with underscores)");
+  for (auto& f : flags) {
+    std::string help = f.help;
+    if (const std::string d = default_of(f.key); !d.empty()) help += " [" + d + "]";
+    app.add_option(f.name, f.value, help)->type_name(f.type == kind::number ? "NUMBER" : "TEXT");
+  }
+  app.add_option("--l2-backend,--l2-adapter", backends,
+                 "an L2 backend as JSON, repeatable, e.g. '{\"type\":\"memory\",\"capacity_gb\":8}'; types:\n" +
+                     srv::backend_factory::builtin().help())
+      ->type_name("JSON");
+  app.add_flag("--print-config", print_config, "print the effective configuration as JSON and exit");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    return bad_config(std::string(e.what()) + ": run kvtier-server --help for the flags");
+  }
+
+  srv::server_config config;
+  std::map<std::string, std::string> flag_of_key;  // JSON key -> flag, for messages
+  try {
+    json j = config_file.empty() ? json::object() : read_json_file(config_file);
+    if (!j.is_object()) throw config_error("--config", config_file, "the file must hold one JSON object");
+    for (const auto& f : flags) {
+      if (app.count(f.name) == 0) continue;
+      if (std::string(f.key).starts_with("l1_size_"))
+        for (const char* k : {"l1_size_gb", "l1_size_mb", "l1_size_bytes"}) j.erase(k);
+      j[f.key] = flag_value(f);
+      flag_of_key[f.key] = f.name;
+    }
+    if (!backends.empty()) {
+      json list = json::array();
+      for (std::size_t i = 0; i < backends.size(); ++i) {
+        json b = json::parse(backends[i], nullptr, /*allow_exceptions=*/false);
+        if (b.is_discarded())
+          throw config_error("--l2-backend", "'" + backends[i] + "'",
+                             "not valid JSON: write it as '{\"type\": \"memory\", \"capacity_gb\": 8}'");
+        list.push_back(std::move(b));
+        flag_of_key["l2_backends[" + std::to_string(i) + "]"] = "--l2-backend #" + std::to_string(i + 1);
+      }
+      j["l2_backends"] = std::move(list);
+    }
+    config = srv::server_config::parse(j);
+  } catch (const config_error& e) {
+    // Name the flag when the value came from one.
+    std::string what = e.option();
+    std::string prefix;
+    if (what.starts_with("unknown key ")) {
+      prefix = "unknown key ";
+      what.erase(0, prefix.size());
+    }
+    for (const auto& [key, name] : flag_of_key)
+      if (what == key || what.starts_with(key + ".")) {
+        what = name + what.substr(key.size());
+        break;
+      }
+    return bad_config(prefix + what + " (" + e.value() + "): " + e.fix());
+  }
+
+  if (print_config) {
+    std::printf("%s\n", config.to_json().dump(2).c_str());
+    return 0;
+  }
+
+  std::signal(SIGPIPE, SIG_IGN);  // writes use MSG_NOSIGNAL; this covers anything else
+  try {
+    srv::server_options options;
+    options.handle_signals = true;
+    srv::server server(config, options);
+    server.start();
+    std::printf("%s\n", server.startup_line().c_str());
+    std::fflush(stdout);
+    return server.run();
+  } catch (const config_error& e) {
+    return bad_config(e.what());
+  } catch (const std::bad_alloc&) {
+    std::fprintf(stderr, "kvtier-server: cannot allocate L1 (%llu bytes): lower --l1-size-gb or free memory\n",
+                 static_cast<unsigned long long>(config.l1_size_bytes));
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvtier-server: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,250 @@
+#pragma once
+// server_config: every option of kvtier-server with its default, its JSON form and its
+// validation. The flags of examples/server/main.cpp map one to one onto the JSON keys (a
+// flag --l1-read-ttl-seconds is the key "l1_read_ttl_seconds"); a --config FILE is read
+// first and flags override it. docs/server.md lists every key.
+//
+//   server_config c = server_config::parse(json);   // from_json + validate, throws config_error
+//   nlohmann::json j = c.to_json();                  // every key, parse(to_json()) == c
+//
+// Every refusal is a config_error "<what> (<value>): <what to change>" (json_config.hpp).
+// The defaults run without any flag: 1 GiB of L1 in 4 MiB slots (a 0.5B model's 256-token
+// chunk is 3 MiB; an 8B model's is 32 MiB: raise l1_slot_bytes), LRU eviction, no L2.
+
+#include <kvtier/config.hpp>
+#include <kvtier/server/backend_factory.hpp>
+#include <kvtier/server/json_config.hpp>
+#include <kvtier/telemetry/logger.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <sys/un.h>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::server {
+
+/// The L1 eviction policies the server is built with (l1/policy/).
+enum class eviction_kind : std::uint8_t { lru, s3fifo, arc, noop };
+/// The store policies (pipeline/policies.hpp): L1 keeps stored keys, or drops them once
+/// every L2 backend has them (L1 as a write buffer).
+enum class store_kind : std::uint8_t { write_through, skip_l1 };
+/// How long a lookup waits for its L2 prefetch (pipeline/policies.hpp).
+enum class prefetch_wait_kind : std::uint8_t { best_effort, wait_complete, timeout };
+
+inline constexpr std::array<std::string_view, 4> eviction_names = {"lru", "s3fifo", "arc", "noop"};
+inline constexpr std::array<std::string_view, 2> store_names = {"write_through", "skip_l1"};
+inline constexpr std::array<std::string_view, 3> prefetch_wait_names = {"best_effort", "wait_complete", "timeout"};
+
+[[nodiscard]] constexpr std::string_view name(eviction_kind k) noexcept {
+  return eviction_names[static_cast<std::size_t>(k)];
+}
+[[nodiscard]] constexpr std::string_view name(store_kind k) noexcept {
+  return store_names[static_cast<std::size_t>(k)];
+}
+[[nodiscard]] constexpr std::string_view name(prefetch_wait_kind k) noexcept {
+  return prefetch_wait_names[static_cast<std::size_t>(k)];
+}
+
+/// $XDG_RUNTIME_DIR/kvtier.sock when that variable is set (a per-user directory, mode 0700),
+/// else /tmp/kvtier.sock.
+[[nodiscard]] inline std::string default_socket_path() {
+  const char* xdg = std::getenv("XDG_RUNTIME_DIR");
+  if (xdg != nullptr && *xdg != '\0') return std::string(xdg) + "/kvtier.sock";
+  return "/tmp/kvtier.sock";
+}
+
+struct server_config {
+  // --- socket -------------------------------------------------------------------------
+  std::string socket_path = default_socket_path();  ///< "socket": the Unix socket (mode 0600)
+
+  // --- L1 ------------------------------------------------------------------------------
+  std::uint32_t chunk_tokens = 256;                      ///< "chunk_size": tokens per chunk
+  std::uint64_t l1_size_bytes = std::uint64_t{1} << 30;  ///< "l1_size_gb" | "l1_size_mb" | "l1_size_bytes"
+  std::uint64_t l1_slot_bytes = std::uint64_t{4} << 20;  ///< "l1_slot_bytes": largest chunk object
+  eviction_kind eviction = eviction_kind::lru;           ///< "eviction_policy"
+  double eviction_watermark = 0.8;                       ///< "eviction_watermark": share of slots
+  double eviction_target = 0.7;                          ///< "eviction_target": evict down to this share
+  double l1_write_ttl_s = 600;                           ///< "l1_write_ttl_seconds"
+  double l1_read_ttl_s = 300;                            ///< "l1_read_ttl_seconds": lookup locks
+  double lookup_ttl_s = 300;                             ///< "lookup_ttl_seconds": forget unreleased lookups
+
+  // --- L2 and pipelines ----------------------------------------------------------------
+  std::vector<nlohmann::json> l2_backends;                           ///< "l2_backends": backend_factory descriptions
+  store_kind store_policy = store_kind::write_through;               ///< "l2_store_policy"
+  prefetch_wait_kind prefetch_policy = prefetch_wait_kind::timeout;  ///< "prefetch_policy"
+  std::uint32_t prefetch_timeout_base_ms = 2000;                     ///< "prefetch_timeout_base_ms" (timeout)
+  std::uint32_t prefetch_timeout_per_1k_tokens_ms = 100;             ///< "prefetch_timeout_per_1k_tokens_ms" (timeout)
+  std::uint32_t prefetch_timeout_cap_ms = 30000;  ///< "prefetch_timeout_cap_ms" (timeout, wait_complete)
+  std::uint32_t prefetch_max_in_flight = 8;       ///< "prefetch_max_in_flight"
+
+  // --- clients, logs, shutdown ---------------------------------------------------------
+  telemetry::log_level log_level = telemetry::log_level::info;  ///< "log_level"
+  /// "client_reap_timeout" (seconds): a connection silent this long is closed and reaped.
+  /// The default is stretched by config::timeout_scale in sanitizer builds.
+  double client_reap_timeout_s = 30.0 * config::timeout_scale;
+  std::uint32_t max_lookups_per_client = 16384;  ///< "max_lookups_per_client"
+  double shutdown_timeout_s = 5;                 ///< "shutdown_timeout": wait for L2 work at exit
+  std::uint16_t metrics_port = 0;                ///< "metrics_port": reserved (HTTP /metrics, 0 = off)
+
+  friend bool operator==(const server_config&, const server_config&) = default;
+
+  /// The L1 slots: l1_size_bytes / l1_slot_bytes.
+  [[nodiscard]] std::uint64_t l1_slot_count() const noexcept {
+    return l1_slot_bytes ? l1_size_bytes / l1_slot_bytes : 0;
+  }
+
+  /// Reads the keys of `j` over this configuration (keys absent keep their value). Throws
+  /// config_error for an unknown key, a wrong type or an out-of-range value.
+  void merge_json(const nlohmann::json& j);
+
+  /// Checks what single keys cannot (L1 size vs slot size, watermark vs target, backends).
+  /// Throws config_error.
+  void validate(const backend_factory& backends = backend_factory::builtin()) const;
+
+  /// Defaults + `j`, validated. Throws config_error.
+  [[nodiscard]] static server_config parse(const nlohmann::json& j,
+                                           const backend_factory& backends = backend_factory::builtin()) {
+    server_config c;
+    c.merge_json(j);
+    c.validate(backends);
+    return c;
+  }
+
+  /// Every key with its value (l1 size as l1_size_bytes).
+  [[nodiscard]] nlohmann::json to_json() const;
+
+  [[nodiscard]] std::chrono::nanoseconds client_reap_timeout() const noexcept { return seconds(client_reap_timeout_s); }
+  [[nodiscard]] static std::chrono::nanoseconds seconds(double s) noexcept {
+    return std::chrono::nanoseconds(static_cast<std::int64_t>(s * 1e9));
+  }
+};
+
+namespace detail {
+template <std::size_t N>
+std::vector<std::string_view> choices(const std::array<std::string_view, N>& a) {
+  return {a.begin(), a.end()};
+}
+template <class Enum, std::size_t N>
+Enum enum_of(const std::array<std::string_view, N>& names, const std::string& s) {
+  for (std::size_t i = 0; i < N; ++i)
+    if (names[i] == s) return static_cast<Enum>(i);
+  return Enum{};  // unreachable: the reader checked the choices
+}
+}  // namespace detail
+
+inline void server_config::merge_json(const nlohmann::json& j) {
+  json_object_reader r(j, "");
+  if (auto v = r.string("socket")) socket_path = *v;
+  if (auto v = r.integer("chunk_size", 1, 65536, "a multiple of the engine's block size, e.g. 256"))
+    chunk_tokens = static_cast<std::uint32_t>(*v);
+  if (auto v = read_size(r, "l1_size")) l1_size_bytes = *v;
+  if (auto v = r.integer("l1_slot_bytes", 4096, std::uint64_t{1} << 40,
+                         "at least the engine's chunk object (a 0.5B model's 256-token chunk is 3 MiB, an 8B "
+                         "model's 32 MiB)"))
+    l1_slot_bytes = *v;
+  if (auto v = r.string("eviction_policy", detail::choices(eviction_names)))
+    eviction = detail::enum_of<eviction_kind>(eviction_names, *v);
+  if (auto v = r.number("eviction_watermark", 0, 1, "the share of L1 slots at which eviction starts, e.g. 0.8"))
+    eviction_watermark = *v;
+  if (auto v = r.number("eviction_target", 0, 1, "the share of L1 slots eviction frees down to, e.g. 0.7"))
+    eviction_target = *v;
+  if (auto v = r.number("l1_write_ttl_seconds", 0.001, 1e7)) l1_write_ttl_s = *v;
+  if (auto v = r.number("l1_read_ttl_seconds", 0.001, 1e7)) l1_read_ttl_s = *v;
+  if (auto v = r.number("lookup_ttl_seconds", 0.001, 1e7)) lookup_ttl_s = *v;
+  if (const nlohmann::json* b = r.raw("l2_backends")) {
+    if (!b->is_array())
+      throw r.error("l2_backends", *b, "must be an array of backend objects, e.g. [{\"type\": \"memory\"}]");
+    l2_backends.assign(b->begin(), b->end());
+  }
+  if (auto v = r.string("l2_store_policy", detail::choices(store_names)))
+    store_policy = detail::enum_of<store_kind>(store_names, *v);
+  if (auto v = r.string("prefetch_policy", detail::choices(prefetch_wait_names)))
+    prefetch_policy = detail::enum_of<prefetch_wait_kind>(prefetch_wait_names, *v);
+  constexpr std::uint64_t max_ms = 24ULL * 3600 * 1000;
+  if (auto v = r.integer("prefetch_timeout_base_ms", 0, max_ms))
+    prefetch_timeout_base_ms = static_cast<std::uint32_t>(*v);
+  if (auto v = r.integer("prefetch_timeout_per_1k_tokens_ms", 0, max_ms))
+    prefetch_timeout_per_1k_tokens_ms = static_cast<std::uint32_t>(*v);
+  if (auto v = r.integer("prefetch_timeout_cap_ms", 0, max_ms))
+    prefetch_timeout_cap_ms = static_cast<std::uint32_t>(*v);
+  if (auto v = r.integer("prefetch_max_in_flight", 1, 65536)) prefetch_max_in_flight = static_cast<std::uint32_t>(*v);
+  if (auto v = r.string("log_level", {"trace", "debug", "info", "warn", "error", "off"}))
+    log_level = *telemetry::parse_log_level(*v);
+  if (auto v = r.number("client_reap_timeout", 0.001, 1e7, "in seconds, e.g. 30")) client_reap_timeout_s = *v;
+  if (auto v = r.integer("max_lookups_per_client", 1, std::uint64_t{1} << 24))
+    max_lookups_per_client = static_cast<std::uint32_t>(*v);
+  if (auto v = r.number("shutdown_timeout", 0, 3600, "in seconds, e.g. 5")) shutdown_timeout_s = *v;
+  if (auto v = r.integer("metrics_port", 0, 65535, "0 turns the HTTP endpoint off"))
+    metrics_port = static_cast<std::uint16_t>(*v);
+  r.finish();
+}
+
+inline void server_config::validate(const backend_factory& backends) const {
+  if (socket_path.empty())
+    throw config_error("socket", "\"\"", "give the path of the Unix socket, e.g. /tmp/kvtier.sock");
+  if (socket_path.size() >= sizeof(sockaddr_un{}.sun_path) || socket_path.find('\0') != std::string::npos)
+    throw config_error("socket", socket_path,
+                       "a Unix socket path must be shorter than " + std::to_string(sizeof(sockaddr_un{}.sun_path)) +
+                           " bytes: choose a shorter path");
+  if (chunk_tokens == 0 || chunk_tokens > 65536)
+    throw config_error("chunk_size", std::to_string(chunk_tokens), "must be in 1..65536, e.g. 256");
+  if (l1_slot_bytes < 4096) throw config_error("l1_slot_bytes", std::to_string(l1_slot_bytes), "must be at least 4096");
+  if (l1_size_bytes < l1_slot_bytes)
+    throw config_error("l1 size", std::to_string(l1_size_bytes) + " bytes",
+                       "L1 must hold at least one slot of l1_slot_bytes (" + std::to_string(l1_slot_bytes) +
+                           "): raise --l1-size-mb/--l1-size-gb or lower --l1-slot-bytes");
+  if (!(eviction_watermark > 0 && eviction_watermark <= 1))
+    throw config_error("eviction_watermark", json_object_reader::format(eviction_watermark),
+                       "must be in (0, 1], e.g. 0.8");
+  if (!(eviction_target >= 0 && eviction_target < eviction_watermark))
+    throw config_error(
+        "eviction_target", json_object_reader::format(eviction_target),
+        "must be >= 0 and below eviction_watermark (" + json_object_reader::format(eviction_watermark) + "), e.g. 0.7");
+  for (auto [what, v] :
+       {std::pair{"l1_write_ttl_seconds", l1_write_ttl_s}, std::pair{"l1_read_ttl_seconds", l1_read_ttl_s},
+        std::pair{"lookup_ttl_seconds", lookup_ttl_s}, std::pair{"client_reap_timeout", client_reap_timeout_s}})
+    if (!(v > 0)) throw config_error(what, json_object_reader::format(v), "must be above 0 seconds");
+  if (!(shutdown_timeout_s >= 0))
+    throw config_error("shutdown_timeout", json_object_reader::format(shutdown_timeout_s), "must be >= 0 seconds");
+  if (prefetch_max_in_flight == 0)
+    throw config_error("prefetch_max_in_flight", "0", "must be at least 1 (LMCache's default is 8)");
+  if (max_lookups_per_client == 0) throw config_error("max_lookups_per_client", "0", "must be at least 1");
+  (void)backends.parse_all(l2_backends);
+}
+
+inline nlohmann::json server_config::to_json() const {
+  nlohmann::json j;
+  j["socket"] = socket_path;
+  j["chunk_size"] = chunk_tokens;
+  j["l1_size_bytes"] = l1_size_bytes;
+  j["l1_slot_bytes"] = l1_slot_bytes;
+  j["eviction_policy"] = std::string(name(eviction));
+  j["eviction_watermark"] = eviction_watermark;
+  j["eviction_target"] = eviction_target;
+  j["l1_write_ttl_seconds"] = l1_write_ttl_s;
+  j["l1_read_ttl_seconds"] = l1_read_ttl_s;
+  j["lookup_ttl_seconds"] = lookup_ttl_s;
+  j["l2_backends"] = nlohmann::json::array();
+  for (const auto& b : l2_backends) j["l2_backends"].push_back(b);
+  j["l2_store_policy"] = std::string(name(store_policy));
+  j["prefetch_policy"] = std::string(name(prefetch_policy));
+  j["prefetch_timeout_base_ms"] = prefetch_timeout_base_ms;
+  j["prefetch_timeout_per_1k_tokens_ms"] = prefetch_timeout_per_1k_tokens_ms;
+  j["prefetch_timeout_cap_ms"] = prefetch_timeout_cap_ms;
+  j["prefetch_max_in_flight"] = prefetch_max_in_flight;
+  j["log_level"] = std::string(telemetry::to_string(log_level));
+  j["client_reap_timeout"] = client_reap_timeout_s;
+  j["max_lookups_per_client"] = max_lookups_per_client;
+  j["shutdown_timeout"] = shutdown_timeout_s;
+  j["metrics_port"] = metrics_port;
+  return j;
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::server

@@ -1,0 +1,164 @@
+#pragma once
+// Reading configuration out of JSON objects with messages that say what to change: the
+// server's configuration file (server/config.hpp) and every L2 backend description
+// (server/backend_factory.hpp) go through json_object_reader, so a wrong key, type or value
+// is reported the same way everywhere:
+//
+//   <what> (<value>): <what to change>
+//   e.g.  chunk_size ("abc"): must be an integer in 1..65536, e.g. 256
+//
+// config_error carries the three parts; main() prefixes "kvtier-server: " and exits 2.
+
+#include <kvtier/config.hpp>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::server {
+
+/// A configuration value was refused. what() is "<what> (<value>): <fix>".
+class config_error : public std::invalid_argument {
+ public:
+  config_error(std::string what, std::string value, std::string fix)
+      : std::invalid_argument(what + " (" + value + "): " + fix),
+        what_(std::move(what)),
+        value_(std::move(value)),
+        fix_(std::move(fix)) {}
+
+  /// The option or key, e.g. "chunk_size" or "l2_backends[1].capacity_mb".
+  [[nodiscard]] const std::string& option() const noexcept { return what_; }
+  /// The refused value as written (JSON text for JSON values).
+  [[nodiscard]] const std::string& value() const noexcept { return value_; }
+  /// What to change.
+  [[nodiscard]] const std::string& fix() const noexcept { return fix_; }
+
+ private:
+  std::string what_;
+  std::string value_;
+  std::string fix_;
+};
+
+/// Reads the keys of one JSON object, each at most once, with typed getters that throw
+/// config_error; finish() refuses the keys nobody asked for (a misspelt key is an error,
+/// never silently ignored). `prefix` names the object in messages ("" for the top level,
+/// "l2_backends[0]." for a backend).
+class json_object_reader {
+ public:
+  json_object_reader(const nlohmann::json& j, std::string prefix, std::string_view what_it_is = "configuration")
+      : j_(j), prefix_(std::move(prefix)) {
+    if (!j_.is_object())
+      throw config_error(prefix_.empty() ? std::string(what_it_is) : prefix_.substr(0, prefix_.size() - 1), j_.dump(),
+                         "must be a JSON object, e.g. {\"key\": value}");
+  }
+
+  [[nodiscard]] bool has(std::string_view key) const { return j_.contains(key); }
+
+  /// The raw value of `key` (marks it used), or null when absent.
+  [[nodiscard]] const nlohmann::json* raw(std::string_view key) {
+    known_.emplace(key);
+    auto it = j_.find(key);
+    return it == j_.end() ? nullptr : &*it;
+  }
+
+  /// An unsigned integer in [lo, hi].
+  std::optional<std::uint64_t> integer(std::string_view key, std::uint64_t lo, std::uint64_t hi,
+                                       std::string_view hint = {}) {
+    const nlohmann::json* v = raw(key);
+    if (!v) return std::nullopt;
+    const std::string fix = "must be an integer in " + std::to_string(lo) + ".." + std::to_string(hi) +
+                            (hint.empty() ? std::string() : ", " + std::string(hint));
+    if (v->is_number_integer()) {  // signed or unsigned
+      if (!v->is_number_unsigned() && v->get<std::int64_t>() < 0) throw error(key, *v, fix);
+      const auto x = v->get<std::uint64_t>();
+      if (x < lo || x > hi) throw error(key, *v, fix);
+      return x;
+    }
+    if (v->is_number_float()) {
+      const double d = v->get<double>();
+      if (std::floor(d) == d && d >= static_cast<double>(lo) && d <= static_cast<double>(hi) && d < 1.8e19)
+        return static_cast<std::uint64_t>(d);
+    }
+    throw error(key, *v, fix);
+  }
+
+  /// A finite number in [lo, hi].
+  std::optional<double> number(std::string_view key, double lo, double hi, std::string_view hint = {}) {
+    const nlohmann::json* v = raw(key);
+    if (!v) return std::nullopt;
+    std::string fix = "must be a number";
+    if (lo > -std::numeric_limits<double>::max()) fix += " >= " + format(lo);
+    if (hi < std::numeric_limits<double>::max())
+      fix += (lo > -std::numeric_limits<double>::max() ? " and <= " : " <= ") + format(hi);
+    if (!hint.empty()) fix += ", " + std::string(hint);
+    if (!v->is_number()) throw error(key, *v, fix);
+    const double d = v->get<double>();
+    if (!std::isfinite(d) || d < lo || d > hi) throw error(key, *v, fix);
+    return d;
+  }
+
+  /// A string; when `choices` is not empty, one of them.
+  std::optional<std::string> string(std::string_view key, const std::vector<std::string_view>& choices = {},
+                                    std::string_view hint = {}) {
+    const nlohmann::json* v = raw(key);
+    if (!v) return std::nullopt;
+    std::string fix = choices.empty() ? "must be a string" : "must be one of " + join(choices);
+    if (!hint.empty()) fix += ", " + std::string(hint);
+    if (!v->is_string()) throw error(key, *v, fix);
+    auto s = v->get<std::string>();
+    if (!choices.empty()) {
+      bool ok = false;
+      for (auto c : choices) ok = ok || c == s;
+      if (!ok) throw error(key, *v, fix);
+    }
+    return s;
+  }
+
+  /// Refuses every key no getter asked for, naming the known ones.
+  void finish() const {
+    for (auto it = j_.begin(); it != j_.end(); ++it) {
+      if (known_.contains(it.key())) continue;
+      std::vector<std::string_view> names(known_.begin(), known_.end());
+      throw config_error("unknown key " + prefix_ + it.key(), it.value().dump(),
+                         "remove it or check its spelling; known keys: " + join(names));
+    }
+  }
+
+  /// The refusal of `key`'s value.
+  [[nodiscard]] config_error error(std::string_view key, const nlohmann::json& v, std::string fix) const {
+    return config_error(prefix_ + std::string(key), v.dump(), std::move(fix));
+  }
+
+  [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
+
+  [[nodiscard]] static std::string join(const std::vector<std::string_view>& v) {
+    std::string s;
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      if (i) s += ", ";
+      s += v[i];
+    }
+    return s;
+  }
+
+  [[nodiscard]] static std::string format(double d) {
+    std::string s = nlohmann::json(d).dump();
+    if (s.size() > 2 && s.ends_with(".0")) s.resize(s.size() - 2);
+    return s;
+  }
+
+ private:
+  const nlohmann::json& j_;
+  std::string prefix_;
+  std::set<std::string, std::less<>> known_;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::server

@@ -1,0 +1,274 @@
+#pragma once
+// The server's bookkeeping of its clients, all touched on the server's one I/O thread (no
+// locks; region_registry::size() alone may be read from anywhere):
+//
+//   region_registry   registrations: one per connection that sent register_kv_request,
+//                     with its mapped kv_region and the layouts derived from the request.
+//                     register_client() enforces the contract's checks (chunk size, slot
+//                     size, fd size and seals) and answers with a request_error that says
+//                     what to change.
+//   lookup_table      the lookups in flight, keyed by (model_id, request_key) as the
+//                     contract says (global: one rank issues the lookup for all ranks), each
+//                     remembering the connection that issued it (released when it goes).
+//
+// request_error is how a handler refuses a request: an errc and a message, sent back as
+// error_response.
+
+#include <kvtier/config.hpp>
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/token_hasher.hpp>
+#include <kvtier/engine/kv_region.hpp>
+#include <kvtier/error.hpp>
+#include <kvtier/protocol/messages.hpp>
+#include <kvtier/protocol/unique_fd.hpp>
+
+#include <boost/assert/source_location.hpp>
+#include <boost/system/result.hpp>
+#include <boost/system/system_error.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::server {
+
+/// A refused request: the code and the reason sent back in error_response.
+struct request_error {
+  errc code = errc::invalid_argument;
+  std::string message;
+
+  [[nodiscard]] protocol::error_response response() const { return protocol::error_response::make(code, message); }
+};
+
+[[noreturn]] inline void throw_exception_from_error(const request_error& e, const boost::source_location&) {
+  throw boost::system::system_error(make_error_code(e.code), e.message);
+}
+
+/// A value or the request_error that refuses the request.
+template <class T>
+using request_result = boost::system::result<T, request_error>;
+
+/// One registered engine worker (one connection).
+struct registration {
+  std::uint64_t client_id = 0;    ///< the connection's id (stable across re-registrations)
+  std::uint64_t instance_id = 0;  ///< the worker's pid, as it says
+  std::uint16_t rank = 0;
+  std::uint16_t world_size = 1;
+  std::string model_name;
+  std::uint64_t model_id = 0;          ///< make_model_id(model_name, shape)
+  paged_kv_layout layout;              ///< the region's layout
+  chunk_layout chunk;                  ///< {shape, server chunk tokens}
+  std::size_t object_bytes = 0;        ///< chunk.object_bytes(): one shard of one chunk
+  std::uint32_t blocks_per_chunk = 0;  ///< chunk_tokens / block_size
+  engine::kv_region region;            ///< the worker's memory, mapped here
+  std::chrono::steady_clock::time_point registered_at{};
+
+  /// The chunk key of this worker's shard of chunk `hash`.
+  [[nodiscard]] chunk_key key(const hash128& hash) const noexcept {
+    return chunk_key{model_id, world_size, rank, hash};
+  }
+};
+
+class region_registry {
+ public:
+  /// What every registration must match.
+  struct requirements {
+    std::uint32_t chunk_tokens = 256;  ///< the server's chunk size
+    std::size_t slot_bytes = 0;        ///< the L1 slot size: the largest object
+  };
+
+  /// Largest tensor-parallel world size accepted (a lookup holds world_size keys per chunk).
+  static constexpr std::uint16_t max_world_size = 1024;
+
+  explicit region_registry(requirements req) : req_(req) {}
+
+  /// Validates `r`, maps its region (fd), and makes it connection `client_id`'s registration,
+  /// replacing a previous one only on success. The refusals follow the contract:
+  /// invalid_argument (no fd, rank/world size, malformed shape), layout_mismatch (chunk
+  /// size, chunk % block size, object larger than a slot, region size or seals).
+  request_result<const registration*> register_client(std::uint64_t client_id, const protocol::register_kv_request& r,
+                                                      protocol::unique_fd fd) {
+    if (!fd) return fail(errc::invalid_argument, "register_kv_request came without the region's memfd (SCM_RIGHTS)");
+    if (r.world_size > max_world_size)
+      return fail(errc::invalid_argument,
+                  "world_size " + std::to_string(r.world_size) + " is above " + std::to_string(max_world_size));
+    if (r.world_size == 0 || r.rank >= r.world_size)
+      return fail(errc::invalid_argument,
+                  "rank " + std::to_string(r.rank) + " is not below world_size " + std::to_string(r.world_size));
+    if (r.model_name.empty()) return fail(errc::invalid_argument, "model_name is empty: send the model's name");
+    const paged_kv_layout layout = r.layout();
+    if (auto e = layout.validation_error(); !e.empty()) return fail(errc::invalid_argument, "KV layout: " + e);
+    if (r.chunk_tokens != req_.chunk_tokens)
+      return fail(errc::layout_mismatch, "chunk_tokens " + std::to_string(r.chunk_tokens) +
+                                             " differs from the server's chunk size " +
+                                             std::to_string(req_.chunk_tokens) +
+                                             ": hash with the server's chunk size (get_chunk_size) or restart the "
+                                             "server with --chunk-size " +
+                                             std::to_string(r.chunk_tokens));
+    const chunk_layout chunk{r.model, req_.chunk_tokens};
+    if (auto e = layout.compatibility_error(chunk); !e.empty()) return fail(errc::layout_mismatch, e);
+    if (chunk.object_bytes() > req_.slot_bytes)
+      return fail(errc::layout_mismatch,
+                  "a chunk of this model is " + std::to_string(chunk.object_bytes()) +
+                      " bytes, above the server's L1 slot size of " + std::to_string(req_.slot_bytes) +
+                      " bytes: restart the server with --l1-slot-bytes " + std::to_string(chunk.object_bytes()) +
+                      " or more (JSON key l1_slot_bytes)");
+    const std::size_t bytes = engine::kv_region::bytes_for(layout);
+    if (r.region_bytes != bytes)
+      return fail(errc::layout_mismatch, "region_bytes " + std::to_string(r.region_bytes) + " is not the " +
+                                             std::to_string(bytes) + " bytes a region of this layout has");
+    auto region = engine::kv_region::open(fd.release(), layout);
+    if (!region) {
+      if (region.error() == errc::layout_mismatch)
+        return fail(errc::layout_mismatch, "the fd is not a memfd of " + std::to_string(bytes) +
+                                               " bytes sealed against resizing (F_SEAL_SHRINK|F_SEAL_GROW|"
+                                               "F_SEAL_SEAL): create the region with engine::kv_region::create");
+      return fail(errc::invalid_argument, "cannot map the region: " + region.error().message());
+    }
+    registration reg;
+    reg.client_id = client_id;
+    reg.instance_id = r.instance_id;
+    reg.rank = r.rank;
+    reg.world_size = r.world_size;
+    reg.model_name = r.model_name;
+    reg.model_id = make_model_id(r.model_name, r.model);
+    reg.layout = layout;
+    reg.chunk = chunk;
+    reg.object_bytes = chunk.object_bytes();
+    reg.blocks_per_chunk = req_.chunk_tokens / r.block_size;
+    reg.region = std::move(*region);
+    reg.registered_at = std::chrono::steady_clock::now();
+    auto [it, inserted] = regs_.insert_or_assign(client_id, std::move(reg));
+    (void)inserted;
+    count_.store(regs_.size(), std::memory_order_relaxed);
+    return &it->second;
+  }
+
+  /// The registration of a connection, or null.
+  [[nodiscard]] registration* find(std::uint64_t client_id) noexcept {
+    auto it = regs_.find(client_id);
+    return it == regs_.end() ? nullptr : &it->second;
+  }
+
+  /// Drops a registration (unmaps its region). Returns whether there was one.
+  bool remove(std::uint64_t client_id) {
+    const bool had = regs_.erase(client_id) != 0;
+    count_.store(regs_.size(), std::memory_order_relaxed);
+    return had;
+  }
+
+  /// Registrations; may be read from any thread (the metrics gauge).
+  [[nodiscard]] std::size_t size() const noexcept { return count_.load(std::memory_order_relaxed); }
+  [[nodiscard]] const requirements& required() const noexcept { return req_; }
+
+ private:
+  static request_error fail(errc e, std::string m) { return request_error{e, std::move(m)}; }
+
+  requirements req_;
+  std::unordered_map<std::uint64_t, registration> regs_;
+  std::atomic<std::size_t> count_{0};
+};
+
+/// The lookups the server holds for engines, by (model_id, request_key).
+class lookup_table {
+ public:
+  struct entry {
+    std::uint64_t cache_id = 0;  ///< the tiered_cache lookup
+    std::uint64_t owner = 0;     ///< the connection that issued it
+    std::uint32_t chunks = 0;
+    std::uint16_t world_size = 1;
+  };
+  using key_type = std::pair<std::uint64_t, std::string>;  ///< (model_id, request_key)
+
+  /// Puts `e` under `key`; returns the entry it replaced, if any.
+  std::optional<entry> put(std::uint64_t model_id, const std::string& request_key, entry e) {
+    std::optional<entry> old;
+    auto [it, inserted] = entries_.try_emplace(key_type{model_id, request_key}, e);
+    if (!inserted) {
+      old = it->second;
+      if (auto o = owned_.find(old->owner); o != owned_.end() && --o->second == 0) owned_.erase(o);
+      it->second = e;
+    }
+    ++owned_[e.owner];
+    return old;
+  }
+
+  [[nodiscard]] const entry* find(std::uint64_t model_id, const std::string& request_key) const {
+    auto it = entries_.find(key_type{model_id, request_key});
+    return it == entries_.end() ? nullptr : &it->second;
+  }
+
+  /// Removes and returns the entry under `key`.
+  std::optional<entry> take(std::uint64_t model_id, const std::string& request_key) {
+    auto it = entries_.find(key_type{model_id, request_key});
+    if (it == entries_.end()) return std::nullopt;
+    entry e = it->second;
+    erase(it);
+    return e;
+  }
+
+  /// Removes and returns every entry `owner` issued.
+  std::vector<entry> take_owned_by(std::uint64_t owner) {
+    std::vector<entry> out;
+    if (owned(owner) == 0) return out;
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      if (it->second.owner == owner) {
+        out.push_back(it->second);
+        it = erase(it);
+      } else {
+        ++it;
+      }
+    }
+    return out;
+  }
+
+  /// Removes the entries for which pred(entry) is true (lookups the cache forgot).
+  template <class Pred>
+  std::size_t erase_if(Pred pred) {
+    std::size_t n = 0;
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      if (pred(it->second)) {
+        it = erase(it);
+        ++n;
+      } else {
+        ++it;
+      }
+    }
+    return n;
+  }
+
+  /// Every entry (for shutdown).
+  std::vector<entry> take_all() {
+    std::vector<entry> out;
+    for (const auto& [k, e] : entries_) out.push_back(e);
+    entries_.clear();
+    owned_.clear();
+    return out;
+  }
+
+  [[nodiscard]] std::size_t owned(std::uint64_t owner) const {
+    auto it = owned_.find(owner);
+    return it == owned_.end() ? 0 : it->second;
+  }
+  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
+
+ private:
+  using map_type = std::map<key_type, entry>;
+  map_type::iterator erase(map_type::iterator it) {
+    auto o = owned_.find(it->second.owner);
+    if (o != owned_.end() && --o->second == 0) owned_.erase(o);
+    return entries_.erase(it);
+  }
+
+  map_type entries_;
+  std::unordered_map<std::uint64_t, std::size_t> owned_;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::server

@@ -1,0 +1,158 @@
+// server_config and backend_factory: defaults, JSON in and out, and every refusal saying
+// what to change (the program's flags map onto the same keys: process_test.cpp).
+#include <kvtier/server/config.hpp>
+
+#include <kvtier/pipeline/policies.hpp>
+#include <kvtier/server/backend_factory.hpp>
+#include <kvtier/server/runtime_policies.hpp>
+
+#include <catch2/catch.hpp>
+
+#include <boost/asio/io_context.hpp>
+
+#include <string>
+
+using namespace kvtier;
+using namespace kvtier::server;
+using nlohmann::json;
+
+namespace {
+
+// The message of the config_error parse(j) throws ("" when it does not).
+std::string refusal(const json& j) {
+  try {
+    (void)server_config::parse(j);
+  } catch (const config_error& e) {
+    return e.what();
+  }
+  return {};
+}
+
+}  // namespace
+
+TEST_CASE("the embedded defaults are valid and match the documented values", "[server][config]") {
+  const server_config c;
+  CHECK_NOTHROW(c.validate());
+  CHECK(c.chunk_tokens == 256);
+  CHECK(c.l1_size_bytes == std::uint64_t{1} << 30);
+  CHECK(c.l1_slot_bytes == std::uint64_t{4} << 20);
+  CHECK(c.l1_slot_count() == 256);
+  CHECK(c.eviction == eviction_kind::lru);
+  CHECK(c.store_policy == store_kind::write_through);
+  CHECK(c.prefetch_policy == prefetch_wait_kind::timeout);
+  CHECK(c.prefetch_max_in_flight == 8);
+  CHECK(c.client_reap_timeout_s == 30.0 * config::timeout_scale);
+  CHECK(c.l2_backends.empty());
+  CHECK((c.socket_path.ends_with("/kvtier.sock")));
+  CHECK(server_config::parse(json::object()) == c);
+}
+
+TEST_CASE("a configuration survives to_json and parse unchanged", "[server][config]") {
+  const json in = {{"socket", "/run/kvtier/s.sock"},
+                   {"chunk_size", 512},
+                   {"l1_size_gb", 2},
+                   {"l1_slot_bytes", 33554432},
+                   {"eviction_policy", "s3fifo"},
+                   {"eviction_watermark", 0.9},
+                   {"eviction_target", 0.5},
+                   {"l1_read_ttl_seconds", 60},
+                   {"l2_backends", json::array({json{{"type", "memory"}, {"capacity_mb", 512}, {"latency_us", 20}}})},
+                   {"l2_store_policy", "skip_l1"},
+                   {"prefetch_policy", "best_effort"},
+                   {"prefetch_max_in_flight", 4},
+                   {"log_level", "debug"},
+                   {"client_reap_timeout", 2.5},
+                   {"metrics_port", 9100}};
+  const server_config c = server_config::parse(in);
+  CHECK(c.l1_size_bytes == std::uint64_t{2} << 30);
+  CHECK(c.l1_slot_count() == 64);
+  CHECK(c.eviction == eviction_kind::s3fifo);
+  CHECK(c.store_policy == store_kind::skip_l1);
+  CHECK(c.log_level == telemetry::log_level::debug);
+  CHECK(c.client_reap_timeout_s == 2.5);
+  CHECK(c.metrics_port == 9100);
+  CHECK(server_config::parse(c.to_json()) == c);
+  CHECK(server_config::parse(json{{"l1_size_mb", 1.5}, {"l1_slot_bytes", 4096}}).l1_size_bytes == 3 << 19);
+}
+
+TEST_CASE("a bad configuration is refused naming the key, the value and what to change", "[server][config]") {
+  CHECK(refusal({{"chunk_sise", 256}}).starts_with("unknown key chunk_sise (256): remove it or check its spelling"));
+  CHECK(refusal({{"chunk_size", 0}}) ==
+        "chunk_size (0): must be an integer in 1..65536, a multiple of the engine's "
+        "block size, e.g. 256");
+  CHECK(refusal({{"chunk_size", -3}}).starts_with("chunk_size (-3): must be an integer"));
+  CHECK(refusal({{"chunk_size", "256"}}).starts_with("chunk_size (\"256\"): must be an integer"));
+  CHECK(refusal({{"eviction_policy", "LRU"}}) == "eviction_policy (\"LRU\"): must be one of lru, s3fifo, arc, noop");
+  CHECK(refusal({{"eviction_target", 0.9}})
+            .starts_with("eviction_target (0.9): must be >= 0 and below "
+                         "eviction_watermark (0.8)"));
+  CHECK(refusal({{"l1_size_mb", 1}}).find("raise --l1-size-mb/--l1-size-gb or lower --l1-slot-bytes") !=
+        std::string::npos);
+  CHECK(refusal({{"l1_size_mb", 64}, {"l1_size_gb", 1}}).starts_with("l1_size (given more than once)"));
+  CHECK(refusal({{"l2_backends", json::object()}}).starts_with("l2_backends ({}): must be an array"));
+  CHECK(refusal({{"log_level", "verbose"}}).starts_with("log_level (\"verbose\"): must be one of trace"));
+  CHECK(refusal({{"socket", std::string(120, 'x')}}).find("shorter than 108 bytes") != std::string::npos);
+  CHECK(refusal(json::array()).starts_with("configuration ([]): must be a JSON object"));
+}
+
+TEST_CASE("the backend factory parses memory backends and refuses unknown types and keys", "[server][config]") {
+  const backend_factory& f = backend_factory::builtin();
+  CHECK(f.types() == std::vector<std::string>{"memory"});
+  const json list = json::array({json{{"type", "memory"}, {"capacity_gb", 1}, {"bandwidth_gbps", 2.5}},
+                                 json{{"type", "memory"}}, json{{"type", "memory"}, {"name", "memory-1"}}});
+  const auto specs = f.parse_all(std::vector<json>(list.begin(), list.end()));
+  REQUIRE(specs.size() == 3);
+  CHECK(specs[0].name == "memory");
+  CHECK(specs[1].name == "memory-2");  // memory-1 is taken by the explicit name
+  CHECK(specs[2].name == "memory-1");
+  CHECK(specs[0].description == "memory, 1024 MiB, 2.5 GB/s");
+
+  boost::asio::io_context io;
+  l2::any_backend b = specs[0].create(backend_context{io.get_executor(), nullptr}, specs[0].name);
+  CHECK(b.name() == "memory");
+  CHECK(b.usage().bytes_capacity == std::uint64_t{1} << 30);
+
+  auto refused = [&](const json& j) {
+    try {
+      (void)f.parse(j, 0);
+    } catch (const config_error& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(refused({{"type", "disk"}})
+            .starts_with("l2_backends[0].type (\"disk\"): this build has no such backend type; "
+                         "known types: memory"));
+  CHECK(refused({{"capacity_gb", 1}}).starts_with("l2_backends[0].type (missing): give the backend's \"type\""));
+  CHECK(refused({{"type", "memory"}, {"capacity_gib", 1}}).starts_with("unknown key l2_backends[0].capacity_gib (1)"));
+  CHECK(refused({{"type", "memory"}, {"capacity_mb", 0}}).starts_with("l2_backends[0].capacity (0)"));
+  CHECK(refused({{"type", "memory"}, {"latency_us", -1}})
+            .starts_with("l2_backends[0].latency_us (-1): must be a number"));
+  CHECK(refused(json{{"type", "memory"}}).empty());
+  const json dup = json::array({json{{"type", "memory"}, {"name", "a"}}, json{{"type", "memory"}, {"name", "a"}}});
+  CHECK_THROWS_AS(f.parse_all(std::vector<json>(dup.begin(), dup.end())), config_error);
+
+  // A program adds its own type.
+  backend_factory mine = backend_factory::builtin_copy();
+  mine.add_type("null", "nothing", [](json_object_reader&) { return backend_spec{}; });
+  CHECK(mine.has_type("null"));
+  CHECK_FALSE(f.has_type("null"));
+}
+
+TEST_CASE("the run-time prefetch wait policy answers as the three shipped ones", "[server][config]") {
+  runtime_wait_policy w;
+  const pipeline::timeout_wait t;
+  CHECK(w.wait_budget(10'000) == t.wait_budget(10'000));
+  CHECK(w.wait_budget(1'000'000) == t.wait_budget(1'000'000));
+  w.kind = prefetch_wait_kind::best_effort;
+  CHECK(w.wait_budget(10'000) == pipeline::best_effort{}.wait_budget(10'000));
+  w.kind = prefetch_wait_kind::wait_complete;
+  CHECK(w.wait_budget(10) == w.cap);
+  runtime_store_policy s{false};
+  CHECK_FALSE(s.keep_in_l1());
+  std::vector<bitmap> targets;
+  const std::vector<chunk_key> keys(3);
+  s.select_targets(keys, 2, targets);
+  REQUIRE(targets.size() == 2);
+  CHECK(targets[1].count() == 3);
+}

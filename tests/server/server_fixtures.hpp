@@ -1,0 +1,400 @@
+#pragma once
+// Shared by the server tests: a raw protocol client (protocol::connection driven
+// synchronously, every wait bounded by a deadline), an engine-side KV region with byte
+// patterns to check copies with, and a kvtier-server process launcher.
+//
+// Catch2 v2 assertions are not thread-safe: the members that use them say so (ok,
+// refused, register_region, status, ping); the rest report failures by throwing
+// std::runtime_error, so the multi-threaded test can use them from its threads.
+
+#include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/token_hasher.hpp>
+#include <kvtier/engine/kv_region.hpp>
+#include <kvtier/protocol/codec.hpp>
+#include <kvtier/protocol/connection.hpp>
+#include <kvtier/protocol/messages.hpp>
+#include <kvtier/protocol/unix_socket.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "support/asio.hpp"
+#include "support/process.hpp"
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/io_context.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/use_awaitable.hpp>
+#include <nlohmann/json.hpp>
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fcntl.h>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+#include <variant>
+#include <vector>
+
+extern char** environ;
+
+namespace kvtier::test {
+
+namespace p = protocol;
+namespace asio = boost::asio;
+
+/// Generous: a wait that takes this long means the server is broken, not slow.
+inline constexpr auto server_deadline = std::chrono::seconds(30) * config::timeout_scale;
+
+/// The model of most tests: 2 layers, 2 KV heads, head dim 16, bf16: 64 bytes per token
+/// and plane, a 16-token chunk object is 4 KiB (one L1 slot of the test servers).
+inline model_shape small_model() { return model_shape{2, 2, 16, 2, attention_kind::mha}; }
+inline constexpr std::uint32_t test_chunk_tokens = 16;
+inline constexpr std::uint32_t test_block_size = 4;
+inline constexpr std::uint32_t blocks_per_chunk = test_chunk_tokens / test_block_size;
+
+/// Chunk hashes as a connector would compute them for `chunks` chunks of a prompt `seed`.
+inline std::vector<hash128> chunk_hashes(std::uint32_t seed, std::size_t chunks) {
+  std::vector<token_id> tokens(chunks * test_chunk_tokens);
+  for (std::size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<token_id>(seed * 100003u + i);
+  return token_hasher(test_chunk_tokens).chunk_hashes(tokens);
+}
+
+/// An engine worker's KV region (a sealed memfd) with helpers to write and read blocks.
+struct engine_region {
+  paged_kv_layout layout;
+  engine::kv_region region;
+
+  explicit engine_region(model_shape m = small_model(), std::uint32_t block_size = test_block_size,
+                         std::uint32_t num_blocks = 64)
+      : layout{m, block_size, num_blocks} {
+    auto r = engine::kv_region::create(layout);
+    if (!r) throw std::runtime_error("kv_region::create: " + r.error().message());
+    region = std::move(*r);
+  }
+
+  /// The bytes of token `t` of block `b`, over every layer and plane.
+  std::byte* token(std::uint32_t layer, std::uint32_t plane, std::uint32_t b, std::uint32_t t) const {
+    return region.layers()[layer] + layout.offset_in_layer(plane, b, t);
+  }
+
+  /// Fills block b with a pattern of `seed` (every byte depends on seed, layer, plane, token).
+  void fill_block(std::uint32_t b, std::uint32_t seed) const {
+    const std::size_t tb = layout.model.token_plane_bytes();
+    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l)
+      for (std::uint32_t pl = 0; pl < layout.model.planes(); ++pl)
+        for (std::uint32_t t = 0; t < layout.block_size; ++t) {
+          std::byte* p = token(l, pl, b, t);
+          for (std::size_t i = 0; i < tb; ++i)
+            p[i] = static_cast<std::byte>((seed * 131 + l * 31 + pl * 17 + t * 7 + i) & 0xff);
+        }
+  }
+  void fill_blocks(std::span<const std::uint32_t> blocks, std::uint32_t seed) const {
+    for (std::size_t i = 0; i < blocks.size(); ++i) fill_block(blocks[i], seed + static_cast<std::uint32_t>(i));
+  }
+  void zero_block(std::uint32_t b, std::uint8_t value = 0) const {
+    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l)
+      for (std::uint32_t pl = 0; pl < layout.model.planes(); ++pl)
+        std::memset(token(l, pl, b, 0), value, layout.segment_bytes());
+  }
+  /// Token t of block a equals token t of block b (every layer and plane).
+  bool same_token(std::uint32_t a, std::uint32_t b, std::uint32_t t, const engine_region* other = nullptr) const {
+    const engine_region& o = other ? *other : *this;
+    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l)
+      for (std::uint32_t pl = 0; pl < layout.model.planes(); ++pl)
+        if (std::memcmp(token(l, pl, a, t), o.token(l, pl, b, t), layout.model.token_plane_bytes()) != 0) return false;
+    return true;
+  }
+  /// Every byte of token t of block b is `value`.
+  bool token_is(std::uint32_t b, std::uint32_t t, std::uint8_t value) const {
+    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l)
+      for (std::uint32_t pl = 0; pl < layout.model.planes(); ++pl) {
+        const std::byte* q = token(l, pl, b, t);
+        for (std::size_t i = 0; i < layout.model.token_plane_bytes(); ++i)
+          if (q[i] != static_cast<std::byte>(value)) return false;
+      }
+    return true;
+  }
+
+  std::vector<std::uint64_t> generations(std::span<const std::uint32_t> blocks) const {
+    std::vector<std::uint64_t> g;
+    for (auto b : blocks) g.push_back(region.generation(b));
+    return g;
+  }
+
+  p::register_kv_request registration(std::uint16_t rank = 0, std::uint16_t world_size = 1,
+                                      std::string model = "test/model",
+                                      std::uint32_t chunk_tokens = test_chunk_tokens) const {
+    p::register_kv_request r;
+    r.instance_id = static_cast<std::uint64_t>(::getpid());
+    r.rank = rank;
+    r.world_size = world_size;
+    r.model_name = std::move(model);
+    r.model = layout.model;
+    r.block_size = layout.block_size;
+    r.num_blocks = layout.num_blocks;
+    r.chunk_tokens = chunk_tokens;
+    r.region_bytes = region.bytes();
+    return r;
+  }
+};
+
+/// Block ids first, first+1, ... (n of them).
+inline std::vector<std::uint32_t> block_range(std::uint32_t first, std::size_t n) {
+  std::vector<std::uint32_t> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = first + static_cast<std::uint32_t>(i);
+  return v;
+}
+
+/// A protocol client on its own io_context, used synchronously from the test thread.
+class raw_client {
+ public:
+  explicit raw_client(const std::string& path) : conn_(connect(io_, path)) {}
+
+  /// Sends `req` (with `fd` beside it when >= 0) and returns the reply (checked to carry
+  /// the request's call id). Throws std::runtime_error when no reply comes. No Catch2.
+  template <class Req>
+  p::message call(const Req& req, int fd = -1) {
+    const std::uint64_t id = next_call_++;
+    if (const error_code ec = send(id, req, fd))
+      throw std::runtime_error(std::string("sending ") + std::string(p::name(Req::type)) + ": " + ec.message());
+    auto [rec, f] = read_frame();
+    if (rec)
+      throw std::runtime_error(std::string("reading the reply to ") + std::string(p::name(Req::type)) + ": " +
+                               rec.message());
+    if (f.header.call_id != id) throw std::runtime_error("a reply with another call id");
+    auto m = p::decode_message(f);
+    if (!m) throw std::runtime_error("an undecodable reply: " + m.error().reason);
+    return std::move(*m);
+  }
+
+  /// call() that must succeed with Req's response; throws otherwise. No Catch2.
+  template <class Req>
+  typename Req::response_type expect(const Req& req, int fd = -1) {
+    p::message m = call(req, fd);
+    if (auto* e = std::get_if<p::error_response>(&m))
+      throw std::runtime_error(std::string(p::name(Req::type)) + " refused: " + e->message);
+    return std::get<typename Req::response_type>(m);
+  }
+
+  /// call() that must succeed with Req's response (Catch2).
+  template <class Req>
+  typename Req::response_type ok(const Req& req, int fd = -1) {
+    p::message m = call(req, fd);
+    if (auto* e = std::get_if<p::error_response>(&m)) FAIL(p::name(Req::type) << " refused: " << e->message);
+    REQUIRE(std::holds_alternative<typename Req::response_type>(m));
+    return std::get<typename Req::response_type>(m);
+  }
+
+  /// call() that must be refused; returns the error (Catch2).
+  template <class Req>
+  p::error_response refused(const Req& req, int fd = -1) {
+    p::message m = call(req, fd);
+    REQUIRE(std::holds_alternative<p::error_response>(m));
+    return std::get<p::error_response>(m);
+  }
+
+  p::register_kv_response register_region(const engine_region& r, std::uint16_t rank = 0, std::uint16_t ws = 1) {
+    return expect(r.registration(rank, ws), r.region.fd());
+  }
+
+  nlohmann::json status() { return nlohmann::json::parse(expect(p::status_request{}).json); }
+
+  std::uint64_t ping() { return expect(p::ping_request{42}).boot_token; }
+
+  template <class Req>
+  error_code send(std::uint64_t call_id, const Req& req, int fd = -1) {
+    return run_sync(io_, [&]() -> asio::awaitable<error_code> {
+      if (fd >= 0) {
+        auto [ec] = co_await conn_.async_send(call_id, req, fd, asio::as_tuple(asio::use_awaitable));
+        co_return ec;
+      }
+      auto [ec] = co_await conn_.async_send(call_id, req, asio::as_tuple(asio::use_awaitable));
+      co_return ec;
+    }());
+  }
+
+  /// Writes raw bytes (any frame, or garbage).
+  error_code send_bytes(std::vector<std::byte> bytes, int fd = -1) {
+    return run_sync(io_, [&]() -> asio::awaitable<error_code> {
+      auto [ec] = co_await conn_.async_write_frame(std::move(bytes), fd, asio::as_tuple(asio::use_awaitable));
+      co_return ec;
+    }());
+  }
+
+  /// Reads one frame (or the error that ended the stream); throws std::runtime_error when
+  /// nothing comes before server_deadline. No Catch2.
+  std::tuple<error_code, p::frame> read_frame() {
+    auto timed_out = std::make_shared<bool>(false);
+    asio::steady_timer timer(io_, server_deadline);
+    timer.async_wait([timed_out, c = &conn_](error_code ec) {
+      if (ec) return;
+      *timed_out = true;
+      c->close();
+    });
+    auto r = run_sync(io_, [&]() -> asio::awaitable<std::tuple<error_code, p::frame>> {
+      auto [ec, f] = co_await conn_.async_read_frame(asio::as_tuple(asio::use_awaitable));
+      co_return std::tuple<error_code, p::frame>(ec, std::move(f));
+    }());
+    timer.cancel();
+    if (*timed_out) throw std::runtime_error("no frame from the server within the deadline");
+    return r;
+  }
+
+  /// Reads until the server closes the connection; returns the frames that came first and
+  /// the error that ended the stream (eof, or connection_reset when the server closed with
+  /// our bytes unread). No Catch2.
+  std::pair<std::vector<p::message>, error_code> read_until_closed() {
+    std::vector<p::message> got;
+    for (;;) {
+      auto [ec, f] = read_frame();
+      if (ec) return {std::move(got), ec};
+      auto m = p::decode_message(f);
+      if (!m) throw std::runtime_error("an undecodable frame: " + m.error().reason);
+      got.push_back(std::move(*m));
+    }
+  }
+
+  /// Half-closes: the server reads EOF after what was sent.
+  void shutdown_write() { ::shutdown(conn_.socket().native_handle(), SHUT_WR); }
+
+  p::connection& connection() noexcept { return conn_; }
+
+ private:
+  static p::connection connect(asio::io_context& io, const std::string& path) {
+    auto s = p::connect_unix(io.get_executor(), path);
+    if (!s) throw std::runtime_error("connect " + path + ": " + s.error().message());
+    return p::connection(std::move(*s));
+  }
+
+  asio::io_context io_;
+  p::connection conn_;
+  std::uint64_t next_call_ = 1;
+};
+
+/// Reads from `c` until the server closes the connection: true when it ended with EOF (or a
+/// reset: the server closed with our bytes unread). No Catch2.
+inline bool closed_or_reset(raw_client& c) {
+  auto [got, ec] = c.read_until_closed();
+  return ec == asio::error::eof || ec == asio::error::connection_reset;
+}
+
+/// Asks `c` for the status until pred(status) holds; fails after server_deadline. (The
+/// reaping it waits for happens on the server's thread; each status is a round trip.)
+template <class Pred>
+nlohmann::json wait_for_status(raw_client& c, Pred pred) {
+  const auto deadline = std::chrono::steady_clock::now() + server_deadline;
+  for (;;) {
+    nlohmann::json s = c.status();
+    if (pred(s)) return s;
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+}
+
+/// A kvtier-server process: started with posix_spawn, stdout and stderr in files of `dir`,
+/// stopped with SIGTERM.
+class server_process {
+ public:
+  server_process(const std::string& binary, std::vector<std::string> args, const std::filesystem::path& dir,
+                 const std::string& tag = "server")
+      : out_(dir / (tag + ".out")), err_(dir / (tag + ".err")) {
+    std::vector<std::string> argv_s{binary};
+    argv_s.insert(argv_s.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    posix_spawn_file_actions_addopen(&fa, 2, err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    const int rc = ::posix_spawn(&pid_, binary.c_str(), &fa, nullptr, argv.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    REQUIRE(rc == 0);
+  }
+  server_process(const server_process&) = delete;
+  server_process& operator=(const server_process&) = delete;
+  ~server_process() {
+    if (pid_ > 0) {
+      ::kill(pid_, SIGKILL);
+      int st = 0;
+      ::waitpid(pid_, &st, 0);
+    }
+  }
+
+  /// Waits until `socket_path` accepts connections (the server is up). Fails the test when
+  /// the process exits first or the deadline passes.
+  void wait_listening(const std::string& socket_path) {
+    asio::io_context io;
+    const auto deadline = std::chrono::steady_clock::now() + server_deadline;
+    for (;;) {
+      if (auto s = p::connect_unix(io.get_executor(), socket_path)) return;
+      int st = 0;
+      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
+        pid_ = -1;
+        FAIL("kvtier-server exited before listening: " << describe(st) << "\n" << output());
+      }
+      if (std::chrono::steady_clock::now() > deadline) FAIL("kvtier-server did not listen in time\n" << output());
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  /// Sends `sig` and waits for the exit; returns the wait status.
+  int stop(int sig = SIGTERM) {
+    REQUIRE(pid_ > 0);
+    ::kill(pid_, sig);
+    return wait_exit();
+  }
+
+  /// Waits for the process to exit (fails after the deadline); returns the wait status.
+  int wait_exit() {
+    const auto deadline = std::chrono::steady_clock::now() + server_deadline;
+    for (;;) {
+      int st = 0;
+      const pid_t r = ::waitpid(pid_, &st, WNOHANG);
+      if (r == pid_) {
+        pid_ = -1;
+        return st;
+      }
+      REQUIRE(r == 0);
+      if (std::chrono::steady_clock::now() > deadline) FAIL("kvtier-server did not exit in time\n" << output());
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+
+  [[nodiscard]] std::string output() const { return "stdout:\n" + read(out_) + "stderr:\n" + read(err_); }
+  [[nodiscard]] std::string stdout_text() const { return read(out_); }
+  [[nodiscard]] std::string stderr_text() const { return read(err_); }
+
+  static std::string describe(int st) {
+    if (WIFEXITED(st)) return "exit status " + std::to_string(WEXITSTATUS(st));
+    if (WIFSIGNALED(st)) return "killed by signal " + std::to_string(WTERMSIG(st));
+    return "status " + std::to_string(st);
+  }
+
+ private:
+  static std::string read(const std::filesystem::path& p) {
+    std::ifstream in(p);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    return ss.str();
+  }
+
+  std::filesystem::path out_;
+  std::filesystem::path err_;
+  pid_t pid_ = -1;
+};
+
+}  // namespace kvtier::test
