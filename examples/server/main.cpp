@@ -10,7 +10,11 @@
 // to change>"; a failure to start (socket in use, L1 not allocatable) exits 1; SIGTERM or
 // SIGINT shut down in order and exit 0.
 #include <kvtier/server/config.hpp>
+#include <kvtier/server/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
+#if KVTIER_SERVER_WITH_REDIS
+#include <kvtier/server/redis_backend_type.hpp>
+#endif
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -60,6 +64,20 @@ json read_json_file(const std::string& path) {
   } catch (const json::parse_error& e) {
     throw config_error("--config", path, std::string("not valid JSON: ") + e.what());
   }
+}
+
+// Every backend type this program ships: memory (builtin), disk and, where hiredis was
+// found at build time, redis.
+const kvtier::server::backend_factory& program_backends() {
+  static const kvtier::server::backend_factory factory = [] {
+    auto f = kvtier::server::backend_factory::builtin_copy();
+    kvtier::server::add_disk_backend_type(f);
+#if KVTIER_SERVER_WITH_REDIS
+    kvtier::server::add_redis_backend_type(f);
+#endif
+    return f;
+  }();
+  return factory;
 }
 
 int bad_config(const std::string& message) {
@@ -133,7 +151,7 @@ int main(int argc, char** argv) {
   }
   app.add_option("--l2-backend,--l2-adapter", backends,
                  "an L2 backend as JSON, repeatable, e.g. '{\"type\":\"memory\",\"capacity_gb\":8}'; types:\n" +
-                     srv::backend_factory::builtin().help())
+                     program_backends().help())
       ->type_name("JSON");
   app.add_flag("--print-config", print_config, "print the effective configuration as JSON and exit");
 
@@ -173,7 +191,7 @@ int main(int argc, char** argv) {
       }
       j["l2_backends"] = std::move(list);
     }
-    config = srv::server_config::parse(j);
+    config = srv::server_config::parse(j, program_backends());
   } catch (const config_error& e) {
     // Name the flag when the value came from one.
     std::string what = e.option();
@@ -199,7 +217,7 @@ int main(int argc, char** argv) {
   try {
     srv::server_options options;
     options.handle_signals = true;
-    srv::server server(config, options);
+    srv::server server(config, options, program_backends());
     server.start();
     std::printf("%s\n", server.startup_line().c_str());
     std::fflush(stdout);

@@ -10,18 +10,19 @@
 // description stops the program before anything starts, with a message that says what to
 // change (json_config.hpp).
 //
-// Shipped types: "memory" (l2/memory_backend.hpp, with its bandwidth and latency model).
-// The disk (io_uring) and Redis backends register themselves the same way: write
-// add_disk_backend_type(backend_factory&) next to l2/disk_backend.hpp (keys: path,
-// capacity_gb, ...) and add_redis_backend_type next to the Redis backend, then call them in
-// backend_factory::builtin() below (the marked place). A program with its own backend type
-// builds its own factory: `auto f = backend_factory::builtin_copy(); f.add_type(...)`.
+// builtin() has "memory" (l2/memory_backend.hpp, with its bandwidth and latency model): it
+// needs nothing beyond kvtier::kvtier. The other shipped types live in their own headers,
+// because they link more: "disk" (server/disk_backend_type.hpp, kvtier::uring) and "redis"
+// (server/redis_backend_type.hpp, kvtier::redis, i.e. hiredis). The kvtier-server program
+// registers all three. A program with its own backend type builds its own factory:
+// `auto f = backend_factory::builtin_copy(); f.add_type(...)`.
 
 #include <kvtier/config.hpp>
 #include <kvtier/l2/any_backend.hpp>
 #include <kvtier/l2/memory_backend.hpp>
 #include <kvtier/server/json_config.hpp>
 #include <kvtier/telemetry/logger.hpp>
+#include <kvtier/telemetry/registry.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
 #include <nlohmann/json.hpp>
@@ -46,6 +47,9 @@ struct backend_context {
   boost::asio::any_io_executor executor;
   /// The server's logger (backends may log their own setup).
   telemetry::logger* log = nullptr;
+  /// The server's metrics registry: a backend with its own series (kvtier_l2_disk_*,
+  /// kvtier_redis_*) adds them here. May be null (no metrics).
+  telemetry::registry* metrics = nullptr;
 };
 
 /// A validated backend description, ready to build.
@@ -99,7 +103,7 @@ class backend_factory {
     if (it == types_.end())
       throw r.error("type", *type,
                     "this build has no such backend type; " + known +
-                        " (disk and redis come with their backends, see docs/server.md)");
+                        " (a program registers disk and redis with add_disk_backend_type / add_redis_backend_type, see docs/server.md)");
     auto name = r.string("name");
     if (name && (name->empty() || name->size() > 64))
       throw r.error("name", nlohmann::json(*name), "must be 1..64 characters");
@@ -203,8 +207,6 @@ inline void add_memory_backend_type(backend_factory& f) {
 inline backend_factory backend_factory::make_builtin() {
   backend_factory f;
   add_memory_backend_type(f);
-  // Other shipped types register here, e.g. add_disk_backend_type(f) and
-  // add_redis_backend_type(f) once those backends land.
   return f;
 }
 

@@ -123,6 +123,16 @@ class json_object_reader {
     return s;
   }
 
+  /// The keys no getter has asked for yet, as one object, and marks them all used: for a
+  /// part that parses its own keys (a backend's options reader), which then refuses the
+  /// unknown ones itself.
+  [[nodiscard]] nlohmann::json rest() {
+    nlohmann::json out = nlohmann::json::object();
+    for (auto it = j_.begin(); it != j_.end(); ++it)
+      if (known_.emplace(it.key()).second) out[it.key()] = it.value();
+    return out;
+  }
+
   /// Refuses every key no getter asked for, naming the known ones.
   void finish() const {
     for (auto it = j_.begin(); it != j_.end(); ++it) {

@@ -110,7 +110,7 @@ class server final : private session_host {
         started_at_(std::chrono::steady_clock::now()),
         clients_(region_registry::requirements{config_.chunk_tokens, static_cast<std::size_t>(config_.l1_slot_bytes)}),
         reap_timer_(io_) {
-    backend_context bctx{io_.get_executor(), &log_};
+    backend_context bctx{io_.get_executor(), &log_, &registry_};
     std::vector<l2::any_backend> backends;
     for (auto& spec : factory.parse_all(config_.l2_backends)) {
       backends.push_back(spec.create(bctx, spec.name));
