@@ -28,6 +28,7 @@
 #include <kvtier/protocol/connection.hpp>
 #include <kvtier/protocol/unix_socket.hpp>
 
+#include <common/protocol_client.hpp>
 #include <common/results.hpp>
 
 #include <boost/asio/as_tuple.hpp>
@@ -61,52 +62,7 @@ constexpr std::uint32_t block_size = 16;
 constexpr std::size_t chunks = 39;  // 9984 of 10k tokens: full chunks only
 constexpr std::uint32_t bpc = chunk_tokens / block_size;
 
-// A blocking protocol client.
-class client {
- public:
-  explicit client(const std::string& path) : conn_(connect(path)) {}
-
-  template <class Req>
-  typename Req::response_type call(const Req& req, int fd = -1) {
-    const std::uint64_t id = next_++;
-    p::message m = run([&]() -> asio::awaitable<p::message> {
-      if (fd >= 0)
-        co_await conn_.async_send(id, req, fd, asio::use_awaitable);
-      else
-        co_await conn_.async_send(id, req, asio::use_awaitable);
-      p::frame f = co_await conn_.async_read_frame(asio::use_awaitable);
-      auto d = p::decode_message(f);
-      if (!d) throw std::runtime_error(d.error().reason);
-      co_return std::move(*d);
-    }());
-    if (auto* e = std::get_if<p::error_response>(&m)) throw std::runtime_error(e->message);
-    return std::get<typename Req::response_type>(m);
-  }
-
- private:
-  p::connection connect(const std::string& path) {
-    auto s = p::connect_unix(io_.get_executor(), path);
-    if (!s) throw std::runtime_error("connect: " + s.error().message());
-    return p::connection(std::move(*s));
-  }
-  template <class T>
-  T run(asio::awaitable<T> a) {
-    std::optional<T> out;
-    std::exception_ptr err;
-    asio::co_spawn(io_, std::move(a), [&](std::exception_ptr e, T v) {
-      err = e;
-      if (!e) out.emplace(std::move(v));
-    });
-    io_.restart();
-    io_.run();
-    if (err) std::rethrow_exception(err);
-    return std::move(*out);
-  }
-
-  asio::io_context io_;
-  p::connection conn_;
-  std::uint64_t next_ = 1;
-};
+using client = kvtier::bench::protocol_client;
 
 struct shape_result {
   std::vector<double> store_ms, retrieve_ms, memcpy_ms_s, memcpy_ms_r;

@@ -28,7 +28,7 @@ sanitizer_args=(-DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS=-O1 -DKVTIER_BUILD_BE
 
 stage "ASan+UBSan build: build-asan/"
 kvtier_configure build-asan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=address,undefined
-cmake --build build-asan -j"$jobs"
+cmake --build build-asan -j"$jobs" --target kvtier_all_tests
 stage "ASan+UBSan suite (without label long)"
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
   ctest --test-dir build-asan --output-on-failure --timeout 900 -j"$jobs" -LE 'long|consumer'

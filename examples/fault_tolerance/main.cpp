@@ -178,6 +178,14 @@ class harness {
     return std::nullopt;
   }
 
+  // Clients of a status answer that hold a registration (the status query's own connection
+  // is listed too, unregistered).
+  static std::size_t registered_clients(const nlohmann::json& status) {
+    std::size_t n = 0;
+    for (const auto& c : status["clients"]) n += c.value("registered", false) ? 1 : 0;
+    return n;
+  }
+
   // --- phases --------------------------------------------------------------------------
   phase_result warmup() {
     phase_result r{.name = "warmup"};
@@ -348,47 +356,66 @@ class harness {
 
   // A separate engine process is SIGKILLed mid-run; the server must drop its registration and
   // every lock it held (read through the status request) within the reap timeout.
+  // An engine process is SIGKILLed mid-run (the server sees EOF), then another one is
+  // SIGSTOPped mid-run (its socket stays open and silent): the server must drop each one's
+  // registration and every lock it held (read through the status request) within the reap
+  // timeout. detect_s is the longer of the two clean-up times.
   phase_result engine_killed() {
-    phase_result r{.name = "engine killed (SIGKILL)"};
+    phase_result r{.name = "engine killed (SIGKILL) / frozen (SIGSTOP)"};
     if (o_.engine_binary.empty()) {
       r.detail = "kvtier_mini_engine not found next to the harness";
       return r;
     }
     start_server();
+    const auto killed = engine_cleanup(SIGKILL, r);
+    const auto frozen = killed ? engine_cleanup(SIGSTOP, r) : std::nullopt;
+    if (killed && frozen) r.detect_s = std::max(*killed, *frozen);
+    r.ok = killed && frozen && server_->running();
+    return r;
+  }
+
+  // Runs an engine child until it is registered and holds lookups, sends it `sig`, and waits
+  // until the server holds nothing of it; the seconds that took, or nullopt (reason in r).
+  std::optional<double> engine_cleanup(int sig, phase_result& r) {
+    const char* what = sig == SIGKILL ? "killed" : "stopped";
     examples::child_process eng(o_.engine_binary,
                                 {"--socket", socket_, "--documents", std::to_string(o_.documents), "--tokens",
                                  std::to_string(o_.tokens), "--rounds", "3", "--tokens-per-second",
                                  std::to_string(o_.tokens_per_second)},
-                                dir_, "engine-child");
-    // Wait until it is registered and holding lookups, then kill it.
+                                dir_, std::string("engine-") + what);
     const auto deadline = steady::now() + std::chrono::seconds(60);
     bool busy = false;
     while (!busy && steady::now() < deadline && eng.running()) {
-      if (auto s = examples::server_status(socket_)) busy = !(*s)["clients"].empty() && (*s)["lookups"].get<int>() > 0;
+      if (auto s = examples::server_status(socket_)) busy = registered_clients(*s) > 0 && (*s)["lookups"].get<int>() > 0;
       if (!busy) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
     if (!busy) {
-      r.detail = "the engine process never held a lookup:\n" + eng.stderr_text();
-      return r;
+      r.detail += std::string("the engine process to be ") + what + " never held a lookup:\n" + eng.stderr_text();
+      return std::nullopt;
     }
     const auto when = steady::now();
-    eng.signal(SIGKILL);
-    eng.wait_exit(std::chrono::seconds(10));
-    const auto limit = when + std::chrono::duration_cast<steady::duration>(seconds_d(o_.reap_timeout_s + 2.0));
+    eng.signal(sig);
+    if (sig == SIGKILL) eng.wait_exit(std::chrono::seconds(10));
+    // The reaper acts 1.0-1.25x the timeout after the last frame; the margin is for a busy machine.
+    const auto limit = when + std::chrono::duration_cast<steady::duration>(seconds_d(1.5 * o_.reap_timeout_s + 3.0));
     bool clean = false;
     nlohmann::json last;
     while (!clean && steady::now() < limit) {
       if (auto s = examples::server_status(socket_)) {
         last = *s;
-        clean = (*s)["clients"].empty() && (*s)["lookups"].get<int>() == 0;
+        clean = registered_clients(*s) == 0 && (*s)["lookups"].get<int>() == 0;
       }
       if (!clean) std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    r.detect_s = seconds_d(steady::now() - when).count();
-    r.ok = clean && server_->running();
-    r.completed = r.expected = 0;
-    if (!clean) r.detail = "the server still holds the dead engine's state: " + last.dump();
-    return r;
+    const double took = seconds_d(steady::now() - when).count();
+    if (sig != SIGKILL) eng.signal(SIGKILL);
+    std::fprintf(stderr, "   engine %s: the server freed its state %s %.3f s later\n", what,
+                 clean ? "" : "NOT", took);
+    if (!clean) {
+      r.detail += std::string("the server still holds the ") + what + " engine's state: " + last.dump() + "; ";
+      return std::nullopt;
+    }
+    return took;
   }
 
   harness_options o_;
@@ -424,6 +451,7 @@ int main(int argc, char** argv) {
     if (app.count("--tokens-per-second") == 0) o.tokens_per_second = 10'000;
     o.kill_min_s = 1.0;
     o.baseline_repeats = 2;
+    if (app.count("--reap-timeout") == 0) o.reap_timeout_s = 2.0;
   }
   if (!phases.empty()) o.phases = std::set<int>(phases.begin(), phases.end());
   if (o.server.empty()) o.server = examples::find_program("kvtier-server", argv[0]);

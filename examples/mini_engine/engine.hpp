@@ -197,6 +197,7 @@ class engine {
   std::atomic<bool> cancelled_{false};
   std::size_t verify_rows_ = 0;      ///< retrieved rows that did not match recomputation (this run)
   std::size_t pending_errors_ = 0;   ///< load error blocks (this run)
+  std::set<std::uint32_t> load_errors_;  ///< every rank's load-error blocks not yet claimed by their request
 };
 
 }  // namespace mini_engine

@@ -104,13 +104,14 @@ inline void engine::start_retrieve(request& r) {
 
 // Every rank finished its retrieve: blocks that did not land are recomputed (into fresh
 // blocks when the connector quarantined them), the rest is verified against recomputation.
+// load_errors_ holds every rank's load-error blocks of all requests (taken once per step,
+// before any retrieve is finished): each request picks out its own.
 inline void engine::finish_retrieve(request& r) {
   std::size_t good = r.hit_tokens;
-  std::set<std::uint32_t> failed;
-  for (auto& rs : ranks_)
-    for (auto b : rs->conn->take_load_error_blocks()) failed.insert(b);
+  std::size_t failed = 0;
   for (std::size_t i = 0; i < r.blocks.size(); ++i)
-    if (failed.contains(r.blocks[i])) {
+    if (r.blocks[i] != no_block && load_errors_.erase(r.blocks[i]) != 0) {
+      ++failed;
       good = std::min(good, (i * cfg_.block_size) / cfg_.chunk_tokens * cfg_.chunk_tokens);
       bool q = false;
       for (auto& rs : ranks_) q = q || rs->conn->block_is_quarantined(r.blocks[i]);
@@ -123,7 +124,7 @@ inline void engine::finish_retrieve(request& r) {
   r.retrieved_tokens = good;
   r.computed = good;
   r.ph = phase::prefill;
-  pending_errors_ += failed.size();
+  pending_errors_ += failed;
   // Every retrieved row must equal what the model computes for it.
   for (auto& rs : ranks_) verify_rows_ += write_or_verify(rs->region, rs->shard_, r.hashes, r.blocks, 0, good, false);
 }
@@ -244,19 +245,27 @@ inline run_report engine::run(std::vector<request_spec> specs) {
         r->reported = true;
       }
     if (has_connector()) {
+      std::vector<request*> retrieved;
       for (auto& rs : ranks_) {
         auto f = rs->conn->get_finished(finished_now);
         for (const auto& id : f.recving) {
           if (!rs->recv_seen.insert(id).second) ++rep.duplicate_finished;
           if (auto it = by_id.find(id); it != by_id.end() && it->second->ph == phase::retrieving &&
                                         --it->second->retrieve_pending == 0)
-            finish_retrieve(*it->second);
+            retrieved.push_back(it->second);
         }
         for (const auto& id : f.sending) {
           if (!rs->send_seen.insert(id).second) ++rep.duplicate_finished;
           if (auto it = by_id.find(id); it != by_id.end() && it->second->send_pending > 0) --it->second->send_pending;
         }
       }
+      // A retrieve's load errors are published before it is reported finished, so after
+      // every rank's get_finished they are all there. They are the connectors' (vLLM's
+      // get_block_ids_with_load_errors), not per request: never take them per request, or
+      // one request would take another's and that one would trust blocks never written.
+      for (auto& rs : ranks_)
+        for (auto b : rs->conn->take_load_error_blocks()) load_errors_.insert(b);
+      for (request* r : retrieved) finish_retrieve(*r);
     }
     // Requests done everywhere free their blocks.
     for (auto it = running.begin(); it != running.end();) {

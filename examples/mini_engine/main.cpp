@@ -51,11 +51,15 @@ int main(int argc, char** argv) {
     for (std::size_t r = 0; r < rounds; ++r) {
       auto rep = eng.run(mini_engine::round_of(docs, "r" + std::to_string(r), output_tokens));
       ok = ok && rep.all_ok(documents);
+      double ttft_sum = 0;
+      for (const auto& q : rep.requests) ttft_sum += q.ttft_s;
+      const double ttft_mean = rep.requests.empty() ? 0 : ttft_sum / static_cast<double>(rep.requests.size());
       std::fprintf(stderr,
-                   "round %zu: %zu/%zu completed in %.2f s, %.0f tokens/s, %zu tokens from cache, wrong outputs %zu, "
-                   "corrupt rows %zu, duplicate finished %zu\n",
-                   r, rep.completed, documents, rep.duration_s, rep.throughput_tokens_per_s(), rep.tokens_from_cache,
-                   rep.wrong_outputs, rep.corrupt_rows, rep.duplicate_finished);
+                   "round %zu: %zu/%zu completed in %.2f s, %.0f tokens/s, mean TTFT %.3f s, %zu of %zu tokens from "
+                   "cache, wrong outputs %zu, corrupt rows %zu, duplicate finished %zu\n",
+                   r, rep.completed, documents, rep.duration_s, rep.throughput_tokens_per_s(), ttft_mean,
+                   rep.tokens_from_cache, rep.tokens_total, rep.wrong_outputs, rep.corrupt_rows,
+                   rep.duplicate_finished);
       report["rounds"].push_back(rep.to_json());
     }
     report["ok"] = ok;

@@ -866,6 +866,7 @@ TEST_CASE("operations started from several threads while the I/O thread runs sta
   constexpr std::size_t bytes = 64 * 1024;
   const objects first(0, 32, bytes);  // what the reader reads while the writer evicts
   REQUIRE(store(io, b, first).count(l2::key_outcome::ok) == 32);
+  io.restart();  // run_sync leaves the context stopped: run() would return at once
   std::thread io_thread([&] { io.run(); });
 
   // Blocks the calling thread until one operation started on the backend completes.

@@ -397,4 +397,69 @@ class server_process {
   pid_t pid_ = -1;
 };
 
+/// A store of `blocks` (with their current generations) under `hashes`.
+inline p::store_request store_req(const engine_region& r, std::vector<hash128> hashes, std::vector<std::uint32_t> blocks,
+                           std::uint16_t rank = 0, std::string key = "req-1") {
+  p::store_request s;
+  s.request_key = std::move(key);
+  s.rank = rank;
+  s.chunk_hashes = std::move(hashes);
+  s.block_generations = r.generations(blocks);
+  s.block_ids = std::move(blocks);
+  return s;
+}
+
+/// A retrieve of `hashes` into `blocks`.
+inline p::retrieve_request retrieve_req(std::vector<hash128> hashes, std::vector<std::uint32_t> blocks, std::uint32_t skip = 0,
+                                 std::uint16_t rank = 0, std::string key = "req-1") {
+  p::retrieve_request r;
+  r.request_key = std::move(key);
+  r.rank = rank;
+  r.chunk_hashes = std::move(hashes);
+  r.block_ids = std::move(blocks);
+  r.skip_tokens = skip;
+  return r;
+}
+
+/// lookup + query_prefetch until done (Catch2; fails after server_deadline).
+inline p::query_prefetch_response lookup_done(raw_client& c, std::uint64_t model_id, const std::vector<hash128>& hashes,
+                                       std::uint16_t ws = 1, const std::string& key = "req-1") {
+  c.ok(p::lookup_request{key, model_id, ws, hashes});
+  const auto deadline = std::chrono::steady_clock::now() + server_deadline;
+  for (;;) {
+    auto q = c.ok(p::query_prefetch_request{key});
+    if (q.state == p::prefetch_state::done) return q;
+    REQUIRE(q.state == p::prefetch_state::pending);
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+  }
+}
+
+
+/// Stores `chunks` chunks of prompt `seed` from blocks 0.. of `r` (filled with a pattern of
+/// `seed` first) and waits until the server's store pipeline is idle, i.e. the chunks went
+/// through to every L2 backend (Catch2). Returns the chunk hashes.
+inline std::vector<hash128> store_through(raw_client& c, const engine_region& r, std::uint32_t seed,
+                                          std::size_t chunks) {
+  const auto hashes = chunk_hashes(seed, chunks);
+  const auto blocks = block_range(0, chunks * blocks_per_chunk);
+  r.fill_blocks(blocks, seed);
+  const auto st = c.ok(store_req(r, hashes, blocks, 0, "store-" + std::to_string(seed)));
+  REQUIRE(st.stored == chunks);
+  wait_for_status(c, [](const nlohmann::json& s) {
+    return s["store"]["pending_keys"] == 0 && s["store"]["inflight_tasks"] == 0;
+  });
+  return hashes;
+}
+
+/// Retrieves `hashes` into blocks `first`.. of `r` and checks every token equals the one
+/// stored from blocks 0.. of `source` (Catch2).
+inline void retrieve_and_compare(raw_client& c, const engine_region& r, const std::vector<hash128>& hashes,
+                                 std::uint32_t first, const engine_region& source, const std::string& key) {
+  const auto blocks = block_range(first, hashes.size() * blocks_per_chunk);
+  for (auto b : blocks) r.zero_block(b, 0xEE);
+  REQUIRE(c.ok(retrieve_req(hashes, blocks, 0, 0, key)).retrieved_chunks == hashes.size());
+  for (std::uint32_t i = 0; i < blocks.size(); ++i)
+    for (std::uint32_t t = 0; t < test_block_size; ++t) REQUIRE(r.same_token(blocks[i], i, t, &source));
+}
+
 }  // namespace kvtier::test

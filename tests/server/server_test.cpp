@@ -49,40 +49,6 @@ struct running_server {
   [[nodiscard]] const std::string& path() const { return cfg.socket_path; }
 };
 
-p::store_request store_req(const engine_region& r, std::vector<hash128> hashes, std::vector<std::uint32_t> blocks,
-                           std::uint16_t rank = 0, std::string key = "req-1") {
-  p::store_request s;
-  s.request_key = std::move(key);
-  s.rank = rank;
-  s.chunk_hashes = std::move(hashes);
-  s.block_generations = r.generations(blocks);
-  s.block_ids = std::move(blocks);
-  return s;
-}
-
-p::retrieve_request retrieve_req(std::vector<hash128> hashes, std::vector<std::uint32_t> blocks, std::uint32_t skip = 0,
-                                 std::uint16_t rank = 0, std::string key = "req-1") {
-  p::retrieve_request r;
-  r.request_key = std::move(key);
-  r.rank = rank;
-  r.chunk_hashes = std::move(hashes);
-  r.block_ids = std::move(blocks);
-  r.skip_tokens = skip;
-  return r;
-}
-
-p::query_prefetch_response lookup_done(raw_client& c, std::uint64_t model_id, const std::vector<hash128>& hashes,
-                                       std::uint16_t ws = 1, const std::string& key = "req-1") {
-  c.ok(p::lookup_request{key, model_id, ws, hashes});
-  const auto deadline = std::chrono::steady_clock::now() + server_deadline;
-  for (;;) {
-    auto q = c.ok(p::query_prefetch_request{key});
-    if (q.state == p::prefetch_state::done) return q;
-    REQUIRE(q.state == p::prefetch_state::pending);
-    REQUIRE(std::chrono::steady_clock::now() < deadline);
-  }
-}
-
 // Reads until the server closes the connection (checking it ended with EOF, or a reset when
 // it closed with our bytes unread); returns what came before.
 std::vector<p::message> closed(raw_client& c) {

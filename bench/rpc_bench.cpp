@@ -1,0 +1,200 @@
+// kvtier_bench_rpc: the round trip of a lookup over the server's Unix socket, next to a raw
+// Unix-socket ping-pong between two processes moving the same bytes, measured in the same
+// run, interleaved.
+//
+//   lookup  a protocol client (the blocking client of bench/common/protocol_client.hpp)
+//           sends lookup_request for a 10k-token prompt (39 chunk hashes, all in L1, so the
+//           server also read-locks them and releases the previous lookup of the same request
+//           key) to a kvtier-server process and waits for the reply;
+//   raw     a forked child echoes over a socketpair: the parent writes as many bytes as the
+//           encoded lookup frame and reads as many as the encoded reply, with blocking
+//           write/read (the floor: two context switches and two copies per direction).
+//
+//   kvtier_bench_rpc [--server PATH] [--repeats N] [--calls N] [--quick]
+//
+// Ends with RESULT lookup_rtt_us, raw_rtt_us, query_rtt_us (query_prefetch, the engine's
+// poll) and lookup_rtt_vs_raw = median over repeats of (median lookup RTT / median raw
+// RTT). Target: at most 2.
+#include "../examples/common/process.hpp"
+
+#include <kvtier/core/token_hasher.hpp>
+#include <kvtier/engine/kv_region.hpp>
+#include <kvtier/protocol/codec.hpp>
+
+#include <common/protocol_client.hpp>
+#include <common/results.hpp>
+
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <numeric>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace kvtier;
+namespace p = protocol;
+using clock_type = std::chrono::steady_clock;
+
+constexpr std::uint32_t chunk_tokens = 256;
+constexpr std::uint32_t block_size = 16;
+constexpr std::size_t chunks = 39;  // 9984 of 10k tokens
+constexpr std::uint32_t bpc = chunk_tokens / block_size;
+
+bool write_all(int fd, const std::byte* data, std::size_t n) {
+  while (n > 0) {
+    const ssize_t w = ::write(fd, data, n);
+    if (w <= 0) return false;
+    data += w;
+    n -= static_cast<std::size_t>(w);
+  }
+  return true;
+}
+
+bool read_all(int fd, std::byte* data, std::size_t n) {
+  while (n > 0) {
+    const ssize_t r = ::read(fd, data, n);
+    if (r <= 0) return false;
+    data += r;
+    n -= static_cast<std::size_t>(r);
+  }
+  return true;
+}
+
+// The echo process: reads `in` bytes, answers `out` bytes, until EOF.
+[[noreturn]] void echo_child(int fd, std::size_t in, std::size_t out) {
+  std::vector<std::byte> buf(std::max(in, out));
+  while (read_all(fd, buf.data(), in))
+    if (!write_all(fd, buf.data(), out)) break;
+  ::_exit(0);
+}
+
+double us_since(clock_type::time_point t0) {
+  return std::chrono::duration<double, std::micro>(clock_type::now() - t0).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string server_path;
+  int repeats = 15;
+  int calls = 400;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
+      return argv[++i];
+    };
+    if (a == "--server") server_path = value();
+    else if (a == "--repeats") repeats = std::stoi(value());
+    else if (a == "--calls") calls = std::stoi(value());
+    else if (a == "--quick") repeats = 5, calls = 200;
+    else {
+      std::fprintf(stderr, "usage: kvtier_bench_rpc [--server PATH] [--repeats N] [--calls N] [--quick]\n");
+      return 2;
+    }
+  }
+  if (server_path.empty()) server_path = examples::find_program("kvtier-server", argv[0]);
+  if (server_path.empty()) {
+    std::fprintf(stderr, "kvtier_bench_rpc: kvtier-server not found: pass --server PATH\n");
+    return 2;
+  }
+
+  // The frames the lookup exchanges, to give the raw ping-pong the same sizes.
+  std::mt19937_64 rng(7);
+  std::vector<token_id> tokens(chunks * chunk_tokens);
+  for (auto& t : tokens) t = static_cast<token_id>(rng());
+  const auto hashes = token_hasher(chunk_tokens).chunk_hashes(tokens);
+  const std::string key = "rpc-bench";
+  const std::size_t request_bytes = p::encode_frame(1, p::lookup_request{key, 1, 1, hashes}).value().size();
+  const std::size_t reply_bytes = p::encode_frame(1, p::lookup_response{}).value().size();
+
+  // Fork the echo child first, before any thread exists.
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) != 0) {
+    std::perror("socketpair");
+    return 1;
+  }
+  const pid_t echo = ::fork();
+  if (echo == 0) {
+    ::close(sv[0]);
+    echo_child(sv[1], request_bytes, reply_bytes);
+  }
+  ::close(sv[1]);
+
+  const auto dir = std::filesystem::temp_directory_path() / ("kvtier-bench-rpc-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string socket = (dir / "kvtier.sock").string();
+  int rc = 0;
+  {
+    examples::child_process server(server_path, {"--socket", socket, "--l1-size-mb", "512", "--log-level", "warn"},
+                                   dir, "server");
+    if (!examples::wait_listening(server, socket, std::chrono::seconds(30))) {
+      std::fprintf(stderr, "kvtier_bench_rpc: kvtier-server did not start:\n%s\n", server.stderr_text().c_str());
+      return 1;
+    }
+    // Register a region (0.5B shape) and store the prompt's chunks, so every lookup hits L1.
+    const model_shape shape{.num_layers = 24, .num_kv_heads = 2, .head_dim = 64, .dtype_bytes = 2};
+    const std::uint32_t num_blocks = chunks * bpc + 16;
+    auto region = engine::kv_region::create(paged_kv_layout{shape, block_size, num_blocks}).value();
+    bench::protocol_client c(socket);
+    const auto reg = c.call(p::register_kv_request{static_cast<std::uint64_t>(::getpid()), 0, 1, "bench/rpc", shape,
+                                                   block_size, num_blocks, chunk_tokens, region.bytes()},
+                            region.fd());
+    std::vector<std::uint32_t> blocks(chunks * bpc);
+    std::iota(blocks.begin(), blocks.end(), 0u);
+    p::store_request st{"rpc-fill", 0, 0, hashes, blocks, {}};
+    for (auto b : blocks) st.block_generations.push_back(region.generation(b));
+    if (c.call(st).stored != chunks) throw std::runtime_error("the store did not take every chunk");
+    const p::lookup_request lookup{key, reg.model_id, 1, hashes};
+    c.call(lookup);
+    const auto q = c.call(p::query_prefetch_request{key});
+    if (q.state != p::prefetch_state::done || q.hit_chunks != chunks)
+      throw std::runtime_error("the warm-up lookup did not hit every chunk");
+
+    std::vector<std::byte> req(request_bytes, std::byte{1}), rep(reply_bytes);
+    std::vector<double> lookup_med, raw_med, query_med;
+    for (int r = -1; r < repeats; ++r) {  // r = -1: warm-up, not counted
+      std::vector<double> l, w, qq;
+      for (int i = 0; i < calls; ++i) {
+        auto t0 = clock_type::now();
+        c.call(lookup);
+        l.push_back(us_since(t0));
+        t0 = clock_type::now();
+        if (!write_all(sv[0], req.data(), req.size()) || !read_all(sv[0], rep.data(), rep.size()))
+          throw std::runtime_error("the echo process went away");
+        w.push_back(us_since(t0));
+        t0 = clock_type::now();
+        c.call(p::query_prefetch_request{key});
+        qq.push_back(us_since(t0));
+      }
+      if (r < 0) continue;
+      lookup_med.push_back(bench::median(l));
+      raw_med.push_back(bench::median(w));
+      query_med.push_back(bench::median(qq));
+    }
+    c.call(p::end_request_request{key});
+    std::printf("frames: lookup %zu bytes, reply %zu bytes; %d repeats of %d calls each, interleaved\n",
+                request_bytes, reply_bytes, repeats, calls);
+    bench::print_result("lookup_rtt_us", bench::median(lookup_med));
+    bench::print_result("query_rtt_us", bench::median(query_med));
+    bench::print_result("raw_rtt_us", bench::median(raw_med));
+    bench::print_result("lookup_rtt_vs_raw", bench::median_ratio(lookup_med, raw_med));
+    if (!server.stop(SIGTERM, std::chrono::seconds(10))) rc = 1;
+  }
+  ::close(sv[0]);
+  ::waitpid(echo, nullptr, 0);
+  std::error_code ec;
+  std::filesystem::remove_all(dir, ec);
+  return rc;
+}
