@@ -23,6 +23,10 @@
 // (tests/l2_telemetry_gate.sh checks it). Exact with --repeat-count 1 (a document queried
 // twice may be served the second time by the first one's prefetch).
 //
+// Retrieved KV is checked against recomputation on every --verify-every'th token (default 16,
+// one per block): checking costs the mini engine as much as computing, so checking every
+// token would charge the query round what the cache saves.
+//
 // Exit status: 0 when every request completed with correct output (and, in L2 mode, the
 // query round got every warm chunk from the cache), 1 otherwise, 2 on bad arguments or a
 // server that cannot run the workload.
@@ -184,6 +188,7 @@ int main(int argc, char** argv) {
   double tokens_per_second = 50'000;
   std::uint32_t num_blocks = 0;
   std::uint64_t seed = 42;
+  std::uint32_t verify_every = 16;
   bool l2_mode = false;
   double drain_timeout_s = 120;
   app.add_option("--socket", socket, "The kvtier-server socket")->capture_default_str();
@@ -208,6 +213,10 @@ int main(int argc, char** argv) {
   app.add_option("--chunk-size", chunk_size, "Tokens per chunk (default: the server's)");
   app.add_option("--tokens-per-second", tokens_per_second, "Prefill compute cost (0: free)")->capture_default_str();
   app.add_option("--num-blocks", num_blocks, "KV blocks per rank (default: enough for --max-inflight requests)");
+  app.add_option("--verify-every", verify_every,
+                 "Check every n-th retrieved token against recomputation (1: all; checking costs as much as computing)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
   app.add_option("--seed", seed, "Document and order seed")->capture_default_str();
   app.add_option("--trials", trials, "Warmup + query pairs on fresh documents (RESULT: the median ratio)")
       ->capture_default_str()
@@ -242,6 +251,7 @@ int main(int argc, char** argv) {
   cfg.tokens_per_second = tokens_per_second;
   cfg.max_running = max_inflight;
   cfg.max_in_flight = max_inflight;
+  cfg.verify_every = verify_every;
   cfg.socket_path = socket;
   cfg.model_name = "long-doc-qa/" + model;
 
@@ -310,7 +320,8 @@ int main(int argc, char** argv) {
                         {"head_dim", cfg.shape.head_dim}, {"token_bytes", cfg.shape.token_bytes()},
                         {"world_size", world_size},     {"chunk_tokens", cfg.chunk_tokens},
                         {"tokens_per_second", tokens_per_second}, {"l2_mode", l2_mode},
-                        {"trials", trials},             {"seed", seed}};
+                        {"trials", trials},             {"seed", seed},
+                        {"verify_every", verify_every}};
     report["trials"] = json::array();
     std::vector<double> ratios;
     bool ok = true;

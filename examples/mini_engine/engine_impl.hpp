@@ -125,7 +125,8 @@ inline void engine::finish_retrieve(request& r) {
   r.ph = phase::prefill;
   pending_errors_ += failed.size();
   // Every retrieved row must equal what the model computes for it.
-  for (auto& rs : ranks_) verify_rows_ += write_or_verify(rs->region, rs->shard_, r.hashes, r.blocks, 0, good, false);
+  for (auto& rs : ranks_)
+    verify_rows_ += write_or_verify(rs->region, rs->shard_, r.hashes, r.blocks, 0, good, false, cfg_.verify_every);
 }
 
 inline void engine::prefill_step(std::vector<request*>& running, run_report& rep) {
