@@ -153,7 +153,9 @@ const std::vector<shape_preset>& presets() {
   static const std::vector<shape_preset> p = {
       {"tiny", {4, 2, 64, 2, kvtier::attention_kind::mha}, "4 layers, 2 KV heads, head dim 64 (0.5 MiB)"},
       {"0.5b", {24, 2, 64, 2, kvtier::attention_kind::mha}, "Qwen2.5-0.5B: 24 layers, 2 KV heads, head dim 64 (3 MiB)"},
-      {"8b", {32, 8, 128, 2, kvtier::attention_kind::mha}, "Llama-3.1-8B: 32 layers, 8 KV heads, head dim 128 (32 MiB)"},
+      {"8b",
+       {32, 8, 128, 2, kvtier::attention_kind::mha},
+       "Llama-3.1-8B: 32 layers, 8 KV heads, head dim 128 (32 MiB)"},
   };
   return p;
 }
@@ -201,7 +203,9 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   app.add_option("--hit-miss-ratio", hit_miss, "H:M: after every H warm documents, M new ones (default: hits only)");
-  app.add_option("--max-inflight", max_inflight, "Requests in flight at once")->capture_default_str()->check(CLI::Range(1, 4096));
+  app.add_option("--max-inflight", max_inflight, "Requests in flight at once")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 4096));
   app.add_option("--output-tokens", output_tokens, "Output tokens per request")->capture_default_str();
   app.add_option("--model", model, "KV shape: tiny, 0.5b or 8b (--layers/--kv-heads/--head-dim override)")
       ->capture_default_str()
@@ -209,7 +213,9 @@ int main(int argc, char** argv) {
   app.add_option("--layers", layers, "Model layers (overrides --model)");
   app.add_option("--kv-heads", kv_heads, "KV heads, all ranks (overrides --model)");
   app.add_option("--head-dim", head_dim, "Head dimension (overrides --model)");
-  app.add_option("--world-size", world_size, "Tensor-parallel ranks (1 or 2)")->capture_default_str()->check(CLI::Range(1, 2));
+  app.add_option("--world-size", world_size, "Tensor-parallel ranks (1 or 2)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 2));
   app.add_option("--chunk-size", chunk_size, "Tokens per chunk (default: the server's)");
   app.add_option("--tokens-per-second", tokens_per_second, "Prefill compute cost (0: free)")->capture_default_str();
   app.add_option("--num-blocks", num_blocks, "KV blocks per rank (default: enough for --max-inflight requests)");
@@ -222,7 +228,8 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
   app.add_flag("--l2-mode", l2_mode, "Query round served from L2 only (server: noop eviction, skip_l1 store)");
-  app.add_option("--drain-timeout", drain_timeout_s, "Seconds to wait for the server's stores to land")->capture_default_str();
+  app.add_option("--drain-timeout", drain_timeout_s, "Seconds to wait for the server's stores to land")
+      ->capture_default_str();
   app.add_option("--json", json_path, "Write the JSON report here (\"-\": stdout)");
   CLI11_PARSE(app, argc, argv);
 
@@ -292,8 +299,7 @@ int main(int argc, char** argv) {
     }
   }
   const std::size_t per_request_blocks = (tokens + output_tokens + cfg.block_size - 1) / cfg.block_size;
-  cfg.num_blocks = num_blocks ? num_blocks
-                              : static_cast<std::uint32_t>(per_request_blocks * (max_inflight + 1) + 16);
+  cfg.num_blocks = num_blocks ? num_blocks : static_cast<std::uint32_t>(per_request_blocks * (max_inflight + 1) + 16);
   const std::size_t full_chunks = tokens / cfg.chunk_tokens;
   const auto drain_timeout = std::chrono::seconds(static_cast<std::int64_t>(std::ceil(drain_timeout_s)));
 
@@ -312,15 +318,24 @@ int main(int argc, char** argv) {
                  cfg.shape.token_bytes(), l2_mode ? "L2 mode (query round from L2 only)" : "L1 + L2");
 
     json report;
-    report["config"] = {{"documents", documents},       {"tokens", tokens},
-                        {"mode", mode},                 {"repeat_count", repeat_count},
-                        {"hit_miss_ratio", hit_miss},   {"max_inflight", max_inflight},
-                        {"output_tokens", output_tokens}, {"model", model},
-                        {"layers", cfg.shape.num_layers}, {"kv_heads", cfg.shape.num_kv_heads},
-                        {"head_dim", cfg.shape.head_dim}, {"token_bytes", cfg.shape.token_bytes()},
-                        {"world_size", world_size},     {"chunk_tokens", cfg.chunk_tokens},
-                        {"tokens_per_second", tokens_per_second}, {"l2_mode", l2_mode},
-                        {"trials", trials},             {"seed", seed},
+    report["config"] = {{"documents", documents},
+                        {"tokens", tokens},
+                        {"mode", mode},
+                        {"repeat_count", repeat_count},
+                        {"hit_miss_ratio", hit_miss},
+                        {"max_inflight", max_inflight},
+                        {"output_tokens", output_tokens},
+                        {"model", model},
+                        {"layers", cfg.shape.num_layers},
+                        {"kv_heads", cfg.shape.num_kv_heads},
+                        {"head_dim", cfg.shape.head_dim},
+                        {"token_bytes", cfg.shape.token_bytes()},
+                        {"world_size", world_size},
+                        {"chunk_tokens", cfg.chunk_tokens},
+                        {"tokens_per_second", tokens_per_second},
+                        {"l2_mode", l2_mode},
+                        {"trials", trials},
+                        {"seed", seed},
                         {"verify_every", verify_every}};
     report["trials"] = json::array();
     std::vector<double> ratios;
@@ -332,9 +347,8 @@ int main(int argc, char** argv) {
     for (std::size_t t = 0; t < trials; ++t) {
       const std::uint64_t trial_seed = seed + 1'000'003ULL * t;
       // Warm documents first, then the misses: distinct first tokens across both (and trials).
-      const std::size_t misses = misses_per_group ? (repeat_count * documents + hits_per_group - 1) / hits_per_group *
-                                                        misses_per_group
-                                                  : 0;
+      const std::size_t misses =
+          misses_per_group ? (repeat_count * documents + hits_per_group - 1) / hits_per_group * misses_per_group : 0;
       auto all_docs = mini_engine::make_documents(documents + misses, tokens, trial_seed);
       for (auto& d : all_docs) d[0] += static_cast<kvtier::token_id>(t * 100'000);  // distinct across trials
       const std::vector<std::vector<kvtier::token_id>> warm(all_docs.begin(),
@@ -347,9 +361,8 @@ int main(int argc, char** argv) {
       stored_chunks += documents * full_chunks;
       // The stores land in L1 then L2 in the background: wait for them (L2 mode: and for L1
       // to have dropped every chunk, so that the query round can only hit L2).
-      const auto drained = wait_status(socket, drain_timeout, [&](const json& s) {
-        return store_idle(s) && (!l2_mode || s["l1"]["objects"] == 0);
-      });
+      const auto drained = wait_status(
+          socket, drain_timeout, [&](const json& s) { return store_idle(s) && (!l2_mode || s["l1"]["objects"] == 0); });
       if (!drained) {
         std::fprintf(stderr, "kvtier_long_doc_qa: the server's stores did not drain within %.0f s (--drain-timeout)\n",
                      drain_timeout_s);
@@ -419,8 +432,10 @@ int main(int argc, char** argv) {
       ok = false;
     }
     report["ok"] = ok;
-    if (json_path == "-") std::cout << report.dump(2) << "\n";
-    else if (!json_path.empty()) std::ofstream(json_path) << report.dump(2) << "\n";
+    if (json_path == "-")
+      std::cout << report.dump(2) << "\n";
+    else if (!json_path.empty())
+      std::ofstream(json_path) << report.dump(2) << "\n";
     std::printf("RESULT query_ttft_vs_warmup=%.6f\n", result);
     return ok ? 0 : 1;
   } catch (const std::exception& e) {

@@ -97,8 +97,8 @@ struct server_config {
   /// "metrics_port": the HTTP port of /metrics, /healthz and /status (0 = off; the JSON
   /// string "auto" = any free port, which the startup line names: metrics_any_port).
   std::uint16_t metrics_port = 0;
-  bool metrics_any_port = false;                ///< "metrics_port": "auto"
-  std::string metrics_address = "127.0.0.1";    ///< "metrics_address": loopback unless told otherwise
+  bool metrics_any_port = false;              ///< "metrics_port": "auto"
+  std::string metrics_address = "127.0.0.1";  ///< "metrics_address": loopback unless told otherwise
 
   /// Whether the HTTP endpoint is on.
   [[nodiscard]] bool metrics_enabled() const noexcept { return metrics_port != 0 || metrics_any_port; }
@@ -194,7 +194,8 @@ inline void server_config::merge_json(const nlohmann::json& j) {
   if (const nlohmann::json* v = r.raw("metrics_port"); v && v->is_string() && v->get<std::string>() == "auto") {
     metrics_port = 0;
     metrics_any_port = true;
-  } else if (auto p = r.integer("metrics_port", 0, 65535, "or \"auto\" (any free port); 0 turns the HTTP endpoint off")) {
+  } else if (auto p =
+                 r.integer("metrics_port", 0, 65535, "or \"auto\" (any free port); 0 turns the HTTP endpoint off")) {
     metrics_port = static_cast<std::uint16_t>(*p);
     metrics_any_port = false;
   }
@@ -267,8 +268,10 @@ inline nlohmann::json server_config::to_json() const {
   j["client_reap_timeout"] = client_reap_timeout_s;
   j["max_lookups_per_client"] = max_lookups_per_client;
   j["shutdown_timeout"] = shutdown_timeout_s;
-  if (metrics_any_port) j["metrics_port"] = "auto";
-  else j["metrics_port"] = metrics_port;
+  if (metrics_any_port)
+    j["metrics_port"] = "auto";
+  else
+    j["metrics_port"] = metrics_port;
   j["metrics_address"] = metrics_address;
   return j;
 }

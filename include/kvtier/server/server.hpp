@@ -128,13 +128,10 @@ class server final : private session_host {
                            [this] { return static_cast<double>(connections_.load(std::memory_order_relaxed)); });
     registry_.add_callback("kvtier_server_registrations", "Registered KV regions (engine workers)", metric_type::gauge,
                            {}, [this] { return static_cast<double>(clients_.size()); });
-    registry_.add_callback("kvtier_server_uptime_seconds", "Seconds since the server started", metric_type::gauge, {},
-                           [this] {
-                             return std::chrono::duration<double>(std::chrono::steady_clock::now() - started_at_)
-                                 .count();
-                           });
-    registry_.add_callback("kvtier_server_info", "Always 1; the labels describe the server",
-                           metric_type::gauge,
+    registry_.add_callback(
+        "kvtier_server_uptime_seconds", "Seconds since the server started", metric_type::gauge, {},
+        [this] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - started_at_).count(); });
+    registry_.add_callback("kvtier_server_info", "Always 1; the labels describe the server", metric_type::gauge,
                            {{"version", std::string(version_string)},
                             {"boot_token", fmt::format("{:016x}", boot_token_)},
                             {"eviction_policy", std::string(cache_->eviction_policy())},
