@@ -57,6 +57,14 @@ struct engine_config {
   double tokens_per_second = 50'000;  ///< prefill compute cost
   std::uint32_t max_batch_tokens = 16384;
   std::uint32_t max_running = 4;
+  /// Requests arrived (looked up, queued or running) at once; 0: no cap. A request past
+  /// the cap has not arrived yet: its TTFT clock starts when it gets in (a client that
+  /// keeps this many requests in flight, as LMCache's long-document QA benchmark does).
+  std::uint32_t max_in_flight = 0;
+  /// Retrieved KV checked against recomputation: every token (1), or every n-th token of
+  /// each retrieve and its last (a sample that still catches a wrong block or chunk, at 1/n
+  /// of the cost: checking costs as much as computing, which would hide what the cache saves).
+  std::uint32_t verify_every = 1;
   std::string socket_path;            ///< empty: no connector at all
   std::string model_name = "mini-engine";
   kvtier::engine::connector_timeouts timeouts{};

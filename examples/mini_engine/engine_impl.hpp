@@ -126,13 +126,15 @@ inline void engine::finish_retrieve(request& r) {
   r.ph = phase::prefill;
   pending_errors_ += failed;
   // Every retrieved row must equal what the model computes for it.
-  for (auto& rs : ranks_) verify_rows_ += write_or_verify(rs->region, rs->shard_, r.hashes, r.blocks, 0, good, false);
+  for (auto& rs : ranks_)
+    verify_rows_ += write_or_verify(rs->region, rs->shard_, r.hashes, r.blocks, 0, good, false, cfg_.verify_every);
 }
 
 inline void engine::prefill_step(std::vector<request*>& running, run_report& rep) {
   std::size_t budget = cfg_.max_batch_tokens;
   const auto step_start = clock::now();
   std::size_t done_tokens = 0;
+  std::vector<request*> prefilled;
   for (request* r : running) {
     if (r->ph != phase::prefill || budget == 0) continue;
     const std::size_t prompt = r->spec.tokens.size();
@@ -142,13 +144,15 @@ inline void engine::prefill_step(std::vector<request*>& running, run_report& rep
     r->computed += n;
     budget -= n;
     done_tokens += n;
-    if (r->computed == prompt) complete(*r, rep);
+    if (r->computed == prompt) prefilled.push_back(r);
   }
-  // The compute cost: a step lasts at least its tokens at tokens_per_second.
+  // The compute cost: a step lasts at least its tokens at tokens_per_second. The first token
+  // comes out at the end of the step that finished the prompt, so TTFT includes it.
   if (done_tokens > 0 && cfg_.tokens_per_second > 0) {
     const auto cost = std::chrono::duration<double>(static_cast<double>(done_tokens) / cfg_.tokens_per_second);
     std::this_thread::sleep_until(step_start + std::chrono::duration_cast<clock::duration>(cost));
   }
+  for (request* r : prefilled) complete(*r, rep);
 }
 
 // Prefill done: first token (checked), store the new full chunks, report finished.
@@ -205,8 +209,9 @@ inline run_report engine::run(std::vector<request_spec> specs) {
   while (finished < reqs.size() && !cancelled_.load()) {
     const auto now = clock::now();
     // Arrivals.
-    while (next < reqs.size() && now >= t0 + std::chrono::duration_cast<clock::duration>(
-                                                  std::chrono::duration<double>(reqs[next]->spec.arrival_s))) {
+    while (next < reqs.size() && (cfg_.max_in_flight == 0 || running.size() < cfg_.max_in_flight) &&
+           now >= t0 + std::chrono::duration_cast<clock::duration>(
+                           std::chrono::duration<double>(reqs[next]->spec.arrival_s))) {
       request& r = *reqs[next++];
       r.arrival = now;
       if (has_connector()) {

@@ -67,15 +67,17 @@ inline void fill_row(std::span<std::byte> row, std::uint64_t prefix_hash, std::u
 
 /// Writes (compute == true) or checks (compute == false) the KV of tokens [first, last) of a
 /// sequence into its blocks of the region. `blocks[i]` holds tokens [i*block_size, ...).
-/// Returns the number of mismatching rows (0 when writing).
+/// Returns the number of mismatching rows (0 when writing). When checking, `stride` > 1 checks
+/// every stride-th token and the last one only (a sample: a wrong block or chunk still shows).
 inline std::size_t write_or_verify(const kvtier::engine::kv_region& region, const shard& s,
                                    std::span<const std::uint64_t> hashes, std::span<const std::uint32_t> blocks,
-                                   std::size_t first, std::size_t last, bool compute) {
+                                   std::size_t first, std::size_t last, bool compute, std::size_t stride = 1) {
   const auto& layout = region.layout();
   const std::size_t row_bytes = std::size_t{s.shape.head_dim} * s.shape.dtype_bytes;
   std::vector<std::byte> expected(row_bytes);
   std::size_t bad = 0;
   for (std::size_t t = first; t < last; ++t) {
+    if (!compute && stride > 1 && (t - first) % stride != 0 && t + 1 != last) continue;
     const std::uint32_t block = blocks[t / layout.block_size];
     const auto in_block = static_cast<std::uint32_t>(t % layout.block_size);
     for (std::uint32_t l = 0; l < s.shape.num_layers; ++l)

@@ -134,7 +134,12 @@ int main(int argc, char** argv) {
        {}},
       {"--max-lookups-per-client", "max_lookups_per_client", kind::number, "open lookups one connection may hold", {}},
       {"--shutdown-timeout", "shutdown_timeout", kind::number, "seconds to wait for in-flight L2 work at exit", {}},
-      {"--metrics-port", "metrics_port", kind::number, "HTTP /metrics port (reserved; 0 = off)", {}},
+      {"--metrics-port",
+       "metrics_port",
+       kind::number,
+       "HTTP port of /metrics, /healthz and /status (0 = off, auto = any free port, named in the startup line)",
+       {}},
+      {"--metrics-address", "metrics_address", kind::text, "address the HTTP endpoint binds (loopback by default)", {}},
   };
 
   CLI::App app{"kvtier-server: the kvtier cache server (docs/server.md)", "kvtier-server"};

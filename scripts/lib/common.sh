@@ -8,7 +8,7 @@ KVTIER_BUILD_PACKAGES=(
   libcli11-dev libhiredis-dev libbenchmark-dev catch2
 )
 # Servers and tools the test suite drives.
-KVTIER_TEST_PACKAGES=(prometheus redis-server redis-tools fio curl procps util-linux)
+KVTIER_TEST_PACKAGES=(prometheus redis-server redis-tools fio curl jq procps util-linux)
 
 # kvtier_ensure_packages PKG...: installs, non-interactively, those not installed yet.
 # Nothing is installed (and apt is not touched) when everything is present.

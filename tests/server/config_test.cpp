@@ -75,6 +75,26 @@ TEST_CASE("a configuration survives to_json and parse unchanged", "[server][conf
   CHECK(server_config::parse(json{{"l1_size_mb", 1.5}, {"l1_slot_bytes", 4096}}).l1_size_bytes == 3 << 19);
 }
 
+TEST_CASE("metrics_port takes a port, 0 (off) or \"auto\" (any free port), and metrics_address an IP address",
+          "[server][config]") {
+  const server_config off = server_config::parse(json::object());
+  CHECK_FALSE(off.metrics_enabled());
+  CHECK(off.metrics_address == "127.0.0.1");
+  const server_config fixed = server_config::parse(json{{"metrics_port", 9464}, {"metrics_address", "0.0.0.0"}});
+  CHECK(fixed.metrics_enabled());
+  CHECK(fixed.metrics_port == 9464);
+  CHECK(server_config::parse(fixed.to_json()) == fixed);
+  const server_config any = server_config::parse(json{{"metrics_port", "auto"}});
+  CHECK(any.metrics_enabled());
+  CHECK(any.metrics_any_port);
+  CHECK(any.to_json()["metrics_port"] == "auto");
+  CHECK(server_config::parse(any.to_json()) == any);
+  CHECK_THROWS_WITH(server_config::parse(json{{"metrics_port", "any"}}),
+                    Catch::Contains("metrics_port (\"any\"): must be an integer in 0..65535"));
+  CHECK_THROWS_WITH(server_config::parse(json{{"metrics_port", 9464}, {"metrics_address", "localhost"}}),
+                    Catch::Contains("metrics_address (\"localhost\"): must be an IPv4 or IPv6 address"));
+}
+
 TEST_CASE("a bad configuration is refused naming the key, the value and what to change", "[server][config]") {
   CHECK(refusal({{"chunk_sise", 256}}).starts_with("unknown key chunk_sise (256): remove it or check its spelling"));
   CHECK(refusal({{"chunk_size", 0}}) ==

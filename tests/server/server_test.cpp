@@ -8,11 +8,18 @@
 
 #include "server/server_fixtures.hpp"
 
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/write.hpp>
+
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 
 #include <atomic>
 #include <functional>
+#include <optional>
 #include <random>
+#include <sstream>
 #include <thread>
 
 using namespace kvtier;
@@ -617,6 +624,111 @@ TEST_CASE("an L2 backend serves chunks L1 dropped, through the prefetch", "[serv
   for (std::size_t i = 0; i < dst.size(); ++i) CHECK(r.same_token(dst[i], src[i], 3));
   c.ok(p::end_request_request{"req-1"});
   CHECK(c.status()["backends"][0]["name"] == "mem");
+}
+
+namespace {
+
+struct http_answer {
+  int status = 0;
+  std::string body;
+};
+
+// One GET over a fresh connection (Connection: close), every read bounded by SO_RCVTIMEO.
+http_answer http_get(std::uint16_t port, const std::string& path) {
+  asio::io_context io;
+  asio::ip::tcp::socket sock(io);
+  sock.connect(asio::ip::tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+  const timeval tv{static_cast<time_t>(std::chrono::duration_cast<std::chrono::seconds>(server_deadline).count()), 0};
+  ::setsockopt(sock.native_handle(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  const std::string req = "GET " + path + " HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+  asio::write(sock, asio::buffer(req));
+  std::string out;
+  error_code ec;
+  char buf[4096];
+  for (;;) {
+    const std::size_t n = sock.read_some(asio::buffer(buf), ec);
+    out.append(buf, n);
+    if (ec) break;
+  }
+  http_answer a;
+  REQUIRE(out.starts_with("HTTP/1.1 "));
+  a.status = std::stoi(out.substr(9, 3));
+  const auto head_end = out.find("\r\n\r\n");
+  REQUIRE(head_end != std::string::npos);
+  a.body = out.substr(head_end + 4);
+  return a;
+}
+
+// The value of the sample `series` (name with its labels, as exposed) in a Prometheus text.
+std::optional<double> sample(const std::string& text, const std::string& series) {
+  std::istringstream in(text);
+  for (std::string line; std::getline(in, line);)
+    if (line.starts_with(series + " ")) return std::stod(line.substr(series.size() + 1));
+  return std::nullopt;
+}
+
+}  // namespace
+
+TEST_CASE("the HTTP endpoint serves /metrics at zero from start-up, /healthz with the boot token, and /status",
+          "[server][http]") {
+  running_server s([](server::server_config& c) {
+    c.metrics_any_port = true;
+    c.l2_backends = {json{{"type", "memory"}, {"name", "mem"}, {"capacity_mb", 16}}};
+  });
+  const std::uint16_t port = s.srv->metrics_port();
+  REQUIRE(port != 0);
+  CHECK(s.srv->metrics_url() == fmt::format("http://127.0.0.1:{}", port));
+  CHECK_THAT(s.srv->startup_line(), Catch::Contains(fmt::format("metrics http://127.0.0.1:{}/metrics", port)));
+
+  // Before any traffic: every series the gate and the dashboard read is there, at zero.
+  const http_answer first = http_get(port, "/metrics");
+  CHECK(first.status == 200);
+  for (const char* series :
+       {"kvtier_l1_write_keys_total", "kvtier_l2_store_keys_total{backend=\"mem\"}",
+        "kvtier_l2_store_succeeded_keys_total{backend=\"mem\"}", "kvtier_l2_prefetch_lookups_total",
+        "kvtier_l2_prefetch_hit_keys_total", "kvtier_l2_prefetch_loaded_keys_total",
+        "kvtier_lookup_requested_tokens_total", "kvtier_lookup_hit_tokens_total{tier=\"l1\"}",
+        "kvtier_lookup_hit_tokens_total{tier=\"l2\"}", "kvtier_l1_bytes_used", "kvtier_l2_bytes_used{backend=\"mem\"}",
+        "kvtier_prefetch_requests_active", "kvtier_prefetch_inflight_load_bytes", "kvtier_store_inflight_bytes",
+        "kvtier_server_connections", "kvtier_event_bus_dropped_events_total"}) {
+    INFO(series);
+    CHECK(sample(first.body, series) == 0.0);
+  }
+  CHECK(sample(first.body, "kvtier_l1_bytes_capacity") == 256.0 * 4096);
+
+  const http_answer health = http_get(port, "/healthz");
+  CHECK(health.status == 200);
+  const json h = json::parse(health.body);
+  CHECK(h["status"] == "serving");
+  CHECK(h["boot_token"] == s.srv->boot_token());
+  CHECK(http_get(port, "/no-such-page").status == 404);
+
+  // Traffic moves the counters and the gauges.
+  raw_client c(s.path());
+  engine_region r;
+  c.register_region(r);
+  const auto hashes = chunk_hashes(18, 2);
+  const auto src = block_range(0, 2 * blocks_per_chunk);
+  r.fill_blocks(src, 5);
+  CHECK(c.ok(store_req(r, hashes, src)).stored == 2);
+  wait_for_status(c,
+                  [](const json& j) { return j["backends"][0]["objects"] == 2 && j["store"]["inflight_tasks"] == 0; });
+  const std::string text = http_get(port, "/metrics").body;
+  CHECK(sample(text, "kvtier_l1_write_keys_total") == 2.0);
+  CHECK(sample(text, "kvtier_l2_store_keys_total{backend=\"mem\"}") == 2.0);
+  CHECK(sample(text, "kvtier_l2_store_succeeded_keys_total{backend=\"mem\"}") == 2.0);
+  CHECK(sample(text, "kvtier_server_connections") == 1.0);
+  CHECK(sample(text, "kvtier_l1_bytes_used") == 2.0 * 4096);
+
+  const http_answer st = http_get(port, "/status");
+  CHECK(st.status == 200);
+  const json j = json::parse(st.body);
+  CHECK(j["connections"] == 1);
+  CHECK(j["clients"].size() == 1);
+  CHECK(j["backends"][0]["objects"] == 2);
+  CHECK(j["backends"][0]["healthy"] == true);
+  CHECK(j["l1"]["objects"] == 2);
+  CHECK(j["metrics_url"] == s.srv->metrics_url());
 }
 
 TEST_CASE("many clients storing, looking up and retrieving at once, beside a hostile one", "[server][concurrency]") {

@@ -18,6 +18,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/un.h>
 
 #include <array>
@@ -91,7 +94,14 @@ struct server_config {
   double client_reap_timeout_s = 30.0 * config::timeout_scale;
   std::uint32_t max_lookups_per_client = 16384;  ///< "max_lookups_per_client"
   double shutdown_timeout_s = 5;                 ///< "shutdown_timeout": wait for L2 work at exit
-  std::uint16_t metrics_port = 0;                ///< "metrics_port": reserved (HTTP /metrics, 0 = off)
+  /// "metrics_port": the HTTP port of /metrics, /healthz and /status (0 = off; the JSON
+  /// string "auto" = any free port, which the startup line names: metrics_any_port).
+  std::uint16_t metrics_port = 0;
+  bool metrics_any_port = false;              ///< "metrics_port": "auto"
+  std::string metrics_address = "127.0.0.1";  ///< "metrics_address": loopback unless told otherwise
+
+  /// Whether the HTTP endpoint is on.
+  [[nodiscard]] bool metrics_enabled() const noexcept { return metrics_port != 0 || metrics_any_port; }
 
   friend bool operator==(const server_config&, const server_config&) = default;
 
@@ -181,8 +191,16 @@ inline void server_config::merge_json(const nlohmann::json& j) {
   if (auto v = r.integer("max_lookups_per_client", 1, std::uint64_t{1} << 24))
     max_lookups_per_client = static_cast<std::uint32_t>(*v);
   if (auto v = r.number("shutdown_timeout", 0, 3600, "in seconds, e.g. 5")) shutdown_timeout_s = *v;
-  if (auto v = r.integer("metrics_port", 0, 65535, "0 turns the HTTP endpoint off"))
-    metrics_port = static_cast<std::uint16_t>(*v);
+  if (const nlohmann::json* v = r.raw("metrics_port"); v && v->is_string() && v->get<std::string>() == "auto") {
+    metrics_port = 0;
+    metrics_any_port = true;
+  } else if (auto p =
+                 r.integer("metrics_port", 0, 65535, "or \"auto\" (any free port); 0 turns the HTTP endpoint off")) {
+    metrics_port = static_cast<std::uint16_t>(*p);
+    metrics_any_port = false;
+  }
+  if (auto v = r.string("metrics_address", {}, "an IP address, e.g. 127.0.0.1 (loopback) or 0.0.0.0 (every interface)"))
+    metrics_address = *v;
   r.finish();
 }
 
@@ -216,6 +234,13 @@ inline void server_config::validate(const backend_factory& backends) const {
   if (prefetch_max_in_flight == 0)
     throw config_error("prefetch_max_in_flight", "0", "must be at least 1 (LMCache's default is 8)");
   if (max_lookups_per_client == 0) throw config_error("max_lookups_per_client", "0", "must be at least 1");
+  if (metrics_enabled()) {
+    unsigned char addr[sizeof(in6_addr)];
+    if (::inet_pton(AF_INET, metrics_address.c_str(), addr) != 1 &&
+        ::inet_pton(AF_INET6, metrics_address.c_str(), addr) != 1)
+      throw config_error("metrics_address", "\"" + metrics_address + "\"",
+                         "must be an IPv4 or IPv6 address, e.g. 127.0.0.1 (loopback) or 0.0.0.0 (every interface)");
+  }
   (void)backends.parse_all(l2_backends);
 }
 
@@ -243,7 +268,11 @@ inline nlohmann::json server_config::to_json() const {
   j["client_reap_timeout"] = client_reap_timeout_s;
   j["max_lookups_per_client"] = max_lookups_per_client;
   j["shutdown_timeout"] = shutdown_timeout_s;
-  j["metrics_port"] = metrics_port;
+  if (metrics_any_port)
+    j["metrics_port"] = "auto";
+  else
+    j["metrics_port"] = metrics_port;
+  j["metrics_address"] = metrics_address;
   return j;
 }
 

@@ -3,8 +3,9 @@
 //   - its io_context: ONE thread (run()) carries the protocol, the pipelines' coroutines and
 //     the copies between engine regions and L1 (DESIGN.md, "Async core");
 //   - the event bus (metrics inline, logs on the bus's drain thread: the second thread);
-//   - the metrics registry (metrics(), metrics_text(): issue 6 serves it on HTTP /metrics
-//     from this same executor, see the marked place in start());
+//   - the metrics registry (metrics(), metrics_text()) and, when metrics_port is set, the
+//     HTTP endpoint on this same executor: /metrics (Prometheus text), /healthz (200 with
+//     the boot token while serving, 503 while shutting down), /status (status_json());
 //   - the L2 backends (backend_factory), the tiered cache (any_cache), the registrations and
 //     lookups (region_registry.hpp), the listening socket and one session per connection;
 //   - a reaper timer: expires L1 locks and lookups past their TTL, and closes connections
@@ -38,6 +39,7 @@
 #include <kvtier/server/region_registry.hpp>
 #include <kvtier/server/session.hpp>
 #include <kvtier/telemetry/exposition.hpp>
+#include <kvtier/telemetry/http_exporter.hpp>
 #include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
@@ -126,6 +128,16 @@ class server final : private session_host {
                            [this] { return static_cast<double>(connections_.load(std::memory_order_relaxed)); });
     registry_.add_callback("kvtier_server_registrations", "Registered KV regions (engine workers)", metric_type::gauge,
                            {}, [this] { return static_cast<double>(clients_.size()); });
+    registry_.add_callback(
+        "kvtier_server_uptime_seconds", "Seconds since the server started", metric_type::gauge, {},
+        [this] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - started_at_).count(); });
+    registry_.add_callback("kvtier_server_info", "Always 1; the labels describe the server", metric_type::gauge,
+                           {{"version", std::string(version_string)},
+                            {"boot_token", fmt::format("{:016x}", boot_token_)},
+                            {"eviction_policy", std::string(cache_->eviction_policy())},
+                            {"store_policy", std::string(name(config_.store_policy))},
+                            {"prefetch_policy", std::string(name(config_.prefetch_policy))}},
+                           [] { return 1.0; });
     registry_.add_callback("kvtier_server_clients_reaped_total",
                            "Connections closed by the server: idle past client_reap_timeout, or a broken stream",
                            metric_type::counter, {},
@@ -155,15 +167,19 @@ class server final : private session_host {
         begin_shutdown();
       });
     }
+    // The HTTP endpoint before the socket: a port in use fails start-up before any client
+    // can connect (and leaves no socket file behind).
+    if (config_.metrics_enabled() && !http_) start_http();
     auto acc = protocol::listen_unix(boost::asio::any_io_executor(io_.get_executor()), config_.socket_path);
-    if (!acc) throw std::runtime_error(listen_error(acc.error()));
+    if (!acc) {
+      stop_http();
+      throw std::runtime_error(listen_error(acc.error()));
+    }
     acceptor_.emplace(std::move(*acc));
     started_ = true;
     bus_.start_drain_thread();
     boost::asio::co_spawn(io_, accept_loop(), boost::asio::detached);
     boost::asio::co_spawn(io_, reap_loop(), boost::asio::detached);
-    // Issue 6: the HTTP /metrics + /healthz exporter starts here, on io_, serving
-    // telemetry::prometheus_text(registry_) (metrics_port: config_.metrics_port).
     log_.debug("{}", startup_line());
   }
 
@@ -189,6 +205,27 @@ class server final : private session_host {
   [[nodiscard]] telemetry::registry& metrics() noexcept { return registry_; }
   /// The Prometheus text exposition of metrics().
   [[nodiscard]] std::string metrics_text() const { return telemetry::prometheus_text(registry_); }
+  /// The bound port of the HTTP endpoint after start() (0: off).
+  [[nodiscard]] std::uint16_t metrics_port() const noexcept { return metrics_port_; }
+  /// "http://127.0.0.1:9464" (the endpoint's base URL), or empty when it is off.
+  [[nodiscard]] std::string metrics_url() const {
+    if (metrics_port_ == 0) return {};
+    const bool v6 = config_.metrics_address.find(':') != std::string::npos;
+    return v6 ? fmt::format("http://[{}]:{}", config_.metrics_address, metrics_port_)
+              : fmt::format("http://{}:{}", config_.metrics_address, metrics_port_);
+  }
+
+  /// The /healthz document: {"status": "serving" | "stopping", "boot_token", "uptime_s", ...}.
+  [[nodiscard]] std::string health_json() const {
+    nlohmann::json j;
+    j["status"] = stopping_ ? "stopping" : "serving";
+    j["boot_token"] = boot_token_;
+    j["boot_token_hex"] = fmt::format("{:016x}", boot_token_);
+    j["version"] = version_string;
+    j["pid"] = ::getpid();
+    j["uptime_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_at_).count();
+    return j.dump();
+  }
 
   /// The one line the program prints when it is up.
   [[nodiscard]] std::string startup_line() const {
@@ -196,11 +233,12 @@ class server final : private session_host {
     for (const auto& b : backend_lines_) backends += (backends.empty() ? "" : ", ") + b;
     return fmt::format(
         "kvtier-server {} listening on {} (boot token {:016x}, pid {}): L1 {} MiB in {} slots of {} KiB, eviction {}, "
-        "chunk {} tokens, L2 backends: {}, store {}, prefetch {}",
+        "chunk {} tokens, L2 backends: {}, store {}, prefetch {}, metrics {}",
         version_string, config_.socket_path, boot_token_, ::getpid(),
         (cache_->slot_count() * cache_->slot_bytes()) >> 20, cache_->slot_count(), cache_->slot_bytes() >> 10,
         cache_->eviction_policy(), config_.chunk_tokens, backends.empty() ? std::string("none") : backends,
-        name(config_.store_policy), name(config_.prefetch_policy));
+        name(config_.store_policy), name(config_.prefetch_policy),
+        metrics_port_ ? metrics_url() + "/metrics" : std::string("off"));
   }
 
   /// The status document (status_request): I/O thread only.
@@ -215,6 +253,8 @@ class server final : private session_host {
     j["pid"] = ::getpid();
     j["uptime_s"] = secs(now - started_at_);
     j["socket"] = config_.socket_path;
+    j["metrics_url"] = metrics_url();
+    j["connections"] = sessions_.size();
     j["chunk_tokens"] = config_.chunk_tokens;
     j["eviction_policy"] = std::string(cache_->eviction_policy());
     j["store_policy"] = std::string(name(config_.store_policy));
@@ -285,6 +325,32 @@ class server final : private session_host {
   }
 
  private:
+  void start_http() {
+    telemetry::http_exporter_options o;
+    o.address = config_.metrics_address;
+    o.port = config_.metrics_any_port ? 0 : config_.metrics_port;
+    http_.emplace(boost::asio::any_io_executor(io_.get_executor()), std::move(o));
+    http_->route("/metrics", [this] { return telemetry::http_response::metrics(registry_); });
+    http_->route("/healthz", [this] { return telemetry::http_response::json(stopping_ ? 503 : 200, health_json()); });
+    http_->route("/status", [this] { return telemetry::http_response::json(200, status_json()); });
+    auto port = http_->start();
+    if (!port) {
+      const error_code ec = port.error();
+      http_.reset();
+      throw std::runtime_error(fmt::format(
+          "cannot serve metrics on {}:{} ({}): {}", config_.metrics_address, config_.metrics_port, ec.message(),
+          ec == boost::asio::error::address_in_use
+              ? "another program uses that port: choose another --metrics-port, \"auto\", or 0 to turn it off"
+              : "check --metrics-address (an address of this machine) and --metrics-port (ports below 1024 need "
+                "privileges)"));
+    }
+    metrics_port_ = *port;
+  }
+
+  void stop_http() {
+    if (http_) http_->stop();
+  }
+
   static std::uint64_t make_boot_token() {
     std::random_device rd;
     const std::uint64_t t = (std::uint64_t{rd()} << 32) ^ std::uint64_t{rd()} ^
@@ -415,6 +481,7 @@ class server final : private session_host {
       log_.warn("shutdown: L2 work still in flight after {} s (shutdown_timeout); exiting without it",
                 config_.shutdown_timeout_s);
     cache_->stop_pipelines();
+    stop_http();  // last: /healthz answered 503 "stopping" until now
     if (started_) ::unlink(config_.socket_path.c_str());
     log_.info("stopped (boot token {:016x})", boot_token_);
     io_.stop();
@@ -426,6 +493,8 @@ class server final : private session_host {
   telemetry::registry registry_;
   default_event_bus bus_;
   boost::asio::io_context io_{1};
+  std::optional<telemetry::http_exporter> http_;  ///< after io_: destroyed before it
+  std::uint16_t metrics_port_ = 0;
   std::uint64_t boot_token_;
   std::chrono::steady_clock::time_point started_at_;
   std::vector<std::string> backend_lines_;
