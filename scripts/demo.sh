@@ -5,13 +5,13 @@
 #      document twice, the second round served from the cache (every block verified);
 #   3. runs the fault-tolerance harness's warmup and kill phases (the server SIGKILLed
 #      mid-run: the engine keeps serving, every output verified);
-#   4. prints a report.
+#   4. prints a report, with where the server's Prometheus metrics are and a few live figures.
 #   ./scripts/demo.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/common.sh
 
-kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}"
+kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" curl
 kvtier_configure build -DCMAKE_BUILD_TYPE=Release > /dev/null
 cmake --build build -j"$(kvtier_jobs)" --target kvtier-server kvtier_mini_engine kvtier_fault_tolerance
 
@@ -25,15 +25,16 @@ cleanup() {
 trap cleanup EXIT
 
 echo
-echo "== 1. kvtier-server, embedded defaults (1 GiB L1, LRU), socket $work/kvtier.sock"
-"$bin/kvtier-server" --socket "$work/kvtier.sock" > "$work/server.out" 2> "$work/server.log" &
+echo "== 1. kvtier-server, embedded defaults (1 GiB L1, LRU), socket $work/kvtier.sock, metrics on a free port"
+"$bin/kvtier-server" --socket "$work/kvtier.sock" --metrics-port auto > "$work/server.out" 2> "$work/server.log" &
 server_pid=$!
 for _ in $(seq 1 300); do
-  [ -S "$work/kvtier.sock" ] && break
+  grep -q "listening on" "$work/server.out" 2> /dev/null && break
   kill -0 "$server_pid" 2> /dev/null || { cat "$work/server.log"; exit 1; }
   sleep 0.1
 done
 head -1 "$work/server.out"
+metrics_url=$(grep -o 'http://[^ ]*/metrics' "$work/server.out" | head -1 || true)
 
 echo
 echo "== 2. mini engine: 6 documents of 8,192 tokens, sent twice (50,000 tokens/s of prefill)"
@@ -49,6 +50,11 @@ echo "== report"
 echo "   round 1 computed every token; round 2 took its KV from the cache (see 'tokens from"
 echo "   cache' and 'mean TTFT' above). With the server killed the engine recomputed and every"
 echo "   output stayed correct. Full harness: $bin/kvtier_fault_tolerance (docs/fault-tolerance.md)."
+if [ -n "$metrics_url" ]; then
+  echo
+  echo "== the demo server's metrics (Prometheus text at $metrics_url; docs/metrics.md)"
+  scripts/metrics_figures.sh "$metrics_url" | sed 's/^/   /' || true
+fi
 kill "$server_pid" && wait "$server_pid" || true
 server_pid=
 echo "   kvtier-server stopped cleanly (SIGTERM)."
