@@ -58,7 +58,7 @@ raw="$results/raw.tmp"  # "benchmark name value" lines of this run
 work=$(mktemp -d "${KVTIER_BENCH_DIR:-$build}/run-all-XXXXXX")
 server_pids=()
 cleanup() {
-  [ -n "${job:-}" ] && kill "$job" 2>/dev/null && wait "$job" 2>/dev/null
+  if [ -n "${job:-}" ]; then kill "$job" 2>/dev/null || true; wait "$job" 2>/dev/null || true; fi
   local p
   for p in "${server_pids[@]}"; do kill "$p" 2>/dev/null || true; done
   rm -rf "$work"
@@ -154,8 +154,8 @@ longdoc_run() {
 bench_longdoc() {
   trap 'kill "${server_pid:-}" 2>/dev/null || true' EXIT  # a background job keeps no trap of ours
   : > "$logs/longdoc.log"
-  local lengths_05b=(2576 5136 10000 20496) lengths_8b=(2064 4112) trials=3 t
-  if [ $quick = 1 ]; then lengths_05b=(2576 10000); lengths_8b=(4112); trials=2; fi
+  local lengths_05b=(2576 5136 10000 20496) lengths_8b=(1040 2064 4112) trials=5 t
+  if [ $quick = 1 ]; then lengths_05b=(2576 10000); lengths_8b=(2064 4112); trials=3; fi
   for t in "${lengths_05b[@]}"; do
     for m in l1 l2; do
       echo "== 0.5b $m $t tokens" >> "$logs/longdoc.log"
@@ -192,8 +192,8 @@ bench_scaling() {
 # ---- the run ------------------------------------------------------------------------------
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
-stages=(event_bus:20:8 l1_policies:150:20 gather:30:10 l2_fio:60:20 l2_redis:15:8 rpc:12:5 degraded:60:30
-  longdoc:300:120 scaling:150:70)
+stages=(event_bus:50:20 l1_policies:120:10 gather:40:15 l2_fio:70:25 l2_redis:20:10 rpc:15:5 degraded:60:30
+  longdoc:240:60 scaling:60:20)
 selected=()
 for s in "${stages[@]}"; do
   n=${s%%:*}
@@ -216,12 +216,15 @@ for s in "${selected[@]}"; do
   "bench_$n" &
   job=$!
   # Progress: one line every 15 s (a ticker on a terminal).
+  next_line=15
+  [ -t 1 ] || echo "[$i/${#selected[@]}] $n: started (estimated ${e}s), about $(fmt "$left") left in all"
   while kill -0 "$job" 2>/dev/null; do
     el=$(($(date +%s) - t0))
     rem=$((left - (el < e ? el : e)))
     msg="[$i/${#selected[@]}] $n: ${el}s (estimated ${e}s), about $(fmt "$rem") left in all"
     if [ -t 1 ]; then printf '\r%-90s' "$msg"; sleep 1; else
-      [ $((el % 15)) -eq 0 ] && echo "$msg"; sleep 1
+      if [ "$el" -ge "$next_line" ]; then echo "$msg"; next_line=$((next_line + 15)); fi
+      sleep 1
     fi
   done
   rc=0

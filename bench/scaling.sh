@@ -3,7 +3,7 @@
 #  1. 1, 2, 4 and 8 engine clients (kvtier_long_doc_qa processes, each its own mini engine and
 #     connector, distinct documents) started together on one server (L1 of 2 GiB, 0.5B shape,
 #     documents of 2,576 tokens = 10 chunks). Each client runs a warmup round, then a query
-#     round of its documents x --repeat-count 3 (L1 hits), 2 requests in flight.
+#     round of its documents x --repeat-count 10 (5 with --quick; L1 hits), 2 requests in flight.
 #     RESULT clients_<n>_tokens_per_s = the sum of the clients' query-round prompt tokens over
 #     the longest query round (the rounds overlap: the warmups before them take the same time);
 #     RESULT clients_<n>_p99_ttft_s = the highest p99 TTFT of the clients' query rounds.
@@ -39,15 +39,15 @@ start_server() {  # DIR L1_GB [more server flags]
 stop_server() { kill "$server_pid" 2>/dev/null || true; wait "$server_pid" 2>/dev/null || true; server_pid=""; }
 rss_mib() { awk '/^VmRSS:/ { printf "%.1f", $2 / 1024 }' "/proc/$server_pid/status"; }
 
-docs=4
-[ $quick = 1 ] && docs=3
+docs=4 repeat=10
+[ $quick = 1 ] && docs=3 repeat=5
 for n in 1 2 4 8; do
   d="$work/clients-$n"
   start_server "$d" 2
   pids=()
   for c in $(seq 1 "$n"); do
     "$build/examples/kvtier_long_doc_qa" --socket "$d/s.sock" --model 0.5b --documents "$docs" --tokens 2576 \
-      --repeat-count 3 --max-inflight 2 --verify-every 256 --seed $((1000 * n + c)) \
+      --repeat-count "$repeat" --max-inflight 2 --verify-every 256 --seed $((1000 * n + c)) \
       --json "$results/scaling/clients_${n}_$c.json" > "$d/client-$c.log" 2>&1 &
     pids+=($!)
   done
