@@ -154,6 +154,7 @@ longdoc_run() {
 bench_longdoc() {
   trap 'kill "${server_pid:-}" 2>/dev/null || true' EXIT  # a background job keeps no trap of ours
   : > "$logs/longdoc.log"
+  rm -f "$results/longdoc/"*.json  # the plots read every report there: none from an earlier run
   local lengths_05b=(2576 5136 10000 20496) lengths_8b=(1040 2064 4112) trials=5 t
   if [ $quick = 1 ]; then lengths_05b=(2576 10000); lengths_8b=(2064 4112); trials=3; fi
   for t in "${lengths_05b[@]}"; do

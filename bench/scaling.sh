@@ -18,6 +18,7 @@ quick=0
 [ "${4:-}" = --quick ] && quick=1
 cd "$(dirname "$0")/.."
 mkdir -p "$work" "$results/scaling"
+rm -f "$results/scaling/"*.json
 server_pid=""
 trap 'kill "$server_pid" 2>/dev/null || true' EXIT
 

@@ -49,18 +49,19 @@
 #include "../mini_engine/workload.hpp"
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
 #include <fcntl.h>
 #include <unistd.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <chrono>
-#include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <numeric>
@@ -505,8 +506,7 @@ int main(int argc, char** argv) {
         const double nreq = static_cast<double>(qrep.requests.size());
         kv_s /= nreq;
         bytes /= nreq;
-        const double disk_bps =
-            disk_read_bandwidth(io_bound_dir, static_cast<std::size_t>(bytes * nreq));
+        const double disk_bps = disk_read_bandwidth(io_bound_dir, static_cast<std::size_t>(bytes * nreq));
         const double bound = bytes / disk_bps + bytes / memcpy_bps;
         io_ratios.push_back(kv_s / bound);
         io_kvtier_s.push_back(kv_s);
@@ -514,12 +514,13 @@ int main(int argc, char** argv) {
         io_disk_bps.push_back(disk_bps);
         io_memcpy_bps.push_back(memcpy_bps);
         io_bytes.push_back(bytes);
-        std::fprintf(stderr,
-                     "io-bound: %.1f MiB per request; kvtier %.4f s; disk %.2f GB/s + memcpy %.2f GB/s -> bound %.4f s; "
-                     "ratio %.3f\n",
-                     bytes / 1048576, kv_s, disk_bps / 1e9, memcpy_bps / 1e9, bound, kv_s / bound);
-        io_json = {{"bytes_per_request", bytes},     {"kvtier_s", kv_s},       {"disk_read_gbps", disk_bps / 1e9},
-                   {"memcpy_gbps", memcpy_bps / 1e9}, {"io_bound_s", bound},   {"ratio", kv_s / bound}};
+        std::fprintf(
+            stderr,
+            "io-bound: %.1f MiB per request; kvtier %.4f s; disk %.2f GB/s + memcpy %.2f GB/s -> bound %.4f s; "
+            "ratio %.3f\n",
+            bytes / 1048576, kv_s, disk_bps / 1e9, memcpy_bps / 1e9, bound, kv_s / bound);
+        io_json = {{"bytes_per_request", bytes},      {"kvtier_s", kv_s},    {"disk_read_gbps", disk_bps / 1e9},
+                   {"memcpy_gbps", memcpy_bps / 1e9}, {"io_bound_s", bound}, {"ratio", kv_s / bound}};
       }
       const double ratio = wsum.ttft.mean > 0 ? qsum.ttft.mean / wsum.ttft.mean : 0;
       ratios.push_back(ratio);
