@@ -7,7 +7,7 @@
 #
 #   bench/run_all.sh [--quick] [--only a,b,...] [--no-docs]
 #
-# ~15 min on 2 cores (--quick: ~5), not counting the build. Uses the build in
+# ~6 min on the 2-core dev VM (--quick: ~2; budget 15 and 5), not counting the build. Uses the build in
 # $KVTIER_BUILD_DIR when set, else configures and builds build/ (Release). Installs missing
 # Debian packages (gnuplot-nox, fio, redis-server, redis-tools, python3) as the quick-start
 # scripts do (as root). Benchmarks: event_bus l1_policies gather l2_fio l2_redis rpc degraded
@@ -30,6 +30,9 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
+
+qflag=()
+[ $quick = 1 ] && qflag=(--quick)
 
 # shellcheck source=../scripts/lib/common.sh
 source "$root/scripts/lib/common.sh"
@@ -79,11 +82,11 @@ bench_event_bus() {
   gather event_bus "$logs/event_bus.log"
 }
 bench_l1_policies() {
-  "$build/bench/kvtier_bench_l1_policies" $([ $quick = 1 ] && echo --quick) > "$logs/l1_policies.log" 2>&1
+  "$build/bench/kvtier_bench_l1_policies" "${qflag[@]}" > "$logs/l1_policies.log" 2>&1
   gather l1_policies "$logs/l1_policies.log"
 }
 bench_gather() {
-  "$build/bench/kvtier_bench_gather" $([ $quick = 1 ] && echo --quick) > "$logs/gather.log" 2>&1
+  "$build/bench/kvtier_bench_gather" "${qflag[@]}" > "$logs/gather.log" 2>&1
   gather gather "$logs/gather.log"
 }
 bench_l2_fio() {
@@ -94,16 +97,16 @@ bench_l2_fio() {
   gather l2_fio "$logs/l2_fio.log"
 }
 bench_l2_redis() {
-  KVTIER_BUILD_DIR="$build" bench/l2_redis.sh $([ $quick = 1 ] && echo --quick) > "$logs/l2_redis.log" 2>&1
+  KVTIER_BUILD_DIR="$build" bench/l2_redis.sh "${qflag[@]}" > "$logs/l2_redis.log" 2>&1
   gather l2_redis "$logs/l2_redis.log"
 }
 bench_rpc() {
-  "$build/bench/kvtier_bench_rpc" --server "$build/examples/kvtier-server" $([ $quick = 1 ] && echo --quick) \
+  "$build/bench/kvtier_bench_rpc" --server "$build/examples/kvtier-server" "${qflag[@]}" \
     > "$logs/rpc.log" 2>&1
   gather rpc "$logs/rpc.log"
 }
 bench_degraded() {
-  "$build/examples/kvtier_fault_tolerance" --phases 3 $([ $quick = 1 ] && echo --quick) > "$logs/degraded.log" 2>&1
+  "$build/examples/kvtier_fault_tolerance" --phases 3 "${qflag[@]}" > "$logs/degraded.log" 2>&1
   gather degraded "$logs/degraded.log"
 }
 
@@ -186,15 +189,15 @@ longdoc_one() {
 }
 
 bench_scaling() {
-  bench/scaling.sh "$build" "$work/scaling" "$results" $([ $quick = 1 ] && echo --quick) > "$logs/scaling.log" 2>&1
+  bench/scaling.sh "$build" "$work/scaling" "$results" "${qflag[@]}" > "$logs/scaling.log" 2>&1
   gather scaling "$logs/scaling.log"
 }
 
 # ---- the run ------------------------------------------------------------------------------
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
-stages=(event_bus:50:20 l1_policies:120:10 gather:40:15 l2_fio:70:25 l2_redis:20:10 rpc:15:5 degraded:60:30
-  longdoc:240:60 scaling:60:20)
+stages=(event_bus:50:20 l1_policies:15:5 gather:15:8 l2_fio:60:15 l2_redis:12:6 rpc:5:3 degraded:60:15
+  longdoc:160:60 scaling:20:10)
 selected=()
 for s in "${stages[@]}"; do
   n=${s%%:*}
