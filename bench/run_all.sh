@@ -10,8 +10,8 @@
 # ~6 min on the 2-core dev VM (--quick: ~2; budget 15 and 5), not counting the build. Uses the build in
 # $KVTIER_BUILD_DIR when set, else configures and builds build/ (Release). Installs missing
 # Debian packages (gnuplot-nox, fio, redis-server, redis-tools, python3) as the quick-start
-# scripts do (as root). Benchmarks: event_bus l1_policies gather l2_fio l2_redis rpc degraded
-# longdoc scaling (--only picks some; the docs are regenerated from whatever results.json holds).
+# scripts do (as root). Benchmarks: event_bus l1_policies gather server_copy io l2_fio l2_redis
+# rpc degraded longdoc scaling (--only picks some; the docs are regenerated from whatever results.json holds).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -39,7 +39,8 @@ source "$root/scripts/lib/common.sh"
 kvtier_ensure_packages gnuplot-nox fio redis-server redis-tools python3
 
 targets=(kvtier-server kvtier_mini_engine kvtier_long_doc_qa kvtier_fault_tolerance kvtier_bench_event_bus
-  kvtier_bench_l1_policies kvtier_bench_gather kvtier_bench_l2_disk kvtier_bench_l2_redis kvtier_bench_rpc)
+  kvtier_bench_l1_policies kvtier_bench_gather kvtier_bench_server kvtier_bench_io kvtier_bench_l2_disk
+  kvtier_bench_l2_redis kvtier_bench_rpc)
 build="${KVTIER_BUILD_DIR:-}"
 if [ -z "$build" ]; then
   kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}"
@@ -88,6 +89,16 @@ bench_l1_policies() {
 bench_gather() {
   "$build/bench/kvtier_bench_gather" "${qflag[@]}" > "$logs/gather.log" 2>&1
   gather gather "$logs/gather.log"
+}
+bench_server_copy() {
+  "$build/bench/kvtier_bench_server" "${qflag[@]}" > "$logs/server_copy.log" 2>&1
+  gather server_copy "$logs/server_copy.log"
+}
+bench_io() {
+  mkdir -p "$work/io"
+  "$build/bench/kvtier_bench_io" $((quick ? 2 : 5)) "$work/io" > "$logs/io.log" 2>&1
+  rm -rf "$work/io"
+  gather io "$logs/io.log"
 }
 bench_l2_fio() {
   local args=(--gib 1 --repeats 3)
@@ -158,8 +169,8 @@ bench_longdoc() {
   trap 'kill "${server_pid:-}" 2>/dev/null || true' EXIT  # a background job keeps no trap of ours
   : > "$logs/longdoc.log"
   rm -f "$results/longdoc/"*.json  # the plots read every report there: none from an earlier run
-  local lengths_05b=(2576 5136 10000 20496) lengths_8b=(1040 2064 4112) trials=5 t
-  if [ $quick = 1 ]; then lengths_05b=(2576 10000); lengths_8b=(2064 4112); trials=3; fi
+  local lengths_05b=(2576 5136 10000 20496) lengths_8b=(1040 2064 4112) trials=7 t
+  if [ $quick = 1 ]; then lengths_05b=(2576 10000); lengths_8b=(2064 4112); trials=5; fi
   for t in "${lengths_05b[@]}"; do
     for m in l1 l2; do
       echo "== 0.5b $m $t tokens" >> "$logs/longdoc.log"
@@ -196,8 +207,8 @@ bench_scaling() {
 # ---- the run ------------------------------------------------------------------------------
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
-stages=(event_bus:50:20 l1_policies:15:5 gather:15:8 l2_fio:60:15 l2_redis:12:6 rpc:5:3 degraded:60:15
-  longdoc:160:60 scaling:20:10)
+stages=(event_bus:50:20 l1_policies:15:5 gather:15:8 server_copy:20:2 io:25:10 l2_fio:60:15 l2_redis:12:6 rpc:5:3 degraded:60:15
+  longdoc:220:90 scaling:20:10)
 selected=()
 for s in "${stages[@]}"; do
   n=${s%%:*}

@@ -290,6 +290,13 @@ def summary(res, meta, table, made):
         for sh, tgt in (("8b", ">= 0.85"), ("05b", ">= 0.6")):
             row(f"{op} 256-token chunk, {sh} shape", g(f"{op}_{sh}_gbps"), "GB/s", g(f"memcpy_{sh}_gbps"), "GB/s",
                 "memcpy of the same bytes", g(f"{op}_vs_memcpy_{sh}"), tgt)
+    for op, what in (("store", "engine blocks -> L1 (gather)"), ("retrieve", "L1 -> engine blocks (scatter)")):
+        for sh in ("05b", "8b"):
+            if g(f"server_{op}_{sh}_gbps") is not None:
+                row(f"server I/O thread, 10k-token {op}, {sh} shape: {what}", g(f"server_{op}_{sh}_gbps"), "GB/s",
+                    None, "", "one memcpy of the same bytes", g(f"server_{op}_vs_memcpy_{sh}"), "")
+    row("io_uring vs pread pool, O_DIRECT 4 KiB reads, depth 32", None, "", None, "", "pread thread pool",
+        g("io_direct_4k_uring_vs_pread_pool_qd32"), "")
     for trace in ("zipf_10", "scan_zipf", "long_doc_qa"):
         s3, lru = g(f"s3fifo_{trace}_hit_ratio"), g(f"lru_{trace}_hit_ratio")
         row(f"L1 hit ratio, S3-FIFO, trace {trace}", s3, "", lru, "", "LRU", s3 / lru if s3 and lru else None, "")
