@@ -23,6 +23,20 @@
 // (tests/l2_telemetry_gate.sh checks it). Exact with --repeat-count 1 (a document queried
 // twice may be served the second time by the first one's prefetch).
 //
+// --io-bound-dir DIR (with --l2-mode; DIR = the server's disk backend path): the end-to-end
+// L2-hit figure. Each trial, before the query round, measures memcpy bandwidth (the bytes a
+// request moves, copied in chunk-sized memcpy calls over a working set of up to 2 x 256 MiB,
+// pre-touched); after it, the disk's read bandwidth over the object files the query round
+// loaded (the newest files under DIR/objects, as many bytes as the round moved; O_DIRECT,
+// 1 MiB reads, 16 in flight on 16 threads: the depth the disk backend uses). Per trial:
+//   kvtier_s  = mean over query requests of (TTFT - computed tokens / --tokens-per-second)
+//   bytes     = mean over query requests of retrieved tokens x bytes per token
+//   io_bound  = bytes / disk read bandwidth + bytes / memcpy bandwidth
+// and prints RESULT l2_hit_ttft_vs_io_bound<--result-suffix>=median over trials of
+// kvtier_s / io_bound (1 = the path costs exactly one disk read plus one memcpy of its bytes,
+// done one after the other). Use --max-inflight 1 so a TTFT holds no queueing. The disk is
+// probed after the round, so a host cache can only favour the probe (a conservative ratio).
+//
 // Retrieved KV is checked against recomputation on every --verify-every'th token (default 16,
 // one per block): checking costs the mini engine as much as computing, so checking every
 // token would charge the query round what the cache saves.
@@ -37,9 +51,17 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <numeric>
@@ -177,6 +199,68 @@ bool store_idle(const json& s) {
   return s["store"]["inflight_tasks"] == 0 && s["store"]["pending_keys"] == 0 && s["prefetch"]["active"] == 0;
 }
 
+// Bytes per second of memcpy for `bytes` bytes in `piece`-byte calls over a pre-touched
+// working set of up to 2 x 256 MiB (cycled when `bytes` is larger).
+double memcpy_bandwidth(std::size_t bytes, std::size_t piece) {
+  const std::size_t set = std::max(piece, std::min<std::size_t>(bytes, 256u << 20) / piece * piece);
+  std::vector<char> src(set, 1), dst(set, 2);
+  std::memcpy(dst.data(), src.data(), set);  // fault everything in before timing
+  const auto t0 = std::chrono::steady_clock::now();
+  std::size_t done = 0, off = 0;
+  while (done < bytes) {
+    const std::size_t n = std::min(piece, bytes - done);
+    std::memcpy(dst.data() + off, src.data() + off, n);
+    done += n;
+    off = off + piece >= set ? 0 : off + piece;
+  }
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  volatile char sink = dst[set / 2];
+  (void)sink;
+  return static_cast<double>(done) / s;
+}
+
+// Bytes per second reading the newest regular files under dir/objects (as many as hold
+// `bytes`) with O_DIRECT, 1 MiB reads, `depth` threads each with one read in flight.
+double disk_read_bandwidth(const std::filesystem::path& dir, std::size_t bytes, unsigned depth = 16) {
+  namespace fs = std::filesystem;
+  std::vector<std::pair<fs::file_time_type, fs::path>> files;
+  for (const auto& e : fs::recursive_directory_iterator(dir / "objects"))
+    if (e.is_regular_file()) files.emplace_back(e.last_write_time(), e.path());
+  std::sort(files.begin(), files.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  constexpr std::size_t part = 1u << 20;
+  std::vector<int> fds;
+  std::vector<std::pair<int, std::size_t>> parts;  // (fd, offset)
+  std::size_t planned = 0;
+  for (const auto& [t, p] : files) {
+    if (planned >= bytes) break;
+    const int fd = ::open(p.c_str(), O_RDONLY | O_DIRECT);
+    if (fd < 0) continue;
+    fds.push_back(fd);
+    const std::size_t size = fs::file_size(p);
+    for (std::size_t off = 0; off < size; off += part) parts.emplace_back(fd, off);
+    planned += size;
+  }
+  if (parts.empty()) throw std::runtime_error("--io-bound-dir: no object files under " + (dir / "objects").string());
+  std::atomic<std::size_t> next{0}, total{0};
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::thread> threads;
+  for (unsigned i = 0; i < depth; ++i)
+    threads.emplace_back([&] {
+      void* buf = std::aligned_alloc(4096, part);
+      std::size_t got = 0;
+      for (std::size_t k; (k = next.fetch_add(1)) < parts.size();) {
+        const ssize_t n = ::pread(parts[k].first, buf, part, static_cast<off_t>(parts[k].second));
+        if (n > 0) got += static_cast<std::size_t>(n);
+      }
+      std::free(buf);
+      total += got;
+    });
+  for (auto& t : threads) t.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int fd : fds) ::close(fd);
+  return static_cast<double>(total.load()) / s;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -193,6 +277,7 @@ int main(int argc, char** argv) {
   std::uint32_t verify_every = 16;
   bool l2_mode = false;
   double drain_timeout_s = 120;
+  std::string io_bound_dir, result_suffix;
   app.add_option("--socket", socket, "The kvtier-server socket")->capture_default_str();
   app.add_option("--documents", documents, "Documents (N)")->capture_default_str()->check(CLI::Range(1, 100000));
   app.add_option("--tokens", tokens, "Tokens per document (L)")->capture_default_str()->check(CLI::Range(2, 1000000));
@@ -230,6 +315,10 @@ int main(int argc, char** argv) {
   app.add_flag("--l2-mode", l2_mode, "Query round served from L2 only (server: noop eviction, skip_l1 store)");
   app.add_option("--drain-timeout", drain_timeout_s, "Seconds to wait for the server's stores to land")
       ->capture_default_str();
+  app.add_option("--io-bound-dir", io_bound_dir,
+                 "With --l2-mode: the disk backend's path; measure the L2-hit TTFT against disk + memcpy time "
+                 "(RESULT l2_hit_ttft_vs_io_bound)");
+  app.add_option("--result-suffix", result_suffix, "Appended to the l2_hit_ttft_vs_io_bound RESULT names (e.g. _05b)");
   app.add_option("--json", json_path, "Write the JSON report here (\"-\": stdout)");
   CLI11_PARSE(app, argc, argv);
 
@@ -298,6 +387,10 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (!io_bound_dir.empty() && !l2_mode) {
+    std::fprintf(stderr, "kvtier_long_doc_qa: --io-bound-dir needs --l2-mode\n");
+    return 2;
+  }
   const std::size_t per_request_blocks = (tokens + output_tokens + cfg.block_size - 1) / cfg.block_size;
   cfg.num_blocks = num_blocks ? num_blocks : static_cast<std::uint32_t>(per_request_blocks * (max_inflight + 1) + 16);
   const std::size_t full_chunks = tokens / cfg.chunk_tokens;
@@ -343,6 +436,7 @@ int main(int argc, char** argv) {
     // What the server's counters must read once idle, summed over trials (keys = chunk shards).
     std::size_t stored_chunks = 0, needed_from_l2 = 0, query_hit_requests = 0, query_miss_requests = 0;
     std::size_t warm_retrieved_chunks = 0;
+    std::vector<double> io_ratios, io_kvtier_s, io_bound_s, io_disk_bps, io_memcpy_bps, io_bytes;
 
     for (std::size_t t = 0; t < trials; ++t) {
       const std::uint64_t trial_seed = seed + 1'000'003ULL * t;
@@ -386,6 +480,8 @@ int main(int argc, char** argv) {
         }
       }
       const std::size_t query_requests = specs.size();
+      double memcpy_bps = 0;
+      if (!io_bound_dir.empty()) memcpy_bps = memcpy_bandwidth(full_chunks * shard_bytes, shard_bytes);
       auto qrep = eng.run(std::move(specs));
       auto qsum = summarize("query", qrep, query_requests);
       // Chunks the engine took from the cache: it computes at least the last token itself.
@@ -400,13 +496,40 @@ int main(int argc, char** argv) {
       }
       wsum.print();
       qsum.print();
+      json io_json = nullptr;
+      if (!io_bound_dir.empty() && !qrep.requests.empty()) {
+        double kv_s = 0, bytes = 0;
+        for (const auto& r : qrep.requests) {
+          kv_s += r.ttft_s - (tokens_per_second > 0 ? static_cast<double>(r.computed_tokens) / tokens_per_second : 0);
+          bytes += static_cast<double>(r.retrieved_tokens * cfg.shape.token_bytes());
+        }
+        const double nreq = static_cast<double>(qrep.requests.size());
+        kv_s /= nreq;
+        bytes /= nreq;
+        const double disk_bps = disk_read_bandwidth(io_bound_dir, static_cast<std::size_t>(bytes * nreq));
+        const double bound = bytes / disk_bps + bytes / memcpy_bps;
+        io_ratios.push_back(kv_s / bound);
+        io_kvtier_s.push_back(kv_s);
+        io_bound_s.push_back(bound);
+        io_disk_bps.push_back(disk_bps);
+        io_memcpy_bps.push_back(memcpy_bps);
+        io_bytes.push_back(bytes);
+        std::fprintf(
+            stderr,
+            "io-bound: %.1f MiB per request; kvtier %.4f s; disk %.2f GB/s + memcpy %.2f GB/s -> bound %.4f s; "
+            "ratio %.3f\n",
+            bytes / 1048576, kv_s, disk_bps / 1e9, memcpy_bps / 1e9, bound, kv_s / bound);
+        io_json = {{"bytes_per_request", bytes},      {"kvtier_s", kv_s},    {"disk_read_gbps", disk_bps / 1e9},
+                   {"memcpy_gbps", memcpy_bps / 1e9}, {"io_bound_s", bound}, {"ratio", kv_s / bound}};
+      }
       const double ratio = wsum.ttft.mean > 0 ? qsum.ttft.mean / wsum.ttft.mean : 0;
       ratios.push_back(ratio);
       ok = ok && wsum.ok && qsum.ok;
       report["trials"].push_back({{"warmup", wsum.to_json()},
                                   {"query", qsum.to_json()},
                                   {"query_ttft_vs_warmup", ratio},
-                                  {"query_requests_fully_served", warm_hits}});
+                                  {"query_requests_fully_served", warm_hits},
+                                  {"io_bound", io_json}});
     }
 
     const std::size_t shards = world_size;
@@ -436,6 +559,15 @@ int main(int argc, char** argv) {
       std::cout << report.dump(2) << "\n";
     else if (!json_path.empty())
       std::ofstream(json_path) << report.dump(2) << "\n";
+    if (!io_ratios.empty()) {
+      report["l2_hit_ttft_vs_io_bound"] = median(io_ratios);
+      std::printf("RESULT l2_hit_kvtier_s%s=%.6f\n", result_suffix.c_str(), median(io_kvtier_s));
+      std::printf("RESULT l2_hit_io_bound_s%s=%.6f\n", result_suffix.c_str(), median(io_bound_s));
+      std::printf("RESULT l2_hit_disk_read_gbps%s=%.4f\n", result_suffix.c_str(), median(io_disk_bps) / 1e9);
+      std::printf("RESULT l2_hit_memcpy_gbps%s=%.4f\n", result_suffix.c_str(), median(io_memcpy_bps) / 1e9);
+      std::printf("RESULT l2_hit_bytes_per_request%s=%.1f\n", result_suffix.c_str(), median(io_bytes));
+      std::printf("RESULT l2_hit_ttft_vs_io_bound%s=%.6f\n", result_suffix.c_str(), median(io_ratios));
+    }
     std::printf("RESULT query_ttft_vs_warmup=%.6f\n", result);
     return ok ? 0 : 1;
   } catch (const std::exception& e) {
