@@ -20,6 +20,8 @@
 #include "support/asio.hpp"
 #include "support/process.hpp"
 
+#include "../../examples/common/process.hpp"
+
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -27,7 +29,6 @@
 #include <nlohmann/json.hpp>
 
 #include <signal.h>
-#include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -47,8 +48,6 @@
 #include <utility>
 #include <variant>
 #include <vector>
-
-extern char** environ;
 
 namespace kvtier::test {
 
@@ -304,35 +303,13 @@ nlohmann::json wait_for_status(raw_client& c, Pred pred) {
   }
 }
 
-/// A kvtier-server process: started with posix_spawn, stdout and stderr in files of `dir`,
-/// stopped with SIGTERM.
+/// A kvtier-server process (examples/common/process.hpp: posix_spawn, stdout and stderr in
+/// files of `dir`) with Catch2 checks and the tests' deadline; killed when destroyed.
 class server_process {
  public:
   server_process(const std::string& binary, std::vector<std::string> args, const std::filesystem::path& dir,
                  const std::string& tag = "server")
-      : out_(dir / (tag + ".out")), err_(dir / (tag + ".err")) {
-    std::vector<std::string> argv_s{binary};
-    argv_s.insert(argv_s.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& a : argv_s) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    posix_spawn_file_actions_t fa;
-    posix_spawn_file_actions_init(&fa);
-    posix_spawn_file_actions_addopen(&fa, 1, out_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    posix_spawn_file_actions_addopen(&fa, 2, err_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    const int rc = ::posix_spawn(&pid_, binary.c_str(), &fa, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&fa);
-    REQUIRE(rc == 0);
-  }
-  server_process(const server_process&) = delete;
-  server_process& operator=(const server_process&) = delete;
-  ~server_process() {
-    if (pid_ > 0) {
-      ::kill(pid_, SIGKILL);
-      int st = 0;
-      ::waitpid(pid_, &st, 0);
-    }
-  }
+      : proc_(binary, std::move(args), dir, tag) {}
 
   /// Waits until `socket_path` accepts connections (the server is up). Fails the test when
   /// the process exits first or the deadline passes.
@@ -341,11 +318,9 @@ class server_process {
     const auto deadline = std::chrono::steady_clock::now() + server_deadline;
     for (;;) {
       if (auto s = p::connect_unix(io.get_executor(), socket_path)) return;
-      int st = 0;
-      if (::waitpid(pid_, &st, WNOHANG) == pid_) {
-        pid_ = -1;
-        FAIL("kvtier-server exited before listening: " << describe(st) << "\n" << output());
-      }
+      if (!proc_.running())
+        FAIL("kvtier-server exited before listening: " << describe(proc_.wait_exit({}).value_or(0)) << "\n"
+                                                       << output());
       if (std::chrono::steady_clock::now() > deadline) FAIL("kvtier-server did not listen in time\n" << output());
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
@@ -353,48 +328,26 @@ class server_process {
 
   /// Sends `sig` and waits for the exit; returns the wait status.
   int stop(int sig = SIGTERM) {
-    REQUIRE(pid_ > 0);
-    ::kill(pid_, sig);
+    REQUIRE(proc_.pid() > 0);
+    proc_.signal(sig);
     return wait_exit();
   }
 
   /// Waits for the process to exit (fails after the deadline); returns the wait status.
   int wait_exit() {
-    const auto deadline = std::chrono::steady_clock::now() + server_deadline;
-    for (;;) {
-      int st = 0;
-      const pid_t r = ::waitpid(pid_, &st, WNOHANG);
-      if (r == pid_) {
-        pid_ = -1;
-        return st;
-      }
-      REQUIRE(r == 0);
-      if (std::chrono::steady_clock::now() > deadline) FAIL("kvtier-server did not exit in time\n" << output());
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    const auto st = proc_.wait_exit(std::chrono::duration_cast<std::chrono::milliseconds>(server_deadline));
+    if (!st) FAIL("kvtier-server did not exit in time\n" << output());
+    return *st;
   }
 
-  [[nodiscard]] std::string output() const { return "stdout:\n" + read(out_) + "stderr:\n" + read(err_); }
-  [[nodiscard]] std::string stdout_text() const { return read(out_); }
-  [[nodiscard]] std::string stderr_text() const { return read(err_); }
+  [[nodiscard]] std::string output() const { return "stdout:\n" + stdout_text() + "stderr:\n" + stderr_text(); }
+  [[nodiscard]] std::string stdout_text() const { return proc_.stdout_text(); }
+  [[nodiscard]] std::string stderr_text() const { return proc_.stderr_text(); }
 
-  static std::string describe(int st) {
-    if (WIFEXITED(st)) return "exit status " + std::to_string(WEXITSTATUS(st));
-    if (WIFSIGNALED(st)) return "killed by signal " + std::to_string(WTERMSIG(st));
-    return "status " + std::to_string(st);
-  }
+  static std::string describe(int st) { return examples::child_process::describe(st); }
 
  private:
-  static std::string read(const std::filesystem::path& p) {
-    std::ifstream in(p);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    return ss.str();
-  }
-
-  std::filesystem::path out_;
-  std::filesystem::path err_;
-  pid_t pid_ = -1;
+  examples::child_process proc_;
 };
 
 /// A store of `blocks` (with their current generations) under `hashes`.
