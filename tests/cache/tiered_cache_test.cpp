@@ -12,6 +12,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "cache/cache_checks.hpp"
 #include "support/asio.hpp"
 
 #include <boost/asio/as_tuple.hpp>
@@ -119,15 +120,7 @@ struct fixture {
   }
 
   // Copies a locked object out and compares it with what was written.
-  bool serves_right_bytes(const chunk_key& k) {
-    std::vector<l1::status> st(1);
-    std::vector<std::span<const std::byte>> v(1);
-    if (cache->pin_for_copy(std::span(&k, 1), st, v) != 1) return false;
-    const auto p = payload(k);
-    const bool same = v[0].size() == p.size() && std::memcmp(v[0].data(), p.data(), p.size()) == 0;
-    cache->unpin_after_copy(std::span(&k, 1));
-    return same;
-  }
+  bool serves_right_bytes(const chunk_key& k) { return test::serves_bytes(*cache, k, payload(k)); }
 
   std::uint64_t last_id = 0;
 };

@@ -3,6 +3,7 @@
 #include <kvtier/io/io_engine.hpp>
 
 #include "io_test_support.hpp"
+#include "support/captured_log.hpp"
 
 #include <kvtier/io/probe.hpp>
 #include <kvtier/telemetry/exposition.hpp>
@@ -24,6 +25,7 @@ namespace {
 
 namespace asio = boost::asio;
 using namespace kvtier;
+using kvtier::test::captured_log;
 
 /// Sets an environment variable for the scope of a test, restoring the old value after.
 class scoped_env {
@@ -43,12 +45,6 @@ class scoped_env {
  private:
   const char* name_;
   std::optional<std::string> old_;
-};
-
-struct captured_log {
-  std::vector<std::string> lines;
-  telemetry::logger log{telemetry::log_level::info, "test",
-                        [this](telemetry::log_level, std::string_view l) { lines.emplace_back(l); }};
 };
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include "alloc_counter.hpp"
 #include "io_test_support.hpp"
+#include "support/captured_log.hpp"
 
 #include <kvtier/io/transfer.hpp>
 #include <kvtier/telemetry/logger.hpp>
@@ -41,6 +42,7 @@ namespace {
 
 namespace asio = boost::asio;
 using namespace kvtier;
+using kvtier::test::captured_log;
 using test::aligned_buffer_of;
 
 struct op_result {
@@ -53,18 +55,6 @@ struct op_result {
       ec = e;
       n = bytes;
     };
-  }
-};
-
-/// A logger whose lines land in a vector.
-struct captured_log {
-  std::vector<std::string> lines;
-  telemetry::logger log{telemetry::log_level::debug, "test",
-                        [this](telemetry::log_level, std::string_view l) { lines.emplace_back(l); }};
-  [[nodiscard]] std::size_t count(std::string_view needle) const {
-    std::size_t n = 0;
-    for (const auto& l : lines) n += l.find(needle) != std::string::npos;
-    return n;
   }
 };
 
@@ -170,7 +160,7 @@ TEST_CASE("a refused registration is logged once, counted, and the memory still 
           "[io][uring][fixed]") {
   KVTIER_REQUIRE_URING();
   asio::io_context ctx;
-  captured_log cap;
+  captured_log cap(telemetry::log_level::debug);
   io::uring_context ring(ctx.get_executor(), {}, &cap.log);
   test::temp_dir dir("kvtier-io");
   const std::string backing = (dir.path() / "backing").string();

@@ -11,6 +11,7 @@
 #include <catch2/catch.hpp>
 
 #include "support/asio.hpp"
+#include "support/captured_log.hpp"
 #include "support/process.hpp"
 
 #include <boost/asio/as_tuple.hpp>
@@ -41,6 +42,7 @@
 using namespace kvtier;
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
+using kvtier::test::captured_log;
 using kvtier::test::run_sync;
 using kvtier::test::temp_dir;
 
@@ -74,17 +76,6 @@ l2::disk_backend_options options_for(const fs::path& p, std::uint64_t capacity =
   o.capacity_bytes = capacity;
   return o;
 }
-
-struct captured_log {
-  std::vector<std::string> lines;
-  telemetry::logger log{telemetry::log_level::info, "test",
-                        [this](telemetry::log_level, std::string_view l) { lines.emplace_back(l); }};
-  [[nodiscard]] std::size_t count(std::string_view needle) const {
-    std::size_t n = 0;
-    for (const auto& l : lines) n += l.find(needle) != std::string::npos ? 1 : 0;
-    return n;
-  }
-};
 
 /// Objects of `bytes` each for keys [first, first + n), in 4 KiB-aligned buffers.
 struct objects {
