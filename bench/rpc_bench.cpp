@@ -8,7 +8,8 @@
 //           key) to a kvtier-server process and waits for the reply;
 //   raw     a forked child echoes over a socketpair: the parent writes as many bytes as the
 //           encoded lookup frame and reads as many as the encoded reply, with blocking
-//           write/read (the floor: two context switches and two copies per direction).
+//           send/read, the client's own calls (the floor: two context switches and two
+//           copies per direction).
 //
 //   kvtier_bench_rpc [--server PATH] [--repeats N] [--calls N] [--quick]
 //
@@ -51,31 +52,11 @@ constexpr std::uint32_t block_size = 16;
 constexpr std::size_t chunks = 39;  // 9984 of 10k tokens
 constexpr std::uint32_t bpc = chunk_tokens / block_size;
 
-bool write_all(int fd, const std::byte* data, std::size_t n) {
-  while (n > 0) {
-    const ssize_t w = ::write(fd, data, n);
-    if (w <= 0) return false;
-    data += w;
-    n -= static_cast<std::size_t>(w);
-  }
-  return true;
-}
-
-bool read_all(int fd, std::byte* data, std::size_t n) {
-  while (n > 0) {
-    const ssize_t r = ::read(fd, data, n);
-    if (r <= 0) return false;
-    data += r;
-    n -= static_cast<std::size_t>(r);
-  }
-  return true;
-}
-
 // The echo process: reads `in` bytes, answers `out` bytes, until EOF.
 [[noreturn]] void echo_child(int fd, std::size_t in, std::size_t out) {
   std::vector<std::byte> buf(std::max(in, out));
-  while (read_all(fd, buf.data(), in))
-    if (!write_all(fd, buf.data(), out)) break;
+  while (bench::read_all(fd, std::span(buf).first(in)))
+    if (!bench::send_all(fd, std::span(buf).first(out))) break;
   ::_exit(0);
 }
 
@@ -171,7 +152,7 @@ int main(int argc, char** argv) {
         c.call(lookup);
         l.push_back(us_since(t0));
         t0 = clock_type::now();
-        if (!write_all(sv[0], req.data(), req.size()) || !read_all(sv[0], rep.data(), rep.size()))
+        if (!bench::send_all(sv[0], req) || !bench::read_all(sv[0], rep))
           throw std::runtime_error("the echo process went away");
         w.push_back(us_since(t0));
         t0 = clock_type::now();

@@ -24,6 +24,28 @@
 
 namespace kvtier::bench {
 
+/// Writes all of `bytes` to `fd` (blocking, MSG_NOSIGNAL); false when the peer went away.
+inline bool send_all(int fd, std::span<const std::byte> bytes) {
+  while (!bytes.empty()) {
+    const ssize_t w = ::send(fd, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) return false;
+    bytes = bytes.subspan(static_cast<std::size_t>(w));
+  }
+  return true;
+}
+
+/// Reads exactly `out.size()` bytes from `fd` (blocking); false on EOF or an error.
+inline bool read_all(int fd, std::span<std::byte> out) {
+  while (!out.empty()) {
+    const ssize_t r = ::read(fd, out.data(), out.size());
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) return false;
+    out = out.subspan(static_cast<std::size_t>(r));
+  }
+  return true;
+}
+
 class protocol_client {
  public:
   explicit protocol_client(const std::string& socket_path) {
@@ -75,34 +97,25 @@ class protocol_client {
       if (::sendmsg(fd_, &msg, MSG_NOSIGNAL) != 1) fail("sendmsg");
       bytes = bytes.subspan(1);
     }
-    while (!bytes.empty()) {
-      const ssize_t w = ::send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL);
-      if (w < 0 && errno == EINTR) continue;
-      if (w <= 0) fail("send");
-      bytes = bytes.subspan(static_cast<std::size_t>(w));
-    }
+    if (!send_all(fd_, bytes)) fail("send");
   }
 
-  void read_exact(std::byte* p, std::size_t n) {
-    while (n > 0) {
-      const ssize_t r = ::read(fd_, p, n);
-      if (r < 0 && errno == EINTR) continue;
-      if (r == 0) throw std::runtime_error("the server closed the connection");
-      if (r < 0) fail("read");
-      p += r;
-      n -= static_cast<std::size_t>(r);
-    }
+  void read_exact(std::span<std::byte> out) {
+    errno = 0;
+    if (read_all(fd_, out)) return;
+    if (errno == 0) throw std::runtime_error("the server closed the connection");
+    fail("read");
   }
 
   protocol::message read_reply(std::uint64_t id) {
     std::byte head[protocol::frame_header_size];
-    read_exact(head, sizeof(head));
+    read_exact(head);
     if (auto e = protocol::check_header(std::span<const std::byte>(head, sizeof(head))))
       throw std::runtime_error("bad reply header: " + e->reason);
     const protocol::frame_header h = protocol::read_header(std::span<const std::byte, protocol::frame_header_size>(head));
     if (h.call_id != id) throw std::runtime_error("a reply with another call id");
     body_.resize(h.body_bytes);
-    read_exact(body_.data(), body_.size());
+    read_exact(body_);
     auto m = protocol::decode_message(h, body_);
     if (!m) throw std::runtime_error("undecodable reply: " + m.error().reason);
     return std::move(*m);
