@@ -29,8 +29,7 @@ inline void add_disk_backend_type(backend_factory& f) {
                const std::string where = r.prefix();
                l2::disk_backend_options o;
                try {
-                 o = r.rest().get<l2::disk_backend_options>();
-                 o.validate();
+                 o = r.rest().get<l2::disk_backend_options>();  // validates too
                } catch (const std::invalid_argument& e) {
                  throw config_error(where.substr(0, where.size() - 1), "disk", e.what());
                }
