@@ -53,9 +53,12 @@ std::size_t llc_bytes() {
   std::string s;
   if (!(f >> s) || s.empty()) return std::size_t{32} << 20;
   std::size_t mult = 1;
-  if (s.back() == 'K') mult = 1024, s.pop_back();
-  else if (s.back() == 'M') mult = std::size_t{1} << 20, s.pop_back();
-  else if (s.back() == 'G') mult = std::size_t{1} << 30, s.pop_back();
+  if (s.back() == 'K')
+    mult = 1024, s.pop_back();
+  else if (s.back() == 'M')
+    mult = std::size_t{1} << 20, s.pop_back();
+  else if (s.back() == 'G')
+    mult = std::size_t{1} << 30, s.pop_back();
   try {
     const std::size_t v = std::stoull(s) * mult;
     return v ? v : std::size_t{32} << 20;
@@ -201,10 +204,10 @@ void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, 
   const std::size_t obj = f.chunk().object_bytes();
   // ~256 MiB per sweep: 8 chunks of 32 MiB, 85 of 3 MiB; tens of ms at 10 GB/s.
   const std::size_t sweep = std::max<std::size_t>(1, (std::size_t{256} << 20) / obj);
-  std::printf("shape %s: chunk %zu KiB, segment %zu KiB, %zu chunks in rotation, working set %zu MiB, "
-              "%zu chunks per sweep, %d repeats\n",
-              sc.name, obj >> 10, f.view().layout.segment_bytes() >> 10, f.num_chunks(), f.working_set() >> 20,
-              sweep, repeats);
+  std::printf(
+      "shape %s: chunk %zu KiB, segment %zu KiB, %zu chunks in rotation, working set %zu MiB, "
+      "%zu chunks per sweep, %d repeats\n",
+      sc.name, obj >> 10, f.view().layout.segment_bytes() >> 10, f.num_chunks(), f.working_set() >> 20, sweep, repeats);
   // Warm up code paths and the CPU probe.
   run_sweep(f, 2, op_memcpy);
   run_sweep(f, 2, op_gather);
@@ -235,15 +238,15 @@ void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, 
     if (gather)  // the physical limit of a copy that writes around the cache: one whole chunk
       vars.push_back({"contiguous_streaming_copy", [](fixture& ff, const fixture::slot& sl) {
                         detail::select_copy(transfer_write::streaming, 0)(sl.object, sl.region_slice,
-                                                                      ff.chunk().object_bytes());
+                                                                          ff.chunk().object_bytes());
                         detail::store_fence();
                       }});
     vars.push_back({d + "_naive_memcpy", pick(naive_copy<true>, naive_copy<false>)});
-    vars.push_back({d + "_hoisted_memcpy", pick(with_copy<true>(&detail::copy_cached, 0),
-                                                 with_copy<false>(&detail::copy_cached, 0))});
+    vars.push_back({d + "_hoisted_memcpy",
+                    pick(with_copy<true>(&detail::copy_cached, 0), with_copy<false>(&detail::copy_cached, 0))});
     if (gather)
-      vars.push_back({d + "_hoisted_memcpy_prefetch8", pick(with_copy<true>(&detail::copy_cached, 8),
-                                                             with_copy<false>(&detail::copy_cached, 8))});
+      vars.push_back({d + "_hoisted_memcpy_prefetch8",
+                      pick(with_copy<true>(&detail::copy_cached, 8), with_copy<false>(&detail::copy_cached, 8))});
     for (const auto& c : detail::available_copies()) {
       if (std::string_view(c.name) == "memcpy") continue;
       for (std::size_t lines : {0, 4, 8, 16, 64}) {
@@ -252,11 +255,10 @@ void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, 
                         pick(with_copy<true>(c.copy, lines), with_copy<false>(c.copy, lines))});
       }
     }
-    vars.push_back({d + "_consecutive_ids_cached", pick(with_mode<true>(transfer_write::cached),
-                                                         with_mode<false>(transfer_write::cached)),
-                    true});
-    vars.push_back({d + "_consecutive_ids_auto", pick(with_mode<true>(transfer_write::automatic),
-                                                       with_mode<false>(transfer_write::automatic)),
+    vars.push_back({d + "_consecutive_ids_cached",
+                    pick(with_mode<true>(transfer_write::cached), with_mode<false>(transfer_write::cached)), true});
+    vars.push_back({d + "_consecutive_ids_auto",
+                    pick(with_mode<true>(transfer_write::automatic), with_mode<false>(transfer_write::automatic)),
                     true});
   }
   std::erase_if(vars, [&](const variant& v) { return v.name.find(only) == std::string::npos; });
@@ -281,10 +283,14 @@ int main(int argc, char** argv) {
   std::string only;  // --explore=<substring>: only the variants whose name contains it
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") quick = true;
-    else if (a == "--explore") explore = true;
-    else if (a.starts_with("--explore=")) explore = true, only = a.substr(10);
-    else if (a.starts_with("--repeats=")) repeats = std::max(1, std::atoi(a.c_str() + 10));
+    if (a == "--quick")
+      quick = true;
+    else if (a == "--explore")
+      explore = true;
+    else if (a.starts_with("--explore="))
+      explore = true, only = a.substr(10);
+    else if (a.starts_with("--repeats="))
+      repeats = std::max(1, std::atoi(a.c_str() + 10));
     else {
       std::fprintf(stderr, "usage: %s [--quick] [--repeats=N] [--explore[=<substring>]]\n", argv[0]);
       return 2;
@@ -295,8 +301,8 @@ int main(int argc, char** argv) {
   const std::size_t ws = 4 * llc;  // per buffer: the region, and the object pool
   std::printf("LLC %zu MiB; region and object pool each >= %zu MiB\n", llc >> 20, ws >> 20);
   const shape_case shapes[] = {
-      {"8b", {32, 8, 128, 2, attention_kind::mha}},
-      {"05b", {24, 2, 64, 2, attention_kind::mha}},
+      {"8b", {32, 8, 128, dtype_kind::bf16, attention_kind::mha}},
+      {"05b", {24, 2, 64, dtype_kind::bf16, attention_kind::mha}},
   };
   for (const auto& sc : shapes) run_shape(sc, ws, repeats, explore, only);
 }

@@ -76,10 +76,14 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) throw std::invalid_argument(a + " needs a value");
       return argv[++i];
     };
-    if (a == "--server") server_path = value();
-    else if (a == "--repeats") repeats = std::stoi(value());
-    else if (a == "--calls") calls = std::stoi(value());
-    else if (a == "--quick") repeats = 5, calls = 200;
+    if (a == "--server")
+      server_path = value();
+    else if (a == "--repeats")
+      repeats = std::stoi(value());
+    else if (a == "--calls")
+      calls = std::stoi(value());
+    else if (a == "--quick")
+      repeats = 5, calls = 200;
     else {
       std::fprintf(stderr, "usage: kvtier_bench_rpc [--server PATH] [--repeats N] [--calls N] [--quick]\n");
       return 2;
@@ -118,14 +122,14 @@ int main(int argc, char** argv) {
   const std::string socket = (dir / "kvtier.sock").string();
   int rc = 0;
   {
-    examples::child_process server(server_path, {"--socket", socket, "--l1-size-mb", "512", "--log-level", "warn"},
-                                   dir, "server");
+    examples::child_process server(server_path, {"--socket", socket, "--l1-size-mb", "512", "--log-level", "warn"}, dir,
+                                   "server");
     if (!examples::wait_listening(server, socket, std::chrono::seconds(30))) {
       std::fprintf(stderr, "kvtier_bench_rpc: kvtier-server did not start:\n%s\n", server.stderr_text().c_str());
       return 1;
     }
     // Register a region (0.5B shape) and store the prompt's chunks, so every lookup hits L1.
-    const model_shape shape{.num_layers = 24, .num_kv_heads = 2, .head_dim = 64, .dtype_bytes = 2};
+    const model_shape shape{.num_layers = 24, .num_kv_heads = 2, .head_dim = 64, .dtype = dtype_kind::bf16};
     const std::uint32_t num_blocks = chunks * bpc + 16;
     auto region = engine::kv_region::create(paged_kv_layout{shape, block_size, num_blocks}).value();
     bench::protocol_client c(socket);
@@ -165,8 +169,8 @@ int main(int argc, char** argv) {
       query_med.push_back(bench::median(qq));
     }
     c.call(p::end_request_request{key});
-    std::printf("frames: lookup %zu bytes, reply %zu bytes; %d repeats of %d calls each, interleaved\n",
-                request_bytes, reply_bytes, repeats, calls);
+    std::printf("frames: lookup %zu bytes, reply %zu bytes; %d repeats of %d calls each, interleaved\n", request_bytes,
+                reply_bytes, repeats, calls);
     bench::print_result("lookup_rtt_us", bench::median(lookup_med));
     bench::print_result("query_rtt_us", bench::median(query_med));
     bench::print_result("raw_rtt_us", bench::median(raw_med));

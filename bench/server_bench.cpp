@@ -187,8 +187,8 @@ int main(int argc, char** argv) {
     const char* tag;
     model_shape shape;
   };
-  std::vector<shape_case> shapes = {{"05b", {24, 2, 64, 2, attention_kind::mha}}};
-  if (!quick) shapes.push_back({"8b", {32, 8, 128, 2, attention_kind::mha}});
+  std::vector<shape_case> shapes = {{"05b", {24, 2, 64, dtype_kind::bf16, attention_kind::mha}}};
+  if (!quick) shapes.push_back({"8b", {32, 8, 128, dtype_kind::bf16, attention_kind::mha}});
   for (const auto& s : shapes) {
     const shape_result r = measure(s.tag, s.shape, s.tag == std::string("8b") ? std::max(3, repeats / 2) : repeats);
     const double gb = static_cast<double>(r.bytes) / 1e9;

@@ -59,6 +59,7 @@
 namespace kc = kvtier::cuda;
 using kvtier::attention_kind;
 using kvtier::chunk_layout;
+using kvtier::dtype_kind;
 using kvtier::gather_item;
 using kvtier::paged_kv_layout;
 using kvtier::scatter_item;
@@ -138,10 +139,11 @@ shape_results run_shape(const shape_case& sc, const options& opt) {
   const std::size_t batches = ob >= (std::size_t{16} << 20) ? 2 : 8;
   const std::size_t groups = batches;  // each batch of a sample has its own blocks and slots
 
-  std::printf("\nshape %s: %u layers, %u KV heads, head dim %u, chunk %zu KiB, segment %zu KiB, %u blocks, "
-              "%zu batches of %zu chunks per sample (%zu MiB)\n",
-              sc.name, layout.model.num_layers, layout.model.num_kv_heads, layout.model.head_dim, ob >> 10,
-              layout.segment_bytes() >> 10, layout.num_blocks, batches, batch, (batches * batch * ob) >> 20);
+  std::printf(
+      "\nshape %s: %u layers, %u KV heads, head dim %u, chunk %zu KiB, segment %zu KiB, %u blocks, "
+      "%zu batches of %zu chunks per sample (%zu MiB)\n",
+      sc.name, layout.model.num_layers, layout.model.num_kv_heads, layout.model.head_dim, ob >> 10,
+      layout.segment_bytes() >> 10, layout.num_blocks, batches, batch, (batches * batch * ob) >> 20);
 
   // The paged KV cache on the device: one allocation, layers back to back.
   void* region_v = nullptr;
@@ -163,7 +165,7 @@ shape_results run_shape(const shape_case& sc, const options& opt) {
   ro.log = [](std::string_view m) { std::printf("%.*s\n", static_cast<int>(m.size()), m.data()); };
   kc::host_registration reg = kc::host_registration::register_range(arena.span(), ro, ec);
   must(ec, "host_registration::register_range");
-  std::byte* slots = arena.data();                           // copy_engine objects
+  std::byte* slots = arena.data();                             // copy_engine objects
   std::byte* contiguous = arena.data() + groups * batch * ob;  // memcpy baseline
   void* dev_contig_v = nullptr;
   must(cudaMalloc(&dev_contig_v, groups * batch * ob), "cudaMalloc baseline");
@@ -215,7 +217,8 @@ shape_results run_shape(const shape_case& sc, const options& opt) {
     std::vector<std::byte> mirror(layout.total_bytes());
     must(cudaMemcpy(mirror.data(), region, mirror.size(), cudaMemcpyDeviceToHost), "download region");
     std::vector<std::byte*> host_layers;
-    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) host_layers.push_back(mirror.data() + l * layout.layer_bytes());
+    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l)
+      host_layers.push_back(mirror.data() + l * layout.layer_bytes());
     const kvtier::paged_kv_view host_view{layout, host_layers};
     std::vector<std::byte> expect(batch * ob);
     for (kc::copy_engine* e : {&staged, &zero_copy}) {
@@ -250,7 +253,8 @@ shape_results run_shape(const shape_case& sc, const options& opt) {
         std::printf("MISMATCH: %s retrieve, shape %s: the paged cache differs from the CPU scatter\n", mode, sc.name);
         std::exit(1);
       }
-      std::printf("correctness %s: store and retrieve of %zu chunks (skips 0..256) == CPU, byte for byte\n", mode, batch);
+      std::printf("correctness %s: store and retrieve of %zu chunks (skips 0..256) == CPU, byte for byte\n", mode,
+                  batch);
     }
   }
 
@@ -271,7 +275,8 @@ shape_results run_shape(const shape_case& sc, const options& opt) {
   };
   auto time_store = [&](kc::copy_engine& e) {
     const auto t0 = std::chrono::steady_clock::now();
-    for (std::size_t g = 0; g < batches; ++g) must(e.store(gather_batch(g), nullptr, g + 1 == batches ? done : nullptr), "store");
+    for (std::size_t g = 0; g < batches; ++g)
+      must(e.store(gather_batch(g), nullptr, g + 1 == batches ? done : nullptr), "store");
     must(cudaEventSynchronize(done), "store sync");
     return seconds_since(t0);
   };
@@ -301,7 +306,9 @@ shape_results run_shape(const shape_case& sc, const options& opt) {
     return kvtier::bench::median(v);
   };
   // a_vs_b on throughput = b_time / a_time, per repeat.
-  auto ratio = [&](const series& op, const series& base) { return kvtier::bench::median_ratio(base.seconds, op.seconds); };
+  auto ratio = [&](const series& op, const series& base) {
+    return kvtier::bench::median_ratio(base.seconds, op.seconds);
+  };
 
   const std::string n = sc.name;
   shape_results out;
@@ -319,8 +326,9 @@ shape_results run_shape(const shape_case& sc, const options& opt) {
     kvtier::bench::print_result("cuda_gather_zero_copy_vs_memcpy_" + n, ratio(g_zc, m_d2h));
     kvtier::bench::print_result("cuda_scatter_zero_copy_vs_memcpy_" + n, ratio(s_zc, m_h2d));
   }
-  kvtier::bench::print_result("cuda_host_register_" + n + "_gibps",
-                              static_cast<double>(reg.stats().bytes) / double(1u << 30) / std::max(reg.stats().seconds, 1e-9));
+  kvtier::bench::print_result(
+      "cuda_host_register_" + n + "_gibps",
+      static_cast<double>(reg.stats().bytes) / double(1u << 30) / std::max(reg.stats().seconds, 1e-9));
 
   must(cudaEventDestroy(done), "event destroy");
   must(cudaStreamDestroy(base_stream), "stream destroy");
@@ -355,13 +363,13 @@ int main(int argc, char** argv) {
   must(cudaSetDevice(0), "cudaSetDevice");
   cudaDeviceProp prop{};
   must(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
-  std::printf("device 0: %s, %zu GiB, %d SMs; %u host threads; %d repeats\n", prop.name,
-              prop.totalGlobalMem >> 30, prop.multiProcessorCount, std::thread::hardware_concurrency(), opt.repeats);
+  std::printf("device 0: %s, %zu GiB, %d SMs; %u host threads; %d repeats\n", prop.name, prop.totalGlobalMem >> 30,
+              prop.multiProcessorCount, std::thread::hardware_concurrency(), opt.repeats);
 
   // 8b: 1024 blocks (2 GiB of KV); 05b: 4096 blocks (768 MiB).
   const shape_case shapes[] = {
-      {"8b", {{32, 8, 128, 2, attention_kind::mha}, 16, 1024}},
-      {"05b", {{24, 2, 64, 2, attention_kind::mha}, 16, 4096}},
+      {"8b", {{32, 8, 128, dtype_kind::bf16, attention_kind::mha}, 16, 1024}},
+      {"05b", {{24, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 4096}},
   };
   double gather = 1e300, scatter = 1e300;
   bool any = false;

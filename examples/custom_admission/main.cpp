@@ -37,7 +37,7 @@ int main() {
   using namespace kvtier;
   boost::asio::io_context io;
   bus::null_bus events;
-  const chunk_layout layout{{24, 2, 64, 2, attention_kind::mha}, 256};  // 3 MiB chunks
+  const chunk_layout layout{{24, 2, 64, dtype_kind::bf16, attention_kind::mha}, 256};  // 3 MiB chunks
 
   auto disk_standin = std::make_shared<l2::memory_backend>(io.get_executor(), l2::memory_backend_options{"l2"});
   cache::cache_options options;
@@ -60,7 +60,7 @@ int main() {
     return keys.size();
   };
 
-  const std::size_t short_chunks = write_prompt(1024, 0);     // 4 chunks: below the bar
+  const std::size_t short_chunks = write_prompt(1024, 0);      // 4 chunks: below the bar
   const std::size_t long_chunks = write_prompt(10240, 50000);  // 40 chunks: admitted
   boost::asio::co_spawn(io, cache.wait_idle(), [&](std::exception_ptr) { io.stop(); });
   io.run();

@@ -16,7 +16,8 @@ int main(int argc, char** argv) {
   auto level = telemetry::log_level::info;
   for (int i = 1; i + 1 < argc; ++i)
     if (std::strcmp(argv[i], "--log-level") == 0) {
-      if (auto l = telemetry::parse_log_level(argv[i + 1])) level = *l;
+      if (auto l = telemetry::parse_log_level(argv[i + 1]))
+        level = *l;
       else {
         std::fprintf(stderr, "unknown log level '%s': use trace, debug, info, warn, error or off\n", argv[i + 1]);
         return 2;
@@ -31,7 +32,7 @@ int main(int argc, char** argv) {
   events.start_drain_thread();
 
   // A 10,000-token prompt of a 0.5B-class model: 39 full chunks of 256 tokens (3 MiB each).
-  const model_shape shape{24, 2, 64, 2, attention_kind::mha};
+  const model_shape shape{24, 2, 64, dtype_kind::bf16, attention_kind::mha};
   const chunk_layout layout{shape, 256};
   const token_hasher hasher(layout.chunk_tokens);
   std::vector<token_id> prompt(10'000);

@@ -173,10 +173,14 @@ struct shape_preset {
 // KV geometry of real models (bf16): bytes per 256-token chunk in brackets.
 const std::vector<shape_preset>& presets() {
   static const std::vector<shape_preset> p = {
-      {"tiny", {4, 2, 64, 2, kvtier::attention_kind::mha}, "4 layers, 2 KV heads, head dim 64 (0.5 MiB)"},
-      {"0.5b", {24, 2, 64, 2, kvtier::attention_kind::mha}, "Qwen2.5-0.5B: 24 layers, 2 KV heads, head dim 64 (3 MiB)"},
+      {"tiny",
+       {4, 2, 64, kvtier::dtype_kind::bf16, kvtier::attention_kind::mha},
+       "4 layers, 2 KV heads, head dim 64 (0.5 MiB)"},
+      {"0.5b",
+       {24, 2, 64, kvtier::dtype_kind::bf16, kvtier::attention_kind::mha},
+       "Qwen2.5-0.5B: 24 layers, 2 KV heads, head dim 64 (3 MiB)"},
       {"8b",
-       {32, 8, 128, 2, kvtier::attention_kind::mha},
+       {32, 8, 128, kvtier::dtype_kind::bf16, kvtier::attention_kind::mha},
        "Llama-3.1-8B: 32 layers, 8 KV heads, head dim 128 (32 MiB)"},
   };
   return p;

@@ -49,7 +49,8 @@ using metrics_bus = kvtier::bus::basic_event_bus<kvtier::telemetry::metrics_subs
 using connector_type = kvtier::engine::connector<metrics_bus>;
 
 struct engine_config {
-  kvtier::model_shape shape{24, 2, 64, 2, kvtier::attention_kind::mha};  ///< the whole model (all ranks)
+  kvtier::model_shape shape{24, 2, 64, kvtier::dtype_kind::bf16,
+                            kvtier::attention_kind::mha};  ///< the whole model (all ranks)
   std::uint32_t block_size = 16;
   std::uint32_t num_blocks = 4096;  ///< per rank: 65,536 tokens (0.8 GB for the default shape)
   std::uint32_t chunk_tokens = 256;
@@ -65,7 +66,7 @@ struct engine_config {
   /// each retrieve and its last (a sample that still catches a wrong block or chunk, at 1/n
   /// of the cost: checking costs as much as computing, which would hide what the cache saves).
   std::uint32_t verify_every = 1;
-  std::string socket_path;            ///< empty: no connector at all
+  std::string socket_path;  ///< empty: no connector at all
   std::string model_name = "mini-engine";
   kvtier::engine::connector_timeouts timeouts{};
   std::chrono::milliseconds connect_wait{3000};  ///< wait_ready at start (0: do not wait)
@@ -93,9 +94,9 @@ struct run_report {
   std::vector<request_report> requests;
   double duration_s = 0;
   std::size_t completed = 0;
-  std::size_t wrong_outputs = 0;        ///< output tokens that did not match
-  std::size_t corrupt_rows = 0;         ///< retrieved KV rows that did not match recomputation
-  std::size_t duplicate_finished = 0;   ///< ids reported finished twice by a connector
+  std::size_t wrong_outputs = 0;       ///< output tokens that did not match
+  std::size_t corrupt_rows = 0;        ///< retrieved KV rows that did not match recomputation
+  std::size_t duplicate_finished = 0;  ///< ids reported finished twice by a connector
   std::size_t load_error_blocks = 0;
   std::size_t tokens_total = 0;
   std::size_t tokens_from_cache = 0;
@@ -179,11 +180,11 @@ class engine {
     clock::time_point arrival{};
     std::size_t hit_tokens = 0;
     std::size_t retrieved_tokens = 0;
-    std::size_t computed = 0;           ///< tokens whose KV is in the blocks
-    std::size_t retrieve_pending = 0;   ///< ranks whose retrieve has not finished
-    std::size_t send_pending = 0;       ///< ranks that have not reported finished sending
+    std::size_t computed = 0;          ///< tokens whose KV is in the blocks
+    std::size_t retrieve_pending = 0;  ///< ranks whose retrieve has not finished
+    std::size_t send_pending = 0;      ///< ranks that have not reported finished sending
     bool finished_by_engine = false;
-    bool reported = false;              ///< passed to get_finished
+    bool reported = false;  ///< passed to get_finished
     request_report report;
   };
 
@@ -203,8 +204,8 @@ class engine {
   std::deque<std::uint32_t> free_;
   std::vector<std::uint32_t> held_;  ///< freed blocks that were quarantined: not allocatable yet
   std::atomic<bool> cancelled_{false};
-  std::size_t verify_rows_ = 0;      ///< retrieved rows that did not match recomputation (this run)
-  std::size_t pending_errors_ = 0;   ///< load error blocks (this run)
+  std::size_t verify_rows_ = 0;          ///< retrieved rows that did not match recomputation (this run)
+  std::size_t pending_errors_ = 0;       ///< load error blocks (this run)
   std::set<std::uint32_t> load_errors_;  ///< every rank's load-error blocks not yet claimed by their request
 };
 

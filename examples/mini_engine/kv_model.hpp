@@ -41,7 +41,7 @@ inline std::vector<std::uint64_t> prefix_hashes(std::span<const kvtier::token_id
 
 /// Which slice of the model this engine process (rank) holds.
 struct shard {
-  kvtier::model_shape shape;      ///< per-rank shape (num_kv_heads = global heads / world_size)
+  kvtier::model_shape shape;  ///< per-rank shape (num_kv_heads = global heads / world_size)
   std::uint32_t rank = 0;
   std::uint32_t world_size = 1;
   [[nodiscard]] std::uint32_t global_head(std::uint32_t local) const noexcept {
@@ -73,7 +73,7 @@ inline std::size_t write_or_verify(const kvtier::engine::kv_region& region, cons
                                    std::span<const std::uint64_t> hashes, std::span<const std::uint32_t> blocks,
                                    std::size_t first, std::size_t last, bool compute, std::size_t stride = 1) {
   const auto& layout = region.layout();
-  const std::size_t row_bytes = std::size_t{s.shape.head_dim} * s.shape.dtype_bytes;
+  const std::size_t row_bytes = std::size_t{s.shape.head_dim} * s.shape.dtype_bytes();
   std::vector<std::byte> expected(row_bytes);
   std::size_t bad = 0;
   for (std::size_t t = first; t < last; ++t) {

@@ -37,6 +37,7 @@ enum class errc : int {
   not_registered,        ///< the client has not registered the region it refers to
   shutting_down,         ///< the component is stopping and takes no new work
   unsupported,           ///< the kernel or build lacks a feature (io_uring, CUDA, ...)
+  no_kv_region,          ///< the connection registered without a KV region (a scheduler)
 };
 
 namespace detail {
@@ -52,26 +53,48 @@ class kvtier_category final : public boost::system::error_category {
 
   [[nodiscard]] static const char* describe(int ev) noexcept {
     switch (static_cast<errc>(ev)) {
-      case errc::invalid_argument: return "invalid argument";
-      case errc::invalid_config: return "invalid configuration";
-      case errc::out_of_memory: return "out of L1 memory";
-      case errc::not_found: return "not found";
-      case errc::wrong_state: return "object in wrong state";
-      case errc::locked: return "object is locked";
-      case errc::timeout: return "deadline expired";
-      case errc::cancelled: return "operation cancelled";
-      case errc::io_error: return "I/O error";
-      case errc::no_space: return "no space left in backend";
-      case errc::corrupt_object: return "stored object is corrupt";
-      case errc::backend_unavailable: return "L2 backend unavailable";
-      case errc::protocol_error: return "protocol error";
-      case errc::version_mismatch: return "protocol version mismatch";
-      case errc::message_too_large: return "message too large";
-      case errc::server_unavailable: return "cache server unavailable";
-      case errc::layout_mismatch: return "KV layout mismatch";
-      case errc::not_registered: return "KV region not registered";
-      case errc::shutting_down: return "shutting down";
-      case errc::unsupported: return "not supported here";
+      case errc::invalid_argument:
+        return "invalid argument";
+      case errc::invalid_config:
+        return "invalid configuration";
+      case errc::out_of_memory:
+        return "out of L1 memory";
+      case errc::not_found:
+        return "not found";
+      case errc::wrong_state:
+        return "object in wrong state";
+      case errc::locked:
+        return "object is locked";
+      case errc::timeout:
+        return "deadline expired";
+      case errc::cancelled:
+        return "operation cancelled";
+      case errc::io_error:
+        return "I/O error";
+      case errc::no_space:
+        return "no space left in backend";
+      case errc::corrupt_object:
+        return "stored object is corrupt";
+      case errc::backend_unavailable:
+        return "L2 backend unavailable";
+      case errc::protocol_error:
+        return "protocol error";
+      case errc::version_mismatch:
+        return "protocol version mismatch";
+      case errc::message_too_large:
+        return "message too large";
+      case errc::server_unavailable:
+        return "cache server unavailable";
+      case errc::layout_mismatch:
+        return "KV layout mismatch";
+      case errc::not_registered:
+        return "KV region not registered";
+      case errc::shutting_down:
+        return "shutting down";
+      case errc::unsupported:
+        return "not supported here";
+      case errc::no_kv_region:
+        return "registered without a KV region";
     }
     return "unknown kvtier error";
   }
@@ -85,9 +108,7 @@ inline const boost::system::error_category& kvtier_category() noexcept {
   return instance;
 }
 
-inline error_code make_error_code(errc e) noexcept {
-  return {static_cast<int>(e), kvtier_category()};
-}
+inline error_code make_error_code(errc e) noexcept { return {static_cast<int>(e), kvtier_category()}; }
 
 /// `result<T>`: a value or an error_code (boost::system::result), for synchronous calls.
 template <class T>

@@ -8,7 +8,7 @@
 
 int main() {
   using namespace kvtier;
-  const model_shape shape{24, 2, 64, 2, attention_kind::mha};
+  const model_shape shape{24, 2, 64, dtype_kind::bf16, attention_kind::mha};
   const token_hasher hasher(256);
   std::vector<token_id> tokens(1024);
   std::iota(tokens.begin(), tokens.end(), 0u);

@@ -5,24 +5,24 @@
 using namespace kvtier;
 
 namespace {
-constexpr model_shape llama8b{32, 8, 128, 2, attention_kind::mha};
-constexpr model_shape qwen05b{24, 2, 64, 2, attention_kind::mha};
+constexpr model_shape llama8b{32, 8, 128, dtype_kind::bf16, attention_kind::mha};
+constexpr model_shape qwen05b{24, 2, 64, dtype_kind::bf16, attention_kind::mha};
 }  // namespace
 
 TEST_CASE("chunk_layout sizes match the issue's reference shapes", "[core][kv_layout]") {
   const chunk_layout c8{llama8b, 256};
-  CHECK(llama8b.token_bytes() == 128 * 1024);        // 128 KiB per token
-  CHECK(c8.object_bytes() == 32ull * 1024 * 1024);   // 32 MiB per chunk
+  CHECK(llama8b.token_bytes() == 128 * 1024);       // 128 KiB per token
+  CHECK(c8.object_bytes() == 32ull * 1024 * 1024);  // 32 MiB per chunk
   const chunk_layout c05{qwen05b, 256};
-  CHECK(c05.object_bytes() == 3ull * 1024 * 1024);   // 3 MiB per chunk
+  CHECK(c05.object_bytes() == 3ull * 1024 * 1024);  // 3 MiB per chunk
   const paged_kv_layout p8{llama8b, 16, 100};
-  CHECK(p8.segment_bytes() == 32 * 1024);            // 32 KiB per block segment
+  CHECK(p8.segment_bytes() == 32 * 1024);  // 32 KiB per block segment
   const paged_kv_layout p05{qwen05b, 16, 100};
-  CHECK(p05.segment_bytes() == 4 * 1024);            // 4 KiB per block segment
+  CHECK(p05.segment_bytes() == 4 * 1024);  // 4 KiB per block segment
 }
 
 TEST_CASE("chunk_layout offsets are layer-major, then plane, then token", "[core][kv_layout]") {
-  const chunk_layout c{{2, 1, 4, 2, attention_kind::mha}, 8};  // 8 bytes per token-plane
+  const chunk_layout c{{2, 1, 4, dtype_kind::bf16, attention_kind::mha}, 8};  // 8 bytes per token-plane
   CHECK(c.slab_bytes() == 64);
   CHECK(c.offset(0, 0, 0) == 0);
   CHECK(c.offset(0, 1, 0) == 64);
@@ -31,7 +31,7 @@ TEST_CASE("chunk_layout offsets are layer-major, then plane, then token", "[core
 }
 
 TEST_CASE("MLA layouts have one plane", "[core][kv_layout]") {
-  const model_shape mla{61, 1, 576, 2, attention_kind::mla};
+  const model_shape mla{61, 1, 576, dtype_kind::bf16, attention_kind::mla};
   CHECK(mla.planes() == 1);
   CHECK(mla.validation_error().empty());
   const paged_kv_layout p{mla, 64, 10};
@@ -45,8 +45,8 @@ TEST_CASE("MLA layouts have one plane", "[core][kv_layout]") {
 TEST_CASE("layout validation says what is wrong", "[core][kv_layout]") {
   CHECK(model_shape{}.validation_error() == "num_layers must be in 1..1024");
   model_shape s = qwen05b;
-  s.dtype_bytes = 3;
-  CHECK(s.validation_error() == "dtype_bytes must be 1, 2 or 4");
+  s.dtype = static_cast<dtype_kind>(9);
+  CHECK(s.validation_error() == "unknown dtype kind");
   const paged_kv_layout p{qwen05b, 16, 64};
   CHECK(p.validation_error().empty());
   CHECK(p.compatibility_error(chunk_layout{qwen05b, 256}).empty());

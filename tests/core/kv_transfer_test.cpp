@@ -127,7 +127,8 @@ std::vector<std::uint32_t> make_ids(std::size_t n, std::uint32_t num_blocks, id_
       ids.assign(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(n));
       break;
     case id_order::repeated:  // few distinct blocks, each used several times
-      for (std::size_t i = 0; i < n; ++i) ids.push_back(static_cast<std::uint32_t>(rng() % std::min<std::uint32_t>(3, num_blocks)));
+      for (std::size_t i = 0; i < n; ++i)
+        ids.push_back(static_cast<std::uint32_t>(rng() % std::min<std::uint32_t>(3, num_blocks)));
       break;
   }
   return ids;
@@ -143,17 +144,17 @@ struct transfer_case {
 
 std::vector<transfer_case> transfer_cases() {
   return {
-      {"MHA, block size 1, one block", {3, 2, 4, 2, attention_kind::mha}, 1, 1, 5},
-      {"MHA, block size 1, many blocks", {3, 2, 4, 2, attention_kind::mha}, 1, 37, 50},
-      {"MHA, block size 16, one block", {4, 2, 8, 2, attention_kind::mha}, 16, 1, 4},
-      {"MHA, block size 16, many blocks", {4, 2, 8, 2, attention_kind::mha}, 16, 16, 40},
-      {"MHA, block size 64, fp32", {2, 1, 16, 4, attention_kind::mha}, 64, 3, 9},
-      {"MHA, odd token bytes (fp8, 3 x 5)", {2, 3, 5, 1, attention_kind::mha}, 16, 5, 11},
-      {"MLA, block size 1", {2, 1, 10, 1, attention_kind::mla}, 1, 9, 12},
-      {"MLA, block size 16", {3, 1, 72, 2, attention_kind::mla}, 16, 4, 10},
-      {"MLA, block size 64, one block", {2, 1, 36, 2, attention_kind::mla}, 64, 1, 3},
+      {"MHA, block size 1, one block", {3, 2, 4, dtype_kind::bf16, attention_kind::mha}, 1, 1, 5},
+      {"MHA, block size 1, many blocks", {3, 2, 4, dtype_kind::bf16, attention_kind::mha}, 1, 37, 50},
+      {"MHA, block size 16, one block", {4, 2, 8, dtype_kind::bf16, attention_kind::mha}, 16, 1, 4},
+      {"MHA, block size 16, many blocks", {4, 2, 8, dtype_kind::bf16, attention_kind::mha}, 16, 16, 40},
+      {"MHA, block size 64, fp32", {2, 1, 16, dtype_kind::fp32, attention_kind::mha}, 64, 3, 9},
+      {"MHA, odd token bytes (fp8, 3 x 5)", {2, 3, 5, dtype_kind::fp8_e4m3, attention_kind::mha}, 16, 5, 11},
+      {"MLA, block size 1", {2, 1, 10, dtype_kind::fp8_e4m3, attention_kind::mla}, 1, 9, 12},
+      {"MLA, block size 16", {3, 1, 72, dtype_kind::bf16, attention_kind::mla}, 16, 4, 10},
+      {"MLA, block size 64, one block", {2, 1, 36, dtype_kind::bf16, attention_kind::mla}, 64, 1, 3},
       // The 8B model's 32 KiB segments (2 layers only, to stay quick).
-      {"MHA, 8B-like segments", {2, 8, 128, 2, attention_kind::mha}, 16, 4, 6},
+      {"MHA, 8B-like segments", {2, 8, 128, dtype_kind::bf16, attention_kind::mha}, 16, 4, 6},
   };
 }
 
@@ -169,9 +170,12 @@ std::vector<std::uint32_t> skips_for(std::uint32_t chunk_tokens, std::uint32_t b
 
 const char* mode_name(transfer_write m) {
   switch (m) {
-    case transfer_write::automatic: return "automatic";
-    case transfer_write::cached: return "cached";
-    case transfer_write::streaming: return "streaming";
+    case transfer_write::automatic:
+      return "automatic";
+    case transfer_write::cached:
+      return "cached";
+    case transfer_write::streaming:
+      return "streaming";
   }
   return "?";
 }
@@ -222,11 +226,11 @@ TEST_CASE("gather and scatter match a byte-by-byte reference for every shape, id
   }
 }
 
-TEST_CASE("a gather then a scatter into other blocks reproduces the chunk's KV byte for byte",
-          "[core][kv_transfer]") {
+TEST_CASE("a gather then a scatter into other blocks reproduces the chunk's KV byte for byte", "[core][kv_transfer]") {
   for (attention_kind kind : {attention_kind::mha, attention_kind::mla}) {
-    const model_shape m = kind == attention_kind::mha ? model_shape{5, 8, 64, 2, kind}    // 1 KiB per token-plane
-                                                      : model_shape{8, 1, 576, 2, kind};  // DeepSeek's latent
+    const model_shape m = kind == attention_kind::mha
+                              ? model_shape{5, 8, 64, dtype_kind::bf16, kind}    // 1 KiB per token-plane
+                              : model_shape{8, 1, 576, dtype_kind::bf16, kind};  // DeepSeek's latent
     const paged_kv_layout layout{m, 16, 64};
     const chunk_layout chunk{m, 256};
     // 2.5 MiB (MHA) and 2.25 MiB (MLA) objects: above the threshold, so automatic mode
@@ -248,9 +252,8 @@ TEST_CASE("a gather then a scatter into other blocks reproduces the chunk's KV b
   }
 }
 
-TEST_CASE("a scatter with skip_tokens leaves the engine's tokens before the skip untouched",
-          "[core][kv_transfer]") {
-  const model_shape m{2, 2, 8, 2, attention_kind::mha};
+TEST_CASE("a scatter with skip_tokens leaves the engine's tokens before the skip untouched", "[core][kv_transfer]") {
+  const model_shape m{2, 2, 8, dtype_kind::bf16, attention_kind::mha};
   const paged_kv_layout layout{m, 16, 8};
   const chunk_layout chunk{m, 64};
   test_cache cache(layout, 3, false);
@@ -285,13 +288,13 @@ TEST_CASE("a scatter with skip_tokens leaves the engine's tokens before the skip
 }
 
 TEST_CASE("batched gather and scatter equal one call per chunk", "[core][kv_transfer]") {
-  const model_shape m{3, 2, 16, 2, attention_kind::mha};
+  const model_shape m{3, 2, 16, dtype_kind::bf16, attention_kind::mha};
   const paged_kv_layout layout{m, 16, 48};
   const chunk_layout chunk{m, 64};
   test_cache cache(layout, 21, false);
-  const std::vector<std::vector<std::uint32_t>> ids{
-      make_ids(4, 48, id_order::shuffled, 1), make_ids(4, 48, id_order::consecutive, 2),
-      make_ids(4, 48, id_order::reversed, 3)};
+  const std::vector<std::vector<std::uint32_t>> ids{make_ids(4, 48, id_order::shuffled, 1),
+                                                    make_ids(4, 48, id_order::consecutive, 2),
+                                                    make_ids(4, 48, id_order::reversed, 3)};
   const std::vector<std::uint32_t> skips{0, 17, 64};
   for (transfer_write mode : {transfer_write::automatic, transfer_write::cached, transfer_write::streaming}) {
     std::vector<std::vector<std::byte>> batched(3, std::vector<std::byte>(chunk.object_bytes(), sentinel));
@@ -316,13 +319,12 @@ TEST_CASE("batched gather and scatter equal one call per chunk", "[core][kv_tran
     }
     REQUIRE_FALSE(scatter_chunks(a.view(), chunk, sitems, {mode}));
     const std::size_t lb = layout.layer_bytes();
-    for (std::uint32_t l = 0; l < m.num_layers; ++l)
-      REQUIRE(std::memcmp(a.layer(l), b.layer(l), lb) == 0);
+    for (std::uint32_t l = 0; l < m.num_layers; ++l) REQUIRE(std::memcmp(a.layer(l), b.layer(l), lb) == 0);
   }
 }
 
 TEST_CASE("an empty batch succeeds and copies nothing", "[core][kv_transfer]") {
-  const model_shape m{2, 1, 8, 2, attention_kind::mla};
+  const model_shape m{2, 1, 8, dtype_kind::bf16, attention_kind::mla};
   const paged_kv_layout layout{m, 16, 4};
   const chunk_layout chunk{m, 32};
   test_cache cache(layout, 1, true);
@@ -332,9 +334,8 @@ TEST_CASE("an empty batch succeeds and copies nothing", "[core][kv_transfer]") {
   CHECK(cache.snapshot() == before);
 }
 
-TEST_CASE("every invalid argument is refused with its own code before anything is copied",
-          "[core][kv_transfer]") {
-  const model_shape m{2, 2, 8, 2, attention_kind::mha};
+TEST_CASE("every invalid argument is refused with its own code before anything is copied", "[core][kv_transfer]") {
+  const model_shape m{2, 2, 8, dtype_kind::bf16, attention_kind::mha};
   const paged_kv_layout layout{m, 16, 8};
   const chunk_layout chunk{m, 32};
   test_cache cache(layout, 9, false);
@@ -357,7 +358,7 @@ TEST_CASE("every invalid argument is refused with its own code before anything i
   model_shape other = m;
   other.head_dim = 16;
   model_shape bad_model = m;
-  bad_model.dtype_bytes = 3;
+  bad_model.dtype = static_cast<dtype_kind>(200);
   const std::vector<bad_case> cases{
       {"num_blocks 0", transfer_errc::invalid_layout, {m, 16, 0}, chunk, good_layers, good_ids},
       {"block_size 0", transfer_errc::invalid_layout, {m, 0, 8}, chunk, good_layers, good_ids},
@@ -366,8 +367,12 @@ TEST_CASE("every invalid argument is refused with its own code before anything i
       {"other model", transfer_errc::layout_mismatch, layout, {other, 32}, good_layers, good_ids},
       {"chunk not a block multiple", transfer_errc::layout_mismatch, layout, {m, 40}, good_layers, {3, 5, 6}},
       {"one layer pointer short", transfer_errc::layer_count, layout, chunk, {good_layers[0]}, good_ids},
-      {"one layer pointer too many", transfer_errc::layer_count, layout, chunk,
-       {good_layers[0], good_layers[1], good_layers[1]}, good_ids},
+      {"one layer pointer too many",
+       transfer_errc::layer_count,
+       layout,
+       chunk,
+       {good_layers[0], good_layers[1], good_layers[1]},
+       good_ids},
       {"null layer pointer", transfer_errc::null_pointer, layout, chunk, {good_layers[0], nullptr}, good_ids},
       {"null object", transfer_errc::null_pointer, layout, chunk, good_layers, good_ids, true},
       {"too few block ids", transfer_errc::block_count, layout, chunk, good_layers, {3}},
@@ -402,7 +407,7 @@ TEST_CASE("every invalid argument is refused with its own code before anything i
 }
 
 TEST_CASE("a batch with one invalid item copies none of its items", "[core][kv_transfer]") {
-  const model_shape m{2, 1, 8, 2, attention_kind::mla};
+  const model_shape m{2, 1, 8, dtype_kind::bf16, attention_kind::mla};
   const paged_kv_layout layout{m, 16, 8};
   const chunk_layout chunk{m, 32};
   test_cache cache(layout, 4, true);

@@ -83,11 +83,43 @@ TEST_CASE("hash algorithms parse from their names", "[core][token_hasher]") {
 }
 
 TEST_CASE("model ids separate models, layouts and tenants", "[core][token_hasher]") {
-  const model_shape m{24, 2, 64, 2, attention_kind::mha};
-  CHECK(make_model_id("Qwen/Qwen2.5-0.5B", m) == 0xbf87279719ec01a4ULL);  // fixed vector
+  const model_shape m{24, 2, 64, dtype_kind::bf16, attention_kind::mha};
+  // Fixed vectors, computed independently with Python's xxhash (encoding version 2).
+  CHECK(make_model_id("Qwen/Qwen2.5-0.5B", m) == 0x3142a63d9d9ead8cULL);
+  CHECK(salted_model_id(0x3142a63d9d9ead8cULL, "tenant-a") == 0x03e3f59ac951867bULL);
   model_shape fp8 = m;
-  fp8.dtype_bytes = 1;
+  fp8.dtype = dtype_kind::fp8_e4m3;
   CHECK(make_model_id("Qwen/Qwen2.5-0.5B", fp8) != make_model_id("Qwen/Qwen2.5-0.5B", m));
-  CHECK(make_model_id("Qwen/Qwen2.5-0.5B", m, "tenant-a") != make_model_id("Qwen/Qwen2.5-0.5B", m));
-  CHECK(make_model_id("a", m, "bc") != make_model_id("ab", m, "c"));
+  CHECK(make_model_id("Qwen/Qwen2.5-0.5B", m, kv_layout_kind::nhd, "tenant-a") !=
+        make_model_id("Qwen/Qwen2.5-0.5B", m));
+  CHECK(make_model_id("a", m, kv_layout_kind::nhd, "bc") != make_model_id("ab", m, kv_layout_kind::nhd, "c"));
+}
+
+TEST_CASE("dtype kinds of one element size never share a model id", "[core][token_hasher]") {
+  // fp16 and bf16 are both 2 bytes, fp8 e4m3 and e5m2 both 1: a namespace keyed by the size
+  // alone would hand one engine the other's KV (sizes and checksums match).
+  model_shape a{24, 2, 64, dtype_kind::fp16, attention_kind::mha};
+  model_shape b = a;
+  b.dtype = dtype_kind::bf16;
+  CHECK(a.dtype_bytes() == b.dtype_bytes());
+  CHECK(make_model_id("m", a) != make_model_id("m", b));
+  a.dtype = dtype_kind::fp8_e4m3;
+  b.dtype = dtype_kind::fp8_e5m2;
+  CHECK(a.dtype_bytes() == b.dtype_bytes());
+  CHECK(make_model_id("m", a) != make_model_id("m", b));
+}
+
+TEST_CASE("the layout kind is part of the model id, but an MLA model has only one", "[core][token_hasher]") {
+  const model_shape mha{24, 2, 64, dtype_kind::bf16, attention_kind::mha};
+  CHECK(make_model_id("m", mha, kv_layout_kind::nhd) != make_model_id("m", mha, kv_layout_kind::hnd));
+  const model_shape mla{61, 1, 576, dtype_kind::bf16, attention_kind::mla};
+  CHECK(make_model_id("m", mla, kv_layout_kind::nhd) == make_model_id("m", mla, kv_layout_kind::mla));
+}
+
+TEST_CASE("request salts separate tenants and the empty salt is the model id itself", "[core][token_hasher]") {
+  const std::uint64_t id = make_model_id("m", model_shape{2, 2, 16, dtype_kind::bf16, attention_kind::mha});
+  CHECK(salted_model_id(id, "") == id);
+  CHECK(salted_model_id(id, "a") != id);
+  CHECK(salted_model_id(id, "a") != salted_model_id(id, "b"));
+  CHECK(salted_model_id(id, "a") == salted_model_id(id, "a"));
 }

@@ -47,6 +47,7 @@
 namespace kc = kvtier::cuda;
 using kvtier::attention_kind;
 using kvtier::chunk_layout;
+using kvtier::dtype_kind;
 using kvtier::gather_item;
 using kvtier::model_shape;
 using kvtier::paged_kv_layout;
@@ -90,9 +91,9 @@ void fill_random(std::span<std::byte> bytes, std::uint64_t seed) {
 }
 
 std::string describe(const paged_kv_layout& l, const chunk_layout& c) {
-  return std::string(l.model.attention == attention_kind::mha ? "MHA" : "MLA") + " layers=" +
-         std::to_string(l.model.num_layers) + " heads=" + std::to_string(l.model.num_kv_heads) +
-         " dim=" + std::to_string(l.model.head_dim) + " dtype=" + std::to_string(l.model.dtype_bytes) +
+  return std::string(l.model.attention == attention_kind::mha ? "MHA" : "MLA") +
+         " layers=" + std::to_string(l.model.num_layers) + " heads=" + std::to_string(l.model.num_kv_heads) +
+         " dim=" + std::to_string(l.model.head_dim) + " dtype=" + std::string(name(l.model.dtype)) +
          " block=" + std::to_string(l.block_size) + " chunk=" + std::to_string(c.chunk_tokens);
 }
 
@@ -159,13 +160,15 @@ struct host_cache {
 
 std::vector<gather_item> gather_items(const batch_case& c, std::byte* objects) {
   std::vector<gather_item> v;
-  for (std::size_t i = 0; i < c.ids.size(); ++i) v.push_back({c.ids[i], objects + i * c.chunk.object_bytes(), c.skips[i]});
+  for (std::size_t i = 0; i < c.ids.size(); ++i)
+    v.push_back({c.ids[i], objects + i * c.chunk.object_bytes(), c.skips[i]});
   return v;
 }
 
 std::vector<scatter_item> scatter_items(const batch_case& c, const std::byte* objects) {
   std::vector<scatter_item> v;
-  for (std::size_t i = 0; i < c.ids.size(); ++i) v.push_back({c.ids[i], objects + i * c.chunk.object_bytes(), c.skips[i]});
+  for (std::size_t i = 0; i < c.ids.size(); ++i)
+    v.push_back({c.ids[i], objects + i * c.chunk.object_bytes(), c.skips[i]});
   return v;
 }
 
@@ -201,7 +204,7 @@ void test_error_category() {
 /// anything. The device table pointer is a fake (never dereferenced: validation fails first).
 void test_validation_matches_cpu(bool have_device) {
   section("validation codes match core/kv_transfer.hpp");
-  const paged_kv_layout layout{{2, 2, 8, 2, attention_kind::mha}, 4, 10};
+  const paged_kv_layout layout{{2, 2, 8, dtype_kind::bf16, attention_kind::mha}, 4, 10};
   const chunk_layout chunk{layout.model, 8};
   host_cache hc(layout);
   std::vector<std::byte> object(chunk.object_bytes());
@@ -286,7 +289,8 @@ struct replay {
     for (std::uint64_t cta = 0; cta < grid; ++cta) {
       const kc::detail::segment_copy s = kc::detail::locate_segment<Gather>(p, static_cast<std::uint32_t>(cta));
       if (!s.active) continue;
-      if ((reinterpret_cast<std::uintptr_t>(s.dst) | reinterpret_cast<std::uintptr_t>(s.src) | s.len) % vec) misaligned = true;
+      if ((reinterpret_cast<std::uintptr_t>(s.dst) | reinterpret_cast<std::uintptr_t>(s.src) | s.len) % vec)
+        misaligned = true;
       std::memcpy(s.dst, s.src, s.len);
       writes.emplace_back(reinterpret_cast<std::uintptr_t>(s.dst), reinterpret_cast<std::uintptr_t>(s.dst) + s.len);
     }
@@ -314,7 +318,8 @@ void check_replay(const batch_case& c, std::size_t object_misalign = 0) {
     CHECK_MSG(!kvtier::gather_chunks(ref.view(), c.chunk, ref_items), what);
     replay r;
     const std::error_code ec = kc::detail::pack<true, gather_item>(
-        gv, c.chunk, rep_items, [&](const kc::detail::launch_params& p, unsigned v) { return r.operator()<true>(p, v); });
+        gv, c.chunk, rep_items,
+        [&](const kc::detail::launch_params& p, unsigned v) { return r.operator()<true>(p, v); });
     CHECK_MSG(!ec, what);
     CHECK_MSG(ref_obj == rep_obj, "gather replay differs from the CPU: " + what);
     CHECK_MSG(!r.overlap && !r.misaligned, what);
@@ -327,7 +332,8 @@ void check_replay(const batch_case& c, std::size_t object_misalign = 0) {
     CHECK_MSG(!kvtier::scatter_chunks(ref.view(), c.chunk, ref_items), what);
     replay r;
     const std::error_code ec = kc::detail::pack<false, scatter_item>(
-        gv, c.chunk, rep_items, [&](const kc::detail::launch_params& p, unsigned v) { return r.operator()<false>(p, v); });
+        gv, c.chunk, rep_items,
+        [&](const kc::detail::launch_params& p, unsigned v) { return r.operator()<false>(p, v); });
     CHECK_MSG(!ec, what);
     CHECK_MSG(ref.bytes() == rep.bytes(), "scatter replay differs from the CPU: " + what);
     CHECK_MSG(!r.overlap, "two CTAs of one scatter launch write the same bytes: " + what);
@@ -339,20 +345,22 @@ void check_replay(const batch_case& c, std::size_t object_misalign = 0) {
 std::vector<batch_case> shapes() {
   std::vector<batch_case> v;
   // MHA, bf16, 16-byte accesses; 0.5B-like.
-  v.push_back(make_case({{3, 2, 64, 2, attention_kind::mha}, 16, 64}, 64, 9, 1, "mha bf16"));
+  v.push_back(make_case({{3, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 64}, 64, 9, 1, "mha bf16"));
   // MLA (DeepSeek latent 512 + 64 rope), bf16.
-  v.push_back(make_case({{2, 1, 576, 2, attention_kind::mla}, 16, 40}, 32, 5, 2, "mla bf16"));
+  v.push_back(make_case({{2, 1, 576, dtype_kind::bf16, attention_kind::mla}, 16, 40}, 32, 5, 2, "mla bf16"));
   // fp32, 8-byte token planes: 8-byte accesses.
-  v.push_back(make_case({{2, 1, 2, 4, attention_kind::mha}, 8, 50}, 24, 6, 3, "mha fp32 narrow"));
+  v.push_back(make_case({{2, 1, 2, dtype_kind::fp32, attention_kind::mha}, 8, 50}, 24, 6, 3, "mha fp32 narrow"));
   // fp8 with an odd width: 1-byte accesses.
-  v.push_back(make_case({{2, 3, 5, 1, attention_kind::mha}, 4, 60}, 12, 7, 4, "mha fp8 odd width"));
+  v.push_back(make_case({{2, 3, 5, dtype_kind::fp8_e4m3, attention_kind::mha}, 4, 60}, 12, 7, 4, "mha fp8 odd width"));
   // One block per token: 256 ids per chunk, 5 chunks = 1280 ids: three launches.
-  v.push_back(make_case({{2, 1, 8, 2, attention_kind::mha}, 1, 2000}, 256, 5, 5, "several launches per batch"));
+  v.push_back(
+      make_case({{2, 1, 8, dtype_kind::bf16, attention_kind::mha}, 1, 2000}, 256, 5, 5, "several launches per batch"));
   // Repeated block ids inside and across items (scatter: the last occurrence wins).
-  v.push_back(make_case({{2, 2, 8, 2, attention_kind::mha}, 4, 12}, 16, 6, 6, "repeated ids", true));
-  v.push_back(make_case({{2, 1, 16, 2, attention_kind::mla}, 2, 6}, 8, 8, 7, "repeated ids mla", true));
+  v.push_back(make_case({{2, 2, 8, dtype_kind::bf16, attention_kind::mha}, 4, 12}, 16, 6, 6, "repeated ids", true));
+  v.push_back(make_case({{2, 1, 16, dtype_kind::bf16, attention_kind::mla}, 2, 6}, 8, 8, 7, "repeated ids mla", true));
   // 70 small chunks: more pieces than one parameter block holds.
-  v.push_back(make_case({{1, 1, 8, 2, attention_kind::mha}, 16, 200}, 32, 70, 8, "more items than one launch"));
+  v.push_back(
+      make_case({{1, 1, 8, dtype_kind::bf16, attention_kind::mha}, 16, 200}, 32, 70, 8, "more items than one launch"));
   return v;
 }
 
@@ -360,9 +368,10 @@ void test_host_replay() {
   section("launch packing replayed on the host == CPU gather/scatter");
   for (const batch_case& c : shapes()) check_replay(c);
   // An object at an address only 4-aligned: the launch drops to 4-byte accesses.
-  check_replay(make_case({{2, 2, 64, 2, attention_kind::mha}, 16, 30}, 32, 3, 9, "object 4-aligned"), 4);
+  check_replay(make_case({{2, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 30}, 32, 3, 9, "object 4-aligned"), 4);
   // The whole batch skipped: no launch at all.
-  batch_case all_skipped = make_case({{1, 1, 8, 2, attention_kind::mha}, 4, 10}, 8, 2, 10, "all skipped");
+  batch_case all_skipped =
+      make_case({{1, 1, 8, dtype_kind::bf16, attention_kind::mha}, 4, 10}, 8, 2, 10, "all skipped");
   all_skipped.skips = {8, 8};
   std::vector<std::byte> objects(2 * all_skipped.chunk.object_bytes());
   host_cache hc(all_skipped.layout);
@@ -370,14 +379,15 @@ void test_host_replay() {
   replay r;
   const auto items = gather_items(all_skipped, objects.data());
   CHECK(!kc::detail::pack<true, gather_item>(
-      gv, all_skipped.chunk, items, [&](const kc::detail::launch_params& p, unsigned v) { return r.operator()<true>(p, v); }));
+      gv, all_skipped.chunk, items,
+      [&](const kc::detail::launch_params& p, unsigned v) { return r.operator()<true>(p, v); }));
   CHECK(r.launches == 0);
 }
 
 void test_descriptor_wire_format() {
   section("region descriptor wire format");
   kc::region_descriptor d;
-  d.layout = {{3, 8, 128, 2, attention_kind::mha}, 16, 100};
+  d.layout = {{3, 8, 128, dtype_kind::bf16, attention_kind::mha}, 16, 100};
   for (int i = 0; i < 16; ++i) d.device[i] = static_cast<std::uint8_t>(i * 7 + 1);
   kc::ipc_allocation a0, a1;
   a0.handle.fill(0xab);
@@ -409,7 +419,7 @@ void test_descriptor_wire_format() {
   bad[0] = std::byte{0};
   CHECK(parse_code(bad) == kc::region_errc::bad_descriptor);
   bad = bytes;
-  bad[4] = std::byte{2};  // version 2
+  bad[4] = std::byte{kc::region_descriptor_version + 1};  // another version
   CHECK(parse_code(bad) == kc::region_errc::unsupported_version);
   CHECK(parse_code(bad) == std::errc::protocol_not_supported);
 
@@ -504,8 +514,7 @@ struct device_cache {
   std::vector<std::byte*> layers;
   kc::layer_table table;
 
-  explicit device_cache(const paged_kv_layout& l)
-      : host(l), mem(l.model.num_layers * (l.layer_bytes() + 512) + 512) {
+  explicit device_cache(const paged_kv_layout& l) : host(l), mem(l.model.num_layers * (l.layer_bytes() + 512) + 512) {
     for (std::uint32_t i = 0; i < l.model.num_layers; ++i) layers.push_back(mem.p + 256 + i * (l.layer_bytes() + 512));
     std::error_code ec;
     table = kc::layer_table::upload(layers, ec);
@@ -593,14 +602,14 @@ void test_kernels() {
     check_kernels(c, object_memory::device, false);
     check_kernels(c, object_memory::pinned, true);
   }
-  check_kernels(make_case({{2, 2, 64, 2, attention_kind::mha}, 16, 30}, 32, 3, 9, "object 4-aligned"),
+  check_kernels(make_case({{2, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 30}, 32, 3, 9, "object 4-aligned"),
                 object_memory::device, true, 4);
 }
 
 /// The copy engine in both modes against the CPU: objects are slots of a registered arena.
 void check_copy_engine(const batch_case& c, kc::copy_mode mode, std::uint32_t ring) {
   const std::string what = c.name + (mode == kc::copy_mode::staged ? " [staged, ring " + std::to_string(ring) + "]"
-                                                                    : std::string(" [zero-copy]"));
+                                                                   : std::string(" [zero-copy]"));
   device_cache dc(c.layout);
   dc.fill(51);
   const std::size_t ob = kvtier::align_up(c.chunk.object_bytes()), n = c.ids.size();
@@ -751,7 +760,7 @@ std::byte pattern(std::uint32_t l, std::size_t i, unsigned salt) {
   return static_cast<std::byte>((l * 131 + i * 7 + (i >> 9) * 13 + salt) & 0xff);
 }
 
-const paged_kv_layout ipc_layout{{3, 2, 64, 2, attention_kind::mha}, 16, 12};
+const paged_kv_layout ipc_layout{{3, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 12};
 const chunk_layout ipc_chunk{ipc_layout.model, 32};
 const std::vector<std::uint32_t> ipc_read_ids = {7, 2};
 const std::vector<std::uint32_t> ipc_write_ids = {5, 9};
@@ -803,7 +812,8 @@ int ipc_child(const char* descriptor_hex, const char* event_hex) {
     for (std::uint32_t p = 0; p < 2; ++p)
       for (std::size_t j = 0; j < ipc_write_ids.size(); ++j)
         for (std::size_t b = 0; b < seg; ++b)
-          mine[ipc_chunk.offset(l, p) + j * seg + b] = pattern(l, ipc_layout.offset_in_layer(p, ipc_write_ids[j]) + b, 99);
+          mine[ipc_chunk.offset(l, p) + j * seg + b] =
+              pattern(l, ipc_layout.offset_in_layer(p, ipc_write_ids[j]) + b, 99);
   must(cudaMemcpyAsync(obj.p, mine.data(), mine.size(), cudaMemcpyHostToDevice, s), "h2d");
   CHECK(!kc::scatter_chunk(region.view(), ipc_write_ids, ipc_chunk, obj.p, 0, {}, s));
   must(cudaStreamSynchronize(s), "sync");

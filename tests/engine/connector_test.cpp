@@ -9,9 +9,9 @@
 #include <kvtier/bus/event_bus.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 
+#include <signal.h>
 #include <sys/prctl.h>
 #include <sys/wait.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -38,7 +38,7 @@ using blocks = std::vector<std::uint32_t>;
 namespace {
 
 constexpr std::uint32_t ct = 8;  // tokens per chunk: 2 blocks of 4
-const paged_kv_layout layout{{2, 2, 16, 2, attention_kind::mha}, 4, 32};
+const paged_kv_layout layout{{2, 2, 16, dtype_kind::bf16, attention_kind::mha}, 4, 32};
 // Metrics first: by the time the recorder wakes a waiting test, the metrics are updated.
 using test_bus = bus::basic_event_bus<telemetry::metrics_subscriber, event_recorder>;
 using record = event_recorder::record;
@@ -631,11 +631,11 @@ TEST_CASE("bad arguments and bad options are refused before anything is sent", "
   CHECK_THROWS_AS(connector<test_bus>(o, h.region, h.bus), std::invalid_argument);
   connector<test_bus> c(h.options(), h.region, h.bus);
   const auto toks = tokens(2 * ct, 12);
-  CHECK_THROWS_AS(c.retrieve("x", toks, 0, blocks{0, 1, 2}), std::invalid_argument);   // not whole chunks
-  CHECK_THROWS_AS(c.retrieve("x", toks, 1, range(0, 4)), std::invalid_argument);       // too few tokens
-  CHECK_THROWS_AS(c.store("x", toks, 0, 1, blocks{0, 99}), std::invalid_argument);     // block out of range
-  CHECK_THROWS_AS(c.store("", toks, 0, 1, blocks{0, 1}), std::invalid_argument);       // empty id
-  CHECK_THROWS_AS(c.lookup(std::string(300, 'x'), toks), std::invalid_argument);     // id too long
+  CHECK_THROWS_AS(c.retrieve("x", toks, 0, blocks{0, 1, 2}), std::invalid_argument);  // not whole chunks
+  CHECK_THROWS_AS(c.retrieve("x", toks, 1, range(0, 4)), std::invalid_argument);      // too few tokens
+  CHECK_THROWS_AS(c.store("x", toks, 0, 1, blocks{0, 99}), std::invalid_argument);    // block out of range
+  CHECK_THROWS_AS(c.store("", toks, 0, 1, blocks{0, 1}), std::invalid_argument);      // empty id
+  CHECK_THROWS_AS(c.lookup(std::string(300, 'x'), toks), std::invalid_argument);      // id too long
   CHECK_THROWS_AS((void)c.block_reused(32), std::out_of_range);
   CHECK(c.stats().calls_issued == 0);
 }
@@ -690,4 +690,74 @@ TEST_CASE("quarantined blocks are released when the server's process is gone", "
     CHECK(rec.snapshot().unhealthy.back().reason.view() == "eof");
     CHECK(c.stats().open_connections == 0);
   }
+}
+
+TEST_CASE("a scheduler's connector registers without a region and looks up the workers' chunks",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> worker(h.options(0, 1), h.region, h.bus);
+  REQUIRE(worker.wait_ready(60s));
+  auto so = h.options(0, 1);
+  so.model = layout.model;  // one rank's shape: what the workers register
+  connector<test_bus> sched(so, h.bus);
+  REQUIRE(sched.wait_ready(60s));
+  CHECK_FALSE(sched.has_region());
+  CHECK(worker.has_region());
+  const auto regs = h.server->registrations();
+  REQUIRE(regs.size() == 2);
+  CHECK(regs[0].region == p::region_kind::cpu_memfd);
+  CHECK(regs[1].region == p::region_kind::none);
+  CHECK(regs[1].model == layout.model);
+  CHECK(regs[1].num_blocks == 0);
+
+  const auto toks = tokens(3 * ct, 4);
+  h.fill(0, 6, 1);
+  h.store_and_wait(worker, "s", toks, 0, 3, range(0, 6));
+  sched.lookup("q", toks);
+  REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 1; }));
+  CHECK(sched.lookup_result("q") == std::optional<std::size_t>(3 * ct));
+
+  // Only the scheduler's side of the interface exists without a region.
+  CHECK_THROWS_AS(sched.retrieve("r", toks, 0, range(10, 6)), std::logic_error);
+  CHECK_THROWS_AS(sched.store("w", toks, 0, 3, range(0, 6)), std::logic_error);
+  CHECK_THROWS_AS((void)sched.block_reused(0), std::logic_error);
+}
+
+TEST_CASE("a region-less connector must be a scheduler with a valid model shape", "[engine][connector]") {
+  harness h;
+  auto o = h.options(1, 2);  // rank 1: not the scheduler by default
+  o.model = layout.model;
+  CHECK_THROWS_AS(connector<test_bus>(o, h.bus), std::invalid_argument);
+  auto o2 = h.options(0, 2);
+  CHECK_THROWS_AS(connector<test_bus>(o2, h.bus), std::invalid_argument);  // no model shape
+  auto o3 = h.options();
+  o3.model = layout.model;  // a worker's shape comes from its region
+  CHECK_THROWS_AS(connector<test_bus>(o3, h.region, h.bus), std::invalid_argument);
+}
+
+TEST_CASE("cache salts travel with lookups, retrieves and stores; other salts miss",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  connector<test_bus> c(h.options(), h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  const auto toks = tokens(2 * ct, 5);
+  h.fill(0, 4, 1);
+  const std::size_t before = h.rec.snapshot().stores.size();
+  c.store("s", toks, 0, 2, range(0, 4), "tenant-a");
+  REQUIRE(h.wait([&](const record& r) { return r.stores.size() > before; }));
+  c.lookup("qa", toks, "tenant-a");
+  c.lookup("qb", toks, "tenant-b");
+  c.lookup("qn", toks);
+  REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 3; }));
+  CHECK(c.lookup_result("qa") == std::optional<std::size_t>(2 * ct));
+  CHECK(c.lookup_result("qb") == std::optional<std::size_t>(0));
+  CHECK(c.lookup_result("qn") == std::optional<std::size_t>(0));
+  c.retrieve("ra", toks, 0, range(10, 4), 0, "tenant-a");
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
+  CHECK(c.take_load_error_blocks().empty());
+  h.server->sync();
+  for (std::uint32_t k = 0; k < 4; ++k) CHECK(block_is(h.region, 10 + k, static_cast<std::uint8_t>(1 + k)));
+  CHECK_THROWS_AS(c.lookup("long", toks, std::string(300, 's')), std::invalid_argument);
 }

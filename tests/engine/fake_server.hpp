@@ -85,8 +85,10 @@ class fake_server {
   /// Requests of type `t` are held: neither processed nor answered, until release_held().
   void hold(protocol::message_type t, bool on = true) {
     std::lock_guard g(m_);
-    if (on) held_types_.insert(t);
-    else held_types_.erase(t);
+    if (on)
+      held_types_.insert(t);
+    else
+      held_types_.erase(t);
   }
   /// Every request is held, pings included: a stopped (SIGSTOP) or deadlocked server.
   void hang(bool on = true) {
@@ -175,6 +177,11 @@ class fake_server {
     return boot_token_;
   }
   [[nodiscard]] const std::string& path() const noexcept { return path_; }
+  /// Every registration received, in order.
+  [[nodiscard]] std::vector<protocol::register_kv_request> registrations() const {
+    std::lock_guard g(m_);
+    return registrations_;
+  }
 
  private:
   struct session {
@@ -289,7 +296,8 @@ class fake_server {
             for (const hash128& h : msg.chunk_hashes) {
               bool all = true;
               for (std::uint16_t r = 0; r < msg.world_size; ++r)
-                all = all && chunks_.contains(chunk_key{msg.model_id, msg.world_size, r, h});
+                all = all &&
+                      chunks_.contains(chunk_key{salted_model_id(msg.model_id, msg.cache_salt), msg.world_size, r, h});
               if (!all) break;
               ++l.hit_chunks;
             }
@@ -329,22 +337,30 @@ class fake_server {
     if (reject_) return error(*reject_, "rejected by the test script");
     if (r.chunk_tokens != chunk_tokens_)
       return error(errc::layout_mismatch, "chunk_tokens must be " + std::to_string(chunk_tokens_));
-    if (!fd) return error(errc::invalid_argument, "no region fd");
-    auto region = engine::kv_region::open(fd.release(), r.layout());
-    if (!region) return error(region.error() == errc::layout_mismatch ? errc::layout_mismatch : errc::invalid_argument,
-                              "cannot map the region: " + region.error().message());
-    s.region = std::move(*region);
+    if (r.region == protocol::region_kind::none) {
+      if (fd) return error(errc::invalid_argument, "a scheduler registration carries no fd");
+      s.region.reset();
+    } else {
+      if (!fd) return error(errc::invalid_argument, "no region fd");
+      auto region = engine::kv_region::open(fd.release(), r.layout());
+      if (!region)
+        return error(region.error() == errc::layout_mismatch ? errc::layout_mismatch : errc::invalid_argument,
+                     "cannot map the region: " + region.error().message());
+      s.region = std::move(*region);
+    }
     s.registered = true;
     s.rank = r.rank;
     s.world_size = r.world_size;
-    s.model_id = make_model_id(r.model_name, r.model);
+    s.model_id = make_model_id(r.model_name, r.model, r.layout_kind, r.cache_salt);
+    registrations_.push_back(r);
     return protocol::register_kv_response{boot_token_, ++client_ids_, s.model_id, chunk_tokens_};
   }
 
   [[nodiscard]] std::optional<protocol::error_response> check_blocks(const session& s, std::uint16_t rank,
-                                                                      std::size_t chunks,
-                                                                      const std::vector<std::uint32_t>& ids) const {
+                                                                     std::size_t chunks,
+                                                                     const std::vector<std::uint32_t>& ids) const {
     if (!s.registered) return error(errc::not_registered, "register first");
+    if (!s.region) return error(errc::no_kv_region, "registered without a region");
     if (rank != s.rank) return error(errc::invalid_argument, "rank differs from the registration's");
     const std::uint32_t bpc = chunk_tokens_ / s.region->layout().block_size;
     if (ids.size() != chunks * bpc) return error(errc::invalid_argument, "block count");
@@ -359,11 +375,14 @@ class fake_server {
     const std::uint32_t bpc = chunk_tokens_ / s.region->layout().block_size;
     std::uint32_t done = 0;
     for (std::size_t i = 0; i < r.chunk_hashes.size(); ++i) {
-      auto it = chunks_.find(chunk_key{s.model_id, s.world_size, s.rank, r.chunk_hashes[i]});
+      auto it =
+          chunks_.find(chunk_key{salted_model_id(s.model_id, r.cache_salt), s.world_size, s.rank, r.chunk_hashes[i]});
       if (it == chunks_.end()) break;
       const std::uint64_t before = std::uint64_t{i} * chunk_tokens_;
       const std::uint32_t skip =
-          r.skip_tokens <= before ? 0 : static_cast<std::uint32_t>(std::min<std::uint64_t>(r.skip_tokens - before, chunk_tokens_));
+          r.skip_tokens <= before
+              ? 0
+              : static_cast<std::uint32_t>(std::min<std::uint64_t>(r.skip_tokens - before, chunk_tokens_));
       const std::span<const std::uint32_t> ids(r.block_ids.data() + i * bpc, bpc);
       if (scatter_chunk(s.region->view(), ids, chunk, it->second.data(), skip)) break;
       ++done;
@@ -377,7 +396,7 @@ class fake_server {
     const std::uint32_t bpc = chunk_tokens_ / s.region->layout().block_size;
     protocol::store_response out;
     for (std::size_t i = 0; i < r.chunk_hashes.size(); ++i) {
-      const chunk_key key{s.model_id, s.world_size, s.rank, r.chunk_hashes[i]};
+      const chunk_key key{salted_model_id(s.model_id, r.cache_salt), s.world_size, s.rank, r.chunk_hashes[i]};
       if (chunks_.contains(key)) {
         ++out.already_present;
         continue;
@@ -423,6 +442,7 @@ class fake_server {
   std::vector<protocol::store_request> stores_;
   std::map<chunk_key, std::vector<std::byte>> chunks_;
   std::map<std::string, lookup_state> lookups_;
+  std::vector<protocol::register_kv_request> registrations_;
 };
 
 }  // namespace kvtier::test

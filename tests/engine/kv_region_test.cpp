@@ -10,7 +10,7 @@
 using namespace kvtier;
 
 namespace {
-const paged_kv_layout small{{4, 2, 64, 2, attention_kind::mha}, 16, 8};
+const paged_kv_layout small{{4, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 8};
 }
 
 TEST_CASE("a region created by the engine is seen byte for byte by the server", "[engine][kv_region]") {

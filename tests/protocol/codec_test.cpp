@@ -66,7 +66,8 @@ TEST_CASE("every message type survives an encode and decode round trip", "[proto
     covered.insert(m.index());
     auto bytes = p::encode_frame(call_id, m);
     REQUIRE(bytes.has_value());
-    const auto h = p::read_header(std::span<const std::byte, p::frame_header_size>(bytes->data(), p::frame_header_size));
+    const auto h =
+        p::read_header(std::span<const std::byte, p::frame_header_size>(bytes->data(), p::frame_header_size));
     CHECK(h.version == p::protocol_version);
     CHECK(h.type == p::type_of(m));
     CHECK(h.call_id == call_id);
@@ -84,14 +85,14 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     auto bytes = p::encode_frame(0x1122334455667788ULL, p::ping_request{0x0102030405060708ULL});
     REQUIRE(bytes.has_value());
     bytes_builder want;
-    want.raw("KVT1").u16(1).u16(0x0009).u64(0x1122334455667788ULL).u32(8).u64(0x0102030405060708ULL);
+    want.raw("KVT1").u16(p::protocol_version).u16(0x0009).u64(0x1122334455667788ULL).u32(8).u64(0x0102030405060708ULL);
     CHECK(*bytes == want.bytes);
   }
   SECTION("a lookup request with a string and a vector of hashes") {
     auto bytes = p::encode_frame(3, p::lookup_request{"ab", 5, 2, {hash128{1, 2}}});
     REQUIRE(bytes.has_value());
     bytes_builder body;
-    body.str("ab").u64(5).u16(2).u32(1).u64(1).u64(2);
+    body.str("ab").u64(5).u16(2).u32(1).u64(1).u64(2).str("");
     CHECK(*bytes == make_frame(p::message_type::lookup_request, 3, body.bytes));
   }
   SECTION("a register request with its nested model shape") {
@@ -100,7 +101,7 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     r.rank = 2;
     r.world_size = 4;
     r.model_name = "m";
-    r.model = model_shape{32, 1, 576, 2, attention_kind::mla};
+    r.model = model_shape{32, 1, 576, dtype_kind::bf16, attention_kind::mla};
     r.block_size = 64;
     r.num_blocks = 10;
     r.chunk_tokens = 256;
@@ -108,9 +109,30 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     auto bytes = p::encode_frame(1, r);
     REQUIRE(bytes.has_value());
     bytes_builder body;
-    body.u64(1).u16(2).u16(4).str("m").u32(32).u32(1).u32(576).u32(2).u8(1).u32(64).u32(10).u32(256).u64(1 << 20);
+    // model shape: u32 layers, heads, head dim, u8 dtype kind (bf16 = 2), u8 attention (MLA = 1);
+    // then u8 layout kind (NHD = 0), u8 region kind (cpu_memfd = 1), descriptor, salt, rate.
+    body.u64(1).u16(2).u16(4).str("m").u32(32).u32(1).u32(576).u8(2).u8(1).u32(64).u32(10).u32(256).u64(1 << 20);
+    body.u8(0).u8(1).str("").str("").u64(0);
     CHECK(*bytes == make_frame(p::message_type::register_kv_request, 1, body.bytes));
     CHECK(r.layout().total_bytes() == std::size_t{32} * 10 * 64 * 576 * 2);
+  }
+  SECTION("a scheduler's register request: region none, salt and prefill rate") {
+    p::register_kv_request r;
+    r.instance_id = 9;
+    r.world_size = 8;
+    r.model_name = "q";
+    r.model = model_shape{24, 1, 64, dtype_kind::fp16, attention_kind::mha};
+    r.chunk_tokens = 256;
+    r.layout_kind = kv_layout_kind::hnd;
+    r.region = p::region_kind::none;
+    r.cache_salt = "t";
+    r.prefill_tokens_per_second = 50000;
+    auto bytes = p::encode_frame(2, r);
+    REQUIRE(bytes.has_value());
+    bytes_builder body;
+    body.u64(9).u16(0).u16(8).str("q").u32(24).u32(1).u32(64).u8(1).u8(0).u32(0).u32(0).u32(256).u64(0);
+    body.u8(1).u8(0).str("").str("t").u64(50000);
+    CHECK(*bytes == make_frame(p::message_type::register_kv_request, 2, body.bytes));
   }
 }
 
@@ -149,9 +171,7 @@ TEST_CASE("requests and their responses map onto the bus request kinds", "[proto
 }
 
 TEST_CASE("every field limit accepts one below and at the limit and refuses one above", "[protocol][codec]") {
-  auto resize_string = [](auto member) {
-    return [member](auto& m, std::size_t n) { (m.*member).assign(n, 'k'); };
-  };
+  auto resize_string = [](auto member) { return [member](auto& m, std::size_t n) { (m.*member).assign(n, 'k'); }; };
   check_field_limit(p::lookup_request{}, "request_key", p::max_request_key_bytes,
                     resize_string(&p::lookup_request::request_key));
   check_field_limit(p::query_prefetch_request{}, "request_key", p::max_request_key_bytes,
@@ -166,17 +186,32 @@ TEST_CASE("every field limit accepts one below and at the limit and refuses one 
                     resize_string(&p::end_request_request::request_key));
   check_field_limit(p::register_kv_request{}, "model_name", p::max_model_name_bytes,
                     resize_string(&p::register_kv_request::model_name));
+  check_field_limit(p::register_kv_request{}, "cache_salt", p::max_cache_salt_bytes,
+                    resize_string(&p::register_kv_request::cache_salt));
+  check_field_limit(p::register_kv_request{}, "region_descriptor", p::max_region_descriptor_bytes,
+                    resize_string(&p::register_kv_request::region_descriptor));
+  check_field_limit(p::lookup_request{}, "cache_salt", p::max_cache_salt_bytes,
+                    resize_string(&p::lookup_request::cache_salt));
+  check_field_limit(p::retrieve_request{}, "cache_salt", p::max_cache_salt_bytes,
+                    resize_string(&p::retrieve_request::cache_salt));
+  check_field_limit(p::store_request{}, "cache_salt", p::max_cache_salt_bytes,
+                    resize_string(&p::store_request::cache_salt));
   check_field_limit(p::error_response{}, "message", p::max_error_message_bytes,
                     resize_string(&p::error_response::message));
   check_field_limit(p::status_response{}, "json", p::max_status_json_bytes, resize_string(&p::status_response::json));
   check_field_limit(p::lookup_request{"r", 1, 1, {}}, "chunk_hashes", p::max_chunk_hashes,
-                    [](p::lookup_request& m, std::size_t n) { m.chunk_hashes.assign(n, hash128{1, 2}); });
+                    [](p::lookup_request& m, std::size_t n) {
+                      m.chunk_hashes.assign(n, hash128{1, 2});
+                    });
   check_field_limit(p::retrieve_request{}, "chunk_hashes", p::max_chunk_hashes,
-                    [](p::retrieve_request& m, std::size_t n) { m.chunk_hashes.assign(n, hash128{3, 4}); });
+                    [](p::retrieve_request& m, std::size_t n) {
+                      m.chunk_hashes.assign(n, hash128{3, 4});
+                    });
   check_field_limit(p::retrieve_request{}, "block_ids", p::max_block_ids,
                     [](p::retrieve_request& m, std::size_t n) { m.block_ids.assign(n, 7u); });
-  check_field_limit(p::store_request{}, "chunk_hashes", p::max_chunk_hashes,
-                    [](p::store_request& m, std::size_t n) { m.chunk_hashes.assign(n, hash128{5, 6}); });
+  check_field_limit(p::store_request{}, "chunk_hashes", p::max_chunk_hashes, [](p::store_request& m, std::size_t n) {
+    m.chunk_hashes.assign(n, hash128{5, 6});
+  });
   check_field_limit(p::store_request{}, "block_ids", p::max_block_ids, [](p::store_request& m, std::size_t n) {
     m.block_ids.assign(n, 9u);
     m.block_generations.assign(n, 10u);
@@ -282,11 +317,30 @@ TEST_CASE("malformed bodies are protocol errors with a reason", "[protocol][code
   }
   SECTION("an attention kind that is neither MHA nor MLA") {
     bytes_builder body;
-    body.u64(1).u16(0).u16(1).str("m").u32(1).u32(1).u32(1).u32(2).u8(2).u32(16).u32(1).u32(256).u64(4096);
+    body.u64(1).u16(0).u16(1).str("m").u32(1).u32(1).u32(1).u8(2).u8(2).u32(16).u32(1).u32(256).u64(4096);
+    body.u8(0).u8(1).str("").str("").u64(0);
     auto r = decode_whole(make_frame(p::message_type::register_kv_request, 8, body.bytes));
     REQUIRE_FALSE(r.has_value());
     CHECK(r.error().code == errc::protocol_error);
     CHECK(r.error().reason.find("attention") != std::string::npos);
+  }
+  SECTION("a dtype kind, layout kind or region kind past the last known one") {
+    auto reg = [](std::uint8_t dtype, std::uint8_t layout, std::uint8_t region) {
+      bytes_builder body;
+      body.u64(1).u16(0).u16(1).str("m").u32(1).u32(1).u32(1).u8(dtype).u8(0).u32(16).u32(1).u32(256).u64(4096);
+      body.u8(layout).u8(region).str("").str("").u64(0);
+      return decode_whole(make_frame(p::message_type::register_kv_request, 8, body.bytes));
+    };
+    CHECK(reg(5, 2, 2).has_value());  // int8, MLA, cuda_ipc: the last known values decode
+    auto d = reg(6, 0, 1);
+    REQUIRE_FALSE(d.has_value());
+    CHECK(d.error().reason.find("dtype") != std::string::npos);
+    auto l = reg(2, 3, 1);
+    REQUIRE_FALSE(l.has_value());
+    CHECK(l.error().reason.find("layout_kind") != std::string::npos);
+    auto g = reg(2, 0, 3);
+    REQUIRE_FALSE(g.has_value());
+    CHECK(g.error().reason.find("region") != std::string::npos);
   }
   SECTION("a store whose generations do not match its block ids") {
     p::store_request s{"k", 0, 0, {hash128{1, 1}}, {1, 2}, {1}};
@@ -304,7 +358,7 @@ TEST_CASE("malformed bodies are protocol errors with a reason", "[protocol][code
     CHECK(r.error().call_id == 8);
   }
   SECTION("a header from another version") {
-    auto r = decode_whole(make_frame(p::message_type::status_request, 8, {}, 2));
+    auto r = decode_whole(make_frame(p::message_type::status_request, 8, {}, p::protocol_version + 1));
     REQUIRE_FALSE(r.has_value());
     CHECK(r.error().code == errc::version_mismatch);
   }

@@ -137,7 +137,8 @@ TEST_CASE("a bad frame fails as soon as its prefix shows it and never before", "
     }
   }
   SECTION("a wrong version fails once the header is complete, with the call id") {
-    const auto bytes = make_frame(p::message_type::ping_request, 99, bytes_builder{}.u64(1).bytes, 2);
+    const auto bytes =
+        make_frame(p::message_type::ping_request, 99, bytes_builder{}.u64(1).bytes, p::protocol_version + 1);
     for (std::size_t cut = 0; cut <= bytes.size(); ++cut) {
       p::frame_decoder dec;
       dec.feed(span_of(bytes, 0, cut));
@@ -156,7 +157,7 @@ TEST_CASE("a bad frame fails as soon as its prefix shows it and never before", "
     const p::limits lim{1000};
     for (std::uint32_t len : {999u, 1000u, 1001u, 0xffffffffu}) {
       p::frame_decoder dec(lim);
-      dec.feed(span_of(make_frame(p::message_type::status_response, 5, {}, 1, len)));
+      dec.feed(span_of(make_frame(p::message_type::status_response, 5, {}, p::protocol_version, len)));
       auto r = dec.next();
       if (len <= 1000) {
         REQUIRE(r.has_value());
@@ -338,11 +339,21 @@ TEST_CASE("random and mutated frames never crash, throw or leave the decode cont
       for (std::uint64_t k = rng() % 4; k > 0 && !input.empty(); --k) {
         const std::size_t at = rng() % input.size();
         switch (rng() % 6) {
-          case 0: input[at] ^= static_cast<std::byte>(1u << (rng() % 8)); break;
-          case 1: input[at] = static_cast<std::byte>(rng()); break;
-          case 2: input.resize(at); break;
-          case 3: input.insert(input.begin() + static_cast<std::ptrdiff_t>(at), static_cast<std::byte>(rng())); break;
-          case 4: input.erase(input.begin() + static_cast<std::ptrdiff_t>(at)); break;
+          case 0:
+            input[at] ^= static_cast<std::byte>(1u << (rng() % 8));
+            break;
+          case 1:
+            input[at] = static_cast<std::byte>(rng());
+            break;
+          case 2:
+            input.resize(at);
+            break;
+          case 3:
+            input.insert(input.begin() + static_cast<std::ptrdiff_t>(at), static_cast<std::byte>(rng()));
+            break;
+          case 4:
+            input.erase(input.begin() + static_cast<std::ptrdiff_t>(at));
+            break;
           case 5: {
             // Overwrite four bytes with a length-like value: 0, near a limit, or huge.
             const std::uint32_t values[] = {0, 1, 255, 256, 257, 4096, 65536, 65537, 1u << 20, 0xffffffffu};
@@ -357,8 +368,10 @@ TEST_CASE("random and mutated frames never crash, throw or leave the decode cont
       // A valid header of a known or random type around random body bytes.
       const std::size_t body = rng() % 64;
       bytes_builder b;
-      b.raw("KVT1").u16(1).u16(rng() % 2 ? static_cast<std::uint16_t>(p::type_of(samples[rng() % samples.size()]))
-                                         : static_cast<std::uint16_t>(rng()));
+      b.raw("KVT1")
+          .u16(p::protocol_version)
+          .u16(rng() % 2 ? static_cast<std::uint16_t>(p::type_of(samples[rng() % samples.size()]))
+                         : static_cast<std::uint16_t>(rng()));
       b.u64(rng()).u32(static_cast<std::uint32_t>(body));
       for (std::size_t i = 0; i < body; ++i) b.u8(static_cast<std::uint8_t>(rng()));
       input = std::move(b.bytes);

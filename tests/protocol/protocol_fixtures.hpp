@@ -27,17 +27,28 @@ inline std::vector<protocol::message> sample_messages() {
   reg.rank = 3;
   reg.world_size = 8;
   reg.model_name = "meta-llama/Llama-3.1-70B-Instruct";
-  reg.model = model_shape{80, 8, 128, 2, attention_kind::mha};
+  reg.model = model_shape{80, 8, 128, dtype_kind::bf16, attention_kind::mha};
   reg.block_size = 16;
   reg.num_blocks = 4096;
   reg.chunk_tokens = 256;
   reg.region_bytes = 0x0000'0012'3456'7000ULL;
+  reg.layout_kind = kv_layout_kind::hnd;
+  reg.region = p::region_kind::cuda_ipc;
+  reg.region_descriptor = std::string(
+      "KVCR"
+      "descriptor bytes\0\xff",
+      22);
+  reg.cache_salt = "tenant-7";
+  reg.prefill_tokens_per_second = 50000;
   m.emplace_back(reg);
   m.emplace_back(p::unregister_kv_request{});
-  m.emplace_back(p::lookup_request{"cmpl-1234-0", 0xfeedULL, 4, {hash128{1, 2}, hash128{3, 4}, hash128{~0ULL, 0}}});
+  m.emplace_back(
+      p::lookup_request{"cmpl-1234-0", 0xfeedULL, 4, {hash128{1, 2}, hash128{3, 4}, hash128{~0ULL, 0}}, "salt-l"});
   m.emplace_back(p::query_prefetch_request{"cmpl-query"});
-  m.emplace_back(p::retrieve_request{"cmpl-r", 2, 5, {hash128{7, 8}, hash128{9, 10}}, {1, 2, 3, 4, 0xffffffffu, 6}, 17});
-  m.emplace_back(p::store_request{"cmpl-s", 1, 9, {hash128{11, 12}}, {100, 101}, {0x8000000000000001ULL, 42}});
+  m.emplace_back(
+      p::retrieve_request{"cmpl-r", 2, 5, {hash128{7, 8}, hash128{9, 10}}, {1, 2, 3, 4, 0xffffffffu, 6}, 17, "salt-r"});
+  m.emplace_back(
+      p::store_request{"cmpl-s", 1, 9, {hash128{11, 12}}, {100, 101}, {0x8000000000000001ULL, 42}, "salt-s"});
   m.emplace_back(p::free_lookup_locks_request{"cmpl-free"});
   m.emplace_back(p::end_request_request{"cmpl-end"});
   m.emplace_back(p::ping_request{4242});

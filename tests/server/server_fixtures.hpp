@@ -59,7 +59,7 @@ inline constexpr auto server_deadline = std::chrono::seconds(30) * config::timeo
 
 /// The model of most tests: 2 layers, 2 KV heads, head dim 16, bf16: 64 bytes per token
 /// and plane, a 16-token chunk object is 4 KiB (one L1 slot of the test servers).
-inline model_shape small_model() { return model_shape{2, 2, 16, 2, attention_kind::mha}; }
+inline model_shape small_model() { return model_shape{2, 2, 16, dtype_kind::bf16, attention_kind::mha}; }
 inline constexpr std::uint32_t test_chunk_tokens = 16;
 inline constexpr std::uint32_t test_block_size = 4;
 inline constexpr std::uint32_t blocks_per_chunk = test_chunk_tokens / test_block_size;
@@ -351,10 +351,12 @@ class server_process {
 };
 
 /// A store of `blocks` (with their current generations) under `hashes`.
-inline p::store_request store_req(const engine_region& r, std::vector<hash128> hashes, std::vector<std::uint32_t> blocks,
-                           std::uint16_t rank = 0, std::string key = "req-1") {
+inline p::store_request store_req(const engine_region& r, std::vector<hash128> hashes,
+                                  std::vector<std::uint32_t> blocks, std::uint16_t rank = 0, std::string key = "req-1",
+                                  std::string salt = {}) {
   p::store_request s;
   s.request_key = std::move(key);
+  s.cache_salt = std::move(salt);
   s.rank = rank;
   s.chunk_hashes = std::move(hashes);
   s.block_generations = r.generations(blocks);
@@ -363,10 +365,12 @@ inline p::store_request store_req(const engine_region& r, std::vector<hash128> h
 }
 
 /// A retrieve of `hashes` into `blocks`.
-inline p::retrieve_request retrieve_req(std::vector<hash128> hashes, std::vector<std::uint32_t> blocks, std::uint32_t skip = 0,
-                                 std::uint16_t rank = 0, std::string key = "req-1") {
+inline p::retrieve_request retrieve_req(std::vector<hash128> hashes, std::vector<std::uint32_t> blocks,
+                                        std::uint32_t skip = 0, std::uint16_t rank = 0, std::string key = "req-1",
+                                        std::string salt = {}) {
   p::retrieve_request r;
   r.request_key = std::move(key);
+  r.cache_salt = std::move(salt);
   r.rank = rank;
   r.chunk_hashes = std::move(hashes);
   r.block_ids = std::move(blocks);
@@ -376,8 +380,9 @@ inline p::retrieve_request retrieve_req(std::vector<hash128> hashes, std::vector
 
 /// lookup + query_prefetch until done (Catch2; fails after server_deadline).
 inline p::query_prefetch_response lookup_done(raw_client& c, std::uint64_t model_id, const std::vector<hash128>& hashes,
-                                       std::uint16_t ws = 1, const std::string& key = "req-1") {
-  c.ok(p::lookup_request{key, model_id, ws, hashes});
+                                              std::uint16_t ws = 1, const std::string& key = "req-1",
+                                              const std::string& salt = {}) {
+  c.ok(p::lookup_request{key, model_id, ws, hashes, salt});
   const auto deadline = std::chrono::steady_clock::now() + server_deadline;
   for (;;) {
     auto q = c.ok(p::query_prefetch_request{key});
@@ -386,7 +391,6 @@ inline p::query_prefetch_response lookup_done(raw_client& c, std::uint64_t model
     REQUIRE(std::chrono::steady_clock::now() < deadline);
   }
 }
-
 
 /// Stores `chunks` chunks of prompt `seed` from blocks 0.. of `r` (filled with a pattern of
 /// `seed` first) and waits until the server's store pipeline is idle, i.e. the chunks went
@@ -398,9 +402,8 @@ inline std::vector<hash128> store_through(raw_client& c, const engine_region& r,
   r.fill_blocks(blocks, seed);
   const auto st = c.ok(store_req(r, hashes, blocks, 0, "store-" + std::to_string(seed)));
   REQUIRE(st.stored == chunks);
-  wait_for_status(c, [](const nlohmann::json& s) {
-    return s["store"]["pending_keys"] == 0 && s["store"]["inflight_tasks"] == 0;
-  });
+  wait_for_status(
+      c, [](const nlohmann::json& s) { return s["store"]["pending_keys"] == 0 && s["store"]["inflight_tasks"] == 0; });
   return hashes;
 }
 

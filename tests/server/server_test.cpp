@@ -126,7 +126,8 @@ TEST_CASE("a registration is refused with a message that says what to change", "
     CHECK_THAT(e.message, Catch::Contains("--chunk-size") && Catch::Contains("16"));
   }
   SECTION("a chunk object larger than an L1 slot") {
-    engine_region big(model_shape{4, 4, 64, 2, attention_kind::mha}, test_block_size, 8);  // 64 KiB chunks
+    engine_region big(model_shape{4, 4, 64, dtype_kind::bf16, attention_kind::mha}, test_block_size,
+                      8);  // 64 KiB chunks
     const auto e = c.refused(big.registration(), big.region.fd());
     CHECK(e.code == static_cast<std::uint32_t>(errc::layout_mismatch));
     CHECK_THAT(e.message, Catch::Contains("--l1-slot-bytes 65536") && Catch::Contains("l1_slot_bytes"));

@@ -1,21 +1,29 @@
 #pragma once
 // kv_layout: the byte shapes kvtier copies between. Standard library only.
 //
-//   model_shape      a model's KV geometry: layers, KV heads, head dim, dtype size, MHA/MLA.
+//   dtype_kind       the element type of the KV (fp32, fp16, bf16, fp8 e4m3/e5m2, int8): two
+//                    kinds of one size (fp16/bf16, e4m3/e5m2) never share objects.
+//   kv_layout_kind   how an engine orders one paged block: NHD (token-major, FlashAttention),
+//                    HND (head-major, vLLM's CPU backend and FlashInfer), MLA (one latent).
+//   model_shape      a model's KV geometry: layers, KV heads, head dim, dtype kind, MHA/MLA.
 //   chunk_layout     one chunk object (the unit stored in L1 and L2):
 //                      [layer][plane][token][kv_heads * head_dim] elements,
 //                    plane = K then V for MHA, the single latent for MLA. Layer-major, so a
 //                    layer's KV is one contiguous run (layer-wise loading stays possible).
 //   paged_kv_layout  an engine's paged KV cache, per layer vLLM's
-//                      MHA: [2][num_blocks][block_size][kv_heads][head_dim]
+//                      NHD: [2][num_blocks][block_size][kv_heads][head_dim]
+//                      HND: [2][num_blocks][kv_heads][block_size][head_dim]
 //                      MLA:    [num_blocks][block_size][latent_dim]
-//                    so one (layer, plane, block) is a contiguous "block segment".
+//                    so one (layer, plane, block) is a contiguous "block segment" (token-major
+//                    inside it for NHD and MLA, head-major for HND).
 
 #include <kvtier/config.hpp>
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
 namespace kvtier::inline KVTIER_ABI_TAG {
 
@@ -24,22 +32,110 @@ enum class attention_kind : std::uint8_t {
   mla = 1,  ///< one compressed latent per token (DeepSeek MLA): num_kv_heads = 1
 };
 
+/// The element type of the KV cache. Values are stable (they travel in register_kv_request
+/// and are folded into model ids): append, never renumber.
+enum class dtype_kind : std::uint8_t {
+  fp32 = 0,
+  fp16 = 1,
+  bf16 = 2,
+  fp8_e4m3 = 3,
+  fp8_e5m2 = 4,
+  int8 = 5,
+};
+inline constexpr dtype_kind last_dtype_kind = dtype_kind::int8;
+
+/// Bytes of one element; 0 for a value that names no kind.
+[[nodiscard]] constexpr std::uint32_t bytes_of(dtype_kind d) noexcept {
+  switch (d) {
+    case dtype_kind::fp32:
+      return 4;
+    case dtype_kind::fp16:
+    case dtype_kind::bf16:
+      return 2;
+    case dtype_kind::fp8_e4m3:
+    case dtype_kind::fp8_e5m2:
+    case dtype_kind::int8:
+      return 1;
+  }
+  return 0;
+}
+
+/// "fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "int8" ("unknown" otherwise).
+[[nodiscard]] constexpr std::string_view name(dtype_kind d) noexcept {
+  switch (d) {
+    case dtype_kind::fp32:
+      return "fp32";
+    case dtype_kind::fp16:
+      return "fp16";
+    case dtype_kind::bf16:
+      return "bf16";
+    case dtype_kind::fp8_e4m3:
+      return "fp8_e4m3";
+    case dtype_kind::fp8_e5m2:
+      return "fp8_e5m2";
+    case dtype_kind::int8:
+      return "int8";
+  }
+  return "unknown";
+}
+
+/// Parses what name(dtype_kind) writes (also torch's spellings "float32", "float16",
+/// "bfloat16", "float8_e4m3fn", "float8_e5m2").
+[[nodiscard]] constexpr std::optional<dtype_kind> parse_dtype_kind(std::string_view s) noexcept {
+  if (s == "fp32" || s == "float32" || s == "float") return dtype_kind::fp32;
+  if (s == "fp16" || s == "float16" || s == "half") return dtype_kind::fp16;
+  if (s == "bf16" || s == "bfloat16") return dtype_kind::bf16;
+  if (s == "fp8_e4m3" || s == "float8_e4m3fn" || s == "fp8") return dtype_kind::fp8_e4m3;
+  if (s == "fp8_e5m2" || s == "float8_e5m2") return dtype_kind::fp8_e5m2;
+  if (s == "int8") return dtype_kind::int8;
+  return std::nullopt;
+}
+
+/// How an engine orders the tokens and heads of one paged block. Values are stable.
+enum class kv_layout_kind : std::uint8_t {
+  nhd = 0,  ///< [block_size][kv_heads][head_dim] per block: FlashAttention, vLLM's default
+  hnd = 1,  ///< [kv_heads][block_size][head_dim] per block: vLLM's CPU backend, FlashInfer
+  mla = 2,  ///< [block_size][latent_dim] per block (attention_kind::mla)
+};
+inline constexpr kv_layout_kind last_kv_layout_kind = kv_layout_kind::mla;
+
+[[nodiscard]] constexpr std::string_view name(kv_layout_kind k) noexcept {
+  switch (k) {
+    case kv_layout_kind::nhd:
+      return "NHD";
+    case kv_layout_kind::hnd:
+      return "HND";
+    case kv_layout_kind::mla:
+      return "MLA";
+  }
+  return "unknown";
+}
+
+/// Parses "NHD", "HND", "MLA" (either case).
+[[nodiscard]] constexpr std::optional<kv_layout_kind> parse_kv_layout_kind(std::string_view s) noexcept {
+  if (s == "NHD" || s == "nhd") return kv_layout_kind::nhd;
+  if (s == "HND" || s == "hnd") return kv_layout_kind::hnd;
+  if (s == "MLA" || s == "mla") return kv_layout_kind::mla;
+  return std::nullopt;
+}
+
 struct model_shape {
   std::uint32_t num_layers = 0;
   std::uint32_t num_kv_heads = 0;
-  std::uint32_t head_dim = 0;     ///< for MLA: the latent width (kv_lora_rank + rope dim)
-  std::uint32_t dtype_bytes = 2;  ///< 2 for bf16/fp16, 1 for fp8, 4 for fp32
+  std::uint32_t head_dim = 0;  ///< for MLA: the latent width (kv_lora_rank + rope dim)
+  dtype_kind dtype = dtype_kind::bf16;
   attention_kind attention = attention_kind::mha;
 
   friend constexpr bool operator==(const model_shape&, const model_shape&) = default;
 
+  /// Bytes of one element (bytes_of(dtype)).
+  [[nodiscard]] constexpr std::uint32_t dtype_bytes() const noexcept { return bytes_of(dtype); }
+
   /// K and V (2) for MHA, the latent (1) for MLA.
-  [[nodiscard]] constexpr std::uint32_t planes() const noexcept {
-    return attention == attention_kind::mha ? 2 : 1;
-  }
+  [[nodiscard]] constexpr std::uint32_t planes() const noexcept { return attention == attention_kind::mha ? 2 : 1; }
   /// Bytes of one token in one (layer, plane).
   [[nodiscard]] constexpr std::size_t token_plane_bytes() const noexcept {
-    return std::size_t{num_kv_heads} * head_dim * dtype_bytes;
+    return std::size_t{num_kv_heads} * head_dim * dtype_bytes();
   }
   /// Bytes of one token's KV over all layers and planes.
   [[nodiscard]] constexpr std::size_t token_bytes() const noexcept {
@@ -51,7 +147,7 @@ struct model_shape {
     if (num_layers == 0 || num_layers > 1024) return "num_layers must be in 1..1024";
     if (num_kv_heads == 0 || num_kv_heads > 1024) return "num_kv_heads must be in 1..1024";
     if (head_dim == 0 || head_dim > 65536) return "head_dim must be in 1..65536";
-    if (dtype_bytes != 1 && dtype_bytes != 2 && dtype_bytes != 4) return "dtype_bytes must be 1, 2 or 4";
+    if (bytes_of(dtype) == 0) return "unknown dtype kind";
     if (attention == attention_kind::mla && num_kv_heads != 1) return "MLA layouts have num_kv_heads == 1";
     if (attention != attention_kind::mha && attention != attention_kind::mla) return "unknown attention kind";
     return {};
@@ -92,8 +188,16 @@ struct paged_kv_layout {
   model_shape model;
   std::uint32_t block_size = 16;  ///< tokens per block
   std::uint32_t num_blocks = 0;
+  /// nhd or hnd for MHA models; an MLA model's blocks have one order whatever is set here
+  /// (kind() answers mla).
+  kv_layout_kind order = kv_layout_kind::nhd;
 
   friend constexpr bool operator==(const paged_kv_layout&, const paged_kv_layout&) = default;
+
+  /// The layout kind: mla for MLA models, else `order`.
+  [[nodiscard]] constexpr kv_layout_kind kind() const noexcept {
+    return model.attention == attention_kind::mla ? kv_layout_kind::mla : order;
+  }
 
   /// Bytes of one (layer, plane, block): block_size tokens, contiguous.
   [[nodiscard]] constexpr std::size_t segment_bytes() const noexcept {
@@ -104,20 +208,23 @@ struct paged_kv_layout {
     return segment_bytes() * num_blocks * model.planes();
   }
   /// Bytes of all layers (the size of a CPU kv region).
-  [[nodiscard]] constexpr std::size_t total_bytes() const noexcept {
-    return layer_bytes() * model.num_layers;
-  }
-  /// Offset of token t of (plane, block) inside one layer's tensor.
+  [[nodiscard]] constexpr std::size_t total_bytes() const noexcept { return layer_bytes() * model.num_layers; }
+  /// Offset of token t of (plane, block) inside one layer's tensor (token t is a contiguous
+  /// run of kv_heads * head_dim elements in the NHD and MLA orders only; for HND pass t = 0:
+  /// the segment's start).
   [[nodiscard]] constexpr std::size_t offset_in_layer(std::uint32_t plane, std::uint32_t block,
                                                       std::uint32_t token = 0) const noexcept {
-    return (std::size_t{plane} * num_blocks + block) * segment_bytes() +
-           std::size_t{token} * model.token_plane_bytes();
+    return (std::size_t{plane} * num_blocks + block) * segment_bytes() + std::size_t{token} * model.token_plane_bytes();
   }
 
   [[nodiscard]] std::string validation_error() const {
     if (auto e = model.validation_error(); !e.empty()) return e;
     if (block_size == 0 || block_size > 4096) return "block_size must be in 1..4096";
     if (num_blocks == 0) return "num_blocks must be > 0";
+    if (model.attention == attention_kind::mha && order == kv_layout_kind::mla)
+      return "layout kind MLA needs an MLA model (attention_kind::mla): use NHD or HND";
+    if (order != kv_layout_kind::nhd && order != kv_layout_kind::hnd && order != kv_layout_kind::mla)
+      return "unknown layout kind";
     return {};
   }
 

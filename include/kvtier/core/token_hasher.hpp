@@ -101,7 +101,8 @@ class token_hasher {
     } else {
       std::vector<std::byte> le(chunk.size() * 4);
       for (std::size_t i = 0; i < chunk.size(); ++i)
-        for (int b = 0; b < 4; ++b) le[i * 4 + static_cast<std::size_t>(b)] = static_cast<std::byte>((chunk[i] >> (8 * b)) & 0xff);
+        for (int b = 0; b < 4; ++b)
+          le[i * 4 + static_cast<std::size_t>(b)] = static_cast<std::byte>((chunk[i] >> (8 * b)) & 0xff);
       return digest(p, le);
     }
   }
@@ -143,10 +144,9 @@ class token_hasher {
     if (ctx == nullptr) throw std::bad_alloc();
     unsigned char md[EVP_MAX_MD_SIZE];
     unsigned int len = 0;
-    const bool ok = EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) == 1 &&
-                    EVP_DigestUpdate(ctx, a.data(), a.size()) == 1 &&
-                    (b.empty() || EVP_DigestUpdate(ctx, b.data(), b.size()) == 1) &&
-                    EVP_DigestFinal_ex(ctx, md, &len) == 1;
+    const bool ok =
+        EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) == 1 && EVP_DigestUpdate(ctx, a.data(), a.size()) == 1 &&
+        (b.empty() || EVP_DigestUpdate(ctx, b.data(), b.size()) == 1) && EVP_DigestFinal_ex(ctx, md, &len) == 1;
     EVP_MD_CTX_free(ctx);
     if (!ok || len < 16) throw std::runtime_error("kvtier::token_hasher: OpenSSL SHA-256 failed");
     return {detail::get_be64(md + 8), detail::get_be64(md)};
@@ -156,19 +156,26 @@ class token_hasher {
   hash_algorithm algorithm_;
 };
 
-/// The model namespace of chunk keys: XXH3-64 over the model name, the KV shape and an
-/// optional tenant salt, so different models, dtypes, layouts or tenants never share objects.
+/// The model namespace of chunk keys: XXH3-64 over the model name, the KV shape (layers,
+/// KV heads, head dim, dtype KIND, MHA/MLA), the paged layout kind and an optional salt, so
+/// different models, dtypes of one size (fp16/bf16, fp8 e4m3/e5m2), layouts or tenants never
+/// share objects. Encoding (version 2): name || 0 || u32 layers, u32 heads, u32 head dim,
+/// u8 dtype kind, u8 attention, u8 layout kind (LE) || 0 || salt.
 [[nodiscard]] inline std::uint64_t make_model_id(std::string_view model_name, const model_shape& shape,
+                                                 kv_layout_kind layout = kv_layout_kind::nhd,
                                                  std::string_view salt = {}) noexcept {
-  std::array<std::byte, 17> fields{};
+  std::array<std::byte, 15> fields{};
   auto put32 = [&](std::size_t at, std::uint32_t v) {
-    for (int i = 0; i < 4; ++i) fields[at + static_cast<std::size_t>(i)] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
+    for (int i = 0; i < 4; ++i)
+      fields[at + static_cast<std::size_t>(i)] = static_cast<std::byte>((v >> (8 * i)) & 0xff);
   };
   put32(0, shape.num_layers);
   put32(4, shape.num_kv_heads);
   put32(8, shape.head_dim);
-  put32(12, shape.dtype_bytes);
-  fields[16] = static_cast<std::byte>(shape.attention);
+  fields[12] = static_cast<std::byte>(shape.dtype);
+  fields[13] = static_cast<std::byte>(shape.attention);
+  // An MLA model has one block order: its id does not depend on what the caller passed.
+  fields[14] = static_cast<std::byte>(shape.attention == attention_kind::mla ? kv_layout_kind::mla : layout);
   XXH3_state_t state;
   XXH3_INITSTATE(&state);
   XXH3_64bits_reset(&state);
@@ -177,6 +184,24 @@ class token_hasher {
   XXH3_64bits_update(&state, &sep, 1);
   XXH3_64bits_update(&state, fields.data(), fields.size());
   XXH3_64bits_update(&state, &sep, 1);
+  XXH3_64bits_update(&state, salt.data(), salt.size());
+  return XXH3_64bits_digest(&state);
+}
+
+/// The model id of one request's chunks: `model_id` itself for an empty salt, else XXH3-64
+/// over "kvtier.salt.v1" || model_id (u64 LE) || salt. vLLM's per-request `cache_salt`
+/// (multi-tenant isolation): the same tokens under different salts never share a chunk, and
+/// under the same salt they do.
+[[nodiscard]] inline std::uint64_t salted_model_id(std::uint64_t model_id, std::string_view salt) noexcept {
+  if (salt.empty()) return model_id;
+  static constexpr std::string_view tag = "kvtier.salt.v1";
+  std::array<std::byte, 8> id{};
+  detail::put_le64(id.data(), model_id);
+  XXH3_state_t state;
+  XXH3_INITSTATE(&state);
+  XXH3_64bits_reset(&state);
+  XXH3_64bits_update(&state, tag.data(), tag.size());
+  XXH3_64bits_update(&state, id.data(), id.size());
   XXH3_64bits_update(&state, salt.data(), salt.size());
   return XXH3_64bits_digest(&state);
 }

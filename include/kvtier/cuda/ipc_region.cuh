@@ -67,10 +67,10 @@ namespace kvtier::inline KVTIER_ABI_TAG::cuda {
 
 /// Why a descriptor or region was refused. Values are stable: append, never renumber.
 enum class region_errc : int {
-  bad_descriptor = 1,        ///< truncated, wrong magic, counts or offsets out of range
-  unsupported_version,       ///< a descriptor version this build does not read
-  device_not_found,          ///< no device this process sees has the descriptor's UUID
-  outside_allocation,        ///< a layer does not lie inside its allocation
+  bad_descriptor = 1,   ///< truncated, wrong magic, counts or offsets out of range
+  unsupported_version,  ///< a descriptor version this build does not read
+  device_not_found,     ///< no device this process sees has the descriptor's UUID
+  outside_allocation,   ///< a layer does not lie inside its allocation
 };
 
 namespace detail {
@@ -80,20 +80,27 @@ class region_category_impl final : public std::error_category {
   [[nodiscard]] const char* name() const noexcept override { return "kvtier.cuda.region"; }
   [[nodiscard]] std::string message(int ev) const override {
     switch (static_cast<region_errc>(ev)) {
-      case region_errc::bad_descriptor: return "malformed CUDA KV region descriptor";
-      case region_errc::unsupported_version: return "unsupported CUDA KV region descriptor version";
+      case region_errc::bad_descriptor:
+        return "malformed CUDA KV region descriptor";
+      case region_errc::unsupported_version:
+        return "unsupported CUDA KV region descriptor version";
       case region_errc::device_not_found:
         return "the KV region's GPU (by UUID) is not visible to this process (check CUDA_VISIBLE_DEVICES)";
-      case region_errc::outside_allocation: return "a KV layer does not lie inside its device allocation";
+      case region_errc::outside_allocation:
+        return "a KV layer does not lie inside its device allocation";
     }
     return "unknown CUDA KV region error";
   }
   [[nodiscard]] std::error_condition default_error_condition(int ev) const noexcept override {
     switch (static_cast<region_errc>(ev)) {
-      case region_errc::bad_descriptor: return std::make_error_condition(std::errc::bad_message);
-      case region_errc::unsupported_version: return std::make_error_condition(std::errc::protocol_not_supported);
-      case region_errc::device_not_found: return std::make_error_condition(std::errc::no_such_device);
-      case region_errc::outside_allocation: return std::make_error_condition(std::errc::invalid_argument);
+      case region_errc::bad_descriptor:
+        return std::make_error_condition(std::errc::bad_message);
+      case region_errc::unsupported_version:
+        return std::make_error_condition(std::errc::protocol_not_supported);
+      case region_errc::device_not_found:
+        return std::make_error_condition(std::errc::no_such_device);
+      case region_errc::outside_allocation:
+        return std::make_error_condition(std::errc::invalid_argument);
     }
     return {ev, *this};
   }
@@ -164,8 +171,10 @@ using device_uuid = std::array<std::uint8_t, 16>;
     case cudaErrorNotPermitted:
     case cudaErrorSystemNotReady:
     case cudaErrorInsufficientDriver:
-    case cudaErrorNoDevice: return true;
-    default: return false;
+    case cudaErrorNoDevice:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -174,7 +183,7 @@ using device_uuid = std::array<std::uint8_t, 16>;
 // ---------------------------------------------------------------------------------------
 
 inline constexpr std::uint32_t region_descriptor_magic = 0x5243564bu;  // "KVCR" in memory order
-inline constexpr std::uint16_t region_descriptor_version = 1;
+inline constexpr std::uint16_t region_descriptor_version = 2;
 
 /// The fixed head of a serialized descriptor (native byte order: engine and server share a
 /// machine; the magic tells a foreign byte order apart).
@@ -186,13 +195,13 @@ struct region_descriptor_header {
   std::uint32_t num_layers = 0;  ///< paged_kv_layout::model
   std::uint32_t num_kv_heads = 0;
   std::uint32_t head_dim = 0;
-  std::uint32_t dtype_bytes = 0;
+  std::uint32_t dtype = 0;      ///< dtype_kind
   std::uint32_t attention = 0;  ///< attention_kind
   std::uint32_t block_size = 0;
   std::uint32_t num_blocks = 0;
   std::uint32_t allocation_count = 0;  ///< ipc_allocation entries that follow
   std::uint32_t layer_count = 0;       ///< ipc_layer entries after those (== num_layers)
-  std::uint32_t reserved = 0;
+  std::uint32_t order = 0;             ///< kv_layout_kind of the blocks (paged_kv_layout::order)
 };
 static_assert(sizeof(region_descriptor_header) == 64 && std::is_trivially_copyable_v<region_descriptor_header>);
 
@@ -221,7 +230,8 @@ struct region_descriptor {
 
   /// The most bytes a valid descriptor takes (1024 layers, one allocation each): ~90 KiB, the
   /// bound a protocol decoder applies before reading one.
-  static constexpr std::size_t max_bytes = sizeof(region_descriptor_header) + 1024 * (sizeof(ipc_allocation) + sizeof(ipc_layer));
+  static constexpr std::size_t max_bytes =
+      sizeof(region_descriptor_header) + 1024 * (sizeof(ipc_allocation) + sizeof(ipc_layer));
 
   /// Empty when every count and offset is consistent, else region_errc::bad_descriptor,
   /// outside_allocation or transfer_errc::invalid_layout.
@@ -245,13 +255,15 @@ struct region_descriptor {
     h.num_layers = layout.model.num_layers;
     h.num_kv_heads = layout.model.num_kv_heads;
     h.head_dim = layout.model.head_dim;
-    h.dtype_bytes = layout.model.dtype_bytes;
+    h.dtype = static_cast<std::uint32_t>(layout.model.dtype);
+    h.order = static_cast<std::uint32_t>(layout.order);
     h.attention = static_cast<std::uint32_t>(layout.model.attention);
     h.block_size = layout.block_size;
     h.num_blocks = layout.num_blocks;
     h.allocation_count = static_cast<std::uint32_t>(allocations.size());
     h.layer_count = static_cast<std::uint32_t>(layers.size());
-    std::vector<std::byte> out(sizeof h + allocations.size() * sizeof(ipc_allocation) + layers.size() * sizeof(ipc_layer));
+    std::vector<std::byte> out(sizeof h + allocations.size() * sizeof(ipc_allocation) +
+                               layers.size() * sizeof(ipc_layer));
     std::byte* p = out.data();
     std::memcpy(p, &h, sizeof h);
     p += sizeof h;
@@ -274,10 +286,15 @@ struct region_descriptor {
     const std::size_t want = sizeof h + std::size_t{h.allocation_count} * sizeof(ipc_allocation) +
                              std::size_t{h.layer_count} * sizeof(ipc_layer);
     if (bytes.size() != want) return region_errc::bad_descriptor;
-    if (h.attention > static_cast<std::uint32_t>(attention_kind::mla)) return transfer_errc::invalid_layout;
+    if (h.attention > static_cast<std::uint32_t>(attention_kind::mla) ||
+        h.dtype > static_cast<std::uint32_t>(last_dtype_kind) ||
+        h.order > static_cast<std::uint32_t>(last_kv_layout_kind))
+      return transfer_errc::invalid_layout;
     region_descriptor d;
     std::memcpy(d.device.data(), h.device_uuid, 16);
-    d.layout.model = {h.num_layers, h.num_kv_heads, h.head_dim, h.dtype_bytes, static_cast<attention_kind>(h.attention)};
+    d.layout.model = {h.num_layers, h.num_kv_heads, h.head_dim, static_cast<dtype_kind>(h.dtype),
+                      static_cast<attention_kind>(h.attention)};
+    d.layout.order = static_cast<kv_layout_kind>(h.order);
     d.layout.block_size = h.block_size;
     d.layout.num_blocks = h.num_blocks;
     d.allocations.resize(h.allocation_count);
@@ -316,7 +333,8 @@ namespace detail {
   if (fn == nullptr) return std::make_error_code(std::errc::not_supported);
   CUdeviceptr b = 0;
   std::size_t s = 0;
-  if (fn(&b, &s, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS) return std::make_error_code(std::errc::invalid_argument);
+  if (fn(&b, &s, reinterpret_cast<CUdeviceptr>(p)) != CUDA_SUCCESS)
+    return std::make_error_code(std::errc::invalid_argument);
   base = reinterpret_cast<std::byte*>(b);
   size = s;
   return {};
@@ -360,7 +378,8 @@ class kv_region {
     }
     r.owned_ = static_cast<std::byte*>(p);
     r.device_ = device;
-    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) r.layers_.push_back(r.owned_ + l * layout.layer_bytes());
+    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l)
+      r.layers_.push_back(r.owned_ + l * layout.layer_bytes());
     if ((ec = r.describe(layout))) return kv_region{};
     return r;
   }

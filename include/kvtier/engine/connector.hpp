@@ -1,6 +1,8 @@
 #pragma once
 // engine::connector<Bus>: the engine-side client of the cache server, shaped like vLLM's KV
-// connector. One per engine worker (rank), each with its own kv_region and connection.
+// connector. One per engine worker (rank), each with its own kv_region and connection; and,
+// as vLLM splits them, one without a region for the scheduler process (it registers with
+// region kind none and may only look up, free lookup locks and end requests).
 //
 //   scheduler side   lookup(id, tokens)        non-blocking; lookup_result(id) polls the answer
 //                    free_lookup_locks(id), end_request(id)            fire and forget
@@ -9,6 +11,8 @@
 //                    get_finished(finished_by_engine) -> {finished sending, finished recving}
 //                    take_load_error_blocks()  blocks the engine must recompute
 //   fencing          block_is_quarantined(b), quarantined_blocks(), block_reused(b)
+//   tenants          cache_salt: the options' (per connector) and each call's (per request,
+//                    vLLM's cache_salt) are folded into the chunks' model id
 //   health           healthy(), state(), wait_ready(timeout), last_error()
 //
 // The engine is synchronous, so the connector runs its own io_context on one background
@@ -36,7 +40,7 @@
 // from the calling or the connector's thread with the connector's lock held: subscribers
 // must not call back into the connector.
 //
-// Lifetime: the kv_region and the bus must outlive the connector. The destructor closes the
+// Lifetime: the kv_region (if any) and the bus must outlive the connector. The destructor closes the
 // connection (the server releases the registration and its locks at EOF) and joins the
 // thread; nothing is reported after it.
 
@@ -97,13 +101,13 @@ namespace kvtier::inline KVTIER_ABI_TAG::engine {
 
 /// Counters for diagnostics and tests (a snapshot).
 struct connector_stats {
-  std::uint64_t registrations = 0;  ///< successful registrations (first connect + reconnects)
-  std::uint64_t late_replies = 0;   ///< replies to calls the connector had given up on
-  std::uint64_t calls_issued = 0;   ///< requests handed to a connection
-  std::size_t pending_calls = 0;    ///< calls waiting for their reply now
-  std::size_t tracked_requests = 0; ///< finished_tracker::tracked()
-  std::size_t lookups = 0;          ///< lookup entries kept (pending or answered)
-  std::size_t open_connections = 0; ///< the current one plus those kept for late replies
+  std::uint64_t registrations = 0;   ///< successful registrations (first connect + reconnects)
+  std::uint64_t late_replies = 0;    ///< replies to calls the connector had given up on
+  std::uint64_t calls_issued = 0;    ///< requests handed to a connection
+  std::size_t pending_calls = 0;     ///< calls waiting for their reply now
+  std::size_t tracked_requests = 0;  ///< finished_tracker::tracked()
+  std::size_t lookups = 0;           ///< lookup entries kept (pending or answered)
+  std::size_t open_connections = 0;  ///< the current one plus those kept for late replies
 };
 
 template <class Bus>
@@ -113,16 +117,26 @@ class connector {
   using bus_type = Bus;
   using clock = std::chrono::steady_clock;
 
-  /// Starts the connector's thread, which connects in the background. Throws
-  /// std::invalid_argument when the options are invalid or do not fit the region
-  /// (chunk_tokens must be a multiple of the region's block size).
+  /// A worker's connector: starts the connector's thread, which connects in the background.
+  /// Throws std::invalid_argument when the options are invalid or do not fit the region
+  /// (chunk_tokens must be a multiple of the region's block size; options.model must be left
+  /// default).
   connector(connector_options options, kv_region& region, Bus& bus);
 
-  /// A connector that publishes nothing.
+  /// A scheduler's connector, without a KV region: registers options.model (one rank's
+  /// shape) and options.layout_kind with region kind none. Only the scheduler side of the
+  /// interface may be used; retrieve, store and block_reused throw std::logic_error. Throws
+  /// std::invalid_argument when the options are invalid or not a scheduler's.
+  connector(connector_options options, Bus& bus);
+
+  /// Connectors that publish nothing.
   // clang-format off
   connector(connector_options options, kv_region& region)
     requires std::same_as<Bus, bus::null_bus>
       : connector(std::move(options), region, null_bus_instance()) {}
+  explicit connector(connector_options options)
+    requires std::same_as<Bus, bus::null_bus>
+      : connector(std::move(options), null_bus_instance()) {}
   // clang-format on
 
   connector(const connector&) = delete;
@@ -140,6 +154,8 @@ class connector {
   /// The current server's boot token (0 before the first registration).
   [[nodiscard]] std::uint64_t boot_token() const;
   [[nodiscard]] const connector_options& options() const noexcept { return options_; }
+  /// Whether this connector has a KV region (a worker) or not (a scheduler).
+  [[nodiscard]] bool has_region() const noexcept { return region_ != nullptr; }
 
   /// The rolling prefix hashes of the full chunks of `tokens` (the connector's algorithm and
   /// chunk size), for engines that hash once and call the *_hashes variants.
@@ -151,9 +167,11 @@ class connector {
   /// Starts the lookup of the request's full chunks (every rank's shard of each). Idempotent
   /// per request id: a second call while an entry exists does nothing. Never blocks.
   /// Throws std::logic_error on a connector that is not the scheduler.
-  void lookup(std::string_view request_id, std::span<const token_id> tokens);
+  /// `cache_salt` (<= 256 bytes): the request's salt (vLLM's cache_salt); its retrieves and
+  /// stores must pass the same one.
+  void lookup(std::string_view request_id, std::span<const token_id> tokens, std::string_view cache_salt = {});
   /// The same with the chunk hashes already computed (chunk_hashes(tokens)).
-  void lookup_hashes(std::string_view request_id, std::vector<hash128> hashes);
+  void lookup_hashes(std::string_view request_id, std::vector<hash128> hashes, std::string_view cache_salt = {});
   /// Hit tokens (hit chunks x chunk_tokens, a chunk counting only when every rank has it)
   /// once answered; nullopt while pending. 0 when unhealthy, on any failure, and for ids
   /// never looked up (or whose answer was dropped by end_request or max_lookups). Stable
@@ -175,20 +193,22 @@ class connector {
   /// least (first_chunk + n) * chunk_tokens tokens. Throws std::invalid_argument on
   /// malformed arguments.
   void retrieve(std::string_view request_id, std::span<const token_id> tokens, std::uint32_t first_chunk,
-                std::span<const std::uint32_t> block_ids, std::uint32_t skip_tokens = 0);
+                std::span<const std::uint32_t> block_ids, std::uint32_t skip_tokens = 0,
+                std::string_view cache_salt = {});
   /// The same with the hashes of the n chunks retrieved.
   void retrieve_hashes(std::string_view request_id, std::span<const hash128> hashes, std::uint32_t first_chunk,
-                       std::span<const std::uint32_t> block_ids, std::uint32_t skip_tokens = 0);
+                       std::span<const std::uint32_t> block_ids, std::uint32_t skip_tokens = 0,
+                       std::string_view cache_salt = {});
   /// Saves chunks [first_chunk, first_chunk + chunk_count) of the request from `block_ids`
   /// (chunk_count * chunk_tokens / block_size ids). The blocks' generations are read now,
   /// so call it after the forward pass wrote them and before any block_reused of them.
   /// Asynchronous; skipped while unhealthy (the KV is simply not cached). Either way the id
   /// is reported in finished_sending once the engine reports it finished.
   void store(std::string_view request_id, std::span<const token_id> tokens, std::uint32_t first_chunk,
-             std::uint32_t chunk_count, std::span<const std::uint32_t> block_ids);
+             std::uint32_t chunk_count, std::span<const std::uint32_t> block_ids, std::string_view cache_salt = {});
   /// The same with the hashes of the chunks stored.
   void store_hashes(std::string_view request_id, std::span<const hash128> hashes, std::uint32_t first_chunk,
-                    std::span<const std::uint32_t> block_ids);
+                    std::span<const std::uint32_t> block_ids, std::string_view cache_salt = {});
   /// vLLM's get_finished: `finished_by_engine` are the ids the engine finished this step.
   finished_requests get_finished(std::span<const std::string> finished_by_engine);
   /// Blocks whose KV did not land (each once; the set is cleared).
@@ -245,6 +265,7 @@ class connector {
     std::size_t tokens = 0;
     std::uint32_t requested_chunks = 0;
     std::vector<hash128> hashes;  ///< until the lookup request is sent
+    std::string cache_salt;
     clock::time_point started{};
     clock::time_point deadline{};
   };
@@ -273,6 +294,9 @@ class connector {
 
   // Engine-thread helpers.
   void check_request_id(std::string_view id) const;
+  static void check_salt(std::string_view salt);
+  /// The region of a worker's connector; std::logic_error naming `what` without one.
+  kv_region& region_for(const char* what) const;
   void check_blocks(std::span<const std::uint32_t> block_ids, std::size_t chunks) const;
   [[nodiscard]] std::vector<hash128> hashes_of(std::span<const token_id> tokens, std::uint32_t first_chunk,
                                                std::size_t chunks) const;
@@ -293,8 +317,7 @@ class connector {
   void finish_retrieve_locked(const retrieve_info& info, std::uint32_t retrieved, bus::connector_outcome outcome,
                               const pending_call* call);
   void finish_store_locked(const store_info& info, const call_result* r, bus::connector_outcome outcome);
-  void answer_lookup_locked(const std::string& id, lookup_entry& e, std::size_t tokens,
-                            bus::connector_outcome outcome);
+  void answer_lookup_locked(const std::string& id, lookup_entry& e, std::size_t tokens, bus::connector_outcome outcome);
   lookup_entry* find_lookup_locked(const std::string& id, std::uint64_t serial);
   void start_lookup_io(const std::string& id, std::uint64_t serial);
   void issue_query_locked(const std::string& id, std::uint64_t serial);
@@ -304,7 +327,7 @@ class connector {
   void publish_quarantine_locked(std::size_t held, std::size_t released);
   [[nodiscard]] static bus::connector_outcome outcome_of(call_status s) noexcept;
   [[nodiscard]] std::uint32_t blocks_per_chunk() const noexcept {
-    return options_.chunk_tokens / region_.layout().block_size;
+    return options_.chunk_tokens / region_->layout().block_size;
   }
 
   // Coroutines on the connector's thread.
@@ -319,10 +342,11 @@ class connector {
   void watch_process_io(const std::shared_ptr<peer>& p);
   std::string fail_handshake_locked(std::uint64_t epoch, std::string_view reason, std::string message);
   [[nodiscard]] clock::duration scaled(std::chrono::milliseconds d) const noexcept { return options_.scaled(d); }
-  static connector_options validated(connector_options o, const kv_region& region);
+  static connector_options validated(connector_options o, const kv_region* region);
+  connector(connector_options options, kv_region* region, Bus& bus);
 
   connector_options options_;
-  kv_region& region_;
+  kv_region* region_;  ///< null: a scheduler's connector
   Bus& bus_;
   token_hasher hasher_;
   std::uint64_t instance_id_;

@@ -1,10 +1,12 @@
 #pragma once
-// connector_options: everything an engine worker's connector needs to know, with the
-// defaults docs/fault-tolerance.md explains. The KV layout itself (model shape, block size,
-// number of blocks) is not repeated here: it is the layout of the kv_region the connector
-// is given, so the two can never disagree.
+// connector_options: everything an engine's connector needs to know, with the defaults
+// docs/fault-tolerance.md explains. A worker's KV layout (model shape, block size, number of
+// blocks, layout kind) is not repeated here: it is the layout of the kv_region the connector
+// is given, so the two can never disagree. A scheduler's connector has no region and names
+// the model's per-rank shape and layout kind in `model` and `layout_kind` instead.
 
 #include <kvtier/config.hpp>
+#include <kvtier/core/kv_layout.hpp>
 #include <kvtier/core/token_hasher.hpp>
 #include <kvtier/protocol/limits.hpp>
 
@@ -59,8 +61,22 @@ struct connector_options {
   std::uint16_t world_size = 1;
   /// Whether this connector issues lookups (the "scheduler" role); unset: rank == 0.
   std::optional<bool> scheduler;
-  /// The model's name; with the region's model shape it makes the model id.
+  /// The model's name; with the model shape, the layout kind and cache_salt it makes the
+  /// model id (make_model_id), so engines of different dtypes or layouts never share chunks.
   std::string model_name;
+  /// A connector without a kv_region (a scheduler): the shape one rank's workers register
+  /// (num_kv_heads of one rank) and their layout kind, so its lookups name the workers'
+  /// chunks. Ignored (must stay default) for a connector with a region: the region's layout
+  /// is the one that counts.
+  model_shape model{};
+  kv_layout_kind layout_kind = kv_layout_kind::nhd;
+  /// Folded into the model id of every chunk this connector names: engines with different
+  /// salts never share chunks (a deployment-wide tenant salt). A request may add its own
+  /// (the cache_salt argument of lookup/retrieve/store, vLLM's per-request cache_salt).
+  std::string cache_salt;
+  /// The engine's prefill rate for this model in tokens per second (0: not declared); the
+  /// server offers from L2 only what loads faster than the engine recomputes it.
+  std::uint64_t prefill_tokens_per_second = 0;
   /// Tokens per chunk; must equal the server's and be a multiple of the region's block size.
   std::uint32_t chunk_tokens = 256;
   /// The chunk hash (must match every other engine that shares the cache).
@@ -98,6 +114,7 @@ struct connector_options {
     if (world_size == 0) return "world_size must be >= 1";
     if (rank >= world_size) return "rank must be below world_size";
     if (model_name.size() > protocol::max_model_name_bytes) return "model_name is longer than 256 bytes";
+    if (cache_salt.size() > protocol::max_cache_salt_bytes) return "cache_salt is longer than 256 bytes";
     if (chunk_tokens == 0 || chunk_tokens > 65536) return "chunk_tokens must be in 1..65536";
     if (timeout_scale < 1) return "timeout_scale must be >= 1";
     const auto& t = timeouts;

@@ -55,17 +55,18 @@ template <class T>
   return {name, value, max};
 }
 template <class E>
-  requires std::is_enum_v<std::remove_const_t<E>>
-[[nodiscard]] constexpr enum_field<E> enumerated(std::string_view name, E& value, std::remove_const_t<E> last) noexcept {
+requires std::is_enum_v<std::remove_const_t<E>>
+[[nodiscard]] constexpr enum_field<E> enumerated(std::string_view name, E& value,
+                                                 std::remove_const_t<E> last) noexcept {
   return {name, value, last};
 }
 
 /// The wire fields of model_shape (core/kv_layout.hpp), nested in register_kv_request.
 template <class S>
-  requires std::same_as<std::remove_const_t<S>, model_shape>
+requires std::same_as<std::remove_const_t<S>, model_shape>
 [[nodiscard]] constexpr auto model_shape_fields(S& s) noexcept {
   return std::tuple{field("num_layers", s.num_layers), field("num_kv_heads", s.num_kv_heads),
-                    field("head_dim", s.head_dim), field("dtype_bytes", s.dtype_bytes),
+                    field("head_dim", s.head_dim), enumerated("dtype", s.dtype, last_dtype_kind),
                     enumerated("attention", s.attention, attention_kind::mla)};
 }
 

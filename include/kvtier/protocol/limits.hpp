@@ -18,7 +18,7 @@ inline constexpr std::array<std::byte, 4> frame_magic = {std::byte{'K'}, std::by
 /// The protocol version this build speaks; carried in every frame header. A frame with any
 /// other version is refused with errc::version_mismatch (no negotiation: both sides of a
 /// Unix socket ship together, and a silent downgrade would hide a deployment mistake).
-inline constexpr std::uint16_t protocol_version = 1;
+inline constexpr std::uint16_t protocol_version = 2;
 
 /// Bytes of the frame header: magic (4), version (u16), type (u16), call id (u64), body
 /// length (u32), little-endian. This layout is frozen for every version, so a peer speaking
@@ -39,6 +39,11 @@ inline constexpr std::uint32_t max_chunk_hashes = 65536;
 /// 4 MiB of ids plus 8 MiB of generations: a maximal store body is ~13 MiB, under the
 /// default body limit.
 inline constexpr std::uint32_t max_block_ids = std::uint32_t{1} << 20;
+/// A cache salt (vLLM's cache_salt is a short tenant string).
+inline constexpr std::uint32_t max_cache_salt_bytes = 256;
+/// The region descriptor of a cuda_ipc registration (a cudaIpcMemHandle_t is 64 bytes; a
+/// descriptor holds one per layer tensor plus the layout: 1024 layers fit).
+inline constexpr std::uint32_t max_region_descriptor_bytes = std::uint32_t{256} << 10;
 /// The JSON document of a status reply.
 inline constexpr std::uint32_t max_status_json_bytes = std::uint32_t{4} << 20;
 /// The text of an error reply.

@@ -132,9 +132,12 @@ enum class prefetch_state : std::uint8_t {
 };
 [[nodiscard]] constexpr std::string_view name(prefetch_state s) noexcept {
   switch (s) {
-    case prefetch_state::pending: return "pending";
-    case prefetch_state::done: return "done";
-    case prefetch_state::unknown: return "unknown";
+    case prefetch_state::pending:
+      return "pending";
+    case prefetch_state::done:
+      return "done";
+    case prefetch_state::unknown:
+      return "unknown";
   }
   return "invalid";
 }
@@ -208,32 +211,70 @@ struct status_response {
 // Requests.
 // ---------------------------------------------------------------------------------------
 
-/// Registers the engine worker's paged KV region. Exactly one fd (the region's memfd)
-/// travels with this frame (SCM_RIGHTS); the frame's `fd` on the server side.
+/// What a registration brings of the engine's KV memory. Values are stable.
+enum class region_kind : std::uint8_t {
+  none = 0,       ///< no KV memory: a scheduler (lookup, query, free, end only)
+  cpu_memfd = 1,  ///< a sealed memfd (engine::kv_region) passed beside the frame
+  cuda_ipc = 2,   ///< GPU memory: region_descriptor holds the CUDA IPC descriptor bytes
+};
+[[nodiscard]] constexpr std::string_view name(region_kind k) noexcept {
+  switch (k) {
+    case region_kind::none:
+      return "none";
+    case region_kind::cpu_memfd:
+      return "cpu_memfd";
+    case region_kind::cuda_ipc:
+      return "cuda_ipc";
+  }
+  return "unknown";
+}
+
+/// Registers an engine process with the server: a worker with its paged KV region, or a
+/// scheduler without one (region_kind::none). A cpu_memfd registration carries exactly one fd
+/// (the region's memfd, SCM_RIGHTS): the frame's `fd` on the server side.
 struct register_kv_request {
   static constexpr message_type type = message_type::register_kv_request;
   using response_type = register_kv_response;
-  std::uint64_t instance_id = 0;  ///< the engine worker's pid (ping and reaping use it)
-  std::uint16_t rank = 0;         ///< tensor-parallel rank of this worker
-  std::uint16_t world_size = 1;   ///< tensor-parallel world size
-  std::string model_name;         ///< <= max_model_name_bytes
-  model_shape model;              ///< layers, KV heads, head dim, dtype bytes, MHA/MLA
-  std::uint32_t block_size = 0;   ///< tokens per paged-KV block
-  std::uint32_t num_blocks = 0;   ///< blocks in the region
-  std::uint32_t chunk_tokens = 0; ///< tokens per chunk the engine hashes with
-  std::uint64_t region_bytes = 0; ///< size of the memfd region
+  std::uint64_t instance_id = 0;                     ///< the engine process's pid (ping and reaping use it)
+  std::uint16_t rank = 0;                            ///< tensor-parallel rank of this worker (0 for a scheduler)
+  std::uint16_t world_size = 1;                      ///< tensor-parallel world size
+  std::string model_name;                            ///< <= max_model_name_bytes
+  model_shape model;                                 ///< layers, KV heads, head dim, dtype kind, MHA/MLA
+  std::uint32_t block_size = 0;                      ///< tokens per paged-KV block (0 for region none)
+  std::uint32_t num_blocks = 0;                      ///< blocks in the region (0 for region none)
+  std::uint32_t chunk_tokens = 0;                    ///< tokens per chunk the engine hashes with
+  std::uint64_t region_bytes = 0;                    ///< size of the memfd region (0 for region none)
+  kv_layout_kind layout_kind = kv_layout_kind::nhd;  ///< NHD / HND (MHA) or MLA
+  region_kind region = region_kind::cpu_memfd;
+  /// cuda_ipc: the descriptor bytes of cuda/ipc_region.cuh (<= max_region_descriptor_bytes);
+  /// empty otherwise.
+  std::string region_descriptor;
+  /// Folded into the connection's model id: engines with different salts never share
+  /// chunks (a deployment-wide tenant salt; a request may add its own, see lookup_request).
+  std::string cache_salt;
+  /// The engine's prefill rate for this model (tokens per second, 0: not declared). The
+  /// server offers from L2 only what loads faster than the engine would recompute it.
+  std::uint64_t prefill_tokens_per_second = 0;
 
   /// The paged KV layout the region holds.
-  [[nodiscard]] paged_kv_layout layout() const noexcept { return {model, block_size, num_blocks}; }
+  [[nodiscard]] paged_kv_layout layout() const noexcept { return {model, block_size, num_blocks, layout_kind}; }
 
   friend bool operator==(const register_kv_request&, const register_kv_request&) = default;
   static constexpr auto fields(auto& self) noexcept {
-    return std::tuple{field("instance_id", self.instance_id),   field("rank", self.rank),
+    return std::tuple{field("instance_id", self.instance_id),
+                      field("rank", self.rank),
                       field("world_size", self.world_size),
                       bounded("model_name", self.model_name, max_model_name_bytes),
-                      field("model", self.model),               field("block_size", self.block_size),
-                      field("num_blocks", self.num_blocks),     field("chunk_tokens", self.chunk_tokens),
-                      field("region_bytes", self.region_bytes)};
+                      field("model", self.model),
+                      field("block_size", self.block_size),
+                      field("num_blocks", self.num_blocks),
+                      field("chunk_tokens", self.chunk_tokens),
+                      field("region_bytes", self.region_bytes),
+                      enumerated("layout_kind", self.layout_kind, last_kv_layout_kind),
+                      enumerated("region", self.region, region_kind::cuda_ipc),
+                      bounded("region_descriptor", self.region_descriptor, max_region_descriptor_bytes),
+                      bounded("cache_salt", self.cache_salt, max_cache_salt_bytes),
+                      field("prefill_tokens_per_second", self.prefill_tokens_per_second)};
   }
 };
 
@@ -253,12 +294,14 @@ struct lookup_request {
   std::uint64_t model_id = 0;         ///< from register_kv_response
   std::uint16_t world_size = 1;       ///< prefetch every rank's shard
   std::vector<hash128> chunk_hashes;  ///< rolling prefix hashes of the full chunks, <= max_chunk_hashes
+  std::string cache_salt;             ///< the request's salt (vLLM cache_salt), <= max_cache_salt_bytes
 
   friend bool operator==(const lookup_request&, const lookup_request&) = default;
   static constexpr auto fields(auto& self) noexcept {
-    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes),
-                      field("model_id", self.model_id), field("world_size", self.world_size),
-                      bounded("chunk_hashes", self.chunk_hashes, max_chunk_hashes)};
+    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes), field("model_id", self.model_id),
+                      field("world_size", self.world_size),
+                      bounded("chunk_hashes", self.chunk_hashes, max_chunk_hashes),
+                      bounded("cache_salt", self.cache_salt, max_cache_salt_bytes)};
   }
 };
 
@@ -277,19 +320,23 @@ struct query_prefetch_request {
 struct retrieve_request {
   static constexpr message_type type = message_type::retrieve_request;
   using response_type = retrieve_response;
-  std::string request_key;            ///< <= max_request_key_bytes
+  std::string request_key;  ///< <= max_request_key_bytes
   std::uint16_t rank = 0;
-  std::uint32_t first_chunk = 0;      ///< index of chunk_hashes[0] in the request's prompt
-  std::vector<hash128> chunk_hashes;  ///< <= max_chunk_hashes
+  std::uint32_t first_chunk = 0;         ///< index of chunk_hashes[0] in the request's prompt
+  std::vector<hash128> chunk_hashes;     ///< <= max_chunk_hashes
   std::vector<std::uint32_t> block_ids;  ///< destination blocks, chunk by chunk, <= max_block_ids
-  std::uint32_t skip_tokens = 0;      ///< leading tokens the engine already has (not overwritten)
+  std::uint32_t skip_tokens = 0;         ///< leading tokens the engine already has (not overwritten)
+  std::string cache_salt;                ///< the request's salt, as in its lookup_request
 
   friend bool operator==(const retrieve_request&, const retrieve_request&) = default;
   static constexpr auto fields(auto& self) noexcept {
-    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes), field("rank", self.rank),
+    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes),
+                      field("rank", self.rank),
                       field("first_chunk", self.first_chunk),
                       bounded("chunk_hashes", self.chunk_hashes, max_chunk_hashes),
-                      bounded("block_ids", self.block_ids, max_block_ids), field("skip_tokens", self.skip_tokens)};
+                      bounded("block_ids", self.block_ids, max_block_ids),
+                      field("skip_tokens", self.skip_tokens),
+                      bounded("cache_salt", self.cache_salt, max_cache_salt_bytes)};
   }
 };
 
@@ -297,7 +344,7 @@ struct retrieve_request {
 struct store_request {
   static constexpr message_type type = message_type::store_request;
   using response_type = store_response;
-  std::string request_key;               ///< <= max_request_key_bytes
+  std::string request_key;  ///< <= max_request_key_bytes
   std::uint16_t rank = 0;
   std::uint32_t first_chunk = 0;         ///< index of chunk_hashes[0] in the request's prompt
   std::vector<hash128> chunk_hashes;     ///< <= max_chunk_hashes
@@ -305,6 +352,7 @@ struct store_request {
   /// One per block id: the fencing seqlock value the engine read for that block; the server
   /// re-reads it after copying and drops the chunk if the block was reused meanwhile.
   std::vector<std::uint64_t> block_generations;
+  std::string cache_salt;  ///< the request's salt (vLLM cache_salt), <= max_cache_salt_bytes
 
   /// Null when the lengths agree (one generation per block id), else why not.
   [[nodiscard]] const char* wire_error() const noexcept {
@@ -314,11 +362,13 @@ struct store_request {
 
   friend bool operator==(const store_request&, const store_request&) = default;
   static constexpr auto fields(auto& self) noexcept {
-    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes), field("rank", self.rank),
+    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes),
+                      field("rank", self.rank),
                       field("first_chunk", self.first_chunk),
                       bounded("chunk_hashes", self.chunk_hashes, max_chunk_hashes),
                       bounded("block_ids", self.block_ids, max_block_ids),
-                      bounded("block_generations", self.block_generations, max_block_ids)};
+                      bounded("block_generations", self.block_generations, max_block_ids),
+                      bounded("cache_salt", self.cache_salt, max_cache_salt_bytes)};
   }
 };
 
@@ -386,11 +436,10 @@ struct status_request {
 /// Any decoded message.
 using message = std::variant<register_kv_request, unregister_kv_request, lookup_request, query_prefetch_request,
                              retrieve_request, store_request, free_lookup_locks_request, end_request_request,
-                             ping_request, clear_request, get_chunk_size_request, status_request,
-                             error_response, register_kv_response, unregister_kv_response, lookup_response,
-                             query_prefetch_response, retrieve_response, store_response,
-                             free_lookup_locks_response, end_request_response, ping_response, clear_response,
-                             get_chunk_size_response, status_response>;
+                             ping_request, clear_request, get_chunk_size_request, status_request, error_response,
+                             register_kv_response, unregister_kv_response, lookup_response, query_prefetch_response,
+                             retrieve_response, store_response, free_lookup_locks_response, end_request_response,
+                             ping_response, clear_response, get_chunk_size_response, status_response>;
 
 /// A type that travels in a frame: an alternative of `message`.
 template <class T>
@@ -403,8 +452,7 @@ concept wire_message = requires(T& m, const T& c) {
 /// A request: a wire message with a `response_type`.
 template <class T>
 concept wire_request = wire_message<T> && wire_message<typename T::response_type> &&
-                       (T::response_type::type == static_cast<message_type>(static_cast<std::uint16_t>(T::type) |
-                                                                            response_bit));
+    (T::response_type::type == static_cast<message_type>(static_cast<std::uint16_t>(T::type) | response_bit));
 
 [[nodiscard]] inline message_type type_of(const message& m) noexcept {
   return std::visit([](const auto& x) { return std::decay_t<decltype(x)>::type; }, m);
@@ -427,55 +475,94 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
 [[nodiscard]] constexpr bus::request_kind request_kind_of(message_type t) noexcept {
   using k = bus::request_kind;
   switch (static_cast<message_type>(static_cast<std::uint16_t>(t) & ~response_bit)) {
-    case message_type::register_kv_request: return k::register_kv;
-    case message_type::unregister_kv_request: return k::unregister_kv;
-    case message_type::lookup_request: return k::lookup;
-    case message_type::query_prefetch_request: return k::query_prefetch;
-    case message_type::retrieve_request: return k::retrieve;
-    case message_type::store_request: return k::store;
-    case message_type::free_lookup_locks_request: return k::free_lookup_locks;
-    case message_type::end_request_request: return k::end_request;
-    case message_type::ping_request: return k::ping;
-    case message_type::clear_request: return k::clear;
-    case message_type::get_chunk_size_request: return k::get_chunk_size;
-    case message_type::status_request: return k::status;
-    default: return k::other;
+    case message_type::register_kv_request:
+      return k::register_kv;
+    case message_type::unregister_kv_request:
+      return k::unregister_kv;
+    case message_type::lookup_request:
+      return k::lookup;
+    case message_type::query_prefetch_request:
+      return k::query_prefetch;
+    case message_type::retrieve_request:
+      return k::retrieve;
+    case message_type::store_request:
+      return k::store;
+    case message_type::free_lookup_locks_request:
+      return k::free_lookup_locks;
+    case message_type::end_request_request:
+      return k::end_request;
+    case message_type::ping_request:
+      return k::ping;
+    case message_type::clear_request:
+      return k::clear;
+    case message_type::get_chunk_size_request:
+      return k::get_chunk_size;
+    case message_type::status_request:
+      return k::status;
+    default:
+      return k::other;
   }
 }
 
 /// The message's struct name ("lookup_request"); "unknown" for other values.
 [[nodiscard]] constexpr std::string_view name(message_type t) noexcept {
   switch (t) {
-    case message_type::register_kv_request: return "register_kv_request";
-    case message_type::unregister_kv_request: return "unregister_kv_request";
-    case message_type::lookup_request: return "lookup_request";
-    case message_type::query_prefetch_request: return "query_prefetch_request";
-    case message_type::retrieve_request: return "retrieve_request";
-    case message_type::store_request: return "store_request";
-    case message_type::free_lookup_locks_request: return "free_lookup_locks_request";
-    case message_type::end_request_request: return "end_request_request";
-    case message_type::ping_request: return "ping_request";
-    case message_type::clear_request: return "clear_request";
-    case message_type::get_chunk_size_request: return "get_chunk_size_request";
-    case message_type::status_request: return "status_request";
-    case message_type::error_response: return "error_response";
-    case message_type::register_kv_response: return "register_kv_response";
-    case message_type::unregister_kv_response: return "unregister_kv_response";
-    case message_type::lookup_response: return "lookup_response";
-    case message_type::query_prefetch_response: return "query_prefetch_response";
-    case message_type::retrieve_response: return "retrieve_response";
-    case message_type::store_response: return "store_response";
-    case message_type::free_lookup_locks_response: return "free_lookup_locks_response";
-    case message_type::end_request_response: return "end_request_response";
-    case message_type::ping_response: return "ping_response";
-    case message_type::clear_response: return "clear_response";
-    case message_type::get_chunk_size_response: return "get_chunk_size_response";
-    case message_type::status_response: return "status_response";
+    case message_type::register_kv_request:
+      return "register_kv_request";
+    case message_type::unregister_kv_request:
+      return "unregister_kv_request";
+    case message_type::lookup_request:
+      return "lookup_request";
+    case message_type::query_prefetch_request:
+      return "query_prefetch_request";
+    case message_type::retrieve_request:
+      return "retrieve_request";
+    case message_type::store_request:
+      return "store_request";
+    case message_type::free_lookup_locks_request:
+      return "free_lookup_locks_request";
+    case message_type::end_request_request:
+      return "end_request_request";
+    case message_type::ping_request:
+      return "ping_request";
+    case message_type::clear_request:
+      return "clear_request";
+    case message_type::get_chunk_size_request:
+      return "get_chunk_size_request";
+    case message_type::status_request:
+      return "status_request";
+    case message_type::error_response:
+      return "error_response";
+    case message_type::register_kv_response:
+      return "register_kv_response";
+    case message_type::unregister_kv_response:
+      return "unregister_kv_response";
+    case message_type::lookup_response:
+      return "lookup_response";
+    case message_type::query_prefetch_response:
+      return "query_prefetch_response";
+    case message_type::retrieve_response:
+      return "retrieve_response";
+    case message_type::store_response:
+      return "store_response";
+    case message_type::free_lookup_locks_response:
+      return "free_lookup_locks_response";
+    case message_type::end_request_response:
+      return "end_request_response";
+    case message_type::ping_response:
+      return "ping_response";
+    case message_type::clear_response:
+      return "clear_response";
+    case message_type::get_chunk_size_response:
+      return "get_chunk_size_response";
+    case message_type::status_response:
+      return "status_response";
   }
   return "unknown";
 }
 
-/// True for the one request that carries an fd (the KV region's memfd).
+/// True for the one request that may carry an fd (the KV region's memfd of a cpu_memfd
+/// registration).
 [[nodiscard]] constexpr bool carries_fd(message_type t) noexcept { return t == message_type::register_kv_request; }
 
 namespace detail {
@@ -496,10 +583,9 @@ static_assert(detail::all_wire_messages(std::make_index_sequence<std::variant_si
 static_assert(detail::types_unique(std::make_index_sequence<std::variant_size_v<message>>{}),
               "two message structs share a message_type");
 static_assert(wire_request<register_kv_request> && wire_request<unregister_kv_request> &&
-              wire_request<lookup_request> && wire_request<query_prefetch_request> &&
-              wire_request<retrieve_request> && wire_request<store_request> &&
-              wire_request<free_lookup_locks_request> && wire_request<end_request_request> &&
-              wire_request<ping_request> && wire_request<clear_request> &&
+              wire_request<lookup_request> && wire_request<query_prefetch_request> && wire_request<retrieve_request> &&
+              wire_request<store_request> && wire_request<free_lookup_locks_request> &&
+              wire_request<end_request_request> && wire_request<ping_request> && wire_request<clear_request> &&
               wire_request<get_chunk_size_request> && wire_request<status_request>);
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::protocol

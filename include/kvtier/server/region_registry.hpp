@@ -33,6 +33,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -55,24 +56,38 @@ struct request_error {
 template <class T>
 using request_result = boost::system::result<T, request_error>;
 
-/// One registered engine worker (one connection).
+/// One registered engine process (one connection): a worker with its KV region, or a
+/// scheduler without one (region_kind::none: lookups only).
 struct registration {
   std::uint64_t client_id = 0;    ///< the connection's id (stable across re-registrations)
-  std::uint64_t instance_id = 0;  ///< the worker's pid, as it says
+  std::uint64_t instance_id = 0;  ///< the process's pid, as it says
   std::uint16_t rank = 0;
   std::uint16_t world_size = 1;
   std::string model_name;
-  std::uint64_t model_id = 0;          ///< make_model_id(model_name, shape)
-  paged_kv_layout layout;              ///< the region's layout
-  chunk_layout chunk;                  ///< {shape, server chunk tokens}
-  std::size_t object_bytes = 0;        ///< chunk.object_bytes(): one shard of one chunk
-  std::uint32_t blocks_per_chunk = 0;  ///< chunk_tokens / block_size
-  engine::kv_region region;            ///< the worker's memory, mapped here
+  /// make_model_id(model_name, shape, layout kind, registration salt); a request's keys use
+  /// salted_model_id(model_id, request salt).
+  std::uint64_t model_id = 0;
+  protocol::region_kind kind = protocol::region_kind::cpu_memfd;
+  paged_kv_layout layout;                       ///< the region's layout (block_size/num_blocks 0 without one)
+  chunk_layout chunk;                           ///< {shape, server chunk tokens}
+  std::size_t object_bytes = 0;                 ///< chunk.object_bytes(): one shard of one chunk
+  std::uint32_t blocks_per_chunk = 0;           ///< chunk_tokens / block_size (0 without a region)
+  std::uint64_t prefill_tokens_per_second = 0;  ///< as the engine declared (0: not declared)
+  engine::kv_region region;                     ///< the worker's memory, mapped here (invalid without one)
   std::chrono::steady_clock::time_point registered_at{};
 
-  /// The chunk key of this worker's shard of chunk `hash`.
-  [[nodiscard]] chunk_key key(const hash128& hash) const noexcept {
-    return chunk_key{model_id, world_size, rank, hash};
+  /// Whether the connection registered KV memory (retrieve and store need it).
+  [[nodiscard]] bool has_region() const noexcept { return kind != protocol::region_kind::none; }
+
+  /// The model id of a request's chunks (salted_model_id of the request's cache salt).
+  [[nodiscard]] std::uint64_t model_id_for(std::string_view request_salt) const noexcept {
+    return salted_model_id(model_id, request_salt);
+  }
+
+  /// The chunk key of this worker's shard of chunk `hash` under the request model id `mid`
+  /// (model_id_for(salt)).
+  [[nodiscard]] chunk_key key(std::uint64_t mid, const hash128& hash) const noexcept {
+    return chunk_key{mid, world_size, rank, hash};
   }
 };
 
@@ -86,16 +101,19 @@ class region_registry {
 
   /// Largest tensor-parallel world size accepted (a lookup holds world_size keys per chunk).
   static constexpr std::uint16_t max_world_size = 1024;
+  /// Whether regions of layout kind HND can be copied (core/kv_transfer.hpp).
+  static constexpr bool supports_hnd = false;
 
   explicit region_registry(requirements req) : req_(req) {}
 
   /// Validates `r`, maps its region (fd), and makes it connection `client_id`'s registration,
   /// replacing a previous one only on success. The refusals follow the contract:
-  /// invalid_argument (no fd, rank/world size, malformed shape), layout_mismatch (chunk
-  /// size, chunk % block size, object larger than a slot, region size or seals).
+  /// invalid_argument (fd missing or unexpected, rank/world size, malformed shape),
+  /// layout_mismatch (chunk size, chunk % block size, object larger than a slot, region
+  /// size or seals), unsupported (a region kind or layout kind this build cannot copy).
   request_result<const registration*> register_client(std::uint64_t client_id, const protocol::register_kv_request& r,
                                                       protocol::unique_fd fd) {
-    if (!fd) return fail(errc::invalid_argument, "register_kv_request came without the region's memfd (SCM_RIGHTS)");
+    using protocol::region_kind;
     if (r.world_size > max_world_size)
       return fail(errc::invalid_argument,
                   "world_size " + std::to_string(r.world_size) + " is above " + std::to_string(max_world_size));
@@ -103,8 +121,7 @@ class region_registry {
       return fail(errc::invalid_argument,
                   "rank " + std::to_string(r.rank) + " is not below world_size " + std::to_string(r.world_size));
     if (r.model_name.empty()) return fail(errc::invalid_argument, "model_name is empty: send the model's name");
-    const paged_kv_layout layout = r.layout();
-    if (auto e = layout.validation_error(); !e.empty()) return fail(errc::invalid_argument, "KV layout: " + e);
+    if (auto e = r.model.validation_error(); !e.empty()) return fail(errc::invalid_argument, "model shape: " + e);
     if (r.chunk_tokens != req_.chunk_tokens)
       return fail(errc::layout_mismatch, "chunk_tokens " + std::to_string(r.chunk_tokens) +
                                              " differs from the server's chunk size " +
@@ -113,37 +130,73 @@ class region_registry {
                                              "server with --chunk-size " +
                                              std::to_string(r.chunk_tokens));
     const chunk_layout chunk{r.model, req_.chunk_tokens};
-    if (auto e = layout.compatibility_error(chunk); !e.empty()) return fail(errc::layout_mismatch, e);
     if (chunk.object_bytes() > req_.slot_bytes)
       return fail(errc::layout_mismatch,
                   "a chunk of this model is " + std::to_string(chunk.object_bytes()) +
                       " bytes, above the server's L1 slot size of " + std::to_string(req_.slot_bytes) +
                       " bytes: restart the server with --l1-slot-bytes " + std::to_string(chunk.object_bytes()) +
                       " or more (JSON key l1_slot_bytes)");
-    const std::size_t bytes = engine::kv_region::bytes_for(layout);
-    if (r.region_bytes != bytes)
-      return fail(errc::layout_mismatch, "region_bytes " + std::to_string(r.region_bytes) + " is not the " +
-                                             std::to_string(bytes) + " bytes a region of this layout has");
-    auto region = engine::kv_region::open(fd.release(), layout);
-    if (!region) {
-      if (region.error() == errc::layout_mismatch)
-        return fail(errc::layout_mismatch, "the fd is not a memfd of " + std::to_string(bytes) +
-                                               " bytes sealed against resizing (F_SEAL_SHRINK|F_SEAL_GROW|"
-                                               "F_SEAL_SEAL): create the region with engine::kv_region::create");
-      return fail(errc::invalid_argument, "cannot map the region: " + region.error().message());
-    }
+    if (r.layout_kind == kv_layout_kind::mla && r.model.attention != attention_kind::mla)
+      return fail(errc::invalid_argument, "layout kind MLA needs an MLA model shape (attention mla)");
+    if (r.layout_kind == kv_layout_kind::hnd && r.model.attention == attention_kind::mha && !supports_hnd)
+      return fail(errc::unsupported, "layout kind HND is not supported by this server: register NHD blocks");
+
     registration reg;
     reg.client_id = client_id;
     reg.instance_id = r.instance_id;
     reg.rank = r.rank;
     reg.world_size = r.world_size;
     reg.model_name = r.model_name;
-    reg.model_id = make_model_id(r.model_name, r.model);
-    reg.layout = layout;
+    reg.kind = r.region;
     reg.chunk = chunk;
     reg.object_bytes = chunk.object_bytes();
-    reg.blocks_per_chunk = req_.chunk_tokens / r.block_size;
-    reg.region = std::move(*region);
+    reg.prefill_tokens_per_second = r.prefill_tokens_per_second;
+    switch (r.region) {
+      case region_kind::none: {
+        // A scheduler: no memory, so nothing to map; its model id is the workers' (same name,
+        // shape, layout kind and salt), so its lookups prefetch their chunks.
+        if (fd)
+          return fail(errc::invalid_argument,
+                      "a registration with region kind none (a scheduler) carries no fd: send region cpu_memfd "
+                      "with the memfd, or none without it");
+        if (r.block_size != 0 || r.num_blocks != 0 || r.region_bytes != 0 || !r.region_descriptor.empty())
+          return fail(errc::invalid_argument,
+                      "a registration with region kind none describes no blocks: send block_size, num_blocks, "
+                      "region_bytes 0 and no region_descriptor");
+        reg.layout = paged_kv_layout{r.model, 0, 0, r.layout_kind};
+        break;
+      }
+      case region_kind::cuda_ipc:
+        return fail(errc::unsupported,
+                    "this kvtier-server was built without CUDA and cannot open a cuda_ipc region: stage the KV in a "
+                    "cpu_memfd region, or run a CUDA build of the server");
+      case region_kind::cpu_memfd: {
+        if (!fd)
+          return fail(errc::invalid_argument, "register_kv_request came without the region's memfd (SCM_RIGHTS)");
+        const paged_kv_layout layout = r.layout();
+        if (auto e = layout.validation_error(); !e.empty()) return fail(errc::invalid_argument, "KV layout: " + e);
+        if (auto e = layout.compatibility_error(chunk); !e.empty()) return fail(errc::layout_mismatch, e);
+        const std::size_t bytes = engine::kv_region::bytes_for(layout);
+        if (r.region_bytes != bytes)
+          return fail(errc::layout_mismatch, "region_bytes " + std::to_string(r.region_bytes) + " is not the " +
+                                                 std::to_string(bytes) + " bytes a region of this layout has");
+        if (!r.region_descriptor.empty())
+          return fail(errc::invalid_argument, "a cpu_memfd registration carries no region_descriptor");
+        auto region = engine::kv_region::open(fd.release(), layout);
+        if (!region) {
+          if (region.error() == errc::layout_mismatch)
+            return fail(errc::layout_mismatch, "the fd is not a memfd of " + std::to_string(bytes) +
+                                                   " bytes sealed against resizing (F_SEAL_SHRINK|F_SEAL_GROW|"
+                                                   "F_SEAL_SEAL): create the region with engine::kv_region::create");
+          return fail(errc::invalid_argument, "cannot map the region: " + region.error().message());
+        }
+        reg.layout = layout;
+        reg.blocks_per_chunk = req_.chunk_tokens / r.block_size;
+        reg.region = std::move(*region);
+        break;
+      }
+    }
+    reg.model_id = make_model_id(r.model_name, r.model, r.layout_kind, r.cache_salt);
     reg.registered_at = std::chrono::steady_clock::now();
     auto [it, inserted] = regs_.insert_or_assign(client_id, std::move(reg));
     (void)inserted;

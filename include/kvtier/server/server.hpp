@@ -275,6 +275,10 @@ class server final : private session_host {
         c["world_size"] = reg->world_size;
         c["model"] = reg->model_name;
         c["model_id"] = reg->model_id;
+        c["region_kind"] = std::string(protocol::name(reg->kind));
+        c["dtype"] = std::string(name(reg->chunk.model.dtype));
+        c["layout_kind"] = std::string(name(reg->layout.kind()));
+        c["prefill_tokens_per_second"] = reg->prefill_tokens_per_second;
         c["num_blocks"] = reg->layout.num_blocks;
         c["block_size"] = reg->layout.block_size;
         c["region_bytes"] = reg->region.bytes();

@@ -233,7 +233,20 @@ class session : public std::enable_shared_from_this<session> {
   request_result<registration*> registered(std::string_view what) {
     if (registration* r = ctx_.clients.find(id_)) return r;
     return request_error{errc::not_registered,
-                         std::string(what) + " needs a registered KV region: send register_kv_request first"};
+                         std::string(what) + " needs a registration: send register_kv_request first"};
+  }
+
+  /// The connection's registration when it brought a KV region; not_registered or
+  /// no_kv_region (a scheduler's connection) naming the request otherwise.
+  request_result<registration*> registered_with_region(std::string_view what) {
+    auto reg = registered(what);
+    if (!reg) return reg.error();
+    if (!(*reg)->has_region())
+      return request_error{errc::no_kv_region,
+                           std::string(what) +
+                               " needs a KV region: this connection registered without one (region kind none, a "
+                               "scheduler), which may only look up, query, free lookup locks and end requests"};
+    return *reg;
   }
 
   /// The checks shared by retrieve and store: the rank is the registration's, there are
@@ -271,10 +284,11 @@ class session : public std::enable_shared_from_this<session> {
     }
     const registration& g = **reg;
     ctx_.log.info(
-        "client {}: registered pid {} rank {}/{} model {} ({} layers, {} KV heads, head dim {}), {} blocks "
-        "of {} tokens, {} MiB region",
+        "client {}: registered pid {} rank {}/{} model {} ({} layers, {} KV heads, head dim {}, {}, {}), region {}: "
+        "{} blocks of {} tokens, {} MiB",
         id_, g.instance_id, g.rank, g.world_size, g.model_name, g.chunk.model.num_layers, g.chunk.model.num_kv_heads,
-        g.chunk.model.head_dim, g.layout.num_blocks, g.layout.block_size, g.region.bytes() >> 20);
+        g.chunk.model.head_dim, name(g.chunk.model.dtype), name(g.layout.kind()), protocol::name(g.kind),
+        g.layout.num_blocks, g.layout.block_size, g.region.bytes() >> 20);
     return protocol::register_kv_response{ctx_.boot_token, id_, g.model_id, g.chunk.chunk_tokens};
   }
 
@@ -311,11 +325,12 @@ class session : public std::enable_shared_from_this<session> {
                                                        " chunks x world size " + std::to_string(ws) + " is above " +
                                                        std::to_string(max_lookup_keys) +
                                                        " keys: look up fewer chunks at once"};
+    const std::uint64_t mid = reg.model_id_for(r.cache_salt);
     std::vector<chunk_key> keys;
     keys.reserve(r.chunk_hashes.size() * ws);
     for (const hash128& h : r.chunk_hashes)
       for (std::size_t rank = 0; rank < ws; ++rank)
-        keys.push_back(chunk_key{reg.model_id, reg.world_size, static_cast<std::uint16_t>(rank), h});
+        keys.push_back(chunk_key{mid, reg.world_size, static_cast<std::uint16_t>(rank), h});
     cache::lookup_request lr;
     lr.keys = keys;
     lr.group = ws;
@@ -346,15 +361,16 @@ class session : public std::enable_shared_from_this<session> {
   }
 
   request_result<protocol::retrieve_response> on(const protocol::retrieve_request& r) {
-    auto reg_r = registered("retrieve_request");
+    auto reg_r = registered_with_region("retrieve_request");
     if (!reg_r) return reg_r.error();
     registration& reg = **reg_r;
     const std::size_t n = r.chunk_hashes.size();
     if (auto e = check_blocks(reg, "retrieve_request", r.rank, n, r.block_ids)) return *e;
     if (n == 0) return protocol::retrieve_response{0};
 
+    const std::uint64_t mid = reg.model_id_for(r.cache_salt);
     std::vector<chunk_key> keys(n);
-    for (std::size_t i = 0; i < n; ++i) keys[i] = reg.key(r.chunk_hashes[i]);
+    for (std::size_t i = 0; i < n; ++i) keys[i] = reg.key(mid, r.chunk_hashes[i]);
     std::vector<l1::status> st(n);
     std::vector<std::span<const std::byte>> views(n);
     ctx_.cache.pin_for_copy(keys, st, views);
@@ -388,11 +404,12 @@ class session : public std::enable_shared_from_this<session> {
   }
 
   request_result<protocol::store_response> on(const protocol::store_request& r) {
-    auto reg_r = registered("store_request");
+    auto reg_r = registered_with_region("store_request");
     if (!reg_r) return reg_r.error();
     registration& reg = **reg_r;
     const std::size_t n = r.chunk_hashes.size();
     if (auto e = check_blocks(reg, "store_request", r.rank, n, r.block_ids)) return *e;
+    const std::uint64_t mid = reg.model_id_for(r.cache_salt);
     const std::size_t bpc = reg.blocks_per_chunk;
     auto blocks_of = [&](std::size_t i) { return std::span(r.block_ids).subspan(i * bpc, bpc); };
     auto fenced = [&](std::size_t i) {
@@ -411,7 +428,7 @@ class session : public std::enable_shared_from_this<session> {
         continue;
       }
       todo.push_back(i);
-      keys.push_back(reg.key(r.chunk_hashes[i]));
+      keys.push_back(reg.key(mid, r.chunk_hashes[i]));
     }
     std::vector<l1::status> st(keys.size());
     std::vector<std::span<std::byte>> buffers(keys.size());

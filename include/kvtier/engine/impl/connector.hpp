@@ -42,13 +42,24 @@ inline std::uint64_t elapsed_ns(std::chrono::steady_clock::time_point since) noe
 // ---------------------------------------------------------------------------------------
 
 template <class Bus>
-connector_options connector<Bus>::validated(connector_options o, const kv_region& region) {
-  auto fail = [](const std::string& what) {
-    throw std::invalid_argument("kvtier::engine::connector: " + what);
-  };
+connector_options connector<Bus>::validated(connector_options o, const kv_region* region) {
+  auto fail = [](const std::string& what) { throw std::invalid_argument("kvtier::engine::connector: " + what); };
   if (auto e = o.validation_error(); !e.empty()) fail(e);
-  if (!region.valid()) fail("the kv_region is not valid (create it with kv_region::create)");
-  const auto& layout = region.layout();
+  if (region == nullptr) {
+    if (!o.is_scheduler())
+      fail(
+          "a connector without a kv_region is a scheduler's: set options.scheduler (or rank 0), or give the "
+          "worker its region");
+    if (auto e = o.model.validation_error(); !e.empty())
+      fail("options.model (the shape one rank's workers register): " + e);
+    if (o.layout_kind == kv_layout_kind::mla && o.model.attention != attention_kind::mla)
+      fail("options.layout_kind MLA needs an MLA options.model");
+    return o;
+  }
+  if (!region->valid()) fail("the kv_region is not valid (create it with kv_region::create)");
+  if (!(o.model == model_shape{}) || o.layout_kind != kv_layout_kind::nhd)
+    fail("options.model and options.layout_kind are a scheduler's: a worker's come from its kv_region");
+  const auto& layout = region->layout();
   if (o.chunk_tokens % layout.block_size != 0)
     fail("chunk_tokens (" + std::to_string(o.chunk_tokens) + ") must be a multiple of the region's block_size (" +
          std::to_string(layout.block_size) + ")");
@@ -57,6 +68,13 @@ connector_options connector<Bus>::validated(connector_options o, const kv_region
 
 template <class Bus>
 connector<Bus>::connector(connector_options options, kv_region& region, Bus& bus)
+    : connector(std::move(options), &region, bus) {}
+
+template <class Bus>
+connector<Bus>::connector(connector_options options, Bus& bus) : connector(std::move(options), nullptr, bus) {}
+
+template <class Bus>
+connector<Bus>::connector(connector_options options, kv_region* region, Bus& bus)
     : options_(validated(std::move(options), region)),
       region_(region),
       bus_(bus),
@@ -65,8 +83,8 @@ connector<Bus>::connector(connector_options options, kv_region& region, Bus& bus
       io_(std::make_unique<boost::asio::io_context>(1)),
       breaker_(options_.breaker_threshold),
       tracker_(options_.finished_window),
-      quarantine_(region.layout().num_blocks),
-      is_load_error_(region.layout().num_blocks, false) {
+      quarantine_(region ? region->layout().num_blocks : 0),
+      is_load_error_(region ? region->layout().num_blocks : 0, false) {
   work_.emplace(io_->get_executor());
   ex_ = io_->get_executor();
   ping_timer_.emplace(ex_);
@@ -144,17 +162,31 @@ void connector<Bus>::check_request_id(std::string_view id) const {
 }
 
 template <class Bus>
+void connector<Bus>::check_salt(std::string_view salt) {
+  if (salt.size() > protocol::max_cache_salt_bytes)
+    throw std::invalid_argument("kvtier::engine::connector: a cache salt has at most 256 bytes");
+}
+
+template <class Bus>
+kv_region& connector<Bus>::region_for(const char* what) const {
+  if (region_ == nullptr)
+    throw std::logic_error(std::string("kvtier::engine::connector::") + what +
+                           ": this connector has no kv_region (a scheduler's); only workers retrieve and store");
+  return *region_;
+}
+
+template <class Bus>
 void connector<Bus>::check_blocks(std::span<const std::uint32_t> block_ids, std::size_t chunks) const {
   if (chunks > protocol::max_chunk_hashes)
     throw std::invalid_argument("kvtier::engine::connector: more than 65536 chunks in one call");
   if (block_ids.size() != chunks * blocks_per_chunk())
-    throw std::invalid_argument("kvtier::engine::connector: " + std::to_string(block_ids.size()) +
-                                " block ids for " + std::to_string(chunks) + " chunks of " +
-                                std::to_string(blocks_per_chunk()) + " blocks");
+    throw std::invalid_argument("kvtier::engine::connector: " + std::to_string(block_ids.size()) + " block ids for " +
+                                std::to_string(chunks) + " chunks of " + std::to_string(blocks_per_chunk()) +
+                                " blocks");
   for (std::uint32_t b : block_ids)
-    if (b >= region_.layout().num_blocks)
+    if (b >= region_->layout().num_blocks)
       throw std::invalid_argument("kvtier::engine::connector: block id " + std::to_string(b) +
-                                  " is not below num_blocks " + std::to_string(region_.layout().num_blocks));
+                                  " is not below num_blocks " + std::to_string(region_->layout().num_blocks));
 }
 
 template <class Bus>
@@ -181,11 +213,15 @@ std::vector<std::byte> connector<Bus>::encode(std::uint64_t call_id, const Msg& 
 template <class Bus>
 bus::connector_outcome connector<Bus>::outcome_of(call_status s) noexcept {
   switch (s) {
-    case call_status::reply: return bus::connector_outcome::ok;
-    case call_status::error_reply: return bus::connector_outcome::failed;
-    case call_status::timeout: return bus::connector_outcome::timeout;
+    case call_status::reply:
+      return bus::connector_outcome::ok;
+    case call_status::error_reply:
+      return bus::connector_outcome::failed;
+    case call_status::timeout:
+      return bus::connector_outcome::timeout;
     case call_status::unhealthy:
-    case call_status::closed: return bus::connector_outcome::unhealthy;
+    case call_status::closed:
+      return bus::connector_outcome::unhealthy;
   }
   return bus::connector_outcome::failed;
 }
@@ -195,24 +231,29 @@ bus::connector_outcome connector<Bus>::outcome_of(call_status s) noexcept {
 // ---------------------------------------------------------------------------------------
 
 template <class Bus>
-void connector<Bus>::lookup(std::string_view request_id, std::span<const token_id> tokens) {
+void connector<Bus>::lookup(std::string_view request_id, std::span<const token_id> tokens,
+                            std::string_view cache_salt) {
   if (!options_.is_scheduler())
-    throw std::logic_error("kvtier::engine::connector::lookup: only the scheduler's connector looks up "
-                           "(connector_options::scheduler)");
+    throw std::logic_error(
+        "kvtier::engine::connector::lookup: only the scheduler's connector looks up "
+        "(connector_options::scheduler)");
   check_request_id(request_id);
   {
     std::lock_guard g(mu_);
     if (lookups_.contains(std::string(request_id))) return;  // idempotent: do not even hash again
   }
-  lookup_hashes(request_id, hasher_.chunk_hashes(tokens));
+  lookup_hashes(request_id, hasher_.chunk_hashes(tokens), cache_salt);
 }
 
 template <class Bus>
-void connector<Bus>::lookup_hashes(std::string_view request_id, std::vector<hash128> hashes) {
+void connector<Bus>::lookup_hashes(std::string_view request_id, std::vector<hash128> hashes,
+                                   std::string_view cache_salt) {
   if (!options_.is_scheduler())
-    throw std::logic_error("kvtier::engine::connector::lookup: only the scheduler's connector looks up "
-                           "(connector_options::scheduler)");
+    throw std::logic_error(
+        "kvtier::engine::connector::lookup: only the scheduler's connector looks up "
+        "(connector_options::scheduler)");
   check_request_id(request_id);
+  check_salt(cache_salt);
   if (hashes.size() > protocol::max_chunk_hashes)
     throw std::invalid_argument("kvtier::engine::connector: more than 65536 chunks in one lookup");
   std::string key(request_id);
@@ -227,6 +268,7 @@ void connector<Bus>::lookup_hashes(std::string_view request_id, std::vector<hash
   if (hashes.empty()) return answer_lookup_locked(key, e, 0, bus::connector_outcome::ok);
   if (state_ != health_state::healthy) return answer_lookup_locked(key, e, 0, bus::connector_outcome::unhealthy);
   e.hashes = std::move(hashes);
+  e.cache_salt = std::string(cache_salt);
   boost::asio::post(ex_, [this, key, serial = e.serial] { start_lookup_io(key, serial); });
 }
 
@@ -264,8 +306,7 @@ void connector<Bus>::send_notify_locked(const Msg& m) {
 }
 
 template <class Bus>
-typename connector<Bus>::lookup_entry* connector<Bus>::find_lookup_locked(const std::string& id,
-                                                                          std::uint64_t serial) {
+typename connector<Bus>::lookup_entry* connector<Bus>::find_lookup_locked(const std::string& id, std::uint64_t serial) {
   auto it = lookups_.find(id);
   return it != lookups_.end() && it->second.serial == serial ? &it->second : nullptr;
 }
@@ -276,9 +317,9 @@ void connector<Bus>::answer_lookup_locked(const std::string& id, lookup_entry& e
   e.answered = true;
   e.tokens = tokens;
   e.hashes = {};
-  bus_.publish(bus::connector_lookup_completed{
-      options_.rank, outcome, e.requested_chunks, static_cast<std::uint32_t>(tokens / options_.chunk_tokens),
-      options_.chunk_tokens, detail::elapsed_ns(e.started)});
+  bus_.publish(bus::connector_lookup_completed{options_.rank, outcome, e.requested_chunks,
+                                               static_cast<std::uint32_t>(tokens / options_.chunk_tokens),
+                                               options_.chunk_tokens, detail::elapsed_ns(e.started)});
   answered_order_.emplace_back(id, e.serial);
   // Bound the answers kept: the oldest answered go first (e may be erased from here on).
   while (lookups_.size() > options_.max_lookups && !answered_order_.empty()) {
@@ -307,8 +348,9 @@ void connector<Bus>::start_lookup_io(const std::string& id, std::uint64_t serial
   if (e == nullptr || e->answered) return;
   if (state_ != health_state::healthy) return answer_lookup_locked(id, *e, 0, bus::connector_outcome::unhealthy);
   const std::uint64_t cid = next_call_id_.fetch_add(1, std::memory_order_relaxed);
-  protocol::lookup_request req{id, model_id_, options_.world_size, std::move(e->hashes)};
+  protocol::lookup_request req{id, model_id_, options_.world_size, std::move(e->hashes), std::move(e->cache_salt)};
   e->hashes = {};
+  e->cache_salt = {};
   issue_locked(cid, call_kind::lookup, current_epoch_, protocol::lookup_response::type, encode(cid, req), -1,
                scaled(options_.timeouts.request_timeout),
                [this, id, serial](pending_call&, call_result& r) { on_lookup_reply_io(id, serial, r, true); });
@@ -345,8 +387,10 @@ void connector<Bus>::on_lookup_reply_io(const std::string& id, std::uint64_t ser
       const std::size_t chunks = std::min<std::size_t>(q.hit_chunks, e->requested_chunks);
       return answer_lookup_locked(id, *e, chunks * options_.chunk_tokens, bus::connector_outcome::ok);
     }
-    case protocol::prefetch_state::unknown: return answer_lookup_locked(id, *e, 0, bus::connector_outcome::failed);
-    case protocol::prefetch_state::pending: break;
+    case protocol::prefetch_state::unknown:
+      return answer_lookup_locked(id, *e, 0, bus::connector_outcome::failed);
+    case protocol::prefetch_state::pending:
+      break;
   }
   if (clock::now() >= e->deadline) {
     answer_lookup_locked(id, *e, 0, bus::connector_outcome::timeout);
@@ -369,21 +413,24 @@ void connector<Bus>::on_lookup_reply_io(const std::string& id, std::uint64_t ser
 // ---------------------------------------------------------------------------------------
 
 template <class Bus>
-void connector<Bus>::retrieve(std::string_view request_id, std::span<const token_id> tokens,
-                              std::uint32_t first_chunk, std::span<const std::uint32_t> block_ids,
-                              std::uint32_t skip_tokens) {
+void connector<Bus>::retrieve(std::string_view request_id, std::span<const token_id> tokens, std::uint32_t first_chunk,
+                              std::span<const std::uint32_t> block_ids, std::uint32_t skip_tokens,
+                              std::string_view cache_salt) {
+  region_for("retrieve");
   if (block_ids.size() % blocks_per_chunk() != 0)
     throw std::invalid_argument("kvtier::engine::connector::retrieve: block ids are not whole chunks");
   const std::size_t chunks = block_ids.size() / blocks_per_chunk();
   const std::vector<hash128> hashes = hashes_of(tokens, first_chunk, chunks);
-  retrieve_hashes(request_id, hashes, first_chunk, block_ids, skip_tokens);
+  retrieve_hashes(request_id, hashes, first_chunk, block_ids, skip_tokens, cache_salt);
 }
 
 template <class Bus>
 void connector<Bus>::retrieve_hashes(std::string_view request_id, std::span<const hash128> hashes,
                                      std::uint32_t first_chunk, std::span<const std::uint32_t> block_ids,
-                                     std::uint32_t skip_tokens) {
+                                     std::uint32_t skip_tokens, std::string_view cache_salt) {
+  region_for("retrieve");
   check_request_id(request_id);
+  check_salt(cache_salt);
   check_blocks(block_ids, hashes.size());
   if (std::uint64_t{skip_tokens} > std::uint64_t{hashes.size()} * options_.chunk_tokens)
     throw std::invalid_argument("kvtier::engine::connector::retrieve: skip_tokens exceeds the range");
@@ -397,8 +444,8 @@ void connector<Bus>::retrieve_hashes(std::string_view request_id, std::span<cons
   std::vector<std::byte> bytes;
   if (info->chunks != 0)
     bytes = encode(cid, protocol::retrieve_request{info->request_id, options_.rank, first_chunk,
-                                                   std::vector<hash128>(hashes.begin(), hashes.end()),
-                                                   info->block_ids, skip_tokens});
+                                                   std::vector<hash128>(hashes.begin(), hashes.end()), info->block_ids,
+                                                   skip_tokens, std::string(cache_salt)});
   std::lock_guard g(mu_);
   tracker_.retrieve_started(info->request_id);
   if (info->chunks == 0) return finish_retrieve_locked(*info, 0, bus::connector_outcome::ok, nullptr);
@@ -421,7 +468,7 @@ void connector<Bus>::finish_retrieve_locked(const retrieve_info& info, std::uint
                                             bus::connector_outcome outcome, const pending_call* call) {
   const std::uint32_t bpc = blocks_per_chunk();
   const std::uint64_t ct = options_.chunk_tokens;
-  const std::uint64_t bs = region_.layout().block_size;
+  const std::uint64_t bs = region_->layout().block_size;
   // The blocks of the chunks that did not land, but those entirely inside the skipped prefix
   // (never to be written: the engine's own KV).
   std::vector<std::uint32_t> affected;
@@ -450,22 +497,27 @@ void connector<Bus>::finish_retrieve_locked(const retrieve_info& info, std::uint
 
 template <class Bus>
 void connector<Bus>::store(std::string_view request_id, std::span<const token_id> tokens, std::uint32_t first_chunk,
-                           std::uint32_t chunk_count, std::span<const std::uint32_t> block_ids) {
+                           std::uint32_t chunk_count, std::span<const std::uint32_t> block_ids,
+                           std::string_view cache_salt) {
+  region_for("store");
   if (block_ids.size() != std::size_t{chunk_count} * blocks_per_chunk())
     throw std::invalid_argument("kvtier::engine::connector::store: " + std::to_string(block_ids.size()) +
                                 " block ids for " + std::to_string(chunk_count) + " chunks");
   const std::vector<hash128> hashes = hashes_of(tokens, first_chunk, chunk_count);
-  store_hashes(request_id, hashes, first_chunk, block_ids);
+  store_hashes(request_id, hashes, first_chunk, block_ids, cache_salt);
 }
 
 template <class Bus>
 void connector<Bus>::store_hashes(std::string_view request_id, std::span<const hash128> hashes,
-                                  std::uint32_t first_chunk, std::span<const std::uint32_t> block_ids) {
+                                  std::uint32_t first_chunk, std::span<const std::uint32_t> block_ids,
+                                  std::string_view cache_salt) {
+  kv_region& region = region_for("store");
   check_request_id(request_id);
+  check_salt(cache_salt);
   check_blocks(block_ids, hashes.size());
   // The fencing values: read now, at issue time, after the forward pass wrote the blocks.
   std::vector<std::uint64_t> generations(block_ids.size());
-  for (std::size_t i = 0; i < block_ids.size(); ++i) generations[i] = region_.generation(block_ids[i]);
+  for (std::size_t i = 0; i < block_ids.size(); ++i) generations[i] = region.generation(block_ids[i]);
   auto info = std::make_shared<store_info>();
   info->request_id = std::string(request_id);
   info->chunks = static_cast<std::uint32_t>(hashes.size());
@@ -476,20 +528,18 @@ void connector<Bus>::store_hashes(std::string_view request_id, std::span<const h
     bytes = encode(cid, protocol::store_request{info->request_id, options_.rank, first_chunk,
                                                 std::vector<hash128>(hashes.begin(), hashes.end()),
                                                 std::vector<std::uint32_t>(block_ids.begin(), block_ids.end()),
-                                                std::move(generations)});
+                                                std::move(generations), std::string(cache_salt)});
   std::lock_guard g(mu_);
   tracker_.store_started(info->request_id);
   if (info->chunks == 0) return finish_store_locked(*info, nullptr, bus::connector_outcome::ok);
   if (state_ != health_state::healthy) return finish_store_locked(*info, nullptr, bus::connector_outcome::unhealthy);
   issue_locked(cid, call_kind::store, current_epoch_, protocol::store_response::type, std::move(bytes), -1,
-               scaled(options_.timeouts.store_timeout), [this, info](pending_call&, call_result& r) {
-                 finish_store_locked(*info, &r, outcome_of(r.status));
-               });
+               scaled(options_.timeouts.store_timeout),
+               [this, info](pending_call&, call_result& r) { finish_store_locked(*info, &r, outcome_of(r.status)); });
 }
 
 template <class Bus>
-void connector<Bus>::finish_store_locked(const store_info& info, const call_result* r,
-                                         bus::connector_outcome outcome) {
+void connector<Bus>::finish_store_locked(const store_info& info, const call_result* r, bus::connector_outcome outcome) {
   bus::connector_store_completed e{options_.rank, outcome, info.chunks};
   if (r != nullptr && r->status == call_status::reply) {
     const auto& s = std::get<protocol::store_response>(r->reply);
@@ -538,11 +588,12 @@ std::vector<std::uint32_t> connector<Bus>::quarantined_blocks() const {
 
 template <class Bus>
 bool connector<Bus>::block_reused(std::uint32_t block) {
-  if (block >= region_.layout().num_blocks)
+  kv_region& region = region_for("block_reused");
+  if (block >= region.layout().num_blocks)
     throw std::out_of_range("kvtier::engine::connector::block_reused: block id out of range");
   std::lock_guard g(mu_);
   if (quarantine_.contains(block)) return false;
-  region_.begin_reuse(block);
+  region.begin_reuse(block);
   return true;
 }
 
@@ -558,9 +609,8 @@ void connector<Bus>::publish_quarantine_locked(std::size_t held, std::size_t rel
 // ---------------------------------------------------------------------------------------
 
 template <class Bus>
-void connector<Bus>::issue_locked(std::uint64_t id, call_kind kind, std::uint64_t epoch,
-                                  protocol::message_type expect, std::vector<std::byte> bytes, int fd,
-                                  clock::duration timeout, call_done done) {
+void connector<Bus>::issue_locked(std::uint64_t id, call_kind kind, std::uint64_t epoch, protocol::message_type expect,
+                                  std::vector<std::byte> bytes, int fd, clock::duration timeout, call_done done) {
   auto c = std::make_shared<pending_call>();
   c->id = id;
   c->kind = kind;
@@ -703,8 +753,8 @@ bool connector<Bus>::on_frame_io(peer& p, protocol::frame f) {
       r.status = call_status::reply;
       r.reply = std::move(*decoded);
     } else {
-      last_error_ = "the server answered " + std::string(protocol::name(c->expect)) + " with " +
-                    std::string(protocol::name(t));
+      last_error_ =
+          "the server answered " + std::string(protocol::name(c->expect)) + " with " + std::string(protocol::name(t));
       complete_locked(*c, call_result{call_status::error_reply, {}, last_error_});
       on_peer_broken_io(p, "protocol_error");
       return false;
@@ -723,7 +773,8 @@ bool connector<Bus>::on_frame_io(peer& p, protocol::frame f) {
   ++stats_.late_replies;
   // The late answer of a call whose blocks are quarantined: the server's copy is over.
   if (quarantine_.holds_call(id)) {
-    if (const std::size_t released = quarantine_.release_call(id); released != 0) publish_quarantine_locked(0, released);
+    if (const std::size_t released = quarantine_.release_call(id); released != 0)
+      publish_quarantine_locked(0, released);
     maybe_retire_peer_io(p.epoch);
   }
   return true;
@@ -735,8 +786,10 @@ void connector<Bus>::on_peer_broken_io(peer& p, std::string_view reason) {
   p.broken = true;
   p.conn->close();
   if (p.epoch == current_epoch_) {
-    if (state_ == health_state::healthy) mark_unhealthy_io(reason);
-    else fail_calls_io(p.epoch, call_status::closed);  // the handshake: establish() takes it from here
+    if (state_ == health_state::healthy)
+      mark_unhealthy_io(reason);
+    else
+      fail_calls_io(p.epoch, call_status::closed);  // the handshake: establish() takes it from here
   } else {
     maybe_retire_peer_io(p.epoch);
   }
@@ -828,7 +881,8 @@ std::string connector<Bus>::fail_handshake_locked(std::uint64_t epoch, std::stri
 template <class Bus>
 boost::asio::awaitable<std::string> connector<Bus>::establish() {
   namespace asio = boost::asio;
-  auto [ec, socket] = co_await protocol::async_connect_unix(ex_, options_.socket_path, asio::as_tuple(asio::use_awaitable));
+  auto [ec, socket] =
+      co_await protocol::async_connect_unix(ex_, options_.socket_path, asio::as_tuple(asio::use_awaitable));
   if (ec) {
     std::lock_guard g(mu_);
     if (stopping_) co_return "stopping";
@@ -856,13 +910,16 @@ boost::asio::awaitable<std::string> connector<Bus>::establish() {
 
   const auto request_timeout = scaled(options_.timeouts.request_timeout);
   const auto why = [](const call_result& r) {
-    return r.status == call_status::timeout ? "handshake_timeout" : r.status == call_status::error_reply ? "handshake_error" : "eof";
+    return r.status == call_status::timeout       ? "handshake_timeout"
+           : r.status == call_status::error_reply ? "handshake_error"
+                                                  : "eof";
   };
   const protocol::get_chunk_size_request chunk_size_query;
   call_result r = co_await async_call(call_kind::control, epoch, chunk_size_query, -1, request_timeout);
   if (r.status != call_status::reply) {
     std::lock_guard g(mu_);
-    co_return fail_handshake_locked(epoch, why(r), "get_chunk_size failed: " + (r.error.empty() ? std::string(why(r)) : r.error));
+    co_return fail_handshake_locked(epoch, why(r),
+                                    "get_chunk_size failed: " + (r.error.empty() ? std::string(why(r)) : r.error));
   }
   const std::uint32_t server_chunk = std::get<protocol::get_chunk_size_response>(r.reply).chunk_tokens;
   if (server_chunk != options_.chunk_tokens) {
@@ -872,18 +929,36 @@ boost::asio::awaitable<std::string> connector<Bus>::establish() {
                                         ", this connector " + std::to_string(options_.chunk_tokens) +
                                         ": configure both with the same chunk size");
   }
-  const paged_kv_layout& layout = region_.layout();
-  protocol::register_kv_request reg{instance_id_,       options_.rank,     options_.world_size, options_.model_name,
-                                    layout.model,       layout.block_size, layout.num_blocks,   options_.chunk_tokens,
-                                    region_.bytes()};
-  r = co_await async_call(call_kind::control, epoch, reg, region_.fd(), request_timeout);
+  protocol::register_kv_request reg;
+  reg.instance_id = instance_id_;
+  reg.rank = options_.rank;
+  reg.world_size = options_.world_size;
+  reg.model_name = options_.model_name;
+  reg.chunk_tokens = options_.chunk_tokens;
+  reg.cache_salt = options_.cache_salt;
+  reg.prefill_tokens_per_second = options_.prefill_tokens_per_second;
+  if (region_ != nullptr) {
+    const paged_kv_layout& layout = region_->layout();
+    reg.model = layout.model;
+    reg.block_size = layout.block_size;
+    reg.num_blocks = layout.num_blocks;
+    reg.region_bytes = region_->bytes();
+    reg.layout_kind = layout.kind();
+    reg.region = protocol::region_kind::cpu_memfd;
+  } else {
+    reg.model = options_.model;
+    reg.layout_kind = options_.model.attention == attention_kind::mla ? kv_layout_kind::mla : options_.layout_kind;
+    reg.region = protocol::region_kind::none;
+  }
+  r = co_await async_call(call_kind::control, epoch, reg, region_ != nullptr ? region_->fd() : -1, request_timeout);
   std::lock_guard g(mu_);
   if (stopping_) co_return "stopping";
   if (r.status == call_status::error_reply)
     co_return fail_handshake_locked(epoch, "register_failed", "the server refused the registration: " + r.error);
   if (r.status != call_status::reply)
     co_return fail_handshake_locked(epoch, why(r), "register failed: " + std::string(why(r)));
-  if (p->broken || current_epoch_ != epoch) co_return fail_handshake_locked(epoch, "eof", "connection lost while registering");
+  if (p->broken || current_epoch_ != epoch)
+    co_return fail_handshake_locked(epoch, "eof", "connection lost while registering");
   const auto& resp = std::get<protocol::register_kv_response>(r.reply);
   const bool reconnect = boot_token_.has_value();
   const bool restarted = reconnect && *boot_token_ != resp.boot_token;
@@ -913,11 +988,11 @@ boost::asio::awaitable<void> connector<Bus>::ping_loop(std::uint64_t epoch) {
       std::lock_guard g(mu_);
       if (stopping_ || epoch != current_epoch_ || state_ != health_state::healthy) co_return;
       if (r.status == call_status::timeout) {
-        last_error_ = "the server left a ping unanswered for " +
-                      std::to_string(std::chrono::duration_cast<std::chrono::milliseconds>(
-                                         scaled(options_.timeouts.ping_timeout))
-                                         .count()) +
-                      " ms";
+        last_error_ =
+            "the server left a ping unanswered for " +
+            std::to_string(
+                std::chrono::duration_cast<std::chrono::milliseconds>(scaled(options_.timeouts.ping_timeout)).count()) +
+            " ms";
         mark_unhealthy_io("ping_timeout");
         co_return;
       }

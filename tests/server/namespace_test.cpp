@@ -1,0 +1,213 @@
+// Model namespaces on one server (issue 13, item 2; issue 15, the scheduler registration):
+// engines of one model name in different dtype kinds or layout kinds never hit each other's
+// chunks, request salts separate tenants (the same salt shares), and a scheduler registers
+// without a KV region, looks up the workers' chunks and is refused retrieve and store.
+#include <kvtier/server/server.hpp>
+
+#include <catch2/catch.hpp>
+
+#include "server/server_fixtures.hpp"
+
+using namespace kvtier;
+using namespace kvtier::test;
+
+namespace {
+
+struct running_server {
+  temp_dir dir{"kvtier-namespace"};
+  server::server_config cfg;
+  std::unique_ptr<server::server> srv;
+  std::thread thread;
+
+  running_server() {
+    cfg.socket_path = (dir.path() / "kvtier.sock").string();
+    cfg.chunk_tokens = test_chunk_tokens;
+    cfg.l1_slot_bytes = 4096;
+    cfg.l1_size_bytes = 256 * 4096;
+    cfg.log_level = telemetry::log_level::error;
+    srv = std::make_unique<server::server>(cfg);
+    srv->start();
+    thread = std::thread([s = srv.get()] { s->run(); });
+  }
+  running_server(const running_server&) = delete;
+  running_server& operator=(const running_server&) = delete;
+  ~running_server() {
+    srv->stop();
+    thread.join();
+  }
+  [[nodiscard]] const std::string& path() const { return cfg.socket_path; }
+};
+
+model_shape small_model_in(dtype_kind d) {
+  model_shape m = small_model();
+  m.dtype = d;
+  return m;
+}
+
+/// A scheduler's registration: no region, no fd, the workers' per-rank shape.
+p::register_kv_request scheduler_registration(model_shape m, std::uint16_t world_size = 1,
+                                              std::string model = "test/model", std::string salt = {}) {
+  p::register_kv_request r;
+  r.instance_id = static_cast<std::uint64_t>(::getpid());
+  r.rank = 0;
+  r.world_size = world_size;
+  r.model_name = std::move(model);
+  r.model = m;
+  r.chunk_tokens = test_chunk_tokens;
+  r.region = p::region_kind::none;
+  r.cache_salt = std::move(salt);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("fp16 and bf16 engines of one model name on one server never hit each other's chunks", "[server]") {
+  running_server s;
+  raw_client fp16(s.path());
+  raw_client bf16(s.path());
+  engine_region r16(small_model_in(dtype_kind::fp16));
+  engine_region rbf(small_model_in(dtype_kind::bf16));
+  const auto reg16 = fp16.register_region(r16);
+  const auto regbf = bf16.register_region(rbf);
+  // Both dtypes take 2 bytes: the sizes (and so the objects' checksums) would match.
+  CHECK(r16.layout.model.dtype_bytes() == rbf.layout.model.dtype_bytes());
+  CHECK(reg16.model_id != regbf.model_id);
+
+  const auto hashes = chunk_hashes(11, 2);
+  const auto blocks = block_range(0, 2 * blocks_per_chunk);
+  r16.fill_blocks(blocks, 16);
+  REQUIRE(fp16.ok(store_req(r16, hashes, blocks)).stored == 2);
+  // The same tokens from the bf16 engine: a miss, and its own store is not "already present".
+  CHECK(lookup_done(bf16, regbf.model_id, hashes).hit_chunks == 0);
+  rbf.fill_blocks(blocks, 99);
+  const auto st = bf16.ok(store_req(rbf, hashes, blocks));
+  CHECK(st.stored == 2);
+  CHECK(st.already_present == 0);
+  // Each gets its own bytes back.
+  CHECK(lookup_done(fp16, reg16.model_id, hashes, 1, "req-16").hit_chunks == 2);
+  const auto dst = block_range(20, 2 * blocks_per_chunk);
+  REQUIRE(fp16.ok(retrieve_req(hashes, dst, 0, 0, "req-16")).retrieved_chunks == 2);
+  for (std::size_t i = 0; i < dst.size(); ++i)
+    for (std::uint32_t t = 0; t < test_block_size; ++t) CHECK(r16.same_token(dst[i], blocks[i], t));
+  CHECK(lookup_done(bf16, regbf.model_id, hashes, 1, "req-bf").hit_chunks == 2);
+  REQUIRE(bf16.ok(retrieve_req(hashes, dst, 0, 0, "req-bf")).retrieved_chunks == 2);
+  for (std::size_t i = 0; i < dst.size(); ++i)
+    for (std::uint32_t t = 0; t < test_block_size; ++t) CHECK(rbf.same_token(dst[i], blocks[i], t));
+}
+
+TEST_CASE("two cache salts never share a chunk; the same salt does", "[server]") {
+  running_server s;
+  raw_client a(s.path());
+  raw_client b(s.path());
+  engine_region ra;
+  engine_region rb;
+  const auto rega = a.register_region(ra);
+  const auto regb = b.register_region(rb);
+  CHECK(rega.model_id == regb.model_id);  // one model, one dtype, one layout
+
+  const auto hashes = chunk_hashes(21, 2);
+  const auto blocks = block_range(0, 2 * blocks_per_chunk);
+  ra.fill_blocks(blocks, 5);
+  REQUIRE(a.ok(store_req(ra, hashes, blocks, 0, "store-a", "tenant-a")).stored == 2);
+  // Another salt, and no salt: misses.
+  CHECK(lookup_done(b, regb.model_id, hashes, 1, "q-b", "tenant-b").hit_chunks == 0);
+  CHECK(lookup_done(b, regb.model_id, hashes, 1, "q-none").hit_chunks == 0);
+  // A retrieve under another salt copies nothing.
+  const auto dst = block_range(30, 2 * blocks_per_chunk);
+  CHECK(b.ok(retrieve_req(hashes, dst, 0, 0, "q-b", "tenant-b")).retrieved_chunks == 0);
+  // The same salt, from the other connection: hits, and the bytes are tenant a's.
+  CHECK(lookup_done(b, regb.model_id, hashes, 1, "q-a", "tenant-a").hit_chunks == 2);
+  REQUIRE(b.ok(retrieve_req(hashes, dst, 0, 0, "q-a", "tenant-a")).retrieved_chunks == 2);
+  for (std::size_t i = 0; i < dst.size(); ++i)
+    for (std::uint32_t t = 0; t < test_block_size; ++t) CHECK(rb.same_token(dst[i], blocks[i], t, &ra));
+}
+
+TEST_CASE("a registration's cache salt separates its whole namespace", "[server]") {
+  running_server s;
+  raw_client a(s.path());
+  raw_client b(s.path());
+  engine_region ra;
+  engine_region rb;
+  auto reqa = ra.registration();
+  reqa.cache_salt = "deployment-a";
+  const auto rega = a.expect(reqa, ra.region.fd());
+  const auto regb = b.register_region(rb);
+  CHECK(rega.model_id != regb.model_id);
+  const auto hashes = chunk_hashes(31, 1);
+  const auto blocks = block_range(0, blocks_per_chunk);
+  ra.fill_blocks(blocks, 3);
+  REQUIRE(a.ok(store_req(ra, hashes, blocks)).stored == 1);
+  CHECK(lookup_done(b, regb.model_id, hashes).hit_chunks == 0);
+  CHECK(lookup_done(a, rega.model_id, hashes, 1, "again").hit_chunks == 1);
+}
+
+TEST_CASE("NHD and MLA registrations are accepted; HND and cuda_ipc are refused with what to do", "[server]") {
+  running_server s;
+  raw_client c(s.path());
+  engine_region r;
+  auto hnd = r.registration();
+  hnd.layout_kind = kv_layout_kind::hnd;
+  const auto e1 = c.refused(hnd, r.region.fd());
+  CHECK(e1.code == static_cast<std::uint32_t>(errc::unsupported));
+  CHECK_THAT(e1.message, Catch::Contains("HND"));
+  auto cuda = r.registration();
+  cuda.region = p::region_kind::cuda_ipc;
+  cuda.region_descriptor = std::string(64, 'x');
+  const auto e2 = c.refused(cuda);
+  CHECK(e2.code == static_cast<std::uint32_t>(errc::unsupported));
+  CHECK_THAT(e2.message, Catch::Contains("CUDA"));
+  auto mla_on_mha = r.registration();
+  mla_on_mha.layout_kind = kv_layout_kind::mla;
+  CHECK(c.refused(mla_on_mha, r.region.fd()).code == static_cast<std::uint32_t>(errc::invalid_argument));
+  // The connection still registers a valid region afterwards.
+  CHECK(c.register_region(r).model_id == make_model_id("test/model", small_model()));
+}
+
+TEST_CASE("a scheduler registers without a region, looks up the workers' chunks and may not copy", "[server]") {
+  running_server s;
+  raw_client worker(s.path());
+  raw_client sched(s.path());
+  engine_region r;
+  const auto wreg = worker.register_region(r);
+  const auto sreg = sched.expect(scheduler_registration(small_model()));
+  CHECK(sreg.model_id == wreg.model_id);
+  CHECK(sreg.client_id != wreg.client_id);
+
+  const auto hashes = chunk_hashes(41, 3);
+  const auto blocks = block_range(0, 3 * blocks_per_chunk);
+  r.fill_blocks(blocks, 77);
+  REQUIRE(worker.ok(store_req(r, hashes, blocks)).stored == 3);
+  const auto q = lookup_done(sched, sreg.model_id, hashes, 1, "sched-1");
+  CHECK(q.hit_chunks == 3);
+  sched.ok(p::free_lookup_locks_request{"sched-1"});
+  sched.ok(p::end_request_request{"sched-1"});
+
+  const auto e1 = sched.refused(retrieve_req(hashes, blocks));
+  CHECK(e1.code == static_cast<std::uint32_t>(errc::no_kv_region));
+  CHECK_THAT(e1.message, Catch::Contains("scheduler"));
+  const auto e2 = sched.refused(store_req(r, hashes, blocks));
+  CHECK(e2.code == static_cast<std::uint32_t>(errc::no_kv_region));
+  const nlohmann::json st = sched.status();
+  bool seen = false;
+  for (const auto& cl : st["clients"])
+    if (cl["client_id"] == sreg.client_id) {
+      seen = true;
+      CHECK(cl["region_kind"] == "none");
+      CHECK(cl["registered"] == true);
+    }
+  CHECK(seen);
+}
+
+TEST_CASE("a scheduler registration with an fd or block counts is refused", "[server]") {
+  running_server s;
+  raw_client c(s.path());
+  engine_region r;
+  CHECK(c.refused(scheduler_registration(small_model()), r.region.fd()).code ==
+        static_cast<std::uint32_t>(errc::invalid_argument));
+  auto with_blocks = scheduler_registration(small_model());
+  with_blocks.num_blocks = 8;
+  CHECK(c.refused(with_blocks).code == static_cast<std::uint32_t>(errc::invalid_argument));
+  auto bad_shape = scheduler_registration(model_shape{});
+  CHECK(c.refused(bad_shape).code == static_cast<std::uint32_t>(errc::invalid_argument));
+  CHECK(c.expect(scheduler_registration(small_model())).model_id == make_model_id("test/model", small_model()));
+}
