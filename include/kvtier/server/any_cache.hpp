@@ -73,8 +73,9 @@ class any_cache {
   virtual void export_metrics(telemetry::registry& reg) = 0;
   /// Completes once no prefetch or store is running or queued.
   virtual boost::asio::awaitable<void> wait_idle() = 0;
-  /// Cancels the pipelines' work and completes once every coroutine of the cache ended
-  /// (tiered_cache::async_stop); call at shutdown, after wait_idle().
+  /// Stops the pipelines (tiered_cache::async_stop: every prefetch answered, queued stores
+  /// dropped, operations in flight waited for); completes once every coroutine of the cache
+  /// ended. Call at shutdown, after wait_idle().
   virtual boost::asio::awaitable<void> stop() = 0;
   [[nodiscard]] virtual std::size_t slot_bytes() const noexcept = 0;
   [[nodiscard]] virtual std::size_t slot_count() const noexcept = 0;
