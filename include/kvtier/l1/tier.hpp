@@ -2,14 +2,15 @@
 // l1::tier<Policy, Bus>: the L1 tier, chunk objects in CPU memory, one object per fixed-size
 // slot of one arena, with LMCache's per-key state machine (reference/lmcache-mp.md section 3):
 //
-//   absent --reserve_write / reserve_prefix(write)--> write_locked --finish_write--> ready
-//                               |  |                                                  ^  |
-//                               |  +--finish_write_and_reserve_read(n)--> read_locked(n) |
-//                               +--abandon_write / write TTL--> absent (never readable)  |
-//   ready <--> read_locked(n): reserve_read / reserve_prefix(read) / finish_read (n = holds)
+//   absent --reserve_write / reserve_prefix(write)--> write_locked
+//   write_locked --finish_write--> ready
+//   write_locked --finish_write_and_reserve_read(n holds)--> read_locked(n)     (n = 0: ready)
+//   write_locked --abandon_write / write TTL--> absent                         (never readable)
+//   ready <--> read_locked(n): reserve_read / reserve_prefix(read) take holds, finish_read
+//                              gives them back (n = holds of both lifetimes)
 //   ready --remove / evict--> absent;  read_locked(n) --remove(force)--> removing --last lock--> absent
-//   temporary object: read_locked(n) --last finish_read--> absent (freed with its last reader);
-//   finish_write_and_reserve_read with 0 holds frees a temporary object at once
+//   temporary object: freed with its last read hold (the last finish_read, an expiry, or
+//                     finish_write_and_reserve_read with 0 holds)
 //
 // Every operation takes a batch of keys and answers per key (l1::status) in a span the
 // caller provides, so a batch allocates nothing; it returns the number of successes.
