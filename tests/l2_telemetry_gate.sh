@@ -11,7 +11,14 @@
 #     <= lookup keys; loaded + failed = load keys; L1 writes = stores + prefetched keys
 #     (skip_l1 stores every L1 write but the prefetched ones); no key failed;
 #   - and with the driver's own count: loaded keys = the chunks the query round needed, store
-#     keys = the chunks the engine stored.
+#     keys = the chunks the engine stored, retrieve reads = the chunks the engine retrieved
+#     times the world size (kvtier_cache_read_succeeded_keys_total counts only the prefix a
+#     retrieve copies; none failed here);
+#   - exact L1 read counts: a lookup read-locks only its L1 prefix, so the refused L1 reads
+#     (kvtier_l1_read_failed_keys_total) are at most one per lookup (kvtier_lookups_total),
+#     not every key after a miss; no prefetch key lacked an L1 slot
+#     (kvtier_l2_prefetch_failure_keys_total{reason="l1_out_of_memory"} = 0) and no write was
+#     abandoned (kvtier_cache_write_finish_failed_keys_total = 0).
 #
 #   tests/l2_telemetry_gate.sh                 run and check (./scripts/test.sh runs it via ctest)
 #   tests/l2_telemetry_gate.sh --selftest      then also falsify each condition in a copy of the
@@ -67,9 +74,14 @@ check() {
   fi
   declare -A v
   for name in "${required[@]}" kvtier_l2_store_failed_keys_total kvtier_l2_prefetch_lookup_keys_total \
-              kvtier_l2_prefetch_load_keys_total kvtier_l2_prefetch_failed_keys_total kvtier_l1_prefetched_keys_total; do
+              kvtier_l2_prefetch_load_keys_total kvtier_l2_prefetch_failed_keys_total kvtier_l1_prefetched_keys_total \
+              kvtier_cache_read_succeeded_keys_total kvtier_cache_read_failed_keys_total \
+              kvtier_l1_read_failed_keys_total kvtier_lookups_total kvtier_cache_write_finish_failed_keys_total; do
     v[$name]=$(metric_sum "$name" "$m")
   done
+  local l1_oom
+  l1_oom=$(awk '/^kvtier_l2_prefetch_failure_keys_total\{.*reason="l1_out_of_memory"/ { s += $NF; f = 1 }
+                END { if (f) printf "%.0f\n", s; else print "absent" }' "$m")
   for name in "${required[@]}"; do
     if [ "${v[$name]}" = absent ]; then fail "$name is missing from /metrics"
     elif [ "${v[$name]}" -le 0 ]; then fail "$name is ${v[$name]}: the workload must have moved it"
@@ -96,10 +108,30 @@ check() {
   local writes=${v[kvtier_l1_write_keys_total]} pre=${v[kvtier_l1_prefetched_keys_total]}
   [ $((writes - pre)) -eq "$stored" ] ||
     fail "kvtier_l1_write_keys_total ($writes) - kvtier_l1_prefetched_keys_total ($pre) != kvtier_l2_store_keys_total ($stored) (skip_l1 stores every written key)"
+  # Exact counts: L1 reads of lookups, prefetch reservations, abandoned writes.
+  local l1_refused=${v[kvtier_l1_read_failed_keys_total]} lookups=${v[kvtier_lookups_total]}
+  [ "$l1_refused" -le "$lookups" ] ||
+    fail "kvtier_l1_read_failed_keys_total ($l1_refused) > kvtier_lookups_total ($lookups): lookups read-lock keys after their first miss"
+  if [ "$l1_oom" = absent ]; then fail "kvtier_l2_prefetch_failure_keys_total{reason=\"l1_out_of_memory\"} is missing from /metrics"
+  elif [ "$l1_oom" -ne 0 ]; then fail "kvtier_l2_prefetch_failure_keys_total{reason=\"l1_out_of_memory\"} is $l1_oom: L1 has room for every prefetch here"
+  fi
+  [ "${v[kvtier_cache_write_finish_failed_keys_total]}" -eq 0 ] ||
+    fail "kvtier_cache_write_finish_failed_keys_total is ${v[kvtier_cache_write_finish_failed_keys_total]}: no write is abandoned here"
+  [ "${v[kvtier_cache_read_failed_keys_total]}" -eq 0 ] ||
+    fail "kvtier_cache_read_failed_keys_total is ${v[kvtier_cache_read_failed_keys_total]}: every retrieve here asks for what its lookup holds"
   # The driver's own count.
-  local want_loaded want_stored
+  local want_loaded want_stored want_retrieved world
   want_loaded=$(jq -r '.expect.l2_prefetch_loaded_keys // "absent"' "$d" 2>/dev/null) || want_loaded=absent
   want_stored=$(jq -r '.expect.l2_store_keys // "absent"' "$d" 2>/dev/null) || want_stored=absent
+  want_retrieved=$(jq -r '.expect.query_chunks_retrieved // "absent"' "$d" 2>/dev/null) || want_retrieved=absent
+  world=$(jq -r '.config.world_size // "absent"' "$d" 2>/dev/null) || world=absent
+  if [ "$want_retrieved" = absent ] || [ "$world" = absent ]; then
+    fail "the driver's report ($d) has no expect.query_chunks_retrieved / config.world_size"
+  else
+    local reads=${v[kvtier_cache_read_succeeded_keys_total]}
+    [ "$reads" -eq $((want_retrieved * world)) ] ||
+      fail "kvtier_cache_read_succeeded_keys_total ($reads) != the chunks the engine retrieved x world size ($want_retrieved x $world, driver)"
+  fi
   if [ "$want_loaded" = absent ] || [ "$want_stored" = absent ]; then
     fail "the driver's report ($d) has no expect.l2_prefetch_loaded_keys / expect.l2_store_keys"
   else
@@ -197,7 +229,10 @@ if [ $selftest -eq 1 ]; then
   for name in "${required[@]}"; do cases+=("$name=0" "$name=absent"); done
   cases+=("kvtier_l2_prefetch_loaded_keys_total=+1" "kvtier_l2_store_succeeded_keys_total=+-1"
           "kvtier_l2_store_keys_total=+1" "kvtier_l2_prefetch_hit_keys_total=+1000000"
-          "kvtier_l1_write_keys_total=+1" "kvtier_l2_store_failed_keys_total=+1")
+          "kvtier_l1_write_keys_total=+1" "kvtier_l2_store_failed_keys_total=+1"
+          "kvtier_cache_read_succeeded_keys_total=+1" "kvtier_l1_read_failed_keys_total=+1000000"
+          "kvtier_l2_prefetch_failure_keys_total=+1" "kvtier_cache_write_finish_failed_keys_total=+1"
+          "kvtier_cache_read_failed_keys_total=+1")
   missed=0
   for c in "${cases[@]}"; do
     falsify "$work/metrics.txt" "${c%%=*}" "${c#*=}" >"$work/metrics.case"

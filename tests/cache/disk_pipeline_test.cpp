@@ -66,7 +66,7 @@ struct fixture {
   std::unique_ptr<cache::tiered_cache<Traits>> cache;
   std::uint64_t last_id = 0;
 
-  explicit fixture(std::chrono::nanoseconds wait_cap = std::chrono::seconds(60)) {
+  explicit fixture(std::chrono::nanoseconds wait_cap = std::chrono::seconds(60), std::size_t l1_slots = 32) {
     l2::disk_backend_options d;
     d.path = dir.path() / "l2";
     d.capacity_bytes = std::uint64_t{256} << 20;
@@ -74,7 +74,7 @@ struct fixture {
     faulty = std::make_shared<l2::fault_injecting_backend<l2::disk_backend>>(*disk);
     cache::cache_options o;
     o.l1.slot_bytes = object_bytes;
-    o.l1.slot_count = 32;
+    o.l1.slot_count = l1_slots;
     o.l1.eviction_watermark = 1.0;
     o.l1.eviction_target = 0.9;
     typename cache::tiered_cache<Traits>::policies p;
@@ -188,4 +188,86 @@ TEST_CASE("a hung disk load does not hang the lookup, and its slots stay reserve
   const auto again = f.lookup(k);
   CHECK(again.chunks == 2);
   for (const auto& x : k) CHECK(f.serves_right_bytes(x));
+}
+
+// --- issue 13: a small L1 in front of the disk ---------------------------------------------------
+
+TEST_CASE("a prompt longer than L1 is stored whole and later served from disk as far as L1 can take it",
+          "[cache][disk][small_l1]") {
+  fixture<> f(std::chrono::seconds(60), 24);  // write-through, LRU, 24 slots
+  const auto k = keys(100, 48);
+  std::vector<l1::status> st(k.size());
+  std::vector<std::span<std::byte>> buf(k.size());
+  CHECK(f.cache->reserve_write(k, object_bytes, st, buf) == 48);  // 24 L1 slots, 24 staged for L2
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    REQUIRE(st[i] == l1::status::success);
+    REQUIRE(buf[i].size() == object_bytes);
+    const auto p = payload(k[i]);
+    std::memcpy(buf[i].data(), p.data(), p.size());
+  }
+  CHECK(f.cache->finish_write(k, {}, st) == 48);
+  f.settle();
+  CHECK(f.disk->usage().objects == 48);
+  CHECK(f.metric("kvtier_l2_store_succeeded_keys_total", {{"backend", "disk"}}) == 48);
+  CHECK(f.cache->status().store_inflight_bytes == 0);
+  // L1 now holds what fit; a lookup takes it and continues from the disk as far as L1 allows.
+  const auto first = f.lookup(k);
+  CHECK(first.chunks == 24);
+  f.cache->release_all(f.last_id);
+  f.cache->clear(false);
+  const auto st2 = f.lookup(k);
+  CHECK(st2.chunks == 24);  // the longest prefix L1 can take, from the disk
+  CHECK(st2.l1_chunks == 0);
+  for (std::size_t i = 0; i < 24; ++i) CHECK(f.serves_right_bytes(k[i]));
+  f.cache->release_all(f.last_id);
+  // With room, the whole prompt comes back from disk byte-exact, in two lookups of 24.
+  f.cache->clear(false);
+  const auto tail = f.lookup(std::span(k).subspan(24));
+  CHECK(tail.chunks == 24);
+  for (std::size_t i = 24; i < 48; ++i) CHECK(f.serves_right_bytes(k[i]));
+  f.cache->release_all(f.last_id);
+}
+
+TEST_CASE("two 15-chunk documents looked up together in a 24-slot L1 both hit", "[cache][disk][small_l1]") {
+  fixture<traits<pipeline::skip_l1>> f(std::chrono::seconds(60), 24);
+  const auto a = keys(200, 15);
+  const auto b = keys(300, 15);
+  f.put_l1(a);  // skip_l1: on disk only afterwards
+  f.put_l1(b);
+  REQUIRE(f.disk->usage().objects == 30);
+  REQUIRE(f.cache->l1().usage().objects == 0);
+  const auto ia = f.start(a);
+  const auto ib = f.start(b);
+  const auto sa = f.wait(ia);
+  const auto sb = f.wait(ib);
+  f.settle();
+  CHECK(sa.chunks + sb.chunks == 24);  // every slot serves one of them
+  CHECK(sa.chunks > 0);
+  CHECK(sb.chunks > 0);
+  for (std::size_t i = 0; i < sa.chunks; ++i) CHECK(f.serves_right_bytes(a[i]));
+  for (std::size_t i = 0; i < sb.chunks; ++i) CHECK(f.serves_right_bytes(b[i]));
+  f.cache->release_all(ia);
+  f.cache->release_all(ib);
+  CHECK(f.cache->l1().usage().slots_used == 0);
+}
+
+TEST_CASE("two lookups prefetching the same document at once share the load and both hit", "[cache][disk][small_l1]") {
+  fixture<traits<pipeline::skip_l1>> f(std::chrono::seconds(60), 24);
+  const auto d = keys(400, 15);
+  f.put_l1(d);
+  REQUIRE(f.cache->l1().usage().objects == 0);
+  const auto i1 = f.start(d);
+  const auto i2 = f.start(d);
+  const auto s1 = f.wait(i1);
+  const auto s2 = f.wait(i2);
+  f.settle();
+  CHECK(s1.chunks == 15);
+  CHECK(s2.chunks == 15);
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 15);  // loaded once, for both
+  CHECK(f.cache->l1().usage().slots_used == 15);
+  for (const auto& x : d) CHECK(f.serves_right_bytes(x));
+  f.cache->release_all(i1);
+  for (const auto& x : d) CHECK(f.cache->l1().state(x) == l1::object_state::read_locked);  // still the other's
+  f.cache->release_all(i2);
+  CHECK(f.cache->l1().usage().slots_used == 0);  // temporary: freed with the last reader
 }

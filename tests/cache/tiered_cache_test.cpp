@@ -20,6 +20,7 @@
 #include <boost/asio/use_awaitable.hpp>
 
 #include <cstring>
+#include <functional>
 #include <vector>
 
 using namespace kvtier;
@@ -59,7 +60,8 @@ struct fixture {
   std::unique_ptr<cache::tiered_cache<Traits>> cache;
 
   explicit fixture(std::size_t l1_slots = 64, typename cache::tiered_cache<Traits>::policies p = {},
-                   std::chrono::nanoseconds wait_cap = std::chrono::seconds(60)) {
+                   std::chrono::nanoseconds wait_cap = std::chrono::seconds(60),
+                   const std::function<void(cache::cache_options&)>& tweak = {}) {
     mem = std::make_shared<l2::memory_backend>(io.get_executor(), l2::memory_backend_options{"mem", 1 << 26, 0, {}});
     faulty = std::make_shared<l2::fault_injecting_backend<l2::memory_backend>>(*mem);
     cache::cache_options o;
@@ -67,6 +69,7 @@ struct fixture {
     o.l1.slot_count = l1_slots;
     o.l1.eviction_watermark = 1.0;
     o.l1.eviction_target = 0.9;
+    if (tweak) tweak(o);
     if constexpr (std::is_same_v<typename Traits::wait_policy, pipeline::wait_complete>) p.wait.cap = wait_cap;
     cache = std::make_unique<cache::tiered_cache<Traits>>(io.get_executor(), o, events,
                                                           std::vector<l2::any_backend>{l2::any_backend(faulty)}, std::move(p));
@@ -125,6 +128,24 @@ struct fixture {
   std::uint64_t last_id = 0;
 };
 
+/// A clock the test moves by hand (shared by copies, so the options can hold one).
+struct manual_clock {
+  std::shared_ptr<l1::clock_type::time_point> now =
+      std::make_shared<l1::clock_type::time_point>(l1::clock_type::time_point{} + std::chrono::hours(1));
+  l1::clock_type::time_point operator()() const { return *now; }
+  void advance(l1::clock_type::duration d) const { *now += d; }
+};
+
+/// LRU that counts the reads the tier reports to its policy.
+struct counting_lru : l1::lru {
+  static constexpr std::string_view name = "counting_lru";
+  std::size_t accesses = 0;
+  void on_access(hook& h) noexcept {
+    ++accesses;
+    l1::lru::on_access(h);
+  }
+};
+
 std::vector<chunk_key> keys(std::uint64_t first, std::size_t n) {
   std::vector<chunk_key> k;
   for (std::size_t i = 0; i < n; ++i) k.push_back(key(first + i));
@@ -177,18 +198,21 @@ TEST_CASE("an L2 hole trims the prefetch: hit keys are the pure prefix, trimmed 
   CHECK(f.mem->pins(k[0]) == 0);  // loaded keys too, once loaded
 }
 
-TEST_CASE("L1 out of memory trims after reservation without touching the L2 hit count", "[cache]") {
+TEST_CASE("L1 out of memory trims the prefetch to the longest prefix that fits, L2 hit count untouched", "[cache]") {
   fixture<traits<pipeline::write_through, pipeline::wait_complete, l1::noop>> f(2);  // two slots, never evicts
   const auto k = keys(20, 4);
   f.put_l2(k);
   const auto st = f.lookup(k);
-  CHECK(st.chunks == 0);  // the whole batch did not fit: all or nothing
+  CHECK(st.chunks == 2);                                       // the two that fit, not all or nothing
   CHECK(f.metric("kvtier_l2_prefetch_hit_keys_total") == 4);   // pure L2 prefix
-  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 0);  // nothing submitted
-  CHECK(f.metric("kvtier_l2_prefetch_trimmed_keys_total") == 4);
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 2);  // what was reserved
+  CHECK(f.metric("kvtier_l2_prefetch_loaded_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_trimmed_keys_total") == 2);
   CHECK(f.metric("kvtier_l2_prefetch_failed_keys_total") == 0);  // not submitted, not failed
-  CHECK(f.metric("kvtier_l2_prefetch_failure_keys_total", {{"reason", "l1_out_of_memory"}}) == 4);
+  CHECK(f.metric("kvtier_l2_prefetch_failure_keys_total", {{"reason", "l1_out_of_memory"}}) == 2);
   CHECK(f.metric("kvtier_l1_allocation_failures_total", {{"purpose", "prefetch"}}) == 1);
+  CHECK(f.metric("kvtier_l1_allocation_failed_keys_total", {{"purpose", "prefetch"}}) == 2);
+  for (std::size_t i = 0; i < 2; ++i) CHECK(f.serves_right_bytes(k[i]));
 }
 
 TEST_CASE("a failed load counts only submitted keys; loaded keys after the hole are released", "[cache]") {
@@ -345,4 +369,170 @@ TEST_CASE("an abandoned write is never readable and never stored", "[cache][stor
   CHECK(f.cache->l1().state(k[0]) == l1::object_state::absent);
   CHECK(f.metric("kvtier_l2_store_keys_total", {{"backend", "mem"}}) == 0);
   CHECK(f.metric("kvtier_cache_write_finish_failed_keys_total") == 2);
+}
+
+// --- issue 13: owned holds, split prefixes, exact counts --------------------------------------
+
+TEST_CASE("a lookup whose holds expired cannot release a newer lookup's holds on the same keys", "[cache][holds]") {
+  manual_clock clock;
+  fixture f(64, {}, std::chrono::seconds(60), [&](cache::cache_options& o) {
+    o.l1.clock = clock;
+    o.l1.read_lock_ttl = std::chrono::seconds(10);
+    o.lookup_ttl = std::chrono::seconds(10);
+  });
+  const auto k = keys(200, 3);
+  f.put_l1(k);
+  REQUIRE(f.lookup(k).chunks == 3);
+  const auto a = f.last_id;
+  clock.advance(std::chrono::seconds(11));  // A went silent past its TTL
+  f.cache->expire();
+  REQUIRE(f.lookup(k).chunks == 3);
+  const auto b = f.last_id;
+  // A's late retrieve and end_request give back what A believes it holds.
+  f.cache->release(a, k);
+  f.cache->release_all(a);
+  for (const auto& x : k) CHECK(f.cache->l1().state(x) == l1::object_state::read_locked);  // B's holds
+  // Nothing can take B's chunks away: its retrieve succeeds.
+  f.cache->clear(false);
+  for (const auto& x : k) CHECK(f.serves_right_bytes(x));
+  f.cache->release(b, k);
+  for (const auto& x : k) CHECK(f.cache->l1().state(x) == l1::object_state::ready);
+}
+
+TEST_CASE("a lookup's holds go when the cache expires it, not before", "[cache][holds]") {
+  manual_clock clock;
+  fixture f(64, {}, std::chrono::seconds(60), [&](cache::cache_options& o) {
+    o.l1.clock = clock;
+    o.l1.read_lock_ttl = std::chrono::seconds(10);
+    o.lookup_ttl = std::chrono::seconds(20);
+  });
+  const auto k = keys(210, 2);
+  f.put_l1(k);
+  REQUIRE(f.lookup(k).chunks == 2);
+  clock.advance(std::chrono::seconds(15));  // past the L1 read TTL, within the lookup's
+  f.cache->expire();
+  for (const auto& x : k) CHECK(f.cache->l1().state(x) == l1::object_state::read_locked);
+  CHECK(f.cache->known(f.last_id));
+  clock.advance(std::chrono::seconds(10));
+  f.cache->expire();
+  CHECK_FALSE(f.cache->known(f.last_id));
+  for (const auto& x : k) CHECK(f.cache->l1().state(x) == l1::object_state::ready);
+}
+
+TEST_CASE("a prefix split between L2 and L1 is served whole: L2-only keys load, L1 keys are read", "[cache][prefix]") {
+  fixture f;
+  const auto k = keys(300, 15);
+  f.put_l2(k);
+  f.put_l1(std::span(k).subspan(1));  // chunk 0 on L2 only (as after a corrupt L1 copy was dropped)
+  for (int round = 0; round < 2; ++round) {
+    const auto st = f.lookup(k);
+    CHECK(st.chunks == 15);
+    CHECK(st.l1_chunks == 14);
+    for (const auto& x : k) CHECK(f.serves_right_bytes(x));
+    f.cache->release_all(f.last_id);
+  }
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 2);  // chunk 0, once per round
+  CHECK(f.metric("kvtier_l2_prefetch_trimmed_keys_total") == 0);
+  CHECK(f.metric("kvtier_lookup_hit_chunks_total", {{"tier", "l1"}}) == 28);
+  CHECK(f.metric("kvtier_lookup_hit_chunks_total", {{"tier", "l2"}}) == 2);
+}
+
+TEST_CASE("a prefix that alternates between L2-only and L1-only keys is served whole", "[cache][prefix]") {
+  fixture f;
+  const auto k = keys(320, 5);
+  f.put_l2(std::vector<chunk_key>{k[0], k[4]});
+  f.faulty->inject({.op = l2::fault_op::store, .kind = l2::fault_kind::fail, .outcome = l2::key_outcome::io_error});
+  f.put_l1(std::span(k).subspan(1, 3));  // chunks 1..3 in L1 only (their store to L2 failed)
+  f.faulty->clear();
+  REQUIRE(f.mem->usage().objects == 2);
+  const auto st = f.lookup(k);
+  CHECK(st.chunks == 5);
+  for (const auto& x : k) CHECK(f.serves_right_bytes(x));
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_hit_keys_total") == 1);  // the pure L2 prefix is still reported as such
+}
+
+TEST_CASE("kvtier_cache_read_succeeded_keys_total counts only the prefix a retrieve can copy", "[cache][counts]") {
+  fixture f;
+  const auto k = keys(400, 3);
+  f.put_l1(std::vector<chunk_key>{k[0], k[2]});  // a hole at k[1]
+  std::vector<l1::status> st(3);
+  std::vector<std::span<const std::byte>> v(3);
+  CHECK(f.cache->pin_for_copy(k, st, v) == 1);
+  CHECK(st[0] == l1::status::success);
+  CHECK(st[1] == l1::status::not_found);
+  CHECK(f.cache->l1().info(k[2])->pinned_readers == 0);  // never pinned: nobody copies it
+  f.cache->unpin_after_copy(std::span(k).first(1));
+  CHECK(f.metric("kvtier_cache_read_requests_total") == 1);
+  CHECK(f.metric("kvtier_cache_read_succeeded_keys_total") == 1);
+  CHECK(f.metric("kvtier_cache_read_failed_keys_total") == 2);
+}
+
+TEST_CASE("a lookup read-locks only the L1 prefix: reads after the first miss are not counted or seen by the policy",
+          "[cache][counts]") {
+  fixture<traits<pipeline::write_through, pipeline::wait_complete, counting_lru>> f;
+  const auto k = keys(410, 3);
+  f.put_l1(std::vector<chunk_key>{k[0], k[2]});  // k[1] nowhere
+  // The store pipeline's own reads of k[0] and k[2] (write-through) happened; count from here.
+  const auto before = f.cache->l1().with_policy([](const counting_lru& p) { return p.accesses; });
+  const double reserved0 = f.metric("kvtier_l1_read_reserved_keys_total");
+  const double read0 = f.metric("kvtier_l1_read_keys_total");
+  const auto st = f.lookup(k);
+  CHECK(st.chunks == 1);
+  CHECK(f.metric("kvtier_l1_read_reserved_keys_total") - reserved0 == 1);
+  CHECK(f.metric("kvtier_l1_read_keys_total") - read0 == 0);  // nothing locked and given back
+  CHECK(f.cache->l1().with_policy([](const counting_lru& p) { return p.accesses; }) == before + 1);
+  CHECK(f.cache->l1().state(k[2]) == l1::object_state::ready);
+  f.cache->release_all(f.last_id);
+  CHECK(f.metric("kvtier_l1_read_keys_total") - read0 == 1);
+}
+
+TEST_CASE("the l1_out_of_memory reason counts only keys that needed a slot and got none", "[cache][counts]") {
+  fixture<traits<pipeline::write_through, pipeline::wait_complete, l1::noop>> f(2);  // two slots, never evicts
+  const auto k = keys(420, 4);
+  f.put_l2(k);
+  f.put_l1(std::span(k).subspan(1, 1));  // k[1] in L1: one slot left
+  const auto st = f.lookup(k);
+  CHECK(st.chunks == 2);  // k[0] loaded into the free slot, k[1] read from L1
+  CHECK(f.metric("kvtier_l2_prefetch_failure_keys_total", {{"reason", "l1_out_of_memory"}}) == 2);  // k[2], k[3]
+  CHECK(f.metric("kvtier_l1_allocation_failed_keys_total", {{"purpose", "prefetch"}}) == 2);
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 1);
+  CHECK(f.metric("kvtier_l2_prefetch_trimmed_keys_total") == 2);
+}
+
+TEST_CASE("abandon_write counts only the keys it abandoned", "[cache][counts]") {
+  fixture f;
+  const auto k = keys(430, 2);
+  std::vector<l1::status> st(1);
+  std::vector<std::span<std::byte>> buf(1);
+  REQUIRE(f.cache->reserve_write(std::span(k).first(1), object_bytes, st, buf) == 1);
+  CHECK(f.cache->abandon_write(k) == 1);  // k[1] was never reserved
+  CHECK(f.metric("kvtier_cache_write_finish_failed_keys_total") == 1);
+  CHECK(f.cache->l1().state(k[0]) == l1::object_state::absent);
+}
+
+TEST_CASE("release gives back exactly the keys named, in any order, and ignores keys the lookup does not hold",
+          "[cache][holds]") {
+  fixture f;
+  std::vector<chunk_key> k;
+  for (std::uint64_t c = 0; c < 4; ++c)
+    for (std::uint16_t r = 0; r < 2; ++r) k.push_back(key(500 + c, r, 2));
+  f.put_l1(k);
+  REQUIRE(f.lookup(k, 2).chunks == 4);
+  // Rank 1's shards of chunks 3, 0 and 2 (not where a retrieve walk expects them), a key
+  // twice, and a key the lookup never had.
+  const std::vector<chunk_key> back = {k[7], k[1], k[5], k[5], key(999, 1, 2)};
+  f.cache->release(f.last_id, back);
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    const bool released = i == 7 || i == 1 || i == 5;
+    INFO("key " << i);
+    CHECK(f.cache->l1().state(k[i]) == (released ? l1::object_state::ready : l1::object_state::read_locked));
+  }
+  // A retrieve of rank 0 in chunk order, then the rest at end_request.
+  const std::vector<chunk_key> rank0 = {k[0], k[2], k[4], k[6]};
+  f.cache->release(f.last_id, rank0);
+  CHECK(f.cache->l1().state(k[6]) == l1::object_state::ready);
+  CHECK(f.cache->l1().state(k[3]) == l1::object_state::read_locked);
+  f.cache->release_all(f.last_id);
+  for (const auto& x : k) CHECK(f.cache->l1().state(x) == l1::object_state::ready);
 }

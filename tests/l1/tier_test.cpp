@@ -101,7 +101,10 @@ TEST_CASE("every status, write mode and object state has a stable name", "[l1][s
   CHECK(name(status::wrong_state) == "wrong_state");
   CHECK(name(status::locked) == "locked");
   CHECK(name(status::out_of_memory) == "out_of_memory");
+  CHECK(name(status::skipped) == "skipped");
   CHECK(name(static_cast<status>(200)) == "unknown");
+  CHECK(name(prefix_take::wait) == "wait");
+  CHECK(name(prefix_end::no_room) == "no_room");
   CHECK(name(write_mode::new_only) == "new");
   CHECK(name(write_mode::update) == "update");
   CHECK(name(write_mode::all) == "all");
@@ -727,4 +730,142 @@ TEST_CASE("a tier without a bus works and publishes nothing", "[l1][tier]") {
   CHECK(t.reserve_write(keys({1}), 10, {}, out) == 1);
   CHECK(t.finish_write(keys({1}), out) == 1);
   CHECK(t.contains(key(1)));
+}
+
+// ----------------------------------------------------------------------------------------
+// partial batches, prefixes, holds handed to several readers
+// ----------------------------------------------------------------------------------------
+TEST_CASE("a partial batch allocates the new keys that fit, in order, and refuses the rest", "[l1][tier][eviction]") {
+  fixture f(4, 1.0, 0.5);
+  make_ready(f, keys({1, 2}));
+  REQUIRE(f.read(keys({1})) == all(1, status::success));  // locked: key 2 is the only victim
+  write_options o;
+  o.all_or_nothing = false;
+  CHECK(f.write(keys({3, 4, 5, 6}), o) ==
+        std::vector<status>{status::success, status::success, status::success, status::out_of_memory});
+  CHECK(f.l1->state(key(2)) == object_state::absent);  // evicted for the part that fits
+  CHECK(f.l1->state(key(6)) == object_state::absent);
+  CHECK(f.counts->allocation_failed_keys[static_cast<std::size_t>(bus::allocation_purpose::store)] == 1);
+  CHECK(f.counts->write_refused == 1);
+}
+
+namespace {
+struct prefix_call {
+  prefix_result r;
+  std::vector<prefix_take> takes;
+  std::vector<std::span<std::byte>> buffers;
+};
+prefix_call prefix(fixture& f, const std::vector<chunk_key>& ks, std::vector<bool> loadable,
+                   std::vector<bool> waitable = {}, prefix_options o = {}) {
+  prefix_call c;
+  c.takes.resize(ks.size());
+  c.buffers.resize(ks.size());
+  if (o.object_bytes == 0) o.object_bytes = 1000;
+  waitable.resize(ks.size(), false);
+  loadable.resize(ks.size(), false);
+  c.r = f.l1->reserve_prefix(
+      ks, o, [&](std::size_t i) { return static_cast<bool>(loadable[i]); },
+      [&](std::size_t i) { return static_cast<bool>(waitable[i]); }, c.takes, c.buffers);
+  return c;
+}
+}  // namespace
+
+TEST_CASE("reserve_prefix reads what L1 holds, writes what only the caller can load, waits where told",
+          "[l1][tier][prefix]") {
+  fixture f(8);
+  make_ready(f, keys({2, 3}));
+  REQUIRE(f.write(keys({4})) == all(1, status::success));  // being written by a writer the caller knows
+  const auto c =
+      prefix(f, keys({1, 2, 3, 4, 5, 6}), {true, false, false, false, true, false}, {false, false, false, true});
+  CHECK(c.r.length == 5);
+  CHECK(c.r.end == prefix_end::missing);  // key 6: absent, not loadable
+  CHECK(c.takes == std::vector<prefix_take>{prefix_take::write, prefix_take::read, prefix_take::read, prefix_take::wait,
+                                            prefix_take::write, prefix_take::none});
+  CHECK(c.r.reads == 2);
+  CHECK(c.r.writes == 2);
+  CHECK(c.r.waits == 1);
+  CHECK(c.buffers[0].size() == 1000);
+  CHECK(c.buffers[1].empty());
+  CHECK(f.l1->state(key(1)) == object_state::write_locked);
+  CHECK(f.l1->info(key(2))->pinned_readers == 1);
+  CHECK(f.l1->state(key(6)) == object_state::absent);
+  CHECK(f.counts->read_reserved == 2);
+  CHECK(f.counts->read_refused == 0);  // not asked to count the end
+}
+
+TEST_CASE("reserve_prefix takes the longest prefix that fits and gives back, uncounted, what lies past it",
+          "[l1][tier][prefix]") {
+  fixture f(4, 1.0, 0.5);
+  make_ready(f, keys({2, 4}));  // two slots left
+  const std::uint64_t reads_before = f.counts->read_reserved;
+  // 1 write, 2 read, 3 write, 4 read, 5 write: room for two new keys, so the prefix ends at 5.
+  const auto c = prefix(f, keys({1, 2, 3, 4, 5}), {true, false, true, false, true});
+  CHECK(c.r.length == 4);
+  CHECK(c.r.end == prefix_end::no_room);
+  CHECK(c.r.short_of_room == 1);
+  CHECK(c.r.writes == 2);
+  CHECK(f.counts->read_reserved - reads_before == 2);
+  CHECK(f.counts->allocation_failed_keys[static_cast<std::size_t>(bus::allocation_purpose::prefetch)] == 1);
+  // The reads of the prefix were never evicted to make room, and nothing stays held past it.
+  CHECK(f.l1->state(key(2)) == object_state::read_locked);
+  CHECK(f.l1->state(key(4)) == object_state::read_locked);
+  CHECK(f.l1->state(key(5)) == object_state::absent);
+}
+
+TEST_CASE("reserve_prefix cut by room releases the reads it took past the cut", "[l1][tier][prefix]") {
+  fixture f(3, 1.0, 0.5);
+  make_ready(f, keys({2, 4}));  // one slot left
+  const auto c = prefix(f, keys({1, 2, 3, 4}), {true, false, true, false});
+  CHECK(c.r.length == 2);  // 1 write, 2 read; 3 has no slot
+  CHECK(c.takes[3] == prefix_take::none);
+  CHECK(f.l1->state(key(4)) == object_state::ready);  // the walk's hold on 4 went back
+  CHECK(f.counts->read_reserved == 1);
+  CHECK(f.counts->read_finished == 0);
+}
+
+TEST_CASE("a read prefix stops at the first key it cannot read and touches nothing after it", "[l1][tier][prefix]") {
+  fixture f(8);
+  make_ready(f, keys({1, 3}));
+  std::vector<prefix_take> takes(3);
+  prefix_options o;
+  o.count_refused_read = true;
+  const auto r = f.l1->reserve_read_prefix(keys({1, 2, 3}), o, takes);
+  CHECK(r.length == 1);
+  CHECK(r.end == prefix_end::missing);
+  CHECK(takes[2] == prefix_take::none);
+  CHECK(f.l1->state(key(3)) == object_state::ready);
+  CHECK(f.counts->read_reserved == 1);
+  CHECK(f.counts->read_refused == 1);
+  // An object of another size ends a prefix that asks for a size.
+  o.object_bytes = 2000;
+  CHECK(f.l1->reserve_read_prefix(keys({1}), o, std::span(takes).first(1)).end == prefix_end::wrong_size);
+}
+
+TEST_CASE("reserve_prefix refuses a key repeated as a new key, and busy keys it is not told to wait for",
+          "[l1][tier][prefix]") {
+  fixture f(8);
+  auto c = prefix(f, keys({1, 1}), {true, true});
+  CHECK(c.r.length == 1);
+  CHECK(c.r.end == prefix_end::busy);
+  c = prefix(f, keys({1}), {true});  // key 1 is write-locked now, nobody waits for it
+  CHECK(c.r.length == 0);
+  CHECK(c.r.end == prefix_end::busy);
+}
+
+TEST_CASE("one load can be handed to several readers, and a temporary one nobody reads is freed at once",
+          "[l1][tier]") {
+  fixture f(8);
+  write_options o;
+  o.temporary = true;
+  o.lock = lock_lifetime::pinned;
+  REQUIRE(f.write(keys({1, 2}), o) == all(2, status::success));
+  std::vector<status> out(2);
+  const std::vector<std::uint32_t> holds = {3, 0};
+  CHECK(f.l1->finish_write_and_reserve_read(keys({1, 2}), holds, lock_lifetime::pinned, out) == 2);
+  CHECK(f.l1->info(key(1))->pinned_readers == 3);
+  CHECK(f.l1->state(key(2)) == object_state::absent);
+  CHECK(f.counts->removed_as(bus::removal_reason::temporary) == 1);
+  CHECK(f.unread(keys({1}), 0, lock_lifetime::pinned) == all(1, status::success));
+  CHECK(f.unread(keys({1}), 1, lock_lifetime::pinned) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::absent);  // freed with its last reader
 }

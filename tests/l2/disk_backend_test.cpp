@@ -208,6 +208,33 @@ class tmpfs_mount {
   std::string error_;
 };
 
+/// A bind mount of a file onto itself for the scope of a test (root only): the file stays
+/// readable and intact, but unlink(2) fails with EBUSY, as it would on a device that refuses
+/// to delete (EIO, EROFS, EPERM): the disk backend's failed-removal paths, without a seam.
+class undeletable {
+ public:
+  explicit undeletable(const fs::path& file) : file_(file) {
+    if (::mount(file_.c_str(), file_.c_str(), nullptr, MS_BIND, nullptr) == 0)
+      mounted_ = true;
+    else
+      error_ = std::strerror(errno);
+  }
+  undeletable(const undeletable&) = delete;
+  undeletable& operator=(const undeletable&) = delete;
+  ~undeletable() { release(); }
+  void release() {
+    if (mounted_) ::umount2(file_.c_str(), MNT_DETACH);
+    mounted_ = false;
+  }
+  [[nodiscard]] bool mounted() const noexcept { return mounted_; }
+  [[nodiscard]] const std::string& error() const noexcept { return error_; }
+
+ private:
+  fs::path file_;
+  bool mounted_ = false;
+  std::string error_;
+};
+
 }  // namespace
 
 // --- format and index --------------------------------------------------------------------------
@@ -520,6 +547,108 @@ TEST_CASE("removing answers ok, not_found, or rejected while pinned", "[l2][disk
   CHECK(r.outcomes[1] == l2::key_outcome::ok);
   CHECK(r.outcomes[2] == l2::key_outcome::not_found);
   CHECK_FALSE(fs::exists(b.object_file(o.keys[1])));
+  CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
+}
+
+// --- the index and the files agree on every error path ---------------------------------------
+
+TEST_CASE("a remove whose unlink fails keeps the object indexed, counted and served", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  const objects o(0, 2, 64 * 1024);
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 2);
+  undeletable stuck(b.object_file(o.keys[0]));
+  if (!stuck.mounted()) {
+    WARN("cannot bind-mount an object file (" << stuck.error() << "): skipped");
+    return;
+  }
+  const auto r = remove(io, b, std::span(o.keys).first(1));
+  CHECK(r.outcomes[0] == l2::key_outcome::io_error);
+  CHECK(b.stats().io_errors[l2::disk_stats::remove].load() == 1);
+  // The file is still there, so the index still has it: usage, loads and stores agree.
+  CHECK(b.usage().objects == 2);
+  CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
+  auto l = load(io, b, std::span(o.keys).first(1), o.bytes);
+  CHECK(l.r.outcomes[0] == l2::key_outcome::ok);
+  CHECK(matches(o.keys[0], std::span(l.out[0].data(), o.bytes)));
+  CHECK(store(io, b, std::span(o.keys).first(1), {o.sources()[0]}).outcomes[0] == l2::key_outcome::exists);
+  // Once the file can go, a remove deletes it and the index forgets it.
+  stuck.release();
+  CHECK(remove(io, b, std::span(o.keys).first(1)).outcomes[0] == l2::key_outcome::ok);
+  CHECK_FALSE(fs::exists(b.object_file(o.keys[0])));
+  CHECK(b.usage().objects == 1);
+  CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
+  CHECK(store(io, b, std::span(o.keys).first(1), {o.sources()[0]}).outcomes[0] == l2::key_outcome::ok);
+}
+
+TEST_CASE("an eviction whose unlink fails keeps the victim indexed: usage stays what the disk holds", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  const std::size_t bytes = 64 * 1024;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path(), 6 * 68 * 1024));  // 6 objects
+  const objects first(0, 5, bytes);
+  // keys[0] alone first: the oldest, so the first victim (a batch commits in any order).
+  const auto src = first.sources();
+  REQUIRE(store(io, b, std::span(first.keys).first(1), {src[0]}).outcomes[0] == l2::key_outcome::ok);
+  REQUIRE(store(io, b, std::span(first.keys).subspan(1), {src.begin() + 1, src.end()}).count(l2::key_outcome::ok) == 4);
+  undeletable stuck(b.object_file(first.keys[0]));  // the LRU victim
+  if (!stuck.mounted()) {
+    WARN("cannot bind-mount an object file (" << stuck.error() << "): skipped");
+    return;
+  }
+  const objects more(100, 3, bytes);
+  CHECK(store(io, b, more).count(l2::key_outcome::ok) == 3);
+  CHECK(b.stats().io_errors[l2::disk_stats::remove].load() >= 1);
+  CHECK(fs::exists(b.object_file(first.keys[0])));
+  CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
+  CHECK(b.usage().objects == scan(dir.path()).objects);
+  auto l = load(io, b, std::span(first.keys).first(1), bytes);
+  CHECK(l.r.outcomes[0] == l2::key_outcome::ok);
+  CHECK(matches(first.keys[0], std::span(l.out[0].data(), bytes)));
+}
+
+TEST_CASE("a corrupt object whose unlink fails is never served, stays counted, and a later remove deletes it",
+          "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  const objects o(0, 2, 64 * 1024);
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 2);
+  REQUIRE(b.corrupt_stored(o.keys[0]));
+  undeletable stuck(b.object_file(o.keys[0]));
+  if (!stuck.mounted()) {
+    WARN("cannot bind-mount an object file (" << stuck.error() << "): skipped");
+    return;
+  }
+  CHECK(load(io, b, std::span(o.keys).first(1), o.bytes).r.outcomes[0] == l2::key_outcome::corrupt);
+  // Dropped from view (never served again), but its file is still there and still counted.
+  CHECK(load(io, b, std::span(o.keys).first(1), o.bytes).r.outcomes[0] == l2::key_outcome::not_found);
+  CHECK(lookup(io, b, std::span(o.keys).first(1)).to_string() == "0");
+  CHECK(b.usage().objects == 1);
+  CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
+  // A store of the key cannot replace the bad file yet: it is refused, not claimed stored.
+  CHECK(store(io, b, std::span(o.keys).first(1), {o.sources()[0]}).outcomes[0] == l2::key_outcome::rejected);
+  stuck.release();
+  CHECK(remove(io, b, std::span(o.keys).first(1)).outcomes[0] == l2::key_outcome::ok);
+  CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
+  CHECK(store(io, b, std::span(o.keys).first(1), {o.sources()[0]}).outcomes[0] == l2::key_outcome::ok);
+  auto l = load(io, b, std::span(o.keys).first(1), o.bytes);
+  CHECK(l.r.outcomes[0] == l2::key_outcome::ok);
+  CHECK(matches(o.keys[0], std::span(l.out[0].data(), o.bytes)));
+}
+
+TEST_CASE("a stray file at an object's path the index does not know is replaced by a store, not claimed",
+          "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  const objects o(0, 1, 64 * 1024);
+  std::ofstream(b.object_file(o.keys[0])) << "left behind";  // not ours: the index never saw it
+  CHECK(store(io, b, o).outcomes[0] == l2::key_outcome::ok);
+  auto l = load(io, b, o.keys, o.bytes);
+  CHECK(l.r.outcomes[0] == l2::key_outcome::ok);
+  CHECK(matches(o.keys[0], std::span(l.out[0].data(), o.bytes)));
   CHECK(b.usage().bytes_used == scan(dir.path()).allocated);
 }
 

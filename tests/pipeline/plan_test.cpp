@@ -78,6 +78,22 @@ TEST_CASE("an L1 reservation hole trims again: submitted and trimmed counts foll
   CHECK(p.l2_prefix == 4);         // the lookup hit count is not changed by the reservation
 }
 
+TEST_CASE("plan_backends keeps keys past an L2 hole; restrict_plan keeps what one request loads", "[pipeline][plan]") {
+  // Key 1 is in no backend (L1 may have it): the walk with L1 bridges the hole, so the plan
+  // must still know where keys 2 and 3 come from.
+  first_backend_plan policy;
+  const std::vector<bitmap> found = {bits("1011"), bits("0001")};
+  auto p = plan_backends(policy, found, 4);
+  CHECK(p.l2_prefix == 1);  // the pure L2 prefix, as before
+  CHECK(p.per_backend[0].to_string() == "1011");
+  CHECK(p.per_backend[1].to_string() == "0000");
+  CHECK(planned_keys(p, 4).to_string() == "1011");
+  restrict_plan(p, bits("1010"));  // key 3 came from elsewhere (L1, or another request's load)
+  CHECK(p.submitted() == 2);
+  CHECK(unpins_for(found, p)[0].to_string() == "0001");
+  CHECK(unpins_for(found, p)[1].to_string() == "0001");
+}
+
 TEST_CASE("no backend and no keys plan nothing", "[pipeline][plan]") {
   first_backend_plan policy;
   auto p = make_plan(policy, std::span<const bitmap>{}, 3);

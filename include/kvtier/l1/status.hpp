@@ -1,7 +1,8 @@
 #pragma once
 // The vocabulary of the L1 tier's batch operations: the per-key answer (`status`), the write
 // modes of reserve_write (LMCache's "new", "update", "all"), how long a lock lives
-// (`lock_lifetime`) and the state of one object as the tier reports it (`object_state`).
+// (`lock_lifetime`), how reserve_prefix took a key and why its prefix ended (`prefix_take`,
+// `prefix_end`) and the state of one object as the tier reports it (`object_state`).
 
 #include <kvtier/config.hpp>
 
@@ -25,13 +26,14 @@ enum class status : std::uint8_t {
   locked,         ///< remove without force of a read- or write-locked key (KEY_IS_LOCKED)
   out_of_memory,  ///< the new keys of the batch did not all fit, even after eviction
                   ///< (OUT_OF_MEMORY); nothing of them was allocated
+  skipped,        ///< not tried: an operation on a prefix stopped at an earlier key
 };
-inline constexpr std::size_t status_count = 7;
+inline constexpr std::size_t status_count = 8;
 
 /// "success", "not_found", ..., for logs and protocol dumps.
 [[nodiscard]] constexpr std::string_view name(status s) noexcept {
-  constexpr std::array<std::string_view, status_count> n = {"success",     "not_found", "not_readable", "not_writable",
-                                                            "wrong_state", "locked",    "out_of_memory"};
+  constexpr std::array<std::string_view, status_count> n = {"success",     "not_found", "not_readable",  "not_writable",
+                                                            "wrong_state", "locked",    "out_of_memory", "skipped"};
   const auto i = static_cast<std::size_t>(s);
   return i < status_count ? n[i] : std::string_view{"unknown"};
 }
@@ -64,6 +66,37 @@ enum class lock_lifetime : std::uint8_t {
 
 [[nodiscard]] constexpr std::string_view name(lock_lifetime l) noexcept {
   return l == lock_lifetime::expiring ? "expiring" : "pinned";
+}
+
+/// How l1::tier::reserve_prefix took one key.
+enum class prefix_take : std::uint8_t {
+  none,   ///< not taken: the prefix ended at or before this key
+  read,   ///< readable: 1 + extra_count read holds taken
+  write,  ///< absent and loadable: a new object, write-locked, to be written by the caller
+  wait,   ///< being written by a writer the caller said it waits for: left as it is
+};
+inline constexpr std::size_t prefix_take_count = 4;
+
+[[nodiscard]] constexpr std::string_view name(prefix_take t) noexcept {
+  constexpr std::array<std::string_view, prefix_take_count> n = {"none", "read", "write", "wait"};
+  const auto i = static_cast<std::size_t>(t);
+  return i < prefix_take_count ? n[i] : std::string_view{"unknown"};
+}
+
+/// Why the prefix of l1::tier::reserve_prefix ended.
+enum class prefix_end : std::uint8_t {
+  complete,    ///< every key was taken
+  missing,     ///< absent and not loadable, or removed while locked
+  busy,        ///< being written by a writer the caller does not wait for (or repeated in the batch)
+  wrong_size,  ///< readable, but not of the size asked for
+  no_room,     ///< it needed a slot and none was left, even after eviction
+};
+inline constexpr std::size_t prefix_end_count = 5;
+
+[[nodiscard]] constexpr std::string_view name(prefix_end e) noexcept {
+  constexpr std::array<std::string_view, prefix_end_count> n = {"complete", "missing", "busy", "wrong_size", "no_room"};
+  const auto i = static_cast<std::size_t>(e);
+  return i < prefix_end_count ? n[i] : std::string_view{"unknown"};
 }
 
 /// The state of one key, as l1::tier::state reports it.

@@ -2,27 +2,42 @@
 // l1::tier<Policy, Bus>: the L1 tier, chunk objects in CPU memory, one object per fixed-size
 // slot of one arena, with LMCache's per-key state machine (reference/lmcache-mp.md section 3):
 //
-//   absent --reserve_write--> write_locked --finish_write--> ready <--> read_locked(n)
-//                               |  |                          |  reserve_read / finish_read
-//                               |  +--finish_write_and_reserve_read--> read_locked(n)
-//                               +--abandon_write / write TTL--> absent (never readable)
+//   absent --reserve_write / reserve_prefix(write)--> write_locked
+//   write_locked --finish_write--> ready
+//   write_locked --finish_write_and_reserve_read(n holds)--> read_locked(n)     (n = 0: ready)
+//   write_locked --abandon_write / write TTL--> absent                         (never readable)
+//   ready <--> read_locked(n): reserve_read / reserve_prefix(read) take holds, finish_read
+//                              gives them back (n = holds of both lifetimes)
 //   ready --remove / evict--> absent;  read_locked(n) --remove(force)--> removing --last lock--> absent
-//   temporary object: read_locked(1) --finish_read--> absent (freed with its last reader)
+//   temporary object: freed with its last read hold (the last finish_read, an expiry, or
+//                     finish_write_and_reserve_read with 0 holds)
 //
 // Every operation takes a batch of keys and answers per key (l1::status) in a span the
 // caller provides, so a batch allocates nothing; it returns the number of successes.
-// reserve_write allocates the new keys of a batch all or nothing, evicting unlocked objects
-// first when the tier would pass its eviction watermark. Locks are expiring (TTL, for remote
-// clients) or pinned (for the server's own I/O and copies); see l1::lock_lifetime.
+// reserve_write allocates the new keys of a batch all or nothing (or, asked, as many as
+// fit), evicting unlocked objects first when the tier would pass its eviction watermark.
+// reserve_prefix takes the longest prefix of a batch it can: readable keys are read-locked,
+// absent keys the caller can load are write-locked in new slots, keys another writer of
+// the caller's is writing are left for it to wait on, all in one step under the mutex.
+// Locks are expiring (TTL, for remote clients) or pinned (for the server's own I/O and
+// copies, and for holders that track and expire their own holds); see l1::lock_lifetime.
+//
+// Holds are counted per key and lifetime, not owned: finish_read releases any holds of
+// that lifetime, and when expiring holds pass their TTL they all go at once. A holder whose
+// expiring hold expired can therefore release another holder's hold on the same key. A
+// holder that must never release another's takes pinned holds and expires them itself
+// (cache::tiered_cache does, per lookup); pinned holds are only released by whoever took
+// them, so counts stay exact.
 //
 // Thread safety: every member function may be called from any thread. One mutex guards the
 // tier (LMCache does the same; the machines have 2 cores). Bus events and the write listener
 // run after the mutex is released; the policy runs under it.
 //
 // Events (bus/events.hpp), with exact counts: l1_write_reserved (+ l1_allocation_failed when
-// the new keys did not fit), l1_write_finished, l1_write_finished_and_read_reserved,
+// new keys did not fit), l1_write_finished, l1_write_finished_and_read_reserved,
 // l1_read_reserved, l1_read_finished, l1_keys_evicted (reasons evicted, deleted, temporary,
-// abandoned), l1_lock_expired.
+// abandoned), l1_lock_expired. A prefix operation counts only what it took (and, when
+// asked, the one key at which it stopped), never the keys after it.
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
@@ -84,6 +99,41 @@ struct write_options {
   bool temporary = false;
   /// Reported in l1_write_reserved and l1_allocation_failed.
   bus::allocation_purpose purpose = bus::allocation_purpose::store;
+  /// True: the new keys of the batch are allocated together or not at all. False: as many
+  /// as fit (after eviction), in batch order; the others answer out_of_memory.
+  bool all_or_nothing = true;
+};
+
+/// What reserve_prefix does with the keys of its prefix.
+struct prefix_options {
+  /// The size of every object: new objects get it; a readable object of another size ends
+  /// the prefix (wrong_size). 0: any size is read, and no key may be loadable.
+  std::size_t object_bytes = 0;
+  /// Read holds per read key: 1 + extra_count (at most max_extra_count).
+  std::uint32_t extra_count = 0;
+  lock_lifetime read_lock = lock_lifetime::pinned;
+  lock_lifetime write_lock = lock_lifetime::pinned;
+  /// New objects are temporary (freed with their last read hold).
+  bool temporary = false;
+  /// Reported in l1_write_reserved and l1_allocation_failed.
+  bus::allocation_purpose purpose = bus::allocation_purpose::prefetch;
+  /// Count the key that ended the prefix (missing, busy, wrong size) as a refused read in
+  /// l1_read_reserved (for a caller whose prefix is a read: a lookup, a copy).
+  bool count_refused_read = false;
+  /// False: readable keys are taken (prefix_take::read) without a hold, unseen by the
+  /// policy and uncounted: a caller that only loads what L1 lacks and reads nothing now (a
+  /// prefetch nobody waits for). They may then be evicted to make room for the new keys.
+  bool hold_reads = true;
+};
+
+/// What reserve_prefix took.
+struct prefix_result {
+  std::size_t length = 0;                 ///< keys [0, length) were taken (read, write or wait)
+  std::size_t reads = 0;                  ///< of them, readable (read-locked unless !hold_reads)
+  std::size_t writes = 0;                 ///< of them, write-locked new objects
+  std::size_t waits = 0;                  ///< of them, left to a writer the caller waits for
+  std::size_t short_of_room = 0;          ///< loadable keys of the reachable prefix that got no slot
+  prefix_end end = prefix_end::complete;  ///< why keys[length] was not taken
 };
 
 /// Memory accounting of a tier (also exported as gauges, see export_metrics).
@@ -176,11 +226,19 @@ class tier {
   std::size_t finish_write_and_reserve_read(std::span<const chunk_key> keys, std::uint32_t extra_count,
                                             lock_lifetime read_lock, std::span<status> out);
 
+  /// The same with holds[i] read holds on keys[i] (0 allowed: the object becomes ready and
+  /// unlocked, and a temporary one is freed at once, l1_keys_evicted{temporary}), so one
+  /// load can be handed to several readers at once. Throws std::invalid_argument when
+  /// holds.size() != keys.size().
+  std::size_t finish_write_and_reserve_read(std::span<const chunk_key> keys, std::span<const std::uint32_t> holds,
+                                            lock_lifetime read_lock, std::span<status> out);
+
   // --- reads -------------------------------------------------------------------------
   /// Takes 1 + extra_count read holds of the given lifetime on each readable key (the
   /// policy sees a read). Answers: not_found (absent or removing), not_readable (being
   /// written). An expiring hold lasts read_lock_ttl from the latest expiring acquire on the
-  /// key; when it passes, all expiring holds of the key go at once.
+  /// key; when it passes, all expiring holds of the key go at once (holds are not owned: see
+  /// the header comment).
   std::size_t reserve_read(std::span<const chunk_key> keys, std::uint32_t extra_count, lock_lifetime lifetime,
                            std::span<status> out);
 
@@ -190,6 +248,41 @@ class tier {
   /// whose expiring holds already expired gets).
   std::size_t finish_read(std::span<const chunk_key> keys, std::uint32_t extra_count, lock_lifetime lifetime,
                           std::span<status> out);
+
+  /// Takes the longest prefix of `keys` it can, in one step under the mutex, walking the
+  /// keys in order:
+  ///   - readable (ready or read-locked, o.object_bytes bytes when given): 1 + extra_count
+  ///     read holds of o.read_lock lifetime (the policy sees a read) -> prefix_take::read;
+  ///   - being written, and waitable(i) is true (the caller knows the writer and will wait
+  ///     for it) -> prefix_take::wait, the key is left as it is;
+  ///   - absent, and loadable(i) is true: a new object of o.object_bytes, write-locked
+  ///     (o.write_lock), temporary per o -> prefix_take::write, its memory in buffers[i];
+  ///   - anything else ends the prefix (prefix_result::end says why).
+  /// New objects are allocated for as many of the prefix's loadable keys as fit after
+  /// evicting unlocked objects (never the prefix's own read keys): the prefix ends at the
+  /// first loadable key that got no slot (end = no_room), and the holds the walk took past
+  /// that point are given back (uncounted, unseen by the policy). Keys from `length` on are
+  /// untouched and answer prefix_take::none.
+  /// `loadable(i)` and `waitable(i)` (i: the key's index) run under the tier's mutex and must
+  /// not call into the tier. `out` (size keys.size()) gets each key's take; `buffers`, when
+  /// not empty (size keys.size()), the memory of each write key (empty spans for the rest).
+  /// Events: l1_read_reserved{reads, refused} (refused: 1 when o.count_refused_read and the
+  /// prefix ended at a key that was tried), l1_write_reserved{writes, short_of_room,
+  /// purpose} and l1_allocation_failed{short_of_room, purpose} when keys lacked a slot.
+  /// Throws std::invalid_argument for spans of the wrong size, an extra_count above
+  /// max_extra_count, or object_bytes larger than a slot (or 0 with a loadable key).
+  template <class Loadable, class Waitable>
+  prefix_result reserve_prefix(std::span<const chunk_key> keys, const prefix_options& o, Loadable&& loadable,
+                               Waitable&& waitable, std::span<prefix_take> out,
+                               std::span<std::span<std::byte>> buffers = {});
+
+  /// reserve_prefix of readable keys only (nothing is loadable or waited for): the leading
+  /// run of readable keys is read-locked, the rest untouched (a lookup's L1 prefix).
+  prefix_result reserve_read_prefix(std::span<const chunk_key> keys, const prefix_options& o,
+                                    std::span<prefix_take> out) {
+    return reserve_prefix(
+        keys, o, [](std::size_t) { return false; }, [](std::size_t) { return false; }, out);
+  }
 
   /// The memory of read-locked objects, without taking a hold (LMCache's unsafe_read): valid
   /// while the caller holds a read lock on the key. Also serves holders of an object removed
@@ -345,10 +438,14 @@ class tier {
   void mark_removing(entry& e, tally& t);
   void free_removed(entry& e);
   bool ensure_room(std::size_t need, lazy_now& now, tally& t);
+  std::size_t room_for(std::size_t need, lazy_now& now, tally& t);
+  entry& place_new(const chunk_key& key, slot_id slot, std::size_t bytes, bool temporary, lock_lifetime lock,
+                   lazy_now& now);
   std::size_t evict_n(std::size_t n, tally& t);
   std::size_t finish_write_impl(std::span<const chunk_key> keys, std::span<status> out, bool reserve_read,
-                                std::uint32_t extra_count, lock_lifetime read_lock,
-                                std::shared_ptr<const write_listener>* listener, std::vector<chunk_key>* finished);
+                                std::uint32_t extra_count, std::span<const std::uint32_t> holds,
+                                lock_lifetime read_lock, std::shared_ptr<const write_listener>* listener,
+                                std::vector<chunk_key>* finished);
   void publish(const tally& t);
 
   tier_options options_;
@@ -373,6 +470,8 @@ class tier {
   std::vector<entry**> new_index_slots_;
   std::vector<slot_id> new_slots_;
   std::vector<typename Policy::hook*> victims_;
+  std::vector<entry*> prefix_reads_;  ///< reserve_prefix: the read keys' entries, in order
+  std::vector<std::size_t> prefix_read_positions_;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l1

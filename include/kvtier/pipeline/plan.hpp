@@ -2,11 +2,13 @@
 // The planning arithmetic of the prefetch pipeline (reference/lmcache-mp.md section 6.1),
 // as pure functions so every trimming case is testable on its own:
 //
-//   1. make_plan: the policy picks a backend per key; the plan is trimmed to the contiguous
-//      prefix of keys some backend has (L2 hole: {0,1,3,4} loads {0,1}). That prefix is the
-//      pure L2 hit count (what l2.prefetch.lookup.completed reports).
-//   2. trim_plan: after L1 reservation, trimmed again to the reserved prefix (a key that
-//      could not be reserved, out of memory or already present, is a hole too).
+//   1. plan_backends: the policy picks a backend per key, untrimmed; l2_prefix is the
+//      contiguous prefix of keys some backend has: the pure L2 hit count (what
+//      l2.prefetch.lookup.completed reports). The prefetch controller walks this plan
+//      together with L1 (a key L1 holds bridges an L2 hole: a prefix split between the tiers
+//      is served whole), then keeps only what it will load: restrict_plan.
+//      make_plan: the same, trimmed to the L2 prefix (L2 hole: {0,1,3,4} loads {0,1}).
+//   2. trim_plan: trimmed to a reserved prefix (a key that could not be reserved is a hole).
 //   3. unpins_for: what each backend must unpin because its pinned key will not be loaded
 //      from it (found but not planned there, or trimmed away).
 //   4. count_trimmed: keys some backend found that are not submitted (their own counter).
@@ -45,9 +47,22 @@ inline void trim_plan(prefetch_plan& p, std::size_t n) {
   for (auto& b : p.per_backend) b.clear_from(n);
 }
 
-/// Steps 1: plan with `policy`, then trim to the contiguous union prefix.
+/// Keeps only the keys set in `keep` in every backend's plan.
+inline void restrict_plan(prefetch_plan& p, const bitmap& keep) {
+  for (auto& b : p.per_backend) b &= keep;
+}
+
+/// The keys some backend's plan loads (the union of per_backend).
+[[nodiscard]] inline bitmap planned_keys(const prefetch_plan& p, std::size_t keys) {
+  bitmap any(keys);
+  for (const auto& b : p.per_backend) any |= b;
+  return any;
+}
+
+/// Step 1, untrimmed: plan with `policy` (masked to what was found); l2_prefix is the
+/// contiguous prefix of planned keys.
 template <prefetch_plan_policy Policy>
-[[nodiscard]] prefetch_plan make_plan(Policy& policy, std::span<const bitmap> found, std::size_t keys) {
+[[nodiscard]] prefetch_plan plan_backends(Policy& policy, std::span<const bitmap> found, std::size_t keys) {
   prefetch_plan p;
   std::vector<bitmap> sized;
   for (const auto& f : found) {
@@ -66,6 +81,13 @@ template <prefetch_plan_policy Policy>
     planned |= b;
   }
   p.l2_prefix = planned.count_leading_ones();
+  return p;
+}
+
+/// Step 1: plan with `policy`, then trim to the contiguous union prefix.
+template <prefetch_plan_policy Policy>
+[[nodiscard]] prefetch_plan make_plan(Policy& policy, std::span<const bitmap> found, std::size_t keys) {
+  prefetch_plan p = plan_backends(policy, found, keys);
   trim_plan(p, p.l2_prefix);
   return p;
 }

@@ -1,33 +1,47 @@
 #pragma once
 // store_controller: the store pipeline, L1 -> L2.
 //
-// Keys offered (written to L1 and admitted) are queued; one coroutine wakes per batch of
-// offers, asks the store policy which backends get which keys, read-locks them in L1 with
-// pinned locks (the backend reads the slot memory until it completes), and submits one
-// store task per backend (split at max_batch_keys). On completion it releases the locks,
-// publishes the per-backend counts and, for a policy that does not keep keys in L1
-// (skip_l1), deletes from L1 the keys every target stored. No blind retry: a failed key is
-// counted and L1 keeps its data. In-flight bytes are bounded: when a task would pass
-// max_inflight_bytes the loop waits for completions before submitting more.
+// Keys offered (written to L1 and admitted) are queued; a coroutine runs while the queue is
+// not empty (it starts with the first offer and ends when the queue is drained: an idle
+// controller runs nothing). Per batch of offers it asks the store policy which backends get
+// which keys, read-locks them in L1 with pinned locks (the backend reads the slot memory
+// until it completes), and submits one store task per backend (split at max_batch_keys). On
+// completion it releases the locks, publishes the per-backend counts and, for a policy that
+// does not keep keys in L1 (skip_l1), deletes from L1 the keys every target stored. No
+// blind retry: a failed key is counted and L1 keeps its data. In-flight bytes are bounded:
+// when a task would pass max_inflight_bytes the loop waits for completions before
+// submitting more.
 //
-// Threading: offer() may be called from any thread; everything else runs on the executor
-// given at construction, which must not run handlers concurrently (one thread or a strand). Events: l2_store_submitted, l2_store_completed (per backend task).
+// Staged keys: a store larger than L1 hands the keys L1 could not take as staging buffers
+// (aligned memory it owns, reserved with try_reserve_staging, bounded by max_inflight_bytes
+// together with what is staged already) through offer_staged; they go to the backends the
+// store policy picks, straight from that memory, which is freed when their last task
+// completed. They are never in L1 (skip_l1 has nothing to drop for them).
+//
+// Stop: stop() drops what is queued (L1 keeps it; staged memory is freed) and ends the loop;
+// the store tasks in flight are left to complete by their deadline (task_timeout: not every
+// backend survives the cancellation of an operation, and the sources must not be freed
+// before it ended). Every coroutine is counted in the work_tracker given at construction.
+//
+// Threading: offer(), offer_staged(), try_reserve_staging(), release_staging() and stop()
+// may be called from any thread; everything else runs on the executor given at
+// construction, which must not run handlers concurrently (one thread or a strand). Events:
+// l2_store_submitted, l2_store_completed (per backend task).
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
+#include <kvtier/core/buffer.hpp>
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/l1/status.hpp>
 #include <kvtier/l2/any_backend.hpp>
 #include <kvtier/pipeline/concepts.hpp>
+#include <kvtier/pipeline/work_tracker.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/awaitable.hpp>
-#include <boost/asio/co_spawn.hpp>
-#include <boost/asio/detached.hpp>
-#include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
@@ -46,8 +60,17 @@ namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
 
 struct store_options {
   std::size_t max_batch_keys = 64;                   ///< keys per backend store task
-  std::uint64_t max_inflight_bytes = std::uint64_t{2} << 30;  ///< bytes being stored at once
+  /// Bytes being stored at once; also the bound of the staging memory of stores larger than L1.
+  std::uint64_t max_inflight_bytes = std::uint64_t{2} << 30;
   std::chrono::nanoseconds task_timeout = std::chrono::seconds(30);  ///< deadline of one task
+};
+
+/// Keys written into staging memory instead of L1 (a store larger than L1), with that memory.
+struct staged_keys {
+  std::vector<chunk_key> keys;
+  std::vector<aligned_buffer> buffers;  ///< buffers[i] holds keys[i]'s object (object_bytes of it)
+  std::size_t object_bytes = 0;
+  std::uint64_t reserved_bytes = 0;  ///< what try_reserve_staging granted for these buffers
 };
 
 template <class Tier, store_policy StorePolicy, bus::event_bus Bus>
@@ -55,41 +78,79 @@ class store_controller {
  public:
   using executor_type = boost::asio::any_io_executor;
 
+  /// `tracker` counts every coroutine and handler the controller starts; it must outlive
+  /// the controller, whose owner waits on it (after stop()) before destroying it.
   store_controller(executor_type executor, Tier& l1, std::vector<l2::any_backend>& backends, Bus& bus,
-                   StorePolicy policy = StorePolicy{}, store_options options = {})
+                   work_tracker& tracker, StorePolicy policy = StorePolicy{}, store_options options = {})
       : executor_(std::move(executor)),
         l1_(l1),
         backends_(backends),
         bus_(bus),
+        tracker_(tracker),
         policy_(std::move(policy)),
         options_(options),
-        wake_(executor_, boost::asio::steady_timer::time_point::max()),
         completed_(executor_, boost::asio::steady_timer::time_point::max()) {}
 
   store_controller(const store_controller&) = delete;
   store_controller& operator=(const store_controller&) = delete;
 
-  /// Starts the loop on the executor. Call once.
-  void start() {
-    boost::asio::co_spawn(executor_, run(), boost::asio::detached);
-  }
-
-  /// Stops taking work: the loop ends once the queue is drained and tasks completed.
+  /// Stops taking work and drops what is queued (see the header comment). Any thread;
+  /// idempotent.
   void stop() {
-    boost::asio::post(executor_, [this] {
-      stopping_ = true;
-      wake_.cancel();
-    });
+    if (stopping_.exchange(true)) return;
+    {
+      std::lock_guard g(mutex_);
+      pending_.clear();
+      for (auto& s : pending_staged_) release_staging(s.reserved_bytes);
+      pending_staged_.clear();
+    }
+    tracker_.post(executor_, [this] { completed_.cancel(); });  // a loop waiting for room ends
   }
 
-  /// Queues keys for L2. Thread-safe.
+  /// Queues keys for L2. Thread-safe. Ignored once stopped or without backends.
   void offer(std::span<const chunk_key> keys) {
-    if (keys.empty()) return;
+    if (keys.empty() || backends_.empty() || stopping_.load(std::memory_order_relaxed)) return;
+    bool start = false;
     {
       std::lock_guard g(mutex_);
       pending_.insert(pending_.end(), keys.begin(), keys.end());
+      start = !running_;
+      running_ = true;
     }
-    boost::asio::post(executor_, [this] { wake_.cancel(); });
+    if (start) tracker_.spawn(executor_, run());
+  }
+
+  /// Reserves `bytes` of staging memory: false when what is staged (or in flight from
+  /// staging) would pass max_inflight_bytes, when stopped, or without backends. Thread-safe.
+  [[nodiscard]] bool try_reserve_staging(std::uint64_t bytes) {
+    if (backends_.empty() || stopping_.load(std::memory_order_relaxed)) return false;
+    std::uint64_t cur = staged_bytes_.load(std::memory_order_relaxed);
+    do {
+      if (cur + bytes > options_.max_inflight_bytes) return false;
+    } while (!staged_bytes_.compare_exchange_weak(cur, cur + bytes, std::memory_order_relaxed));
+    return true;
+  }
+  /// Gives back staging memory reserved and not handed to offer_staged. Thread-safe.
+  void release_staging(std::uint64_t bytes) noexcept { staged_bytes_.fetch_sub(bytes, std::memory_order_relaxed); }
+
+  /// Queues staged keys for L2, taking their memory and its reservation. Thread-safe.
+  void offer_staged(staged_keys staged) {
+    if (staged.keys.empty()) {
+      release_staging(staged.reserved_bytes);
+      return;
+    }
+    bool start = false;
+    {
+      std::lock_guard g(mutex_);
+      if (stopping_.load(std::memory_order_relaxed) || backends_.empty()) {
+        release_staging(staged.reserved_bytes);
+        return;
+      }
+      pending_staged_.push_back(std::move(staged));
+      start = !running_;
+      running_ = true;
+    }
+    if (start) tracker_.spawn(executor_, run());
   }
 
   [[nodiscard]] StorePolicy& policy() noexcept { return policy_; }
@@ -97,9 +158,13 @@ class store_controller {
   /// Bytes handed to backends and not yet completed (for the in-flight gauge).
   [[nodiscard]] std::uint64_t inflight_bytes() const noexcept { return inflight_bytes_.load(std::memory_order_relaxed); }
   [[nodiscard]] std::size_t inflight_tasks() const noexcept { return inflight_tasks_.load(std::memory_order_relaxed); }
+  /// Bytes of staging memory reserved or in flight.
+  [[nodiscard]] std::uint64_t staged_bytes() const noexcept { return staged_bytes_.load(std::memory_order_relaxed); }
   [[nodiscard]] std::size_t pending_keys() const {
     std::lock_guard g(mutex_);
-    return pending_.size();
+    std::size_t n = pending_.size();
+    for (const auto& s : pending_staged_) n += s.keys.size();
+    return n;
   }
 
   /// Completes (on the executor) once nothing is queued or in flight: for tests and
@@ -121,9 +186,29 @@ class store_controller {
     bool all_ok = true;
   };
 
+  // The memory of staged keys, shared by their tasks; freed (and its reservation given
+  // back) when the last one completed.
+  struct staged_memory {
+    store_controller* owner = nullptr;
+    staged_keys staged;
+    ~staged_memory() {
+      if (owner != nullptr) owner->release_staging(staged.reserved_bytes);
+    }
+  };
+
+  struct store_task {
+    std::size_t backend = 0;
+    std::vector<chunk_key> keys;
+    std::vector<std::span<const std::byte>> sources;
+    std::uint64_t bytes = 0;
+    bool from_l1 = true;                    ///< false: staged (no L1 locks to release, nothing to drop)
+    std::shared_ptr<staged_memory> memory;  ///< staged: keeps the sources alive
+  };
+
   bool idle() const {
     std::lock_guard g(mutex_);
-    return pending_.empty() && inflight_tasks_.load(std::memory_order_relaxed) == 0 && !batch_running_;
+    return pending_.empty() && pending_staged_.empty() && inflight_tasks_.load(std::memory_order_relaxed) == 0 &&
+           !running_;
   }
 
   void notify_idle() {
@@ -131,27 +216,26 @@ class store_controller {
     for (auto* t : idle_waiters_) t->cancel();
   }
 
+  [[nodiscard]] bool stopping() const noexcept { return stopping_.load(std::memory_order_relaxed); }
+
   boost::asio::awaitable<void> run() {
     for (;;) {
       std::vector<chunk_key> keys;
+      std::vector<staged_keys> staged;
       {
         std::lock_guard g(mutex_);
         keys.swap(pending_);
-        batch_running_ = !keys.empty();
+        staged.swap(pending_staged_);
+        if ((keys.empty() && staged.empty()) || stopping()) {
+          for (auto& s : staged) release_staging(s.reserved_bytes);
+          running_ = false;
+          break;
+        }
       }
-      if (keys.empty()) {
-        notify_idle();
-        if (stopping_) co_return;
-        wake_.expires_at(boost::asio::steady_timer::time_point::max());
-        co_await wake_.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
-        continue;
-      }
-      co_await submit(std::move(keys));
-      {
-        std::lock_guard g(mutex_);
-        batch_running_ = false;
-      }
+      if (!keys.empty()) co_await submit(std::move(keys));
+      for (auto& s : staged) co_await submit_staged(std::move(s));
     }
+    notify_idle();
   }
 
   boost::asio::awaitable<void> submit(std::vector<chunk_key> keys) {
@@ -161,11 +245,40 @@ class store_controller {
       std::vector<chunk_key> mine;
       for (std::size_t i = 0; i < keys.size(); ++i)
         if (b < targets.size() && targets[b].test(i)) mine.push_back(keys[i]);
-      for (std::size_t at = 0; at < mine.size(); at += options_.max_batch_keys) {
+      for (std::size_t at = 0; at < mine.size() && !stopping(); at += options_.max_batch_keys) {
         const std::size_t n = std::min(options_.max_batch_keys, mine.size() - at);
         co_await submit_task(b, std::span(mine).subspan(at, n));
       }
     }
+  }
+
+  boost::asio::awaitable<void> submit_staged(staged_keys s) {
+    auto memory = std::make_shared<staged_memory>();
+    memory->owner = this;
+    memory->staged = std::move(s);
+    const auto& keys = memory->staged.keys;
+    std::vector<bitmap> targets;
+    policy_.select_targets(keys, backends_.size(), targets);
+    for (std::size_t b = 0; b < backends_.size(); ++b) {
+      std::vector<std::size_t> mine;
+      for (std::size_t i = 0; i < keys.size(); ++i)
+        if (b < targets.size() && targets[b].test(i)) mine.push_back(i);
+      for (std::size_t at = 0; at < mine.size() && !stopping(); at += options_.max_batch_keys) {
+        auto task = std::make_shared<store_task>();
+        task->backend = b;
+        task->from_l1 = false;
+        task->memory = memory;
+        const std::size_t n = std::min(options_.max_batch_keys, mine.size() - at);
+        for (std::size_t j = at; j < at + n; ++j) {
+          task->keys.push_back(keys[mine[j]]);
+          task->sources.emplace_back(memory->staged.buffers[mine[j]].data(), memory->staged.object_bytes);
+          task->bytes += memory->staged.object_bytes;
+        }
+        // Already in memory: submitted at once, the wait for room would only hold it longer.
+        start_task(task);
+      }
+    }
+    co_return;
   }
 
   // Read-locks the keys (pinned), waits for room under the in-flight bound, and spawns the
@@ -184,42 +297,48 @@ class store_controller {
     task->sources = std::move(views);
     for (const auto& v : task->sources) task->bytes += v.size();
 
-    while (inflight_bytes_.load(std::memory_order_relaxed) > 0 &&
+    while (!stopping() && inflight_bytes_.load(std::memory_order_relaxed) > 0 &&
            inflight_bytes_.load(std::memory_order_relaxed) + task->bytes > options_.max_inflight_bytes) {
       completed_.expires_at(boost::asio::steady_timer::time_point::max());
       co_await completed_.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
+    }
+    if (stopping()) {  // never submitted: give the locks back
+      std::vector<l1::status> rs(task->keys.size());
+      l1_.finish_read(task->keys, 0, l1::lock_lifetime::pinned, rs);
+      co_return;
     }
     if (!policy_.keep_in_l1())
       for (const auto& k : task->keys) {
         auto& d = drops_[k];
         ++d.remaining;
       }
-    inflight_bytes_.fetch_add(task->bytes, std::memory_order_relaxed);
-    inflight_tasks_.fetch_add(1, std::memory_order_relaxed);
-    bus_.publish(bus::l2_store_submitted{static_cast<std::uint8_t>(b), backends_[b].name(),
-                                         static_cast<std::uint32_t>(task->keys.size()), task->bytes});
-    boost::asio::co_spawn(executor_, run_task(task), boost::asio::detached);
+    start_task(task);
   }
 
-  struct store_task {
-    std::size_t backend = 0;
-    std::vector<chunk_key> keys;
-    std::vector<std::span<const std::byte>> sources;
-    std::uint64_t bytes = 0;
-  };
+  void start_task(const std::shared_ptr<store_task>& task) {
+    inflight_bytes_.fetch_add(task->bytes, std::memory_order_relaxed);
+    inflight_tasks_.fetch_add(1, std::memory_order_relaxed);
+    bus_.publish(bus::l2_store_submitted{static_cast<std::uint8_t>(task->backend), backends_[task->backend].name(),
+                                         static_cast<std::uint32_t>(task->keys.size()), task->bytes});
+    tracker_.spawn(executor_, run_task(task));
+  }
 
   boost::asio::awaitable<void> run_task(std::shared_ptr<store_task> task) {
     const auto t0 = l2::clock::now();
     auto [ec, result] = co_await backends_[task->backend].async_store(
         task->keys, task->sources, t0 + options_.task_timeout, boost::asio::as_tuple(boost::asio::use_awaitable));
     const auto duration = l2::clock::now() - t0;
-    // The backend no longer reads the slots: release the pinned read locks.
-    std::vector<l1::status> st(task->keys.size());
-    l1_.finish_read(task->keys, 0, l1::lock_lifetime::pinned, st);
+    // The backend no longer reads the sources: release the pinned read locks (L1 keys), or
+    // let the staging memory go with the last task that uses it.
+    if (task->from_l1) {
+      std::vector<l1::status> st(task->keys.size());
+      l1_.finish_read(task->keys, 0, l1::lock_lifetime::pinned, st);
+    }
 
     std::uint32_t ok = 0;
     std::uint64_t ok_bytes = 0;
     std::vector<chunk_key> drop_now;
+    const bool drops = task->from_l1 && !policy_.keep_in_l1();
     for (std::size_t i = 0; i < task->keys.size(); ++i) {
       const bool stored = i < result.size() && (result.outcomes[i] == l2::key_outcome::ok ||
                                                 result.outcomes[i] == l2::key_outcome::exists);
@@ -227,7 +346,7 @@ class store_controller {
         ++ok;
         ok_bytes += task->sources[i].size();
       }
-      if (!policy_.keep_in_l1()) {
+      if (drops) {
         auto it = drops_.find(task->keys[i]);
         if (it != drops_.end()) {
           it->second.all_ok = it->second.all_ok && stored;
@@ -248,6 +367,7 @@ class store_controller {
         static_cast<std::uint8_t>(task->backend), backends_[task->backend].name(), ok,
         static_cast<std::uint32_t>(task->keys.size()) - ok, ok_bytes,
         static_cast<std::uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(duration).count())});
+    task->memory.reset();
     inflight_bytes_.fetch_sub(task->bytes, std::memory_order_relaxed);
     inflight_tasks_.fetch_sub(1, std::memory_order_relaxed);
     completed_.cancel();
@@ -258,16 +378,18 @@ class store_controller {
   Tier& l1_;
   std::vector<l2::any_backend>& backends_;
   Bus& bus_;
+  work_tracker& tracker_;
   StorePolicy policy_;
   store_options options_;
-  boost::asio::steady_timer wake_;
   boost::asio::steady_timer completed_;
   mutable std::mutex mutex_;
   std::vector<chunk_key> pending_;
-  bool batch_running_ = false;
-  bool stopping_ = false;
+  std::vector<staged_keys> pending_staged_;
+  bool running_ = false;  ///< the loop is running (guarded by mutex_)
+  std::atomic<bool> stopping_{false};
   std::atomic<std::uint64_t> inflight_bytes_{0};
   std::atomic<std::size_t> inflight_tasks_{0};
+  std::atomic<std::uint64_t> staged_bytes_{0};
   std::unordered_map<chunk_key, pending_drop, chunk_key_hash> drops_;
   std::vector<boost::asio::steady_timer*> idle_waiters_;
 };

@@ -23,7 +23,9 @@
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
+#include <boost/asio/as_tuple.hpp>
 #include <boost/asio/awaitable.hpp>
+#include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -56,7 +58,7 @@ class any_cache {
   [[nodiscard]] virtual std::optional<cache::lookup_status> poll(lookup_id id) const = 0;
   [[nodiscard]] virtual bool known(lookup_id id) const = 0;
   virtual std::size_t pin_for_copy(std::span<const chunk_key> keys, std::span<l1::status> out,
-                                   std::span<std::span<const std::byte>> views) = 0;
+                                   std::span<std::span<const std::byte>> views, std::size_t object_bytes) = 0;
   virtual void unpin_after_copy(std::span<const chunk_key> keys) = 0;
   virtual void release(lookup_id id, std::span<const chunk_key> keys) = 0;
   virtual void release_all(lookup_id id) = 0;
@@ -71,8 +73,10 @@ class any_cache {
   virtual void export_metrics(telemetry::registry& reg) = 0;
   /// Completes once no prefetch or store is running or queued.
   virtual boost::asio::awaitable<void> wait_idle() = 0;
-  /// Stops the store loop (it ends once its queue is empty); call at shutdown.
-  virtual void stop_pipelines() = 0;
+  /// Stops the pipelines (tiered_cache::async_stop: every prefetch answered, queued stores
+  /// dropped, operations in flight waited for); completes once every coroutine of the cache
+  /// ended. Call at shutdown, after wait_idle().
+  virtual boost::asio::awaitable<void> stop() = 0;
   [[nodiscard]] virtual std::size_t slot_bytes() const noexcept = 0;
   [[nodiscard]] virtual std::size_t slot_count() const noexcept = 0;
   [[nodiscard]] virtual std::string_view eviction_policy() const noexcept = 0;
@@ -93,8 +97,8 @@ class cache_model final : public any_cache {
   std::optional<cache::lookup_status> poll(lookup_id id) const override { return cache_.poll(id); }
   bool known(lookup_id id) const override { return cache_.known(id); }
   std::size_t pin_for_copy(std::span<const chunk_key> keys, std::span<l1::status> out,
-                           std::span<std::span<const std::byte>> views) override {
-    return cache_.pin_for_copy(keys, out, views);
+                           std::span<std::span<const std::byte>> views, std::size_t object_bytes) override {
+    return cache_.pin_for_copy(keys, out, views, object_bytes);
   }
   void unpin_after_copy(std::span<const chunk_key> keys) override { cache_.unpin_after_copy(keys); }
   void release(lookup_id id, std::span<const chunk_key> keys) override { cache_.release(id, keys); }
@@ -113,7 +117,9 @@ class cache_model final : public any_cache {
   cache::cache_status status() const override { return cache_.status(); }
   void export_metrics(telemetry::registry& reg) override { cache_.export_metrics(reg); }
   boost::asio::awaitable<void> wait_idle() override { return cache_.wait_idle(); }
-  void stop_pipelines() override { cache_.store().stop(); }
+  boost::asio::awaitable<void> stop() override {
+    co_await cache_.async_stop(boost::asio::as_tuple(boost::asio::use_awaitable));
+  }
   std::size_t slot_bytes() const noexcept override { return l1().slot_bytes(); }
   std::size_t slot_count() const noexcept override { return l1().slot_count(); }
   std::string_view eviction_policy() const noexcept override { return Eviction::name; }

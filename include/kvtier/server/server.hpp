@@ -19,9 +19,10 @@
 //
 // Shutdown (stop(), or SIGTERM/SIGINT when server_options::handle_signals): stop accepting,
 // close every connection (their registrations and lookups are reaped), release the
-// remaining lookups, wait for in-flight L2 work up to shutdown_timeout, stop the store loop,
-// remove the socket file, and return from run(). Logs are flushed when the server is
-// destroyed (the bus drains its queue).
+// remaining lookups, wait for in-flight L2 work up to shutdown_timeout, stop the cache's
+// pipelines (queued stores dropped; operations in flight waited for, every coroutine of the
+// cache ended), remove the socket file, and return from run(). Logs are flushed when the
+// server is destroyed (the bus drains its queue).
 //
 // Threading: stop() may be called from any thread; everything else (and every hook) runs on
 // the thread in run(), or before run() starts. Destroy the server after run() returned.
@@ -484,7 +485,7 @@ class server final : private session_host {
     if (!st->idle)
       log_.warn("shutdown: L2 work still in flight after {} s (shutdown_timeout); exiting without it",
                 config_.shutdown_timeout_s);
-    cache_->stop_pipelines();
+    co_await cache_->stop();  // drops what is queued; then every coroutine of the cache has ended
     stop_http();  // last: /healthz answered 503 "stopping" until now
     if (started_) ::unlink(config_.socket_path.c_str());
     log_.info("stopped (boot token {:016x})", boot_token_);

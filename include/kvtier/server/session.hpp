@@ -373,7 +373,7 @@ class session : public std::enable_shared_from_this<session> {
     for (std::size_t i = 0; i < n; ++i) keys[i] = reg.key(mid, r.chunk_hashes[i]);
     std::vector<l1::status> st(n);
     std::vector<std::span<const std::byte>> views(n);
-    ctx_.cache.pin_for_copy(keys, st, views);
+    ctx_.cache.pin_for_copy(keys, st, views, reg.object_bytes);  // the copyable prefix only
 
     // The contiguous prefix of pinned objects of the right size is copied out.
     const std::uint32_t ct = reg.chunk.chunk_tokens;

@@ -109,31 +109,27 @@ std::size_t tier<Policy, Bus>::reserve_write(std::span<const chunk_key> keys, st
       if (!buffers.empty()) buffers[i] = {slots_.data(e->slot), object_bytes};
     }
     if (!new_positions_.empty()) {
-      if (ensure_room(new_positions_.size(), now, t)) {
-        new_slots_.clear();
-        const bool allocated = slots_.allocate(new_positions_.size(), new_slots_);
-        (void)allocated;  // ensure_room guaranteed the room
-        for (std::size_t j = 0; j < new_positions_.size(); ++j) {
-          const std::size_t i = new_positions_[j];
-          entry& e = entries_[new_slots_[j]];
-          e.key = keys[i];
-          e.bytes = object_bytes;
-          e.temporary = o.temporary;
-          *new_index_slots_[j] = &e;
-          lock_write(e, o.lock, now);
-          ++objects_;
-          object_bytes_ += object_bytes;
-          out[i] = status::success;
-          ++ok;
-          if (!buffers.empty()) buffers[i] = {slots_.data(e.slot), object_bytes};
-        }
-      } else {
-        for (const std::size_t i : new_positions_) {
-          index_.erase(keys[i]);
-          out[i] = status::out_of_memory;
-        }
-        oom = new_positions_.size();
+      const std::size_t need = new_positions_.size();
+      // All or nothing: room for every new key or for none (nothing evicted for a batch that
+      // fails). Otherwise as many as fit, in batch order.
+      const std::size_t got = o.all_or_nothing ? (ensure_room(need, now, t) ? need : 0) : room_for(need, now, t);
+      new_slots_.clear();
+      const bool allocated = slots_.allocate(got, new_slots_);
+      (void)allocated;  // ensure_room / room_for guaranteed the room
+      for (std::size_t j = 0; j < got; ++j) {
+        const std::size_t i = new_positions_[j];
+        entry& e = place_new(keys[i], new_slots_[j], object_bytes, o.temporary, o.lock, now);
+        *new_index_slots_[j] = &e;
+        out[i] = status::success;
+        ++ok;
+        if (!buffers.empty()) buffers[i] = {slots_.data(e.slot), object_bytes};
       }
+      for (std::size_t j = got; j < need; ++j) {
+        const std::size_t i = new_positions_[j];
+        index_.erase(keys[i]);
+        out[i] = status::out_of_memory;
+      }
+      oom = need - got;
     }
   }
   publish(t);
@@ -148,7 +144,7 @@ std::size_t tier<Policy, Bus>::finish_write(std::span<const chunk_key> keys, std
   check_span(keys.size(), out.size(), "out");
   std::shared_ptr<const write_listener> listener;
   std::vector<chunk_key> finished;
-  const std::size_t ok = finish_write_impl(keys, out, false, 0, lock_lifetime::pinned, &listener, &finished);
+  const std::size_t ok = finish_write_impl(keys, out, false, 0, {}, lock_lifetime::pinned, &listener, &finished);
   bus_.publish(bus::l1_write_finished{static_cast<std::uint32_t>(ok)});
   if (listener && !finished.empty()) (*listener)(std::span<const chunk_key>(finished));
   return ok;
@@ -159,14 +155,26 @@ std::size_t tier<Policy, Bus>::finish_write_and_reserve_read(std::span<const chu
                                                              lock_lifetime read_lock, std::span<status> out) {
   check_span(keys.size(), out.size(), "out");
   check_extra(extra_count);
-  const std::size_t ok = finish_write_impl(keys, out, true, extra_count, read_lock, nullptr, nullptr);
+  const std::size_t ok = finish_write_impl(keys, out, true, extra_count, {}, read_lock, nullptr, nullptr);
+  bus_.publish(bus::l1_write_finished_and_read_reserved{static_cast<std::uint32_t>(ok)});
+  return ok;
+}
+
+template <class Policy, class Bus>
+std::size_t tier<Policy, Bus>::finish_write_and_reserve_read(std::span<const chunk_key> keys,
+                                                             std::span<const std::uint32_t> holds,
+                                                             lock_lifetime read_lock, std::span<status> out) {
+  check_span(keys.size(), out.size(), "out");
+  check_span(keys.size(), holds.size(), "holds");
+  const std::size_t ok = finish_write_impl(keys, out, true, 0, holds, read_lock, nullptr, nullptr);
   bus_.publish(bus::l1_write_finished_and_read_reserved{static_cast<std::uint32_t>(ok)});
   return ok;
 }
 
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys, std::span<status> out,
-                                                 bool reserve_read, std::uint32_t extra_count, lock_lifetime read_lock,
+                                                 bool reserve_read, std::uint32_t extra_count,
+                                                 std::span<const std::uint32_t> holds, lock_lifetime read_lock,
                                                  std::shared_ptr<const write_listener>* listener,
                                                  std::vector<chunk_key>* finished) {
   tally t;
@@ -196,10 +204,16 @@ std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys
       } else {
         unlock_write(*e);
         if (!e->in_policy) policy_insert(*e);
-        if (reserve_read) add_readers(*e, read_lock, 1 + extra_count, now);
         out[i] = status::success;
         ++ok;
         if (finished != nullptr) finished->push_back(keys[i]);
+        if (reserve_read) {
+          const std::uint32_t n = holds.empty() ? 1 + extra_count : holds[i];
+          if (n > 0)
+            add_readers(*e, read_lock, n, now);
+          else
+            release_if_done(*e, t);  // nobody reads it: a temporary object goes now
+        }
       }
     }
   }
@@ -347,6 +361,133 @@ std::size_t tier<Policy, Bus>::touch(std::span<const chunk_key> keys) {
   }
   publish(t);
   return ok;
+}
+
+template <class Policy, class Bus>
+template <class Loadable, class Waitable>
+prefix_result tier<Policy, Bus>::reserve_prefix(std::span<const chunk_key> keys, const prefix_options& o,
+                                                Loadable&& loadable, Waitable&& waitable, std::span<prefix_take> out,
+                                                std::span<std::span<std::byte>> buffers) {
+  check_span(keys.size(), out.size(), "out");
+  if (!buffers.empty()) check_span(keys.size(), buffers.size(), "buffers");
+  check_extra(o.extra_count);
+  if (o.object_bytes > slots_.slot_bytes())
+    throw std::invalid_argument("kvtier::l1::tier::reserve_prefix: object_bytes " + std::to_string(o.object_bytes) +
+                                " does not fit a slot of " + std::to_string(slots_.slot_bytes()) + " bytes");
+  const std::uint32_t holds = 1 + o.extra_count;
+  prefix_result r;
+  std::size_t held = 0;
+  tally t;
+  {
+    std::lock_guard g(mutex_);
+    lazy_now now{options_.clock};
+    new_positions_.clear();
+    new_index_slots_.clear();
+    prefix_reads_.clear();
+    prefix_read_positions_.clear();
+    std::size_t i = 0;
+    for (; i < keys.size(); ++i) {
+      out[i] = prefix_take::none;
+      if (!buffers.empty()) buffers[i] = {};
+      auto it = index_.find(keys[i]);
+      if (it != index_.end() && it->second == nullptr) {  // a new key earlier in this batch
+        r.end = prefix_end::busy;
+        break;
+      }
+      entry* e = it == index_.end() ? nullptr : it->second;
+      if (e != nullptr && expire(*e, now, t)) e = nullptr;
+      if (e != nullptr) {
+        if (e->removing) {
+          r.end = prefix_end::missing;
+          break;
+        }
+        if (e->write_locked) {
+          if (!waitable(i)) {
+            r.end = prefix_end::busy;
+            break;
+          }
+          out[i] = prefix_take::wait;
+          continue;
+        }
+        if (o.object_bytes != 0 && e->bytes != o.object_bytes) {
+          r.end = prefix_end::wrong_size;
+          break;
+        }
+        out[i] = prefix_take::read;
+        if (o.hold_reads) {
+          // Held now, so that making room below can never evict it; counted and shown to the
+          // policy only if it stays in the prefix.
+          add_readers(*e, o.read_lock, holds, now);
+          prefix_reads_.push_back(e);
+          prefix_read_positions_.push_back(i);
+        }
+        continue;
+      }
+      if (!loadable(i)) {
+        r.end = prefix_end::missing;
+        break;
+      }
+      if (o.object_bytes == 0)
+        throw std::invalid_argument("kvtier::l1::tier::reserve_prefix: a loadable key needs object_bytes > 0");
+      auto [slot_it, inserted] = index_.try_emplace(keys[i], nullptr);  // placeholder until allocated
+      (void)inserted;
+      new_positions_.push_back(i);
+      new_index_slots_.push_back(&slot_it->second);
+      out[i] = prefix_take::write;
+    }
+    r.length = i;
+    for (std::size_t j = i + 1; j < keys.size(); ++j) {
+      out[j] = prefix_take::none;
+      if (!buffers.empty()) buffers[j] = {};
+    }
+
+    const std::size_t need = new_positions_.size();
+    const std::size_t got = need > 0 ? room_for(need, now, t) : 0;
+    if (got < need) {
+      // Cut the prefix at the first loadable key without a slot; give back what lies past it.
+      const std::size_t cut = new_positions_[got];
+      r.short_of_room = need - got;
+      r.length = cut;
+      r.end = prefix_end::no_room;
+      for (std::size_t j = got; j < need; ++j) index_.erase(keys[new_positions_[j]]);
+      while (!prefix_read_positions_.empty() && prefix_read_positions_.back() >= cut) {
+        entry& e = *prefix_reads_.back();
+        drop_readers(e, o.read_lock, holds);
+        release_if_done(e, t);
+        prefix_reads_.pop_back();
+        prefix_read_positions_.pop_back();
+      }
+      for (std::size_t j = cut; j < keys.size(); ++j) out[j] = prefix_take::none;
+    }
+    new_slots_.clear();
+    const bool allocated = slots_.allocate(got, new_slots_);
+    (void)allocated;  // room_for guaranteed the room
+    for (std::size_t j = 0; j < got; ++j) {
+      const std::size_t at = new_positions_[j];
+      entry& e = place_new(keys[at], new_slots_[j], o.object_bytes, o.temporary, o.write_lock, now);
+      *new_index_slots_[j] = &e;
+      if (!buffers.empty()) buffers[at] = {slots_.data(e.slot), o.object_bytes};
+    }
+    r.writes = got;
+    r.reads = r.waits = 0;
+    for (std::size_t j = 0; j < r.length; ++j) {
+      r.reads += out[j] == prefix_take::read ? 1 : 0;
+      r.waits += out[j] == prefix_take::wait ? 1 : 0;
+    }
+    held = prefix_reads_.size();
+    for (entry* e : prefix_reads_)
+      if (e->in_policy) policy_.on_access(*e);
+  }
+  publish(t);
+  const bool refused =
+      o.count_refused_read && r.end != prefix_end::complete && r.end != prefix_end::no_room && r.length < keys.size();
+  if (held > 0 || refused) bus_.publish(bus::l1_read_reserved{static_cast<std::uint32_t>(held), refused ? 1U : 0U});
+  if (r.writes > 0 || r.short_of_room > 0)
+    bus_.publish(bus::l1_write_reserved{static_cast<std::uint32_t>(r.writes),
+                                        static_cast<std::uint32_t>(r.short_of_room), o.purpose});
+  if (r.short_of_room > 0)
+    bus_.publish(bus::l1_allocation_failed{static_cast<std::uint32_t>(r.short_of_room), o.purpose});
+  return r;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -714,6 +855,32 @@ bool tier<Policy, Bus>::ensure_room(std::size_t need, lazy_now& now, tally& t) {
     // Short of room: drop expired locks (a crashed client's) and try once more.
     if (swept || expire_all(now, t) == 0) return false;
   }
+}
+
+// As many of `need` new slots as can be had: evicts unlocked objects (down to the target
+// when the watermark would be passed), sweeps expired locks once when short. Returns how
+// many slots are free for the caller, at most need.
+template <class Policy, class Bus>
+std::size_t tier<Policy, Bus>::room_for(std::size_t need, lazy_now& now, tally& t) {
+  for (bool swept = false;; swept = true) {
+    const std::size_t used = slots_.used_count();
+    const std::size_t wanted = used + need > watermark_slots_ ? used + need - target_slots_ : 0;
+    if (wanted > 0 && evictable_ > 0) evict_n(std::min(wanted, evictable_), t);
+    if (slots_.free_count() >= need || swept || expire_all(now, t) == 0) return std::min(need, slots_.free_count());
+  }
+}
+
+template <class Policy, class Bus>
+typename tier<Policy, Bus>::entry& tier<Policy, Bus>::place_new(const chunk_key& key, slot_id slot, std::size_t bytes,
+                                                                bool temporary, lock_lifetime lock, lazy_now& now) {
+  entry& e = entries_[slot];
+  e.key = key;
+  e.bytes = bytes;
+  e.temporary = temporary;
+  lock_write(e, lock, now);
+  ++objects_;
+  object_bytes_ += bytes;
+  return e;
 }
 
 template <class Policy, class Bus>

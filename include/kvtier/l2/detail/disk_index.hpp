@@ -9,9 +9,16 @@
 //             (estimated as object_file_bytes until the commit measures st_blocks);
 //   ready     committed (renamed into objects/); visible, in the eviction order;
 //   removing  chosen for eviction, dropped as corrupt, or removed: invisible; its bytes count
-//             until the unlink completed (they are "pending free" for eviction planning).
-// Every entry carries a generation (unique per backend instance), so a late step of one
-// operation (a commit, a drop) never acts on a newer object stored under the same key.
+//             until the unlink completed (they are "pending free" for eviction planning);
+//   stuck     dropped as bad, but its file could not be deleted: never served again,
+//             invisible to lookups and loads, a store of the key answers `rejected`, its bytes
+//             count (not pending free: they will not come back by themselves); a remove()
+//             retries the unlink.
+// The index follows the files on every error path: an unlink that fails puts a removed or
+// evicted object back to ready (its file is still there and intact: it is still served and
+// counted), and a dropped one to stuck. Every entry carries a generation (unique per backend
+// instance), so a late step of one operation (a commit, a drop) never acts on a newer object
+// stored under the same key.
 //
 // Bytes: bytes_used() sums every entry's allocated bytes: what the file system really
 // allocated (st_blocks * 512, measured after the write), not logical sizes (LMCache #4725,
@@ -39,7 +46,7 @@ enum class disk_eviction : std::uint8_t {
 
 namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
 
-enum class entry_state : std::uint8_t { writing, ready, removing };
+enum class entry_state : std::uint8_t { writing, ready, removing, stuck };
 
 struct disk_entry {
   std::uint64_t payload_bytes = 0;
@@ -136,6 +143,15 @@ class disk_index {
     return e->generation;
   }
 
+  /// stuck -> removing, to retry the unlink of a bad object's file. Returns the generation.
+  std::optional<std::uint64_t> start_remove_stuck(const chunk_key& k) {
+    disk_entry* e = find(k);
+    if (e == nullptr || e->state != entry_state::stuck) return std::nullopt;
+    e->state = entry_state::removing;
+    pending_free_ += e->allocated_bytes;
+    return e->generation;
+  }
+
   /// The file of (k, generation) is gone (or will never be served again): forget it.
   void finish_remove(const chunk_key& k, std::uint64_t generation) {
     auto it = map_.find(k);
@@ -143,6 +159,34 @@ class disk_index {
     bytes_used_ -= it->second.allocated_bytes;
     pending_free_ -= it->second.allocated_bytes;
     map_.erase(it);
+  }
+
+  /// The unlink of (k, generation) failed and its file is intact: removing -> ready again,
+  /// at the back of the eviction order (so the next eviction tries other objects first).
+  bool abort_remove(const chunk_key& k, std::uint64_t generation) {
+    disk_entry* e = find(k);
+    if (e == nullptr || e->generation != generation || e->state != entry_state::removing) return false;
+    pending_free_ -= e->allocated_bytes;
+    e->state = entry_state::ready;
+    e->order_pos = order_.insert(order_.end(), k);
+    ++ready_objects_;
+    return true;
+  }
+
+  /// The unlink of a bad object (k, generation) failed: removing -> stuck (see the states).
+  bool mark_stuck(const chunk_key& k, std::uint64_t generation) {
+    disk_entry* e = find(k);
+    if (e == nullptr || e->generation != generation || e->state != entry_state::removing) return false;
+    pending_free_ -= e->allocated_bytes;
+    e->state = entry_state::stuck;
+    return true;
+  }
+
+  /// Bytes of a file that is not an object and could not be deleted (a failed store's
+  /// temporary file): counted in bytes_used() until the next start-up's scan deletes it.
+  void keep_stray(std::uint64_t bytes) noexcept {
+    bytes_used_ += bytes;
+    stray_bytes_ += bytes;
   }
 
   /// Makes room for `need` more bytes under `capacity`: when the bytes in use (not counting
@@ -172,9 +216,11 @@ class disk_index {
     return victims;
   }
 
-  /// Bytes allocated on disk by every object, including ones being written (their estimate)
-  /// and ones being removed (until their unlink completes).
+  /// Bytes allocated on disk by every object, including ones being written (their estimate),
+  /// ones being removed (until their unlink completes), stuck ones and stray files.
   [[nodiscard]] std::uint64_t bytes_used() const noexcept { return bytes_used_; }
+  /// Of those, the bytes of stray files (keep_stray).
+  [[nodiscard]] std::uint64_t stray_bytes() const noexcept { return stray_bytes_; }
   /// Ready (visible) objects.
   [[nodiscard]] std::uint64_t objects() const noexcept { return ready_objects_; }
   [[nodiscard]] std::size_t entries() const noexcept { return map_.size(); }
@@ -197,6 +243,7 @@ class disk_index {
   std::list<chunk_key> order_;  // ready entries, next victim first
   std::uint64_t bytes_used_ = 0;
   std::uint64_t pending_free_ = 0;
+  std::uint64_t stray_bytes_ = 0;
   std::uint64_t ready_objects_ = 0;
 };
 

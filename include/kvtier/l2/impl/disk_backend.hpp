@@ -805,10 +805,23 @@ inline boost::asio::awaitable<void> disk_backend::drop(std::vector<std::pair<chu
         paths.push_back(detail::object_path_of(k));
       }
   }
-  co_await unlink_all(objects_fd_, std::move(paths));
-  std::lock_guard g(mutex_);
-  for (const auto& [k, gen] : gone) index_.finish_remove(k, gen);
-  stats_->dropped_objects.fetch_add(gone.size(), std::memory_order_relaxed);
+  const auto errors = co_await unlink_all(objects_fd_, std::move(paths));
+  std::size_t dropped = 0;
+  {
+    std::lock_guard g(mutex_);
+    for (std::size_t i = 0; i < gone.size(); ++i) {
+      if (errors[i]) {
+        // The bad file is still there: never served, still counted, remove() retries.
+        index_.mark_stuck(gone[i].first, gone[i].second);
+        continue;
+      }
+      index_.finish_remove(gone[i].first, gone[i].second);
+      ++dropped;
+    }
+  }
+  for (std::size_t i = 0; i < gone.size(); ++i)
+    if (errors[i]) count_io_error(disk_stats::remove, errors[i], gone[i].first);
+  stats_->dropped_objects.fetch_add(dropped, std::memory_order_relaxed);
 }
 
 template <class Name>
@@ -831,16 +844,24 @@ inline boost::asio::awaitable<void> disk_backend::evict(std::vector<detail::disk
   for (const auto& v : victims) paths.push_back(detail::object_path_of(v.key));
   const auto errors = co_await unlink_all(objects_fd_, std::move(paths));
   std::uint64_t bytes = 0;
+  std::size_t evicted = 0;
   {
     std::lock_guard g(mutex_);
-    for (const auto& v : victims) {
+    for (std::size_t i = 0; i < victims.size(); ++i) {
+      const auto& v = victims[i];
+      if (errors[i]) {
+        // Its file is still there and intact: it stays served and counted (not evicted).
+        index_.abort_remove(v.key, v.generation);
+        continue;
+      }
       index_.finish_remove(v.key, v.generation);
       bytes += v.allocated_bytes;
+      ++evicted;
     }
   }
   for (std::size_t i = 0; i < errors.size(); ++i)
     if (errors[i]) count_io_error(disk_stats::remove, errors[i], victims[i].key);
-  stats_->evicted_objects.fetch_add(victims.size(), std::memory_order_relaxed);
+  stats_->evicted_objects.fetch_add(evicted, std::memory_order_relaxed);
   stats_->evicted_bytes.fetch_add(bytes, std::memory_order_relaxed);
 }
 
@@ -865,8 +886,11 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
     std::lock_guard g(mutex_);
     for (std::size_t i = 0; i < keys.size(); ++i) {
       if (const auto* e = index_.find(keys[i])) {
-        // Being removed: refuse for now rather than race the unlink.
-        r.outcomes[i] = e->state == detail::entry_state::removing ? key_outcome::rejected : key_outcome::exists;
+        // Being removed, or a bad file that could not be deleted: refuse rather than race the
+        // unlink or claim an object we would never serve.
+        r.outcomes[i] = e->state == detail::entry_state::removing || e->state == detail::entry_state::stuck
+                            ? key_outcome::rejected
+                            : key_outcome::exists;
         continue;
       }
       const std::uint64_t need = detail::object_file_bytes(sources[i].size());
@@ -959,20 +983,29 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
 
   // 6. Close; remove the temporary files of keys that did not commit; release their room.
   std::vector<detail::temp_name> temps;
+  std::vector<std::uint64_t> temp_bytes;
   std::bitset<detail::disk_shard_count> dirty;
   std::size_t timeouts = 0;
   for (auto& it : items) {
     if (it.fd >= 0) ::close(it.fd);
     if (it.committed) dirty.set(detail::shard_of(it.key));
-    else if (it.created) temps.push_back(it.temp);
+    else if (it.created) {
+      temps.push_back(it.temp);
+      temp_bytes.push_back(detail::object_file_bytes(it.src.size()));
+    }
     if (it.outcome == key_outcome::timeout) ++timeouts;
     r.outcomes[it.index] = it.outcome;
   }
-  if (!temps.empty()) co_await unlink_all(tmp_fd_, std::move(temps));
+  std::vector<error_code> temp_errors;
+  if (!temps.empty()) temp_errors = co_await unlink_all(tmp_fd_, std::move(temps));
   {
     std::lock_guard g(mutex_);
     for (const auto& it : items)
       if (!it.committed) index_.abort_write(it.key, it.generation);
+    // A temporary file that could not be deleted still takes room: counted until the next
+    // start-up's scan deletes it.
+    for (std::size_t i = 0; i < temp_errors.size(); ++i)
+      if (temp_errors[i]) index_.keep_stray(temp_bytes[i]);
   }
 
   // 7. Durability of the renames: one fsync per touched shard directory, for the batch.
@@ -1082,10 +1115,20 @@ inline boost::asio::awaitable<void> disk_backend::commit_stored(store_item& it, 
   auto [ec] = co_await engine_->async_renameat(tmp_fd_, it.temp.c_str(), objects_fd_, it.path.c_str(),
                                                detail::rename_noreplace,
                                                asio::bind_cancellation_slot(fs.slot(lane), asio::as_tuple(asio::use_awaitable)));
-  if (detail::is_errno(ec, EEXIST)) {  // a file of this key we do not index (a failed removal)
-    it.failed = true;
-    it.outcome = key_outcome::exists;
-    co_return;
+  if (detail::is_errno(ec, EEXIST)) {
+    // A file at this path that the index does not know (put there behind our back, or left by
+    // a crash): nothing serves it, so ours (complete, just verified on write) replaces it once.
+    // Answering `exists` would claim an object that loads answer not_found for.
+    auto [uec] = co_await engine_->async_unlinkat(
+        objects_fd_, it.path.c_str(), 0,
+        asio::bind_cancellation_slot(fs.slot(lane), asio::as_tuple(asio::use_awaitable)));
+    if (uec && !detail::is_errno(uec, ENOENT)) {
+      fail_store(it, uec);
+      co_return;
+    }
+    std::tie(ec) = co_await engine_->async_renameat(
+        tmp_fd_, it.temp.c_str(), objects_fd_, it.path.c_str(), detail::rename_noreplace,
+        asio::bind_cancellation_slot(fs.slot(lane), asio::as_tuple(asio::use_awaitable)));
   }
   if (ec) {
     fail_store(it, ec);
@@ -1111,7 +1154,12 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::remove_im
     co_return batch_tuple{make_error_code(errc::timeout), r};
   }
   std::vector<detail::object_path> paths;
-  std::vector<std::pair<std::size_t, std::uint64_t>> gone;  // (index, generation)
+  struct removal {
+    std::size_t index = 0;
+    std::uint64_t generation = 0;
+    bool was_stuck = false;
+  };
+  std::vector<removal> gone;
   {
     std::lock_guard g(mutex_);
     for (std::size_t i = 0; i < keys.size(); ++i) {
@@ -1121,8 +1169,9 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::remove_im
         r.outcomes[i] = key_outcome::rejected;  // a store in flight, or pinned by a prefetch
         continue;
       }
-      if (auto gen = index_.start_remove(keys[i])) {
-        gone.emplace_back(i, *gen);
+      const bool was_stuck = e->state == detail::entry_state::stuck;  // a bad file: retry its unlink
+      if (auto gen = was_stuck ? index_.start_remove_stuck(keys[i]) : index_.start_remove(keys[i])) {
+        gone.push_back({i, *gen, was_stuck});
         paths.push_back(detail::object_path_of(keys[i]));
         r.outcomes[i] = key_outcome::ok;
       }
@@ -1132,12 +1181,20 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::remove_im
   const auto errors = co_await unlink_all(objects_fd_, std::move(paths));
   {
     std::lock_guard g(mutex_);
-    for (const auto& [i, gen] : gone) index_.finish_remove(keys[i], gen);
+    for (std::size_t j = 0; j < gone.size(); ++j) {
+      const auto& x = gone[j];
+      if (!errors[j])
+        index_.finish_remove(keys[x.index], x.generation);
+      else if (x.was_stuck)
+        index_.mark_stuck(keys[x.index], x.generation);
+      else
+        index_.abort_remove(keys[x.index], x.generation);  // still there: still served
+    }
   }
   for (std::size_t j = 0; j < gone.size(); ++j)
     if (errors[j]) {
-      r.outcomes[gone[j].first] = key_outcome::io_error;  // forgotten; the file may remain until restart
-      count_io_error(disk_stats::remove, errors[j], keys[gone[j].first]);
+      r.outcomes[gone[j].index] = key_outcome::io_error;
+      count_io_error(disk_stats::remove, errors[j], keys[gone[j].index]);
     }
   co_return batch_tuple{error_code{}, r};
 }
