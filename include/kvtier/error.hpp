@@ -37,6 +37,8 @@ enum class errc : int {
   not_registered,        ///< the client has not registered the region it refers to
   shutting_down,         ///< the component is stopping and takes no new work
   unsupported,           ///< the kernel or build lacks a feature (io_uring, CUDA, ...)
+  permission_denied,     ///< the peer (its uid) is not allowed to use this server
+  over_budget,           ///< a client or server budget is spent (connections, lookup keys)
 };
 
 namespace detail {
@@ -72,6 +74,10 @@ class kvtier_category final : public boost::system::error_category {
       case errc::not_registered: return "KV region not registered";
       case errc::shutting_down: return "shutting down";
       case errc::unsupported: return "not supported here";
+      case errc::permission_denied:
+        return "permission denied";
+      case errc::over_budget:
+        return "over budget";
     }
     return "unknown kvtier error";
   }
