@@ -340,6 +340,14 @@ class server_process {
     return *st;
   }
 
+  /// The wait status when the process has exited, else nullopt (does not wait).
+  std::optional<int> try_exit() {
+    if (proc_.running()) return std::nullopt;
+    return proc_.wait_exit({});
+  }
+
+  [[nodiscard]] pid_t pid() const noexcept { return proc_.pid(); }
+
   [[nodiscard]] std::string output() const { return "stdout:\n" + stdout_text() + "stderr:\n" + stderr_text(); }
   [[nodiscard]] std::string stdout_text() const { return proc_.stdout_text(); }
   [[nodiscard]] std::string stderr_text() const { return proc_.stderr_text(); }

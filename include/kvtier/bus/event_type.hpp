@@ -49,9 +49,10 @@ enum class event_type : std::uint16_t {
   connector_store_completed,
   connector_load_error,
   connector_quarantine_changed,
+  connector_peer_refused,
 };
 
-inline constexpr std::size_t event_type_count = static_cast<std::size_t>(event_type::connector_quarantine_changed) + 1;
+inline constexpr std::size_t event_type_count = static_cast<std::size_t>(event_type::connector_peer_refused) + 1;
 
 namespace detail {
 inline constexpr std::array<std::string_view, event_type_count> event_type_names = {
@@ -85,6 +86,7 @@ inline constexpr std::array<std::string_view, event_type_count> event_type_names
     "connector.store.completed",
     "connector.load_error",
     "connector.quarantine.changed",
+    "connector.peer.refused",
 };
 }  // namespace detail
 

@@ -54,8 +54,14 @@ struct connector_timeouts {
 
 /// The connector's configuration. Construct, fill in, pass to engine::connector.
 struct connector_options {
-  /// The server's Unix socket.
+  /// The server's Unix socket (protocol::default_socket_path() is the servers' default).
   std::string socket_path;
+  /// The uid the server's process must run as; unset: this process's effective uid. Root is
+  /// accepted too. Checked with SO_PEERCRED right after connecting, before anything (the KV
+  /// region's memfd above all) is sent: a process of another user listening on the path is
+  /// refused (last_error() says so, unhealthy reason "peer_refused"). Set it when the server
+  /// runs under a service account.
+  std::optional<std::uint32_t> server_uid;
   /// This worker's tensor-parallel rank and the world size.
   std::uint16_t rank = 0;
   std::uint16_t world_size = 1;

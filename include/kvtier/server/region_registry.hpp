@@ -247,9 +247,12 @@ class lookup_table {
     if (!inserted) {
       old = it->second;
       if (auto o = owned_.find(old->owner); o != owned_.end() && --o->second == 0) owned_.erase(o);
+      forget_keys(*old);
       it->second = e;
     }
     ++owned_[e.owner];
+    keys_ += keys_of(e);
+    owned_keys_[e.owner] += keys_of(e);
     return old;
   }
 
@@ -303,6 +306,8 @@ class lookup_table {
     for (const auto& [k, e] : entries_) out.push_back(e);
     entries_.clear();
     owned_.clear();
+    owned_keys_.clear();
+    keys_ = 0;
     return out;
   }
 
@@ -311,17 +316,33 @@ class lookup_table {
     return it == owned_.end() ? 0 : it->second;
   }
   [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
+  /// Chunk keys (chunks x world size) the lookups of `owner` hold; of all lookups (budgets,
+  /// server/client_budget.hpp).
+  [[nodiscard]] std::uint64_t owned_keys(std::uint64_t owner) const {
+    auto it = owned_keys_.find(owner);
+    return it == owned_keys_.end() ? 0 : it->second;
+  }
+  [[nodiscard]] std::uint64_t keys() const noexcept { return keys_; }
+  [[nodiscard]] static std::uint64_t keys_of(const entry& e) noexcept { return std::uint64_t{e.chunks} * e.world_size; }
 
  private:
   using map_type = std::map<key_type, entry>;
   map_type::iterator erase(map_type::iterator it) {
     auto o = owned_.find(it->second.owner);
     if (o != owned_.end() && --o->second == 0) owned_.erase(o);
+    forget_keys(it->second);
     return entries_.erase(it);
+  }
+  void forget_keys(const entry& e) {
+    keys_ -= keys_of(e);
+    if (auto k = owned_keys_.find(e.owner); k != owned_keys_.end() && (k->second -= keys_of(e)) == 0)
+      owned_keys_.erase(k);
   }
 
   map_type entries_;
   std::unordered_map<std::uint64_t, std::size_t> owned_;
+  std::unordered_map<std::uint64_t, std::uint64_t> owned_keys_;
+  std::uint64_t keys_ = 0;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server

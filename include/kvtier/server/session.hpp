@@ -36,6 +36,7 @@
 #include <kvtier/protocol/connection.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/server/any_cache.hpp>
+#include <kvtier/server/client_budget.hpp>
 #include <kvtier/server/config.hpp>
 #include <kvtier/server/region_registry.hpp>
 #include <kvtier/telemetry/logger.hpp>
@@ -82,6 +83,7 @@ struct server_context {
   telemetry::logger& log;
   std::uint64_t boot_token = 0;
   const server_hooks& hooks;
+  client_budget* budget = nullptr;  ///< lookup key budgets (client_budget.hpp); null: none
 };
 
 /// What a session needs from the server that owns it.
@@ -325,6 +327,11 @@ class session : public std::enable_shared_from_this<session> {
                                                        " chunks x world size " + std::to_string(ws) + " is above " +
                                                        std::to_string(max_lookup_keys) +
                                                        " keys: look up fewer chunks at once"};
+    if (ctx_.budget)
+      if (auto refused =
+              ctx_.budget->check_lookup(ctx_.lookups, id_, std::uint64_t{r.chunk_hashes.size()} * ws,
+                                        replaces_own ? lookup_table::keys_of(*existing) : 0, ctx_.clients.size()))
+        return *refused;
     const std::uint64_t mid = reg.model_id_for(r.cache_salt);
     std::vector<chunk_key> keys;
     keys.reserve(r.chunk_hashes.size() * ws);

@@ -890,6 +890,27 @@ boost::asio::awaitable<std::string> connector<Bus>::establish() {
     mark_unhealthy_io("connect_failed");
     co_return "connect_failed";
   }
+  // Who listens there: the server's user (or root), else nothing is sent (the memfd least of
+  // all). A local user who listened on the path first gets refused here.
+  if (const auto who = protocol::peer_credentials(socket.native_handle());
+      !who || (who->uid != options_.server_uid.value_or(::geteuid()) && who->uid != 0)) {
+    error_code ignored;
+    socket.close(ignored);
+    std::lock_guard g(mu_);
+    if (stopping_) co_return "stopping";
+    const ::uid_t expected = options_.server_uid.value_or(::geteuid());
+    last_error_ = !who ? "cannot read the credentials of the server at " + options_.socket_path + " (" +
+                             who.error().message() + "): not connecting"
+                       : "refusing the server at " + options_.socket_path + ": its process runs as " + who->describe() +
+                             ", not as uid " + std::to_string(expected) +
+                             " (another user may be listening on this path); if the server runs under a service "
+                             "account, set connector_options::server_uid to its uid";
+    if (who)
+      bus_.publish(
+          bus::connector_peer_refused{options_.rank, who->uid, static_cast<std::uint32_t>(who->pid), expected});
+    mark_unhealthy_io("peer_refused");
+    co_return "peer_refused";
+  }
   auto p = std::make_shared<peer>();
   p->pid = detail::peer_pid(socket.native_handle());
   const int pidfd = detail::open_pidfd(p->pid);
