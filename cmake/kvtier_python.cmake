@@ -70,16 +70,18 @@ set_target_properties(kvtier_python_ext PROPERTIES
   VISIBILITY_INLINES_HIDDEN ON
   LIBRARY_OUTPUT_DIRECTORY "${KVTIER_PYTHON_BUILD_DIR}/kvtier")
 
-# The pure-Python files, copied next to the extension (the build tree is importable as is).
+# The pure-Python files, linked next to the extension: the build tree is importable as is,
+# and an edit of a .py file needs no rebuild (the installed package gets copies).
 file(GLOB_RECURSE _kvtier_py_sources CONFIGURE_DEPENDS RELATIVE "${PROJECT_SOURCE_DIR}/python"
      "${PROJECT_SOURCE_DIR}/python/kvtier/*.py" "${PROJECT_SOURCE_DIR}/python/kvtier/*.pyi"
      "${PROJECT_SOURCE_DIR}/python/kvtier/py.typed")
 set(_kvtier_py_outputs "")
 foreach(_f IN LISTS _kvtier_py_sources)
+  get_filename_component(_dir "${KVTIER_PYTHON_BUILD_DIR}/${_f}" DIRECTORY)
   add_custom_command(
     OUTPUT "${KVTIER_PYTHON_BUILD_DIR}/${_f}"
-    COMMAND ${CMAKE_COMMAND} -E copy_if_different "${PROJECT_SOURCE_DIR}/python/${_f}" "${KVTIER_PYTHON_BUILD_DIR}/${_f}"
-    DEPENDS "${PROJECT_SOURCE_DIR}/python/${_f}"
+    COMMAND ${CMAKE_COMMAND} -E make_directory "${_dir}"
+    COMMAND ${CMAKE_COMMAND} -E create_symlink "${PROJECT_SOURCE_DIR}/python/${_f}" "${KVTIER_PYTHON_BUILD_DIR}/${_f}"
     COMMENT "kvtier python: ${_f}" VERBATIM)
   list(APPEND _kvtier_py_outputs "${KVTIER_PYTHON_BUILD_DIR}/${_f}")
 endforeach()

@@ -36,7 +36,10 @@ Semantics the engine relies on (docs/integration.md, "vLLM"):
   comes back exactly once, in ``finished_sending`` when its stores are over, or as the last
   ``finished_recving`` of a request finished while its load was in flight.
 * Preemption and abort release everything: the scheduler ends the lookup (the server drops
-  its locks) and forgets the request; a resumed request is looked up afresh.
+  its locks) and forgets the request; a resumed request is looked up afresh, and loads if it
+  never loaded before: a request loads at most once in its life, since its one
+  ``finished_recving`` report is how the engine learns that its load is over (a request that
+  already loaded, or whose load failed whole, is recomputed).
 """
 
 from __future__ import annotations
@@ -292,6 +295,7 @@ class SchedulerSide:
         self.connector = connector
         self._requests: Dict[str, _Request] = {}
         self._planned: List[str] = []  # ids with a load planned, in order
+        self._loaded: Set[str] = set()  # ids that had a load (until request_finished)
 
     # -- vLLM: get_num_new_matched_tokens --------------------------------------------------
     def num_new_matched_tokens(
@@ -324,9 +328,10 @@ class SchedulerSide:
                 cache_salt=cache_salt or "",
             )
             self._requests[request_id] = st
-        if st.load_issued:
-            # Asked again after its load: the load failed whole and the engine starts the
-            # request over. Compute it rather than retry (the server just failed it).
+        if st.load_issued or request_id in self._loaded:
+            # A request loads at most once: vLLM learns that a load is over from the id's one
+            # finished_recving report, so a second load (after a preemption, or a retry after
+            # a load that failed whole) is recomputed instead.
             return 0, False
         if st.hit is None:
             if not st.lookup_sent:
@@ -397,6 +402,7 @@ class SchedulerSide:
             plan.fence_blocks.extend(st.load.block_ids)
             st.load = None
             st.load_issued = True
+            self._loaded.add(rid)
         self._planned.clear()
         for sr in step.scheduled:
             st = self._requests.get(sr.request_id)
@@ -437,11 +443,12 @@ class SchedulerSide:
             self.connector.end_request(request_id)
         if request_id in self._planned:
             self._planned.remove(request_id)
+        self._loaded.discard(request_id)
         return True
 
     def tracked(self) -> int:
         """Requests with state here (for tests: 0 once every request finished)."""
-        return len(self._requests)
+        return len(self._requests) + len(self._loaded)
 
     def shutdown(self) -> None:
         self.connector.close()
