@@ -339,10 +339,7 @@ class MiniScheduler:
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
-            token_ids={
-                rid: list(self.requests[rid].all_token_ids[: self.requests[rid].num_computed_tokens + n])
-                for rid, n in num_scheduled.items()
-            },
+            token_ids={rid: list(self.requests[rid].all_token_ids) for rid in num_scheduled},
         )
         self.finished_req_ids = set()
         if self.connector is not None:

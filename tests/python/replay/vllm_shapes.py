@@ -102,8 +102,8 @@ class SchedulerOutput:
     finished_req_ids: Set[str]
     preempted_req_ids: Optional[Set[str]] = None
     kv_connector_metadata: Any = None
-    # Not vLLM's: the replay's workers get each scheduled request's tokens here (vLLM's
-    # workers keep them in their persistent batch).
+    # Not vLLM's: the replay's workers get each scheduled request's tokens (all it has) here
+    # (vLLM's workers keep them in their persistent batch).
     token_ids: Dict[str, List[int]] = field(default_factory=dict)
 
 
