@@ -205,9 +205,8 @@ PYBIND11_MODULE(_kvtier, m) {
   m.attr("PROTOCOL_VERSION") = protocol::protocol_version;
 
   // Exceptions.
-  kvtier_error = PyErr_NewExceptionWithDoc("kvtier.KvtierError",
-                                           "A kvtier failure; the message is the C++ one.", PyExc_RuntimeError,
-                                           nullptr);
+  kvtier_error = PyErr_NewExceptionWithDoc("kvtier.KvtierError", "A kvtier failure; the message is the C++ one.",
+                                           PyExc_RuntimeError, nullptr);
   usage_error = PyErr_NewExceptionWithDoc(
       "kvtier.UsageError", "A call this object cannot serve (e.g. a scheduler's connector asked to store).",
       kvtier_error, nullptr);
@@ -235,7 +234,8 @@ PYBIND11_MODULE(_kvtier, m) {
       .value("FP8_E4M3", dtype_kind::fp8_e4m3)
       .value("FP8_E5M2", dtype_kind::fp8_e5m2)
       .value("INT8", dtype_kind::int8);
-  m.def("dtype_bytes", [](dtype_kind d) { return bytes_of(d); }, py::arg("dtype"), "Bytes of one element.");
+  m.def(
+      "dtype_bytes", [](dtype_kind d) { return bytes_of(d); }, py::arg("dtype"), "Bytes of one element.");
   m.def(
       "parse_dtype_kind",
       [](const std::string& s) {
@@ -287,14 +287,16 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("validation_error", &model_shape::validation_error, "Empty when valid, else what is wrong.")
       .def(py::self == py::self)
       .def("__repr__", [](const model_shape& s) {
-        return "ModelShape(num_layers=" + std::to_string(s.num_layers) + ", num_kv_heads=" +
-               std::to_string(s.num_kv_heads) + ", head_dim=" + std::to_string(s.head_dim) + ", dtype=" +
-               std::string(name(s.dtype)) + ", attention=" + (s.attention == attention_kind::mla ? "MLA" : "MHA") +
-               ")";
+        return "ModelShape(num_layers=" + std::to_string(s.num_layers) +
+               ", num_kv_heads=" + std::to_string(s.num_kv_heads) + ", head_dim=" + std::to_string(s.head_dim) +
+               ", dtype=" + std::string(name(s.dtype)) +
+               ", attention=" + (s.attention == attention_kind::mla ? "MLA" : "MHA") + ")";
       });
 
   py::class_<chunk_layout>(m, "ChunkLayout", "One chunk object: chunk_tokens tokens of every layer and plane.")
-      .def(py::init([](const model_shape& model, std::uint32_t chunk_tokens) { return chunk_layout{model, chunk_tokens}; }),
+      .def(py::init([](const model_shape& model, std::uint32_t chunk_tokens) {
+             return chunk_layout{model, chunk_tokens};
+           }),
            py::arg("model"), py::arg("chunk_tokens") = 256)
       .def_readwrite("model", &chunk_layout::model)
       .def_readwrite("chunk_tokens", &chunk_layout::chunk_tokens)
@@ -303,8 +305,10 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("validation_error", &chunk_layout::validation_error);
 
   py::class_<paged_kv_layout>(m, "PagedKvLayout", "An engine's paged KV cache: per layer NHD, HND or MLA blocks.")
-      .def(py::init([](const model_shape& model, std::uint32_t block_size, std::uint32_t num_blocks,
-                       kv_layout_kind order) { return paged_kv_layout{model, block_size, num_blocks, order}; }),
+      .def(py::init(
+               [](const model_shape& model, std::uint32_t block_size, std::uint32_t num_blocks, kv_layout_kind order) {
+                 return paged_kv_layout{model, block_size, num_blocks, order};
+               }),
            py::arg("model"), py::arg("block_size") = 16, py::arg("num_blocks") = 0,
            py::arg("order") = kv_layout_kind::nhd)
       .def_readwrite("model", &paged_kv_layout::model)
@@ -322,8 +326,8 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("compatibility_error", &paged_kv_layout::compatibility_error, py::arg("chunk"))
       .def(py::self == py::self)
       .def("__repr__", [](const paged_kv_layout& l) {
-        return "PagedKvLayout(block_size=" + std::to_string(l.block_size) + ", num_blocks=" +
-               std::to_string(l.num_blocks) + ", order=" + std::string(name(l.kind())) + ")";
+        return "PagedKvLayout(block_size=" + std::to_string(l.block_size) +
+               ", num_blocks=" + std::to_string(l.num_blocks) + ", order=" + std::string(name(l.kind())) + ")";
       });
 
   // Hashing and keys.
@@ -383,7 +387,7 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("__len__", &layer_buffer::size);
 
   py::class_<engine::kv_region, region_ptr>(m, "KvRegion",
-                                             "An engine's paged KV cache in a sealed memfd, with per-block generations.")
+                                            "An engine's paged KV cache in a sealed memfd, with per-block generations.")
       .def_static("create", &create_region, py::arg("layout"), py::arg("name") = "kvtier-kv",
                   "A new zero-filled region for `layout`.")
       .def_static("bytes_for", &engine::kv_region::bytes_for, py::arg("layout"))
@@ -400,18 +404,20 @@ PYBIND11_MODULE(_kvtier, m) {
             return layer_buffer{r, l};
           },
           py::arg("layer"), "Layer `layer`'s tensor as a writable byte buffer.")
-      .def("begin_reuse",
-           [](engine::kv_region& r, std::uint32_t block) {
-             check_block(r, block);
-             r.begin_reuse(block);
-           },
-           py::arg("block"), "Announce that `block` is about to hold new content (fencing).")
-      .def("generation",
-           [](const engine::kv_region& r, std::uint32_t block) {
-             check_block(r, block);
-             return r.generation(block);
-           },
-           py::arg("block"));
+      .def(
+          "begin_reuse",
+          [](engine::kv_region& r, std::uint32_t block) {
+            check_block(r, block);
+            r.begin_reuse(block);
+          },
+          py::arg("block"), "Announce that `block` is about to hold new content (fencing).")
+      .def(
+          "generation",
+          [](const engine::kv_region& r, std::uint32_t block) {
+            check_block(r, block);
+            return r.generation(block);
+          },
+          py::arg("block"));
 
   // The connector.
   py::class_<engine::connector_timeouts> timeouts(m, "ConnectorTimeouts",
@@ -472,11 +478,12 @@ PYBIND11_MODULE(_kvtier, m) {
           },
           py::arg("timeout_s"), "Blocks until registered with a server (True) or the timeout passes.")
       .def_property_readonly("healthy", [](const py_connector& s) { return s.box()->conn->healthy(); })
-      .def_property_readonly("state", [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.state(); }); })
-      .def_property_readonly("last_error",
-                             [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.last_error(); }); })
-      .def_property_readonly("boot_token",
-                             [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.boot_token(); }); })
+      .def_property_readonly("state",
+                             [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.state(); }); })
+      .def_property_readonly(
+          "last_error", [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.last_error(); }); })
+      .def_property_readonly(
+          "boot_token", [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.boot_token(); }); })
       .def_property_readonly("has_region", [](const py_connector& s) { return s.box()->conn->has_region(); })
       .def_property_readonly("options", [](const py_connector& s) { return s.box()->conn->options(); })
       .def("stats",
@@ -522,7 +529,9 @@ PYBIND11_MODULE(_kvtier, m) {
           py::arg("request_id"), "Hit tokens once answered; None while pending.")
       .def(
           "free_lookup_locks",
-          [](const py_connector& s, const std::string& id) { without_gil(s, [&](auto& c) { c.free_lookup_locks(id); }); },
+          [](const py_connector& s, const std::string& id) {
+            without_gil(s, [&](auto& c) { c.free_lookup_locks(id); });
+          },
           py::arg("request_id"))
       .def(
           "end_request",
@@ -584,7 +593,9 @@ PYBIND11_MODULE(_kvtier, m) {
            [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.quarantined_blocks(); }); })
       .def(
           "block_reused",
-          [](const py_connector& s, std::uint32_t b) { return without_gil(s, [&](auto& c) { return c.block_reused(b); }); },
+          [](const py_connector& s, std::uint32_t b) {
+            return without_gil(s, [&](auto& c) { return c.block_reused(b); });
+          },
           py::arg("block"), "Fences `block` before the engine writes it; False (nothing done) when quarantined.")
       .def(
           "blocks_reused",

@@ -170,3 +170,45 @@ def test_a_waiting_call_releases_the_gil():
         c.close()
     # With the GIL held for 0.5 s the other thread could not have run at all.
     assert during > 10
+
+
+def test_the_type_stubs_name_exactly_what_the_extension_has():
+    import ast
+    import enum
+    from pathlib import Path
+
+    from kvtier import _kvtier
+
+    stub = ast.parse((Path(kvtier.__file__).parent / "_kvtier.pyi").read_text())
+    stub_names = {}
+    for node in stub.body:
+        if isinstance(node, ast.ClassDef):
+            members = set()
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    members.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    members.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    members.update(t.id for t in item.targets if isinstance(t, ast.Name))
+            is_enum = any(isinstance(b, ast.Attribute) and b.attr == "IntEnum" for b in node.bases)
+            stub_names[node.name] = (members, is_enum)
+        elif isinstance(node, ast.FunctionDef):
+            stub_names[node.name] = None
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            stub_names[node.target.id] = None
+    runtime = {n for n in dir(_kvtier) if not n.startswith("_") or n == "__version__"}
+    stubbed = {n for n in stub_names if not n.startswith("_") or n == "__version__"}
+    assert runtime == stubbed
+    for name, entry in stub_names.items():
+        if entry is None or name.startswith("_"):
+            continue
+        members, is_enum = entry
+        cls = getattr(_kvtier, name)
+        public = {m for m in dir(cls) if not m.startswith("_")}
+        if is_enum:
+            assert {m for m in members if not m.startswith("_")} <= public, name
+            continue
+        if issubclass(cls, BaseException):
+            continue
+        assert public == {m for m in members if not m.startswith("_")}, name
