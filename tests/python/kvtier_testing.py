@@ -202,7 +202,7 @@ def status(socket_path: Path, timeout_s: float = DEADLINE_S) -> dict:
 #: Short deadlines so that the fault tests see a hung or dead server within a second or two.
 FAST_TIMEOUTS_MS: Dict[str, int] = {
     "ping_interval_ms": 50,
-    "ping_timeout_ms": 400,
+    "ping_timeout_ms": 1000,
     "request_timeout_ms": 1000,
     "lookup_timeout_ms": 2000,
     "retrieve_timeout_ms": 1500,
