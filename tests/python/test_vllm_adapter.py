@@ -161,3 +161,116 @@ def test_options_come_from_kv_connector_extra_config(servers):
         kv_vllm.config_from_vllm(bad, kv_vllm.KVConnectorRole.SCHEDULER)
     bad.kv_transfer_config.kv_connector_extra_config.update(chunk_tokens=16, bogus_timeout_ms=1, ping_timeout_ms=5)
     assert kv_vllm.config_from_vllm(bad, kv_vllm.KVConnectorRole.SCHEDULER).timeouts_ms == {"ping_timeout_ms": 5}
+
+
+def _worker_side(srv, layout="NHD", num_blocks=32):
+    import torch
+
+    from kvtier.integrations.core import KVTierConfig, WorkerSide
+    from kvtier_testing import FAST_TIMEOUTS_MS
+
+    cfg = KVTierConfig(
+        socket_path=str(srv.socket_path),
+        model_name="replay/tiny",
+        block_size=BS,
+        chunk_tokens=CT,
+        layout=layout,
+        timeouts_ms=dict(FAST_TIMEOUTS_MS),
+    )
+    side = WorkerSide(cfg)
+    shape = (2, num_blocks, BS, 2, 8) if layout == "NHD" else (2, num_blocks, 2, BS, 8)
+    caches = {f"layer.{i}": torch.zeros(shape) for i in range(2)}
+    side.register(caches)
+    return side, caches
+
+
+def _scheduler_connector(srv, layout="NHD"):
+    import kvtier
+    from kvtier_testing import options
+
+    o = options(srv.socket_path, model_name="replay/tiny", chunk_tokens=CT, scheduler=True)
+    o.model = kvtier.ModelShape(2, 2, 8, kvtier.DtypeKind.FP32)
+    o.layout_kind = kvtier.parse_kv_layout_kind(layout)
+    c = kvtier.Connector(o)
+    assert c.wait_ready(30)
+    return c
+
+
+def _hit(sched, rid, hashes):
+    sched.lookup_hashes(rid, hashes)
+    wait_until(lambda: sched.lookup_result(rid) is not None, what="the lookup answer")
+    return sched.lookup_result(rid)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_registering_moves_the_engines_tensors_into_the_region_in_place(servers, layout):
+    import kvtier
+    import torch
+
+    srv = servers.start(chunk_tokens=CT)
+    side, caches = _worker_side(srv, layout)
+    assert side.region.layout.kind == kvtier.parse_kv_layout_kind(layout)
+    t = caches["layer.1"]
+    t[1, 3, 1, 1, 5] = 7.0  # through the engine's own tensor object
+    assert kvtier.torch_layers(side.region)[1][1, 3, 1, 1, 5] == 7.0
+    # A tensor handed over as a permuted view (a backend's stride order) keeps its shape and
+    # strides, and the region takes its physical order.
+    hnd = torch.zeros(2, 8, 2, BS, 8)  # physically HND
+    logical = hnd.permute(0, 1, 3, 2, 4)  # seen as NHD
+    from kvtier.integrations.core import KVTierConfig, WorkerSide
+
+    other = WorkerSide(KVTierConfig(socket_path=str(srv.socket_path), model_name="m", block_size=BS, chunk_tokens=CT))
+    other.register({"l0": logical})
+    assert other.region.layout.kind == kvtier.KvLayoutKind.HND
+    assert logical.shape == (2, 8, BS, 2, 8) and logical.stride() == hnd.permute(0, 1, 3, 2, 4).stride()
+    other.shutdown()
+    side.shutdown()
+
+
+def test_a_block_reused_before_the_server_copied_it_is_never_stored(servers):
+    from kvtier.integrations.core import StepPlan, StoreOp
+
+    srv = servers.start(chunk_tokens=CT)
+    side, _ = _worker_side(srv)
+    sched = _scheduler_connector(srv)
+    hashes = [11, 12]
+    blocks = list(range(8))
+    srv.pause()  # the store waits in the socket
+    try:
+        side.end_step(StepPlan(stores=[StoreOp("r", 0, hashes, blocks)]))
+        # The next step writes block 5 (a preempted request's block, handed to another).
+        side.start_step(StepPlan(fence_blocks=[5]))
+    finally:
+        srv.resume()
+    wait_until(lambda: side.connector.stats()["pending_calls"] == 0, what="the store answered")
+    # Chunk 0 (blocks 0-3) was stored; chunk 1 (blocks 4-7) read a reused block: dropped.
+    assert _hit(sched, "q", hashes) == CT
+    assert _hit(sched, "q2", [11]) == CT
+    side.shutdown()
+
+
+def test_a_quarantined_block_is_never_fenced_for_writing_nor_loaded_into(servers):
+    from kvtier.integrations.core import LoadOp, StepPlan, StoreOp
+
+    srv = servers.start(chunk_tokens=CT)
+    side, _ = _worker_side(srv)
+    side.end_step(StepPlan(stores=[StoreOp("s", 0, [21], [0, 1, 2, 3])]))
+    wait_until(lambda: side.connector.stats()["pending_calls"] == 0, what="the store answered")
+    srv.pause()
+    try:
+        side.start_step(StepPlan(loads=[LoadOp("r", 0, [21], [8, 9, 10, 11], 0)], fence_blocks=[8, 9, 10, 11]))
+        wait_until(lambda: set(side.connector.quarantined_blocks()) == {8, 9, 10, 11}, what="the load's blocks quarantined")
+        assert side.fence_refusals == 0
+        side.start_step(StepPlan(loads=[LoadOp("x", 0, [21], [9, 12, 13, 14], 0)], fence_blocks=[9, 12, 13, 14]))
+        assert side.fence_refusals == 1  # block 9: refused, and nothing is loaded into x's blocks
+        assert {9, 12, 13, 14} <= side.load_error_blocks()
+        # x (never sent) is finished receiving at once; r's report is held while its blocks
+        # are quarantined.
+        assert side.finished([]) == (None, {"x"})
+        assert side.finished([]) == (None, None)
+    finally:
+        srv.resume()
+    wait_until(lambda: not side.connector.quarantined_blocks(), what="the late answer releasing the blocks")
+    got = wait_until(lambda: side.finished([])[1], what="r finished receiving")
+    assert got == {"r"}
+    side.shutdown()

@@ -511,6 +511,7 @@ class _WorkerState:
     load_blocks: Dict[str, Set[int]] = field(default_factory=dict)  # id -> blocks of its retrieve
     held_recving: List[str] = field(default_factory=list)
     held_sending: List[str] = field(default_factory=list)
+    unissued: List[str] = field(default_factory=list)  # loads not sent: finished receiving at once
     extra_errors: Set[int] = field(default_factory=set)
     stored_plan: Optional["StepPlan"] = None  # the plan whose stores were issued
 
@@ -626,10 +627,12 @@ class WorkerSide:
             log.error("kvtier: rank %d: %d quarantined blocks were scheduled for writing", self.config.rank, len(refused))
         for op in plan.loads:
             self._st.extra_errors.update(op.error_blocks)
-            if not op.hashes:
-                continue
-            if refused.intersection(op.block_ids):
-                self._st.extra_errors.update(op.block_ids)
+            if not op.hashes or refused.intersection(op.block_ids):
+                # Nothing to send (or nowhere safe to put it): every block is a load error and
+                # the request is finished receiving at the next report, as for a failed load.
+                if op.hashes:
+                    self._st.extra_errors.update(op.block_ids)
+                self._st.unissued.append(op.request_id)
                 continue
             self._st.load_blocks[op.request_id] = set(op.block_ids)
             conn.retrieve_hashes(op.request_id, op.hashes, op.first_chunk, op.block_ids, op.skip_tokens, op.cache_salt)
@@ -662,7 +665,8 @@ class WorkerSide:
             blocks = st.load_blocks.get(rid)
             return not blocks or not (blocks & quarantined)
 
-        out_recv = [r for r in st.held_recving if ready(r)]
+        out_recv = st.unissued + [r for r in st.held_recving if ready(r)]
+        st.unissued = []
         out_send = [r for r in st.held_sending if ready(r)]
         st.held_recving = [r for r in st.held_recving if not ready(r)]
         st.held_sending = [r for r in st.held_sending if not ready(r)]
