@@ -174,7 +174,6 @@ def test_a_waiting_call_releases_the_gil():
 
 def test_the_type_stubs_name_exactly_what_the_extension_has():
     import ast
-    import enum
     from pathlib import Path
 
     from kvtier import _kvtier

@@ -14,7 +14,7 @@ requests that share a cached prefix, with and without kvtier
 from __future__ import annotations
 
 import statistics
-from typing import Dict, Optional
+from typing import Dict
 
 import pytest
 import torch

@@ -44,9 +44,7 @@ Semantics the engine relies on (docs/integration.md, "vLLM"):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -54,14 +52,12 @@ from .._kvtier import (
     AttentionKind,
     Connector,
     ConnectorOptions,
-    DtypeKind,
     HashAlgorithm,
     KvLayoutKind,
     KvRegion,
     ModelShape,
     PagedKvLayout,
     TokenHasher,
-    parse_dtype_kind,
     parse_kv_layout_kind,
 )
 from ..views import dtype_kind_of, torch_layers

@@ -34,7 +34,7 @@ Options (``kv_connector_extra_config``; docs/integration.md has the table):
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .._kvtier import AttentionKind, DtypeKind, ModelShape
 from ..views import dtype_kind_of

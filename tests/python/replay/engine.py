@@ -14,12 +14,10 @@ about to write a quarantined block), a report vLLM would reject.
 from __future__ import annotations
 
 import multiprocessing
-import os
-import sys
 import time
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector
 
