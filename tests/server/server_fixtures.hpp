@@ -77,8 +77,8 @@ struct engine_region {
   engine::kv_region region;
 
   explicit engine_region(model_shape m = small_model(), std::uint32_t block_size = test_block_size,
-                         std::uint32_t num_blocks = 64)
-      : layout{m, block_size, num_blocks} {
+                         std::uint32_t num_blocks = 64, kv_layout_kind order = kv_layout_kind::nhd)
+      : layout{m, block_size, num_blocks, order} {
     auto r = engine::kv_region::create(layout);
     if (!r) throw std::runtime_error("kv_region::create: " + r.error().message());
     region = std::move(*r);
@@ -146,6 +146,7 @@ struct engine_region {
     r.num_blocks = layout.num_blocks;
     r.chunk_tokens = chunk_tokens;
     r.region_bytes = region.bytes();
+    r.layout_kind = layout.kind();
     return r;
   }
 };

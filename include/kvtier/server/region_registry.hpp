@@ -102,7 +102,7 @@ class region_registry {
   /// Largest tensor-parallel world size accepted (a lookup holds world_size keys per chunk).
   static constexpr std::uint16_t max_world_size = 1024;
   /// Whether regions of layout kind HND can be copied (core/kv_transfer.hpp).
-  static constexpr bool supports_hnd = false;
+  static constexpr bool supports_hnd = true;
 
   explicit region_registry(requirements req) : req_(req) {}
 
