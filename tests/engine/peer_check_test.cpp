@@ -39,7 +39,7 @@ using kvtier::test::temp_dir;
 namespace {
 
 constexpr std::uint32_t ct = 8;
-const paged_kv_layout layout{{2, 2, 16, 2, attention_kind::mha}, 4, 32};
+const paged_kv_layout layout{{2, 2, 16, dtype_kind::fp16, attention_kind::mha}, 4, 32};
 using test_bus = bus::basic_event_bus<telemetry::metrics_subscriber, event_recorder>;
 
 /// Bits of the fake server child's exit code: what reached it.
