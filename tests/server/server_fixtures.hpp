@@ -340,6 +340,8 @@ class server_process {
     return *st;
   }
 
+  /// The process id (to signal it: SIGSTOP, SIGCONT).
+  [[nodiscard]] ::pid_t pid() const noexcept { return proc_.pid(); }
   [[nodiscard]] std::string output() const { return "stdout:\n" + stdout_text() + "stderr:\n" + stderr_text(); }
   [[nodiscard]] std::string stdout_text() const { return proc_.stdout_text(); }
   [[nodiscard]] std::string stderr_text() const { return proc_.stderr_text(); }

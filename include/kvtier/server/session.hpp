@@ -20,6 +20,20 @@
 // read, sends nothing the server sees, and is reaped by the idle timeout; it never holds
 // more than one answer of server memory and never blocks the I/O thread.
 //
+// Closing keeps a promise engines rely on (docs/protocol.md, "Closing a connection"): the
+// server closes a connection only after every copy it started between that connection's
+// KV region and L1 has ended, and starts none after it decided to close. An engine that
+// reads EOF on a connection therefore knows that no block it handed over on it can be
+// written any more, and releases the blocks it had quarantined for calls it gave up on
+// (engine/quarantine.hpp); breaking the promise lets a late copy write into blocks the
+// engine already reuses: wrong KV. Today copies run inline in the handlers on the one I/O
+// thread, and close() is only ever called on that thread (reaper, shutdown, a broken
+// stream), between handlers: no copy can be running when the socket closes, and the loop
+// drops a frame read after close() unanswered (a read completed before it), so none starts
+// after. Whoever moves copies off the I/O thread (a copy pool) must keep it explicitly:
+// count a session's copies in flight, defer the socket's close (and the region's unmapping
+// in session_closed) until they are 0, and start no copy once closing_ is set.
+//
 // Lookups are the connection's own (lookup_table, keyed by this session's id): query,
 // free, end and the release after a retrieve touch this connection's lookup only.
 //
@@ -118,6 +132,8 @@ class session : public std::enable_shared_from_this<session> {
   void start() { boost::asio::co_spawn(conn_.get_executor(), run(shared_from_this()), boost::asio::detached); }
 
   /// Closes the connection; the loop ends and the host reaps it. `reason` goes to the log.
+  /// On the I/O thread, between handlers (no copy of this session is running: the promise
+  /// in the header comment).
   void close(std::string reason) {
     if (close_reason_.empty()) close_reason_ = std::move(reason);
     closing_ = true;
@@ -169,6 +185,12 @@ class session : public std::enable_shared_from_this<session> {
         } else {
           set_reason("closed");
         }
+        break;
+      }
+      // Closed meanwhile (reaped, shutting down): a frame read before the close is dropped,
+      // so no copy starts after it (the promise in the header comment).
+      if (closing_) {
+        set_reason("closed");
         break;
       }
       last_activity_ = clock::now();
