@@ -9,7 +9,9 @@
 //   - the L2 backends (backend_factory), the tiered cache (any_cache), the registrations and
 //     lookups (region_registry.hpp), the listening socket and one session per connection;
 //   - a reaper timer: expires L1 locks and lookups past their TTL, and closes connections
-//     silent for client_reap_timeout (a connection that dies is reaped at once: EOF);
+//     silent for client_reap_timeout (a connection that dies is reaped at once: EOF),
+//     releasing the lookups each one owned; like every close, on the I/O thread between
+//     handlers, so no copy for the connection runs or starts after (session.hpp);
 //   - a random boot token, answered to ping and register (a new one reveals a restart);
 //   - who may connect: every accepted connection's peer is checked with SO_PEERCRED (the
 //     server's own uid, root, allowed_uids, allowed_gids) and against the connection caps
