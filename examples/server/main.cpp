@@ -10,6 +10,7 @@
 // to change>"; a failure to start (socket in use, L1 not allocatable) exits 1; SIGTERM or
 // SIGINT shut down in order and exit 0.
 #include <kvtier/server/config.hpp>
+#include <kvtier/server/config_file.hpp>
 #include <kvtier/server/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
 #if KVTIER_SERVER_WITH_REDIS
@@ -59,11 +60,7 @@ json read_json_file(const std::string& path) {
   std::ifstream in(path);
   if (!in) throw config_error("--config", path, "cannot open the file: check the path and its permissions");
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  try {
-    return json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw config_error("--config", path, std::string("not valid JSON: ") + e.what());
-  }
+  return kvtier::server::parse_config_text(text, path);
 }
 
 // Every backend type this program ships: memory (builtin), disk and, where hiredis was

@@ -4,6 +4,7 @@
 
 #include <kvtier/pipeline/policies.hpp>
 #include <kvtier/server/backend_factory.hpp>
+#include <kvtier/server/config_file.hpp>
 #include <kvtier/server/runtime_policies.hpp>
 
 #include <catch2/catch.hpp>
@@ -175,4 +176,24 @@ TEST_CASE("the run-time prefetch wait policy answers as the three shipped ones",
   s.select_targets(keys, 2, targets);
   REQUIRE(targets.size() == 2);
   CHECK(targets[1].count() == 3);
+}
+
+TEST_CASE("a configuration file's text that is not JSON is a config_error, whatever the parser throws",
+          "[server][config]") {
+  // The config fuzz target found 1e400: nlohmann::json reports a number beyond a double's
+  // range as out_of_range, which kvtier-server used to let escape (abort).
+  auto refusal_of = [](std::string_view text) -> std::string {
+    try {
+      (void)parse_config_text(text, "c.json");
+    } catch (const config_error& e) {
+      return e.what();
+    }
+    return {};
+  };
+  CHECK_THAT(refusal_of(R"({"chunk_size": 1e400})"),
+             Catch::StartsWith("--config (c.json): not valid JSON") && Catch::Contains("number overflow"));
+  CHECK_THAT(refusal_of(R"({"chunk_size": )"), Catch::StartsWith("--config (c.json): not valid JSON"));
+  CHECK_THAT(refusal_of(""), Catch::StartsWith("--config (c.json): not valid JSON"));
+  CHECK(parse_config_text(R"({"chunk_size": 1e300})", "c.json")["chunk_size"].get<double>() == 1e300);
+  CHECK(server_config::parse(parse_config_text(R"({"chunk_size": 64})", "c.json")).chunk_tokens == 64);
 }

@@ -140,6 +140,20 @@ TEST_CASE("kvtier-server refuses a bad configuration with exit status 2 and says
   CHECK(j["eviction_policy"] == "arc");
 }
 
+TEST_CASE("kvtier-server refuses a --config file with a number out of a double's range with exit status 2",
+          "[server][process]") {
+  // Found by the config fuzz target (tests/fuzz/regressions/config/): nlohmann::json throws
+  // out_of_range, not parse_error, for such a number, and main() used to let it escape.
+  temp_dir dir("kvtier-server");
+  const std::string file = (dir.path() / "config.json").string();
+  std::ofstream(file) << R"({"chunk_size": 1e400})";
+  const auto r = run_server(fmt::format("--socket '{}' --config '{}'", sock(dir), file));
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::StartsWith("kvtier-server: --config"));
+  CHECK_THAT(r.output, Catch::Contains("not valid JSON") && Catch::Contains("number overflow"));
+}
+
 TEST_CASE("kvtier-server does not take over a socket another server listens on", "[server][process]") {
   temp_dir dir("kvtier-server");
   const std::string path = sock(dir);
