@@ -93,6 +93,11 @@ struct paged_kv_layout {
   std::uint32_t block_size = 16;  ///< tokens per block
   std::uint32_t num_blocks = 0;
 
+  /// The largest total_bytes() of a valid layout: 1 PiB, beyond any machine's memory, and
+  /// small enough that no size or offset computed from a valid layout wraps around 64 bits
+  /// (every dimension at its limit would give 2^83 bytes).
+  static constexpr std::uint64_t max_total_bytes = std::uint64_t{1} << 50;
+
   friend constexpr bool operator==(const paged_kv_layout&, const paged_kv_layout&) = default;
 
   /// Bytes of one (layer, plane, block): block_size tokens, contiguous.
@@ -118,6 +123,13 @@ struct paged_kv_layout {
     if (auto e = model.validation_error(); !e.empty()) return e;
     if (block_size == 0 || block_size > 4096) return "block_size must be in 1..4096";
     if (num_blocks == 0) return "num_blocks must be > 0";
+    // Checked by division: with the bounds above, one block of every layer is at most 2^51
+    // bytes, while num_blocks times that could wrap.
+    const std::uint64_t per_block = std::uint64_t{block_size} * model.token_plane_bytes() * model.planes() *
+                                    model.num_layers;
+    if (num_blocks > max_total_bytes / per_block)
+      return "num_blocks " + std::to_string(num_blocks) + " is too many: the KV cache of this model and block_size "
+             "would exceed 1 PiB";
     return {};
   }
 
