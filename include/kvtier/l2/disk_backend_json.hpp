@@ -8,7 +8,7 @@
 //   type             "disk" (checked when present)
 //   name             string, the backend's name in metrics and logs ("disk")
 //   path             string, the directory (required)
-//   capacity_gb      number > 0, GiB (2^30 bytes) the objects may allocate, or
+//   capacity_gb      number in (0, 1048576], GiB (2^30 bytes) the objects may allocate, or
 //   capacity_bytes   integer > 0 (exactly one of the two)
 //   o_direct         bool (true)
 //   io               "auto" | "uring" | "pread" ("auto": KVTIER_IO_BACKEND, else the probe)
@@ -110,8 +110,11 @@ inline void from_json(const nlohmann::json& j, disk_backend_options& o) {
     json_fail(gb == nullptr ? "the capacity is missing: set 'capacity_gb' (GiB) or 'capacity_bytes'"
                             : "both 'capacity_gb' and 'capacity_bytes' are set: keep one");
   if (gb != nullptr) {
-    if (!gb->is_number() || !(gb->get<double>() > 0) || !std::isfinite(gb->get<double>()))
-      json_fail("'capacity_gb' must be a number > 0, got " + gb->dump());
+    // At most 1 PiB (as the memory backend's sizes): the conversion to bytes below must not
+    // overflow (undefined behaviour for a double beyond 2^64).
+    constexpr double max_gb = 1 << 20;
+    if (!gb->is_number() || !(gb->get<double>() > 0) || !(gb->get<double>() <= max_gb))
+      json_fail("'capacity_gb' must be a number > 0 and <= 1048576 (1 PiB), got " + gb->dump());
     out.capacity_bytes = static_cast<std::uint64_t>(gb->get<double>() * static_cast<double>(std::uint64_t{1} << 30));
     if (out.capacity_bytes == 0) json_fail("'capacity_gb' = " + gb->dump() + " is less than one byte");
   } else {
