@@ -214,7 +214,7 @@ void add_disk_objects(std::vector<seed>& out) {
     h.payload_checksum = l2::payload_checksum(payload);
     bytes file(l2::detail::object_file_bytes(payload.size()));
     l2::detail::encode_header_block(h, std::span<std::byte, 4096>(file.data(), 4096));
-    std::memcpy(file.data() + 4096, payload.data(), payload.size());
+    if (!payload.empty()) std::memcpy(file.data() + 4096, payload.data(), payload.size());
     bytes s = of({flags, 0});
     append(s, file);
     out.push_back({"disk_object/" + std::move(name), std::move(s)});
