@@ -47,14 +47,9 @@ struct flag {
 };
 
 // A value given on the command line as JSON: numbers become numbers; anything else stays
-// text, so that the configuration reader refuses it with its own message.
-json flag_value(const flag& f) {
-  if (f.type == kind::number) {
-    json j = json::parse(f.value, nullptr, /*allow_exceptions=*/false);
-    if (j.is_number()) return j;
-  }
-  return f.value;
-}
+// text, so that the configuration reader refuses it with its own message; text that is not
+// UTF-8 is refused (server/config_file.hpp).
+json flag_value(const flag& f) { return kvtier::server::flag_value(f.name, f.value, f.type == kind::number); }
 
 json read_json_file(const std::string& path) {
   std::ifstream in(path);

@@ -3,11 +3,14 @@
 // l2/disk_backend_json.hpp, l2/redis_options_json.hpp), read the way kvtier-server reads
 // them (examples/server/main.cpp).
 //
-// Input: one byte of choice, then JSON text.
-//   [0] even: the text is a --config file: parse_config_text (server/config_file.hpp, what
-//       main() calls), then server_config::parse;
-//       odd: the text is one --l2-backend flag: json::parse without exceptions (a discarded
-//       value is main()'s exit 2), then the backend factory parses it.
+// Input: one byte of choice (mode % 4), then text.
+//   0, 2: the text is a --config file: parse_config_text (server/config_file.hpp, what
+//         main() calls), then server_config::parse;
+//   1:    the text is one --l2-backend flag: json::parse without exceptions (a discarded
+//         value is main()'s exit 2), then the backend factory parses it;
+//   3:    [1] picks a key of the configuration, the rest is its value given as a flag
+//         (flag_value, server/config_file.hpp, what main() calls), then server_config::parse.
+// The seeds' first byte is an ASCII digit: '0' file, '1' backend, '3' flag (cli-flag-*).
 //
 // Oracle: whatever the text, the only exception is config_error, whose message names what
 // to change (main() prints it and exits 2; any other exception would abort the server); a
@@ -30,6 +33,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -89,16 +93,46 @@ void backend_flag(std::string_view text) {
   }
 }
 
+// A key of the configuration given as a command-line flag (every flag of kvtier-server is
+// one of these keys, dashes for underscores); numeric when its default is a number.
+void flag(std::uint8_t which, std::string_view text) {
+  static const std::vector<std::pair<std::string, bool>> keys = [] {
+    std::vector<std::pair<std::string, bool>> k;
+    const json defaults = srv::server_config{}.to_json();
+    for (const auto& [key, value] : defaults.items())
+      if (key != "l2_backends") k.emplace_back(key, value.is_number());
+    k.emplace_back("l1_size_gb", true);
+    k.emplace_back("l1_size_mb", true);
+    return k;
+  }();
+  const auto& [key, numeric] = keys[which % keys.size()];
+  std::string name = "--" + key;
+  for (auto& c : name)
+    if (c == '_') c = '-';
+  srv::server_config c;
+  try {
+    json j = json::object();
+    j[key] = srv::flag_value(name, text, numeric);
+    c = srv::server_config::parse(j, program_backends());
+  } catch (const srv::config_error& e) {
+    check_refusal(e);
+    return;
+  }
+  (void)c.to_json().dump(2);  // --print-config
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   fuzz_input in(data, size);
   const auto mode = in.take<std::uint8_t>();
+  const auto which = mode % 4 == 3 ? in.take<std::uint8_t>() : std::uint8_t{0};
   const auto rest = in.rest();
   const std::string_view text(reinterpret_cast<const char*>(rest.data()), rest.size());
-  if (mode % 2 == 0)
-    config_file(text);
-  else
-    backend_flag(text);
+  switch (mode % 4) {
+    case 1: backend_flag(text); break;
+    case 3: flag(which, text); break;
+    default: config_file(text);
+  }
   return 0;
 }

@@ -197,3 +197,23 @@ TEST_CASE("a configuration file's text that is not JSON is a config_error, whate
   CHECK(parse_config_text(R"({"chunk_size": 1e300})", "c.json")["chunk_size"].get<double>() == 1e300);
   CHECK(server_config::parse(parse_config_text(R"({"chunk_size": 64})", "c.json")).chunk_tokens == 64);
 }
+
+TEST_CASE("a flag's value becomes a JSON number or string, and text that is not UTF-8 is refused",
+          "[server][config]") {
+  CHECK(flag_value("--chunk-size", "256", true) == json(256));
+  CHECK(flag_value("--chunk-size", "lots", true) == json("lots"));  // the reader refuses it later
+  CHECK(flag_value("--socket", "256", false) == json("256"));
+  CHECK(flag_value("--chunk-size", "1e400", true) == json("1e400"));
+  // Found while extending the config fuzz target to flags: a JSON string must be UTF-8, and
+  // kvtier-server used to abort (json::type_error 316) on the first message echoing one.
+  try {
+    (void)flag_value("--eviction-policy", "\xff", false);
+    FAIL("no error");
+  } catch (const config_error& e) {
+    CHECK(e.option() == "--eviction-policy");
+    CHECK(e.value() == "\"\xef\xbf\xbd\"");  // U+FFFD for the invalid byte
+    CHECK(e.fix() == "must be UTF-8 text");
+  }
+  CHECK_THROWS_AS(flag_value("--socket", "/tmp/\xc3(.sock", false), config_error);
+  CHECK(flag_value("--socket", "/tmp/caf\xc3\xa9.sock", false) == json("/tmp/caf\xc3\xa9.sock"));
+}
