@@ -56,16 +56,9 @@ struct flag {
 };
 
 // A value given on the command line as JSON: numbers become numbers; anything else stays
-// text, so that the configuration reader refuses it with its own message.
-json flag_value(const flag& f) {
-  // Only what looks like a number is parsed (nothing else can nest).
-  if (f.type == kind::number && !f.value.empty() && f.value.size() < 64 &&
-      f.value.find_first_not_of("0123456789+-.eE") == std::string::npos) {
-    json j = json::parse(f.value, nullptr, /*allow_exceptions=*/false);
-    if (j.is_number()) return j;
-  }
-  return f.value;
-}
+// text, so that the configuration reader refuses it with its own message; text that is not
+// UTF-8 is refused (server/json_config.hpp).
+json flag_value(const flag& f) { return kvtier::server::flag_value(f.name, f.value, f.type == kind::number); }
 
 json read_json_file(const std::string& path) {
   struct ::stat st {};

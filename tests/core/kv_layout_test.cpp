@@ -93,3 +93,26 @@ TEST_CASE("NHD and HND place a (token, head) row where vLLM's tensors have it", 
   CHECK(mla_hnd.segment_runs() == 1);
   CHECK(mla_hnd.offset_in_layer(0, 2, 3) == (2 * 4 + 3) * 16);
 }
+
+TEST_CASE("a paged layout larger than max_total_bytes is refused before any size wraps around 64 bits",
+          "[core][kv_layout]") {
+  // Found by the cuda_descriptor fuzz target (tests/fuzz/regressions/cuda_descriptor/): every
+  // dimension at its limit and 2^30 + 1 blocks make layer_bytes() 2^71 + 2^41, which wraps
+  // to 2^41, so a descriptor claiming a 2 TiB allocation passed validate().
+  const model_shape widest{1, 1024, 65536, dtype_kind::fp32, attention_kind::mha};
+  const paged_kv_layout wraps{widest, 4096, (1U << 30) + 1};
+  CHECK_THAT(wraps.validation_error(), Catch::Contains("1 PiB"));
+  const paged_kv_layout one_block{widest, 4096, 1};  // 2 TiB: valid
+  CHECK(one_block.validation_error().empty());
+  CHECK(one_block.total_bytes() == std::uint64_t{1} << 41);
+  // The largest layout that passes has total_bytes() <= max_total_bytes, exactly computed.
+  const paged_kv_layout at_limit{llama8b, 16,
+                                 static_cast<std::uint32_t>(paged_kv_layout::max_total_bytes /
+                                                            (std::uint64_t{16} * 8 * 128 * 2 * 2 * 32))};
+  CHECK(at_limit.validation_error().empty());
+  CHECK(at_limit.total_bytes() <= paged_kv_layout::max_total_bytes);
+  const paged_kv_layout over{at_limit.model, 16, at_limit.num_blocks + 1};
+  CHECK_THAT(over.validation_error(), Catch::Contains("1 PiB"));
+  const paged_kv_layout llama{llama8b, 16, 100000};  // 400 GiB: fine
+  CHECK(llama.validation_error().empty());
+}

@@ -4,6 +4,7 @@
 
 #include <kvtier/pipeline/policies.hpp>
 #include <kvtier/server/backend_factory.hpp>
+#include <kvtier/server/json_config.hpp>
 #include <kvtier/server/runtime_policies.hpp>
 
 #include <catch2/catch.hpp>
@@ -251,4 +252,44 @@ TEST_CASE("a refused value is quoted as a short excerpt", "[server][config]") {
   CHECK_THAT(k, Catch::Contains("unknown key xxx"));
   CHECK(config_error("a", huge, "fix").value().size() <= max_value_excerpt);
   CHECK(excerpt("short") == "short");
+}
+
+TEST_CASE("a configuration file's text that is not JSON is a config_error, whatever the parser throws",
+          "[server][config]") {
+  // The config fuzz target found 1e400: nlohmann::json reports a number beyond a double's
+  // range as out_of_range, which kvtier-server used to let escape (abort).
+  auto refusal_of = [](std::string_view text) -> std::string {
+    try {
+      (void)parse_config_text(text, "--config", "c.json");
+    } catch (const config_error& e) {
+      return e.what();
+    }
+    return {};
+  };
+  CHECK_THAT(refusal_of(R"({"chunk_size": 1e400})"),
+             Catch::StartsWith("--config (c.json): not valid JSON") && Catch::Contains("number overflow"));
+  CHECK_THAT(refusal_of(R"({"chunk_size": )"), Catch::StartsWith("--config (c.json): not valid JSON"));
+  CHECK_THAT(refusal_of(""), Catch::StartsWith("--config (c.json): not valid JSON"));
+  CHECK(parse_config_text(R"({"chunk_size": 1e300})", "--config", "c.json")["chunk_size"].get<double>() == 1e300);
+  CHECK(server_config::parse(parse_config_text(R"({"chunk_size": 64})", "--config", "c.json")).chunk_tokens == 64);
+}
+
+TEST_CASE("a flag's value becomes a JSON number or string, and text that is not UTF-8 is refused",
+          "[server][config]") {
+  CHECK(flag_value("--chunk-size", "256", true) == json(256));
+  CHECK(flag_value("--chunk-size", "lots", true) == json("lots"));  // the reader refuses it later
+  CHECK(flag_value("--socket", "256", false) == json("256"));
+  CHECK(flag_value("--chunk-size", "1e400", true) == json("1e400"));
+  // Found while extending the config fuzz target to flags: a JSON string must be UTF-8, and
+  // kvtier-server used to abort (json::type_error 316) on the first message echoing one.
+  try {
+    (void)flag_value("--eviction-policy", "\xff", false);
+    FAIL("no error");
+  } catch (const config_error& e) {
+    CHECK(e.option() == "--eviction-policy");
+    CHECK(e.value() == "\"\xef\xbf\xbd\"");  // U+FFFD for the invalid byte
+    CHECK(e.fix() == "must be UTF-8 text");
+  }
+  CHECK_THROWS_AS(flag_value("--socket", "/tmp/\xc3(.sock", false), config_error);
+  CHECK(flag_value("--socket", "/tmp/caf\xc3\xa9.sock", false) == json("/tmp/caf\xc3\xa9.sock"));
 }

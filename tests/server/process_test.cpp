@@ -141,6 +141,36 @@ TEST_CASE("kvtier-server refuses a bad configuration with exit status 2 and says
   CHECK(j["eviction_policy"] == "arc");
 }
 
+TEST_CASE("kvtier-server refuses a --config file with a number out of a double's range with exit status 2",
+          "[server][process]") {
+  // Found by the config fuzz target (tests/fuzz/regressions/config/): nlohmann::json throws
+  // out_of_range, not parse_error, for such a number, and main() used to let it escape.
+  temp_dir dir("kvtier-server");
+  const std::string file = (dir.path() / "config.json").string();
+  std::ofstream(file) << R"({"chunk_size": 1e400})";
+  const auto r = run_server(fmt::format("--socket '{}' --config '{}'", sock(dir), file));
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::StartsWith("kvtier-server: --config"));
+  CHECK_THAT(r.output, Catch::Contains("not valid JSON") && Catch::Contains("number overflow"));
+}
+
+TEST_CASE("kvtier-server refuses a flag value that is not UTF-8 with exit status 2", "[server][process]") {
+  // JSON strings are UTF-8: such a value used to make every message that echoes it (and
+  // --print-config) throw json::type_error 316, which aborted the program.
+  temp_dir dir("kvtier-server");
+  const std::string ff = "\"$(printf '\\377')\"";  // one byte 0xff, from the shell
+  for (const std::string flag : {"--eviction-policy", "--chunk-size", "--socket", "--metrics-address"}) {
+    // --print-config: a server that accepted the value must not stay up serving.
+    const std::string args = flag == "--socket" ? "--socket " + ff + " --print-config"
+                                                : fmt::format("--socket '{}' {} {} --print-config", sock(dir), flag, ff);
+    const auto r = run_server(args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::StartsWith("kvtier-server: " + flag) && Catch::Contains("UTF-8"));
+  }
+}
+
 TEST_CASE("kvtier-server does not take over a socket another server listens on", "[server][process]") {
   temp_dir dir("kvtier-server");
   const std::string path = sock(dir);

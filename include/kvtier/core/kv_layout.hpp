@@ -204,6 +204,11 @@ struct paged_kv_layout {
   /// (kind() answers mla).
   kv_layout_kind order = kv_layout_kind::nhd;
 
+  /// The largest total_bytes() of a valid layout: 1 PiB, beyond any machine's memory, and
+  /// small enough that no size or offset computed from a valid layout wraps around 64 bits
+  /// (every dimension at its limit would give 2^83 bytes).
+  static constexpr std::uint64_t max_total_bytes = std::uint64_t{1} << 50;
+
   friend constexpr bool operator==(const paged_kv_layout&, const paged_kv_layout&) = default;
 
   /// The layout kind: mla for MLA models, else `order`.
@@ -269,6 +274,13 @@ struct paged_kv_layout {
       return "layout kind MLA needs an MLA model (attention_kind::mla): use NHD or HND";
     if (order != kv_layout_kind::nhd && order != kv_layout_kind::hnd && order != kv_layout_kind::mla)
       return "unknown layout kind";
+    // Checked by division: with the bounds above, one block of every layer is at most 2^51
+    // bytes, while num_blocks times that could wrap.
+    const std::uint64_t per_block = std::uint64_t{block_size} * model.token_plane_bytes() * model.planes() *
+                                    model.num_layers;
+    if (num_blocks > max_total_bytes / per_block)
+      return "num_blocks " + std::to_string(num_blocks) + " is too many: the KV cache of this model and block_size "
+             "would exceed 1 PiB";
     return {};
   }
 

@@ -8,7 +8,7 @@
 //   type             "disk" (checked when present)
 //   name             string, the backend's name in metrics and logs ("disk")
 //   path             string, the directory (required)
-//   capacity_gb      number > 0, GiB (2^30 bytes) the objects may allocate, or
+//   capacity_gb      number in (0, 1048576], GiB (2^30 bytes) the objects may allocate, or
 //   capacity_bytes   integer > 0 (exactly one of the two)
 //   o_direct         bool (true)
 //   io               "auto" | "uring" | "pread" ("auto": KVTIER_IO_BACKEND, else the probe)

@@ -14,7 +14,10 @@
 // parse_config_text() is the one way configuration text becomes JSON (a --config file, an
 // --l2-backend flag): nesting deeper than max_config_depth is refused while parsing, before
 // anything deep is built (100,000 nested arrays would otherwise overflow the stack of the
-// recursive copies and printers that come later).
+// recursive copies and printers that come later); every other refusal of the JSON parser,
+// including a number beyond a double's range (json::out_of_range), is a config_error too.
+// flag_value() is the one way a command-line flag's text becomes JSON. Both are what
+// kvtier-server (examples/server/main.cpp) and the config fuzz target call.
 
 #include <kvtier/config.hpp>
 
@@ -216,6 +219,28 @@ class json_object_reader {
   } catch (const nlohmann::json::exception& e) {
     throw config_error(what, value_name, std::string("not valid JSON: ") + excerpt(e.what(), 200));
   }
+}
+
+/// The JSON value of a command-line flag's text: a number when the flag takes one and the
+/// text looks like a JSON number (digits, sign, point, exponent: nothing that can nest), else
+/// the text as a string (the configuration reader then refuses it with its own message).
+/// Text that is not UTF-8 is refused here, as the config_error "<flag> (<text, invalid bytes
+/// shown as U+FFFD>): must be UTF-8 text": JSON strings are UTF-8, and every message that
+/// echoes the value (and --print-config) would otherwise throw json::type_error.
+[[nodiscard]] inline nlohmann::json flag_value(std::string_view flag, std::string_view text, bool numeric) {
+  if (numeric && !text.empty() && text.size() < 64 && text.find_first_not_of("0123456789+-.eE") == text.npos) {
+    nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_number()) return j;
+  }
+  nlohmann::json s = std::string(text);
+  try {
+    (void)s.dump();
+  } catch (const nlohmann::json::type_error&) {
+    throw config_error(std::string(flag),
+                       excerpt(s.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)),
+                       "must be UTF-8 text");
+  }
+  return s;
 }
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server
