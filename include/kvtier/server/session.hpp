@@ -342,7 +342,8 @@ class session : public std::enable_shared_from_this<session> {
                                                        std::to_string(reg.world_size)};
     // Lookups are this connection's own (lookup_table): another engine's request of the same
     // id is another lookup.
-    const bool replaces_own = ctx_.lookups.find(id_, r.request_key) != nullptr;
+    const lookup_table::entry* existing = ctx_.lookups.find(id_, r.request_key);
+    const bool replaces_own = existing != nullptr;
     if (!replaces_own && ctx_.lookups.owned(id_) >= ctx_.config.max_lookups_per_client)
       return request_error{errc::out_of_memory,
                            "this connection holds " + std::to_string(ctx_.lookups.owned(id_)) +
