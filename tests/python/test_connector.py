@@ -157,9 +157,4 @@ def test_a_second_retrieve_of_a_request_does_not_report_it_finished_receiving_ag
     w.retrieve("r", tokens, 1, list(range(16, 24)))
     wait_until(lambda: _answered(w), what="the second retrieve answered")
     reports += _drain_recving(w)
-    if reports.count("r") == 2:
-        pytest.xfail(
-            "engine/finished_tracker.hpp reports an id finished receiving once per completed retrieve, not once "
-            "(the tracker bug helper a2 is fixing)"
-        )
     assert reports.count("r") == 1

@@ -147,11 +147,15 @@ TEST_CASE("kvtier-server refuses a disk directory another user owns or others ma
     fs::create_directory(l2);
     ::chmod(l2.c_str(), 0700);
     give_to(l2, u);
+    struct ::stat st {};
+    REQUIRE(::stat(l2.c_str(), &st) == 0);
+    REQUIRE(st.st_uid == u.uid);
     says = l2.string() + " is owned by uid " + std::to_string(u.uid);
   }
   SECTION("a root directory others may write") {
     fs::create_directory(l2);
     ::chmod(l2.c_str(), 0777);
+    REQUIRE(mode_of(l2) == 0777);
     says = l2.string() + " is writable by group or others";
   }
   SECTION("an objects directory another user owns") {

@@ -268,6 +268,9 @@ class connector {
     /// for this connection, and starts none after (docs/protocol.md), so nothing handed
     /// over on it can be written any more.
     bool closed_by_server = false;
+    /// The text of an error_response with call id 0 (the server refusing this connection:
+    /// a peer check or a connection cap), kept for last_error() over the EOF that follows.
+    std::string refusal;
   };
   struct lookup_entry {
     std::uint64_t serial = 0;

@@ -721,7 +721,8 @@ boost::asio::awaitable<void> connector<Bus>::reader(std::shared_ptr<peer> p) {
     if (ec) {
       if (ec != boost::asio::error::operation_aborted) {
         if (detail::closed_by_peer(ec)) {
-          last_error_ = "the server closed the connection";
+          last_error_ = p->refusal.empty() ? "the server closed the connection"
+                                           : "the server refused the connection: " + p->refusal;
           on_peer_broken_io(*p, "eof", true);
         } else if (ec.category() == kvtier_category()) {
           if (const auto* why = p->conn->last_read_error()) last_error_ = "bad stream from the server: " + why->reason;
@@ -746,6 +747,13 @@ bool connector<Bus>::on_frame_io(peer& p, protocol::frame f) {
     return false;
   }
   const std::uint64_t id = f.header.call_id;
+  // Call ids start at 1: an error with id 0 answers no call but the connection itself (the
+  // server refuses it and closes it: say why in last_error()).
+  if (id == 0 && protocol::type_of(*decoded) == protocol::message_type::error_response) {
+    p.refusal = std::get<protocol::error_response>(*decoded).message;
+    last_error_ = "the server refused the connection: " + p.refusal;
+    return true;
+  }
   if (auto it = calls_.find(id); it != calls_.end() && it->second->epoch == p.epoch) {
     std::shared_ptr<pending_call> c = it->second;
     calls_.erase(it);
