@@ -11,7 +11,9 @@
 //           send/read, the client's own calls (the floor: two context switches and two
 //           copies per direction).
 //
-// Three placements, each measured in every repeat (interleaved, in this order):
+// Three placements: the unpinned repeats first (before anything is pinned: a process keeps
+// the CPU it was last pinned to until the scheduler moves it), then the two pinned ones
+// interleaved in each repeat:
 //   unpinned   client, server and echo process may run on any CPU (the scheduler decides;
 //              on a 2-CPU VM the server tends to land on the other CPU while the echo child
 //              stays with the client, so this ratio compares a cross-CPU lookup with a
@@ -20,7 +22,8 @@
 //   cross_cpu  the client on one CPU, every server thread and the echo process on another
 //              (skipped when the process may run on one CPU only).
 // Pinning is sched_setaffinity of this thread and of every thread of the other processes
-// (/proc/<pid>/task); 20 calls of each kind after each re-pinning are not counted.
+// (/proc/<pid>/task); 20 calls of each kind after each re-pinning are not counted. Within a
+// placement, each repeat interleaves lookup, raw and query calls.
 //
 //   kvtier_bench_rpc [--server PATH] [--repeats N] [--calls N] [--quick]
 //
@@ -223,8 +226,20 @@ int main(int argc, char** argv) {
         qq.push_back(us_since(t0));
       }
     };
+    // The unpinned repeats first, before anything was pinned (a process keeps the CPU it was
+    // last pinned to until the scheduler moves it: after a pinned round, "unpinned" would
+    // inherit that placement); then the pinned placements, interleaved.
     for (int r = -1; r < repeats; ++r) {  // r = -1: warm-up, not counted
-      for (auto& pl : places) {
+      std::vector<double> l, w, qq;
+      one_round(calls, l, w, qq);
+      if (r < 0) continue;
+      places[0].lookup.push_back(bench::median(l));
+      places[0].raw.push_back(bench::median(w));
+      places[0].query.push_back(bench::median(qq));
+    }
+    for (int r = -1; r < repeats; ++r) {  // r = -1: warm-up, not counted
+      for (std::size_t k = 1; k < places.size(); ++k) {
+        auto& pl = places[k];
         pin_thread(0, pl.client);
         pin_process(server.pid(), pl.peer);
         pin_process(echo, pl.peer);
