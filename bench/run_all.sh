@@ -7,7 +7,7 @@
 #
 #   bench/run_all.sh [--quick] [--only a,b,...] [--no-docs]
 #
-# ~6 min on the 2-core dev VM (--quick: ~2; budget 15 and 5), not counting the build. Uses the build in
+# ~9.5 min on the 2-core dev VM (--quick: ~3.5; budget 15 and 5), not counting the build. Uses the build in
 # $KVTIER_BUILD_DIR when set, else configures and builds build/ (Release). Installs missing
 # Debian packages (gnuplot-nox, fio, redis-server, redis-tools, python3) as the quick-start
 # scripts do (as root). Benchmarks: event_bus l1_policies gather server_copy io l2_fio l2_redis

@@ -97,6 +97,7 @@ def longdoc_table(results_dir):
             row["l1"] = query
         else:
             row.setdefault("recompute", warm)
+            row["recompute_l2_run"] = warm  # the same documents, computed in the L2 run's warmup
             row["l2"] = query
             ios = [t["io_bound"] for t in trials
                    if t.get("io_bound") and t["io_bound"].get("disk_read_gbps") and t["io_bound"].get("memcpy_gbps")]
@@ -338,8 +339,10 @@ def summary(res, meta, table, made):
         r = table.get(shape, {}).get(tok, {})
         row(f"long-doc QA {label}, {tok} tokens: TTFT, L1 hit", r.get("l1"), "s", r.get("recompute"), "s",
             "recompute at 50,000 tokens/s", (r["l1"] / r["recompute"]) if "l1" in r and "recompute" in r else None, "< 1")
-        row(f"long-doc QA {label}, {tok} tokens: TTFT, L2 (disk) hit", r.get("l2"), "s", r.get("recompute"), "s",
-            "recompute", (r["l2"] / r["recompute"]) if "l2" in r and "recompute" in r else None, "< 1")
+        rc = r.get("recompute_l2_run", r.get("recompute"))
+        row(f"long-doc QA {label}, {tok} tokens: TTFT, L2 (disk) hit (`l2_hit_vs_recompute{sfx}`)", r.get("l2"), "s",
+            rc, "s", "recompute of the same documents, same run",
+            g(f"l2_hit_vs_recompute{sfx}") or ((r["l2"] / rc) if "l2" in r and rc else None), "<= 1")
         mib = fmt((g(f"l2_hit_bytes_per_request{sfx}") or 0) / 2**20)
         disk = f"disk read probe, {fmt(g(f'l2_hit_disk_read_gbps{sfx}'))} GB/s, freshly written files, host may cache"
         row(f"**L2-hit time in kvtier, {label}** (`l2_hit_ttft_vs_overlap_bound{sfx}`)", g(f"l2_hit_kvtier_s{sfx}"),
