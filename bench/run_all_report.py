@@ -180,6 +180,41 @@ plot '{dat}' using 3:xtic(2) title 'kvtier disk backend (io_uring)', '' using 4 
         if gnuplot(script, data):
             made.append("l2_bandwidth_vs_chunk.png")
 
+    # 2b. The baselines of issue 17: copies against a streaming copy, lookup RTT pinned alike.
+    if "stream_copy_8b_gbps" in f or "lookup_rtt_same_cpu_us" in f:
+        d1 = os.path.join(data, "copy_baselines.dat")
+        with open(d1, "w") as out:
+            out.write("# shape stream_copy memcpy gather scatter (GB/s)\n")
+            for sh, label in (("8b", "8B (32 KiB segments)"), ("05b", "0.5B (4 KiB segments)")):
+                vals = [f.get(f"{k}_{sh}_gbps") for k in ("stream_copy", "memcpy", "gather", "scatter")]
+                out.write(f'"{label}" ' + " ".join("NaN" if v is None else str(v) for v in vals) + "\n")
+        d2 = os.path.join(data, "rpc_placements.dat")
+        with open(d2, "w") as out:
+            out.write("# placement lookup_us raw_us\n")
+            for pl, label in (("_same_cpu", "one CPU"), ("_cross_cpu", "two CPUs"), ("", "unpinned")):
+                vals = [f.get(f"lookup_rtt{pl}_us"), f.get(f"raw_rtt{pl}_us")]
+                out.write(f'"{label}" ' + " ".join("NaN" if v is None else str(v) for v in vals) + "\n")
+        script = f"""
+{terminal(1100, 450)}
+set output '{os.path.join(images, 'baselines.png')}'
+set multiplot layout 1,2 title 'Baselines (same run): one-thread copies of 256-token chunks; lookup round trip pinned alike'
+set style data histograms
+set style histogram clustered gap 1
+set style fill solid 0.8 border -1
+set grid ytics
+set yrange [0:*]
+set key below
+set title 'copy bandwidth, cold source and destination'
+set ylabel 'GB/s'
+plot '{d1}' using 2:xtic(1) title 'streaming copy (the limit)', '' using 3 title 'glibc memcpy', '' using 4 title 'gather', '' using 5 title 'scatter'
+set title 'lookup (39 chunks) vs raw socket ping-pong'
+set ylabel 'round trip (us)'
+plot '{d2}' using 2:xtic(1) title 'lookup', '' using 3 title 'raw ping-pong'
+unset multiplot
+"""
+        if gnuplot(script, data):
+            made.append("baselines.png")
+
     # 3. Hit ratio per eviction policy per trace.
     pol = res.get("l1_policies", {})
     policies = ["lru", "s3fifo", "arc", "noop"]
