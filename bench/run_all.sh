@@ -79,7 +79,7 @@ gather() {
 }
 
 bench_event_bus() {
-  "$build/bench/kvtier_bench_event_bus" --repeats=$((quick ? 3 : 7)) > "$logs/event_bus.log" 2>&1
+  "$build/bench/kvtier_bench_event_bus" --repeats=$((quick ? 5 : 7)) > "$logs/event_bus.log" 2>&1
   gather event_bus "$logs/event_bus.log"
 }
 bench_l1_policies() {
@@ -96,7 +96,7 @@ bench_server_copy() {
 }
 bench_io() {
   mkdir -p "$work/io"
-  "$build/bench/kvtier_bench_io" $((quick ? 2 : 5)) "$work/io" > "$logs/io.log" 2>&1
+  "$build/bench/kvtier_bench_io" 5 "$work/io" > "$logs/io.log" 2>&1
   rm -rf "$work/io"
   gather io "$logs/io.log"
 }
@@ -109,7 +109,8 @@ bench_l2_fio() {
   gather l2_fio "$logs/l2_fio.log"
 }
 bench_l2_redis() {
-  KVTIER_BUILD_DIR="$build" bench/l2_redis.sh "${qflag[@]}" > "$logs/l2_redis.log" 2>&1
+  # --quick is 3 repeats: ratios get at least 5 interleaved repeats in either mode.
+  KVTIER_BUILD_DIR="$build" bench/l2_redis.sh "${qflag[@]}" --repeats=$((quick ? 5 : 7)) > "$logs/l2_redis.log" 2>&1
   gather l2_redis "$logs/l2_redis.log"
 }
 bench_rpc() {
@@ -230,7 +231,7 @@ bench_scaling() {
 # ---- the run ------------------------------------------------------------------------------
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
-stages=(event_bus:50:20 l1_policies:15:5 gather:25:10 server_copy:20:2 io:25:10 l2_fio:90:55 l2_redis:12:6 rpc:8:3 degraded:85:35
+stages=(event_bus:50:35 l1_policies:15:5 gather:25:10 server_copy:20:2 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 degraded:85:35
   longdoc:220:90 scaling:20:10)
 selected=()
 for s in "${stages[@]}"; do
