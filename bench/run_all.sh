@@ -7,7 +7,7 @@
 #
 #   bench/run_all.sh [--quick] [--only a,b,...] [--no-docs]
 #
-# ~9.5 min on the 2-core dev VM (--quick: ~3.5; budget 15 and 5), not counting the build. Uses the build in
+# ~10 min on the 2-core dev VM (--quick: ~4.5; budget 15 and 5), not counting the build. Uses the build in
 # $KVTIER_BUILD_DIR when set, else configures and builds build/ (Release). Installs missing
 # Debian packages (gnuplot-nox, fio, redis-server, redis-tools, python3) as the quick-start
 # scripts do (as root). Benchmarks: event_bus l1_policies gather server_copy io l2_fio l2_redis
@@ -231,7 +231,7 @@ bench_scaling() {
 # ---- the run ------------------------------------------------------------------------------
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
-stages=(event_bus:50:35 l1_policies:15:5 gather:25:10 server_copy:20:2 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 degraded:85:35
+stages=(event_bus:50:50 l1_policies:15:5 gather:25:10 server_copy:20:2 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 degraded:85:35
   longdoc:220:90 scaling:20:10)
 selected=()
 for s in "${stages[@]}"; do
