@@ -218,6 +218,12 @@ longdoc_one() {
   if [ "$2" = l2 ] && [ -f "$results/longdoc/$tag.json" ]; then
     python3 bench/tools/l2_hit_bounds.py "$results/longdoc/$tag.json" "${6:-}" >> "$logs/longdoc.log.cur" || rc=1
   fi
+  # L1 runs: against bytes / streaming-copy bandwidth + one lookup RTT (the gather and rpc
+  # stages of this run, else of the previous results.json).
+  if [ "$2" = l1 ] && [ -f "$results/longdoc/$tag.json" ]; then
+    python3 bench/tools/l1_hit_bound.py "$results/longdoc/$tag.json" "${6:-}" "$raw" "$results/results.json" \
+      >> "$logs/longdoc.log.cur" || rc=1
+  fi
   gather longdoc "$logs/longdoc.log.cur"
   rm -f "$logs/longdoc.log.cur"
   return $rc

@@ -374,6 +374,9 @@ def summary(res, meta, table, made):
         r = table.get(shape, {}).get(tok, {})
         row(f"long-doc QA {label}, {tok} tokens: TTFT, L1 hit", r.get("l1"), "s", r.get("recompute"), "s",
             "recompute at 50,000 tokens/s", (r["l1"] / r["recompute"]) if "l1" in r and "recompute" in r else None, "< 1")
+        row(f"**L1-hit time in kvtier, {label}** (`l1_hit_ttft_vs_copy_bound{sfx}`)", g(f"l1_hit_kvtier_s{sfx}"), "s",
+            g(f"l1_hit_copy_bound_s{sfx}"), "s", "bytes / streaming copy (gather stage) + one lookup RTT (rpc stage)",
+            g(f"l1_hit_ttft_vs_copy_bound{sfx}"), "<= 1.5")
         rc = r.get("recompute_l2_run", r.get("recompute"))
         row(f"long-doc QA {label}, {tok} tokens: TTFT, L2 (disk) hit (`l2_hit_vs_recompute{sfx}`)", r.get("l2"), "s",
             rc, "s", "recompute of the same documents, same run",
