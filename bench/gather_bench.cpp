@@ -11,10 +11,15 @@
 // rotates chunk objects and blocks through the whole working set, so a chunk's object and
 // blocks were last touched one rotation (>= 4x LLC of traffic) ago. (The memcpy reads region
 // slice c, whose blocks belong to random chunks: under 10% of it was touched by the last few
-// copies.) One repeat runs memcpy, gather, memcpy,
-// scatter; a ratio x_vs_memcpy is the median over repeats of x_i / memcpy_i (the memcpy
-// just before x). The memcpy copies one whole chunk (object_bytes) from the region into an
-// object in one call.
+// copies.) One repeat runs memcpy, stream copy, gather, memcpy, stream copy, scatter; a
+// ratio x_vs_memcpy is the median over repeats of x_i / memcpy_i (the memcpy of the same
+// repeat just before x), x_vs_stream_copy likewise with the stream copy just before x. The
+// memcpy copies one whole chunk (object_bytes) from the region into an object in one call
+// (glibc's memcpy: at these sizes it stores through the cache). The stream copy
+// (common/stream_copy.hpp: non-temporal AVX-512/AVX/SSE2 stores, one thread, as gather and
+// scatter run on one thread) copies the same bytes in the direction of the op it stands
+// beside: region slice -> object before a gather, object -> region slice before a scatter.
+// It is the single-core limit for a copy whose destination is cold.
 //
 //   kvtier_bench_gather [--quick] [--repeats=N] [--explore[=<substring of variant names>]]
 //     --quick    5 repeats instead of 21 (--repeats sets any number)
@@ -24,11 +29,13 @@
 //                consecutive block ids (runs merged into one copy), and one streaming copy
 //                of a whole contiguous chunk (the limit for a copy that streams)
 //
-// Ends with RESULT lines: <op>_<shape>_gbps (medians) and <op>_vs_memcpy_<shape>.
+// Ends with RESULT lines: <op>_<shape>_gbps (medians, op = memcpy, stream_copy, gather,
+// scatter), <op>_vs_memcpy_<shape> and <op>_vs_stream_copy_<shape> (op = gather, scatter).
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/core/kv_transfer.hpp>
 
 #include <common/results.hpp>
+#include <common/stream_copy.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -143,6 +150,12 @@ double run_sweep(fixture& f, std::size_t sweep, const chunk_op& op) {
 const chunk_op op_memcpy = [](fixture& f, const fixture::slot& s) {
   std::memcpy(s.object, s.region_slice, f.chunk().object_bytes());
 };
+const chunk_op op_stream_in = [](fixture& f, const fixture::slot& s) {  // as a gather: region -> object
+  bench::stream_copy(s.object, s.region_slice, f.chunk().object_bytes());
+};
+const chunk_op op_stream_out = [](fixture& f, const fixture::slot& s) {  // as a scatter: object -> region
+  bench::stream_copy(s.region_slice, s.object, f.chunk().object_bytes());
+};
 const chunk_op op_gather = [](fixture& f, const fixture::slot& s) {
   check(gather_chunk(f.view(), s.blocks, f.chunk(), s.object));
 };
@@ -210,24 +223,33 @@ void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, 
       sc.name, obj >> 10, f.view().layout.segment_bytes() >> 10, f.num_chunks(), f.working_set() >> 20, sweep, repeats);
   // Warm up code paths and the CPU probe.
   run_sweep(f, 2, op_memcpy);
+  run_sweep(f, 2, op_stream_in);
+  run_sweep(f, 2, op_stream_out);
   run_sweep(f, 2, op_gather);
   run_sweep(f, 2, op_scatter);
 
-  std::vector<double> mg, g, ms, s;
+  std::vector<double> mg, sg, g, ms, ss, s;
   for (int r = 0; r < repeats; ++r) {
     mg.push_back(run_sweep(f, sweep, op_memcpy));
+    sg.push_back(run_sweep(f, sweep, op_stream_in));
     g.push_back(run_sweep(f, sweep, op_gather));
     ms.push_back(run_sweep(f, sweep, op_memcpy));
+    ss.push_back(run_sweep(f, sweep, op_stream_out));
     s.push_back(run_sweep(f, sweep, op_scatter));
   }
-  std::vector<double> m = mg;
+  std::vector<double> m = mg, st = sg;
   m.insert(m.end(), ms.begin(), ms.end());
+  st.insert(st.end(), ss.begin(), ss.end());
   const std::string n = sc.name;
   bench::print_result("memcpy_" + n + "_gbps", bench::median(m));
+  bench::print_result("stream_copy_" + n + "_gbps", bench::median(st));
   bench::print_result("gather_" + n + "_gbps", bench::median(g));
   bench::print_result("scatter_" + n + "_gbps", bench::median(s));
   bench::print_result("gather_vs_memcpy_" + n, bench::median_ratio(g, mg));
   bench::print_result("scatter_vs_memcpy_" + n, bench::median_ratio(s, ms));
+  bench::print_result("gather_vs_stream_copy_" + n, bench::median_ratio(g, sg));
+  bench::print_result("scatter_vs_stream_copy_" + n, bench::median_ratio(s, ss));
+  bench::print_result("stream_copy_vs_memcpy_" + n, bench::median_ratio(sg, mg));
 
   if (!explore) return;
   std::vector<variant> vars;
@@ -299,7 +321,8 @@ int main(int argc, char** argv) {
   if (quick) repeats = 5;
   const std::size_t llc = llc_bytes();
   const std::size_t ws = 4 * llc;  // per buffer: the region, and the object pool
-  std::printf("LLC %zu MiB; region and object pool each >= %zu MiB\n", llc >> 20, ws >> 20);
+  std::printf("LLC %zu MiB; region and object pool each >= %zu MiB; stream copy: %s stores, 1 thread\n", llc >> 20,
+              ws >> 20, bench::stream_copy_kind());
   const shape_case shapes[] = {
       {"8b", {32, 8, 128, dtype_kind::bf16, attention_kind::mha}},
       {"05b", {24, 2, 64, dtype_kind::bf16, attention_kind::mha}},

@@ -10,11 +10,25 @@
 //   ours through the pread fallback (io = pread, pread_threads = the queue depth).
 // Stores: each repeat, fio rw=write (new files, fsync_on_close=1) and our backend storing N
 //   objects in batches of `batch` (temporary file, O_DIRECT writes, fdatasync, rename,
-//   directory fsync per batch) into a fresh directory.
+//   directory fsync per batch) into a fresh directory. Our backend writes the parts of a
+//   batch 16 at a time across its keys, then fdatasyncs every key of the batch at once (up
+//   to 64 in flight: disk_backend's commit fan-out; `batch` here). fio's store job does the
+//   same number of fsyncs at once: `batch` jobs (numjobs, each its own files), each with
+//   iodepth = depth / batch, so the same 16 writes are in flight in all, and each job's
+//   fsync at a file's close overlaps the other jobs' (--fio-store-jobs 1: one job of
+//   iodepth 16 whose fsyncs come one after the other, the pre-issue-17 baseline).
+// fio's own iodepth histogram (the share of its submissions issued at each depth) is printed
+//   for both jobs; RESULT fio_read_depth_full_pct (the share at the job's full depth, 16-31)
+//   shows whether fio keeps its queue full across file boundaries.
 // For 32 MiB objects (a 256-token chunk of Llama-3.1-8B) and 3 MiB objects.
 // Each ratio is the median of the per-repeat ratios (bench/common/results.hpp).
 //
+// The files are freshly written before they are read (by the backend, in this run) on
+// whatever disk DIR is on: on a VM the host may still cache them, so a load figure is the
+// virtual disk's speed for recent files, not necessarily the device's.
+//
 // Usage: kvtier_bench_l2_disk [--dir DIR] [--gib X] [--repeats N] [--quick] [--fio PATH]
+//                             [--fio-store-jobs N]
 //   DIR defaults to $KVTIER_BENCH_DIR, else ./l2-disk-bench (it must not be tmpfs for the
 //   figures to mean anything); X GiB per measurement (default 2); --quick: 0.25 GiB, 2 repeats.
 #include <kvtier/cache/tiered_cache.hpp>
@@ -56,6 +70,14 @@ struct bench_config {
   unsigned depth = 16;
   std::size_t part = std::size_t{1} << 20;
   std::size_t batch = 8;
+  unsigned fio_store_jobs = 0;  ///< fio store jobs (concurrent fsyncs); 0: batch
+  [[nodiscard]] unsigned store_jobs() const { return fio_store_jobs ? fio_store_jobs : static_cast<unsigned>(batch); }
+};
+
+/// fio's iodepth histogram of one job ("1", "2", ... ">=64" -> percent of submissions).
+struct fio_run {
+  double bytes_per_s = 0;
+  nlohmann::json depths;
 };
 
 chunk_key key_of(std::size_t object_bytes, std::uint64_t i) {
@@ -72,8 +94,9 @@ std::string shell_quote(const std::string& s) {
   return q + "'";
 }
 
-/// Runs fio on a job file; returns the job's bandwidth in bytes per second.
-double run_fio(const bench_config& cfg, const fs::path& jobfile, bool write) {
+/// Runs fio on a job file; returns the (group's) bandwidth in bytes per second and the
+/// iodepth histogram.
+fio_run run_fio(const bench_config& cfg, const fs::path& jobfile, bool write) {
   const std::string cmd = shell_quote(cfg.fio) + " --output-format=json " + shell_quote(jobfile.string());
   std::FILE* p = ::popen(cmd.c_str(), "r");
   if (p == nullptr) throw std::runtime_error("cannot run " + cmd);
@@ -87,11 +110,37 @@ double run_fio(const bench_config& cfg, const fs::path& jobfile, bool write) {
   const auto start = out.find('{');
   if (start == std::string::npos) throw std::runtime_error("fio printed no JSON: " + out);
   const auto j = nlohmann::json::parse(out.substr(start));
-  const auto& job = j.at("jobs").at(0).at(write ? "write" : "read");
+  const auto& jobj = j.at("jobs").at(0);  // group_reporting: one entry for all the jobs
+  const auto& job = jobj.at(write ? "write" : "read");
   const double bytes = job.at("io_bytes").get<double>();
   const double ms = job.at("runtime").get<double>();
   if (bytes <= 0 || ms <= 0) throw std::runtime_error("fio moved nothing: " + cmd);
-  return bytes / (ms / 1000.0);
+  return {bytes / (ms / 1000.0), jobj.value("iodepth_level", nlohmann::json::object())};
+}
+
+/// fio's histogram bucket that holds depth d ("1", "2", "4", ..., "32", ">=64").
+std::string depth_bucket(unsigned d) {
+  if (d >= 64) return ">=64";
+  unsigned b = 1;
+  while (b * 2 <= d) b *= 2;
+  return std::to_string(b);
+}
+
+double depth_pct(const nlohmann::json& depths, unsigned d) {
+  const auto it = depths.find(depth_bucket(d));
+  return it != depths.end() && it->is_number() ? it->get<double>() : 0.0;
+}
+
+std::string depth_text(const nlohmann::json& depths) {
+  std::string t;
+  for (const char* k : {"1", "2", "4", "8", "16", "32", ">=64"}) {
+    const auto it = depths.find(k);
+    if (it == depths.end() || !it->is_number()) continue;
+    char b[48];
+    std::snprintf(b, sizeof b, "%s%s=%.1f%%", t.empty() ? "" : " ", k, it->get<double>());
+    t += b;
+  }
+  return t;
 }
 
 l2::disk_backend_options backend_options(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes,
@@ -186,12 +235,19 @@ fs::path write_read_job(const bench_config& cfg, const fs::path& at, const fs::p
   return at;
 }
 
+/// `jobs` jobs of iodepth depth / jobs each (the same writes in flight in all), each
+/// writing its own n / jobs new files with an fsync at each file's close: up to `jobs`
+/// fsyncs in flight at once.
 fs::path write_write_job(const bench_config& cfg, const fs::path& at, const fs::path& dir, std::size_t object_bytes,
                          std::size_t n) {
+  const unsigned jobs = cfg.store_jobs();
+  const unsigned depth = std::max(1u, cfg.depth / jobs);
+  const std::size_t per_job = std::max<std::size_t>(1, (n + jobs - 1) / jobs);
   std::ofstream j(at);
-  j << "[global]\nioengine=io_uring\ndirect=1\nrw=write\nbs=" << cfg.part << "\niodepth=" << cfg.depth
-    << "\nnumjobs=1\nfile_service_type=sequential\nfsync_on_close=1\ndirectory=" << dir.string()
-    << "\nnrfiles=" << n << "\nfilesize=" << object_bytes << "\nsize=" << n * object_bytes << "\n[write]\n";
+  j << "[global]\nioengine=io_uring\ndirect=1\nrw=write\nbs=" << cfg.part << "\niodepth=" << depth
+    << "\nnumjobs=" << jobs
+    << "\ngroup_reporting=1\nfile_service_type=sequential\nfsync_on_close=1\ndirectory=" << dir.string()
+    << "\nnrfiles=" << per_job << "\nfilesize=" << object_bytes << "\nsize=" << per_job * object_bytes << "\n[write]\n";
   return at;
 }
 
@@ -199,14 +255,17 @@ std::string size_label(std::size_t object_bytes) { return std::to_string(object_
 
 struct figures {
   std::vector<double> fio_read, ours_read, ours_pread, fio_write, ours_write;
+  std::vector<double> fio_read_full_pct, fio_write_full_pct;  ///< per repeat: % of submissions at full depth
 };
 
 figures measure(const bench_config& cfg, std::size_t object_bytes) {
   const std::size_t n = std::max<std::size_t>(
       cfg.batch, static_cast<std::size_t>(cfg.gib * static_cast<double>(std::size_t{1} << 30)) / object_bytes);
-  std::printf("== %s objects: %zu per measurement (%.2f GiB), batches of %zu, bs %zu KiB, depth %u\n",
-              size_label(object_bytes).c_str(), n, static_cast<double>(n * object_bytes) / (1 << 30), cfg.batch,
-              cfg.part >> 10, cfg.depth);
+  std::printf(
+      "== %s objects: %zu per measurement (%.2f GiB), batches of %zu, bs %zu KiB, depth %u; fio store: %u jobs of "
+      "depth %u\n",
+      size_label(object_bytes).c_str(), n, static_cast<double>(n * object_bytes) / (1 << 30), cfg.batch, cfg.part >> 10,
+      cfg.depth, cfg.store_jobs(), std::max(1u, cfg.depth / cfg.store_jobs()));
   std::vector<aligned_buffer> sources;
   for (std::size_t i = 0; i < cfg.batch; ++i) {
     sources.emplace_back(object_bytes);
@@ -225,13 +284,21 @@ figures measure(const bench_config& cfg, std::size_t object_bytes) {
     // Odd repeats run ours first: a drift of the device over time (this VM's disk swings 2x)
     // then does not favour either side.
     const bool fio_first = r % 2 == 0;
-    auto fio_read = [&] { f.fio_read.push_back(run_fio(cfg, read_job, false)); };
+    std::string read_depths, write_depths;
+    auto fio_read = [&] {
+      const fio_run fr = run_fio(cfg, read_job, false);
+      f.fio_read.push_back(fr.bytes_per_s);
+      f.fio_read_full_pct.push_back(depth_pct(fr.depths, cfg.depth));
+      read_depths = depth_text(fr.depths);
+    };
     auto fio_write = [&] {
       const fs::path fio_dir = cfg.dir / "fio-write";
       fs::remove_all(fio_dir);
       fs::create_directories(fio_dir);
-      f.fio_write.push_back(
-          run_fio(cfg, write_write_job(cfg, cfg.dir / "write.fio", fio_dir, object_bytes, n), true));
+      const fio_run fr = run_fio(cfg, write_write_job(cfg, cfg.dir / "write.fio", fio_dir, object_bytes, n), true);
+      f.fio_write.push_back(fr.bytes_per_s);
+      f.fio_write_full_pct.push_back(depth_pct(fr.depths, std::max(1u, cfg.depth / cfg.store_jobs())));
+      write_depths = depth_text(fr.depths);
       fs::remove_all(fio_dir);
     };
     if (fio_first) fio_read();
@@ -247,6 +314,8 @@ figures measure(const bench_config& cfg, std::size_t object_bytes) {
     std::printf("  repeat %d: read fio %.2f, ours %.2f (%s), pread %.2f GB/s; write fio %.2f, ours %.2f GB/s\n", r,
                 f.fio_read.back() / 1e9, f.ours_read.back() / 1e9, uring ? "io_uring" : "pread fallback",
                 f.ours_pread.back() / 1e9, f.fio_write.back() / 1e9, f.ours_write.back() / 1e9);
+    std::printf("    fio iodepth histogram (%% of submissions): read %s; write (per job) %s\n", read_depths.c_str(),
+                write_depths.c_str());
     std::fflush(stdout);
   }
   fs::remove_all(set);
@@ -269,12 +338,18 @@ int main(int argc, char** argv) try {
     else if (a == "--gib") cfg.gib = std::stod(next());
     else if (a == "--repeats") cfg.repeats = std::stoi(next());
     else if (a == "--fio") cfg.fio = next();
+    else if (a == "--fio-store-jobs")
+      cfg.fio_store_jobs = static_cast<unsigned>(std::stoul(next()));
     else if (a == "--quick") {
       cfg.gib = 0.25;
       cfg.repeats = 2;
-    } else throw std::invalid_argument("unknown argument " + a + " (use --dir, --gib, --repeats, --quick, --fio)");
+    } else
+      throw std::invalid_argument("unknown argument " + a +
+                                  " (use --dir, --gib, --repeats, --quick, --fio, "
+                                  "--fio-store-jobs)");
   }
   if (cfg.repeats < 1 || cfg.gib <= 0) throw std::invalid_argument("--repeats and --gib must be positive");
+  if (cfg.fio_store_jobs > 64) throw std::invalid_argument("--fio-store-jobs must be at most 64");
   fs::create_directories(cfg.dir);
   std::printf("l2_disk_bench in %s (%s)\n", cfg.dir.c_str(), io::probe_uring().detail.c_str());
 
@@ -299,6 +374,11 @@ int main(int argc, char** argv) try {
   print_result("fio_read_3m_gbps", median(small.fio_read) / 1e9);
   print_result("l2_store_3m_gbps", median(small.ours_write) / 1e9);
   print_result("fio_write_3m_gbps", median(small.fio_write) / 1e9);
+  print_result("fio_store_jobs", cfg.store_jobs());
+  print_result("fio_read_depth_full_pct", median(big.fio_read_full_pct));
+  print_result("fio_read_3m_depth_full_pct", median(small.fio_read_full_pct));
+  print_result("fio_write_depth_full_pct", median(big.fio_write_full_pct));
+  print_result("fio_write_3m_depth_full_pct", median(small.fio_write_full_pct));
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "kvtier_bench_l2_disk: %s\n", e.what());

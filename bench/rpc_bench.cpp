@@ -11,11 +11,26 @@
 //           send/read, the client's own calls (the floor: two context switches and two
 //           copies per direction).
 //
+// Three placements: the unpinned repeats first (before anything is pinned: a process keeps
+// the CPU it was last pinned to until the scheduler moves it), then the two pinned ones
+// interleaved in each repeat:
+//   unpinned   client, server and echo process may run on any CPU (the scheduler decides;
+//              on a 2-CPU VM the server tends to land on the other CPU while the echo child
+//              stays with the client, so this ratio compares a cross-CPU lookup with a
+//              same-CPU ping-pong);
+//   same_cpu   client, every server thread and the echo process pinned to one CPU;
+//   cross_cpu  the client on one CPU, every server thread and the echo process on another
+//              (skipped when the process may run on one CPU only).
+// Pinning is sched_setaffinity of this thread and of every thread of the other processes
+// (/proc/<pid>/task); 20 calls of each kind after each re-pinning are not counted. Within a
+// placement, each repeat interleaves lookup, raw and query calls.
+//
 //   kvtier_bench_rpc [--server PATH] [--repeats N] [--calls N] [--quick]
 //
 // Ends with RESULT lookup_rtt_us, raw_rtt_us, query_rtt_us (query_prefetch, the engine's
 // poll) and lookup_rtt_vs_raw = median over repeats of (median lookup RTT / median raw
-// RTT). Target: at most 2.
+// RTT), unpinned; the same with the suffix _same_cpu and _cross_cpu (lookup_rtt_same_cpu_us,
+// lookup_rtt_vs_raw_same_cpu, ...). Targets: at most 2 unpinned, at most 1.5 pinned.
 #include "../examples/common/process.hpp"
 
 #include <kvtier/core/token_hasher.hpp>
@@ -25,11 +40,13 @@
 #include <common/protocol_client.hpp>
 #include <common/results.hpp>
 
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -63,6 +80,46 @@ constexpr std::uint32_t bpc = chunk_tokens / block_size;
 double us_since(clock_type::time_point t0) {
   return std::chrono::duration<double, std::micro>(clock_type::now() - t0).count();
 }
+
+/// The CPUs this process may run on.
+std::vector<int> allowed_cpus() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  std::vector<int> cpus;
+  if (::sched_getaffinity(0, sizeof set, &set) != 0) return cpus;
+  for (int c = 0; c < CPU_SETSIZE; ++c)
+    if (CPU_ISSET(c, &set)) cpus.push_back(c);
+  return cpus;
+}
+
+cpu_set_t cpu_set_of(const std::vector<int>& cpus) {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int c : cpus) CPU_SET(c, &set);
+  return set;
+}
+
+/// Pins thread `tid` (0: the calling thread) to `cpus`.
+void pin_thread(pid_t tid, const std::vector<int>& cpus) {
+  const cpu_set_t set = cpu_set_of(cpus);
+  if (::sched_setaffinity(tid, sizeof set, &set) != 0 && !(tid != 0 && errno == ESRCH))  // ESRCH: it just ended
+    throw std::runtime_error("sched_setaffinity(" + std::to_string(tid) + "): " + std::strerror(errno));
+}
+
+/// Pins every thread of process `pid` to `cpus`.
+void pin_process(pid_t pid, const std::vector<int>& cpus) {
+  std::error_code ec;
+  for (const auto& t : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec))
+    pin_thread(static_cast<pid_t>(std::stol(t.path().filename().string())), cpus);
+  if (ec) throw std::runtime_error("cannot list the threads of process " + std::to_string(pid) + ": " + ec.message());
+}
+
+struct placement {
+  std::string suffix;                      ///< of the RESULT names
+  std::vector<int> client;                 ///< CPUs of this thread
+  std::vector<int> peer;                   ///< CPUs of the server's threads and of the echo process
+  std::vector<double> lookup, raw, query;  ///< per repeat: median RTT (us)
+};
 
 }  // namespace
 
@@ -148,10 +205,15 @@ int main(int argc, char** argv) {
       throw std::runtime_error("the warm-up lookup did not hit every chunk");
 
     std::vector<std::byte> req(request_bytes, std::byte{1}), rep(reply_bytes);
-    std::vector<double> lookup_med, raw_med, query_med;
-    for (int r = -1; r < repeats; ++r) {  // r = -1: warm-up, not counted
-      std::vector<double> l, w, qq;
-      for (int i = 0; i < calls; ++i) {
+    const std::vector<int> cpus = allowed_cpus();
+    std::vector<placement> places{{"", cpus, cpus, {}, {}, {}}};
+    if (!cpus.empty()) places.push_back({"_same_cpu", {cpus[0]}, {cpus[0]}, {}, {}, {}});
+    if (cpus.size() >= 2)
+      places.push_back({"_cross_cpu", {cpus[0]}, {cpus[1]}, {}, {}, {}});
+    else
+      std::printf("one CPU allowed: no cross_cpu placement\n");
+    auto one_round = [&](int n, std::vector<double>& l, std::vector<double>& w, std::vector<double>& qq) {
+      for (int i = 0; i < n; ++i) {
         auto t0 = clock_type::now();
         c.call(lookup);
         l.push_back(us_since(t0));
@@ -163,18 +225,46 @@ int main(int argc, char** argv) {
         c.call(p::query_prefetch_request{key});
         qq.push_back(us_since(t0));
       }
+    };
+    // The unpinned repeats first, before anything was pinned (a process keeps the CPU it was
+    // last pinned to until the scheduler moves it: after a pinned round, "unpinned" would
+    // inherit that placement); then the pinned placements, interleaved.
+    for (int r = -1; r < repeats; ++r) {  // r = -1: warm-up, not counted
+      std::vector<double> l, w, qq;
+      one_round(calls, l, w, qq);
       if (r < 0) continue;
-      lookup_med.push_back(bench::median(l));
-      raw_med.push_back(bench::median(w));
-      query_med.push_back(bench::median(qq));
+      places[0].lookup.push_back(bench::median(l));
+      places[0].raw.push_back(bench::median(w));
+      places[0].query.push_back(bench::median(qq));
     }
+    for (int r = -1; r < repeats; ++r) {  // r = -1: warm-up, not counted
+      for (std::size_t k = 1; k < places.size(); ++k) {
+        auto& pl = places[k];
+        pin_thread(0, pl.client);
+        pin_process(server.pid(), pl.peer);
+        pin_process(echo, pl.peer);
+        std::vector<double> l, w, qq;
+        one_round(20, l, w, qq);  // after the migration: not counted
+        l.clear(), w.clear(), qq.clear();
+        one_round(calls, l, w, qq);
+        if (r < 0) continue;
+        pl.lookup.push_back(bench::median(l));
+        pl.raw.push_back(bench::median(w));
+        pl.query.push_back(bench::median(qq));
+      }
+    }
+    pin_thread(0, cpus);
     c.call(p::end_request_request{key});
-    std::printf("frames: lookup %zu bytes, reply %zu bytes; %d repeats of %d calls each, interleaved\n", request_bytes,
-                reply_bytes, repeats, calls);
-    bench::print_result("lookup_rtt_us", bench::median(lookup_med));
-    bench::print_result("query_rtt_us", bench::median(query_med));
-    bench::print_result("raw_rtt_us", bench::median(raw_med));
-    bench::print_result("lookup_rtt_vs_raw", bench::median_ratio(lookup_med, raw_med));
+    std::printf("frames: lookup %zu bytes, reply %zu bytes; %d repeats of %d calls each, interleaved; CPUs",
+                request_bytes, reply_bytes, repeats, calls);
+    for (int cpu : cpus) std::printf(" %d", cpu);
+    std::printf("\n");
+    for (const auto& pl : places) {
+      bench::print_result("lookup_rtt" + pl.suffix + "_us", bench::median(pl.lookup));
+      bench::print_result("query_rtt" + pl.suffix + "_us", bench::median(pl.query));
+      bench::print_result("raw_rtt" + pl.suffix + "_us", bench::median(pl.raw));
+      bench::print_result("lookup_rtt_vs_raw" + pl.suffix, bench::median_ratio(pl.lookup, pl.raw));
+    }
     if (!server.stop(SIGTERM, std::chrono::seconds(10))) rc = 1;
   }
   ::close(sv[0]);
