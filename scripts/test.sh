@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Quick start, part 2: installs what is missing, builds into build/ and runs the whole ctest
-# suite, then an ASan+UBSan build of the tests (all but the long-running ones), then a TSan
-# build of the tests labelled `concurrency`.
+# suite and the Python suite (tests/python, with /usr/bin/python3), then an ASan+UBSan build
+# of the tests (all but the long-running ones), then a TSan build of the tests labelled
+# `concurrency`, then every libFuzzer target for a short fixed time (scripts/fuzz.sh,
+# clang; docs/fuzzing.md).
 #   ./scripts/test.sh
-# KVTIER_SKIP_SANITIZERS=1 stops after the main suite (for quick local iterations).
+# KVTIER_SKIP_SANITIZERS=1 stops after the main suite (for quick local iterations);
+# KVTIER_SKIP_FUZZ=1 skips only the fuzz stage; KVTIER_FUZZ_SECONDS (default 20) is its
+# time per target.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/common.sh
 
-kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" "${KVTIER_TEST_PACKAGES[@]}"
+kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" "${KVTIER_TEST_PACKAGES[@]}" "${KVTIER_PYTHON_PACKAGES[@]}"
 jobs=$(kvtier_jobs)
 start=$(date +%s)
 stage() { echo; echo "== [$(( $(date +%s) - start ))s] $*"; }
@@ -18,6 +22,12 @@ kvtier_configure build -DCMAKE_BUILD_TYPE=Release
 cmake --build build -j"$jobs"
 stage "main suite"
 ctest --test-dir build --output-on-failure --timeout 900 -j"$jobs"
+
+# The Python package (built into build/python by the main build) against the build's
+# kvtier-server: adapter semantics, the vLLM replay with faults, exact logits. The tests
+# marked `long` run with: KVTIER_BUILD_DIR=build /usr/bin/python3 -m pytest tests/python -m long
+stage "Python suite: /usr/bin/python3 -m pytest tests/python"
+KVTIER_BUILD_DIR="$PWD/build" /usr/bin/python3 -m pytest tests/python -q -m "not long"
 
 if [ "${KVTIER_SKIP_SANITIZERS:-0}" = 1 ]; then
   stage "sanitizer builds skipped (KVTIER_SKIP_SANITIZERS=1)"
@@ -40,5 +50,14 @@ cmake --build build-tsan -j"$jobs" --target kvtier_concurrency_tests
 stage "TSan suite (label concurrency)"
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   ctest --test-dir build-tsan --output-on-failure --timeout 900 -j"$jobs" -L concurrency
+
+if [ "${KVTIER_SKIP_FUZZ:-0}" = 1 ]; then
+  stage "fuzz stage skipped (KVTIER_SKIP_FUZZ=1)"
+else
+  # Builds build-fuzz/ with clang and runs each target ${KVTIER_FUZZ_SECONDS:-20} s; fails on
+  # the first crash, leak or timeout (the input is saved under build-fuzz/artifacts/).
+  stage "fuzz targets (clang, libFuzzer + ASan + UBSan): build-fuzz/, ${KVTIER_FUZZ_SECONDS:-20} s each"
+  ./scripts/fuzz.sh
+fi
 
 stage "all passed"

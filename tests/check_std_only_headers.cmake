@@ -1,8 +1,10 @@
-# Fails when a core/ header (token_hasher.hpp excepted) or config.hpp includes anything but
-# standard headers and other std-only kvtier headers, or when a cuda/ header includes
-# anything but those, CUDA's own headers and other cuda/ headers: the CUDA path must build
-# with nvcc alone on a machine without Boost or fmt (bench/cuda/check.sh).
-file(GLOB _headers ${KVTIER_INCLUDE_DIR}/kvtier/core/*.hpp ${KVTIER_INCLUDE_DIR}/kvtier/cuda/*.cuh)
+# Fails when a core/ header (token_hasher.hpp excepted), a cuda/*.hpp header or config.hpp
+# includes anything but standard headers and other std-only kvtier headers, or when a cuda/
+# *.cuh header includes anything but those, CUDA's own headers and other cuda/ headers: the
+# CUDA path must build with nvcc alone on a machine without Boost or fmt
+# (bench/cuda/check.sh), and cuda/*.hpp (the descriptor parser) without CUDA.
+file(GLOB _headers ${KVTIER_INCLUDE_DIR}/kvtier/core/*.hpp ${KVTIER_INCLUDE_DIR}/kvtier/cuda/*.cuh
+     ${KVTIER_INCLUDE_DIR}/kvtier/cuda/*.hpp)
 list(APPEND _headers ${KVTIER_INCLUDE_DIR}/kvtier/config.hpp)
 set(_bad "")
 foreach(h IN LISTS _headers)
@@ -19,7 +21,9 @@ foreach(h IN LISTS _headers)
       continue()
     elseif(_inc MATCHES "^kvtier/core/[a-z_]+\\.hpp$" AND NOT _inc STREQUAL "kvtier/core/token_hasher.hpp")
       continue()
-    elseif(_name MATCHES "\\.cuh$" AND _inc MATCHES "^(kvtier/cuda/[a-z_]+\\.cuh|cuda\\.h|cuda_runtime\\.h|cuda_runtime_api\\.h)$")
+    elseif(_name MATCHES "\\.cuh$" AND _inc MATCHES "^(kvtier/cuda/[a-z_]+\\.(cuh|hpp)|cuda\\.h|cuda_runtime\\.h|cuda_runtime_api\\.h)$")
+      continue()
+    elseif(_inc MATCHES "^kvtier/cuda/[a-z_]+\\.hpp$")
       continue()
     endif()
     list(APPEND _bad "${_name}: ${_inc}")
@@ -27,6 +31,6 @@ foreach(h IN LISTS _headers)
 endforeach()
 if(_bad)
   string(REPLACE ";" "\n  " _msg "${_bad}")
-  message(FATAL_ERROR "core/ headers must need only the standard library (cuda/ headers: and CUDA), but include:\n  ${_msg}")
+  message(FATAL_ERROR "core/ and cuda/*.hpp headers must need only the standard library (cuda/*.cuh: and CUDA), but include:\n  ${_msg}")
 endif()
-message(STATUS "core/ headers include only standard headers; cuda/ headers only those and CUDA")
+message(STATUS "core/ and cuda/*.hpp headers include only standard headers; cuda/*.cuh only those and CUDA")

@@ -7,14 +7,14 @@
 
 TEST_CASE("every errc has its own message and the kvtier category", "[error]") {
   std::set<std::string> messages;
-  for (int v = static_cast<int>(kvtier::errc::invalid_argument); v <= static_cast<int>(kvtier::errc::no_kv_region);
+  for (int v = static_cast<int>(kvtier::errc::invalid_argument); v <= static_cast<int>(kvtier::errc::over_budget);
        ++v) {
     const kvtier::error_code ec = kvtier::make_error_code(static_cast<kvtier::errc>(v));
     CHECK(std::string(ec.category().name()) == "kvtier");
     CHECK(ec.message() != "unknown kvtier error");
     messages.insert(ec.message());
   }
-  CHECK(messages.size() == static_cast<std::size_t>(kvtier::errc::no_kv_region));
+  CHECK(messages.size() == static_cast<std::size_t>(kvtier::errc::over_budget));
 }
 
 TEST_CASE("an errc converts implicitly to error_code and compares equal to itself", "[error]") {

@@ -269,7 +269,7 @@ double disk_read_bandwidth(const std::filesystem::path& dir, std::size_t bytes, 
 
 int main(int argc, char** argv) {
   CLI::App app{"kvtier long-document QA: warmup and query rounds over long documents, TTFT per round"};
-  std::string socket = "/tmp/kvtier.sock";
+  std::string socket = kvtier::protocol::default_socket_path();
   std::size_t documents = 8, tokens = 10'000, repeat_count = 1, trials = 1;
   std::uint32_t max_inflight = 4, output_tokens = 1, world_size = 1;
   std::string mode = "tile", hit_miss = "", model = "0.5b", json_path;

@@ -31,6 +31,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <deque>
 #include <map>
 #include <memory>
@@ -66,7 +67,8 @@ struct engine_config {
   /// each retrieve and its last (a sample that still catches a wrong block or chunk, at 1/n
   /// of the cost: checking costs as much as computing, which would hide what the cache saves).
   std::uint32_t verify_every = 1;
-  std::string socket_path;  ///< empty: no connector at all
+  std::string socket_path;                  ///< empty: no connector at all
+  std::optional<std::uint32_t> server_uid;  ///< the server's uid (connector_options::server_uid)
   std::string model_name = "mini-engine";
   kvtier::engine::connector_timeouts timeouts{};
   std::chrono::milliseconds connect_wait{3000};  ///< wait_ready at start (0: do not wait)
@@ -132,11 +134,15 @@ class engine {
         o.world_size = static_cast<std::uint16_t>(cfg_.world_size);
         o.model_name = cfg_.model_name;
         o.chunk_tokens = cfg_.chunk_tokens;
+        o.server_uid = cfg_.server_uid;
         o.timeouts = cfg_.timeouts;
         rs->conn = std::make_unique<connector_type>(o, rs->region, rs->events);
       }
       if (cfg_.connect_wait.count() > 0)
-        for (auto& rs : ranks_) rs->conn->wait_ready(cfg_.connect_wait);
+        for (auto& rs : ranks_)
+          if (!rs->conn->wait_ready(cfg_.connect_wait))
+            std::fprintf(stderr, "mini_engine: rank %u is not connected to the cache server (serving without it): %s\n",
+                         rs->shard_.rank, rs->conn->last_error().c_str());
     }
     for (std::uint32_t b = 0; b < cfg_.num_blocks; ++b) free_.push_back(b);
   }

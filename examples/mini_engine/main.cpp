@@ -1,6 +1,7 @@
 // kvtier_mini_engine: a stand-in inference engine using the kvtier connector.
 //
-//   kvtier_mini_engine --socket /tmp/kvtier.sock --documents 20 --tokens 10000 --rounds 2
+//   kvtier_mini_engine [--socket PATH] --documents 20 --tokens 10000 --rounds 2
+//   (the socket defaults to the server's default, protocol::default_socket_path())
 //   kvtier_mini_engine --no-connector ...      (the baseline without any cache)
 //
 // Sends every document once per round (the second round should hit the cache), verifies
@@ -23,8 +24,11 @@ int main(int argc, char** argv) {
   std::uint32_t output_tokens = 1;
   bool no_connector = false;
   std::string json_path;
-  std::string socket = "/tmp/kvtier.sock";
+  std::string socket = kvtier::protocol::default_socket_path();
+  std::optional<std::uint32_t> server_uid;
   app.add_option("--socket", socket, "The kvtier-server socket")->capture_default_str();
+  app.add_option("--server-uid", server_uid,
+                 "The uid the server runs as (default: this user's; root is accepted too), checked before connecting");
   app.add_flag("--no-connector", no_connector, "Run without any cache (the baseline)");
   app.add_option("--documents", documents, "Documents per round")->capture_default_str()->check(CLI::Range(1, 100000));
   app.add_option("--tokens", tokens, "Tokens per document")->capture_default_str()->check(CLI::Range(2, 1000000));
@@ -42,6 +46,7 @@ int main(int argc, char** argv) {
   app.add_option("--json", json_path, "Write the JSON report here instead of stdout");
   CLI11_PARSE(app, argc, argv);
   if (!no_connector) cfg.socket_path = socket;
+  cfg.server_uid = server_uid;
 
   try {
     mini_engine::engine eng(cfg);

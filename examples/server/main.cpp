@@ -6,9 +6,11 @@
 //   kvtier-server [--config FILE] [--socket PATH] [--l1-size-gb N] [--l2-backend JSON]... [...]
 //
 // Every flag has a JSON key of the same name (dashes as underscores) for --config files;
-// flags override the file. A bad value exits 2 with "kvtier-server: <what> (<value>): <what
-// to change>"; a failure to start (socket in use, L1 not allocatable) exits 1; SIGTERM or
-// SIGINT shut down in order and exit 0.
+// flags override the file. A bad value exits 2 with one line "kvtier-server: <what>
+// (<value>): <what to change>" (the value cut to a short excerpt), whatever the input: a
+// directory or a device as --config, JSON nested deeper than 32, sizes beyond the machine,
+// a disk directory another user could write; never a signal. A failure to start (socket in
+// use, L1 not allocatable) exits 1; SIGTERM or SIGINT shut down in order and exit 0.
 #include <kvtier/server/config.hpp>
 #include <kvtier/server/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
@@ -19,8 +21,13 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <sys/resource.h>
+#include <sys/stat.h>
+
+#include <cerrno>
 #include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <iterator>
 #include <map>
@@ -36,6 +43,9 @@ using nlohmann::json;
 
 enum class kind { number, text };
 
+/// The largest --config file read (a configuration is a few KiB).
+constexpr std::uintmax_t max_config_file_bytes = std::uintmax_t{16} << 20;
+
 // One flag and the JSON key it sets.
 struct flag {
   const char* name;  // CLI11 spelling, e.g. "--chunk-size"
@@ -46,24 +56,39 @@ struct flag {
 };
 
 // A value given on the command line as JSON: numbers become numbers; anything else stays
-// text, so that the configuration reader refuses it with its own message.
-json flag_value(const flag& f) {
-  if (f.type == kind::number) {
-    json j = json::parse(f.value, nullptr, /*allow_exceptions=*/false);
-    if (j.is_number()) return j;
-  }
-  return f.value;
-}
+// text, so that the configuration reader refuses it with its own message; text that is not
+// UTF-8 is refused (server/json_config.hpp).
+json flag_value(const flag& f) { return kvtier::server::flag_value(f.name, f.value, f.type == kind::number); }
 
 json read_json_file(const std::string& path) {
-  std::ifstream in(path);
+  struct ::stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    throw config_error(
+        "--config", path,
+        std::string("cannot open the file (") + std::strerror(errno) + "): check the path and its permissions");
+  if (!S_ISREG(st.st_mode))
+    throw config_error(
+        "--config", path,
+        S_ISDIR(st.st_mode) ? "is a directory: give the JSON file in it" : "is not a regular file: give a JSON file");
+  if (static_cast<std::uintmax_t>(st.st_size) > max_config_file_bytes)
+    throw config_error("--config", path, "is larger than 16 MiB: a configuration is a few KiB; check the path");
+  std::ifstream in(path, std::ios::binary);
   if (!in) throw config_error("--config", path, "cannot open the file: check the path and its permissions");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  try {
-    return json::parse(text);
-  } catch (const json::parse_error& e) {
-    throw config_error("--config", path, std::string("not valid JSON: ") + e.what());
-  }
+  std::string text;
+  text.resize(static_cast<std::size_t>(st.st_size));
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  if (in.bad()) throw config_error("--config", path, "cannot read the file: check the path and its permissions");
+  text.resize(static_cast<std::size_t>(in.gcount()));
+  return kvtier::server::parse_config_text(text, "--config", path);
+}
+
+// Open files: one per client connection (and per disk shard directory); the soft limit is
+// often 1024, below max_connections. Raised to the hard limit.
+void raise_open_file_limit() {
+  ::rlimit r{};
+  if (::getrlimit(RLIMIT_NOFILE, &r) != 0 || r.rlim_cur >= r.rlim_max) return;
+  r.rlim_cur = r.rlim_max;
+  (void)::setrlimit(RLIMIT_NOFILE, &r);
 }
 
 // Every backend type this program ships: memory (builtin), disk and, where hiredis was
@@ -93,7 +118,26 @@ int main(int argc, char** argv) {
   auto default_of = [&](const char* key) { return defaults.contains(key) ? defaults[key].dump() : std::string(); };
 
   std::vector<flag> flags = {
-      {"--socket", "socket", kind::text, "Unix socket path (mode 0600)", {}},
+      {"--socket", "socket", kind::text, "Unix socket path", {}},
+      {"--socket-mode", "socket_mode", kind::text, "the socket file's mode, octal (0660: its group may reach it)", {}},
+      {"--allowed-uids",
+       "allowed_uids",
+       kind::text,
+       "users served besides this one and root: uids or names, comma-separated",
+       {}},
+      {"--allowed-gids", "allowed_gids", kind::text, "members of these groups are served too: gids or names", {}},
+      {"--max-connections", "max_connections", kind::number, "open client connections, all users", {}},
+      {"--max-connections-per-uid", "max_connections_per_uid", kind::number, "open connections of one user", {}},
+      {"--max-lookup-keys",
+       "max_lookup_keys",
+       kind::number,
+       "chunk keys all open lookups may hold (auto: 4 x per client)",
+       {}},
+      {"--max-lookup-keys-per-client",
+       "max_lookup_keys_per_client",
+       kind::number,
+       "chunk keys one connection's open lookups may hold (auto: max(2^20, 64 per L1 slot))",
+       {}},
       {"--chunk-size", "chunk_size", kind::number, "tokens per chunk (engines must hash with the same)", {}},
       {"--l1-size-gb", "l1_size_gb", kind::number, "L1 (CPU memory) size in GiB (default 1)", {}},
       {"--l1-size-mb", "l1_size_mb", kind::number, "L1 size in MiB (instead of --l1-size-gb)", {}},
@@ -157,7 +201,10 @@ int main(int argc, char** argv) {
   app.add_option("--l2-backend,--l2-adapter", backends,
                  "an L2 backend as JSON, repeatable, e.g. '{\"type\":\"memory\",\"capacity_gb\":8}'; types:\n" +
                      program_backends().help())
-      ->type_name("JSON");
+      ->type_name("JSON")
+      // One JSON value per flag: CLI11 would otherwise take "[...]" for a list of values and
+      // split it, recursively (100,000 nested arrays overflowed its stack).
+      ->allow_extra_args(false);
   app.add_flag("--print-config", print_config, "print the effective configuration as JSON and exit");
 
   try {
@@ -177,6 +224,12 @@ int main(int argc, char** argv) {
   try {
     json j = config_file.empty() ? json::object() : read_json_file(config_file);
     if (!j.is_object()) throw config_error("--config", config_file, "the file must hold one JSON object");
+    std::vector<std::string> size_flags;
+    for (const char* n : {"--l1-size-gb", "--l1-size-mb"})
+      if (app.count(n) != 0) size_flags.push_back(n);
+    if (size_flags.size() > 1)
+      throw config_error(size_flags[0] + " and " + size_flags[1], "both given",
+                         "give the L1 size once: --l1-size-gb or --l1-size-mb");
     for (const auto& f : flags) {
       if (app.count(f.name) == 0) continue;
       if (std::string(f.key).starts_with("l1_size_"))
@@ -187,10 +240,14 @@ int main(int argc, char** argv) {
     if (!backends.empty()) {
       json list = json::array();
       for (std::size_t i = 0; i < backends.size(); ++i) {
-        json b = json::parse(backends[i], nullptr, /*allow_exceptions=*/false);
-        if (b.is_discarded())
-          throw config_error("--l2-backend", "'" + backends[i] + "'",
-                             "not valid JSON: write it as '{\"type\": \"memory\", \"capacity_gb\": 8}'");
+        json b;
+        try {
+          b = kvtier::server::parse_config_text(backends[i], "--l2-backend", "'" + backends[i] + "'");
+        } catch (const config_error& e) {
+          if (!e.fix().starts_with("not valid JSON")) throw;
+          throw config_error(e.option(), e.value(),
+                             e.fix() + ": write it as '{\"type\": \"memory\", \"capacity_gb\": 8}'");
+        }
         list.push_back(std::move(b));
         flag_of_key["l2_backends[" + std::to_string(i) + "]"] = "--l2-backend #" + std::to_string(i + 1);
       }
@@ -211,6 +268,10 @@ int main(int argc, char** argv) {
         break;
       }
     return bad_config(prefix + what + " (" + e.value() + "): " + e.fix());
+  } catch (const std::bad_alloc&) {
+    return bad_config("the configuration is too large to read: check --config and the --l2-backend flags");
+  } catch (const std::exception& e) {
+    return bad_config(std::string("the configuration cannot be read: ") + kvtier::server::excerpt(e.what(), 300));
   }
 
   if (print_config) {
@@ -219,6 +280,7 @@ int main(int argc, char** argv) {
   }
 
   std::signal(SIGPIPE, SIG_IGN);  // writes use MSG_NOSIGNAL; this covers anything else
+  raise_open_file_limit();
   try {
     srv::server_options options;
     options.handle_signals = true;

@@ -38,6 +38,8 @@ enum class errc : int {
   shutting_down,         ///< the component is stopping and takes no new work
   unsupported,           ///< the kernel or build lacks a feature (io_uring, CUDA, ...)
   no_kv_region,          ///< the connection registered without a KV region (a scheduler)
+  permission_denied,     ///< the peer (its uid) is not allowed to use this server
+  over_budget,           ///< a client or server budget is spent (connections, lookup keys)
 };
 
 namespace detail {
@@ -53,48 +55,31 @@ class kvtier_category final : public boost::system::error_category {
 
   [[nodiscard]] static const char* describe(int ev) noexcept {
     switch (static_cast<errc>(ev)) {
-      case errc::invalid_argument:
-        return "invalid argument";
-      case errc::invalid_config:
-        return "invalid configuration";
-      case errc::out_of_memory:
-        return "out of L1 memory";
-      case errc::not_found:
-        return "not found";
-      case errc::wrong_state:
-        return "object in wrong state";
-      case errc::locked:
-        return "object is locked";
-      case errc::timeout:
-        return "deadline expired";
-      case errc::cancelled:
-        return "operation cancelled";
-      case errc::io_error:
-        return "I/O error";
-      case errc::no_space:
-        return "no space left in backend";
-      case errc::corrupt_object:
-        return "stored object is corrupt";
-      case errc::backend_unavailable:
-        return "L2 backend unavailable";
-      case errc::protocol_error:
-        return "protocol error";
-      case errc::version_mismatch:
-        return "protocol version mismatch";
-      case errc::message_too_large:
-        return "message too large";
-      case errc::server_unavailable:
-        return "cache server unavailable";
-      case errc::layout_mismatch:
-        return "KV layout mismatch";
-      case errc::not_registered:
-        return "KV region not registered";
-      case errc::shutting_down:
-        return "shutting down";
-      case errc::unsupported:
-        return "not supported here";
-      case errc::no_kv_region:
-        return "registered without a KV region";
+      // clang-format off
+      case errc::invalid_argument: return "invalid argument";
+      case errc::invalid_config: return "invalid configuration";
+      case errc::out_of_memory: return "out of L1 memory";
+      case errc::not_found: return "not found";
+      case errc::wrong_state: return "object in wrong state";
+      case errc::locked: return "object is locked";
+      case errc::timeout: return "deadline expired";
+      case errc::cancelled: return "operation cancelled";
+      case errc::io_error: return "I/O error";
+      case errc::no_space: return "no space left in backend";
+      case errc::corrupt_object: return "stored object is corrupt";
+      case errc::backend_unavailable: return "L2 backend unavailable";
+      case errc::protocol_error: return "protocol error";
+      case errc::version_mismatch: return "protocol version mismatch";
+      case errc::message_too_large: return "message too large";
+      case errc::server_unavailable: return "cache server unavailable";
+      case errc::layout_mismatch: return "KV layout mismatch";
+      case errc::not_registered: return "KV region not registered";
+      case errc::shutting_down: return "shutting down";
+      case errc::unsupported: return "not supported here";
+      case errc::no_kv_region: return "registered without a KV region";
+      case errc::permission_denied: return "permission denied";
+      case errc::over_budget: return "over budget";
+      // clang-format on
     }
     return "unknown kvtier error";
   }

@@ -74,19 +74,22 @@ class test_cache {
   std::vector<std::byte*> layers_;
 };
 
-/// The trivially correct gather: byte by byte, straight from the layout definitions.
+/// The trivially correct gather: byte by byte, one (token, head) row at a time, straight
+/// from the layout definitions (offset_in_layer and object_offset, which know NHD and HND).
 void reference_gather(const test_cache& cache, const std::vector<std::uint32_t>& ids, const chunk_layout& chunk,
                       std::byte* object, std::uint32_t skip) {
   const auto& L = cache.layout();
-  const std::size_t tpb = L.model.token_plane_bytes();
+  const std::size_t row = L.head_row_bytes();
   for (std::uint32_t l = 0; l < L.model.num_layers; ++l)
     for (std::uint32_t p = 0; p < L.model.planes(); ++p)
       for (std::uint32_t i = 0; i < ids.size(); ++i)
         for (std::uint32_t t = 0; t < L.block_size; ++t) {
           const std::uint32_t token = i * L.block_size + t;
           if (token < skip) continue;
-          for (std::size_t b = 0; b < tpb; ++b)
-            object[chunk.offset(l, p, token) + b] = cache.layer(l)[L.offset_in_layer(p, ids[i], t) + b];
+          for (std::uint32_t h = 0; h < L.model.num_kv_heads; ++h)
+            for (std::size_t b = 0; b < row; ++b)
+              object[L.object_offset(chunk, l, p, token, h) + b] =
+                  cache.layer(l)[L.offset_in_layer(p, ids[i], t, h) + b];
         }
 }
 
@@ -94,15 +97,17 @@ void reference_gather(const test_cache& cache, const std::vector<std::uint32_t>&
 void reference_scatter(const test_cache& cache, const std::vector<std::uint32_t>& ids, const chunk_layout& chunk,
                        const std::byte* object, std::uint32_t skip) {
   const auto& L = cache.layout();
-  const std::size_t tpb = L.model.token_plane_bytes();
+  const std::size_t row = L.head_row_bytes();
   for (std::uint32_t l = 0; l < L.model.num_layers; ++l)
     for (std::uint32_t p = 0; p < L.model.planes(); ++p)
       for (std::uint32_t i = 0; i < ids.size(); ++i)
         for (std::uint32_t t = 0; t < L.block_size; ++t) {
           const std::uint32_t token = i * L.block_size + t;
           if (token < skip) continue;
-          for (std::size_t b = 0; b < tpb; ++b)
-            cache.layer(l)[L.offset_in_layer(p, ids[i], t) + b] = object[chunk.offset(l, p, token) + b];
+          for (std::uint32_t h = 0; h < L.model.num_kv_heads; ++h)
+            for (std::size_t b = 0; b < row; ++b)
+              cache.layer(l)[L.offset_in_layer(p, ids[i], t, h) + b] =
+                  object[L.object_offset(chunk, l, p, token, h) + b];
         }
 }
 
@@ -140,6 +145,7 @@ struct transfer_case {
   std::uint32_t block_size;
   std::uint32_t blocks_per_chunk;
   std::uint32_t num_blocks;
+  kv_layout_kind order = kv_layout_kind::nhd;
 };
 
 std::vector<transfer_case> transfer_cases() {
@@ -155,6 +161,13 @@ std::vector<transfer_case> transfer_cases() {
       {"MLA, block size 64, one block", {2, 1, 36, dtype_kind::bf16, attention_kind::mla}, 64, 1, 3},
       // The 8B model's 32 KiB segments (2 layers only, to stay quick).
       {"MHA, 8B-like segments", {2, 8, 128, dtype_kind::bf16, attention_kind::mha}, 16, 4, 6},
+      // HND (vLLM's CPU backend, FlashInfer): head-major blocks.
+      {"HND, block size 1", {3, 2, 4, dtype_kind::bf16, attention_kind::mha}, 1, 37, 50, kv_layout_kind::hnd},
+      {"HND, one block", {4, 2, 8, dtype_kind::bf16, attention_kind::mha}, 16, 1, 4, kv_layout_kind::hnd},
+      {"HND, many blocks", {4, 4, 8, dtype_kind::fp32, attention_kind::mha}, 16, 16, 40, kv_layout_kind::hnd},
+      {"HND, one KV head", {2, 1, 16, dtype_kind::fp16, attention_kind::mha}, 8, 4, 9, kv_layout_kind::hnd},
+      {"HND, fp8, 3 x 5", {2, 3, 5, dtype_kind::fp8_e4m3, attention_kind::mha}, 16, 5, 11, kv_layout_kind::hnd},
+      {"HND, 8B-like segments", {2, 8, 128, dtype_kind::bf16, attention_kind::mha}, 16, 4, 6, kv_layout_kind::hnd},
   };
 }
 
@@ -186,7 +199,7 @@ TEST_CASE("gather and scatter match a byte-by-byte reference for every shape, id
           "[core][kv_transfer]") {
   std::uint64_t seed = 1;
   for (const auto& tc : transfer_cases()) {
-    const paged_kv_layout layout{tc.model, tc.block_size, tc.num_blocks};
+    const paged_kv_layout layout{tc.model, tc.block_size, tc.num_blocks, tc.order};
     const chunk_layout chunk{tc.model, tc.block_size * tc.blocks_per_chunk};
     REQUIRE(layout.validation_error().empty());
     REQUIRE(layout.compatibility_error(chunk).empty());

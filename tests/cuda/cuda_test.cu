@@ -49,6 +49,7 @@ using kvtier::attention_kind;
 using kvtier::chunk_layout;
 using kvtier::dtype_kind;
 using kvtier::gather_item;
+using kvtier::kv_layout_kind;
 using kvtier::model_shape;
 using kvtier::paged_kv_layout;
 using kvtier::scatter_item;
@@ -91,7 +92,7 @@ void fill_random(std::span<std::byte> bytes, std::uint64_t seed) {
 }
 
 std::string describe(const paged_kv_layout& l, const chunk_layout& c) {
-  return std::string(l.model.attention == attention_kind::mha ? "MHA" : "MLA") +
+  return std::string(l.model.attention == attention_kind::mha ? "MHA " : "MLA ") + std::string(name(l.kind())) +
          " layers=" + std::to_string(l.model.num_layers) + " heads=" + std::to_string(l.model.num_kv_heads) +
          " dim=" + std::to_string(l.model.head_dim) + " dtype=" + std::string(name(l.model.dtype)) +
          " block=" + std::to_string(l.block_size) + " chunk=" + std::to_string(c.chunk_tokens);
@@ -289,10 +290,14 @@ struct replay {
     for (std::uint64_t cta = 0; cta < grid; ++cta) {
       const kc::detail::segment_copy s = kc::detail::locate_segment<Gather>(p, static_cast<std::uint32_t>(cta));
       if (!s.active) continue;
-      if ((reinterpret_cast<std::uintptr_t>(s.dst) | reinterpret_cast<std::uintptr_t>(s.src) | s.len) % vec)
-        misaligned = true;
-      std::memcpy(s.dst, s.src, s.len);
-      writes.emplace_back(reinterpret_cast<std::uintptr_t>(s.dst), reinterpret_cast<std::uintptr_t>(s.dst) + s.len);
+      for (std::uint32_t run = 0; run < s.runs; ++run) {
+        std::byte* dst = s.dst + run * s.stride;
+        const std::byte* src = s.src + run * s.stride;
+        if ((reinterpret_cast<std::uintptr_t>(dst) | reinterpret_cast<std::uintptr_t>(src) | s.len) % vec)
+          misaligned = true;
+        std::memcpy(dst, src, s.len);
+        writes.emplace_back(reinterpret_cast<std::uintptr_t>(dst), reinterpret_cast<std::uintptr_t>(dst) + s.len);
+      }
     }
     std::sort(writes.begin(), writes.end());
     for (std::size_t i = 1; i < writes.size(); ++i)
@@ -361,6 +366,13 @@ std::vector<batch_case> shapes() {
   // 70 small chunks: more pieces than one parameter block holds.
   v.push_back(
       make_case({{1, 1, 8, dtype_kind::bf16, attention_kind::mha}, 16, 200}, 32, 70, 8, "more items than one launch"));
+  // HND (head-major blocks): a skip inside a block leaves the leading rows of every head.
+  v.push_back(make_case({{3, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 64, kv_layout_kind::hnd}, 64, 9, 11,
+                        "hnd bf16"));
+  v.push_back(make_case({{2, 3, 5, dtype_kind::fp8_e4m3, attention_kind::mha}, 4, 60, kv_layout_kind::hnd}, 12, 7, 12,
+                        "hnd fp8 odd width"));
+  v.push_back(make_case({{2, 4, 2, dtype_kind::fp32, attention_kind::mha}, 8, 30, kv_layout_kind::hnd}, 16, 6, 13,
+                        "hnd repeated ids", true));
   return v;
 }
 

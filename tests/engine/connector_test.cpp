@@ -332,9 +332,11 @@ TEST_CASE("the server's EOF makes the connector unhealthy at once and releases e
   CHECK(f.recving == ids{"r"});
   CHECK(f.sending == ids{"s"});
   CHECK(sorted(c.take_load_error_blocks()) == range(8, 4));
-  // EOF does not prove the server process gone (here it lives on): the blocks stay fenced.
-  CHECK(c.quarantined_blocks() == range(8, 4));
+  // The server closes a connection only after every copy it started for it has ended
+  // (docs/protocol.md): after its EOF nothing can write the blocks, so none is fenced.
+  CHECK(c.quarantined_blocks().empty());
   const auto s = h.rec.snapshot();
+  CHECK(s.quarantine.empty());
   CHECK(s.stores.back().outcome == bus::connector_outcome::unhealthy);
   CHECK(s.retrieves.back().outcome == bus::connector_outcome::unhealthy);
   CHECK(s.lookups.back().outcome == bus::connector_outcome::unhealthy);
@@ -343,8 +345,36 @@ TEST_CASE("the server's EOF makes the connector unhealthy at once and releases e
   REQUIRE(h.wait([](const record& r) { return r.reconnected.size() == 1; }));
   CHECK_FALSE(h.rec.snapshot().reconnected.at(0).server_restarted);
   CHECK(c.wait_ready(60s));
-  CHECK(c.quarantined_blocks() == range(8, 4));
+  CHECK(c.quarantined_blocks().empty());
   CHECK(h.server->received(p::message_type::register_kv_request) == 2);
+}
+
+TEST_CASE("a hung server that closes the old connection instead of answering releases its quarantine",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  auto o = h.options();
+  o.timeouts.ping_timeout = 100ms;
+  o.timeouts.request_timeout = 200ms;
+  o.timeouts.quarantine_limit = 0ms;  // off: only a proof releases
+  connector<test_bus> c(o, h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  h.server->hold(p::message_type::retrieve_request);
+  c.retrieve("h", tokens(ct, 15), 0, blocks{8, 9});
+  REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
+  h.server->hang();
+  REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1; }));
+  CHECK(c.quarantined_blocks() == blocks{8, 9});  // its connection is kept open for the late answer
+
+  // It wakes up and reaps the silent connection (EOF) without answering the retrieve.
+  h.server->close_connections();
+  REQUIRE(h.wait([](const record& r) { return r.released_blocks() == 2; }));
+  CHECK(c.quarantined_blocks().empty());
+  CHECK(c.block_reused(8));
+  h.server->hang(false);
+  REQUIRE(h.wait([](const record& r) { return r.healthy.size() == 2; }));
+  CHECK(c.stats().open_connections == 1);  // the old one is gone, the new one serves
+  CHECK(c.get_finished(ids{}).recving == ids{"h"});
 }
 
 TEST_CASE("a hung server is declared unhealthy by the ping timeout, and recovery follows",
@@ -384,6 +414,26 @@ TEST_CASE("a hung server is declared unhealthy by the ping timeout, and recovery
   CHECK_FALSE(s.reconnected.at(0).server_restarted);
   CHECK(c.healthy());
   CHECK(c.get_finished(ids{}).recving.empty());  // the late reply reports nothing again
+}
+
+TEST_CASE("without any proof, quarantined blocks are released after quarantine_limit, which is bounded by default",
+          "[engine][connector][concurrency]") {
+  CHECK(engine::connector_timeouts{}.quarantine_limit > 0ms);
+  CHECK(engine::connector_timeouts{}.quarantine_limit >= 20 * engine::connector_timeouts{}.ping_timeout);
+  harness h;
+  h.start_server();
+  auto o = h.options();
+  o.timeouts.retrieve_timeout = 100ms;
+  o.timeouts.quarantine_limit = 300ms;
+  connector<test_bus> c(o, h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  h.server->hold(p::message_type::retrieve_request);  // never answered, connection kept open
+  c.retrieve("q", tokens(ct, 16), 0, blocks{4, 5});
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
+  CHECK(c.quarantined_blocks() == blocks{4, 5});
+  REQUIRE(h.wait([](const record& r) { return r.released_blocks() == 2; }));
+  CHECK(c.quarantined_blocks().empty());
+  CHECK(c.healthy());
 }
 
 TEST_CASE("after a server restart the connector registers its region again and reports the restart",

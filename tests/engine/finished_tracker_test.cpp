@@ -2,6 +2,9 @@
 
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -33,6 +36,9 @@ TEST_CASE("a completed retrieve is reported finished receiving exactly once", "[
   CHECK(step(t).recving.empty());
   t.retrieve_done("a");  // a duplicate completion changes nothing
   CHECK(step(t).recving.empty());
+  // Remembered until the engine finishes it, so that it is never reported receiving twice.
+  CHECK(t.tracked() == 1);
+  CHECK(step(t, {"a"}).sending == ids{"a"});
   CHECK(t.tracked() == 0);
 }
 
@@ -184,4 +190,250 @@ TEST_CASE("memory stays bounded over a million requests", "[engine][finished_tra
   CHECK(t.tracked() == 0);
   CHECK(max_tracked <= 64);
   CHECK(t.remembered() <= 1024);
+}
+
+// --- several retrieves per request (vLLM chunked prefill), issue 13 item 1 ---------------
+
+TEST_CASE("a request is never reported finished receiving while one of its retrieves is pending",
+          "[engine][finished_tracker]") {
+  finished_tracker t;
+  t.retrieve_started("a");
+  t.retrieve_done("a");
+  t.retrieve_started("a");  // the next step of a long prompt loads more of it
+  CHECK(step(t).recving.empty());
+  CHECK(t.pending_retrieves("a") == 1);
+  t.retrieve_done("a");
+  CHECK(step(t).recving == ids{"a"});  // now every retrieve of it ended: once
+  CHECK(step(t).recving.empty());
+  CHECK(step(t, {"a"}).sending == ids{"a"});
+  CHECK(step(t).recving.empty());
+  CHECK(t.tracked() == 0);
+}
+
+TEST_CASE("a retrieve started after the receiving report is never reported again and holds back sending",
+          "[engine][finished_tracker]") {
+  finished_tracker t;
+  t.retrieve_started("a");
+  t.retrieve_done("a");
+  CHECK(step(t).recving == ids{"a"});
+  t.retrieve_started("a");
+  CHECK(step(t, {"a"}).sending.empty());  // finished by the engine with a retrieve pending
+  t.retrieve_done("a");
+  const auto r = step(t);
+  CHECK(r.recving.empty());  // never twice
+  CHECK(r.sending == ids{"a"});
+  CHECK(step(t, {"a"}).sending.empty());
+  CHECK(t.tracked() == 0);
+}
+
+TEST_CASE("an engine-finished request's last report waits for every pending store and retrieve",
+          "[engine][finished_tracker]") {
+  finished_tracker t;
+  t.retrieve_started("a");
+  t.store_started("a");
+  CHECK(step(t, {"a"}).recving.empty());
+  t.retrieve_done("a");
+  auto r = step(t);
+  CHECK(r.recving.empty());  // its receiving report is its last: it waits for the store too
+  CHECK(r.sending.empty());
+  t.store_done("a");
+  r = step(t);
+  CHECK(r.recving == ids{"a"});
+  CHECK(r.sending.empty());
+  CHECK(t.tracked() == 0);
+}
+
+TEST_CASE("transfers of a retired id are tracked but never reported", "[engine][finished_tracker]") {
+  finished_tracker t;
+  CHECK(step(t, {"a"}).sending == ids{"a"});
+  t.retrieve_started("a");
+  t.store_started("a");
+  CHECK(t.pending_retrieves("a") == 1);
+  t.retrieve_done("a");
+  t.store_done("a");
+  const auto r = step(t, {"a"});
+  CHECK(r.recving.empty());
+  CHECK(r.sending.empty());
+  CHECK(t.tracked() == 0);
+}
+
+namespace {
+
+// The contract of finished_tracker, written as plainly as possible: what each id may and
+// must be reported, checked against random schedules of a vLLM-like engine.
+struct reference_model {
+  struct id_state {
+    int retrieves = 0;             // pending
+    int stores = 0;                // pending
+    bool owes_recv = false;        // a retrieve started, no receiving report yet
+    bool recv_reported = false;    // reported finished receiving (never again)
+    bool engine_finished = false;  // the engine reported it finished (first report counts)
+    bool final_reported = false;   // its last report was given (sending, or recving after the finish)
+  };
+  std::map<std::string, id_state> s;
+
+  finished_requests take(const ids& engine) {
+    for (const auto& id : engine) {
+      auto& x = s[id];
+      if (!x.final_reported) x.engine_finished = true;
+    }
+    finished_requests out;
+    for (auto& [id, x] : s) {
+      if (x.final_reported) continue;
+      const bool nothing_pending = x.retrieves == 0 && x.stores == 0;
+      // recving: every retrieve of it ended, reported once; for a finished request it is
+      // the last report, so it also waits for the stores.
+      if (x.owes_recv && x.retrieves == 0 && (!x.engine_finished || nothing_pending)) {
+        out.recving.push_back(id);
+        x.owes_recv = false;
+        x.recv_reported = true;
+        if (x.engine_finished) x.final_reported = true;
+        continue;
+      }
+      // sending: finished by the engine, nothing pending, nothing else owed.
+      if (x.engine_finished && nothing_pending && !x.owes_recv) {
+        out.sending.push_back(id);
+        x.final_reported = true;
+      }
+    }
+    return out;
+  }
+};
+
+std::vector<std::string> sorted_ids(std::vector<std::string> v) {
+  std::sort(v.begin(), v.end());
+  return v;
+}
+
+}  // namespace
+
+TEST_CASE("random interleavings of retrieves, stores and finishes match the reference model",
+          "[engine][finished_tracker]") {
+  constexpr int schedules = 4000;
+  constexpr int ids_per_schedule = 6;
+  std::size_t recv_reports = 0;
+  std::size_t send_reports = 0;
+  for (int seed = 1; seed <= schedules; ++seed) {
+    INFO("seed " << seed);
+    std::mt19937 rng(static_cast<std::uint32_t>(seed));
+    auto chance = [&](int percent) { return static_cast<int>(rng() % 100) < percent; };
+    finished_tracker t(1024);
+    reference_model m;
+    struct engine_view {
+      int retrieves = 0;  // issued and not completed, as the engine's connector knows them
+      int stores = 0;
+      bool finished = false;
+      int recv_reports = 0;
+      int send_reports = 0;
+      bool had_retrieve = false;
+    };
+    std::map<std::string, engine_view> v;
+    std::vector<std::string> names;
+    for (int i = 0; i < ids_per_schedule; ++i) {
+      names.push_back(std::to_string(i));  // offline-mode ids
+      v[names.back()];
+    }
+
+    std::string trace;  // the schedule so far, shown when a check fails
+    auto check_report = [&](const finished_requests& got, const finished_requests& want) {
+      INFO("schedule:" << trace);
+      REQUIRE(sorted_ids(got.recving) == sorted_ids(want.recving));
+      REQUIRE(sorted_ids(got.sending) == sorted_ids(want.sending));
+      for (const auto& id : got.recving) {
+        auto& x = v[id];
+        REQUIRE(x.retrieves == 0);     // never while a retrieve of it is pending
+        REQUIRE(x.recv_reports == 0);  // never twice
+        REQUIRE(x.send_reports == 0);  // never after its last report
+        ++x.recv_reports;
+        if (x.finished) REQUIRE(x.stores == 0);  // its last report: nothing pending
+      }
+      for (const auto& id : got.sending) {
+        auto& x = v[id];
+        REQUIRE(x.finished);  // only after the engine finished it
+        REQUIRE(x.retrieves == 0);
+        REQUIRE(x.stores == 0);
+        REQUIRE(x.send_reports == 0);
+        REQUIRE(std::find(got.recving.begin(), got.recving.end(), id) == got.recving.end());
+        ++x.send_reports;
+      }
+      recv_reports += got.recving.size();
+      send_reports += got.sending.size();
+    };
+
+    ids finished_this_step;
+    const int events = 20 + static_cast<int>(rng() % 80);
+    for (int e = 0; e < events; ++e) {
+      const std::string& id = names[rng() % names.size()];
+      auto& x = v[id];
+      auto& mx = m.s[id];
+      const int what = static_cast<int>(rng() % 100);
+      if (what < 20 && !x.finished) {  // a step loads (more of) the request
+        t.retrieve_started(id);
+        trace += " R+" + id;
+        ++x.retrieves;
+        x.had_retrieve = true;
+        ++mx.retrieves;
+        if (!mx.recv_reported && !mx.final_reported) mx.owes_recv = true;
+      } else if (what < 40 && x.retrieves > 0) {
+        t.retrieve_done(id);
+        trace += " R-" + id;
+        --x.retrieves;
+        --mx.retrieves;
+      } else if (what < 52 && !x.finished) {  // a step saves what it computed
+        t.store_started(id);
+        trace += " S+" + id;
+        ++x.stores;
+        ++mx.stores;
+      } else if (what < 66 && x.stores > 0) {
+        t.store_done(id);
+        trace += " S-" + id;
+        --x.stores;
+        --mx.stores;
+      } else if (what < 78) {  // finished by the engine (again: async scheduling re-reports)
+        if (!x.finished || chance(50)) {
+          finished_this_step.push_back(id);
+          trace += " F" + id;
+        }
+        x.finished = true;
+      } else if (what < 98) {  // get_finished
+        trace += " get_finished";
+        const auto want = m.take(finished_this_step);
+        const auto got = t.take_finished(finished_this_step);
+        finished_this_step.clear();
+        check_report(got, want);
+      } else {
+        trace += " drain";  // the server died: every pending transfer counts as done
+        const std::size_t pending = [&] {
+          std::size_t n = 0;
+          for (auto& [k, y] : v) n += static_cast<std::size_t>(y.retrieves + y.stores);
+          return n;
+        }();
+        REQUIRE(t.drain() == pending);
+        for (auto& [k, y] : v) y.retrieves = y.stores = 0;
+        for (auto& [k, y] : m.s) y.retrieves = y.stores = 0;
+      }
+    }
+    // The end of the run: every transfer completes, the engine finishes every request.
+    for (auto& [id, x] : v) {
+      for (; x.retrieves > 0; --x.retrieves, --m.s[id].retrieves) t.retrieve_done(id);
+      for (; x.stores > 0; --x.stores, --m.s[id].stores) t.store_done(id);
+      if (!x.finished) finished_this_step.push_back(id);
+      x.finished = true;
+    }
+    for (int round = 0; round < 2; ++round) {
+      const auto want = m.take(finished_this_step);
+      const auto got = t.take_finished(finished_this_step);
+      finished_this_step = ids(names.begin(), names.end());  // and re-reported once more
+      check_report(got, want);
+    }
+    // Every request got exactly one last report; every loaded one was reported receiving.
+    for (auto& [id, x] : v) {
+      INFO("id " << id);
+      CHECK(x.send_reports + (x.recv_reports != 0 && x.send_reports == 0 ? 1 : 0) == 1);
+      CHECK(x.recv_reports == (x.had_retrieve ? 1 : 0));
+    }
+    REQUIRE(t.tracked() == 0);
+  }
+  CHECK(recv_reports > 0);
+  CHECK(send_reports > 0);
 }

@@ -964,6 +964,12 @@ TEST_CASE("the JSON options parse with clear errors", "[l2][disk]") {
   CHECK_THAT(fails(R"({"path": "/p"})"), Catch::Contains("capacity is missing"));
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "capacity_bytes": 5})"), Catch::Contains("keep one"));
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": -1})"), Catch::Contains("'capacity_gb' must be"));
+  // 1e30 GiB used to overflow the conversion to bytes (undefined behaviour; UBSan in the config
+  // fuzz target: tests/fuzz/regressions/config/), then read as "less than one byte".
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1e30})"), Catch::Contains("<= 1048576 (1 PiB)"));
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1048577})"), Catch::Contains("<= 1048576 (1 PiB)"));
+  CHECK(l2::disk_backend_options_from_json(json::parse(R"({"path": "/p", "capacity_gb": 1048576})")).capacity_bytes ==
+        std::uint64_t{1} << 50);
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "io": "threads"})"), Catch::Contains("\"pread\""));
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "eviction": "random"})"), Catch::Contains("'eviction'"));
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "o_direct": "yes"})"), Catch::Contains("true or false"));

@@ -16,6 +16,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -131,4 +132,71 @@ TEST_CASE("bad paths and absent servers are errors, not exceptions", "[protocol]
     auto [ec2, s2] = co_await p::async_connect_unix(io.get_executor(), absent, asio::as_tuple(asio::use_awaitable));
     CHECK(ec2 == boost::system::errc::no_such_file_or_directory);
   }());
+}
+
+TEST_CASE("peer_credentials names the process at the other end of a Unix socket", "[protocol][unix_socket][peer]") {
+  int fds[2];
+  REQUIRE(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) == 0);
+  auto who = p::peer_credentials(fds[0]);
+  ::close(fds[0]);
+  ::close(fds[1]);
+  REQUIRE(who.has_value());
+  CHECK(who->pid == ::getpid());
+  CHECK(who->uid == ::geteuid());
+  CHECK(who->gid == ::getegid());
+  CHECK(who->describe() == "uid " + std::to_string(::geteuid()) + " (pid " + std::to_string(::getpid()) + ")");
+  CHECK_FALSE(p::peer_credentials(-1).has_value());  // not a socket: an error, not garbage
+}
+
+TEST_CASE("a peer_policy serves its own uid, root and the uids and groups it names", "[protocol][unix_socket][peer]") {
+  const ::uid_t me = ::geteuid();
+  const ::uid_t other = me == 4242 ? 4343 : 4242;
+  p::peer_policy own;
+  CHECK(own.allows({1, me, 7, {}}));
+  CHECK(own.allows({1, 0, 0, {}}));
+  CHECK_FALSE(own.allows({1, other, 7, {}}));
+  p::peer_policy shared{{other}, {900}};
+  CHECK(shared.allows({1, other, 7, {}}));
+  CHECK_FALSE(shared.allows({1, other + 1, 7, {}}));
+  CHECK(shared.allows({1, other + 1, 900, {}}));      // primary group
+  CHECK(shared.allows({1, other + 1, 7, {5, 900}}));  // supplementary group
+  CHECK_FALSE(shared.allows({1, other + 1, 7, {5, 901}}));
+}
+
+TEST_CASE("the default socket directory follows XDG_RUNTIME_DIR, root and TMPDIR", "[protocol][unix_socket][peer]") {
+  const char* old_xdg = std::getenv("XDG_RUNTIME_DIR");
+  const std::string saved = old_xdg ? old_xdg : "";
+  ::setenv("XDG_RUNTIME_DIR", "/run/user/1000", 1);
+  CHECK(p::default_socket_directory() == "/run/user/1000/kvtier");
+  CHECK(p::default_socket_path() == "/run/user/1000/kvtier/kvtier.sock");
+  ::unsetenv("XDG_RUNTIME_DIR");
+  if (::geteuid() == 0)
+    CHECK(p::default_socket_directory() == "/run/kvtier");
+  else
+    CHECK(p::default_socket_directory().ends_with("/kvtier-" + std::to_string(::geteuid())));
+  if (old_xdg) ::setenv("XDG_RUNTIME_DIR", saved.c_str(), 1);
+}
+
+TEST_CASE("prepare_private_directory creates 0700 whatever the umask and refuses what others could use",
+          "[protocol][unix_socket][peer]") {
+  temp_dir dir("kvtier-proto");
+  const std::string d = (dir.path() / "kvtier").string();
+  const ::mode_t old_umask = ::umask(0);
+  CHECK(p::prepare_private_directory(d).empty());
+  ::umask(old_umask);
+  CHECK((mode_of(d) & 07777) == 0700);
+  CHECK(p::prepare_private_directory(d).empty());  // again: already there, ours
+  ::chmod(d.c_str(), 0775);
+  CHECK_THAT(p::prepare_private_directory(d), Catch::Contains("has mode 0775") && Catch::Contains("chmod 700"));
+  ::chmod(d.c_str(), 0755);  // readable by others is fine: the socket file itself is 0600
+  CHECK(p::prepare_private_directory(d).empty());
+  const std::string link = (dir.path() / "link").string();
+  REQUIRE(::symlink(d.c_str(), link.c_str()) == 0);
+  CHECK_THAT(p::prepare_private_directory(link), Catch::Contains("is not a directory"));
+  if (::geteuid() == 0) {
+    REQUIRE(::chown(d.c_str(), 65534, 65534) == 0);
+    CHECK_THAT(p::prepare_private_directory(d), Catch::Contains("is owned by uid 65534"));
+  }
+  CHECK_THAT(p::prepare_private_directory((dir.path() / "no" / "parent").string()),
+             Catch::Contains("cannot create the socket directory"));
 }

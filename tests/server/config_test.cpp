@@ -4,6 +4,7 @@
 
 #include <kvtier/pipeline/policies.hpp>
 #include <kvtier/server/backend_factory.hpp>
+#include <kvtier/server/json_config.hpp>
 #include <kvtier/server/runtime_policies.hpp>
 
 #include <catch2/catch.hpp>
@@ -175,4 +176,120 @@ TEST_CASE("the run-time prefetch wait policy answers as the three shipped ones",
   s.select_targets(keys, 2, targets);
   REQUIRE(targets.size() == 2);
   CHECK(targets[1].count() == 3);
+}
+
+TEST_CASE("who may connect and the budgets are configurable, with defaults sized from L1", "[server][config]") {
+  const server_config d;
+  CHECK(d.socket_mode == 0600);
+  CHECK(d.allowed_uids.empty());
+  CHECK(d.lookup_keys_per_client() == std::uint64_t{1} << 20);  // 256 slots x 64 < one maximal lookup
+  CHECK(d.lookup_keys_total() == std::uint64_t{4} << 20);
+  server_config big;
+  big.l1_size_bytes = std::uint64_t{64} << 30;  // 16384 slots of 4 MiB
+  CHECK(big.lookup_keys_per_client() == 16384 * 64);
+  CHECK(big.lookup_keys_total() == 4 * 16384 * 64);
+
+  const json in = {{"socket_mode", "0660"},
+                   {"allowed_uids", json::array({4242, "root"})},
+                   {"allowed_gids", "4343,0"},
+                   {"max_connections", 64},
+                   {"max_connections_per_uid", 8},
+                   {"max_lookup_keys", 3000000},
+                   {"max_lookup_keys_per_client", "auto"}};
+  const server_config c = server_config::parse(in);
+  CHECK(c.socket_mode == 0660);
+  CHECK(c.allowed_uids == std::vector<std::uint32_t>{4242, 0});
+  CHECK(c.allowed_gids == std::vector<std::uint32_t>{4343, 0});
+  CHECK(c.max_connections == 64);
+  CHECK(c.max_connections_per_uid == 8);
+  CHECK(c.lookup_keys_total() == 3000000);
+  CHECK(c.lookup_keys_per_client() == std::uint64_t{1} << 20);
+  CHECK(server_config::parse(c.to_json()) == c);
+  CHECK(c.to_json()["socket_mode"] == "0660");
+  CHECK(c.to_json()["max_lookup_keys_per_client"] == "auto");
+
+  CHECK_THAT(refusal({{"socket_mode", "0066"}}), Catch::Contains("socket_mode (\"0066\"): must be an octal mode"));
+  CHECK_THAT(refusal({{"socket_mode", "rw"}}), Catch::Contains("socket_mode"));
+  CHECK_THAT(refusal({{"allowed_uids", json::array({"no-such-user-here"})}}),
+             Catch::Contains("allowed_uids (\"no-such-user-here\"): no such user"));
+  CHECK_THAT(refusal({{"allowed_gids", json::array({-1})}}), Catch::Contains("allowed_gids (-1)"));
+  CHECK_THAT(refusal({{"max_connections", 0}}), Catch::Contains("max_connections (0)"));
+  CHECK_THAT(refusal({{"max_connections", 4}, {"max_connections_per_uid", 8}}),
+             Catch::Contains("max_connections_per_uid (8): must not exceed max_connections (4)"));
+  CHECK_THAT(refusal({{"max_lookup_keys", 100}}),
+             Catch::Contains("max_lookup_keys (100): must be at least max_lookup_keys_per_client"));
+}
+
+TEST_CASE("sizes beyond the machine's memory are refused before anything is allocated", "[server][config]") {
+  CHECK_THAT(refusal({{"l1_size_gb", 1 << 19}}), Catch::Contains("is more than this machine's memory"));
+  CHECK_THROWS_WITH(
+      backend_factory::builtin().parse(json{{"type", "memory"}, {"capacity_gb", 1 << 19}}, 0),
+      Catch::Contains("l2_backends[0].capacity") && Catch::Contains("is more than this machine's memory"));
+}
+
+TEST_CASE("configuration text nested too deep is refused while it is parsed", "[server][config]") {
+  auto nested = [](std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  CHECK(parse_config_text("{\"a\": " + nested(30) + "}", "--config", "f.json").is_object());
+  for (const std::size_t depth : {33, 1000, 100000}) {
+    try {
+      (void)parse_config_text("{\"l2_backends\": " + nested(depth) + "}", "--config", "f.json");
+      FAIL("accepted " << depth << " nested arrays");
+    } catch (const config_error& e) {
+      CHECK(e.option() == "--config");
+      CHECK_THAT(e.fix(), Catch::Contains("nested more than 32 deep"));
+    }
+  }
+  CHECK_THROWS_AS(parse_config_text("{\"a\": ", "--config", "f.json"), config_error);
+}
+
+TEST_CASE("a refused value is quoted as a short excerpt", "[server][config]") {
+  const std::string huge(100000, 'x');
+  const std::string r = refusal({{"eviction_policy", huge}});
+  CHECK(r.size() < 300);
+  CHECK_THAT(r, Catch::Contains("eviction_policy (\"xxxx") && Catch::Contains("(100002 bytes)"));
+  const std::string k = refusal({{huge, 1}});
+  CHECK(k.size() < 1000);
+  CHECK_THAT(k, Catch::Contains("unknown key xxx"));
+  CHECK(config_error("a", huge, "fix").value().size() <= max_value_excerpt);
+  CHECK(excerpt("short") == "short");
+}
+
+TEST_CASE("a configuration file's text that is not JSON is a config_error, whatever the parser throws",
+          "[server][config]") {
+  // The config fuzz target found 1e400: nlohmann::json reports a number beyond a double's
+  // range as out_of_range, which kvtier-server used to let escape (abort).
+  auto refusal_of = [](std::string_view text) -> std::string {
+    try {
+      (void)parse_config_text(text, "--config", "c.json");
+    } catch (const config_error& e) {
+      return e.what();
+    }
+    return {};
+  };
+  CHECK_THAT(refusal_of(R"({"chunk_size": 1e400})"),
+             Catch::StartsWith("--config (c.json): not valid JSON") && Catch::Contains("number overflow"));
+  CHECK_THAT(refusal_of(R"({"chunk_size": )"), Catch::StartsWith("--config (c.json): not valid JSON"));
+  CHECK_THAT(refusal_of(""), Catch::StartsWith("--config (c.json): not valid JSON"));
+  CHECK(parse_config_text(R"({"chunk_size": 1e300})", "--config", "c.json")["chunk_size"].get<double>() == 1e300);
+  CHECK(server_config::parse(parse_config_text(R"({"chunk_size": 64})", "--config", "c.json")).chunk_tokens == 64);
+}
+
+TEST_CASE("a flag's value becomes a JSON number or string, and text that is not UTF-8 is refused",
+          "[server][config]") {
+  CHECK(flag_value("--chunk-size", "256", true) == json(256));
+  CHECK(flag_value("--chunk-size", "lots", true) == json("lots"));  // the reader refuses it later
+  CHECK(flag_value("--socket", "256", false) == json("256"));
+  CHECK(flag_value("--chunk-size", "1e400", true) == json("1e400"));
+  // Found while extending the config fuzz target to flags: a JSON string must be UTF-8, and
+  // kvtier-server used to abort (json::type_error 316) on the first message echoing one.
+  try {
+    (void)flag_value("--eviction-policy", "\xff", false);
+    FAIL("no error");
+  } catch (const config_error& e) {
+    CHECK(e.option() == "--eviction-policy");
+    CHECK(e.value() == "\"\xef\xbf\xbd\"");  // U+FFFD for the invalid byte
+    CHECK(e.fix() == "must be UTF-8 text");
+  }
+  CHECK_THROWS_AS(flag_value("--socket", "/tmp/\xc3(.sock", false), config_error);
+  CHECK(flag_value("--socket", "/tmp/caf\xc3\xa9.sock", false) == json("/tmp/caf\xc3\xa9.sock"));
 }

@@ -141,15 +141,15 @@ TEST_CASE("a registration's cache salt separates its whole namespace", "[server]
   CHECK(lookup_done(a, rega.model_id, hashes, 1, "again").hit_chunks == 1);
 }
 
-TEST_CASE("NHD and MLA registrations are accepted; HND and cuda_ipc are refused with what to do", "[server]") {
+TEST_CASE("NHD, HND and MLA registrations are accepted; cuda_ipc is refused with what to do", "[server]") {
   running_server s;
   raw_client c(s.path());
   engine_region r;
-  auto hnd = r.registration();
-  hnd.layout_kind = kv_layout_kind::hnd;
-  const auto e1 = c.refused(hnd, r.region.fd());
-  CHECK(e1.code == static_cast<std::uint32_t>(errc::unsupported));
-  CHECK_THAT(e1.message, Catch::Contains("HND"));
+  // HND: the CPU transfer copies head-major blocks (region_registry::supports_hnd).
+  STATIC_REQUIRE(server::region_registry::supports_hnd);
+  engine_region rh(small_model(), test_block_size, 64, kv_layout_kind::hnd);
+  raw_client h(s.path());
+  CHECK(h.register_region(rh).model_id == make_model_id("test/model", small_model(), kv_layout_kind::hnd));
   auto cuda = r.registration();
   cuda.region = p::region_kind::cuda_ipc;
   cuda.region_descriptor = std::string(64, 'x');
@@ -210,4 +210,53 @@ TEST_CASE("a scheduler registration with an fd or block counts is refused", "[se
   auto bad_shape = scheduler_registration(model_shape{});
   CHECK(c.refused(bad_shape).code == static_cast<std::uint32_t>(errc::invalid_argument));
   CHECK(c.expect(scheduler_registration(small_model())).model_id == make_model_id("test/model", small_model()));
+}
+
+namespace {
+/// Block a of `ra` holds the same bytes as block b of `rb` (whole segments: any layout kind).
+bool same_block(const engine_region& ra, std::uint32_t a, const engine_region& rb, std::uint32_t b) {
+  for (std::uint32_t l = 0; l < ra.layout.model.num_layers; ++l)
+    for (std::uint32_t pl = 0; pl < ra.layout.model.planes(); ++pl)
+      if (std::memcmp(ra.region.layers()[l] + ra.layout.offset_in_layer(pl, a),
+                      rb.region.layers()[l] + rb.layout.offset_in_layer(pl, b), ra.layout.segment_bytes()) != 0)
+        return false;
+  return true;
+}
+}  // namespace
+
+TEST_CASE("NHD and HND engines of one model never share chunks, and an HND engine gets its blocks back", "[server]") {
+  running_server s;
+  raw_client nc(s.path());
+  raw_client hc(s.path());
+  engine_region rn;
+  engine_region rh(small_model(), test_block_size, 64, kv_layout_kind::hnd);
+  const auto regn = nc.register_region(rn);
+  const auto regh = hc.register_region(rh);
+  CHECK(regn.model_id != regh.model_id);
+
+  const auto hashes = chunk_hashes(51, 2);
+  const auto blocks = block_range(0, 2 * blocks_per_chunk);
+  rh.fill_blocks(blocks, 23);
+  REQUIRE(hc.ok(store_req(rh, hashes, blocks)).stored == 2);
+  // The NHD engine misses the HND engine's chunks.
+  CHECK(lookup_done(nc, regn.model_id, hashes).hit_chunks == 0);
+  // The HND engine hits them, and a retrieve that starts inside a block (skip 3 tokens)
+  // restores every block byte for byte but the skipped rows of the first block.
+  CHECK(lookup_done(hc, regh.model_id, hashes, 1, "req-h").hit_chunks == 2);
+  const auto dst = block_range(30, 2 * blocks_per_chunk);
+  for (std::uint32_t b : dst) rh.zero_block(b, 0xaa);
+  REQUIRE(hc.ok(retrieve_req(hashes, dst, 3, 0, "req-h")).retrieved_chunks == 2);
+  for (std::size_t i = 1; i < dst.size(); ++i) CHECK(same_block(rh, dst[i], rh, blocks[i]));
+  const auto& L = rh.layout;
+  for (std::uint32_t l = 0; l < L.model.num_layers; ++l)
+    for (std::uint32_t pl = 0; pl < L.model.planes(); ++pl)
+      for (std::uint32_t head = 0; head < L.model.num_kv_heads; ++head)
+        for (std::uint32_t t = 0; t < L.block_size; ++t) {
+          const std::byte* got = rh.region.layers()[l] + L.offset_in_layer(pl, dst[0], t, head);
+          const std::byte* want = rh.region.layers()[l] + L.offset_in_layer(pl, blocks[0], t, head);
+          if (t < 3)
+            CHECK(std::all_of(got, got + L.head_row_bytes(), [](std::byte x) { return x == std::byte{0xaa}; }));
+          else
+            CHECK(std::memcmp(got, want, L.head_row_bytes()) == 0);
+        }
 }

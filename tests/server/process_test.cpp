@@ -11,6 +11,7 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <fstream>
 
 using namespace kvtier;
@@ -21,10 +22,10 @@ namespace {
 
 std::string sock(const temp_dir& d) { return (d.path() / "kvtier.sock").string(); }
 
-// Runs the program with `args` (it must not start serving) and returns its exit status and
-// output.
+// Runs the program with `args` (it must not start serving: killed after 60 s, exit status
+// 137, when it does) and returns its exit status and output.
 command_result run_server(const std::string& args) {
-  return run_command(fmt::format("'{}' {} </dev/null", server_binary, args));
+  return run_command(fmt::format("timeout -s KILL 60 '{}' {} </dev/null", server_binary, args));
 }
 
 }  // namespace
@@ -140,6 +141,36 @@ TEST_CASE("kvtier-server refuses a bad configuration with exit status 2 and says
   CHECK(j["eviction_policy"] == "arc");
 }
 
+TEST_CASE("kvtier-server refuses a --config file with a number out of a double's range with exit status 2",
+          "[server][process]") {
+  // Found by the config fuzz target (tests/fuzz/regressions/config/): nlohmann::json throws
+  // out_of_range, not parse_error, for such a number, and main() used to let it escape.
+  temp_dir dir("kvtier-server");
+  const std::string file = (dir.path() / "config.json").string();
+  std::ofstream(file) << R"({"chunk_size": 1e400})";
+  const auto r = run_server(fmt::format("--socket '{}' --config '{}'", sock(dir), file));
+  INFO(r.output);
+  CHECK(r.exit_code == 2);
+  CHECK_THAT(r.output, Catch::StartsWith("kvtier-server: --config"));
+  CHECK_THAT(r.output, Catch::Contains("not valid JSON") && Catch::Contains("number overflow"));
+}
+
+TEST_CASE("kvtier-server refuses a flag value that is not UTF-8 with exit status 2", "[server][process]") {
+  // JSON strings are UTF-8: such a value used to make every message that echoes it (and
+  // --print-config) throw json::type_error 316, which aborted the program.
+  temp_dir dir("kvtier-server");
+  const std::string ff = "\"$(printf '\\377')\"";  // one byte 0xff, from the shell
+  for (const std::string flag : {"--eviction-policy", "--chunk-size", "--socket", "--metrics-address"}) {
+    // --print-config: a server that accepted the value must not stay up serving.
+    const std::string args = flag == "--socket" ? "--socket " + ff + " --print-config"
+                                                : fmt::format("--socket '{}' {} {} --print-config", sock(dir), flag, ff);
+    const auto r = run_server(args);
+    INFO(args << "\n" << r.output);
+    CHECK(r.exit_code == 2);
+    CHECK_THAT(r.output, Catch::StartsWith("kvtier-server: " + flag) && Catch::Contains("UTF-8"));
+  }
+}
+
 TEST_CASE("kvtier-server does not take over a socket another server listens on", "[server][process]") {
   temp_dir dir("kvtier-server");
   const std::string path = sock(dir);
@@ -152,4 +183,53 @@ TEST_CASE("kvtier-server does not take over a socket another server listens on",
   raw_client c(path);
   CHECK(c.ping() != 0);  // the first one still serves
   CHECK(server_process::describe(first.stop()) == "exit status 0");
+}
+
+TEST_CASE("no configuration crashes kvtier-server: exit status 2, one short line naming the key",
+          "[server][process][config]") {
+  temp_dir dir("kvtier-server");
+  const std::string s = fmt::format("--socket '{}' ", sock(dir));
+  auto nested = [](std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  const std::string deep = (dir.path() / "deep.json").string();
+  std::ofstream(deep) << R"({"l2_backends": )" << nested(100000) << "}";
+  const std::string deep50k = (dir.path() / "deep50k.json").string();
+  std::ofstream(deep50k) << R"({"l2_backends": )" << nested(50000) << "}";
+  const std::string deep_backend = (dir.path() / "deep_backend.json").string();
+  std::ofstream(deep_backend) << R"({"l2_backends": [{"type": "memory", "name": )" << nested(100000) << "}]}";
+  const std::string long_value = (dir.path() / "long.json").string();
+  std::ofstream(long_value) << R"({"eviction_policy": ")" << std::string(1 << 20, 'x') << R"("})";
+  struct bad_case {
+    std::string args;
+    std::string says;
+  };
+  const std::vector<bad_case> cases = {
+      {fmt::format("--config '{}'", dir.path().string()), "--config"},
+      {"--config /dev/zero", "--config"},
+      {fmt::format("--config '{}'", deep), "nested"},
+      {fmt::format("--config '{}'", deep50k), "nested"},
+      {fmt::format("--config '{}'", deep_backend), "nested"},
+      {"--l2-backend '" + nested(60000) + "'", "--l2-backend"},  // under the 128 KiB of one argument
+      {fmt::format("--config '{}'", long_value), "eviction_policy"},
+      {"--l1-size-gb 1 --l1-size-mb 512", "--l1-size-gb"},
+      {R"(--l2-backend '{"type": "memory", "capacity_gb": 1000000}')", "--l2-backend #1.capacity"},
+      {R"(--l1-size-gb 100000)", "memory"},
+      {fmt::format(R"(--l2-backend '{{"type": "disk", "path": "{}", "capacity_gb": 1e30}}')",
+                   (dir.path() / "l2").string()),
+       "capacity_gb"},
+      {R"(--l2-backend '{"type": "disk", "path": "/x", "capacity_gb": 1, "queue_depth": ")" + std::string(100000, 'q') +
+           R"("}')",
+       "queue_depth"},
+  };
+  for (const auto& c : cases) {
+    const auto r = run_server(s + c.args);
+    INFO(c.args.substr(0, 200) << "\n" << r.output.substr(0, 2000));
+    CHECK(r.exit_code == 2);  // never a signal (134, 139), never accepted (0)
+    CHECK_THAT(r.output, Catch::StartsWith("kvtier-server: ") && Catch::Contains(c.says));
+    CHECK(r.output.size() < 600);  // a short excerpt of the value, never all of it
+    CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
+  }
+  // 1e30 GiB is not "less than one byte".
+  const auto r = run_server(s + fmt::format(R"(--l2-backend '{{"type": "disk", "path": "{}", "capacity_gb": 1e30}}')",
+                                            (dir.path() / "l2").string()));
+  CHECK_THAT(r.output, !Catch::Contains("less than one byte"));
 }

@@ -77,8 +77,8 @@ struct engine_region {
   engine::kv_region region;
 
   explicit engine_region(model_shape m = small_model(), std::uint32_t block_size = test_block_size,
-                         std::uint32_t num_blocks = 64)
-      : layout{m, block_size, num_blocks} {
+                         std::uint32_t num_blocks = 64, kv_layout_kind order = kv_layout_kind::nhd)
+      : layout{m, block_size, num_blocks, order} {
     auto r = engine::kv_region::create(layout);
     if (!r) throw std::runtime_error("kv_region::create: " + r.error().message());
     region = std::move(*r);
@@ -146,6 +146,7 @@ struct engine_region {
     r.num_blocks = layout.num_blocks;
     r.chunk_tokens = chunk_tokens;
     r.region_bytes = region.bytes();
+    r.layout_kind = layout.kind();
     return r;
   }
 };
@@ -339,6 +340,14 @@ class server_process {
     if (!st) FAIL("kvtier-server did not exit in time\n" << output());
     return *st;
   }
+
+  /// The wait status when the process has exited, else nullopt (does not wait).
+  std::optional<int> try_exit() {
+    if (proc_.running()) return std::nullopt;
+    return proc_.wait_exit({});
+  }
+
+  [[nodiscard]] pid_t pid() const noexcept { return proc_.pid(); }
 
   [[nodiscard]] std::string output() const { return "stdout:\n" + stdout_text() + "stderr:\n" + stderr_text(); }
   [[nodiscard]] std::string stdout_text() const { return proc_.stdout_text(); }

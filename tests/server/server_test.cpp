@@ -351,8 +351,8 @@ TEST_CASE("world size 2: a chunk hits only when both ranks stored their shard; e
   // The scheduler (rank 0) looks up for both ranks: chunk 1 lacks rank 1's shard.
   const auto q = lookup_done(c0, reg0.model_id, hashes, 2);
   CHECK(q.hit_chunks == 1);
-  // The lookup is global: rank 1 sees it too.
-  CHECK(c1.ok(p::query_prefetch_request{"req-1"}) == q);
+  // The lookup is the scheduler's connection's own: rank 1 holds none under that key.
+  CHECK(c1.ok(p::query_prefetch_request{"req-1"}).state == p::prefetch_state::unknown);
 
   const auto dst = block_range(20, blocks_per_chunk);
   CHECK(c1.ok(retrieve_req({hashes[0]}, dst, 0, 1)).retrieved_chunks == 1);

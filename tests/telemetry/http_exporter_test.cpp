@@ -9,6 +9,7 @@
 
 #include <string>
 #include <thread>
+#include <vector>
 
 using namespace kvtier;
 using namespace kvtier::telemetry;
@@ -110,36 +111,124 @@ TEST_CASE("malformed and oversized requests close that connection only", "[telem
   CHECK(f.exchange(get("/metrics")).starts_with("HTTP/1.1 200 OK"));  // still serving
 }
 
-TEST_CASE("an idle connection is closed after the idle timeout", "[telemetry][http]") {
+namespace {
+
+tcp::socket connect_to(asio::io_context& client, std::uint16_t port) {
+  tcp::socket s(client);
+  s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), port));
+  return s;
+}
+
+/// Waits (bounded) until pred() holds: the server counts a close just after the client sees it
+/// (Beast closes the socket the moment a deadline passes, the coroutine resumes later).
+template <class Pred>
+bool eventually(Pred pred) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (!pred()) {
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+/// Blocks until the server closes `s`; true when it did (EOF or reset) without sending a byte.
+bool closed_silently(tcp::socket& s) {
+  char c;
+  error_code ec;
+  const std::size_t n = s.read_some(asio::buffer(&c, 1), ec);
+  return n == 0 && (ec == asio::error::eof || ec == asio::error::connection_reset);
+}
+
+}  // namespace
+
+TEST_CASE("a new connection that sends no request is closed after the header timeout", "[telemetry][http]") {
+  http_exporter_options o;
+  o.header_timeout = std::chrono::milliseconds(100);
+  fixture f(o);
+  asio::io_context client;
+  tcp::socket s = connect_to(client, f.port);
+  CHECK(closed_silently(s));  // blocks until the server closes
+  CHECK(eventually([&] { return f.http.stats().header_timeouts == 1; }));
+}
+
+TEST_CASE("a request header trickled byte by byte is cut off at the header timeout", "[telemetry][http]") {
+  http_exporter_options o;
+  o.header_timeout = std::chrono::milliseconds(300);
+  fixture f(o);
+  asio::io_context client;
+  tcp::socket s = connect_to(client, f.port);
+  const std::string header = "GET /metrics HTTP/1.1\r\nX-Slow: " + std::string(1000, 'a');
+  error_code ec;
+  std::size_t sent = 0;
+  // One byte every 10 ms would take 10 s; the server closes at 0.3 s.
+  while (sent < header.size()) {
+    asio::write(s, asio::buffer(header.data() + sent, 1), ec);
+    if (ec) break;
+    ++sent;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(sent < header.size());  // the write failed: the server had closed
+  CHECK(eventually([&] { return f.http.stats().header_timeouts == 1; }));
+  CHECK(f.http.stats().requests == 0);
+}
+
+TEST_CASE("a kept-alive connection is closed after the idle timeout", "[telemetry][http]") {
   http_exporter_options o;
   o.idle_timeout = std::chrono::milliseconds(100);
   fixture f(o);
   asio::io_context client;
-  tcp::socket s(client);
-  s.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), f.port));
-  char c;
+  tcp::socket s = connect_to(client, f.port);
+  asio::write(s, asio::buffer(std::string("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")));
+  std::string got;
+  char buf[4096];
   error_code ec;
-  const std::size_t n = s.read_some(asio::buffer(&c, 1), ec);  // blocks until the server closes
-  CHECK(n == 0);
+  for (;;) {  // the answer, then EOF after the idle timeout
+    const std::size_t n = s.read_some(asio::buffer(buf), ec);
+    got.append(buf, n);
+    if (ec) break;
+  }
+  CHECK(got.starts_with("HTTP/1.1 200"));
   CHECK(ec == asio::error::eof);
+  CHECK(eventually([&] { return f.http.stats().idle_timeouts == 1; }));
 }
 
-TEST_CASE("connections beyond the limit are refused, the others served", "[telemetry][http]") {
+TEST_CASE("at the connection cap the connection idle longest makes room for a new one", "[telemetry][http]") {
   http_exporter_options o;
-  o.max_connections = 1;
+  o.max_connections = 2;
   fixture f(o);
   asio::io_context client;
-  tcp::socket first(client);
-  first.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), f.port));
-  asio::write(first, asio::buffer(std::string("GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")));
-  char buf[512];
-  error_code ec;
-  CHECK(first.read_some(asio::buffer(buf), ec) > 0);  // served, connection kept open
-  tcp::socket second(client);
-  second.connect(tcp::endpoint(asio::ip::make_address("127.0.0.1"), f.port));
-  const std::size_t n = second.read_some(asio::buffer(buf), ec);  // closed at once by the server
-  CHECK(n == 0);
-  CHECK(ec == asio::error::eof);
+  tcp::socket oldest = connect_to(client, f.port);
+  tcp::socket slow = connect_to(client, f.port);
+  asio::write(slow, asio::buffer(std::string("GET /metrics HTTP/1.1\r\nX-Slow: ")));  // a header begun
+  // Both are open: a probe still gets in, and the idle one (no byte of a request) goes first.
+  const auto r = f.exchange(get("/metrics"));
+  CHECK(r.starts_with("HTTP/1.1 200 OK"));
+  CHECK(closed_silently(oldest));
+  // With no idle connection left, the one that has waited longest for its header goes.
+  tcp::socket slower = connect_to(client, f.port);
+  asio::write(slower, asio::buffer(std::string("GET /metrics HTTP/1.1\r\nX-Slow: ")));
+  CHECK(f.exchange(get("/healthz")).starts_with("HTTP/1.1 200 OK"));
+  CHECK(closed_silently(slow));
+  CHECK(f.http.stats().dropped_at_cap == 2);
+}
+
+TEST_CASE("every method but GET and HEAD is 405, with or without a body", "[telemetry][http]") {
+  fixture f;
+  const std::string big(200000, 'x');
+  for (const std::string& req : std::vector<std::string>{
+           std::string("POST /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello"),
+           "PUT /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: " + std::to_string(big.size()) + "\r\n\r\n" + big,
+           std::string(
+               "POST /healthz HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"),
+           std::string("DELETE /metrics HTTP/1.1\r\nHost: x\r\n\r\n"),
+           std::string("BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n"),
+       }) {
+    INFO(req.substr(0, 40));
+    const auto r = f.exchange(req);  // the server answers and closes
+    CHECK(r.starts_with("HTTP/1.1 405"));
+    CHECK(r.find("Allow: GET, HEAD") != std::string::npos);
+  }
+  CHECK(f.exchange(get("/metrics")).starts_with("HTTP/1.1 200 OK"));
 }
 
 TEST_CASE("binding a bad address is a clear error", "[telemetry][http]") {

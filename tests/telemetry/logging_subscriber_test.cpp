@@ -59,3 +59,37 @@ TEST_CASE("log_throttle lets one message through per interval and counts the res
   CHECK_FALSE(t.allow(t0 + std::chrono::seconds(2)).has_value());
   CHECK(t.allow(t0 + std::chrono::seconds(11)) == std::optional<std::uint64_t>(2));
 }
+
+TEST_CASE("log_throttle with a burst lets that many through per interval", "[telemetry][logging]") {
+  using clock = std::chrono::steady_clock;
+  log_throttle t(std::chrono::seconds(10), 3);
+  const auto t0 = clock::now();
+  for (int i = 0; i < 3; ++i) CHECK(t.allow(t0 + std::chrono::milliseconds(i)) == std::optional<std::uint64_t>(0));
+  for (int i = 0; i < 5; ++i) CHECK_FALSE(t.allow(t0 + std::chrono::seconds(1)).has_value());
+  CHECK(t.allow(t0 + std::chrono::seconds(10)) == std::optional<std::uint64_t>(5));
+  CHECK(t.allow(t0 + std::chrono::seconds(11)) == std::optional<std::uint64_t>(0));
+}
+
+TEST_CASE("failed requests are logged a few per kind and interval, the rest counted", "[telemetry][logging]") {
+  captured c;
+  logger log = capturing_logger(log_level::info, c);
+  bus::basic_event_bus<logging_subscriber> b{logging_subscriber{log}};
+  for (int i = 0; i < 20000; ++i) {
+    b.publish(bus::server_request_finished{bus::request_kind::other, 3, false, 1000});
+    if (i % 100 == 99) b.drain();  // (the deferred queue is bounded)
+  }
+  b.publish(bus::server_request_finished{bus::request_kind::lookup, 3, false, 1000});  // its own kind
+  b.publish(bus::connector_peer_refused{0, 65534, 4242, 0});
+  b.drain();
+  // Five "other" lines (the burst), one lookup line, one refusal line: not 20,002.
+  std::size_t other = 0, lookup = 0, refused = 0;
+  for (const auto& [level, line] : c.lines) {
+    other += line.find("request other") != std::string::npos;
+    lookup += line.find("request lookup") != std::string::npos;
+    refused += line.find("runs as uid 65534, not uid 0") != std::string::npos;
+  }
+  CHECK(other == 5);
+  CHECK(lookup == 1);
+  CHECK(refused == 1);
+  CHECK(c.lines.size() == 7);
+}

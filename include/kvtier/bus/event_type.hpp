@@ -49,6 +49,7 @@ enum class event_type : std::uint16_t {
   connector_store_completed,
   connector_load_error,
   connector_quarantine_changed,
+  connector_peer_refused,
   // L2 prefetch pipeline (appended: the load-or-recompute gate)
   l2_prefetch_declined,
 };
@@ -87,6 +88,7 @@ inline constexpr std::array<std::string_view, event_type_count> event_type_names
     "connector.store.completed",
     "connector.load_error",
     "connector.quarantine.changed",
+    "connector.peer.refused",
     "l2.prefetch.declined",
 };
 }  // namespace detail

@@ -356,6 +356,16 @@ struct connector_quarantine_changed {
   std::uint32_t quarantined_blocks = 0;  ///< this connector's quarantined blocks afterwards
 };
 
+/// The connector refused the process listening on the server's socket: it runs as another
+/// uid than the expected one (connector_options::server_uid). Nothing was sent to it.
+struct connector_peer_refused {
+  static constexpr event_type type = event_type::connector_peer_refused;
+  std::uint32_t rank = 0;
+  std::uint32_t peer_uid = 0;  ///< the uid the listening process runs as
+  std::uint32_t peer_pid = 0;
+  std::uint32_t expected_uid = 0;  ///< the uid the connector accepts (and root)
+};
+
 /// A lookup's prefetch offered a shorter prefix than L1 and L2 could serve (load or recompute,
 /// pipeline/load_or_recompute.hpp): the declined chunks' tokens are the engine's to compute.
 struct l2_prefetch_declined {
@@ -370,13 +380,12 @@ struct l2_prefetch_declined {
 using all_events =
     std::tuple<l1_read_reserved, l1_read_finished, l1_write_reserved, l1_write_finished,
                l1_write_finished_and_read_reserved, l1_keys_evicted, l1_allocation_failed, l1_lock_expired,
-               cache_lookup, cache_read_prefetched, cache_write_reserved, cache_write_finished,
-               l2_store_submitted, l2_store_completed, l2_prefetch_lookup_submitted,
-               l2_prefetch_lookup_completed, l2_prefetch_load_submitted, l2_prefetch_load_completed,
-               l2_prefetch_failed, l2_backend_load_completed, server_request_started, server_request_finished,
-               connector_healthy, connector_unhealthy, connector_reconnected, connector_lookup_completed,
-               connector_retrieve_completed, connector_store_completed, connector_load_error,
-               connector_quarantine_changed, l2_prefetch_declined>;
+               cache_lookup, cache_read_prefetched, cache_write_reserved, cache_write_finished, l2_store_submitted,
+               l2_store_completed, l2_prefetch_lookup_submitted, l2_prefetch_lookup_completed,
+               l2_prefetch_load_submitted, l2_prefetch_load_completed, l2_prefetch_failed, l2_backend_load_completed,
+               server_request_started, server_request_finished, connector_healthy, connector_unhealthy,
+               connector_reconnected, connector_lookup_completed, connector_retrieve_completed,
+               connector_store_completed, connector_load_error, connector_quarantine_changed, connector_peer_refused, l2_prefetch_declined>;
 
 static_assert(std::tuple_size_v<all_events> == event_type_count, "one struct per event_type");
 

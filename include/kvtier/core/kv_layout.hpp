@@ -16,6 +16,17 @@
 //                      MLA:    [num_blocks][block_size][latent_dim]
 //                    so one (layer, plane, block) is a contiguous "block segment" (token-major
 //                    inside it for NHD and MLA, head-major for HND).
+//
+// A chunk object holds the chunk's block segments back to back per (layer, plane), in chunk
+// order, exactly as the engine's blocks hold them. For NHD and MLA that is the token-major
+// [layer][plane][token][kv_heads * head_dim] of chunk_layout::offset; for HND each block's
+// segment stays head-major: [layer][plane][block of the chunk][kv_head][token in block]
+// [head_dim] (paged_kv_layout::object_offset gives a row's place in either). A copy therefore
+// moves whole segments in both orders and never transposes; HND objects are only ever read
+// back into HND caches, since the layout kind is part of the model id (make_model_id).
+// Skipping the first t tokens of a block is one leading run of t token rows for NHD and MLA,
+// and for HND the first t rows of each of the kv_heads runs of block_size rows
+// (segment_runs(), run_bytes(), run_offset()).
 
 #include <kvtier/config.hpp>
 
@@ -169,7 +180,8 @@ struct chunk_layout {
   [[nodiscard]] constexpr std::size_t object_bytes() const noexcept {
     return slab_bytes() * model.planes() * model.num_layers;
   }
-  /// Offset of token t of (layer, plane) inside the object.
+  /// Offset of token t of (layer, plane) inside the object of an NHD or MLA cache (for any
+  /// layout kind: paged_kv_layout::object_offset; t = 0 is the slab's start in every kind).
   [[nodiscard]] constexpr std::size_t offset(std::uint32_t layer, std::uint32_t plane,
                                              std::uint32_t token = 0) const noexcept {
     return (std::size_t{layer} * model.planes() + plane) * slab_bytes() +
@@ -192,6 +204,11 @@ struct paged_kv_layout {
   /// (kind() answers mla).
   kv_layout_kind order = kv_layout_kind::nhd;
 
+  /// The largest total_bytes() of a valid layout: 1 PiB, beyond any machine's memory, and
+  /// small enough that no size or offset computed from a valid layout wraps around 64 bits
+  /// (every dimension at its limit would give 2^83 bytes).
+  static constexpr std::uint64_t max_total_bytes = std::uint64_t{1} << 50;
+
   friend constexpr bool operator==(const paged_kv_layout&, const paged_kv_layout&) = default;
 
   /// The layout kind: mla for MLA models, else `order`.
@@ -203,18 +220,50 @@ struct paged_kv_layout {
   [[nodiscard]] constexpr std::size_t segment_bytes() const noexcept {
     return std::size_t{block_size} * model.token_plane_bytes();
   }
+  /// Bytes of one KV head's head_dim elements of one token (one row).
+  [[nodiscard]] constexpr std::size_t head_row_bytes() const noexcept {
+    return std::size_t{model.head_dim} * model.dtype_bytes();
+  }
+  /// The runs of rows one block segment is made of, in which a skip inside the block takes
+  /// the leading rows: 1 for NHD and MLA (token-major: the segment is one run of block_size
+  /// token rows), num_kv_heads for HND (one run of block_size rows per head).
+  [[nodiscard]] constexpr std::uint32_t segment_runs() const noexcept {
+    return kind() == kv_layout_kind::hnd ? model.num_kv_heads : 1;
+  }
+  /// Bytes of one run: segment_bytes() / segment_runs().
+  [[nodiscard]] constexpr std::size_t run_bytes() const noexcept { return segment_bytes() / segment_runs(); }
+  /// Bytes of the first `tokens` rows of a run (the part of each run a skip of `tokens`
+  /// tokens inside a block leaves alone): tokens * token_plane_bytes() for NHD and MLA,
+  /// tokens * head_row_bytes() for HND.
+  [[nodiscard]] constexpr std::size_t run_offset(std::uint32_t tokens) const noexcept {
+    return std::size_t{tokens} * (kind() == kv_layout_kind::hnd ? head_row_bytes() : model.token_plane_bytes());
+  }
+  /// Offset of (token, head)'s row inside one block segment.
+  [[nodiscard]] constexpr std::size_t offset_in_segment(std::uint32_t token, std::uint32_t head = 0) const noexcept {
+    if (kind() == kv_layout_kind::hnd) return head * run_bytes() + std::size_t{token} * head_row_bytes();
+    return std::size_t{token} * model.token_plane_bytes() + std::size_t{head} * head_row_bytes();
+  }
   /// Bytes of one layer's tensor.
   [[nodiscard]] constexpr std::size_t layer_bytes() const noexcept {
     return segment_bytes() * num_blocks * model.planes();
   }
   /// Bytes of all layers (the size of a CPU kv region).
   [[nodiscard]] constexpr std::size_t total_bytes() const noexcept { return layer_bytes() * model.num_layers; }
-  /// Offset of token t of (plane, block) inside one layer's tensor (token t is a contiguous
-  /// run of kv_heads * head_dim elements in the NHD and MLA orders only; for HND pass t = 0:
-  /// the segment's start).
-  [[nodiscard]] constexpr std::size_t offset_in_layer(std::uint32_t plane, std::uint32_t block,
-                                                      std::uint32_t token = 0) const noexcept {
-    return (std::size_t{plane} * num_blocks + block) * segment_bytes() + std::size_t{token} * model.token_plane_bytes();
+  /// Offset of the row of (token, head) of (plane, block) inside one layer's tensor; with
+  /// the defaults, the segment's start. In the NHD and MLA orders a token's heads are one
+  /// contiguous run of token_plane_bytes() (head 0 starts it); in HND each head's row is
+  /// apart (head_row_bytes()).
+  [[nodiscard]] constexpr std::size_t offset_in_layer(std::uint32_t plane, std::uint32_t block, std::uint32_t token = 0,
+                                                      std::uint32_t head = 0) const noexcept {
+    return (std::size_t{plane} * num_blocks + block) * segment_bytes() + offset_in_segment(token, head);
+  }
+  /// Offset of the row of (token, head) of (layer, plane) inside a chunk object gathered
+  /// from this cache (`token` counts from the chunk's start). NHD and MLA: chunk.offset(
+  /// layer, plane, token) plus the head's place; HND: the block's segment, head-major.
+  [[nodiscard]] constexpr std::size_t object_offset(const chunk_layout& chunk, std::uint32_t layer, std::uint32_t plane,
+                                                    std::uint32_t token, std::uint32_t head = 0) const noexcept {
+    return chunk.offset(layer, plane) + std::size_t{token / block_size} * segment_bytes() +
+           offset_in_segment(token % block_size, head);
   }
 
   [[nodiscard]] std::string validation_error() const {
@@ -225,6 +274,13 @@ struct paged_kv_layout {
       return "layout kind MLA needs an MLA model (attention_kind::mla): use NHD or HND";
     if (order != kv_layout_kind::nhd && order != kv_layout_kind::hnd && order != kv_layout_kind::mla)
       return "unknown layout kind";
+    // Checked by division: with the bounds above, one block of every layer is at most 2^51
+    // bytes, while num_blocks times that could wrap.
+    const std::uint64_t per_block = std::uint64_t{block_size} * model.token_plane_bytes() * model.planes() *
+                                    model.num_layers;
+    if (num_blocks > max_total_bytes / per_block)
+      return "num_blocks " + std::to_string(num_blocks) + " is too many: the KV cache of this model and block_size "
+             "would exceed 1 PiB";
     return {};
   }
 

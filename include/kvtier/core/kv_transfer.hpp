@@ -6,18 +6,23 @@
 //   scatter_chunk / scatter_chunks   chunk object(s) -> paged KV   (retrieve: L1 -> engine)
 //
 // Layouts (core/kv_layout.hpp): the paged cache is one tensor per layer,
-//   MHA [2][num_blocks][block_size][kv_heads * head_dim], MLA [num_blocks][block_size][latent],
+//   NHD [2][num_blocks][block_size][kv_heads][head_dim], HND [2][num_blocks][kv_heads]
+//   [block_size][head_dim], MLA [num_blocks][block_size][latent],
 // so one (layer, plane, block) is a contiguous "block segment" of block_size * token_plane
-// bytes; a chunk object is [layer][plane][token][kv_heads * head_dim]. A chunk of
-// chunk_tokens tokens is chunk_tokens / block_size blocks, named by block ids in chunk order.
-// Every (layer, plane) of the object is therefore the concatenation of the chunk's block
-// segments of that (layer, plane): the copy is num_layers * planes * blocks memcpys of one
-// segment each (fewer where consecutive block ids let runs be merged).
+// bytes in every kind; a chunk object holds the chunk's segments back to back per (layer,
+// plane) as the blocks hold them (NHD and MLA: [layer][plane][token][kv_heads * head_dim];
+// HND: the same with each block's segment head-major). A chunk of chunk_tokens tokens is
+// chunk_tokens / block_size blocks, named by block ids in chunk order. Every (layer, plane)
+// of the object is therefore the concatenation of the chunk's block segments of that
+// (layer, plane): the copy is num_layers * planes * blocks memcpys of one segment each
+// (fewer where consecutive block ids let runs be merged), whatever the layout kind.
 //
 // skip_tokens: the first skip_tokens tokens of the chunk are neither read nor written, in
 // either direction (any value in [0, chunk_tokens], not only block multiples). Scatter uses
 // it so that tokens the engine already computed (a prefix hit that ends inside a chunk) are
-// never overwritten; gather leaves those bytes of the object untouched.
+// never overwritten; gather leaves those bytes of the object untouched. Inside the block
+// where the skip ends, NHD and MLA skip one leading run of token rows; HND skips the leading
+// rows of each head's run (kv_heads copies of (block_size - t) rows for that block alone).
 //
 // Errors: every function validates all its arguments before it copies a byte and returns a
 // std::error_code: {} on success, else a transfer_errc (category "kvtier.transfer") that
@@ -373,7 +378,12 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
   const std::size_t slab = chunk.slab_bytes();                // one (layer, plane) of the object
   const std::uint32_t planes = layout.model.planes();
   const std::size_t first = skip_tokens / layout.block_size;  // first block with bytes to copy
-  const std::size_t first_offset = std::size_t{skip_tokens % layout.block_size} * layout.model.token_plane_bytes();
+  // Bytes of each run of the first block left alone (a skip that ends inside that block).
+  const std::size_t first_offset = layout.run_offset(skip_tokens % layout.block_size);
+  // HND splits such a first block into one run per head, copied on their own.
+  const std::uint32_t runs = layout.segment_runs();
+  const std::size_t run = layout.run_bytes();
+  const bool split_first = first_offset != 0 && runs > 1;
   if (first >= nblocks) return;  // the whole chunk is skipped
 
   // Never more lines than one segment has.
@@ -386,6 +396,18 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
     for (std::uint32_t p = 0; p < planes; ++p, paged_plane += plane_stride, obj_slab += slab) {
       std::size_t i = first;
       std::size_t offset = first_offset;
+      if (split_first) {
+        std::byte* paged = paged_plane + ids[first] * seg + first_offset;
+        ObjectByte* obj = obj_slab + first * seg + first_offset;
+        for (std::uint32_t r = 0; r < runs; ++r, paged += run, obj += run) {
+          if constexpr (Gather)
+            copy(obj, paged, run - first_offset);
+          else
+            copy(paged, obj, run - first_offset);
+        }
+        ++i;
+        offset = 0;
+      }
       while (i < nblocks) {
         std::size_t j = i + 1;
         while (j < nblocks && ids[j] == ids[j - 1] + 1) ++j;

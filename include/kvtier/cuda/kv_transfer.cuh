@@ -31,6 +31,10 @@
 // 4, 2 or 1. Each thread keeps 4 loads in flight before storing: 16 KiB per CTA, up to 8
 // CTAs per SM, so a zero-copy scatter keeps megabytes of PCIe reads in flight, well above
 // the bandwidth-delay product (~55 GB/s * ~1.5 us = ~80 KiB).
+// Layout kinds: a segment is contiguous in NHD, HND and MLA alike, so the CTA copies it
+// whole; only the first block of a piece whose skip ends inside it differs: NHD and MLA skip
+// one leading run of token rows, HND the leading rows of each head's run (the CTA then
+// copies kv_heads runs, each without its skipped rows; segment_copy::runs).
 // One launch covers a whole batch: grid = pieces * layers * planes * blocks. The block ids,
 // object pointers and offsets travel in the kernel's parameter block (under 4 KiB, passed
 // as __grid_constant__ so threads read it in place); a batch larger than one parameter block
@@ -174,6 +178,8 @@ struct launch_params {
   std::uint64_t segment_bytes = 0;     ///< one (layer, plane, block)
   std::uint64_t plane_stride = 0;      ///< one plane of one layer's tensor
   std::uint64_t slab_bytes = 0;        ///< one (layer, plane) of the object
+  std::uint64_t run_bytes = 0;         ///< one run of a segment (paged_kv_layout::run_bytes)
+  std::uint32_t segment_runs = 1;      ///< runs per segment: 1 (NHD, MLA), kv heads (HND)
   std::uint32_t planes = 0;
   std::uint32_t num_layers = 0;
   std::uint32_t max_piece_blocks = 0;  ///< grid extent per (piece, layer, plane)
@@ -202,12 +208,17 @@ __device__ __forceinline__ void copy_bytes(std::byte* dst, const std::byte* src,
   for (; i < n; i += stride) d[i] = s[i];
 }
 
-/// What one CTA copies: len bytes from src to dst, or nothing (active == false).
+/// What one CTA copies: `runs` runs of len bytes, run r from src + r * stride to dst + r *
+/// stride, or nothing (active == false). One run (the whole segment, or its tail after a
+/// skip) but for the first block of an HND piece whose skip ends inside it: one run per
+/// head, each without its first skipped rows.
 struct segment_copy {
   std::byte* dst = nullptr;
   const std::byte* src = nullptr;
   std::uint64_t len = 0;
   bool active = false;
+  std::uint32_t runs = 1;
+  std::uint64_t stride = 0;
 };
 
 /// The block segment of CTA `cta`: cta = ((piece * num_layers + layer) * planes + plane) *
@@ -224,14 +235,19 @@ __host__ __device__ __forceinline__ segment_copy locate_segment(const launch_par
   const piece_desc& pc = p.pieces[cta];
   const std::uint32_t j = pc.begin + k;
   if (j >= pc.end) return {};
+  // begin_offset: the bytes of each run of the piece's first block left alone (a skip).
   const std::uint64_t offset = k == 0 ? pc.begin_offset : 0;
   const std::uint64_t id = p.ids[pc.ids_base + k];
   std::byte* paged = p.layers[layer] + plane * p.plane_stride + id * p.segment_bytes + offset;
   std::byte* obj = pc.object + (std::uint64_t{layer} * p.planes + plane) * p.slab_bytes + j * p.segment_bytes + offset;
+  // Skipped rows lead every run: with several runs (HND) the CTA copies each run's tail.
+  const bool split = offset != 0 && p.segment_runs > 1;
+  const std::uint32_t runs = split ? p.segment_runs : 1;
+  const std::uint64_t len = split ? p.run_bytes - offset : p.segment_bytes - offset;
   if constexpr (Gather)
-    return {obj, paged, p.segment_bytes - offset, true};
+    return {obj, paged, len, true, runs, p.run_bytes};
   else
-    return {paged, obj, p.segment_bytes - offset, true};
+    return {paged, obj, len, true, runs, p.run_bytes};
 }
 
 /// One CTA per block segment (locate_segment). A template, so that every translation unit
@@ -239,7 +255,8 @@ __host__ __device__ __forceinline__ segment_copy locate_segment(const launch_par
 template <bool Gather, class Vec>
 __global__ void __launch_bounds__(copy_threads) copy_segments_kernel(const __grid_constant__ launch_params p) {
   const segment_copy s = locate_segment<Gather>(p, blockIdx.x);
-  if (s.active) copy_bytes<Vec>(s.dst, s.src, s.len);
+  if (!s.active) return;
+  for (std::uint32_t r = 0; r < s.runs; ++r) copy_bytes<Vec>(s.dst + r * s.stride, s.src + r * s.stride, s.len);
 }
 
 /// CTAs of one launch.
@@ -328,18 +345,22 @@ template <bool Gather, class Item, class Launch>
 [[nodiscard]] inline std::error_code pack(const paged_kv_view& cache, const chunk_layout& chunk,
                                           std::span<const Item> items, Launch&& launch) noexcept {
   const paged_kv_layout& layout = cache.layout;
-  const std::size_t tpb = layout.model.token_plane_bytes();
   const std::uint32_t nblocks = chunk.chunk_tokens / layout.block_size;
   launch_params p;
   p.layers = cache.layers.device_data;
   p.segment_bytes = layout.segment_bytes();
   p.plane_stride = layout.segment_bytes() * layout.num_blocks;
   p.slab_bytes = chunk.slab_bytes();
+  p.run_bytes = layout.run_bytes();
+  p.segment_runs = layout.segment_runs();
   p.planes = layout.model.planes();
   p.num_layers = layout.model.num_layers;
-  // Every offset the kernel forms is a multiple of token_plane_bytes; layer bases and
+  // Every offset the kernel forms is a multiple of one row: token_plane_bytes for NHD and
+  // MLA, head_row_bytes for HND (a skip moves each head's run by whole rows); layer bases and
   // objects bring their own alignment.
-  const std::uintptr_t base_bits = tpb | cache.layers.alignment;
+  const std::size_t row =
+      layout.kind() == kv_layout_kind::hnd ? layout.head_row_bytes() : layout.model.token_plane_bytes();
+  const std::uintptr_t base_bits = row | cache.layers.alignment;
   std::uintptr_t bits = base_bits;
   std::uint32_t num_ids = 0;
   // Only a scatter needs the set (10 KiB of stack, no allocation).
@@ -359,7 +380,7 @@ template <bool Gather, class Item, class Launch>
   for (const Item& it : items) {
     const std::uint32_t first = it.skip_tokens / layout.block_size;
     if (first >= nblocks) continue;  // the whole chunk is skipped
-    const auto first_offset = static_cast<std::uint32_t>((it.skip_tokens % layout.block_size) * tpb);
+    const auto first_offset = static_cast<std::uint32_t>(layout.run_offset(it.skip_tokens % layout.block_size));
     std::byte* object = const_cast<std::byte*>(static_cast<const std::byte*>(it.object));
     std::uint32_t j = first;
     while (j < nblocks) {

@@ -28,11 +28,15 @@
 //              restart) and resumes. It starts degraded when no server is there yet.
 //   deadlines  every call has one; a retrieve past retrieve_timeout is a load error (never
 //              silent) and its blocks are quarantined.
-//   fencing    blocks of a retrieve the connector gave up on stay quarantined until the
-//              server answers that call or its process is gone (pidfd); stores carry the
-//              blocks' generations read at store() time, which the server checks after its
-//              copy, so a block reused meanwhile (block_reused) is never stored.
-//   finished   finished_tracker.hpp: each id once, none with a retrieve pending in sending,
+//   fencing    blocks of a retrieve the connector gave up on stay quarantined until it is
+//              proven that no copy can follow: the server answers that call, closes that
+//              connection (it closes one only after every copy it started for it ended), or
+//              its process is gone (pidfd); or, by default, after quarantine_limit (10 min).
+//              Stores carry the blocks' generations read at store() time, which the server
+//              checks after its copy, so a block reused meanwhile (block_reused) is never
+//              stored.
+//   finished   finished_tracker.hpp: each id once in each list, never in recving while a
+//              retrieve of it is pending, nor in sending while a retrieve or store is;
 //              bounded memory.
 //
 // Events (bus/events.hpp): connector.healthy / unhealthy / reconnected, lookup.completed,
@@ -188,7 +192,9 @@ class connector {
   /// Loads chunks [first_chunk, first_chunk + n) of the request into `block_ids`
   /// (n * chunk_tokens / block_size ids, chunk-major), but the first `skip_tokens` tokens of
   /// that range, which the engine already has. Asynchronous: the id is reported in
-  /// finished_recving when it completes; blocks of chunks that did not land (failure,
+  /// finished_recving once, when this and every other retrieve of it issued so far have
+  /// completed (finished_tracker.hpp: a retrieve issued after that report is not reported
+  /// again, but holds back finished_sending); blocks of chunks that did not land (failure,
   /// timeout, unhealthy, a shorter prefix) go to take_load_error_blocks(). `tokens` holds at
   /// least (first_chunk + n) * chunk_tokens tokens. Throws std::invalid_argument on
   /// malformed arguments.
@@ -258,6 +264,10 @@ class connector {
     std::optional<boost::asio::posix::stream_descriptor> pidfd;
     bool broken = false;        ///< EOF, socket or stream error seen
     bool process_gone = false;  ///< the pidfd fired
+    /// The server closed its end (EOF, EPIPE, ECONNRESET): it had ended every copy it started
+    /// for this connection, and starts none after (docs/protocol.md), so nothing handed
+    /// over on it can be written any more.
+    bool closed_by_server = false;
   };
   struct lookup_entry {
     std::uint64_t serial = 0;
@@ -310,7 +320,9 @@ class connector {
   void send_io(std::uint64_t id);
   void on_deadline_io(std::uint64_t id);
   bool on_frame_io(peer& p, protocol::frame f);
-  void on_peer_broken_io(peer& p, std::string_view reason);
+  /// `server_closed`: the break is the server's close (EOF, EPIPE, ECONNRESET), which
+  /// releases the connection's quarantine.
+  void on_peer_broken_io(peer& p, std::string_view reason, bool server_closed);
   void mark_unhealthy_io(std::string_view reason);
   void fail_calls_io(std::optional<std::uint64_t> epoch, call_status status);
   void maybe_retire_peer_io(std::uint64_t epoch);

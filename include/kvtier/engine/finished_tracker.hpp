@@ -4,28 +4,44 @@
 // their KV stores are over), following vLLM's KV-connector contract. Pure bookkeeping, no
 // I/O, not thread-safe (the connector guards it with its mutex).
 //
-// Rules (docs/fault-tolerance.md, reference/lmcache-mp.md 8.3-8.4):
-//   recving   an id whose retrieves all completed (success or load error), once per
-//             completion; a retrieve that fails is still "finished receiving" (the failed
-//             blocks are load errors, reported apart).
+// Rules (docs/fault-tolerance.md, reference/lmcache-mp.md 8.3-8.4, vLLM's scheduler):
+//   recving   an id is reported finished receiving once, at the first take_finished at
+//             which it has had a retrieve and none of its retrieves is pending. "Every
+//             retrieve" is every retrieve started before that call: an engine that loads a
+//             request in several retrieves (vLLM's chunked prefill: one per step of a long
+//             prompt) is told when all of them ended, never while one still runs, even if
+//             an earlier one completed long ago. A retrieve started after the id was
+//             reported receiving (the request already runs) is tracked, holds back
+//             finished sending, and is never reported receiving: vLLM asserts on a second
+//             finished_recving of a running request, and the engine learns of that
+//             retrieve's failures through the load-error blocks. A retrieve that fails is
+//             still "finished receiving" (its failed blocks are load errors, reported apart).
 //   sending   an id the engine reported finished, once every store and retrieve it has is
 //             over (at once when it has none); reported once.
-//   never     an id with a retrieve still pending in `sending`;
-//             an id in both lists of one call: when an id the engine already finished has
-//             its retrieve complete, the recving report is its last one (vLLM frees such a
-//             request on finished_recving; a later finished_sending would name a freed
-//             request), so it is retired without a sending report;
+//   last      an id the engine finished before its receiving report gets that report as its
+//             last one, once nothing of it is pending (retrieves and stores), and never a
+//             sending report (vLLM frees a finished request on finished_recving; a later
+//             finished_sending would name a freed request). Every id the engine finishes
+//             thus gets exactly one last report: sending, or recving in that case.
+//   never     an id in recving while a retrieve of it is pending, or twice;
+//             an id in sending while a retrieve or store of it is pending, before the
+//             engine reported it finished, or twice;
+//             an id in both lists of one call;
 //             an id again after its last report: the engine's re-reports (async scheduling
 //             reports an id several times; LMCache's duplicate-report bug) are swallowed by
-//             a window of the last `window` retired ids.
+//             a window of the last `window` retired ids, and transfers of a retired id are
+//             tracked (drain, pending counts) but never reported.
 //   drain     while the server is unhealthy every pending retrieve and store counts as
 //             done, so no request waits for a server that will not answer.
 //
 // Memory is bounded however long the engine runs: an id's entry goes away with its last
-// report (or when nothing is left to report), and the window of retired ids holds at most
-// `window` 128-bit hashes of ids (LMCache kept every id forever: issue #5339). An id is
-// remembered by its XXH3-128 hash; two ids of one window colliding (odds ~ window^2 / 2^129)
-// would swallow one report.
+// report, or when nothing is left to report (a request with stores only, between steps);
+// an id reported finished receiving keeps its entry (a few dozen bytes) until the engine
+// finishes it, so that it is never reported receiving twice, which bounds the entries by the
+// requests alive in the engine (vLLM finishes every request it schedules). The window of
+// retired ids holds at most `window` 128-bit hashes of ids (LMCache kept every id forever:
+// issue #5339). An id is remembered by its XXH3-128 hash; two ids of one window colliding
+// (odds ~ window^2 / 2^129) would swallow one report.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
@@ -66,23 +82,24 @@ class finished_tracker {
 
   /// A retrieve of `id` was issued.
   void retrieve_started(std::string_view id) {
-    entry& e = entries_[std::string(id)];
+    entry& e = tracked_entry(id);
     ++e.retrieves;
+    if (!e.retired && !e.recv_reported) e.owes_recv = true;
   }
 
   /// A retrieve of `id` completed (data landed, or load error). When it was the last pending
-  /// retrieve of `id`, `id` becomes due in `recving`. Ignored when none is pending.
+  /// retrieve of `id`, `id` becomes due in `recving` (if it owes that report). Ignored when
+  /// none is pending.
   void retrieve_done(std::string_view id) {
     auto it = find(id);
     if (it == entries_.end() || it->second.retrieves == 0) return;
-    if (--it->second.retrieves == 0 && !it->second.recv_due) {
-      it->second.recv_due = true;
-      recv_due_.push_back(it->first);
-    }
+    --it->second.retrieves;
+    mark_recv_due(it);
+    erase_if_idle(it);
   }
 
   /// A store of `id` was issued.
-  void store_started(std::string_view id) { ++entries_[std::string(id)].stores; }
+  void store_started(std::string_view id) { ++tracked_entry(id).stores; }
 
   /// A store of `id` completed (stored, refused, failed or timed out). Ignored when none is
   /// pending.
@@ -98,11 +115,13 @@ class finished_tracker {
   finished_requests take_finished(std::span<const std::string> finished_by_engine) {
     finished_requests out;
     for (const std::string& id : finished_by_engine) {
-      if (retired(id)) {
+      auto it = entries_.find(id);
+      if (it == entries_.end() ? retired(id) : it->second.retired) {
         ++ignored_reports_;
         continue;
       }
-      entry& e = entries_[id];
+      if (it == entries_.end()) it = entries_.try_emplace(id).first;
+      entry& e = it->second;
       if (e.engine_finished) {
         ++ignored_reports_;
         continue;
@@ -111,34 +130,37 @@ class finished_tracker {
       send_wait_.insert(id);
     }
 
+    // Requests still running: reported receiving once every retrieve of theirs ended.
     out.recving.reserve(recv_due_.size());
     for (std::string& id : recv_due_) {
       auto it = entries_.find(id);
       if (it == entries_.end() || !it->second.recv_due) continue;
-      it->second.recv_due = false;
-      if (it->second.engine_finished) {
-        // Its last report: never also in sending (same call or later).
-        it->second.engine_finished = false;
-        send_wait_.erase(id);
-        retire(id);
-      }
-      erase_if_idle(it);
+      entry& e = it->second;
+      e.recv_due = false;
+      // Finished by the engine: its last report is decided below. A retrieve started since
+      // it became due: due again when that one ends.
+      if (e.engine_finished || e.retrieves != 0 || !e.owes_recv) continue;
+      e.owes_recv = false;
+      e.recv_reported = true;
       out.recving.push_back(std::move(id));
     }
     recv_due_.clear();
 
+    // Requests the engine finished: their last report, once nothing of theirs is pending.
     for (auto w = send_wait_.begin(); w != send_wait_.end();) {
       auto it = entries_.find(*w);
-      if (it != entries_.end() && (it->second.retrieves != 0 || it->second.stores != 0 || it->second.recv_due)) {
+      if (it == entries_.end()) {  // cannot happen: an engine-finished entry is never idle
+        w = send_wait_.erase(w);
+        continue;
+      }
+      entry& e = it->second;
+      if (e.retrieves != 0 || e.stores != 0) {
         ++w;
         continue;
       }
-      out.sending.push_back(*w);
+      (e.owes_recv ? out.recving : out.sending).push_back(*w);
       retire(*w);
-      if (it != entries_.end()) {
-        it->second.engine_finished = false;
-        erase_if_idle(it);
-      }
+      entries_.erase(it);
       w = send_wait_.erase(w);
     }
     return out;
@@ -152,20 +174,16 @@ class finished_tracker {
       entry& e = it->second;
       released += e.retrieves + e.stores;
       e.stores = 0;
-      if (e.retrieves != 0) {
-        e.retrieves = 0;
-        if (!e.recv_due) {
-          e.recv_due = true;
-          recv_due_.push_back(it->first);
-        }
-      }
+      e.retrieves = 0;
+      mark_recv_due(it);
       if (e.idle()) it = entries_.erase(it);
       else ++it;
     }
     return released;
   }
 
-  /// Ids with state (something pending, due or waiting); 0 when all is reported.
+  /// Ids with state (something pending, due or waiting, or reported receiving and not yet
+  /// finished by the engine); 0 when every id got its last report.
   [[nodiscard]] std::size_t tracked() const noexcept { return entries_.size(); }
   /// Retired ids remembered (<= window()).
   [[nodiscard]] std::size_t remembered() const noexcept { return window_.size(); }
@@ -185,9 +203,16 @@ class finished_tracker {
   struct entry {
     std::uint32_t retrieves = 0;   ///< retrieves issued and not completed
     std::uint32_t stores = 0;      ///< stores issued and not completed
-    bool recv_due = false;         ///< in recv_due_: its retrieves completed, not yet reported
-    bool engine_finished = false;  ///< in send_wait_: the engine finished it, not yet reported
-    [[nodiscard]] bool idle() const noexcept { return retrieves == 0 && stores == 0 && !recv_due && !engine_finished; }
+    bool owes_recv = false;        ///< a retrieve was issued; no receiving report yet
+    bool recv_reported = false;    ///< reported receiving: never again
+    bool recv_due = false;         ///< in recv_due_: its retrieves ended, to be checked
+    bool engine_finished = false;  ///< in send_wait_: the engine finished it, no last report yet
+    bool retired = false;          ///< its last report was given: transfers tracked, nothing reported
+    /// Nothing pending and nothing left to report or remember: the entry can go.
+    [[nodiscard]] bool idle() const noexcept {
+      if (retrieves != 0 || stores != 0) return false;
+      return retired || (!owes_recv && !recv_reported && !recv_due && !engine_finished);
+    }
   };
   struct hash_of_hash {
     std::size_t operator()(const hash128& h) const noexcept { return static_cast<std::size_t>(h.lo ^ (h.hi * 31)); }
@@ -196,6 +221,22 @@ class finished_tracker {
   using map_type = std::unordered_map<std::string, entry>;
 
   map_type::iterator find(std::string_view id) { return entries_.find(std::string(id)); }
+
+  /// The entry of `id`, made when missing (a retired id's entry tracks without reporting).
+  entry& tracked_entry(std::string_view id) {
+    auto [it, inserted] = entries_.try_emplace(std::string(id));
+    if (inserted && retired(id)) it->second.retired = true;
+    return it->second;
+  }
+
+  /// Queues `it` for a receiving report when its retrieves all ended and it owes one (a
+  /// request the engine finished gets its last report from send_wait_ instead).
+  void mark_recv_due(map_type::iterator it) {
+    entry& e = it->second;
+    if (e.retrieves != 0 || !e.owes_recv || e.engine_finished || e.recv_due) return;
+    e.recv_due = true;
+    recv_due_.push_back(it->first);
+  }
 
   void erase_if_idle(map_type::iterator it) {
     if (it->second.idle()) entries_.erase(it);
@@ -220,8 +261,8 @@ class finished_tracker {
 
   std::size_t window_capacity_;
   map_type entries_;
-  std::vector<std::string> recv_due_;             ///< ids whose retrieves completed, in order
-  std::unordered_set<std::string> send_wait_;     ///< engine-finished ids not yet reported
+  std::vector<std::string> recv_due_;             ///< ids whose retrieves ended, in order
+  std::unordered_set<std::string> send_wait_;     ///< engine-finished ids without their last report
   std::deque<hash128> window_;                    ///< retired ids, oldest first
   std::unordered_set<hash128, hash_of_hash> window_set_;
   std::uint64_t ignored_reports_ = 0;

@@ -46,16 +46,33 @@ struct connector_timeouts {
   /// reconnect_max.
   duration reconnect_initial{50};
   duration reconnect_max{2000};
-  /// 0: quarantined blocks are released only by the server's late answer or the proof that
-  /// its process is gone (the safe default). Otherwise, also after this long: a capacity
-  /// versus safety trade for deployments where the server's process cannot be watched.
-  duration quarantine_limit{0};
+  /// Quarantined blocks are released when it is proven that no copy can follow: the
+  /// server's late answer, its close of the connection (EOF: it closes one only after every
+  /// copy it started for it ended), or its process gone (pidfd). A server that runs at all
+  /// gives one of these within about its client reap timeout (30 s): it answers, or it
+  /// reaps the connection the connector abandoned. Only a server alive but not running
+  /// (stopped, frozen, deadlocked) keeps blocks longer, and it is also the only one that may
+  /// still write them (when it resumes mid-copy). Past this limit the blocks are released
+  /// anyway: 10 minutes is 20 times the default reap timeout and far beyond any copy of a
+  /// running server (< 1 s, docs/server.md), so only a server frozen longer than that in the
+  /// middle of a copy could write a released block; the cost it bounds is capacity (the
+  /// blocks of the retrieves in flight when the server stopped: new ones are not sent while
+  /// it is unhealthy). 0: no limit, blocks wait for a proof however long (safety over
+  /// capacity: choose it where a server may be frozen for long, e.g. under a debugger).
+  /// docs/fault-tolerance.md has the trade.
+  duration quarantine_limit{std::chrono::minutes(10)};
 };
 
 /// The connector's configuration. Construct, fill in, pass to engine::connector.
 struct connector_options {
-  /// The server's Unix socket.
+  /// The server's Unix socket (protocol::default_socket_path() is the servers' default).
   std::string socket_path;
+  /// The uid the server's process must run as; unset: this process's effective uid. Root is
+  /// accepted too. Checked with SO_PEERCRED right after connecting, before anything (the KV
+  /// region's memfd above all) is sent: a process of another user listening on the path is
+  /// refused (last_error() says so, unhealthy reason "peer_refused"). Set it when the server
+  /// runs under a service account.
+  std::optional<std::uint32_t> server_uid;
   /// This worker's tensor-parallel rank and the world size.
   std::uint16_t rank = 0;
   std::uint16_t world_size = 1;

@@ -5,16 +5,19 @@
 // recomputes that KV into other blocks (the blocks are also load errors). Pure bookkeeping,
 // no I/O, not thread-safe (the connector guards it with its mutex).
 //
-// A call's blocks are released when
-//   - the server answers that call after all (a late reply: its copy is over), or
+// A call's blocks are released when it is proven that no copy can follow:
+//   - the server answers that call after all (a late reply: its copy is over);
+//   - the server closes the connection the call was made on (EOF, EPIPE, ECONNRESET): the
+//     server closes a connection only after every copy it started for it has ended, and
+//     starts none after (docs/protocol.md, "Closing a connection"), so release_epoch;
 //   - the server process that held the call is known to be gone (its pidfd, docs/
-//     fault-tolerance.md): a dead process writes nothing;
-//   - optionally, when they have been held longer than a limit (connector_timeouts::
-//     quarantine_limit; off by default, since a hung server may wake up at any time).
-// Nothing else releases them: neither EOF (a server that closes a connection may still have
-// a copy running on another thread), nor a reconnect, nor a new boot token (the old process
-// may be alive). A block handed to several failed calls stays quarantined until all of them
-// are released.
+//     fault-tolerance.md): a dead process writes nothing, so release_epoch;
+//   - or, without proof, when they have been held longer than connector_timeouts::
+//     quarantine_limit (10 minutes by default; 0: never): release_held_before.
+// Nothing else releases them: neither a reconnect, nor a new boot token (the old process
+// may be alive), nor the connector closing the connection itself (the server may be in the
+// middle of a copy). A block handed to several failed calls stays quarantined until all of
+// them are released.
 
 #include <kvtier/config.hpp>
 
@@ -63,8 +66,8 @@ class quarantine {
     return n;
   }
 
-  /// The server process behind the connection of `epoch` is gone: every call held for it is
-  /// released. Returns how many blocks left quarantine.
+  /// The server closed the connection of `epoch`, or the process behind it is gone: every
+  /// call held for it is released. Returns how many blocks left quarantine.
   std::size_t release_epoch(std::uint64_t epoch) {
     std::size_t n = 0;
     for (auto it = calls_.begin(); it != calls_.end();) {

@@ -112,6 +112,9 @@ struct pool_delivery {
 };
 
 struct pool_cancel_handler {
+  // A constructor, not an aggregate: Asio builds it with parentheses (emplace(pool, op)),
+  // which clang before 16 accepts only for a class with a constructor.
+  pool_cancel_handler(pread_pool* p, pool_op* o) noexcept : pool(p), op(o) {}
   pread_pool* pool;
   pool_op* op;
   void operator()(boost::asio::cancellation_type_t type) const;

@@ -20,6 +20,15 @@
 // ordered for eviction by modification time. A second process on the same directory is
 // refused (flock on <path>/LOCK).
 //
+// TRUST: the files hold prompt-derived KV and whatever they hold is served, so they are
+// private and trusted only when ours: files are created 0600 and directories (the path and
+// its missing parents, objects/, tmp/, the shards) 0700, whatever the umask. The constructor
+// refuses (std::invalid_argument, saying what to change) a path, objects/, tmp/ or shard
+// directory that another user owns or that group or others may write; the recovery scan
+// skips, counts (disk_recovery_report::untrusted_files) and leaves alone object files of
+// another user or writable by others. Directories and files of ours that an older version
+// made wider are tightened to 0700 / 0600.
+//
 // CAPACITY: counted in bytes the file system really allocated (st_blocks * 512, measured at
 // commit and at the scan), not logical sizes. A store first reserves its estimated size;
 // when usage would pass high_watermark * capacity it evicts unpinned objects (LRU or FIFO)
@@ -144,12 +153,13 @@ struct disk_backend_options {
 
 /// What the start-up scan found.
 struct disk_recovery_report {
-  std::uint64_t objects = 0;        ///< objects recovered and servable
-  std::uint64_t bytes = 0;          ///< their allocated bytes
-  std::uint64_t dropped = 0;        ///< torn, corrupt or misplaced object files deleted
-  std::uint64_t temp_files = 0;     ///< temporary files (interrupted stores) deleted
-  std::uint64_t foreign_files = 0;  ///< files that are not ours, left alone
-  std::uint64_t evicted = 0;        ///< objects evicted because they exceeded the capacity
+  std::uint64_t objects = 0;          ///< objects recovered and servable
+  std::uint64_t bytes = 0;            ///< their allocated bytes
+  std::uint64_t dropped = 0;          ///< torn, corrupt or misplaced object files deleted
+  std::uint64_t temp_files = 0;       ///< temporary files (interrupted stores) deleted
+  std::uint64_t foreign_files = 0;    ///< files that are not ours, left alone
+  std::uint64_t untrusted_files = 0;  ///< object files another user owns (or others may write): skipped
+  std::uint64_t evicted = 0;          ///< objects evicted because they exceeded the capacity
 };
 
 /// Counters of one backend (shared, so metric callbacks may outlive it).
@@ -168,6 +178,7 @@ struct disk_stats {
   std::atomic<std::uint64_t> recovered_bytes{0};
   std::atomic<std::uint64_t> recovery_dropped{0};
   std::atomic<std::uint64_t> recovery_temp_files{0};
+  std::atomic<std::uint64_t> recovery_untrusted{0};
   std::atomic<bool> o_direct{false};
 };
 

@@ -8,7 +8,7 @@
 //   type             "disk" (checked when present)
 //   name             string, the backend's name in metrics and logs ("disk")
 //   path             string, the directory (required)
-//   capacity_gb      number > 0, GiB (2^30 bytes) the objects may allocate, or
+//   capacity_gb      number in (0, 1048576], GiB (2^30 bytes) the objects may allocate, or
 //   capacity_bytes   integer > 0 (exactly one of the two)
 //   o_direct         bool (true)
 //   io               "auto" | "uring" | "pread" ("auto": KVTIER_IO_BACKEND, else the probe)
@@ -41,24 +41,33 @@ namespace detail {
   throw std::invalid_argument("disk backend configuration: " + what);
 }
 
+/// A JSON value (or key) for a message: cut to ~80 bytes, with its size when cut.
+inline std::string json_excerpt(const std::string& text) {
+  if (text.size() <= 80) return text;
+  return text.substr(0, 60) + "... (" + std::to_string(text.size()) + " bytes)";
+}
+inline std::string json_excerpt(const nlohmann::json& v) {
+  return json_excerpt(v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
 inline const nlohmann::json* json_find(const nlohmann::json& j, const char* key) {
   auto it = j.find(key);
   return it == j.end() ? nullptr : &*it;
 }
 
 inline bool json_bool(const nlohmann::json& v, const char* key) {
-  if (!v.is_boolean()) json_fail(std::string("'") + key + "' must be true or false, got " + v.dump());
+  if (!v.is_boolean()) json_fail(std::string("'") + key + "' must be true or false, got " + json_excerpt(v));
   return v.get<bool>();
 }
 
 inline std::string json_string(const nlohmann::json& v, const char* key) {
-  if (!v.is_string()) json_fail(std::string("'") + key + "' must be a string, got " + v.dump());
+  if (!v.is_string()) json_fail(std::string("'") + key + "' must be a string, got " + json_excerpt(v));
   return v.get<std::string>();
 }
 
 inline std::uint64_t json_uint(const nlohmann::json& v, const char* key, std::uint64_t lo, std::uint64_t hi) {
   if (!v.is_number_integer() || (v.is_number_integer() && !v.is_number_unsigned() && v.get<std::int64_t>() < 0))
-    json_fail(std::string("'") + key + "' must be a non-negative integer, got " + v.dump());
+    json_fail(std::string("'") + key + "' must be a non-negative integer, got " + json_excerpt(v));
   const auto x = v.get<std::uint64_t>();
   if (x < lo || x > hi)
     json_fail(std::string("'") + key + "' = " + std::to_string(x) + " is out of range [" + std::to_string(lo) + ", " +
@@ -67,9 +76,9 @@ inline std::uint64_t json_uint(const nlohmann::json& v, const char* key, std::ui
 }
 
 inline double json_fraction(const nlohmann::json& v, const char* key) {
-  if (!v.is_number()) json_fail(std::string("'") + key + "' must be a number, got " + v.dump());
+  if (!v.is_number()) json_fail(std::string("'") + key + "' must be a number, got " + json_excerpt(v));
   const double x = v.get<double>();
-  if (!(x > 0 && x <= 1)) json_fail(std::string("'") + key + "' = " + v.dump() + " must be in (0, 1]");
+  if (!(x > 0 && x <= 1)) json_fail(std::string("'") + key + "' = " + json_excerpt(v) + " must be in (0, 1]");
   return x;
 }
 
@@ -77,8 +86,9 @@ inline double json_fraction(const nlohmann::json& v, const char* key) {
 
 /// nlohmann's conversion hook: `j.get<l2::disk_backend_options>()`. See the header comment.
 inline void from_json(const nlohmann::json& j, disk_backend_options& o) {
+  using detail::json_excerpt;
   using detail::json_fail;
-  if (!j.is_object()) json_fail("expected an object, got " + j.dump());
+  if (!j.is_object()) json_fail("expected an object, got " + json_excerpt(j));
   static constexpr std::string_view known[] = {
       "type",        "name",        "path",        "capacity_gb",   "capacity_bytes", "o_direct",
       "io",          "eviction",    "high_watermark", "low_watermark", "queue_depth", "part_kib",
@@ -89,13 +99,13 @@ inline void from_json(const nlohmann::json& j, disk_backend_options& o) {
     if (!ok) {
       std::string list;
       for (auto n : known) list += std::string(list.empty() ? "" : ", ") + std::string(n);
-      json_fail("unknown key '" + k + "' (known: " + list + ")");
+      json_fail("unknown key '" + json_excerpt(k) + "' (known: " + list + ")");
     }
   }
   disk_backend_options out;
   if (const auto* v = detail::json_find(j, "type")) {
     if (detail::json_string(*v, "type") != "disk")
-      json_fail("'type' is " + v->dump() + ": this parser reads \"disk\" backends only");
+      json_fail("'type' is " + json_excerpt(*v) + ": this parser reads \"disk\" backends only");
   }
   if (const auto* v = detail::json_find(j, "name")) out.name = detail::json_string(*v, "name");
   if (out.name.empty()) json_fail("'name' is empty");
@@ -110,10 +120,15 @@ inline void from_json(const nlohmann::json& j, disk_backend_options& o) {
     json_fail(gb == nullptr ? "the capacity is missing: set 'capacity_gb' (GiB) or 'capacity_bytes'"
                             : "both 'capacity_gb' and 'capacity_bytes' are set: keep one");
   if (gb != nullptr) {
+    // 2^20 GiB (1 PiB) and more is a typo, and past 2^34 GiB the bytes would not fit 64 bits.
+    constexpr double max_gb = double(std::uint64_t{1} << 20);
     if (!gb->is_number() || !(gb->get<double>() > 0) || !std::isfinite(gb->get<double>()))
-      json_fail("'capacity_gb' must be a number > 0, got " + gb->dump());
+      json_fail("'capacity_gb' must be a number > 0, got " + json_excerpt(*gb));
+    if (gb->get<double>() > max_gb)
+      json_fail("'capacity_gb' = " + json_excerpt(*gb) +
+                " is more than 1048576 (1 PiB): give the GiB the tier may use");
     out.capacity_bytes = static_cast<std::uint64_t>(gb->get<double>() * static_cast<double>(std::uint64_t{1} << 30));
-    if (out.capacity_bytes == 0) json_fail("'capacity_gb' = " + gb->dump() + " is less than one byte");
+    if (out.capacity_bytes == 0) json_fail("'capacity_gb' = " + json_excerpt(*gb) + " is less than one byte");
   } else {
     out.capacity_bytes = detail::json_uint(*bytes, "capacity_bytes", 1, UINT64_MAX);
   }
@@ -122,7 +137,7 @@ inline void from_json(const nlohmann::json& j, disk_backend_options& o) {
   if (const auto* v = detail::json_find(j, "io")) {
     const auto s = detail::json_string(*v, "io");
     const auto c = io::parse_engine_choice(s);
-    if (!c || s.empty()) json_fail("'io' is \"" + s + "\": use \"auto\", \"uring\" or \"pread\"");
+    if (!c || s.empty()) json_fail("'io' is \"" + detail::json_excerpt(s) + "\": use \"auto\", \"uring\" or \"pread\"");
     out.io = *c;
   }
   if (const auto* v = detail::json_find(j, "eviction")) {
@@ -130,7 +145,8 @@ inline void from_json(const nlohmann::json& j, disk_backend_options& o) {
     if (s == "lru") out.eviction = disk_eviction::lru;
     else if (s == "fifo") out.eviction = disk_eviction::fifo;
     else if (s == "none") out.eviction = disk_eviction::none;
-    else json_fail("'eviction' is \"" + s + "\": use \"lru\", \"fifo\" or \"none\"");
+    else
+      json_fail("'eviction' is \"" + detail::json_excerpt(s) + "\": use \"lru\", \"fifo\" or \"none\"");
   }
   if (const auto* v = detail::json_find(j, "high_watermark")) out.high_watermark = detail::json_fraction(*v, "high_watermark");
   if (const auto* v = detail::json_find(j, "low_watermark")) out.low_watermark = detail::json_fraction(*v, "low_watermark");
@@ -147,7 +163,8 @@ inline void from_json(const nlohmann::json& j, disk_backend_options& o) {
     const auto s = detail::json_string(*v, "sync");
     if (s == "data") out.sync = disk_sync::data;
     else if (s == "none") out.sync = disk_sync::none;
-    else json_fail("'sync' is \"" + s + "\": use \"data\" or \"none\"");
+    else
+      json_fail("'sync' is \"" + detail::json_excerpt(s) + "\": use \"data\" or \"none\"");
   }
   if (const auto* v = detail::json_find(j, "preallocate")) out.preallocate = detail::json_bool(*v, "preallocate");
   if (const auto* v = detail::json_find(j, "verify_on_start"))

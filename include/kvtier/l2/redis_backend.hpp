@@ -59,7 +59,8 @@
 // that slot at once); ASK is followed with ASKING on the named node; at most max_redirects
 // redirects per command.
 // AUTH (with username when set) and SELECT are sent on every (re)connection; the password is
-// read once at construction from password_file or the variable named by password_env.
+// read once at construction from password_file or the variable named by password_env. A
+// password_file that group or others may read gets a warning ("chmod 600 <file>").
 //
 // Threading: the backend serialises its state on a strand of the executor given (operations
 // may be started from any thread; completions go to the caller's associated executor);
@@ -84,6 +85,8 @@
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/post.hpp>
 
+#include <sys/stat.h>
+
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -105,7 +108,7 @@ class redis_backend {
   /// the connections, within their deadlines). `log` (optional) must outlive the backend.
   redis_backend(executor_type executor, redis_backend_options options, telemetry::logger* log = nullptr) {
     options.validate();
-    std::string password = read_password(options);
+    std::string password = read_password(options, log);
     engine_ = std::make_shared<detail::redis_engine>(std::move(executor), std::move(options), std::move(password), log);
     boost::asio::post(engine_->strand(), [e = engine_] { e->start(); });
   }
@@ -188,7 +191,7 @@ class redis_backend {
   }
 
  private:
-  static std::string read_password(const redis_backend_options& o) {
+  static std::string read_password(const redis_backend_options& o, telemetry::logger* log) {
     if (!o.password_env.empty()) {
       const char* v = std::getenv(o.password_env.c_str());
       if (v == nullptr)
@@ -206,6 +209,11 @@ class redis_backend {
       while (!p.empty() && (p.back() == '\n' || p.back() == '\r')) p.pop_back();
       if (p.empty())
         throw std::invalid_argument("redis_backend_options: password_file '" + o.password_file + "' is empty");
+      // A secret that other local users can read is not one: say so (it still works).
+      struct ::stat st {};
+      if (log != nullptr && ::stat(o.password_file.c_str(), &st) == 0 && (st.st_mode & 077) != 0)
+        log->warn("redis backend '{}': password_file {} is readable by group or others (mode {:04o}): chmod 600 {}",
+                  o.name, o.password_file, st.st_mode & 07777, o.password_file);
       return p;
     }
     return {};

@@ -24,7 +24,9 @@ namespace kvtier::inline KVTIER_ABI_TAG::l2 {
   if (!j.is_object()) throw std::invalid_argument("redis backend: the configuration must be a JSON object");
   redis_backend_options o;
   auto fail = [](const std::string& key, const std::string& what) {
-    return std::invalid_argument("redis backend: \"" + key + "\" " + what);
+    // A key is quoted as an excerpt: an unknown key may be of any length.
+    const std::string k = key.size() <= 80 ? key : key.substr(0, 60) + "... (" + std::to_string(key.size()) + " bytes)";
+    return std::invalid_argument("redis backend: \"" + k + "\" " + what);
   };
   auto get_string = [&](const std::string& key, const nlohmann::json& v) {
     if (!v.is_string()) throw fail(key, "must be a string");

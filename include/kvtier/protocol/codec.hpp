@@ -101,16 +101,16 @@ template <std::size_t... I>
 decode_result<message> decode_any(message_type t, std::span<const std::byte> body, std::uint64_t call_id,
                                   std::index_sequence<I...>) {
   std::optional<decode_result<message>> out;
-  ((std::variant_alternative_t<I, message>::type == t
-        ? (out.emplace([&]() -> decode_result<message> {
-             auto r = decode_body<std::variant_alternative_t<I, message>>(body, call_id);
-             if (!r) return std::move(r).error();
-             return message(std::in_place_index<I>, std::move(*r));
-           }()),
-           true)
-        : false) ||
-   ...);
-  if (!out)
+  const bool known = ((std::variant_alternative_t<I, message>::type == t
+                           ? (out.emplace([&]() -> decode_result<message> {
+                                auto r = decode_body<std::variant_alternative_t<I, message>>(body, call_id);
+                                if (!r) return std::move(r).error();
+                                return message(std::in_place_index<I>, std::move(*r));
+                              }()),
+                              true)
+                           : false) ||
+                      ...);
+  if (!known)
     return make_error(errc::protocol_error,
                       "unknown message type " + std::to_string(static_cast<std::uint16_t>(t)), call_id);
   return std::move(*out);

@@ -16,6 +16,20 @@
 // on Linux a pathname socket is created with the mode of the socket inode (less the
 // umask), so the mode is set with fchmod before bind, and again with chmod after bind in
 // case the umask took bits away.
+//
+// Who is on the other end (both sides check before anything else, docs/server.md "Trust"):
+//
+//   peer_credentials(fd)                 -> result<peer_identity>  (SO_PEERCRED, SO_PEERGROUPS)
+//   peer_policy{uids, gids}.allows(peer) -> bool                   (own uid, root, or named)
+//
+// The default socket (the server's and every client program's, one rule):
+//
+//   default_socket_directory()  $XDG_RUNTIME_DIR/kvtier, /run/kvtier for root, else
+//                               ${TMPDIR:-/tmp}/kvtier-<uid>
+//   default_socket_path()       <that directory>/kvtier.sock
+//   prepare_private_directory(dir)  creates it 0700 (whatever the umask) when missing and
+//                               verifies it: a real directory (not a symlink), owned by this
+//                               user, writable by nobody else; else a message saying why
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -33,12 +47,16 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace kvtier::inline KVTIER_ABI_TAG::protocol {
 
@@ -102,6 +120,103 @@ struct connect_op {
 };
 
 }  // namespace detail
+
+/// The process at the other end of a connected Unix socket, as the kernel recorded it when
+/// the connection was made (connect(2) for a client, listen(2) for a server).
+struct peer_identity {
+  ::pid_t pid = 0;
+  ::uid_t uid = 0;
+  ::gid_t gid = 0;              ///< primary group
+  std::vector<::gid_t> groups;  ///< supplementary groups (SO_PEERGROUPS; empty when unknown)
+
+  /// "uid 1000 (pid 4242)".
+  [[nodiscard]] std::string describe() const {
+    return "uid " + std::to_string(uid) + " (pid " + std::to_string(pid) + ")";
+  }
+};
+
+/// The credentials of the peer of the connected Unix socket `fd` (SO_PEERCRED, and the
+/// supplementary groups where the kernel has SO_PEERGROUPS, Linux 4.13).
+[[nodiscard]] inline result<peer_identity> peer_credentials(int fd) {
+  ::ucred cred{};
+  ::socklen_t len = sizeof cred;
+  if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) return detail::errno_code();
+  if (len != sizeof cred) return make_error_code(errc::unsupported);
+  peer_identity p{cred.pid, cred.uid, cred.gid, {}};
+#ifdef SO_PEERGROUPS
+  std::vector<::gid_t> groups(64);
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    ::socklen_t bytes = static_cast<::socklen_t>(groups.size() * sizeof(::gid_t));
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERGROUPS, groups.data(), &bytes) == 0) {
+      groups.resize(bytes / sizeof(::gid_t));
+      p.groups = std::move(groups);
+      break;
+    }
+    if (errno != ERANGE) break;
+    groups.resize(bytes / sizeof(::gid_t) + 1);
+  }
+#endif
+  return p;
+}
+
+/// Which peers a side accepts: its own effective uid, root (which can read any process's
+/// memory anyway), and the uids and groups named here.
+struct peer_policy {
+  std::vector<::uid_t> uids;  ///< more users
+  std::vector<::gid_t> gids;  ///< members of these groups (primary or supplementary)
+
+  [[nodiscard]] bool allows(const peer_identity& p) const {
+    if (p.uid == ::geteuid() || p.uid == 0) return true;
+    if (std::find(uids.begin(), uids.end(), p.uid) != uids.end()) return true;
+    if (std::find(gids.begin(), gids.end(), p.gid) != gids.end()) return true;
+    for (const ::gid_t g : p.groups)
+      if (std::find(gids.begin(), gids.end(), g) != gids.end()) return true;
+    return false;
+  }
+};
+
+/// The directory of the default socket: $XDG_RUNTIME_DIR/kvtier (a per-user directory the
+/// session manager creates 0700), /run/kvtier when running as root, else
+/// ${TMPDIR:-/tmp}/kvtier-<uid>.
+[[nodiscard]] inline std::string default_socket_directory() {
+  const char* xdg = std::getenv("XDG_RUNTIME_DIR");
+  if (xdg != nullptr && *xdg == '/') return std::string(xdg) + "/kvtier";
+  const ::uid_t uid = ::geteuid();
+  if (uid == 0) return "/run/kvtier";
+  const char* tmp = std::getenv("TMPDIR");
+  std::string base = tmp != nullptr && *tmp == '/' ? std::string(tmp) : std::string("/tmp");
+  while (base.size() > 1 && base.back() == '/') base.pop_back();
+  return base + "/kvtier-" + std::to_string(uid);
+}
+
+/// The default socket of the server and of every program that connects to it.
+[[nodiscard]] inline std::string default_socket_path() { return default_socket_directory() + "/kvtier.sock"; }
+
+/// Creates `dir` with mode 0700 when it does not exist (its parent must), then checks that
+/// it is a directory (not a symlink), owned by this process's effective uid and writable by
+/// nobody else. Empty when it may hold the socket; otherwise what is wrong and what to do.
+[[nodiscard]] inline std::string prepare_private_directory(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST)
+    return "cannot create the socket directory " + dir + " (" + std::strerror(errno) +
+           "): create it (mode 0700) or choose another --socket";
+  struct ::stat st {};
+  if (::lstat(dir.c_str(), &st) != 0)
+    return "cannot inspect the socket directory " + dir + " (" + std::strerror(errno) + ")";
+  if (!S_ISDIR(st.st_mode))
+    return "the socket directory " + dir +
+           " is not a directory (a symlink or a file someone put there): remove it or choose another --socket";
+  if (st.st_uid != ::geteuid())
+    return "the socket directory " + dir + " is owned by uid " + std::to_string(st.st_uid) +
+           ", not by this user (uid " + std::to_string(::geteuid()) +
+           "): another user may have made it to catch the socket; remove it or choose another --socket";
+  if ((st.st_mode & 022) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(st.st_mode & 07777));
+    return "the socket directory " + dir + " has mode " + mode + ": group or others may write there; chmod 700 " + dir +
+           " or choose another --socket";
+  }
+  return {};
+}
 
 /// Listens on the Unix-domain socket `path` (see the header comment for the rules).
 template <class Executor>

@@ -27,6 +27,8 @@
 #include <boost/asio/any_io_executor.hpp>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -156,6 +158,13 @@ class backend_factory {
   std::map<std::string, entry, std::less<>> types_;
 };
 
+/// Bytes of memory this machine has (0 when unknown).
+[[nodiscard]] inline std::uint64_t machine_memory_bytes() noexcept {
+  const long pages = ::sysconf(_SC_PHYS_PAGES);
+  const long page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * static_cast<std::uint64_t>(page) : 0;
+}
+
 /// Reads a size given as one of <base>_gb, <base>_mb or <base>_bytes (at most one).
 inline std::optional<std::uint64_t> read_size(json_object_reader& r, std::string_view base) {
   const std::string gb = std::string(base) + "_gb", mb = std::string(base) + "_mb", by = std::string(base) + "_bytes";
@@ -184,6 +193,11 @@ inline void add_memory_backend_type(backend_factory& f) {
                    throw config_error(r.prefix() + "capacity", "0", "a memory backend needs a capacity above 0");
                  o.capacity_bytes = *c;
                }
+               if (const std::uint64_t ram = machine_memory_bytes(); ram != 0 && o.capacity_bytes > ram)
+                 throw config_error(r.prefix() + "capacity", std::to_string(o.capacity_bytes >> 20) + " MiB",
+                                    "is more than this machine's memory (" + std::to_string(ram >> 20) +
+                                        " MiB): a memory backend lives in the server's RAM; lower capacity_gb/"
+                                        "capacity_mb/capacity_bytes");
                if (auto b = r.number("bandwidth_gbps", 0, 1e6, "0 for no bandwidth model"))
                  o.bandwidth_bytes_per_second = *b * 1e9;
                if (auto l = r.number("latency_us", 0, 60e6))

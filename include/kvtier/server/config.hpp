@@ -12,6 +12,7 @@
 // chunk is 3 MiB; an 8B model's is 32 MiB: raise l1_slot_bytes), LRU eviction, no L2.
 
 #include <kvtier/config.hpp>
+#include <kvtier/protocol/unix_socket.hpp>
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/json_config.hpp>
 #include <kvtier/telemetry/logger.hpp>
@@ -19,14 +20,20 @@
 #include <nlohmann/json.hpp>
 
 #include <arpa/inet.h>
+#include <grp.h>
 #include <netinet/in.h>
+#include <pwd.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -55,17 +62,32 @@ inline constexpr std::array<std::string_view, 3> prefetch_wait_names = {"best_ef
   return prefetch_wait_names[static_cast<std::size_t>(k)];
 }
 
-/// $XDG_RUNTIME_DIR/kvtier.sock when that variable is set (a per-user directory, mode 0700),
-/// else /tmp/kvtier.sock.
-[[nodiscard]] inline std::string default_socket_path() {
-  const char* xdg = std::getenv("XDG_RUNTIME_DIR");
-  if (xdg != nullptr && *xdg != '\0') return std::string(xdg) + "/kvtier.sock";
-  return "/tmp/kvtier.sock";
-}
+/// The default socket: protocol::default_socket_path() ($XDG_RUNTIME_DIR/kvtier/kvtier.sock,
+/// /run/kvtier/kvtier.sock for root, else ${TMPDIR:-/tmp}/kvtier-<uid>/kvtier.sock), the same
+/// rule every client program uses. The server creates and verifies that directory at start.
+[[nodiscard]] inline std::string default_socket_path() { return protocol::default_socket_path(); }
 
 struct server_config {
   // --- socket -------------------------------------------------------------------------
-  std::string socket_path = default_socket_path();  ///< "socket": the Unix socket (mode 0600)
+  std::string socket_path = default_socket_path();  ///< "socket": the Unix socket
+  /// "socket_mode" (an octal string, "0600"): the socket file's permission bits. Wider
+  /// modes only let other users reach the socket; who is served is decided by the peer's
+  /// uid (allowed_uids, allowed_gids).
+  std::uint32_t socket_mode = 0600;
+
+  // --- who may connect, and how much a client may hold ---------------------------------
+  /// "allowed_uids" (uids or user names): users served besides the server's own (and root).
+  std::vector<std::uint32_t> allowed_uids;
+  /// "allowed_gids" (gids or group names): members of these groups are served too.
+  std::vector<std::uint32_t> allowed_gids;
+  std::uint32_t max_connections = 1024;         ///< "max_connections": open connections, all clients
+  std::uint32_t max_connections_per_uid = 512;  ///< "max_connections_per_uid"
+  /// "max_lookup_keys" ("auto" = 0: 4 x max_lookup_keys_per_client): chunk keys all open
+  /// lookups may hold together (~40 bytes of server memory each).
+  std::uint64_t max_lookup_keys = 0;
+  /// "max_lookup_keys_per_client" ("auto" = 0: the larger of 2^20, one maximal lookup, and
+  /// 64 keys per L1 slot): chunk keys the open lookups of one connection may hold.
+  std::uint64_t max_lookup_keys_per_client = 0;
 
   // --- L1 ------------------------------------------------------------------------------
   std::uint32_t chunk_tokens = 256;                      ///< "chunk_size": tokens per chunk
@@ -110,6 +132,20 @@ struct server_config {
     return l1_slot_bytes ? l1_size_bytes / l1_slot_bytes : 0;
   }
 
+  /// max_lookup_keys_per_client with "auto" resolved.
+  [[nodiscard]] std::uint64_t lookup_keys_per_client() const noexcept {
+    if (max_lookup_keys_per_client != 0) return max_lookup_keys_per_client;
+    return std::max<std::uint64_t>(std::uint64_t{1} << 20, l1_slot_count() * 64);
+  }
+  /// max_lookup_keys with "auto" resolved.
+  [[nodiscard]] std::uint64_t lookup_keys_total() const noexcept {
+    return max_lookup_keys != 0 ? max_lookup_keys : 4 * lookup_keys_per_client();
+  }
+  /// Who the server serves besides itself and root.
+  [[nodiscard]] protocol::peer_policy peer_policy() const {
+    return {{allowed_uids.begin(), allowed_uids.end()}, {allowed_gids.begin(), allowed_gids.end()}};
+  }
+
   /// Reads the keys of `j` over this configuration (keys absent keep their value). Throws
   /// config_error for an unknown key, a wrong type or an out-of-range value.
   void merge_json(const nlohmann::json& j);
@@ -147,11 +183,91 @@ Enum enum_of(const std::array<std::string_view, N>& names, const std::string& s)
     if (names[i] == s) return static_cast<Enum>(i);
   return Enum{};  // unreachable: the reader checked the choices
 }
+
+/// A user (or, with `group`, a group) as an id: a number, or a name this machine knows.
+inline std::optional<std::uint32_t> account_id(const std::string& name, bool group) {
+  if (name.empty()) return std::nullopt;
+  if (name.find_first_not_of("0123456789") == std::string::npos) {
+    if (name.size() > 10) return std::nullopt;
+    const std::uint64_t v = std::stoull(name);
+    if (v >= 0xffffffffULL) return std::nullopt;  // (uid_t)-1 means "no one"
+    return static_cast<std::uint32_t>(v);
+  }
+  if (group) {
+    if (const ::group* g = ::getgrnam(name.c_str())) return static_cast<std::uint32_t>(g->gr_gid);
+  } else if (const ::passwd* p = ::getpwnam(name.c_str())) {
+    return static_cast<std::uint32_t>(p->pw_uid);
+  }
+  return std::nullopt;
+}
+
+/// "allowed_uids" / "allowed_gids": an array of ids or names, or one string of them
+/// separated by commas (the command-line form, "1001,alice").
+inline std::optional<std::vector<std::uint32_t>> read_accounts(json_object_reader& r, std::string_view key,
+                                                               bool group) {
+  const nlohmann::json* v = r.raw(key);
+  if (!v) return std::nullopt;
+  const std::string what = group ? "group" : "user";
+  const std::string fix = "must be a list of " + what + " ids or names, e.g. [1001, \"" +
+                          (group ? std::string("kvtier") : std::string("alice")) + "\"] or \"1001,alice\"";
+  std::vector<std::string> names;
+  if (v->is_string()) {
+    const std::string s = v->get<std::string>();
+    std::size_t at = 0;
+    while (at <= s.size()) {
+      const std::size_t comma = std::min(s.find(',', at), s.size());
+      names.push_back(s.substr(at, comma - at));
+      at = comma + 1;
+    }
+  } else if (v->is_array()) {
+    for (const auto& e : *v) {
+      if (e.is_number_integer() && e.get<std::int64_t>() >= 0)
+        names.push_back(std::to_string(e.get<std::int64_t>()));
+      else if (e.is_string())
+        names.push_back(e.get<std::string>());
+      else
+        throw r.error(key, e, fix);
+    }
+  } else {
+    throw r.error(key, *v, fix);
+  }
+  std::vector<std::uint32_t> ids;
+  for (const auto& n : names) {
+    const auto id = account_id(n, group);
+    if (!id) throw r.error(key, nlohmann::json(n), "no such " + what + " on this machine; " + fix);
+    ids.push_back(*id);
+  }
+  return ids;
+}
+
+/// A budget key: a positive integer, or "auto" (0).
+inline std::optional<std::uint64_t> read_budget(json_object_reader& r, std::string_view key, std::uint64_t hi,
+                                                std::string_view hint) {
+  if (const nlohmann::json* v = r.raw(key); v && v->is_string() && v->get<std::string>() == "auto") return 0;
+  return r.integer(key, 1, hi, hint);
+}
 }  // namespace detail
 
 inline void server_config::merge_json(const nlohmann::json& j) {
   json_object_reader r(j, "");
   if (auto v = r.string("socket")) socket_path = *v;
+  if (auto v =
+          r.string("socket_mode", {}, "an octal mode such as \"0600\" (only this user) or \"0660\" (its group too)")) {
+    const bool octal = !v->empty() && v->size() <= 4 && v->find_first_not_of("01234567") == std::string::npos;
+    const std::uint32_t m = octal ? static_cast<std::uint32_t>(std::stoul(*v, nullptr, 8)) : 0;
+    if (!octal || (m & 0600) != 0600)
+      throw r.error("socket_mode", nlohmann::json(*v),
+                    "must be an octal mode that lets this user read and write, e.g. \"0600\" or \"0660\"");
+    socket_mode = m;
+  }
+  if (auto v = detail::read_accounts(r, "allowed_uids", false)) allowed_uids = std::move(*v);
+  if (auto v = detail::read_accounts(r, "allowed_gids", true)) allowed_gids = std::move(*v);
+  if (auto v = r.integer("max_connections", 1, 1 << 20)) max_connections = static_cast<std::uint32_t>(*v);
+  if (auto v = r.integer("max_connections_per_uid", 1, 1 << 20))
+    max_connections_per_uid = static_cast<std::uint32_t>(*v);
+  if (auto v = detail::read_budget(r, "max_lookup_keys", std::uint64_t{1} << 40, "or \"auto\"")) max_lookup_keys = *v;
+  if (auto v = detail::read_budget(r, "max_lookup_keys_per_client", std::uint64_t{1} << 40, "or \"auto\""))
+    max_lookup_keys_per_client = *v;
   if (auto v = r.integer("chunk_size", 1, 65536, "a multiple of the engine's block size, e.g. 256"))
     chunk_tokens = static_cast<std::uint32_t>(*v);
   if (auto v = read_size(r, "l1_size")) l1_size_bytes = *v;
@@ -214,6 +330,10 @@ inline void server_config::validate(const backend_factory& backends) const {
   if (chunk_tokens == 0 || chunk_tokens > 65536)
     throw config_error("chunk_size", std::to_string(chunk_tokens), "must be in 1..65536, e.g. 256");
   if (l1_slot_bytes < 4096) throw config_error("l1_slot_bytes", std::to_string(l1_slot_bytes), "must be at least 4096");
+  if (const std::uint64_t ram = machine_memory_bytes(); ram != 0 && l1_size_bytes > ram)
+    throw config_error(
+        "l1 size", std::to_string(l1_size_bytes >> 20) + " MiB",
+        "is more than this machine's memory (" + std::to_string(ram >> 20) + " MiB): lower --l1-size-gb/--l1-size-mb");
   if (l1_size_bytes < l1_slot_bytes)
     throw config_error("l1 size", std::to_string(l1_size_bytes) + " bytes",
                        "L1 must hold at least one slot of l1_slot_bytes (" + std::to_string(l1_slot_bytes) +
@@ -234,6 +354,17 @@ inline void server_config::validate(const backend_factory& backends) const {
   if (prefetch_max_in_flight == 0)
     throw config_error("prefetch_max_in_flight", "0", "must be at least 1 (LMCache's default is 8)");
   if (max_lookups_per_client == 0) throw config_error("max_lookups_per_client", "0", "must be at least 1");
+  if (lookup_keys_per_client() > lookup_keys_total()) {
+    if (max_lookup_keys != 0)
+      throw config_error("max_lookup_keys", std::to_string(max_lookup_keys),
+                         "must be at least max_lookup_keys_per_client (" + std::to_string(lookup_keys_per_client()) +
+                             (max_lookup_keys_per_client == 0 ? ", its automatic value" : "") + ")");
+    throw config_error("max_lookup_keys_per_client", std::to_string(max_lookup_keys_per_client),
+                       "must not exceed max_lookup_keys (" + std::to_string(lookup_keys_total()) + ")");
+  }
+  if (max_connections_per_uid > max_connections)
+    throw config_error("max_connections_per_uid", std::to_string(max_connections_per_uid),
+                       "must not exceed max_connections (" + std::to_string(max_connections) + ")");
   if (metrics_enabled()) {
     unsigned char addr[sizeof(in6_addr)];
     if (::inet_pton(AF_INET, metrics_address.c_str(), addr) != 1 &&
@@ -247,6 +378,23 @@ inline void server_config::validate(const backend_factory& backends) const {
 inline nlohmann::json server_config::to_json() const {
   nlohmann::json j;
   j["socket"] = socket_path;
+  {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", static_cast<unsigned>(socket_mode));
+    j["socket_mode"] = mode;
+  }
+  j["allowed_uids"] = allowed_uids;
+  j["allowed_gids"] = allowed_gids;
+  j["max_connections"] = max_connections;
+  j["max_connections_per_uid"] = max_connections_per_uid;
+  if (max_lookup_keys == 0)
+    j["max_lookup_keys"] = "auto";
+  else
+    j["max_lookup_keys"] = max_lookup_keys;
+  if (max_lookup_keys_per_client == 0)
+    j["max_lookup_keys_per_client"] = "auto";
+  else
+    j["max_lookup_keys_per_client"] = max_lookup_keys_per_client;
   j["chunk_size"] = chunk_tokens;
   j["l1_size_bytes"] = l1_size_bytes;
   j["l1_slot_bytes"] = l1_slot_bytes;

@@ -5,7 +5,9 @@
 //
 // The keys are those of l2/disk_backend_json.hpp (path, capacity_gb | capacity_bytes,
 // o_direct, io, eviction, watermarks, queue_depth, part_kib, pread_threads, sync,
-// preallocate, verify_on_start). Needs kvtier::uring (liburing). The backend's own series
+// preallocate, verify_on_start). Needs kvtier::uring (liburing). create() throws config_error
+// for a directory the backend does not trust (another user owns it, or group or others may
+// write it: l2/disk_backend.hpp, "TRUST"). The backend's own series
 // (kvtier_l2_disk_*, kvtier_io_*) go to the server's registry.
 
 #include <kvtier/config.hpp>
@@ -38,8 +40,14 @@ inline void add_disk_backend_type(backend_factory& f) {
                s.create = [o](const backend_context& ctx, const std::string& name) {
                  l2::disk_backend_options named = o;
                  named.name = name;
-                 return l2::any_backend(
-                     std::make_shared<l2::disk_backend>(ctx.executor, std::move(named), ctx.log, ctx.metrics));
+                 try {
+                   return l2::any_backend(
+                       std::make_shared<l2::disk_backend>(ctx.executor, std::move(named), ctx.log, ctx.metrics));
+                 } catch (const std::invalid_argument& e) {
+                   // A directory that cannot be trusted (another user's, or writable by
+                   // others) is a configuration to change: the program exits 2.
+                   throw config_error("l2 backend '" + name + "' path", o.path.string(), e.what());
+                 }
                };
                return s;
              });

@@ -7,7 +7,17 @@
 //   <what> (<value>): <what to change>
 //   e.g.  chunk_size ("abc"): must be an integer in 1..65536, e.g. 256
 //
-// config_error carries the three parts; main() prefixes "kvtier-server: " and exits 2.
+// config_error carries the three parts; main() prefixes "kvtier-server: " and exits 2. A
+// refused value is quoted as a short excerpt (value_excerpt: at most ~80 bytes, with its
+// size when cut), never whole: a megabyte string or a deep array stays out of the log.
+//
+// parse_config_text() is the one way configuration text becomes JSON (a --config file, an
+// --l2-backend flag): nesting deeper than max_config_depth is refused while parsing, before
+// anything deep is built (100,000 nested arrays would otherwise overflow the stack of the
+// recursive copies and printers that come later); every other refusal of the JSON parser,
+// including a number beyond a double's range (json::out_of_range), is a config_error too.
+// flag_value() is the one way a command-line flag's text becomes JSON. Both are what
+// kvtier-server (examples/server/main.cpp) and the config fuzz target call.
 
 #include <kvtier/config.hpp>
 
@@ -26,13 +36,30 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
-/// A configuration value was refused. what() is "<what> (<value>): <fix>".
+/// Nesting depth accepted in configuration JSON (the real configuration needs 4).
+inline constexpr int max_config_depth = 32;
+/// The longest refused value (or key) quoted in a message, in bytes.
+inline constexpr std::size_t max_value_excerpt = 80;
+
+/// `text` when short, else its first bytes, "...", and its size.
+[[nodiscard]] inline std::string excerpt(std::string_view text, std::size_t limit = max_value_excerpt) {
+  if (text.size() <= limit) return std::string(text);
+  return std::string(text.substr(0, limit - 20)) + "... (" + std::to_string(text.size()) + " bytes)";
+}
+
+/// A JSON value as text for a message: excerpt(v.dump()).
+[[nodiscard]] inline std::string value_excerpt(const nlohmann::json& v) {
+  return excerpt(v.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+}
+
+/// A configuration value was refused. what() is "<what> (<value>): <fix>"; `what` and
+/// `value` are cut to excerpts.
 class config_error : public std::invalid_argument {
  public:
   config_error(std::string what, std::string value, std::string fix)
-      : std::invalid_argument(what + " (" + value + "): " + fix),
-        what_(std::move(what)),
-        value_(std::move(value)),
+      : std::invalid_argument(excerpt(what, 2 * max_value_excerpt) + " (" + excerpt(value) + "): " + fix),
+        what_(excerpt(what, 2 * max_value_excerpt)),
+        value_(excerpt(value)),
         fix_(std::move(fix)) {}
 
   /// The option or key, e.g. "chunk_size" or "l2_backends[1].capacity_mb".
@@ -57,8 +84,8 @@ class json_object_reader {
   json_object_reader(const nlohmann::json& j, std::string prefix, std::string_view what_it_is = "configuration")
       : j_(j), prefix_(std::move(prefix)) {
     if (!j_.is_object())
-      throw config_error(prefix_.empty() ? std::string(what_it_is) : prefix_.substr(0, prefix_.size() - 1), j_.dump(),
-                         "must be a JSON object, e.g. {\"key\": value}");
+      throw config_error(prefix_.empty() ? std::string(what_it_is) : prefix_.substr(0, prefix_.size() - 1),
+                         value_excerpt(j_), "must be a JSON object, e.g. {\"key\": value}");
   }
 
   [[nodiscard]] bool has(std::string_view key) const { return j_.contains(key); }
@@ -138,14 +165,14 @@ class json_object_reader {
     for (auto it = j_.begin(); it != j_.end(); ++it) {
       if (known_.contains(it.key())) continue;
       std::vector<std::string_view> names(known_.begin(), known_.end());
-      throw config_error("unknown key " + prefix_ + it.key(), it.value().dump(),
+      throw config_error("unknown key " + prefix_ + excerpt(it.key()), value_excerpt(it.value()),
                          "remove it or check its spelling; known keys: " + join(names));
     }
   }
 
   /// The refusal of `key`'s value.
   [[nodiscard]] config_error error(std::string_view key, const nlohmann::json& v, std::string fix) const {
-    return config_error(prefix_ + std::string(key), v.dump(), std::move(fix));
+    return config_error(prefix_ + std::string(key), value_excerpt(v), std::move(fix));
   }
 
   [[nodiscard]] const std::string& prefix() const noexcept { return prefix_; }
@@ -170,5 +197,50 @@ class json_object_reader {
   std::string prefix_;
   std::set<std::string, std::less<>> known_;
 };
+
+/// Parses configuration text (`what` names it in messages: "--config", "--l2-backend #2").
+/// Throws config_error for text that is not JSON or nests deeper than max_config_depth.
+[[nodiscard]] inline nlohmann::json parse_config_text(std::string_view text, const std::string& what,
+                                                      const std::string& value_name) {
+  struct too_deep {};
+  const nlohmann::json::parser_callback_t limit_depth = [](int depth, nlohmann::json::parse_event_t event,
+                                                           nlohmann::json&) {
+    if ((event == nlohmann::json::parse_event_t::object_start || event == nlohmann::json::parse_event_t::array_start) &&
+        depth >= max_config_depth)
+      throw too_deep{};
+    return true;
+  };
+  try {
+    return nlohmann::json::parse(text, limit_depth);
+  } catch (const too_deep&) {
+    throw config_error(what, value_name,
+                       "arrays and objects nested more than " + std::to_string(max_config_depth) +
+                           " deep: the configuration needs 4 at most; check the brackets");
+  } catch (const nlohmann::json::exception& e) {
+    throw config_error(what, value_name, std::string("not valid JSON: ") + excerpt(e.what(), 200));
+  }
+}
+
+/// The JSON value of a command-line flag's text: a number when the flag takes one and the
+/// text looks like a JSON number (digits, sign, point, exponent: nothing that can nest), else
+/// the text as a string (the configuration reader then refuses it with its own message).
+/// Text that is not UTF-8 is refused here, as the config_error "<flag> (<text, invalid bytes
+/// shown as U+FFFD>): must be UTF-8 text": JSON strings are UTF-8, and every message that
+/// echoes the value (and --print-config) would otherwise throw json::type_error.
+[[nodiscard]] inline nlohmann::json flag_value(std::string_view flag, std::string_view text, bool numeric) {
+  if (numeric && !text.empty() && text.size() < 64 && text.find_first_not_of("0123456789+-.eE") == text.npos) {
+    nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (j.is_number()) return j;
+  }
+  nlohmann::json s = std::string(text);
+  try {
+    (void)s.dump();
+  } catch (const nlohmann::json::type_error&) {
+    throw config_error(std::string(flag),
+                       excerpt(s.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)),
+                       "must be UTF-8 text");
+  }
+  return s;
+}
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server

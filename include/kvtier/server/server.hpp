@@ -9,8 +9,16 @@
 //   - the L2 backends (backend_factory), the tiered cache (any_cache), the registrations and
 //     lookups (region_registry.hpp), the listening socket and one session per connection;
 //   - a reaper timer: expires L1 locks and lookups past their TTL, and closes connections
-//     silent for client_reap_timeout (a connection that dies is reaped at once: EOF);
-//   - a random boot token, answered to ping and register (a new one reveals a restart).
+//     silent for client_reap_timeout (a connection that dies is reaped at once: EOF),
+//     releasing the lookups each one owned; like every close, on the I/O thread between
+//     handlers, so no copy for the connection runs or starts after (session.hpp);
+//   - a random boot token, answered to ping and register (a new one reveals a restart);
+//   - who may connect: every accepted connection's peer is checked with SO_PEERCRED (the
+//     server's own uid, root, allowed_uids, allowed_gids) and against the connection caps
+//     (client_budget.hpp) before a byte of it is read; a refused peer gets one
+//     error_response saying why and is closed, with one (throttled) log line and a count in
+//     kvtier_server_connections_refused_total{reason}. The default socket's directory is
+//     created 0700 and verified at start (protocol/unix_socket.hpp).
 //
 //   kvtier::server::server s(config);        // throws config_error, std::bad_alloc (L1 arena)
 //   s.start();                                // listens; throws std::runtime_error saying why not
@@ -36,6 +44,7 @@
 #include <kvtier/protocol/unix_socket.hpp>
 #include <kvtier/server/any_cache.hpp>
 #include <kvtier/server/backend_factory.hpp>
+#include <kvtier/server/client_budget.hpp>
 #include <kvtier/server/config.hpp>
 #include <kvtier/server/region_registry.hpp>
 #include <kvtier/server/session.hpp>
@@ -62,9 +71,11 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <csignal>
@@ -112,6 +123,9 @@ class server final : private session_host {
         boot_token_(make_boot_token()),
         started_at_(std::chrono::steady_clock::now()),
         clients_(region_registry::requirements{config_.chunk_tokens, static_cast<std::size_t>(config_.l1_slot_bytes)}),
+        budget_(client_budget::limits{config_.max_connections, config_.max_connections_per_uid,
+                                      config_.lookup_keys_total(), config_.lookup_keys_per_client()}),
+        peers_(config_.peer_policy()),
         reap_timer_(io_) {
     backend_context bctx{io_.get_executor(), &log_, &registry_};
     std::vector<l2::any_backend> backends;
@@ -121,7 +135,8 @@ class server final : private session_host {
       backend_types_.push_back(spec.type);
     }
     cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends));
-    ctx_.emplace(server_context{config_, *cache_, clients_, lookups_, bus_, log_, boot_token_, options_.hooks});
+    ctx_.emplace(
+        server_context{config_, *cache_, clients_, lookups_, bus_, log_, boot_token_, options_.hooks, &budget_});
     cache_->export_metrics(registry_);
     telemetry::export_bus_metrics(registry_, bus_);
     using telemetry::metric_type;
@@ -143,6 +158,30 @@ class server final : private session_host {
                            "Connections closed by the server: idle past client_reap_timeout, or a broken stream",
                            metric_type::counter, {},
                            [this] { return static_cast<double>(reaped_.load(std::memory_order_relaxed)); });
+    for (std::size_t r = 0; r < client_budget::refusal_count; ++r)
+      registry_.add_callback(
+          "kvtier_server_connections_refused_total",
+          "Connections refused at accept: a peer uid not allowed, or a connection cap (max_connections, "
+          "max_connections_per_uid)",
+          metric_type::counter, {{"reason", std::string(client_budget::refusal_names[r])}},
+          [this, r] { return static_cast<double>(budget_.refused(static_cast<client_budget::refusal>(r))); });
+    registry_.add_callback("kvtier_server_lookups_refused_total",
+                           "Lookups refused because a lookup key budget (max_lookup_keys, "
+                           "max_lookup_keys_per_client) was spent",
+                           metric_type::counter, {}, [this] { return static_cast<double>(budget_.lookups_refused()); });
+    static constexpr std::array<std::string_view, 4> http_reasons = {"cap", "header_timeout", "idle_timeout",
+                                                                     "bad_request"};
+    for (std::size_t r = 0; r < http_reasons.size(); ++r)
+      registry_.add_callback(
+          "kvtier_http_connections_dropped_total",
+          "HTTP endpoint connections closed by the server: to make room at the cap (idle first), "
+          "a request header not complete in time, idle past the timeout, a malformed request",
+          metric_type::counter, {{"reason", std::string(http_reasons[r])}}, [this, r] {
+            if (!http_) return 0.0;
+            const auto st = http_->stats();
+            const std::uint64_t v[] = {st.dropped_at_cap, st.header_timeouts, st.idle_timeouts, st.bad_requests};
+            return static_cast<double>(v[r]);
+          });
   }
 
   server(const server&) = delete;
@@ -171,7 +210,17 @@ class server final : private session_host {
     // The HTTP endpoint before the socket: a port in use fails start-up before any client
     // can connect (and leaves no socket file behind).
     if (config_.metrics_enabled() && !http_) start_http();
-    auto acc = protocol::listen_unix(boost::asio::any_io_executor(io_.get_executor()), config_.socket_path);
+    // The default socket's directory: created 0700, and only used when it is ours and
+    // nobody else may write in it (another user could otherwise put their socket there).
+    if (const auto dir = protocol::default_socket_directory(); config_.socket_path == dir + "/kvtier.sock") {
+      if (std::string why = protocol::prepare_private_directory(dir); !why.empty()) {
+        stop_http();
+        throw std::runtime_error(why);
+      }
+    }
+    protocol::listen_options lo;
+    lo.mode = static_cast<::mode_t>(config_.socket_mode);
+    auto acc = protocol::listen_unix(boost::asio::any_io_executor(io_.get_executor()), config_.socket_path, lo);
     if (!acc) {
       stop_http();
       throw std::runtime_error(listen_error(acc.error()));
@@ -391,6 +440,7 @@ class server final : private session_host {
         continue;
       }
       const std::uint64_t id = next_client_id_++;
+      if (!admit(id, socket)) continue;
       session_host& host = *this;
       auto s = std::make_shared<session>(id, session::connection_type(std::move(socket), options_.frame_limits), *ctx_,
                                          host);
@@ -426,7 +476,41 @@ class server final : private session_host {
     }
   }
 
+  /// The checks of a new connection before anything of it is read: its peer's uid (SO_PEERCRED)
+  /// and the connection caps. A refused connection gets one error_response and is closed.
+  template <class Socket>
+  bool admit(std::uint64_t id, Socket& socket) {
+    auto peer = protocol::peer_credentials(socket.native_handle());
+    std::optional<client_budget::refusal> refusal;
+    ::uid_t uid = static_cast<::uid_t>(-1);
+    if (!peer) {
+      refusal = client_budget::refusal::peer_uid;  // unknown credentials: not served
+    } else {
+      uid = peer->uid;
+      if (!peers_.allows(*peer))
+        refusal = client_budget::refusal::peer_uid;
+      else
+        refusal = budget_.admit(id, peer->uid);
+    }
+    if (!refusal) return true;
+    budget_.count(*refusal);
+    const errc code = *refusal == client_budget::refusal::peer_uid ? errc::permission_denied : errc::over_budget;
+    const std::string why = peer ? budget_.refusal_message(*refusal, uid)
+                                 : "cannot read the peer's credentials (" + peer.error().message() + ")";
+    // A small frame into an empty socket buffer: never blocks, and the peer can read why.
+    if (auto frame = protocol::encode_frame(0, protocol::error_response::make(code, why)))
+      (void)::send(socket.native_handle(), frame->data(), frame->size(), MSG_DONTWAIT | MSG_NOSIGNAL);
+    error_code ignored;
+    socket.close(ignored);
+    auto& throttle = refusal_log_[static_cast<std::size_t>(*refusal)];
+    if (auto hidden = throttle.allow())
+      log_.warn("refused a connection from {}: {}{}", peer ? peer->describe() : std::string("an unknown peer"), why,
+                *hidden ? fmt::format(" ({} more refused since)", *hidden) : std::string());
+    return false;
+  }
+
   void session_closed(std::uint64_t id) noexcept override {
+    budget_.closed(id);
     auto it = sessions_.find(id);
     if (it == sessions_.end()) return;
     const std::shared_ptr<session> s = it->second;
@@ -507,6 +591,13 @@ class server final : private session_host {
   std::unique_ptr<any_cache> cache_;
   region_registry clients_;
   lookup_table lookups_;
+  client_budget budget_;
+  protocol::peer_policy peers_;
+  /// One throttle per refusal reason: each refusal is a line, but a peer that reconnects in a
+  /// loop makes at most 20 lines per 10 s, the next one with the count of those held back.
+  std::array<telemetry::log_throttle, client_budget::refusal_count> refusal_log_{
+      telemetry::log_throttle(std::chrono::seconds(10), 20), telemetry::log_throttle(std::chrono::seconds(10), 20),
+      telemetry::log_throttle(std::chrono::seconds(10), 20)};
   std::optional<server_context> ctx_;
   std::optional<acceptor_type> acceptor_;
   std::optional<boost::asio::signal_set> signals_;

@@ -20,6 +20,23 @@
 // read, sends nothing the server sees, and is reaped by the idle timeout; it never holds
 // more than one answer of server memory and never blocks the I/O thread.
 //
+// Closing keeps a promise engines rely on (docs/protocol.md, "Closing a connection"): the
+// server closes a connection only after every copy it started between that connection's
+// KV region and L1 has ended, and starts none after it decided to close. An engine that
+// reads EOF on a connection therefore knows that no block it handed over on it can be
+// written any more, and releases the blocks it had quarantined for calls it gave up on
+// (engine/quarantine.hpp); breaking the promise lets a late copy write into blocks the
+// engine already reuses: wrong KV. Today copies run inline in the handlers on the one I/O
+// thread, and close() is only ever called on that thread (reaper, shutdown, a broken
+// stream), between handlers: no copy can be running when the socket closes, and the loop
+// drops a frame read after close() unanswered (a read completed before it), so none starts
+// after. Whoever moves copies off the I/O thread (a copy pool) must keep it explicitly:
+// count a session's copies in flight, defer the socket's close (and the region's unmapping
+// in session_closed) until they are 0, and start no copy once closing_ is set.
+//
+// Lookups are the connection's own (lookup_table, keyed by this session's id): query,
+// free, end and the release after a retrieve touch this connection's lookup only.
+//
 // A session never outlives its use of the server: the server owns it in a map, its
 // coroutine holds a shared_ptr, and when the coroutine ends it calls
 // session_host::session_closed(), which reaps the connection's registration and lookups.
@@ -36,6 +53,7 @@
 #include <kvtier/protocol/connection.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/server/any_cache.hpp>
+#include <kvtier/server/client_budget.hpp>
 #include <kvtier/server/config.hpp>
 #include <kvtier/server/region_registry.hpp>
 #include <kvtier/telemetry/logger.hpp>
@@ -82,6 +100,7 @@ struct server_context {
   telemetry::logger& log;
   std::uint64_t boot_token = 0;
   const server_hooks& hooks;
+  client_budget* budget = nullptr;  ///< lookup key budgets (client_budget.hpp); null: none
 };
 
 /// What a session needs from the server that owns it.
@@ -115,6 +134,8 @@ class session : public std::enable_shared_from_this<session> {
   void start() { boost::asio::co_spawn(conn_.get_executor(), run(shared_from_this()), boost::asio::detached); }
 
   /// Closes the connection; the loop ends and the host reaps it. `reason` goes to the log.
+  /// On the I/O thread, between handlers (no copy of this session is running: the promise
+  /// in the header comment).
   void close(std::string reason) {
     if (close_reason_.empty()) close_reason_ = std::move(reason);
     closing_ = true;
@@ -166,6 +187,12 @@ class session : public std::enable_shared_from_this<session> {
         } else {
           set_reason("closed");
         }
+        break;
+      }
+      // Closed meanwhile (reaped, shutting down): a frame read before the close is dropped,
+      // so no copy starts after it (the promise in the header comment).
+      if (closing_) {
+        set_reason("closed");
         break;
       }
       last_activity_ = clock::now();
@@ -313,8 +340,10 @@ class session : public std::enable_shared_from_this<session> {
       return request_error{errc::invalid_argument, "lookup_request.world_size " + std::to_string(r.world_size) +
                                                        " differs from the registration's " +
                                                        std::to_string(reg.world_size)};
-    const lookup_table::entry* existing = ctx_.lookups.find(reg.model_id, r.request_key);
-    const bool replaces_own = existing != nullptr && existing->owner == id_;
+    // Lookups are this connection's own (lookup_table): another engine's request of the same
+    // id is another lookup.
+    const lookup_table::entry* existing = ctx_.lookups.find(id_, r.request_key);
+    const bool replaces_own = existing != nullptr;
     if (!replaces_own && ctx_.lookups.owned(id_) >= ctx_.config.max_lookups_per_client)
       return request_error{errc::out_of_memory,
                            "this connection holds " + std::to_string(ctx_.lookups.owned(id_)) +
@@ -325,6 +354,11 @@ class session : public std::enable_shared_from_this<session> {
                                                        " chunks x world size " + std::to_string(ws) + " is above " +
                                                        std::to_string(max_lookup_keys) +
                                                        " keys: look up fewer chunks at once"};
+    if (ctx_.budget)
+      if (auto refused =
+              ctx_.budget->check_lookup(ctx_.lookups, id_, std::uint64_t{r.chunk_hashes.size()} * ws,
+                                        replaces_own ? lookup_table::keys_of(*existing) : 0, ctx_.clients.size()))
+        return *refused;
     const std::uint64_t mid = reg.model_id_for(r.cache_salt);
     std::vector<chunk_key> keys;
     keys.reserve(r.chunk_hashes.size() * ws);
@@ -341,22 +375,21 @@ class session : public std::enable_shared_from_this<session> {
     lookup_table::entry e{id, id_, static_cast<std::uint32_t>(r.chunk_hashes.size()), reg.world_size};
     // The new lookup holds its locks before the old one gives its back: nothing the two
     // share can be evicted in between.
-    if (auto old = ctx_.lookups.put(reg.model_id, r.request_key, e)) ctx_.cache.release_all(old->cache_id);
+    if (auto old = ctx_.lookups.put(r.request_key, e)) ctx_.cache.release_all(old->cache_id);
     return protocol::lookup_response{};
   }
 
   request_result<protocol::query_prefetch_response> on(const protocol::query_prefetch_request& r) {
     auto reg = registered("query_prefetch_request");
     if (!reg) return reg.error();
-    const std::uint64_t model_id = (*reg)->model_id;
-    const lookup_table::entry* e = ctx_.lookups.find(model_id, r.request_key);
+    const lookup_table::entry* e = ctx_.lookups.find(id_, r.request_key);
     if (e == nullptr) return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
     if (auto st = ctx_.cache.poll(e->cache_id))
       return protocol::query_prefetch_response{protocol::prefetch_state::done, static_cast<std::uint32_t>(st->chunks),
                                                static_cast<std::uint32_t>(st->l1_chunks)};
     if (ctx_.cache.known(e->cache_id))
       return protocol::query_prefetch_response{protocol::prefetch_state::pending, 0, 0};
-    ctx_.lookups.take(model_id, r.request_key);  // expired in the cache (lookup_ttl)
+    ctx_.lookups.take(id_, r.request_key);  // expired in the cache (lookup_ttl)
     return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
   }
 
@@ -398,8 +431,9 @@ class session : public std::enable_shared_from_this<session> {
     for (std::size_t i = 0; i < n; ++i)
       if (st[i] == l1::status::success) pinned.push_back(keys[i]);
     ctx_.cache.unpin_after_copy(pinned);
-    if (const lookup_table::entry* e = ctx_.lookups.find(reg.model_id, r.request_key))
-      ctx_.cache.release(e->cache_id, keys);
+    // Only this connection's lookup: a worker retrieving what its scheduler looked up on
+    // another connection leaves the scheduler's holds to the scheduler (end_request).
+    if (const lookup_table::entry* e = ctx_.lookups.find(id_, r.request_key)) ctx_.cache.release(e->cache_id, keys);
     return protocol::retrieve_response{retrieved};
   }
 
@@ -474,14 +508,14 @@ class session : public std::enable_shared_from_this<session> {
   request_result<protocol::free_lookup_locks_response> on(const protocol::free_lookup_locks_request& r) {
     auto reg = registered("free_lookup_locks_request");
     if (!reg) return reg.error();
-    forget_lookup((*reg)->model_id, r.request_key);
+    forget_lookup(r.request_key);
     return protocol::free_lookup_locks_response{};
   }
 
   request_result<protocol::end_request_response> on(const protocol::end_request_request& r) {
     auto reg = registered("end_request_request");
     if (!reg) return reg.error();
-    forget_lookup((*reg)->model_id, r.request_key);
+    forget_lookup(r.request_key);
     return protocol::end_request_response{};
   }
 
@@ -504,8 +538,9 @@ class session : public std::enable_shared_from_this<session> {
     return protocol::status_response{host_.status_json()};
   }
 
-  void forget_lookup(std::uint64_t model_id, const std::string& request_key) {
-    if (auto e = ctx_.lookups.take(model_id, request_key)) ctx_.cache.release_all(e->cache_id);
+  /// Releases this connection's lookup of `request_key` (none: nothing to do).
+  void forget_lookup(const std::string& request_key) {
+    if (auto e = ctx_.lookups.take(id_, request_key)) ctx_.cache.release_all(e->cache_id);
   }
 
   void release_owned_lookups() {

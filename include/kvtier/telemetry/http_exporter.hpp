@@ -7,10 +7,22 @@
 //   http.route("/healthz", [&] { return http_response::json(200, R"({"status":"serving"})"); });
 //   auto port = http.start();      // result<std::uint16_t>: the bound port (0 asks for any)
 //
-// GET and HEAD only (405 otherwise), 404 for unknown paths, a query string is ignored.
-// Requests are bounded (8 KiB of headers, no body), connections are closed after
-// idle_timeout without a request and when more than max_connections are open, so a misbehaving
-// scraper can neither exhaust memory nor hold the I/O thread: every read and write is async.
+// GET and HEAD only: every other method is answered 405 (Allow: GET, HEAD) and the
+// connection closed, whatever body the request carries (it is never read: a short lingering
+// drain after the answer lets the client see the 405 before the close). 404 for unknown
+// paths, 400 for a malformed or oversized header (8 KiB), a query string is ignored.
+//
+// Nobody can starve it (the endpoint is how operators and probes see the server):
+//   - a request's header must be complete header_timeout (5 s) after its connection opened
+//     or its first byte came: a slowloris client holds a connection at most that long;
+//   - a kept-alive connection waits idle_timeout (30 s) for its next request, a response
+//     write (a client that does not read) write_timeout (10 s);
+//   - at max_connections (64) a new connection closes the connection that has waited
+//     longest for a request, idle ones (no byte of a request yet) first, then those still
+//     sending their header; connections being answered are never closed for room. So a
+//     probe gets in whatever the number of silent or slow connections, as long as it sends
+//     its request at once.
+// Every read and write is async; stats() counts what was closed and why.
 // Route handlers run on the executor and must be quick (they build a response string).
 //
 // Threading: start() and stop() on the executor's thread or before it runs; stop() closes
@@ -36,6 +48,7 @@
 #include <boost/beast/http/string_body.hpp>
 #include <boost/beast/http/write.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -67,7 +80,21 @@ struct http_exporter_options {
   std::string address = "127.0.0.1";  ///< loopback by default: metrics are not for the world
   std::uint16_t port = 0;              ///< 0: any free port (start() returns it)
   std::size_t max_connections = 64;
+  /// From a connection's accept (or a request's first byte) to its complete header.
+  std::chrono::nanoseconds header_timeout = std::chrono::seconds(5);
+  /// A kept-alive connection without a new request.
   std::chrono::nanoseconds idle_timeout = std::chrono::seconds(30);
+  /// Writing one response.
+  std::chrono::nanoseconds write_timeout = std::chrono::seconds(10);
+};
+
+/// What the endpoint did (a snapshot).
+struct http_exporter_stats {
+  std::uint64_t requests = 0;         ///< requests answered (any status)
+  std::uint64_t dropped_at_cap = 0;   ///< connections closed to make room for a new one
+  std::uint64_t header_timeouts = 0;  ///< connections whose request header did not come in time
+  std::uint64_t idle_timeouts = 0;    ///< kept-alive connections idle past idle_timeout
+  std::uint64_t bad_requests = 0;     ///< malformed or oversized headers (400)
 };
 
 class http_exporter {
@@ -112,15 +139,39 @@ class http_exporter {
     running_ = false;
     error_code ec;
     acceptor_.close(ec);
-    for (auto* s : connections_) s->close();
+    for (auto& c : connections_) c->close();
   }
 
   [[nodiscard]] std::uint16_t port() const noexcept { return port_; }
   [[nodiscard]] std::size_t open_connections() const noexcept { return connections_.size(); }
-  [[nodiscard]] std::uint64_t requests_served() const noexcept { return served_; }
+  [[nodiscard]] std::uint64_t requests_served() const noexcept { return stats().requests; }
+  /// A snapshot of the counters (any thread).
+  [[nodiscard]] http_exporter_stats stats() const noexcept {
+    auto get = [](const std::atomic<std::uint64_t>& a) { return a.load(std::memory_order_relaxed); };
+    return {get(counters_.requests), get(counters_.dropped_at_cap), get(counters_.header_timeouts),
+            get(counters_.idle_timeouts), get(counters_.bad_requests)};
+  }
 
  private:
   using tcp = boost::asio::ip::tcp;
+  using clock = std::chrono::steady_clock;
+
+  /// One connection. `state` and `since` decide who makes room at the cap.
+  struct connection {
+    enum class state : std::uint8_t { idle, reading, writing };
+    explicit connection(tcp::socket s) : stream(std::move(s)) {}
+    void close() {
+      error_code ignored;
+      stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
+      stream.close();
+    }
+    boost::beast::tcp_stream stream;
+    state st = state::idle;
+    clock::time_point since = clock::now();
+    bool evicted = false;  ///< closed to make room (already out of the list)
+    std::list<std::shared_ptr<connection>>::iterator self;
+  };
+  using connection_ptr = std::shared_ptr<connection>;
 
   boost::asio::awaitable<void> accept_loop() {
     while (running_) {
@@ -129,33 +180,92 @@ class http_exporter {
         if (!running_ || ec == boost::asio::error::operation_aborted) co_return;
         continue;  // EMFILE and friends: keep serving the connections we have
       }
-      if (connections_.size() >= options_.max_connections) {
+      if (connections_.size() >= options_.max_connections && !make_room()) {
         error_code ignored;
-        socket.close(ignored);
+        socket.close(ignored);  // every connection is being answered: the new one waits its turn
+        bump(counters_.dropped_at_cap);
         continue;
       }
-      boost::asio::co_spawn(executor_, serve(boost::beast::tcp_stream(std::move(socket))), boost::asio::detached);
+      auto c = std::make_shared<connection>(std::move(socket));
+      connections_.push_back(c);
+      c->self = std::prev(connections_.end());
+      boost::asio::co_spawn(executor_, serve(c), boost::asio::detached);
     }
   }
 
-  boost::asio::awaitable<void> serve(boost::beast::tcp_stream stream) {
+  /// Closes the connection that has waited longest for a request (idle before reading);
+  /// false when every connection is being answered.
+  bool make_room() {
+    connection* victim = nullptr;
+    for (const auto& c : connections_) {
+      if (c->st == connection::state::writing) continue;
+      if (victim == nullptr || c->st < victim->st || (c->st == victim->st && c->since < victim->since))
+        victim = c.get();
+    }
+    if (victim == nullptr) return false;
+    victim->evicted = true;
+    connections_.erase(victim->self);
+    victim->close();
+    bump(counters_.dropped_at_cap);
+    return true;
+  }
+
+  boost::asio::awaitable<void> serve(connection_ptr c) {
     namespace http = boost::beast::http;
-    connections_.push_back(&stream);
-    const auto self = std::prev(connections_.end());
+    using boost::asio::as_tuple;
+    using boost::asio::use_awaitable;
+    auto& stream = c->stream;
     boost::beast::flat_buffer buffer(8192);
+    bool first = true;
     for (;;) {
+      // Wait for the first byte of a request: a new connection gets header_timeout for all
+      // of its header, a kept-alive one idle_timeout before its next request starts.
+      c->st = connection::state::idle;
+      c->since = clock::now();
+      const auto header_deadline = c->since + options_.header_timeout;
+      if (buffer.size() == 0) {
+        stream.expires_after(first ? options_.header_timeout : options_.idle_timeout);
+        auto [ec, n] = co_await stream.async_read_some(buffer.prepare(4096), as_tuple(use_awaitable));
+        if (ec) {
+          if (ec == boost::beast::error::timeout) bump(first ? counters_.header_timeouts : counters_.idle_timeouts);
+          break;
+        }
+        buffer.commit(n);
+      }
+      c->st = connection::state::reading;
+      if (!first) c->since = clock::now();
+      stream.expires_at(first ? header_deadline : c->since + options_.header_timeout);
+      first = false;
       http::request_parser<http::empty_body> parser;
       parser.header_limit(8192);
-      parser.body_limit(0);
-      stream.expires_after(options_.idle_timeout);
-      auto [rec, n] = co_await http::async_read(stream, buffer, parser, boost::asio::as_tuple(boost::asio::use_awaitable));
-      if (rec) break;  // EOF, timeout, malformed or oversized request: close
+      auto [rec, rn] = co_await http::async_read_header(stream, buffer, parser, as_tuple(use_awaitable));
+      (void)rn;
+      if (rec == boost::beast::error::timeout) {
+        bump(counters_.header_timeouts);
+        break;
+      }
+      if (rec) {
+        if (c->evicted || rec == boost::asio::error::eof || rec == boost::asio::error::operation_aborted ||
+            rec == http::error::end_of_stream)
+          break;
+        bump(counters_.bad_requests);
+        http::response<http::string_body> bad{http::status::bad_request, 11};
+        bad.set(http::field::server, "kvtier");
+        bad.set(http::field::content_type, "text/plain; charset=utf-8");
+        bad.body() = "bad request\n";
+        bad.keep_alive(false);
+        bad.prepare_payload();
+        co_await write(c, bad);
+        break;
+      }
       const auto& req = parser.get();
+      // A body is never read: the answer closes the connection when the request has one.
+      const bool has_body = parser.chunked() || (parser.content_length() && *parser.content_length() > 0);
       http::response<http::string_body> res;
       res.version(req.version());
-      res.keep_alive(req.keep_alive());
       res.set(http::field::server, "kvtier");
-      if (req.method() != http::verb::get && req.method() != http::verb::head) {
+      const bool allowed = req.method() == http::verb::get || req.method() == http::verb::head;
+      if (!allowed) {
         res.result(http::status::method_not_allowed);
         res.set(http::field::allow, "GET, HEAD");
         res.set(http::field::content_type, "text/plain; charset=utf-8");
@@ -170,27 +280,61 @@ class http_exporter {
         res.set(http::field::content_type, r.content_type);
         res.body() = std::move(r.body);
       }
+      res.keep_alive(req.keep_alive() && allowed && !has_body);
       res.prepare_payload();
       if (req.method() == http::verb::head) res.body().clear();  // Content-Length stays that of GET
-      ++served_;
-      stream.expires_after(options_.idle_timeout);
-      auto [wec, m] = co_await http::async_write(stream, res, boost::asio::as_tuple(boost::asio::use_awaitable));
-      if (wec || !res.keep_alive()) break;
+      bump(counters_.requests);
+      if (!co_await write(c, res) || !res.keep_alive()) {
+        if (has_body) co_await drain(c, buffer);
+        break;
+      }
     }
+    c->close();
+    if (!c->evicted) connections_.erase(c->self);
+  }
+
+  /// Writes `res` within write_timeout; false on an error.
+  template <class Response>
+  boost::asio::awaitable<bool> write(const connection_ptr& c, Response& res) {
+    c->st = connection::state::writing;
+    c->since = clock::now();
+    c->stream.expires_after(options_.write_timeout);
+    auto [ec, n] =
+        co_await boost::beast::http::async_write(c->stream, res, boost::asio::as_tuple(boost::asio::use_awaitable));
+    (void)n;
+    co_return !ec;
+  }
+
+  /// After an answer to a request whose body was not read: stop sending, and read (and drop)
+  /// what the client still sends for a moment, so that closing with unread bytes does not
+  /// reset the connection before the client has read the answer.
+  boost::asio::awaitable<void> drain(const connection_ptr& c, boost::beast::flat_buffer& buffer) {
     error_code ignored;
-    stream.socket().shutdown(tcp::socket::shutdown_both, ignored);
-    stream.close();
-    connections_.erase(self);
+    c->stream.socket().shutdown(tcp::socket::shutdown_send, ignored);
+    c->st = connection::state::idle;
+    c->stream.expires_after(std::chrono::seconds(1));
+    std::size_t total = 0;
+    while (total < (std::size_t{1} << 20) && !c->evicted) {
+      buffer.consume(buffer.size());
+      auto [ec, n] =
+          co_await c->stream.async_read_some(buffer.prepare(16384), boost::asio::as_tuple(boost::asio::use_awaitable));
+      if (ec) break;
+      total += n;
+    }
   }
 
   executor_type executor_;
   http_exporter_options options_;
   tcp::acceptor acceptor_;
   std::map<std::string, route_handler> routes_;
-  std::list<boost::beast::tcp_stream*> connections_;
+  std::list<connection_ptr> connections_;
   std::uint16_t port_ = 0;
   bool running_ = false;
-  std::uint64_t served_ = 0;
+  struct counters {
+    std::atomic<std::uint64_t> requests{0}, dropped_at_cap{0}, header_timeouts{0}, idle_timeouts{0}, bad_requests{0};
+  };
+  static void bump(std::atomic<std::uint64_t>& c) noexcept { c.fetch_add(1, std::memory_order_relaxed); }
+  counters counters_;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry

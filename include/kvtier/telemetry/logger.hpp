@@ -104,29 +104,38 @@ class logger {
   sink_fn sink_;
 };
 
-/// Lets a recurring message through at most once per interval; counts the ones it held back,
-/// so the next message can say "(N more since)". Thread-safe.
+/// Lets a recurring message through at most `burst` times per interval (once by default);
+/// counts the ones it held back, so the next message can say "(N more since)". A burst above
+/// one keeps the first few occurrences visible one by one (each refused peer, say) while a
+/// flood still makes only `burst` lines per interval. Thread-safe.
 class log_throttle {
  public:
-  explicit log_throttle(std::chrono::steady_clock::duration interval = std::chrono::seconds(10)) noexcept
-      : interval_(interval) {}
+  explicit log_throttle(std::chrono::steady_clock::duration interval = std::chrono::seconds(10),
+                        std::uint32_t burst = 1) noexcept
+      : interval_(interval), burst_(burst == 0 ? 1 : burst) {}
 
   /// Returns how many were suppressed since the last one let through, when this one may be
   /// logged now; nullopt when it must be suppressed.
   std::optional<std::uint64_t> allow(std::chrono::steady_clock::time_point now = std::chrono::steady_clock::now()) {
     std::lock_guard g(mutex_);
-    if (last_ && now - *last_ < interval_) {
+    if (!window_start_ || now - *window_start_ >= interval_) {
+      window_start_ = now;
+      in_window_ = 0;
+    }
+    if (in_window_ >= burst_) {
       ++suppressed_;
       return std::nullopt;
     }
-    last_ = now;
+    ++in_window_;
     return std::exchange(suppressed_, 0);
   }
 
  private:
   std::mutex mutex_;
   std::chrono::steady_clock::duration interval_;
-  std::optional<std::chrono::steady_clock::time_point> last_;
+  std::uint32_t burst_;
+  std::optional<std::chrono::steady_clock::time_point> window_start_;
+  std::uint32_t in_window_ = 0;
   std::uint64_t suppressed_ = 0;
 };
 

@@ -9,13 +9,20 @@
 #include <kvtier/config.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
+#include <fmt/format.h>
+
+#include <chrono>
+#include <deque>
+#include <memory>
+#include <string>
+
 namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
 
 class logging_subscriber {
  public:
   static constexpr bus::delivery delivery_mode = bus::delivery::deferred;
 
-  explicit logging_subscriber(logger& log) noexcept : log_(&log) {}
+  explicit logging_subscriber(logger& log) : log_(&log), request_failures_(std::make_shared<request_throttles>()) {}
 
   void on(const bus::l1_read_reserved& e) { log_->trace("L1 read reserved: {} keys, {} refused", e.key_count, e.failed_count); }
   void on(const bus::l1_read_finished& e) { log_->trace("L1 read finished: {} keys", e.key_count); }
@@ -91,9 +98,18 @@ class logging_subscriber {
     log_->trace("request {} from client {} started", bus::name(e.kind), e.client_id);
   }
   void on(const bus::server_request_finished& e) {
-    log_->log(e.ok ? log_level::trace : log_level::warn, "request {} from client {} {} in {:.3f} ms",
-              bus::name(e.kind), e.client_id, e.ok ? "succeeded" : "failed",
-              static_cast<double>(e.duration_ns) * 1e-6);
+    if (e.ok) {
+      log_->trace("request {} from client {} succeeded in {:.3f} ms", bus::name(e.kind), e.client_id,
+                  static_cast<double>(e.duration_ns) * 1e-6);
+      return;
+    }
+    // Failures are a client's misbehaviour as often as the server's: throttled per request
+    // kind (a client that sends 20,000 bad frames makes a few lines, not 20,000).
+    if (auto hidden = request_failures_->by_kind[static_cast<std::size_t>(e.kind)].allow())
+      log_->warn(
+          "request {} from client {} failed in {:.3f} ms{}", bus::name(e.kind), e.client_id,
+          static_cast<double>(e.duration_ns) * 1e-6,
+          *hidden ? fmt::format(" ({} more {} requests failed since)", *hidden, bus::name(e.kind)) : std::string());
   }
 
   void on(const bus::connector_healthy& e) {
@@ -129,6 +145,15 @@ class logging_subscriber {
     log_->warn("connector rank {}: {} blocks are load errors ({}), the engine recomputes them", e.rank, e.block_count,
                bus::name(e.reason));
   }
+  void on(const bus::connector_peer_refused& e) {
+    // Every reconnection attempt is refused again: a few lines, then one per interval.
+    if (auto hidden = request_failures_->peer_refused.allow())
+      log_->warn(
+          "connector rank {}: refused the server: its process (pid {}) runs as uid {}, not uid {} "
+          "(connector_options::server_uid); nothing was sent to it{}",
+          e.rank, e.peer_pid, e.peer_uid, e.expected_uid,
+          *hidden ? fmt::format(" ({} more refusals since)", *hidden) : std::string());
+  }
   void on(const bus::connector_quarantine_changed& e) {
     log_->log(e.held_blocks ? log_level::warn : log_level::info,
               "connector rank {}: quarantine +{} -{} blocks, {} quarantined", e.rank, e.held_blocks,
@@ -136,7 +161,17 @@ class logging_subscriber {
   }
 
  private:
+  /// Five lines per request kind per 10 s; shared so the subscriber stays copyable.
+  struct request_throttles {
+    std::deque<log_throttle> by_kind;  // (a deque: log_throttle holds a mutex and does not move)
+    log_throttle peer_refused{std::chrono::seconds(60), 3};
+    request_throttles() {
+      for (std::size_t i = 0; i < bus::request_kind_count; ++i) by_kind.emplace_back(std::chrono::seconds(10), 5);
+    }
+  };
+
   logger* log_;
+  std::shared_ptr<request_throttles> request_failures_;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry

@@ -177,6 +177,7 @@ class metrics_subscriber {
   void on(const bus::connector_load_error& e) noexcept {
     s_->connector_load_error_blocks[static_cast<std::size_t>(e.reason)]->inc(e.block_count);
   }
+  void on(const bus::connector_peer_refused&) noexcept { s_->connector_peer_refusals.inc(); }
   void on(const bus::connector_quarantine_changed& e) noexcept {
     // add/sub rather than set: several connectors (ranks) may share one bus.
     s_->connector_quarantined_blocks.add(static_cast<double>(e.held_blocks));
@@ -306,6 +307,9 @@ class metrics_subscriber {
           connector_unhealthy(
               r.add_counter("kvtier_connector_unhealthy_total", "Transitions of the connector to unhealthy")),
           connector_reconnects(r.add_counter("kvtier_connector_reconnects_total", "Connector reconnections")),
+          connector_peer_refusals(r.add_counter(
+              "kvtier_connector_peer_refusals_total",
+              "Connections the connector refused because the server's process runs as an unexpected uid")),
           connector_server_restarts(
               r.add_counter("kvtier_connector_server_restarts_total", "Server restarts seen by the connector")),
           connector_released_requests(r.add_counter("kvtier_connector_released_requests_total",
@@ -421,6 +425,7 @@ class metrics_subscriber {
     gauge& connector_healthy;
     counter& connector_unhealthy;
     counter& connector_reconnects;
+    counter& connector_peer_refusals;
     counter& connector_server_restarts;
     counter& connector_released_requests;
     std::array<counter*, bus::connector_outcome_count> connector_lookups;

@@ -476,8 +476,12 @@ void connector<Bus>::finish_retrieve_locked(const retrieve_info& info, std::uint
     for (std::uint32_t j = 0; j < bpc; ++j)
       if (i * ct + (j + 1) * bs > info.skip_tokens) affected.push_back(info.block_ids[std::size_t{i} * bpc + j]);
   std::size_t held = 0;
-  // A call the server may still act on: its blocks wait for its answer or its death.
-  if (call != nullptr && call->sent &&
+  // A call the server may still act on: its blocks wait for a proof that no copy can follow
+  // (its answer, the connection's close by the server, the process's death). Released
+  // because the server closed the connection: that is the proof already.
+  const auto pit = call != nullptr ? peers_.find(call->epoch) : peers_.end();
+  const bool closed_by_server = pit != peers_.end() && pit->second->closed_by_server;
+  if (call != nullptr && call->sent && !closed_by_server &&
       (outcome == bus::connector_outcome::timeout || outcome == bus::connector_outcome::unhealthy))
     held = quarantine_.hold(call->id, call->epoch, affected);
   for (std::uint32_t b : affected)
@@ -656,8 +660,9 @@ void connector<Bus>::send_io(std::uint64_t id) {
     std::lock_guard lg(mu_);
     if (stopping_) return;
     if (auto p = peers_.find(epoch); p != peers_.end()) {
-      last_error_ = detail::closed_by_peer(ec) ? "the server closed the connection" : "socket error: " + ec.message();
-      on_peer_broken_io(*p->second, detail::closed_by_peer(ec) ? "eof" : "socket_error");
+      const bool closed = detail::closed_by_peer(ec);
+      last_error_ = closed ? "the server closed the connection" : "socket error: " + ec.message();
+      on_peer_broken_io(*p->second, closed ? "eof" : "socket_error", closed);
     }
   });
 }
@@ -717,13 +722,13 @@ boost::asio::awaitable<void> connector<Bus>::reader(std::shared_ptr<peer> p) {
       if (ec != boost::asio::error::operation_aborted) {
         if (detail::closed_by_peer(ec)) {
           last_error_ = "the server closed the connection";
-          on_peer_broken_io(*p, "eof");
+          on_peer_broken_io(*p, "eof", true);
         } else if (ec.category() == kvtier_category()) {
           if (const auto* why = p->conn->last_read_error()) last_error_ = "bad stream from the server: " + why->reason;
-          on_peer_broken_io(*p, "protocol_error");
+          on_peer_broken_io(*p, "protocol_error", false);
         } else {
           last_error_ = "socket error: " + ec.message();
-          on_peer_broken_io(*p, "socket_error");
+          on_peer_broken_io(*p, "socket_error", false);
         }
       }
       co_return;
@@ -737,7 +742,7 @@ bool connector<Bus>::on_frame_io(peer& p, protocol::frame f) {
   auto decoded = protocol::decode_message(f);
   if (!decoded) {
     last_error_ = "bad reply from the server: " + decoded.error().reason;
-    on_peer_broken_io(p, "protocol_error");
+    on_peer_broken_io(p, "protocol_error", false);
     return false;
   }
   const std::uint64_t id = f.header.call_id;
@@ -756,7 +761,7 @@ bool connector<Bus>::on_frame_io(peer& p, protocol::frame f) {
       last_error_ =
           "the server answered " + std::string(protocol::name(c->expect)) + " with " + std::string(protocol::name(t));
       complete_locked(*c, call_result{call_status::error_reply, {}, last_error_});
-      on_peer_broken_io(p, "protocol_error");
+      on_peer_broken_io(p, "protocol_error", false);
       return false;
     }
     if (p.epoch == current_epoch_) breaker_.on_reply();
@@ -781,10 +786,16 @@ bool connector<Bus>::on_frame_io(peer& p, protocol::frame f) {
 }
 
 template <class Bus>
-void connector<Bus>::on_peer_broken_io(peer& p, std::string_view reason) {
+void connector<Bus>::on_peer_broken_io(peer& p, std::string_view reason, bool server_closed) {
   if (p.broken) return;
   p.broken = true;
+  p.closed_by_server = server_closed;
   p.conn->close();
+  // The server's close proves its copies for this connection over (docs/protocol.md): the
+  // blocks of calls given up on it earlier leave quarantine, and the calls failed below
+  // enter none (finish_retrieve_locked).
+  if (server_closed)
+    if (const std::size_t n = quarantine_.release_epoch(p.epoch); n != 0) publish_quarantine_locked(0, n);
   if (p.epoch == current_epoch_) {
     if (state_ == health_state::healthy)
       mark_unhealthy_io(reason);
@@ -889,6 +900,27 @@ boost::asio::awaitable<std::string> connector<Bus>::establish() {
     last_error_ = "cannot connect to " + options_.socket_path + ": " + ec.message();
     mark_unhealthy_io("connect_failed");
     co_return "connect_failed";
+  }
+  // Who listens there: the server's user (or root), else nothing is sent (the memfd least of
+  // all). A local user who listened on the path first gets refused here.
+  if (const auto who = protocol::peer_credentials(socket.native_handle());
+      !who || (who->uid != options_.server_uid.value_or(::geteuid()) && who->uid != 0)) {
+    error_code ignored;
+    socket.close(ignored);
+    std::lock_guard g(mu_);
+    if (stopping_) co_return "stopping";
+    const ::uid_t expected = options_.server_uid.value_or(::geteuid());
+    last_error_ = !who ? "cannot read the credentials of the server at " + options_.socket_path + " (" +
+                             who.error().message() + "): not connecting"
+                       : "refusing the server at " + options_.socket_path + ": its process runs as " + who->describe() +
+                             ", not as uid " + std::to_string(expected) +
+                             " (another user may be listening on this path); if the server runs under a service "
+                             "account, set connector_options::server_uid to its uid";
+    if (who)
+      bus_.publish(
+          bus::connector_peer_refused{options_.rank, who->uid, static_cast<std::uint32_t>(who->pid), expected});
+    mark_unhealthy_io("peer_refused");
+    co_return "peer_refused";
   }
   auto p = std::make_shared<peer>();
   p->pid = detail::peer_pid(socket.native_handle());

@@ -594,6 +594,9 @@ class uring_core {
 
 /// The handler bound into an op's cancellation slot.
 struct uring_cancel_handler {
+  // A constructor, not an aggregate: Asio builds it with parentheses (emplace(core, op)),
+  // which clang before 16 accepts only for a class with a constructor.
+  uring_cancel_handler(uring_core* c, uring_op* o) noexcept : core(c), op(o) {}
   uring_core* core;
   uring_op* op;
   void operator()(boost::asio::cancellation_type_t type) const {

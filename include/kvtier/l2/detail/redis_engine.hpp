@@ -121,7 +121,7 @@ class redis_batch final : public redis_reply_sink {
   boost::asio::steady_timer wake_;
 };
 
-class redis_engine : public std::enable_shared_from_this<redis_engine>, private redis_link_owner {
+class redis_engine final : public std::enable_shared_from_this<redis_engine>, private redis_link_owner {
  public:
   using strand_type = boost::asio::strand<boost::asio::any_io_executor>;
   using lookup_tuple = std::tuple<error_code, bitmap>;
@@ -525,7 +525,8 @@ class redis_engine : public std::enable_shared_from_this<redis_engine>, private 
     if (!shut_down_) {
       const std::size_t i = static_cast<std::size_t>(c - n->conns.data());
       c->retry->expires_after(c->backoff);
-      c->retry->async_wait([w = weak_from_this(), n, i](boost::system::error_code ec) {
+      // n = n: clang before 16 cannot capture a structured binding by name.
+      c->retry->async_wait([w = weak_from_this(), n = n, i](boost::system::error_code ec) {
         auto self = w.lock();
         if (ec || !self || self->shut_down_ || n->conns[i].link) return;
         self->connect(*n, i);

@@ -143,7 +143,7 @@ struct redis_link_options {
   std::size_t max_inflight_bytes = std::size_t{4} << 20;
 };
 
-class redis_link : public std::enable_shared_from_this<redis_link>, private redis_reply_sink {
+class redis_link final : public std::enable_shared_from_this<redis_link>, private redis_reply_sink {
  public:
   enum class state : std::uint8_t { idle, connecting, ready, closed };
 

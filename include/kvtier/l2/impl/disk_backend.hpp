@@ -81,6 +81,35 @@ inline constexpr unsigned rename_noreplace = RENAME_NOREPLACE;
   return fmt::format("{:02x}", s);
 }
 
+/// Why a directory of the tier cannot be trusted (empty when it can): another user owns it,
+/// or group or others may write in it (they could then replace its objects, checksums and
+/// all). `st` describes `path`.
+[[nodiscard]] inline std::string untrusted_directory(const std::string& path, const struct ::stat& st) {
+  if (!S_ISDIR(st.st_mode)) return path + " is not a directory";
+  if (st.st_uid != ::geteuid())
+    return fmt::format(
+        "{} is owned by uid {}, not by this user (uid {}): another user could replace the objects "
+        "this server serves; give the tier a directory of its own user",
+        path, st.st_uid, ::geteuid());
+  if ((st.st_mode & 022) != 0)
+    return fmt::format(
+        "{} is writable by group or others (mode {:04o}): they could replace the objects this server "
+        "serves; chmod 700 {}",
+        path, st.st_mode & 07777, path);
+  return {};
+}
+
+/// Creates `dir` and its missing parents with mode 0700 (whatever the umask: mkdir only
+/// takes bits away from 0700). Returns the errno of the first failure, 0 on success.
+[[nodiscard]] inline int make_private_directories(const std::filesystem::path& dir) {
+  std::filesystem::path at;
+  for (const auto& part : dir) {
+    at /= part;
+    if (::mkdir(at.c_str(), 0700) != 0 && errno != EEXIST) return errno;
+  }
+  return 0;
+}
+
 }  // namespace detail
 
 // --- options ----------------------------------------------------------------------------
@@ -238,9 +267,23 @@ inline void disk_backend::open_directory() {
   auto fail = [&](const std::string& what, int err) {
     throw std::runtime_error(where + ": " + what + (err != 0 ? std::string(": ") + std::strerror(err) : std::string()));
   };
-  std::error_code fec;
-  std::filesystem::create_directories(root, fec);
-  if (fec) fail("cannot create the directory (" + fec.message() + ")", 0);
+  // Trust: the tier's files hold prompt-derived KV (private: 0600 files, 0700 directories),
+  // and whatever is in them is served (so only directories no other user may write).
+  auto untrusted = [&](const std::string& why) { throw std::invalid_argument(where + ": " + why); };
+  if (const int err = detail::make_private_directories(root); err != 0) fail("cannot create the directory", err);
+  {
+    struct ::stat st {};
+    if (::stat(root.c_str(), &st) != 0) fail("cannot inspect the directory", errno);
+    if (auto why = detail::untrusted_directory(root.string(), st); !why.empty()) untrusted(why);
+  }
+  // A directory of ours (objects/, tmp/, a shard): trusted as above, and tightened to 0700
+  // when an older version made it wider.
+  auto check_own_dir = [&](int fd, const std::string& path) {
+    struct ::stat st {};
+    if (::fstat(fd, &st) != 0) fail("cannot inspect " + path, errno);
+    if (auto why = detail::untrusted_directory(path, st); !why.empty()) untrusted(why);
+    if ((st.st_mode & 07777) != 0700) (void)::fchmod(fd, 0700);
+  };
 
   // The format marker: refuse a directory written by another format (or something else).
   const auto marker = root / "FORMAT";
@@ -254,7 +297,7 @@ inline void disk_backend::open_directory() {
                "': use an empty directory or one written by this version",
            0);
   } else {
-    const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
     if (fd < 0) fail("cannot write " + marker.string(), errno);
     const bool ok = ::write(fd, detail::format_marker.data(), detail::format_marker.size()) ==
                     static_cast<ssize_t>(detail::format_marker.size());
@@ -263,8 +306,9 @@ inline void disk_backend::open_directory() {
     if (!ok) fail("cannot write " + marker.string(), errno);
   }
 
-  lock_fd_ = ::open((root / "LOCK").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  lock_fd_ = ::open((root / "LOCK").c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
   if (lock_fd_ < 0) fail("cannot open LOCK", errno);
+  (void)::fchmod(lock_fd_, 0600);  // one an older version made 0644
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     if (errno == EWOULDBLOCK)
       fail("the directory is in use by another disk backend (flock on LOCK): give each one its own directory", 0);
@@ -272,16 +316,21 @@ inline void disk_backend::open_directory() {
   }
 
   for (const char* sub : {"objects", "tmp"})
-    if (::mkdir((root / sub).c_str(), 0755) != 0 && errno != EEXIST) fail(std::string("cannot create ") + sub, errno);
-  objects_fd_ = ::open((root / "objects").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (::mkdir((root / sub).c_str(), 0700) != 0 && errno != EEXIST) fail(std::string("cannot create ") + sub, errno);
+  // O_NOFOLLOW: a symlink in place of a directory of ours is refused (ELOOP).
+  objects_fd_ = ::open((root / "objects").c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (objects_fd_ < 0) fail("cannot open objects/", errno);
-  tmp_fd_ = ::open((root / "tmp").c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  check_own_dir(objects_fd_, (root / "objects").string());
+  tmp_fd_ = ::open((root / "tmp").c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
   if (tmp_fd_ < 0) fail("cannot open tmp/", errno);
+  check_own_dir(tmp_fd_, (root / "tmp").string());
   for (unsigned s = 0; s < detail::disk_shard_count; ++s) {
     const std::string name = detail::shard_dir_name(s);
-    if (::mkdirat(objects_fd_, name.c_str(), 0755) != 0 && errno != EEXIST) fail("cannot create objects/" + name, errno);
-    shard_fds_[s] = ::openat(objects_fd_, name.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (::mkdirat(objects_fd_, name.c_str(), 0700) != 0 && errno != EEXIST)
+      fail("cannot create objects/" + name, errno);
+    shard_fds_[s] = ::openat(objects_fd_, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
     if (shard_fds_[s] < 0) fail("cannot open objects/" + name, errno);
+    check_own_dir(shard_fds_[s], (root / "objects" / name).string());
   }
 
   // Does this file system take O_DIRECT (tmpfs before 6.6, some FUSE file systems do not)?
@@ -322,6 +371,8 @@ inline void disk_backend::recover() {
   aligned_buffer block(detail::disk_block_bytes);
   aligned_buffer scratch(options_.verify_on_start ? std::size_t{8} << 20 : 0);
   unsigned logged = 0;
+  unsigned untrusted_logged = 0;
+  const ::uid_t self = ::geteuid();
   auto drop = [&](int dirfd, const std::string& name, std::string_view why) {
     if (::unlinkat(dirfd, name.c_str(), 0) == 0 || errno == ENOENT) ++recovery_.dropped;
     if (logged++ < 8)
@@ -337,6 +388,18 @@ inline void disk_backend::recover() {
         ++recovery_.foreign_files;  // not ours: left alone
         continue;
       }
+      // An object file another user owns, or one others may write, is not trusted: its
+      // checksums prove nothing (whoever wrote it computed them). Left alone, never served.
+      if (st.st_uid != self || (st.st_mode & 022) != 0) {
+        ++recovery_.untrusted_files;
+        if (untrusted_logged++ < 8)
+          log_->warn(
+              "disk backend '{}': skipped {} at start-up: not owned by this user (uid {}, mode {:04o}); it is "
+              "left alone and never served",
+              options_.name, name, st.st_uid, st.st_mode & 07777);
+        continue;
+      }
+      if ((st.st_mode & 07777) != 0600) (void)::fchmodat(dirfd, name.c_str(), 0600, 0);  // an older version's 0644
       if (detail::shard_of(*key) != s) {
         drop(dirfd, name, "in the wrong shard directory");
         continue;
@@ -383,6 +446,9 @@ inline void disk_backend::recover() {
   }
   if (logged > 8)
     log_->warn("disk backend '{}': {} more objects dropped at start-up", options_.name, logged - 8);
+  if (untrusted_logged > 8)
+    log_->warn("disk backend '{}': {} more object files not owned by this user skipped at start-up", options_.name,
+               untrusted_logged - 8);
 
   // 3. The eviction order: oldest first (modification time; the key breaks ties so the order
   //    does not depend on readdir).
@@ -413,6 +479,7 @@ inline void disk_backend::recover() {
   stats_->recovered_bytes.store(recovery_.bytes, std::memory_order_relaxed);
   stats_->recovery_dropped.store(recovery_.dropped, std::memory_order_relaxed);
   stats_->recovery_temp_files.store(recovery_.temp_files, std::memory_order_relaxed);
+  stats_->recovery_untrusted.store(recovery_.untrusted_files, std::memory_order_relaxed);
 }
 
 // --- small synchronous members --------------------------------------------------------------
@@ -507,6 +574,9 @@ inline void disk_backend::export_metrics(telemetry::registry& reg) const {
         st->recovery_dropped);
   gauge("kvtier_l2_disk_recovery_temp_files", "Temporary files of interrupted stores deleted by the start-up scan",
         st->recovery_temp_files);
+  gauge("kvtier_l2_disk_recovery_untrusted_files",
+        "Object files the start-up scan skipped because another user owns them or others may write them",
+        st->recovery_untrusted);
   reg.add_callback("kvtier_l2_disk_o_direct", "1 when the disk backend uses O_DIRECT", metric_type::gauge, l,
                    [st] { return st->o_direct.load(std::memory_order_relaxed) ? 1.0 : 0.0; });
 }
@@ -953,8 +1023,9 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
   auto open_body = [this, &items](std::size_t j, fan_state& f, unsigned lane) -> asio::awaitable<void> {
     store_item& it = items[j];
     const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (it.direct ? O_DIRECT : 0);
-    auto [ec, fd] = co_await engine_->async_openat(tmp_fd_, it.temp.c_str(), flags, 0644,
-                                                   asio::bind_cancellation_slot(f.slot(lane), asio::as_tuple(asio::use_awaitable)));
+    auto [ec, fd] =
+        co_await engine_->async_openat(tmp_fd_, it.temp.c_str(), flags, 0600,
+                                       asio::bind_cancellation_slot(f.slot(lane), asio::as_tuple(asio::use_awaitable)));
     if (ec) {
       fail_store(it, ec);
       co_return;

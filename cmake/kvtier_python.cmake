@@ -1,0 +1,96 @@
+# The `kvtier` Python package (python/, docs/python.md): the pybind11 extension kvtier._kvtier
+# and the pure-Python modules, assembled in ${PROJECT_BINARY_DIR}/python/kvtier (what the tests
+# put on sys.path) and installed with `cmake --install <build> --component python` into the
+# interpreter's site-packages.
+#
+# KVTIER_BUILD_PYTHON is on when Python (interpreter + development headers) and pybind11's
+# CMake config are found and kvtier is the top-level project, and never in sanitizer builds (a sanitized extension needs a
+# sanitized interpreter, or the runtime preloaded into it).
+#
+# Which Python: Debian's python3-torch, python3-numpy and python3-pytest install for
+# /usr/bin/python3, and a different python3 earlier on PATH (a pyenv build, a venv) does not
+# see them. So unless Python_EXECUTABLE is given, /usr/bin/python3 is used where it exists.
+
+if(NOT DEFINED Python_EXECUTABLE AND EXISTS /usr/bin/python3)
+  set(Python_EXECUTABLE /usr/bin/python3 CACHE FILEPATH "The Python interpreter the kvtier package is built for")
+endif()
+
+set(_kvtier_python_default OFF)
+if(NOT KVTIER_SANITIZE AND PROJECT_IS_TOP_LEVEL)
+  find_package(Python 3.8 QUIET COMPONENTS Interpreter Development.Module)
+  if(Python_FOUND)
+    find_package(pybind11 2.6 CONFIG QUIET)  # Debian: pybind11-dev (2.10)
+  endif()
+  if(Python_FOUND AND pybind11_FOUND)
+    set(_kvtier_python_default ON)
+  endif()
+endif()
+option(KVTIER_BUILD_PYTHON "Build the kvtier Python package (pybind11 bindings, python/)" ${_kvtier_python_default})
+
+if(NOT KVTIER_BUILD_PYTHON)
+  if(KVTIER_SANITIZE)
+    message(STATUS "kvtier: the Python package is not built in sanitizer builds")
+  else()
+    message(STATUS "kvtier: the Python package is not built (needs Debian's python3-dev and pybind11-dev, "
+                   "or -DKVTIER_BUILD_PYTHON=ON with -DPython_EXECUTABLE=...)")
+  endif()
+  return()
+endif()
+
+if(NOT Python_FOUND)
+  find_package(Python 3.8 REQUIRED COMPONENTS Interpreter Development.Module)
+endif()
+if(NOT pybind11_FOUND)
+  find_package(pybind11 2.6 CONFIG REQUIRED)
+endif()
+
+# Where `cmake --install --component python` puts the package: the interpreter's platlib
+# (Debian: /usr/local/lib/python3.X/dist-packages, on sys.path of /usr/bin/python3).
+if(NOT DEFINED KVTIER_PYTHON_INSTALL_DIR)
+  execute_process(
+    COMMAND "${Python_EXECUTABLE}" -c "import sysconfig; print(sysconfig.get_path('platlib'))"
+    OUTPUT_VARIABLE _kvtier_platlib OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _kvtier_platlib_rc)
+  if(NOT _kvtier_platlib_rc EQUAL 0 OR _kvtier_platlib STREQUAL "")
+    set(_kvtier_platlib "${Python_SITEARCH}")
+  endif()
+  set(KVTIER_PYTHON_INSTALL_DIR "${_kvtier_platlib}" CACHE PATH
+      "Where the kvtier Python package is installed (component python)")
+endif()
+
+set(KVTIER_PYTHON_BUILD_DIR "${PROJECT_BINARY_DIR}/python")
+
+# NO_EXTRAS: no LTO (it would redo the Asio code at link time) and no stripping; the hidden
+# visibility pybind11 wants is set below.
+pybind11_add_module(kvtier_python_ext MODULE NO_EXTRAS python/src/kvtier_module.cpp)
+target_link_libraries(kvtier_python_ext PRIVATE kvtier::kvtier)
+kvtier_target_defaults(kvtier_python_ext)
+set_target_properties(kvtier_python_ext PROPERTIES
+  OUTPUT_NAME _kvtier
+  CXX_VISIBILITY_PRESET hidden
+  VISIBILITY_INLINES_HIDDEN ON
+  LIBRARY_OUTPUT_DIRECTORY "${KVTIER_PYTHON_BUILD_DIR}/kvtier")
+
+# The pure-Python files, linked next to the extension: the build tree is importable as is,
+# and an edit of a .py file needs no rebuild (the installed package gets copies).
+file(GLOB_RECURSE _kvtier_py_sources CONFIGURE_DEPENDS RELATIVE "${PROJECT_SOURCE_DIR}/python"
+     "${PROJECT_SOURCE_DIR}/python/kvtier/*.py" "${PROJECT_SOURCE_DIR}/python/kvtier/*.pyi"
+     "${PROJECT_SOURCE_DIR}/python/kvtier/py.typed")
+set(_kvtier_py_outputs "")
+foreach(_f IN LISTS _kvtier_py_sources)
+  get_filename_component(_dir "${KVTIER_PYTHON_BUILD_DIR}/${_f}" DIRECTORY)
+  add_custom_command(
+    OUTPUT "${KVTIER_PYTHON_BUILD_DIR}/${_f}"
+    COMMAND ${CMAKE_COMMAND} -E make_directory "${_dir}"
+    COMMAND ${CMAKE_COMMAND} -E create_symlink "${PROJECT_SOURCE_DIR}/python/${_f}" "${KVTIER_PYTHON_BUILD_DIR}/${_f}"
+    COMMENT "kvtier python: ${_f}" VERBATIM)
+  list(APPEND _kvtier_py_outputs "${KVTIER_PYTHON_BUILD_DIR}/${_f}")
+endforeach()
+# `kvtier_python`: the whole importable package in ${KVTIER_PYTHON_BUILD_DIR}.
+add_custom_target(kvtier_python ALL DEPENDS ${_kvtier_py_outputs})
+add_dependencies(kvtier_python kvtier_python_ext)
+
+install(TARGETS kvtier_python_ext LIBRARY DESTINATION "${KVTIER_PYTHON_INSTALL_DIR}/kvtier" COMPONENT python)
+install(DIRECTORY python/kvtier DESTINATION "${KVTIER_PYTHON_INSTALL_DIR}" COMPONENT python
+        FILES_MATCHING PATTERN "*.py" PATTERN "*.pyi" PATTERN "py.typed" PATTERN "__pycache__" EXCLUDE)
+message(STATUS "kvtier: Python package for ${Python_EXECUTABLE} (${Python_VERSION}); "
+               "cmake --install <build> --component python puts it in ${KVTIER_PYTHON_INSTALL_DIR}")

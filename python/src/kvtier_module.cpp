@@ -1,0 +1,611 @@
+// kvtier._kvtier: the pybind11 bindings behind the `kvtier` Python package (python/kvtier/).
+//
+//   enums        DtypeKind, KvLayoutKind, AttentionKind, HashAlgorithm, HealthState
+//   layouts      ModelShape, ChunkLayout, PagedKvLayout (core/kv_layout.hpp)
+//   hashing      TokenHasher, make_model_id, salted_model_id, ChunkKey (core/token_hasher.hpp,
+//                core/chunk_key.hpp); a 128-bit chunk hash is a Python int (hi << 64 | lo)
+//   memory       KvRegion (engine/kv_region.hpp) and LayerBuffer: one writable buffer per
+//                layer (the buffer protocol, bytes), so torch.frombuffer / numpy.frombuffer
+//                view it without a copy; typed views are built in Python (kvtier.views)
+//   connector    ConnectorOptions, ConnectorTimeouts, Connector (engine/connector.hpp): a
+//                worker's (with a KvRegion) or a scheduler's (without)
+//
+// The GIL: every Connector method converts its arguments with the GIL held, then releases it
+// for the call into C++ (which may wait on the connector's mutex, or in wait_ready, on the
+// server), and takes it back to build the result. The connector's own thread never runs
+// Python code and never takes the GIL: the connector publishes to a null_bus.
+//
+// Lifetimes: KvRegion is held by std::shared_ptr; a LayerBuffer and a Connector keep their
+// region alive, so a view or a connector never outlives the memory it points into, whatever
+// order Python drops them in. Connector.close() stops the connector's thread (the server
+// releases the registration and its locks at EOF); calls afterwards raise.
+//
+// Errors: std::invalid_argument -> ValueError, std::out_of_range -> IndexError (pybind11's
+// defaults), std::logic_error (a scheduler asked to store, ...) -> kvtier.UsageError, and
+// every other failure (a region that cannot be created, a closed connector) ->
+// kvtier.KvtierError; the message is the C++ one.
+
+#include <kvtier/core/chunk_key.hpp>
+#include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/token_hasher.hpp>
+#include <kvtier/engine/connector.hpp>
+#include <kvtier/engine/kv_region.hpp>
+#include <kvtier/protocol/limits.hpp>
+#include <kvtier/version.hpp>
+
+#include <pybind11/numpy.h>
+#include <pybind11/operators.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+using namespace kvtier;
+
+namespace {
+
+/// A Python exception type of this module (set at import).
+PyObject* kvtier_error = nullptr;
+PyObject* usage_error = nullptr;
+
+/// A failure that becomes kvtier.KvtierError.
+struct kvtier_failure : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+/// Tokens as the C++ side takes them: any sequence of ints or any array-like, as uint32.
+using token_array = py::array_t<std::uint32_t, py::array::c_style | py::array::forcecast>;
+
+std::span<const token_id> tokens_of(const token_array& a) {
+  if (a.ndim() != 1) throw std::invalid_argument("kvtier: tokens must be one-dimensional");
+  return {a.data(), static_cast<std::size_t>(a.size())};
+}
+
+// --- 128-bit hashes as Python ints ------------------------------------------------------
+
+py::int_ to_int(const hash128& h) {
+  py::int_ hi(h.hi);
+  py::int_ lo(h.lo);
+  PyObject* shifted = PyNumber_Lshift(hi.ptr(), py::int_(64).ptr());
+  if (shifted == nullptr) throw py::error_already_set();
+  PyObject* both = PyNumber_Or(shifted, lo.ptr());
+  Py_DECREF(shifted);
+  if (both == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::int_>(both);
+}
+
+hash128 to_hash(const py::handle& v) {
+  if (!PyLong_Check(v.ptr())) throw py::type_error("kvtier: a chunk hash is an int (0 <= h < 2**128)");
+  const py::int_ x = py::reinterpret_borrow<py::int_>(v);
+  if (PyObject_RichCompareBool(x.ptr(), py::int_(0).ptr(), Py_LT) == 1 ||
+      py::cast<std::size_t>(x.attr("bit_length")()) > 128)
+    throw std::invalid_argument("kvtier: a chunk hash is an int with 0 <= h < 2**128");
+  hash128 h;
+  h.lo = PyLong_AsUnsignedLongLongMask(x.ptr());
+  PyObject* high = PyNumber_Rshift(x.ptr(), py::int_(64).ptr());
+  if (high == nullptr) throw py::error_already_set();
+  h.hi = PyLong_AsUnsignedLongLongMask(high);
+  Py_DECREF(high);
+  return h;
+}
+
+std::vector<hash128> to_hashes(const py::iterable& seq) {
+  std::vector<hash128> out;
+  for (const py::handle v : seq) out.push_back(to_hash(v));
+  return out;
+}
+
+py::list to_list(const std::vector<hash128>& hs) {
+  py::list l;
+  for (const hash128& h : hs) l.append(to_int(h));
+  return l;
+}
+
+// --- the region -------------------------------------------------------------------------
+
+using region_ptr = std::shared_ptr<engine::kv_region>;
+
+/// One layer's tensor as a writable byte buffer; keeps the region alive.
+struct layer_buffer {
+  region_ptr region;
+  std::uint32_t layer = 0;
+
+  [[nodiscard]] std::byte* data() const { return region->layers()[layer]; }
+  [[nodiscard]] std::size_t size() const { return region->layout().layer_bytes(); }
+};
+
+region_ptr create_region(const paged_kv_layout& layout, const std::string& name) {
+  if (auto e = layout.validation_error(); !e.empty()) throw std::invalid_argument("kvtier.KvRegion: " + e);
+  auto r = engine::kv_region::create(layout, name.c_str());
+  if (!r) throw kvtier_failure("kvtier.KvRegion: cannot create the memfd region: " + r.error().message());
+  return std::make_shared<engine::kv_region>(std::move(*r));
+}
+
+void check_block(const engine::kv_region& r, std::uint32_t block) {
+  if (block >= r.layout().num_blocks)
+    throw std::out_of_range("kvtier.KvRegion: block " + std::to_string(block) + " is not below num_blocks " +
+                            std::to_string(r.layout().num_blocks));
+}
+
+// --- the connector ----------------------------------------------------------------------
+
+/// The connector and the region it points into, destroyed in that order (the region last).
+struct connector_box {
+  region_ptr region;  ///< null: a scheduler's connector
+  std::optional<engine::connector<>> conn;
+
+  connector_box(engine::connector_options o, region_ptr r) : region(std::move(r)) {
+    if (region)
+      conn.emplace(std::move(o), *region);
+    else
+      conn.emplace(std::move(o));
+  }
+};
+
+class py_connector {
+ public:
+  py_connector(engine::connector_options o, region_ptr region) {
+    py::gil_scoped_release nogil;  // the constructor starts a thread and may allocate
+    box_ = std::make_shared<connector_box>(std::move(o), std::move(region));
+  }
+
+  /// The connector, or KvtierError once closed. Called with the GIL held: the copy of the
+  /// shared pointer is what keeps a concurrent close() from destroying it under a call.
+  [[nodiscard]] std::shared_ptr<connector_box> box() const {
+    if (!box_) throw kvtier_failure("kvtier.Connector: the connector is closed");
+    return box_;
+  }
+  [[nodiscard]] bool closed() const noexcept { return !box_; }
+
+  void close() {
+    std::shared_ptr<connector_box> b = std::move(box_);
+    py::gil_scoped_release nogil;
+    b.reset();  // joins the connector's thread (unless a call in another thread still holds it)
+  }
+
+ private:
+  std::shared_ptr<connector_box> box_;
+};
+
+template <class F>
+auto without_gil(const py_connector& self, F&& f) {
+  auto b = self.box();
+  py::gil_scoped_release nogil;
+  return f(*b->conn);
+}
+
+std::string options_repr(const engine::connector_options& o) {
+  return "ConnectorOptions(socket_path='" + o.socket_path + "', rank=" + std::to_string(o.rank) +
+         ", world_size=" + std::to_string(o.world_size) + ", model_name='" + o.model_name +
+         "', chunk_tokens=" + std::to_string(o.chunk_tokens) + ")";
+}
+
+/// A millisecond property of connector_timeouts.
+template <auto Member>
+void timeout_property(py::class_<engine::connector_timeouts>& c, const char* name, const char* doc) {
+  c.def_property(
+      name, [](const engine::connector_timeouts& t) { return (t.*Member).count(); },
+      [](engine::connector_timeouts& t, std::int64_t ms) { t.*Member = std::chrono::milliseconds(ms); }, doc);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_kvtier, m) {
+  m.doc() = "kvtier's C++ core (pybind11): layouts, hashing, the shared-memory KV region and the connector";
+  m.attr("__version__") = version_string;
+  m.attr("PROTOCOL_VERSION") = protocol::protocol_version;
+
+  // Exceptions.
+  kvtier_error = PyErr_NewExceptionWithDoc("kvtier.KvtierError", "A kvtier failure; the message is the C++ one.",
+                                           PyExc_RuntimeError, nullptr);
+  usage_error = PyErr_NewExceptionWithDoc(
+      "kvtier.UsageError", "A call this object cannot serve (e.g. a scheduler's connector asked to store).",
+      kvtier_error, nullptr);
+  m.attr("KvtierError") = py::handle(kvtier_error);
+  m.attr("UsageError") = py::handle(usage_error);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const kvtier_failure& e) {
+      PyErr_SetString(kvtier_error, e.what());
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const std::out_of_range& e) {
+      PyErr_SetString(PyExc_IndexError, e.what());
+    } catch (const std::logic_error& e) {
+      PyErr_SetString(usage_error, e.what());
+    }
+  });
+
+  // Enums (values as on the wire).
+  py::enum_<dtype_kind>(m, "DtypeKind", "Element type of the KV cache (part of the model id).")
+      .value("FP32", dtype_kind::fp32)
+      .value("FP16", dtype_kind::fp16)
+      .value("BF16", dtype_kind::bf16)
+      .value("FP8_E4M3", dtype_kind::fp8_e4m3)
+      .value("FP8_E5M2", dtype_kind::fp8_e5m2)
+      .value("INT8", dtype_kind::int8);
+  m.def(
+      "dtype_bytes", [](dtype_kind d) { return bytes_of(d); }, py::arg("dtype"), "Bytes of one element.");
+  m.def(
+      "parse_dtype_kind",
+      [](const std::string& s) {
+        auto d = parse_dtype_kind(s);
+        if (!d)
+          throw std::invalid_argument("kvtier: unknown dtype '" + s +
+                                      "': use fp32, fp16, bf16, fp8_e4m3, fp8_e5m2 or int8 (or torch's names)");
+        return *d;
+      },
+      py::arg("name"), "Parses 'fp16', 'bfloat16', 'float8_e4m3fn', ...");
+  py::enum_<kv_layout_kind>(m, "KvLayoutKind", "Order of the tokens and heads of one paged block.")
+      .value("NHD", kv_layout_kind::nhd)
+      .value("HND", kv_layout_kind::hnd)
+      .value("MLA", kv_layout_kind::mla);
+  m.def(
+      "parse_kv_layout_kind",
+      [](const std::string& s) {
+        auto k = parse_kv_layout_kind(s);
+        if (!k) throw std::invalid_argument("kvtier: unknown layout kind '" + s + "': use NHD, HND or MLA");
+        return *k;
+      },
+      py::arg("name"));
+  py::enum_<attention_kind>(m, "AttentionKind").value("MHA", attention_kind::mha).value("MLA", attention_kind::mla);
+  py::enum_<hash_algorithm>(m, "HashAlgorithm")
+      .value("XXH3_128", hash_algorithm::xxh3_128)
+      .value("SHA256", hash_algorithm::sha256);
+  py::enum_<engine::health_state>(m, "HealthState")
+      .value("STARTING", engine::health_state::starting)
+      .value("HEALTHY", engine::health_state::healthy)
+      .value("UNHEALTHY", engine::health_state::unhealthy);
+
+  // Layouts.
+  py::class_<model_shape>(m, "ModelShape", "A model's KV geometry (one rank's share of the KV heads).")
+      .def(py::init([](std::uint32_t num_layers, std::uint32_t num_kv_heads, std::uint32_t head_dim, dtype_kind dtype,
+                       attention_kind attention) {
+             return model_shape{num_layers, num_kv_heads, head_dim, dtype, attention};
+           }),
+           py::arg("num_layers") = 0, py::arg("num_kv_heads") = 0, py::arg("head_dim") = 0,
+           py::arg("dtype") = dtype_kind::bf16, py::arg("attention") = attention_kind::mha)
+      .def_readwrite("num_layers", &model_shape::num_layers)
+      .def_readwrite("num_kv_heads", &model_shape::num_kv_heads)
+      .def_readwrite("head_dim", &model_shape::head_dim)
+      .def_readwrite("dtype", &model_shape::dtype)
+      .def_readwrite("attention", &model_shape::attention)
+      .def_property_readonly("dtype_bytes", &model_shape::dtype_bytes)
+      .def_property_readonly("planes", &model_shape::planes)
+      .def_property_readonly("token_plane_bytes", &model_shape::token_plane_bytes)
+      .def_property_readonly("token_bytes", &model_shape::token_bytes)
+      .def("validation_error", &model_shape::validation_error, "Empty when valid, else what is wrong.")
+      .def(py::self == py::self)
+      .def("__repr__", [](const model_shape& s) {
+        return "ModelShape(num_layers=" + std::to_string(s.num_layers) +
+               ", num_kv_heads=" + std::to_string(s.num_kv_heads) + ", head_dim=" + std::to_string(s.head_dim) +
+               ", dtype=" + std::string(name(s.dtype)) +
+               ", attention=" + (s.attention == attention_kind::mla ? "MLA" : "MHA") + ")";
+      });
+
+  py::class_<chunk_layout>(m, "ChunkLayout", "One chunk object: chunk_tokens tokens of every layer and plane.")
+      .def(py::init([](const model_shape& model, std::uint32_t chunk_tokens) {
+             return chunk_layout{model, chunk_tokens};
+           }),
+           py::arg("model"), py::arg("chunk_tokens") = 256)
+      .def_readwrite("model", &chunk_layout::model)
+      .def_readwrite("chunk_tokens", &chunk_layout::chunk_tokens)
+      .def_property_readonly("slab_bytes", &chunk_layout::slab_bytes)
+      .def_property_readonly("object_bytes", &chunk_layout::object_bytes)
+      .def("validation_error", &chunk_layout::validation_error);
+
+  py::class_<paged_kv_layout>(m, "PagedKvLayout", "An engine's paged KV cache: per layer NHD, HND or MLA blocks.")
+      .def(py::init(
+               [](const model_shape& model, std::uint32_t block_size, std::uint32_t num_blocks, kv_layout_kind order) {
+                 return paged_kv_layout{model, block_size, num_blocks, order};
+               }),
+           py::arg("model"), py::arg("block_size") = 16, py::arg("num_blocks") = 0,
+           py::arg("order") = kv_layout_kind::nhd)
+      .def_readwrite("model", &paged_kv_layout::model)
+      .def_readwrite("block_size", &paged_kv_layout::block_size)
+      .def_readwrite("num_blocks", &paged_kv_layout::num_blocks)
+      .def_readwrite("order", &paged_kv_layout::order)
+      .def_property_readonly("kind", &paged_kv_layout::kind)
+      .def_property_readonly("segment_bytes", &paged_kv_layout::segment_bytes)
+      .def_property_readonly("head_row_bytes", &paged_kv_layout::head_row_bytes)
+      .def_property_readonly("layer_bytes", &paged_kv_layout::layer_bytes)
+      .def_property_readonly("total_bytes", &paged_kv_layout::total_bytes)
+      .def("offset_in_layer", &paged_kv_layout::offset_in_layer, py::arg("plane"), py::arg("block"),
+           py::arg("token") = 0, py::arg("head") = 0, "Byte offset of a (token, head) row in one layer's tensor.")
+      .def("validation_error", &paged_kv_layout::validation_error)
+      .def("compatibility_error", &paged_kv_layout::compatibility_error, py::arg("chunk"))
+      .def(py::self == py::self)
+      .def("__repr__", [](const paged_kv_layout& l) {
+        return "PagedKvLayout(block_size=" + std::to_string(l.block_size) +
+               ", num_blocks=" + std::to_string(l.num_blocks) + ", order=" + std::string(name(l.kind())) + ")";
+      });
+
+  // Hashing and keys.
+  py::class_<token_hasher>(m, "TokenHasher", "The rolling prefix hash that names chunks (one int per full chunk).")
+      .def(py::init<std::size_t, hash_algorithm>(), py::arg("chunk_tokens") = token_hasher::default_chunk_size,
+           py::arg("algorithm") = hash_algorithm::xxh3_128)
+      .def_property_readonly("chunk_tokens", &token_hasher::chunk_size)
+      .def_property_readonly("algorithm", &token_hasher::algorithm)
+      .def("root", [](const token_hasher& h) { return to_int(h.root()); })
+      .def(
+          "chunk_hashes",
+          [](const token_hasher& h, const token_array& tokens) {
+            std::vector<hash128> out;
+            {
+              py::gil_scoped_release nogil;
+              out = h.chunk_hashes(tokens_of(tokens));
+            }
+            return to_list(out);
+          },
+          py::arg("tokens"), "The hashes of every full chunk of a sequence that starts at token 0.");
+  m.def(
+      "make_model_id",
+      [](const std::string& model_name, const model_shape& shape, kv_layout_kind layout, const std::string& salt) {
+        return make_model_id(model_name, shape, layout, salt);
+      },
+      py::arg("model_name"), py::arg("shape"), py::arg("layout") = kv_layout_kind::nhd, py::arg("salt") = "",
+      "The model namespace of chunk keys (what the server answers a registration with).");
+  m.def("salted_model_id", &salted_model_id, py::arg("model_id"), py::arg("salt"),
+        "The model id of one request's chunks under its cache salt.");
+  py::class_<chunk_key>(m, "ChunkKey", "The identity of one stored object: (model id, world size, rank, hash).")
+      .def(py::init([](std::uint64_t model_id, std::uint16_t world_size, std::uint16_t rank, const py::int_& h) {
+             return chunk_key{model_id, world_size, rank, to_hash(h)};
+           }),
+           py::arg("model_id"), py::arg("world_size"), py::arg("rank"), py::arg("hash"))
+      .def_readonly("model_id", &chunk_key::model_id)
+      .def_readonly("world_size", &chunk_key::world_size)
+      .def_readonly("rank", &chunk_key::rank)
+      .def_property_readonly("hash", [](const chunk_key& k) { return to_int(k.hash); })
+      .def("encode",
+           [](const chunk_key& k) {
+             const auto a = k.encode();
+             return py::bytes(reinterpret_cast<const char*>(a.data()), a.size());
+           })
+      .def("__str__", &chunk_key::to_string)
+      .def("__repr__", [](const chunk_key& k) { return "ChunkKey('" + k.to_string() + "')"; })
+      .def(py::self == py::self)
+      .def("__hash__", [](const chunk_key& k) { return chunk_key_hash{}(k); });
+
+  // The region.
+  py::class_<layer_buffer>(m, "LayerBuffer", py::buffer_protocol(),
+                           "One layer's KV tensor in the region as writable bytes (buffer protocol, no copy).")
+      .def_buffer([](layer_buffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<std::uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size())}, {py::ssize_t{1}}, /*readonly=*/false);
+      })
+      .def_readonly("layer", &layer_buffer::layer)
+      .def("__len__", &layer_buffer::size);
+
+  py::class_<engine::kv_region, region_ptr>(m, "KvRegion",
+                                            "An engine's paged KV cache in a sealed memfd, with per-block generations.")
+      .def_static("create", &create_region, py::arg("layout"), py::arg("name") = "kvtier-kv",
+                  "A new zero-filled region for `layout`.")
+      .def_static("bytes_for", &engine::kv_region::bytes_for, py::arg("layout"))
+      .def_property_readonly("layout", &engine::kv_region::layout)
+      .def_property_readonly("bytes", &engine::kv_region::bytes)
+      .def_property_readonly("fd", &engine::kv_region::fd)
+      .def_property_readonly("num_layers", [](const engine::kv_region& r) { return r.layout().model.num_layers; })
+      .def(
+          "layer",
+          [](const region_ptr& r, std::uint32_t l) {
+            if (l >= r->layout().model.num_layers)
+              throw std::out_of_range("kvtier.KvRegion.layer: layer " + std::to_string(l) + " is not below " +
+                                      std::to_string(r->layout().model.num_layers));
+            return layer_buffer{r, l};
+          },
+          py::arg("layer"), "Layer `layer`'s tensor as a writable byte buffer.")
+      .def(
+          "begin_reuse",
+          [](engine::kv_region& r, std::uint32_t block) {
+            check_block(r, block);
+            r.begin_reuse(block);
+          },
+          py::arg("block"), "Announce that `block` is about to hold new content (fencing).")
+      .def(
+          "generation",
+          [](const engine::kv_region& r, std::uint32_t block) {
+            check_block(r, block);
+            return r.generation(block);
+          },
+          py::arg("block"));
+
+  // The connector.
+  py::class_<engine::connector_timeouts> timeouts(m, "ConnectorTimeouts",
+                                                  "Deadlines and periods of the connector, in milliseconds.");
+  timeouts.def(py::init<>());
+  using T = engine::connector_timeouts;
+  timeout_property<&T::ping_interval>(timeouts, "ping_interval_ms", "period of the liveness ping");
+  timeout_property<&T::ping_timeout>(timeouts, "ping_timeout_ms", "an unanswered ping this long: unhealthy");
+  timeout_property<&T::request_timeout>(timeouts, "request_timeout_ms", "deadline of the small calls");
+  timeout_property<&T::lookup_timeout>(timeouts, "lookup_timeout_ms", "how long a lookup may stay pending");
+  timeout_property<&T::retrieve_timeout>(timeouts, "retrieve_timeout_ms", "past it a retrieve is a load error");
+  timeout_property<&T::store_timeout>(timeouts, "store_timeout_ms", "past it a store counts as finished");
+  timeout_property<&T::reconnect_initial>(timeouts, "reconnect_initial_ms", "first reconnection pause");
+  timeout_property<&T::reconnect_max>(timeouts, "reconnect_max_ms", "longest reconnection pause");
+  timeout_property<&T::quarantine_limit>(timeouts, "quarantine_limit_ms",
+                                         "0: quarantined blocks wait for the server's answer or death");
+
+  using O = engine::connector_options;
+  py::class_<O>(m, "ConnectorOptions", "The connector's configuration (engine/options.hpp).")
+      .def(py::init<>())
+      .def_readwrite("socket_path", &O::socket_path)
+      .def_readwrite("rank", &O::rank)
+      .def_readwrite("world_size", &O::world_size)
+      .def_readwrite("scheduler", &O::scheduler, "None: the scheduler role is rank 0's")
+      .def_readwrite("model_name", &O::model_name)
+      .def_readwrite("model", &O::model, "a scheduler's per-rank shape (leave default for a worker)")
+      .def_readwrite("layout_kind", &O::layout_kind, "a scheduler's layout kind (a worker's comes from its region)")
+      .def_readwrite("cache_salt", &O::cache_salt)
+      .def_readwrite("prefill_tokens_per_second", &O::prefill_tokens_per_second)
+      .def_readwrite("chunk_tokens", &O::chunk_tokens)
+      .def_readwrite("hash", &O::hash)
+      .def_readwrite("instance_id", &O::instance_id)
+      .def_readwrite("timeouts", &O::timeouts)
+      .def_readwrite("timeout_scale", &O::timeout_scale)
+      .def_property(
+          "lookup_poll_interval_us", [](const O& o) { return o.lookup_poll_interval.count(); },
+          [](O& o, std::int64_t us) { o.lookup_poll_interval = std::chrono::microseconds(us); })
+      .def_readwrite("breaker_threshold", &O::breaker_threshold)
+      .def_readwrite("finished_window", &O::finished_window)
+      .def_readwrite("max_lookups", &O::max_lookups)
+      .def("is_scheduler", &O::is_scheduler)
+      .def("validation_error", &O::validation_error)
+      .def("__repr__", &options_repr);
+
+  py::class_<py_connector>(m, "Connector",
+                           "The engine-side client of kvtier-server: a worker's (with a KvRegion) or a scheduler's.")
+      .def(py::init([](O options, std::optional<region_ptr> region) {
+             return std::make_unique<py_connector>(std::move(options), region.value_or(nullptr));
+           }),
+           py::arg("options"), py::arg("region") = py::none())
+      .def("close", &py_connector::close, "Stops the connector (closes its connection, joins its thread).")
+      .def_property_readonly("closed", &py_connector::closed)
+      .def(
+          "wait_ready",
+          [](const py_connector& s, double timeout_s) {
+            const auto ms = std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000.0));
+            return without_gil(s, [&](auto& c) { return c.wait_ready(ms); });
+          },
+          py::arg("timeout_s"), "Blocks until registered with a server (True) or the timeout passes.")
+      .def_property_readonly("healthy", [](const py_connector& s) { return s.box()->conn->healthy(); })
+      .def_property_readonly("state",
+                             [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.state(); }); })
+      .def_property_readonly(
+          "last_error", [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.last_error(); }); })
+      .def_property_readonly(
+          "boot_token", [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.boot_token(); }); })
+      .def_property_readonly("has_region", [](const py_connector& s) { return s.box()->conn->has_region(); })
+      .def_property_readonly("options", [](const py_connector& s) { return s.box()->conn->options(); })
+      .def("stats",
+           [](const py_connector& s) {
+             const engine::connector_stats st = without_gil(s, [](auto& c) { return c.stats(); });
+             py::dict d;
+             d["registrations"] = st.registrations;
+             d["late_replies"] = st.late_replies;
+             d["calls_issued"] = st.calls_issued;
+             d["pending_calls"] = st.pending_calls;
+             d["tracked_requests"] = st.tracked_requests;
+             d["lookups"] = st.lookups;
+             d["open_connections"] = st.open_connections;
+             return d;
+           })
+      .def(
+          "chunk_hashes",
+          [](const py_connector& s, const token_array& tokens) {
+            const auto tk = tokens_of(tokens);
+            return to_list(without_gil(s, [&](auto& c) { return c.chunk_hashes(tk); }));
+          },
+          py::arg("tokens"))
+      // Scheduler side.
+      .def(
+          "lookup",
+          [](const py_connector& s, const std::string& id, const token_array& tokens, const std::string& salt) {
+            const auto tk = tokens_of(tokens);
+            without_gil(s, [&](auto& c) { c.lookup(id, tk, salt); });
+          },
+          py::arg("request_id"), py::arg("tokens"), py::arg("cache_salt") = "")
+      .def(
+          "lookup_hashes",
+          [](const py_connector& s, const std::string& id, const py::iterable& hashes, const std::string& salt) {
+            auto hs = to_hashes(hashes);
+            without_gil(s, [&](auto& c) { c.lookup_hashes(id, std::move(hs), salt); });
+          },
+          py::arg("request_id"), py::arg("hashes"), py::arg("cache_salt") = "")
+      .def(
+          "lookup_result",
+          [](const py_connector& s, const std::string& id) {
+            return without_gil(s, [&](auto& c) { return c.lookup_result(id); });
+          },
+          py::arg("request_id"), "Hit tokens once answered; None while pending.")
+      .def(
+          "free_lookup_locks",
+          [](const py_connector& s, const std::string& id) {
+            without_gil(s, [&](auto& c) { c.free_lookup_locks(id); });
+          },
+          py::arg("request_id"))
+      .def(
+          "end_request",
+          [](const py_connector& s, const std::string& id) { without_gil(s, [&](auto& c) { c.end_request(id); }); },
+          py::arg("request_id"))
+      // Worker side.
+      .def(
+          "retrieve",
+          [](const py_connector& s, const std::string& id, const token_array& tokens, std::uint32_t first_chunk,
+             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt) {
+            const auto tk = tokens_of(tokens);
+            without_gil(s, [&](auto& c) { c.retrieve(id, tk, first_chunk, blocks, skip, salt); });
+          },
+          py::arg("request_id"), py::arg("tokens"), py::arg("first_chunk"), py::arg("block_ids"),
+          py::arg("skip_tokens") = 0, py::arg("cache_salt") = "")
+      .def(
+          "retrieve_hashes",
+          [](const py_connector& s, const std::string& id, const py::iterable& hashes, std::uint32_t first_chunk,
+             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt) {
+            const auto hs = to_hashes(hashes);
+            without_gil(s, [&](auto& c) { c.retrieve_hashes(id, hs, first_chunk, blocks, skip, salt); });
+          },
+          py::arg("request_id"), py::arg("hashes"), py::arg("first_chunk"), py::arg("block_ids"),
+          py::arg("skip_tokens") = 0, py::arg("cache_salt") = "")
+      .def(
+          "store",
+          [](const py_connector& s, const std::string& id, const token_array& tokens, std::uint32_t first_chunk,
+             std::uint32_t chunk_count, const std::vector<std::uint32_t>& blocks, const std::string& salt) {
+            const auto tk = tokens_of(tokens);
+            without_gil(s, [&](auto& c) { c.store(id, tk, first_chunk, chunk_count, blocks, salt); });
+          },
+          py::arg("request_id"), py::arg("tokens"), py::arg("first_chunk"), py::arg("chunk_count"),
+          py::arg("block_ids"), py::arg("cache_salt") = "")
+      .def(
+          "store_hashes",
+          [](const py_connector& s, const std::string& id, const py::iterable& hashes, std::uint32_t first_chunk,
+             const std::vector<std::uint32_t>& blocks, const std::string& salt) {
+            const auto hs = to_hashes(hashes);
+            without_gil(s, [&](auto& c) { c.store_hashes(id, hs, first_chunk, blocks, salt); });
+          },
+          py::arg("request_id"), py::arg("hashes"), py::arg("first_chunk"), py::arg("block_ids"),
+          py::arg("cache_salt") = "")
+      .def(
+          "get_finished",
+          [](const py_connector& s, const std::vector<std::string>& finished) {
+            engine::finished_requests r = without_gil(s, [&](auto& c) { return c.get_finished(finished); });
+            return py::make_tuple(r.sending, r.recving);
+          },
+          py::arg("finished_by_engine"), "(finished sending, finished receiving) ids; each id once.")
+      .def("take_load_error_blocks",
+           [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.take_load_error_blocks(); }); })
+      .def(
+          "block_is_quarantined",
+          [](const py_connector& s, std::uint32_t b) {
+            return without_gil(s, [&](auto& c) { return c.block_is_quarantined(b); });
+          },
+          py::arg("block"))
+      .def("quarantined_blocks",
+           [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.quarantined_blocks(); }); })
+      .def(
+          "block_reused",
+          [](const py_connector& s, std::uint32_t b) {
+            return without_gil(s, [&](auto& c) { return c.block_reused(b); });
+          },
+          py::arg("block"), "Fences `block` before the engine writes it; False (nothing done) when quarantined.")
+      .def(
+          "blocks_reused",
+          [](const py_connector& s, const std::vector<std::uint32_t>& blocks) {
+            return without_gil(s, [&](auto& c) {
+              std::vector<std::uint32_t> refused;
+              for (std::uint32_t b : blocks)
+                if (!c.block_reused(b)) refused.push_back(b);
+              return refused;
+            });
+          },
+          py::arg("blocks"), "block_reused for each; returns the quarantined ones (not fenced).");
+}

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer targets with clang into build-fuzz/ and runs each for a fixed time
+# (docs/fuzzing.md). Fails (exit 1) on the first target that finds a crash, a leak or a
+# timeout; the input that did it is in build-fuzz/artifacts/<target>/.
+#
+#   ./scripts/fuzz.sh                      every target, KVTIER_FUZZ_SECONDS (20) s each
+#   ./scripts/fuzz.sh --seconds 300 codec  one target, five minutes
+#   ./scripts/fuzz.sh --build-only         build, run nothing
+#   ./scripts/fuzz.sh --list               the target names
+#
+# New inputs that reach new coverage go to build-fuzz/corpus/<target>/ (kept between runs,
+# never committed by the script); the committed seeds (tests/fuzz/corpus/<target>/) and past
+# crashes (tests/fuzz/regressions/<target>/) are read as extra corpora. Extra libFuzzer flags:
+# KVTIER_FUZZ_FLAGS, e.g. KVTIER_FUZZ_FLAGS="-jobs=2 -workers=2".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/lib/common.sh
+
+seconds=${KVTIER_FUZZ_SECONDS:-20}
+build_only=0
+list=0
+targets=()
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --seconds) seconds=$2; shift 2 ;;
+    --build-only) build_only=1; shift ;;
+    --list) list=1; shift ;;
+    -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
+    -*) echo "fuzz.sh: unknown option $1 (--help)" >&2; exit 2 ;;
+    *) targets+=("$1"); shift ;;
+  esac
+done
+
+all=(frame_decoder codec cuda_descriptor config disk_object redis_reply)
+if [ "$list" = 1 ]; then printf '%s\n' "${all[@]}"; exit 0; fi
+[ ${#targets[@]} -eq 0 ] && targets=("${all[@]}")
+for t in "${targets[@]}"; do
+  case " ${all[*]} " in *" $t "*) ;; *) echo "fuzz.sh: no target '$t' (--list)" >&2; exit 2 ;; esac
+done
+
+kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" "${KVTIER_FUZZ_PACKAGES[@]}"
+clangxx=$(command -v clang++-14 || command -v clang++)
+build=build-fuzz
+kvtier_configure "$build" -DCMAKE_CXX_COMPILER="$clangxx" -DCMAKE_BUILD_TYPE=Debug -DKVTIER_BUILD_FUZZERS=ON \
+  -DKVTIER_BUILD_TESTS=OFF -DKVTIER_BUILD_EXAMPLES=OFF -DKVTIER_BUILD_BENCH=OFF -DKVTIER_WITH_CUDA=OFF >/dev/null
+# A target the configuration left out (redis_reply without hiredis) is skipped with a note.
+available=$(ninja -C "$build" -t targets all 2>/dev/null | sed -n 's/^\(kvtier_fuzz_[a-z_]*\): .*/\1/p')
+bins=()
+kept=()
+for t in "${targets[@]}"; do
+  if grep -qx "kvtier_fuzz_$t" <<<"$available"; then
+    bins+=("kvtier_fuzz_$t")
+    kept+=("$t")
+  else
+    echo "fuzz.sh: $t is not built in this configuration (see the cmake output), skipped" >&2
+  fi
+done
+targets=("${kept[@]}")
+cmake --build "$build" -j"$(kvtier_jobs)" --target "${bins[@]}"
+[ "$build_only" = 1 ] && exit 0
+
+# abort_on_error: a crash ends the run with the input saved; detect_leaks: a leak is a bug.
+export ASAN_OPTIONS=${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:symbolize=1}
+export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
+status=0
+for t in "${targets[@]}"; do
+  work=$build/corpus/$t
+  artifacts=$build/artifacts/$t
+  mkdir -p "$work" "$artifacts"
+  dirs=("$work" tests/fuzz/corpus/"$t" tests/fuzz/regressions/"$t")
+  echo "== fuzz $t: ${seconds}s"
+  log=$build/fuzz-$t.log
+  # The disk target's files are a 4 KiB header block and a payload; the link target sends
+  # objects of up to 20000 bytes. The others stay at libFuzzer's default (4096). A target's
+  # dictionary (tests/fuzz/dict/<target>.dict: tokens of its format) when it has one.
+  extra=()
+  case "$t" in disk_object|redis_reply) extra=(-max_len=65536) ;; esac
+  [ -f tests/fuzz/dict/"$t".dict ] && extra+=(-dict=tests/fuzz/dict/"$t".dict)
+  # shellcheck disable=SC2086
+  if ! "$build/tests/fuzz/kvtier_fuzz_$t" -max_total_time="$seconds" -timeout=20 -rss_limit_mb=4096 \
+       "${extra[@]}" -print_final_stats=1 -artifact_prefix="$artifacts/" ${KVTIER_FUZZ_FLAGS:-} \
+       "${dirs[@]}" >"$log" 2>&1; then
+    tail -n 60 "$log"
+    echo "fuzz.sh: $t FAILED; the input is in $artifacts/ (full log: $log)." >&2
+    echo "  Reproduce: $build/tests/fuzz/kvtier_fuzz_$t $artifacts/<file>; keep it under" >&2
+    echo "  tests/fuzz/regressions/$t/ once fixed (docs/fuzzing.md)." >&2
+    status=1
+    break
+  fi
+  # The summary: the last status line and the final stats.
+  grep -E '^#[0-9]+.*(DONE|cov:)' "$log" | tail -n 1
+  grep -E '^stat::(number_of_executed_units|average_exec_per_sec|new_units_added|peak_rss_mb)' "$log" | tr '\n' ' '
+  echo
+done
+exit $status

@@ -1,0 +1,239 @@
+"""The replay engine: vLLM's engine-core loop over the mini scheduler (this process, with the
+scheduler-side KVTierConnector) and one worker process per tensor-parallel rank (each with
+its worker-side KVTierConnector), connected by pipes that carry the pickled
+SchedulerOutput (the connector metadata in it) and the workers' outputs.
+
+Per step: schedule -> every worker executes -> the outputs are aggregated as vLLM's
+KVOutputAggregator does (an id is finished sending / receiving once every rank reported it;
+load-error blocks are the union) -> update_from_output. Checks on the way, collected in
+``violations``: a synthetic worker finding a KV row that is not its token's (a wrong load,
+a block overwritten), a quarantined block in the free block pool, a fence refused (the engine
+about to write a quarantined block), a report vLLM would reject.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector
+
+from .scheduler import MiniScheduler
+from .vllm_shapes import KVConnectorOutput, Request, SchedulerOutput, vllm_config
+from .worker import WorkerSpec, worker_main
+
+_CONTEXT = None
+
+
+def _mp():
+    """A forkserver context that has imported torch and kvtier once: workers start in
+    milliseconds instead of the seconds a spawn (re-importing torch) takes."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "kvtier", "kvtier.integrations.vllm", "replay.worker"])
+        _CONTEXT = ctx
+    return _CONTEXT
+
+
+#: Seconds one worker step may take before the test fails (a hung worker).
+STEP_TIMEOUT_S = 60.0
+
+
+@dataclass
+class StepRecord:
+    output: SchedulerOutput
+    sampled: Dict[str, int]
+    kv: KVConnectorOutput
+    worker_outputs: List[Dict[str, Any]]
+
+
+class ReplayEngine:
+    def __init__(
+        self,
+        *,
+        socket_path: Optional[str],
+        world_size: int = 1,
+        layout: str = "NHD",
+        runner: str = "synthetic",
+        num_layers: int = 2,
+        kv_heads: int = 2,
+        head_dim: int = 8,
+        block_size: int = 4,
+        num_blocks: int = 64,
+        chunk_tokens: int = 16,
+        token_budget: int = 32,
+        prefix_caching: bool = False,
+        chunk_align: bool = True,
+        extra: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        self.world_size = world_size
+        self.kvtier = socket_path is not None
+        extra = dict(extra or {})
+        if self.kvtier:
+            extra.setdefault("socket_path", str(socket_path))
+            extra.setdefault("chunk_tokens", chunk_tokens)
+            extra.setdefault("kv_layout", layout)
+            extra.setdefault("ready_timeout_s", 30)
+        self._procs = []
+        self._pipes = []
+        ctx = _mp()
+        for rank in range(world_size):
+            spec = WorkerSpec(
+                rank=rank,
+                world_size=world_size,
+                layout=layout,
+                runner=runner,
+                num_layers=num_layers,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kvtier=self.kvtier,
+                extra=dict(extra, rank=rank),
+            )
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, args=(child, spec), daemon=True)
+            p.start()
+            child.close()
+            self._procs.append(p)
+            self._pipes.append(parent)
+        for pipe in self._pipes:
+            kind, payload = self._recv(pipe)
+            assert kind == "ready", payload
+        self.connector: Optional[KVTierConnector] = None
+        if self.kvtier:
+            cfg = vllm_config(
+                model="replay/tiny",
+                num_layers=num_layers,
+                num_kv_heads=kv_heads,
+                head_size=head_dim,
+                block_size=block_size,
+                tp=world_size,
+                extra=extra,
+            )
+            self.connector = KVTierConnector(cfg, KVConnectorRole.SCHEDULER)
+        self.sched = MiniScheduler(
+            self.connector,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            token_budget=token_budget,
+            prefix_caching=prefix_caching,
+            chunk_align=chunk_tokens if chunk_align else None,
+        )
+        self.violations: List[str] = []
+        self.logits: Dict[Tuple[str, int], Any] = {}
+        self.ttft: Dict[str, float] = {}
+        self._arrival: Dict[str, float] = {}
+        self._agg: Dict[str, Counter] = {"sending": Counter(), "recving": Counter()}
+        self.steps: List[StepRecord] = []
+        self.keep_records = False
+
+    # ------------------------------------------------------------------------------
+    def _recv(self, pipe) -> Tuple[str, Any]:
+        if not pipe.poll(STEP_TIMEOUT_S):
+            raise AssertionError("a replay worker did not answer in time")
+        kind, payload = pipe.recv()
+        if kind == "error":
+            raise AssertionError(f"a replay worker failed:\n{payload}")
+        return kind, payload
+
+    def add(self, request_id: str, prompt: List[int], max_tokens: int = 2, cache_salt: Optional[str] = None) -> Request:
+        req = Request(request_id, prompt, max_tokens, cache_salt)
+        self._arrival[request_id] = time.perf_counter()
+        self.sched.add_request(req)
+        return req
+
+    def step(self, before_workers: Optional[Callable[[SchedulerOutput], None]] = None) -> StepRecord:
+        so = self.sched.schedule()
+        if before_workers is not None:
+            before_workers(so)
+        for pipe in self._pipes:
+            pipe.send(("step", so))
+        outs = [self._recv(pipe)[1] for pipe in self._pipes]
+        kv = KVConnectorOutput(finished_sending=set(), finished_recving=set(), invalid_block_ids=set())
+        for out in outs:
+            if out.get("bad_rows"):
+                self.violations.append(f"step {self.sched.step_count}: {out['bad_rows']} KV rows are not their token's")
+            if out.get("fence_refusals"):
+                self.violations.append(f"step {self.sched.step_count}: {out['fence_refusals']} fences refused")
+            q = set(out.get("quarantined", ()))
+            free_q = q & set(self.sched.pool.free)
+            if free_q:
+                self.violations.append(f"step {self.sched.step_count}: quarantined blocks {sorted(free_q)} are free")
+            kv.invalid_block_ids |= set(out.get("invalid_block_ids") or ())
+            for which, key in (("sending", "finished_sending"), ("recving", "finished_recving")):
+                for rid in out.get(key) or ():
+                    self._agg[which][rid] += 1
+                    if self._agg[which][rid] == self.world_size:
+                        getattr(kv, key).add(rid)
+                        del self._agg[which][rid]
+        sampled = outs[0]["sampled"]
+        for rid, logits in outs[0].get("logits", {}).items():
+            self.logits[(rid, len(so.token_ids[rid]))] = logits
+        had = {rid: len(r.output_token_ids) for rid, r in self.sched.requests.items()}
+        try:
+            self.sched.update_from_output(so, sampled, kv if self.kvtier else None)
+        except AssertionError as e:
+            self.violations.append(f"step {self.sched.step_count}: {e}")
+            raise
+        now = time.perf_counter()
+        for rid, n in had.items():
+            req = self.sched.requests.get(rid) or self.sched.finished.get(rid)
+            if req is not None and n == 0 and req.output_token_ids and rid not in self.ttft:
+                self.ttft[rid] = now - self._arrival[rid]
+        rec = StepRecord(so, sampled, kv, outs)
+        if self.keep_records:
+            self.steps.append(rec)
+        if so.total_num_scheduled_tokens == 0:
+            time.sleep(0.001)  # nothing to compute: the engine is waiting on loads or lookups
+        return rec
+
+    def run(
+        self,
+        until: Optional[Callable[[], bool]] = None,
+        max_steps: int = 20000,
+        before_workers: Optional[Callable[[SchedulerOutput], None]] = None,
+        timeout_s: float = 120.0,
+    ) -> int:
+        """Steps until `until()` (default: every request finished and released). Returns the
+        number of steps."""
+        done = until or (lambda: not self.sched.has_unfinished() and self.sched.holds() == 0)
+        deadline = time.monotonic() + timeout_s
+        n = 0
+        while not done():
+            if n >= max_steps or time.monotonic() > deadline:
+                raise AssertionError(
+                    f"the replay did not finish: {n} steps, waiting {[(r.request_id, r.status.name) for r in self.sched.waiting]}, "
+                    f"running {[r.request_id for r in self.sched.running]}, held {sorted(self.sched.requests)}"
+                )
+            self.step(before_workers)
+            n += 1
+        return n
+
+    def worker_state(self) -> List[Dict[str, Any]]:
+        """Runs an empty step and returns each worker's output (quarantine, held reports)."""
+        return self.step().worker_outputs
+
+    def close(self) -> None:
+        for pipe in self._pipes:
+            try:
+                pipe.send(("stop",))
+                self._recv(pipe)
+            except Exception:
+                pass
+        for p in self._procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+        if self.connector is not None:
+            self.connector.shutdown()
+
+    def __enter__(self) -> "ReplayEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

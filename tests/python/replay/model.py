@@ -1,0 +1,191 @@
+"""The model runners of the replay's workers.
+
+* :class:`TinyDecoder`: a small decoder-only transformer (random weights from a fixed seed,
+  RMSNorm, grouped-query attention with rotary positions, a SiLU MLP), CPU, fp32, whose
+  attention writes each token's K and V into a paged KV cache and reads the context back
+  through the request's block table. The cache tensors are views of the kvtier region (the
+  connector moved them there at registration), so what kvtier loads is what attention reads,
+  with no copy in between.
+
+  Determinism: every per-token computation works on that token's row alone (vector-matrix
+  products), and a token's attention reads exactly the keys 0..t, so a token's result depends
+  only on its inputs and the earlier tokens' K/V, whatever the batch, the step split or the
+  step in which the earlier K/V were computed (or loaded). Logits of a run that loads its
+  prefix equal those of a run that computes it, bit for bit, iff the loaded K/V are exact.
+
+* :class:`SyntheticRunner`: no model: each token's KV is a pattern of (token, position,
+  layer, plane, rank, head, dim); every step checks that every position of every scheduled
+  request holds its pattern (what was loaded, computed, or kept by vLLM's prefix cache).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import List, Tuple
+
+import torch
+
+
+def _kv_cache_shape(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int) -> Tuple[int, ...]:
+    if layout == "NHD":
+        return (2, num_blocks, block_size, heads, head_dim)
+    return (2, num_blocks, heads, block_size, head_dim)
+
+
+def make_kv_caches(layout: str, num_layers: int, num_blocks: int, block_size: int, heads: int, head_dim: int):
+    """vLLM's per-layer KV cache tensors (zeros), by layer name."""
+    shape = _kv_cache_shape(layout, num_blocks, block_size, heads, head_dim)
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.float32) for i in range(num_layers)}
+
+
+class PagedKV:
+    """Reads and writes token rows of one layer's paged cache (NHD or HND) through a table."""
+
+    def __init__(self, cache: torch.Tensor, layout: str, block_size: int) -> None:
+        self.cache = cache
+        self.layout = layout
+        self.bs = block_size
+
+    def _index(self, table: List[int], positions: torch.Tensor):
+        t = torch.tensor(table, dtype=torch.long)
+        return t[positions // self.bs], positions % self.bs
+
+    def write(self, table: List[int], positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (n, heads, head_dim) for `positions`."""
+        blocks, offs = self._index(table, positions)
+        if self.layout == "NHD":
+            self.cache[0, blocks, offs] = k
+            self.cache[1, blocks, offs] = v
+        else:
+            self.cache[0, blocks, :, offs] = k
+            self.cache[1, blocks, :, offs] = v
+
+    def read(self, table: List[int], n: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K, V of positions 0..n-1: (n, heads, head_dim) each (a gather: a copy)."""
+        blocks, offs = self._index(table, torch.arange(n))
+        if self.layout == "NHD":
+            return self.cache[0, blocks, offs], self.cache[1, blocks, offs]
+        return self.cache[0, blocks, :, offs], self.cache[1, blocks, :, offs]
+
+
+class TinyDecoder:
+    def __init__(
+        self,
+        vocab: int = 101,
+        hidden: int = 32,
+        layers: int = 3,
+        q_heads: int = 4,
+        kv_heads: int = 2,
+        head_dim: int = 8,
+        mlp: int = 64,
+        seed: int = 1234,
+        max_positions: int = 4096,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+
+        def w(*shape, scale=None):
+            scale = scale if scale is not None else 1.0 / math.sqrt(shape[0])
+            return torch.randn(*shape, generator=g, dtype=torch.float32) * scale
+
+        self.vocab, self.hidden, self.layers = vocab, hidden, layers
+        self.q_heads, self.kv_heads, self.head_dim = q_heads, kv_heads, head_dim
+        self.embed = w(vocab, hidden, scale=1.0)
+        self.params = []
+        for _ in range(layers):
+            self.params.append(
+                dict(
+                    norm1=1.0 + 0.1 * w(hidden, scale=1.0),
+                    wq=w(hidden, q_heads * head_dim),
+                    wk=w(hidden, kv_heads * head_dim),
+                    wv=w(hidden, kv_heads * head_dim),
+                    wo=w(q_heads * head_dim, hidden),
+                    norm2=1.0 + 0.1 * w(hidden, scale=1.0),
+                    w1=w(hidden, mlp),
+                    w2=w(mlp, hidden),
+                )
+            )
+        self.norm = 1.0 + 0.1 * w(hidden, scale=1.0)
+        self.lm_head = w(hidden, vocab)
+        inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        ang = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
+        self.cos, self.sin = torch.cos(ang), torch.sin(ang)
+
+    @staticmethod
+    def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt((x * x).mean() + 1e-6) * weight
+
+    def _rope(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x: (heads, head_dim), rotated pairwise by position pos."""
+        c, s = self.cos[pos], self.sin[pos]
+        x1, x2 = x[:, 0::2], x[:, 1::2]
+        out = torch.empty_like(x)
+        out[:, 0::2] = x1 * c - x2 * s
+        out[:, 1::2] = x1 * s + x2 * c
+        return out
+
+    def forward(
+        self, tokens: List[int], start: int, end: int, table: List[int], caches: List[PagedKV]
+    ) -> torch.Tensor:
+        """Computes positions start..end-1 of `tokens` (K/V of 0..start-1 are in the cache),
+        writes their K/V and returns the logits of the last one (vocab,)."""
+        n = end - start
+        xs = [self.embed[tokens[p]].clone() for p in range(start, end)]
+        group = self.q_heads // self.kv_heads
+        scale = 1.0 / math.sqrt(self.head_dim)
+        for layer, (p, cache) in enumerate(zip(self.params, caches)):
+            qs, ks, vs = [], [], []
+            for i in range(n):
+                h = self._rms(xs[i], p["norm1"])
+                q = (h[None, :] @ p["wq"]).view(self.q_heads, self.head_dim)
+                k = (h[None, :] @ p["wk"]).view(self.kv_heads, self.head_dim)
+                v = (h[None, :] @ p["wv"]).view(self.kv_heads, self.head_dim)
+                qs.append(self._rope(q, start + i))
+                ks.append(self._rope(k, start + i))
+                vs.append(v)
+            cache.write(table, torch.arange(start, end), torch.stack(ks), torch.stack(vs))
+            K, V = cache.read(table, end)  # (end, kv_heads, head_dim)
+            Kh = [K[:, h, :].contiguous() for h in range(self.kv_heads)]
+            Vh = [V[:, h, :].contiguous() for h in range(self.kv_heads)]
+            for i in range(n):
+                t = start + i + 1  # keys 0..start+i
+                heads = []
+                for hq in range(self.q_heads):
+                    kh = hq // group
+                    scores = (qs[i][hq][None, :] @ Kh[kh][:t].t()) * scale
+                    probs = torch.softmax(scores, dim=-1)
+                    heads.append((probs @ Vh[kh][:t])[0])
+                o = torch.cat(heads)[None, :] @ p["wo"]
+                x = xs[i] + o[0]
+                h2 = self._rms(x, p["norm2"])
+                xs[i] = x + (torch.nn.functional.silu(h2[None, :] @ p["w1"]) @ p["w2"])[0]
+        return (self._rms(xs[-1], self.norm)[None, :] @ self.lm_head)[0]
+
+
+class SyntheticRunner:
+    """KV that is a pattern of each token's identity; checks every position each step."""
+
+    def __init__(self, layout: str, rank: int, block_size: int, heads: int, head_dim: int) -> None:
+        self.layout, self.rank, self.bs = layout, rank, block_size
+        self.heads, self.head_dim = heads, head_dim
+        self._hd = torch.arange(heads, dtype=torch.float32)[:, None] * 0.25 + torch.arange(
+            head_dim, dtype=torch.float32
+        )[None, :] * (1.0 / 64)
+
+    def pattern(self, tokens: List[int], positions: torch.Tensor, layer: int, plane: int) -> torch.Tensor:
+        tok = torch.tensor(tokens, dtype=torch.long)[positions]
+        base = (tok * 7919 + positions * 104729 + layer * 31 + plane * 17 + self.rank * 7) % 65521
+        return base.to(torch.float32)[:, None, None] + self._hd[None, :, :]
+
+    def forward(self, tokens: List[int], start: int, end: int, table: List[int], caches: List[PagedKV]) -> Tuple[int, int]:
+        """Writes positions start..end-1, then checks 0..end-1. Returns (mismatched rows,
+        sampled token)."""
+        new = torch.arange(start, end)
+        for layer, cache in enumerate(caches):
+            cache.write(table, new, self.pattern(tokens, new, layer, 0), self.pattern(tokens, new, layer, 1))
+        bad = 0
+        every = torch.arange(end)
+        for layer, cache in enumerate(caches):
+            k, v = cache.read(table, end)
+            bad += int((k != self.pattern(tokens, every, layer, 0)).flatten(1).any(dim=1).sum())
+            bad += int((v != self.pattern(tokens, every, layer, 1)).flatten(1).any(dim=1).sum())
+        return bad, (sum(tokens[-3:]) * 31 + end) % 101

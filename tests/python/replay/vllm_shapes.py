@@ -1,0 +1,159 @@
+"""vLLM's objects as the KV connector sees them, reduced to the fields it reads.
+
+Shapes follow vLLM (vllm/v1/request.py, vllm/v1/core/sched/output.py, vllm/v1/outputs.py,
+vllm/config) at the commit kvtier.integrations.vllm.VLLM_COMMIT names. The replay driver
+builds these and hands them to ``KVTierConnector`` exactly where vLLM would.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Dict, List, Optional, Set, Tuple
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+class Request:
+    """vllm.v1.request.Request: the fields the connector and the scheduler use."""
+
+    def __init__(self, request_id: str, prompt_token_ids: List[int], max_tokens: int, cache_salt: Optional[str] = None):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self._all_token_ids = list(prompt_token_ids)
+        self.output_token_ids: List[int] = []
+        self.max_tokens = max_tokens
+        self.cache_salt = cache_salt
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_external_computed_tokens = 0
+        self.num_cached_tokens = -1
+        self.num_preemptions = 0
+        self.arrival_time = 0.0
+        self.first_token_time: Optional[float] = None
+
+    @property
+    def all_token_ids(self) -> List[int]:
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def append_output_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self._all_token_ids.append(token)
+
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+
+class KVCacheBlocks:
+    """vllm.v1.core.kv_cache_manager.KVCacheBlocks: block ids per KV cache group (one here)."""
+
+    def __init__(self, block_ids: List[int]):
+        self._ids = list(block_ids)
+
+    def get_block_ids(self) -> Tuple[List[int], ...]:
+        return (list(self._ids),)
+
+
+@dataclass
+class NewRequestData:
+    req_id: str
+    prompt_token_ids: List[int]
+    block_ids: Tuple[List[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    req_ids: List[str] = field(default_factory=list)
+    resumed_req_ids: Set[str] = field(default_factory=set)
+    new_token_ids: List[List[int]] = field(default_factory=list)
+    new_block_ids: List[Optional[Tuple[List[int], ...]]] = field(default_factory=list)
+    num_computed_tokens: List[int] = field(default_factory=list)
+    num_output_tokens: List[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: List[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: Dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: Set[str]
+    preempted_req_ids: Optional[Set[str]] = None
+    kv_connector_metadata: Any = None
+    # Not vLLM's: the replay's workers get each scheduled request's tokens (all it has) here
+    # (vLLM's workers keep them in their persistent batch).
+    token_ids: Dict[str, List[int]] = field(default_factory=dict)
+
+
+@dataclass
+class KVConnectorOutput:
+    finished_sending: Optional[Set[str]] = None
+    finished_recving: Optional[Set[str]] = None
+    invalid_block_ids: Set[int] = field(default_factory=set)
+
+
+class _ModelConfig:
+    def __init__(self, model: str, num_layers: int, num_kv_heads: int, head_size: int, dtype: str):
+        self.model = model
+        self.dtype = dtype
+        self.use_mla = False
+        self._layers, self._heads, self._head_size = num_layers, num_kv_heads, head_size
+
+    def get_num_layers(self, parallel_config: Any) -> int:
+        return self._layers
+
+    def get_num_kv_heads(self, parallel_config: Any) -> int:
+        return self._heads // parallel_config.tensor_parallel_size
+
+    def get_head_size(self) -> int:
+        return self._head_size
+
+
+def vllm_config(
+    *,
+    model: str,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    tp: int = 1,
+    rank: int = 0,
+    dtype: str = "float32",
+    extra: Optional[Dict[str, Any]] = None,
+    device: str = "cpu",
+) -> SimpleNamespace:
+    """A VllmConfig with the attributes KVTierConnector reads (vllm/config)."""
+    return SimpleNamespace(
+        model_config=_ModelConfig(model, num_layers, num_kv_heads, head_size, dtype),
+        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto", enable_prefix_caching=True),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, rank=rank),
+        device_config=SimpleNamespace(device_type=device),
+        kv_transfer_config=SimpleNamespace(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(extra or {}),
+        ),
+    )

@@ -1,0 +1,154 @@
+"""A replay worker process: one tensor-parallel rank, as vLLM's GPU model runner would drive
+its KV connector (vllm/v1/worker/kv_connector_model_runner_mixin.py), per step:
+
+    bind_connector_metadata(meta); handle_preemptions(meta); start_load_kv(ctx)
+    forward: per layer wait_for_layer_load(name) ... save_kv_layer(name, kv, attn_md)
+    wait_for_save(); get_finished(finished_req_ids); get_block_ids_with_load_errors()
+    clear_connector_metadata()
+
+The model is the synthetic KV pattern or the TinyDecoder (replay/model.py); the KV cache
+tensors are made the way vLLM makes them (zeros, per layer) and handed to
+``register_kv_caches``, which moves them into the kvtier region.
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+
+
+@dataclass
+class WorkerSpec:
+    rank: int
+    world_size: int
+    layout: str  # "NHD" or "HND"
+    runner: str  # "synthetic" or "model"
+    num_layers: int
+    kv_heads: int  # of the whole model (split over the ranks)
+    head_dim: int
+    block_size: int
+    num_blocks: int
+    kvtier: bool  # False: no connector at all (the baseline)
+    extra: Dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config
+    model_seed: int = 1234
+
+
+def _layer_names(n: int) -> List[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec) -> None:
+        from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector
+
+        from .model import PagedKV, SyntheticRunner, TinyDecoder, make_kv_caches
+        from .vllm_shapes import vllm_config
+
+        torch.set_num_threads(1)
+        self.spec = spec
+        heads = spec.kv_heads // spec.world_size
+        self.kv_caches = make_kv_caches(spec.layout, spec.num_layers, spec.num_blocks, spec.block_size, heads, spec.head_dim)
+        self.connector: Optional[KVTierConnector] = None
+        if spec.kvtier:
+            cfg = vllm_config(
+                model="replay/tiny",
+                num_layers=spec.num_layers,
+                num_kv_heads=spec.kv_heads,
+                head_size=spec.head_dim,
+                block_size=spec.block_size,
+                tp=spec.world_size,
+                rank=spec.rank,
+                extra=spec.extra,
+            )
+            self.connector = KVTierConnector(cfg, KVConnectorRole.WORKER)
+            self.connector.register_kv_caches(self.kv_caches)
+        self.pages = [PagedKV(t, spec.layout, spec.block_size) for t in self.kv_caches.values()]
+        if spec.runner == "model":
+            self.model: Any = TinyDecoder(layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim, seed=spec.model_seed)
+        else:
+            self.model = SyntheticRunner(spec.layout, spec.rank, spec.block_size, heads, spec.head_dim)
+        self.tables: Dict[str, List[int]] = {}
+
+    def step(self, so: Any) -> Dict[str, Any]:
+        c = self.connector
+        meta = so.kv_connector_metadata
+        if c is not None:
+            c.bind_connector_metadata(meta)
+            c.handle_preemptions(meta)
+            c.start_load_kv(None)
+        for rid in so.finished_req_ids:
+            self.tables.pop(rid, None)
+        for rid in so.preempted_req_ids or ():
+            self.tables.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            self.tables[new.req_id] = list(new.block_ids[0])
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            ids = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
+            if rid in cached.resumed_req_ids:
+                self.tables[rid] = ids
+            else:
+                self.tables.setdefault(rid, []).extend(ids)
+        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        out: Dict[str, Any] = {"sampled": {}, "logits": {}, "bad_rows": 0}
+        if c is not None:
+            for name in _layer_names(self.spec.num_layers):
+                c.wait_for_layer_load(name)  # the forward pass's per-layer hooks (no-ops here)
+        for rid, n in so.num_scheduled_tokens.items():
+            tokens = so.token_ids[rid]
+            start = computed[rid]
+            end = start + n
+            if self.spec.runner == "model":
+                logits = self.model.forward(tokens, start, end, self.tables[rid], self.pages)
+                if end == len(tokens):
+                    out["logits"][rid] = logits.clone()
+                    out["sampled"][rid] = int(torch.argmax(logits))
+            else:
+                bad, token = self.model.forward(tokens, start, end, self.tables[rid], self.pages)
+                out["bad_rows"] += bad
+                if end == len(tokens):
+                    out["sampled"][rid] = token
+        if c is not None:
+            for name, t in self.kv_caches.items():
+                c.save_kv_layer(name, t, None)
+            c.wait_for_save()
+            sending, recving = c.get_finished(set(so.finished_req_ids))
+            out["finished_sending"] = sending
+            out["finished_recving"] = recving
+            out["invalid_block_ids"] = c.get_block_ids_with_load_errors()
+            c.clear_connector_metadata()
+            ws = c.worker_side
+            out["quarantined"] = sorted(ws.connector.quarantined_blocks())
+            out["fence_refusals"] = ws.fence_refusals
+            out["held"] = ws.held()
+            out["healthy"] = ws.connector.healthy
+        return out
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()
+
+
+def worker_main(conn: Any, spec: WorkerSpec) -> None:
+    """The process body: ("step", SchedulerOutput) -> ("out", dict); ("stop",) ends it."""
+    try:
+        w = Worker(spec)
+        conn.send(("ready", None))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            w.shutdown()
+            conn.send(("stopped", None))
+            return
+        try:
+            conn.send(("out", w.step(msg[1])))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+            return

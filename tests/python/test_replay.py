@@ -1,0 +1,267 @@
+"""The replay of vLLM's per-step call order (tests/python/replay): a scheduler (this process)
+and one or two worker processes (TP=2), chunked prefill, preemption, abort, and the server
+killed, stopped and restarted mid-run. The workers' synthetic model checks, every step, that
+every KV row of every scheduled request is its token's (replay/model.py), so a wrong load, a
+block overwritten by a late copy or reused while quarantined shows up as a violation."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier_testing import FAST_TIMEOUTS_MS, wait_until
+from replay.engine import ReplayEngine
+from replay.vllm_shapes import RequestStatus
+
+CT = 16
+BS = 4
+
+
+def doc(n: int, seed: int) -> list:
+    return [(seed * 131 + i * 7) % 97 + 1 for i in range(n)]
+
+
+def engine(srv, **kw) -> ReplayEngine:
+    kw.setdefault("chunk_tokens", CT)
+    kw.setdefault("block_size", BS)
+    kw.setdefault("kv_heads", 4)
+    extra = dict(FAST_TIMEOUTS_MS)
+    extra.update(kw.pop("extra", {}))
+    return ReplayEngine(socket_path=srv.socket_path if srv else None, extra=extra, **kw)
+
+
+def assert_clean(e: ReplayEngine, srv=None, loaded=()) -> None:
+    """Nothing is left behind and every id was reported as vLLM needs it."""
+    assert e.violations == []
+    s = e.sched
+    assert not s.has_unfinished() and s.holds() == 0
+    assert len(s.pool.free) == s.pool.num_blocks, "blocks not back in the pool"
+    assert sorted(s.reports["sending"]) == sorted(set(s.reports["sending"])), "an id finished sending twice"
+    assert sorted(s.reports["recving"]) == sorted(set(s.reports["recving"])), "an id finished receiving twice"
+    for rid in loaded:
+        assert s.reports["recving"].count(rid) == 1
+    if e.connector is not None:
+        assert e.connector.scheduler_side.tracked() == 0
+    if srv is not None and srv.running():
+        wait_until(lambda: srv.status()["lookups"] == 0, what="the server's lookups released")
+
+
+@pytest.mark.parametrize("world_size,layout", [(1, "NHD"), (1, "HND"), (2, "NHD"), (2, "HND")])
+def test_prefix_hits_load_exact_kv_on_every_rank(servers, world_size, layout):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, world_size=world_size, layout=layout) as e:
+        d = doc(64, 1)
+        e.add("a", d + [5, 6, 7], 2)
+        e.run()
+        e.add("b", d + [8, 9], 2)
+        e.add("c", d[:40] + [10] * 20, 2)
+        e.add("whole", list(d), 2)  # exactly the stored chunks
+        e.run()
+        f = e.sched.finished
+        assert f["a"].num_external_computed_tokens == 0
+        assert f["b"].num_external_computed_tokens == 64
+        assert f["c"].num_external_computed_tokens == 32  # 2 full chunks shared
+        assert f["whole"].num_external_computed_tokens == 63  # the last token is computed
+        assert all(len(r.output_token_ids) == 2 for r in f.values())
+        assert_clean(e, srv, loaded=["b", "c", "whole"])
+
+
+def test_chunked_prefill_stores_each_chunk_in_the_step_that_completes_it(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, token_budget=10, chunk_align=False) as e:
+        e.keep_records = True
+        d = doc(70, 2)
+        e.add("a", d, 1)
+        e.run()
+        stores = []
+        for step, rec in enumerate(e.steps):
+            for op in rec.output.kv_connector_metadata.plan.stores:
+                computed = sum(r.output.num_scheduled_tokens.get("a", 0) for r in e.steps[: step + 1])
+                stores.append((op.first_chunk, len(op.hashes), computed))
+        # 10 tokens a step: chunk c is stored in the step that reaches (c + 1) * 16 tokens.
+        assert stores == [(0, 1, 20), (1, 1, 40), (2, 1, 50), (3, 1, 70)]
+        e.add("b", d + [1], 1)
+        e.run()
+        assert e.sched.finished["b"].num_external_computed_tokens == 64
+        assert_clean(e, srv, loaded=["b"])
+
+
+def test_a_preempted_request_releases_its_lookup_and_resumes_exactly(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, token_budget=16) as e:
+        d = doc(80, 3)
+        e.add("a", list(d), 3)  # nothing cached: computed, stored chunk by chunk
+        e.run(until=lambda: e.sched.requests["a"].num_computed_tokens >= 64)
+        e.sched.preempt("a")
+        e.step()
+        assert srv.status()["lookups"] == 0  # the preemption ended the request's lookup
+        e.run()
+        a = e.sched.finished["a"]
+        assert a.num_preemptions == 1 and len(a.output_token_ids) == 3
+        # Resumed, it was looked up afresh and loaded the 4 chunks it had stored (once).
+        assert a.num_external_computed_tokens == 64
+        assert_clean(e, srv, loaded=["a"])
+
+
+def test_a_request_that_loaded_before_its_preemption_recomputes_after_it(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, token_budget=16) as e:
+        d = doc(80, 13)
+        e.add("warm", d[:48] + [1], 1)
+        e.run()
+        e.add("a", list(d), 2)
+        e.run(until=lambda: e.sched.requests["a"].num_computed_tokens >= 64)
+        assert e.sched.requests["a"].num_external_computed_tokens == 48
+        e.sched.preempt("a")
+        e.run()
+        a = e.sched.finished["a"]
+        assert a.num_preemptions == 1 and a.num_external_computed_tokens == 0
+        assert_clean(e, srv, loaded=["a"])
+
+
+def test_running_out_of_blocks_preempts_and_everything_still_completes(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, num_blocks=40, token_budget=48) as e:
+        for i in range(4):
+            e.add(f"r{i}", doc(60, 10 + i % 2), 4)
+        e.run()
+        assert sum(r.num_preemptions for r in e.sched.finished.values()) > 0
+        assert all(len(r.output_token_ids) == 4 for r in e.sched.finished.values())
+        assert_clean(e, srv)
+
+
+def test_abort_while_looking_up_loading_or_running_releases_everything(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, token_budget=16) as e:
+        d = doc(64, 4)
+        e.add("warm", d + [1], 1)
+        e.run()
+        # While the lookup is pending (the server is stopped for one step).
+        srv.pause()
+        try:
+            e.add("lookup", d + [2], 2)
+            e.step()
+            assert e.sched.requests["lookup"].status == RequestStatus.WAITING
+            e.sched.abort("lookup")
+        finally:
+            srv.resume()
+        # While its KV is loading (WAITING_FOR_REMOTE_KVS: the server stops as the load goes out).
+        e.add("loading", d + [3], 2)
+        paused = []
+
+        def stop_at_load(so):
+            if so.kv_connector_metadata.plan.loads and not paused:
+                srv.pause()
+                paused.append(so)
+
+        try:
+            e.run(before_workers=stop_at_load, until=lambda: bool(paused))
+            assert e.sched.requests["loading"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            e.sched.abort("loading")
+            e.step()
+        finally:
+            srv.resume()
+        # While running, mid-prefill.
+        e.add("running", doc(64, 5), 2)
+        e.run(until=lambda: e.sched.requests["running"].num_computed_tokens >= 32)
+        e.sched.abort("running")
+        e.run()
+        assert {r.status for r in e.sched.finished.values() if r.request_id != "warm"} == {RequestStatus.FINISHED_ABORTED}
+        assert_clean(e, srv)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_the_server_killed_with_loads_in_flight_costs_recomputation_only(servers, world_size):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, world_size=world_size) as e:
+        d = doc(64, 6)
+        e.add("warm", d + [1], 1)
+        e.run()
+        killed = []
+
+        def kill_at_load(so):
+            if so.kv_connector_metadata.plan.loads and not killed:
+                srv.kill()
+                killed.append(so)
+
+        e.add("b", d + [2], 3)
+        e.add("c", d + [3, 4], 3)
+        e.run(before_workers=kill_at_load)
+        assert killed
+        assert all(len(e.sched.finished[r].output_token_ids) == 3 for r in ("b", "c"))
+        assert_clean(e)
+        # A new server: the connectors register again; stores and hits resume.
+        srv.start()
+        wait_until(lambda: all(o["healthy"] for o in e.worker_state()), what="the workers registered again")
+        e.add("d", d + [5], 1)
+        e.run()
+        e.add("e", d + [6], 1)
+        e.run()
+        assert e.sched.finished["e"].num_external_computed_tokens == 64
+        assert_clean(e, srv)
+
+
+def test_a_stopped_server_keeps_the_blocks_of_its_load_quarantined_until_it_answers(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, world_size=2) as e:
+        d = doc(64, 7)
+        e.add("warm", d + [1], 1)
+        e.run()
+        stopped = []
+
+        def stop_at_load(so):
+            if so.kv_connector_metadata.plan.loads and not stopped:
+                srv.pause()
+                stopped.append([op.block_ids for op in so.kv_connector_metadata.plan.loads])
+
+        e.add("b", d + [2], 2)
+        e.run(before_workers=stop_at_load, until=lambda: bool(stopped))
+        (blocks,) = stopped[0]
+        try:
+            # The connectors find the server hung (ping timeout): the retrieve is a load error
+            # whose blocks stay quarantined, and the request's report is held back.
+            wait_until(
+                lambda: all(set(blocks) <= set(o["quarantined"]) for o in e.worker_state()),
+                what="the load's blocks quarantined",
+            )
+            for _ in range(20):
+                outs = e.step().worker_outputs
+                assert e.sched.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                assert not set(blocks) & set(e.sched.pool.free)
+                assert all(o["held"] >= 1 for o in outs)
+            assert e.violations == []  # never a quarantined block in the free pool
+        finally:
+            srv.resume()
+        e.run()
+        assert len(e.sched.finished["b"].output_token_ids) == 2
+        assert_clean(e, srv, loaded=["b"])
+
+
+def test_the_server_restarted_mid_prefill_loses_nothing_but_its_cache(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, token_budget=16) as e:
+        d = doc(96, 8)
+        e.add("a", list(d), 2)
+        e.run(until=lambda: e.sched.requests["a"].num_computed_tokens >= 48)
+        srv.restart()
+        e.run()
+        assert len(e.sched.finished["a"].output_token_ids) == 2
+        wait_until(lambda: all(o["healthy"] for o in e.worker_state()), what="the workers registered again")
+        e.add("b", d + [1], 1)
+        e.run()
+        # The new server has what was stored after the restart (a prefix of those chunks may be
+        # missing: the hit is the leading run present), and whatever it has is exact.
+        assert e.sched.finished["b"].num_external_computed_tokens % CT == 0
+        assert_clean(e, srv)
+
+
+def test_without_a_server_the_engine_runs_degraded_and_exact(servers, tmp_path):
+    class Absent:
+        socket_path = tmp_path / "nobody.sock"
+
+    with engine(Absent, extra={"ready_timeout_s": 0.2}) as e:
+        d = doc(48, 9)
+        e.add("a", d + [1], 2)
+        e.add("b", d + [2], 2)
+        e.run()
+        assert all(r.num_external_computed_tokens == 0 for r in e.sched.finished.values())
+        assert_clean(e)

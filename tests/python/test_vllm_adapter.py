@@ -1,0 +1,276 @@
+"""KVTierConnector's scheduler-side semantics, called directly as vLLM's scheduler calls it
+(a worker of the replay engine stores the prefix first)."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from kvtier.integrations import vllm as kv_vllm
+from kvtier.integrations.core import StepPlan
+from kvtier_testing import wait_until
+from replay.engine import ReplayEngine
+from replay.vllm_shapes import KVCacheBlocks, Request
+
+CT = 16
+BS = 4
+DOC = list(range(1, 49))  # 48 tokens: 3 full chunks
+
+
+@pytest.fixture
+def warm(servers):
+    """A server holding the 3 chunks of DOC, and an engine (TP=1, NHD) connected to it."""
+    srv = servers.start(chunk_tokens=CT)
+    e = ReplayEngine(socket_path=srv.socket_path, chunk_tokens=CT, block_size=BS)
+    e.add("warm", DOC + [90, 91], 1)
+    e.run()
+    assert e.violations == []
+    yield srv, e
+    e.close()
+
+
+def matched(conn, req, computed, polls=True):
+    """get_num_new_matched_tokens until it is decided (vLLM asks again next step)."""
+    if polls:
+        wait_until(lambda: conn.get_num_new_matched_tokens(req, computed)[0] is not None, what="the lookup decided")
+    return conn.get_num_new_matched_tokens(req, computed)
+
+
+def test_the_connector_runs_on_the_stand_in_and_names_its_vllm_commit():
+    assert kv_vllm.VLLM_COMMIT == "003df2961dd8830c317a61f9745ccd557da9fa06"
+    assert issubclass(kv_vllm.KVTierConnector, kv_vllm.KVConnectorBase_V1)
+    if not kv_vllm.VLLM_AVAILABLE:
+        assert kv_vllm.KVConnectorBase_V1.__module__ == "kvtier.integrations._vllm_standin"
+    # The metadata travels to the workers pickled.
+    meta = kv_vllm.KVTierConnectorMetadata(StepPlan())
+    assert isinstance(pickle.loads(pickle.dumps(meta)).plan, StepPlan)
+
+
+def test_pending_is_none_true_and_asking_again_changes_nothing(warm):
+    srv, e = warm
+    conn = e.connector
+    req = Request("q", DOC + [5, 6, 7], 1)
+    srv.pause()  # the lookup cannot be answered
+    try:
+        for _ in range(5):
+            assert conn.get_num_new_matched_tokens(req, 0) == (None, True)
+    finally:
+        srv.resume()
+    got = matched(conn, req, 0)
+    assert got == (48, True)
+    for _ in range(5):
+        assert conn.get_num_new_matched_tokens(req, 0) == (48, True)
+    assert conn.scheduler_side.connector.stats()["lookups"] == 1  # one lookup, however often it was asked
+    assert srv.status()["lookups"] == 1
+    assert conn.scheduler_side.tracked() == 1
+    conn.request_finished(req, [])
+    wait_until(lambda: srv.status()["lookups"] == 0, what="the lookup ended")
+
+
+def test_the_hit_excludes_the_engines_own_prefix_cache(warm):
+    _, e = warm
+    conn = e.connector
+    req = Request("q", DOC + [5, 6, 7], 1)
+    assert matched(conn, req, 0) == (48, True)
+    assert conn.get_num_new_matched_tokens(req, 16) == (32, True)
+    assert conn.get_num_new_matched_tokens(req, 44) == (4, True)
+    assert conn.get_num_new_matched_tokens(req, 48) == (0, False)
+    conn.request_finished(req, [])
+
+
+def test_a_whole_prompt_hit_leaves_the_last_token_to_the_engine(warm):
+    _, e = warm
+    conn = e.connector
+    req = Request("q", DOC, 1)  # exactly the stored 48 tokens
+    assert matched(conn, req, 0) == (47, True)
+    assert conn.get_num_new_matched_tokens(req, 32) == (15, True)
+    conn.request_finished(req, [])
+
+
+def test_a_miss_and_a_short_prompt_are_zero_and_synchronous(warm):
+    _, e = warm
+    conn = e.connector
+    assert matched(conn, Request("miss", list(range(500, 548)), 1), 0) == (0, False)
+    assert conn.get_num_new_matched_tokens(Request("short", DOC[:10], 1), 0) == (0, False)
+
+
+def test_the_load_plan_skips_the_engines_prefix_and_frees_locks_when_nothing_loads(warm):
+    srv, e = warm
+    conn = e.connector
+    req = Request("q", DOC + [5, 6, 7], 1)
+    assert matched(conn, req, 20) == (28, True)
+    blocks = list(range(40, 53))  # 13 blocks: 51 tokens
+    conn.update_state_after_alloc(req, KVCacheBlocks(blocks), 28)
+    plan = conn.scheduler_side.build_step(kv_vllm.step_input_from(_empty_output()))
+    (load,) = plan.loads
+    assert load.first_chunk == 1 and load.skip_tokens == 4  # tokens 16..19 are the engine's
+    assert load.block_ids == blocks[4:12] and len(load.hashes) == 2
+    assert set(load.block_ids) <= set(plan.fence_blocks)
+    # Called again after the load (vLLM may): no second load.
+    conn.update_state_after_alloc(req, KVCacheBlocks(blocks), 0)
+    assert conn.scheduler_side.build_step(kv_vllm.step_input_from(_empty_output())).loads == []
+    conn.request_finished(req, [])
+    # Nothing to load (all in the engine's prefix cache): the lookup's locks are freed at once.
+    other = Request("p", DOC + [8], 1)
+    assert matched(conn, other, 48) == (0, False)
+    conn.update_state_after_alloc(other, KVCacheBlocks(list(range(13))), 0)
+    wait_until(lambda: srv.status()["lookups"] == 0, what="the locks freed")
+    conn.request_finished(other, [])
+    assert conn.scheduler_side.tracked() == 0
+
+
+def _empty_output():
+    from replay.vllm_shapes import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput([], CachedRequestData(), {}, 0, set())
+
+
+def test_request_finished_delays_freeing_and_forgets_the_request(warm):
+    _, e = warm
+    conn = e.connector
+    req = Request("q", DOC + [5], 1)
+    matched(conn, req, 0)
+    assert conn.request_finished(req, [1, 2]) == (True, None)
+    assert conn.scheduler_side.tracked() == 0
+
+
+def test_options_come_from_kv_connector_extra_config(servers):
+    from replay.vllm_shapes import vllm_config
+
+    srv = servers.start(chunk_tokens=CT)
+    cfg = vllm_config(
+        model="org/model",
+        num_layers=2,
+        num_kv_heads=4,
+        head_size=8,
+        block_size=BS,
+        tp=2,
+        extra={"socket_path": str(srv.socket_path), "chunk_tokens": CT, "kv_layout": "HND", "retrieve_timeout_ms": 777},
+    )
+    c = kv_vllm.config_from_vllm(cfg, kv_vllm.KVConnectorRole.SCHEDULER)
+    assert c.model_name == "org/model" and c.world_size == 2 and c.layout == "HND"
+    assert c.model.num_kv_heads == 2  # one rank's share
+    assert c.timeouts_ms == {"retrieve_timeout_ms": 777}
+    assert kv_vllm.KVTierConnector.get_required_kvcache_layout(cfg) == "HND"
+    bad = vllm_config(model="m", num_layers=2, num_kv_heads=2, head_size=8, block_size=BS, extra={"chunk_tokens": 10})
+    with pytest.raises(ValueError, match="socket_path"):
+        kv_vllm.config_from_vllm(bad, kv_vllm.KVConnectorRole.SCHEDULER)
+    bad.kv_transfer_config.kv_connector_extra_config["socket_path"] = "/x"
+    with pytest.raises(ValueError, match="multiple of block_size"):
+        kv_vllm.config_from_vllm(bad, kv_vllm.KVConnectorRole.SCHEDULER)
+    bad.kv_transfer_config.kv_connector_extra_config.update(chunk_tokens=16, bogus_timeout_ms=1, ping_timeout_ms=5)
+    assert kv_vllm.config_from_vllm(bad, kv_vllm.KVConnectorRole.SCHEDULER).timeouts_ms == {"ping_timeout_ms": 5}
+
+
+def _worker_side(srv, layout="NHD", num_blocks=32):
+    import torch
+
+    from kvtier.integrations.core import KVTierConfig, WorkerSide
+    from kvtier_testing import FAST_TIMEOUTS_MS
+
+    cfg = KVTierConfig(
+        socket_path=str(srv.socket_path),
+        model_name="replay/tiny",
+        block_size=BS,
+        chunk_tokens=CT,
+        layout=layout,
+        timeouts_ms=dict(FAST_TIMEOUTS_MS),
+    )
+    side = WorkerSide(cfg)
+    shape = (2, num_blocks, BS, 2, 8) if layout == "NHD" else (2, num_blocks, 2, BS, 8)
+    caches = {f"layer.{i}": torch.zeros(shape) for i in range(2)}
+    side.register(caches)
+    return side, caches
+
+
+def _scheduler_connector(srv, layout="NHD"):
+    import kvtier
+    from kvtier_testing import options
+
+    o = options(srv.socket_path, model_name="replay/tiny", chunk_tokens=CT, scheduler=True)
+    o.model = kvtier.ModelShape(2, 2, 8, kvtier.DtypeKind.FP32)
+    o.layout_kind = kvtier.parse_kv_layout_kind(layout)
+    c = kvtier.Connector(o)
+    assert c.wait_ready(30)
+    return c
+
+
+def _hit(sched, rid, hashes):
+    sched.lookup_hashes(rid, hashes)
+    wait_until(lambda: sched.lookup_result(rid) is not None, what="the lookup answer")
+    return sched.lookup_result(rid)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_registering_moves_the_engines_tensors_into_the_region_in_place(servers, layout):
+    import kvtier
+    import torch
+
+    srv = servers.start(chunk_tokens=CT)
+    side, caches = _worker_side(srv, layout)
+    assert side.region.layout.kind == kvtier.parse_kv_layout_kind(layout)
+    t = caches["layer.1"]
+    t[1, 3, 1, 1, 5] = 7.0  # through the engine's own tensor object
+    assert kvtier.torch_layers(side.region)[1][1, 3, 1, 1, 5] == 7.0
+    # A tensor handed over as a permuted view (a backend's stride order) keeps its shape and
+    # strides, and the region takes its physical order.
+    hnd = torch.zeros(2, 8, 2, BS, 8)  # physically HND
+    logical = hnd.permute(0, 1, 3, 2, 4)  # seen as NHD
+    from kvtier.integrations.core import KVTierConfig, WorkerSide
+
+    other = WorkerSide(KVTierConfig(socket_path=str(srv.socket_path), model_name="m", block_size=BS, chunk_tokens=CT))
+    other.register({"l0": logical})
+    assert other.region.layout.kind == kvtier.KvLayoutKind.HND
+    assert logical.shape == (2, 8, BS, 2, 8) and logical.stride() == hnd.permute(0, 1, 3, 2, 4).stride()
+    other.shutdown()
+    side.shutdown()
+
+
+def test_a_block_reused_before_the_server_copied_it_is_never_stored(servers):
+    from kvtier.integrations.core import StepPlan, StoreOp
+
+    srv = servers.start(chunk_tokens=CT)
+    side, _ = _worker_side(srv)
+    sched = _scheduler_connector(srv)
+    hashes = [11, 12]
+    blocks = list(range(8))
+    srv.pause()  # the store waits in the socket
+    try:
+        side.end_step(StepPlan(stores=[StoreOp("r", 0, hashes, blocks)]))
+        # The next step writes block 5 (a preempted request's block, handed to another).
+        side.start_step(StepPlan(fence_blocks=[5]))
+    finally:
+        srv.resume()
+    wait_until(lambda: side.connector.stats()["pending_calls"] == 0, what="the store answered")
+    # Chunk 0 (blocks 0-3) was stored; chunk 1 (blocks 4-7) read a reused block: dropped.
+    assert _hit(sched, "q", hashes) == CT
+    assert _hit(sched, "q2", [11]) == CT
+    side.shutdown()
+
+
+def test_a_quarantined_block_is_never_fenced_for_writing_nor_loaded_into(servers):
+    from kvtier.integrations.core import LoadOp, StepPlan, StoreOp
+
+    srv = servers.start(chunk_tokens=CT)
+    side, _ = _worker_side(srv)
+    side.end_step(StepPlan(stores=[StoreOp("s", 0, [21], [0, 1, 2, 3])]))
+    wait_until(lambda: side.connector.stats()["pending_calls"] == 0, what="the store answered")
+    srv.pause()
+    try:
+        side.start_step(StepPlan(loads=[LoadOp("r", 0, [21], [8, 9, 10, 11], 0)], fence_blocks=[8, 9, 10, 11]))
+        wait_until(lambda: set(side.connector.quarantined_blocks()) == {8, 9, 10, 11}, what="the load's blocks quarantined")
+        assert side.fence_refusals == 0
+        side.start_step(StepPlan(loads=[LoadOp("x", 0, [21], [9, 12, 13, 14], 0)], fence_blocks=[9, 12, 13, 14]))
+        assert side.fence_refusals == 1  # block 9: refused, and nothing is loaded into x's blocks
+        assert {9, 12, 13, 14} <= side.load_error_blocks()
+        # x (never sent) is finished receiving at once; r's report is held while its blocks
+        # are quarantined.
+        assert side.finished([]) == (None, {"x"})
+        assert side.finished([]) == (None, None)
+    finally:
+        srv.resume()
+    wait_until(lambda: not side.connector.quarantined_blocks(), what="the late answer releasing the blocks")
+    got = wait_until(lambda: side.finished([])[1], what="r finished receiving")
+    assert got == {"r"}
+    side.shutdown()
