@@ -65,7 +65,8 @@ struct recording_sink {
   std::size_t parts = 1;
   std::optional<std::size_t> fail_index;
 
-  explicit recording_sink(std::size_t n, std::size_t p = 1) : bytes(n, std::vector<std::byte>(object_bytes)), parts(p) {}
+  explicit recording_sink(std::size_t n, std::size_t p = 1)
+      : bytes(n, std::vector<std::byte>(object_bytes)), parts(p) {}
 
   cache::copy_out_sink make() {
     return [this](std::size_t i, std::size_t part, std::span<const std::byte> obj) {
@@ -216,7 +217,7 @@ TEST_CASE("async_copy_out copies each chunk as soon as its load lands", "[cache]
   f.poll();
   // The copy gave the lookup's holds back: the temporary objects are gone.
   CHECK(f.cache->l1().usage().objects == 0);
-  CHECK(f.metric("kvtier_cache_read_prefetched_keys_total") == 4);
+  CHECK(f.metric("kvtier_cache_read_succeeded_keys_total") == 4);
   f.cache->release_all(id);
 }
 
@@ -375,15 +376,14 @@ TEST_CASE("async_copy_in stores, counts what is present, and abandons what the f
   CHECK(f.metric("kvtier_l1_evicted_keys_total", {{"reason", "abandoned"}}) == 2);
 }
 
-TEST_CASE("the load-or-recompute gate offers from L2 only what loads faster than the engine computes",
-          "[cache]") {
+TEST_CASE("the load-or-recompute gate offers from L2 only what loads faster than the engine computes", "[cache]") {
   // A memory backend of 1 MB/s: 8 KiB objects take ~8 ms each; the engine computes a
   // 256-token chunk in 0.26 us at 10^9 tokens/s, far faster than L2 delivers it.
   asio::io_context io;
   telemetry::registry reg;
   metrics_bus events{telemetry::metrics_subscriber{reg}};
-  auto mem = std::make_shared<l2::memory_backend>(io.get_executor(),
-                                                  l2::memory_backend_options{"slow", 1 << 26, 1e6, {}});
+  auto mem =
+      std::make_shared<l2::memory_backend>(io.get_executor(), l2::memory_backend_options{"slow", 1 << 26, 1e6, {}});
   cache::cache_options o;
   o.l1.slot_bytes = object_bytes;
   o.l1.slot_count = 64;

@@ -106,7 +106,8 @@ class gated_backend {
     load_.reset();
     boost::asio::post(ex_, [h = std::move(l.handler), r = std::move(l.result)]() mutable {
       auto ex = boost::asio::get_associated_executor(h);
-      boost::asio::dispatch(ex, [h = std::move(h), r = std::move(r)]() mutable { std::move(h)(error_code{}, std::move(r)); });
+      boost::asio::dispatch(
+          ex, [h = std::move(h), r = std::move(r)]() mutable { std::move(h)(error_code{}, std::move(r)); });
     });
   }
 

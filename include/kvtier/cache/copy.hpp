@@ -57,9 +57,9 @@ struct copy_out_request {
 };
 
 struct copy_in_request {
-  std::span<const chunk_key> keys;   ///< copied at initiation
-  std::size_t object_bytes = 0;      ///< size of each new object
-  pipeline::write_context context;   ///< for the admission policy
+  std::span<const chunk_key> keys;  ///< copied at initiation
+  std::size_t object_bytes = 0;     ///< size of each new object
+  pipeline::write_context context;  ///< for the admission policy
 };
 
 struct copy_in_result {

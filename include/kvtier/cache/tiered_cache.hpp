@@ -442,10 +442,10 @@ class tiered_cache {
     bool done = false;         ///< decided
     bool abandoned = false;    ///< release_all called: forget when done
     lookup_status result;
-    std::vector<wait_handler> waiters;         ///< async_wait
-    std::vector<wait_handler> loaded_waiters;  ///< async_wait_loaded
-    std::vector<std::function<void()>> watchers;         ///< copies waiting for pending keys
-    std::vector<std::pair<std::size_t, bool>> early;     ///< progress that came before the decision
+    std::vector<wait_handler> waiters;                ///< async_wait
+    std::vector<wait_handler> loaded_waiters;         ///< async_wait_loaded
+    std::vector<std::function<void()>> watchers;      ///< copies waiting for pending keys
+    std::vector<std::pair<std::size_t, bool>> early;  ///< progress that came before the decision
     /// key -> first index, built on the first release that misses its guess (under mutex_).
     std::unordered_map<chunk_key, std::size_t, chunk_key_hash> index;
   };

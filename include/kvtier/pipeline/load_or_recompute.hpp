@@ -87,7 +87,8 @@ struct prefix_choice {
     c.keys = end;
     return c;
   }
-  const double compute_key = static_cast<double>(r.chunk_tokens) / (r.prefill_tokens_per_second * static_cast<double>(g));
+  const double compute_key =
+      static_cast<double>(r.chunk_tokens) / (r.prefill_tokens_per_second * static_cast<double>(g));
   double sum = 0;
   double best = 0;
   for (std::size_t i = 0; i < end; ++i) {

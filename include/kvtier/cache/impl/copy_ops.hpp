@@ -68,6 +68,7 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
 
   // Makes the keys from resolved_ on ready while it can, then schedules copies. Under m_.
   void advance(std::unique_lock<std::mutex>& g, bool first) {
+    if (finishing_) return;          // a late watcher call: the op gave everything back already
     std::vector<std::size_t> fresh;  // keys made ready now, in order
     while (resolved_ < end_) {
       const std::size_t i = resolved_;
@@ -75,7 +76,9 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
       if (l_ && pos_[i] != npos) {
         std::lock_guard lg(c_.mutex_);
         const std::size_t p = pos_[i];
-        if (l_->failed.test(p)) {
+        if (!l_->done) {
+          what = wait;  // the prefetch has not decided yet: complete() wakes us
+        } else if (l_->failed.test(p)) {
           end_ = i;  // its load (or its chunk's) failed: the prefix ends here
           break;
         }
@@ -84,16 +87,19 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
           what = take;
         } else if (l_->pending.test(p)) {
           what = wait;
-          if (!watching_) {
-            watching_ = true;
-            std::weak_ptr<copy_out_op> weak = this->shared_from_this();
-            l_->watchers.push_back([weak] {
-              if (auto op = weak.lock()) {
-                std::unique_lock og(op->m_);
-                op->advance(og, false);
-              }
-            });
-          }
+        }
+        if (what == wait && !watching_) {
+          watching_ = true;
+          // The op keeps itself alive while it waits (nothing else may hold it); the
+          // lookup's watcher only refers to it, and finish() lets go.
+          keep_alive_ = this->shared_from_this();
+          std::weak_ptr<copy_out_op> weak = keep_alive_;
+          l_->watchers.push_back([weak] {
+            if (auto op = weak.lock()) {
+              std::unique_lock og(op->m_);
+              op->advance(og, false);
+            }
+          });
         }
       }
       if (what == wait) break;
@@ -195,7 +201,8 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
     if (!part_major_ && scheduled_ < end_) return;  // waiting for a key still loading
     finishing_ = true;
     std::size_t copied = 0;
-    while (copied < end_ && (state_[copied] == key_state::copied || (part_major_ && state_[copied] == key_state::copying)))
+    while (copied < end_ &&
+           (state_[copied] == key_state::copied || (part_major_ && state_[copied] == key_state::copying)))
       ++copied;
     g.unlock();
     finish(copied);
@@ -225,6 +232,7 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
                                                static_cast<std::uint32_t>(keys_.size() - copied)});
     if (l_) c_.forget_if_done(lookup_id_, *l_);
     auto h = std::move(handler_);
+    auto self = std::move(keep_alive_);  // alive until this function returns
     tiered_cache& c = c_;
     auto ex = boost::asio::get_associated_executor(h, c.executor_);
     // Through the cache's executor first (the op may finish inside the initiation), then on
@@ -257,6 +265,7 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
   std::size_t scheduled_ = 0;       ///< chunk-major: keys [0, scheduled_) were posted
   std::size_t running_ = 0;
   bool watching_ = false;
+  std::shared_ptr<copy_out_op> keep_alive_;  ///< set while a watcher may wake the op
   bool part_major_ = false;
   bool finishing_ = false;
   std::vector<bool> part_done_;
@@ -315,9 +324,8 @@ class tiered_cache<Traits>::copy_in_op : public std::enable_shared_from_this<cop
   // abandon, answer.
   void complete() {
     auto ex = boost::asio::get_associated_executor(handler_, c_.executor_);
-    boost::asio::post(c_.executor_, [ex, self = this->shared_from_this()] {
-      boost::asio::dispatch(ex, [self] { self->finish(); });
-    });
+    boost::asio::post(c_.executor_,
+                      [ex, self = this->shared_from_this()] { boost::asio::dispatch(ex, [self] { self->finish(); }); });
   }
 
   void finish() {

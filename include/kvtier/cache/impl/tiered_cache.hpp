@@ -35,7 +35,7 @@ typename tiered_cache<Traits>::lookup_id tiered_cache<Traits>::start_lookup(cons
   const std::size_t prefix = l1_.reserve_read_prefix(l->keys, po, takes).length;
   l->held.set_range(0, prefix);
   l->l1_prefix = prefix;
-  if constexpr (requires(typename Traits::store_policy& sp) { sp.wants_hits(); }) {
+  if constexpr (requires(typename Traits::store_policy & sp) { sp.wants_hits(); }) {
     if (store_.policy().wants_hits() && prefix > 0) store_.offer(std::span(l->keys).first(prefix));
   }
 
@@ -67,7 +67,7 @@ typename tiered_cache<Traits>::lookup_id tiered_cache<Traits>::start_lookup(cons
 
 template <class Traits>
 std::size_t tiered_cache<Traits>::pin_for_copy(std::span<const chunk_key> keys, std::span<l1::status> out,
-                         std::span<std::span<const std::byte>> views, std::size_t object_bytes) {
+                                               std::span<std::span<const std::byte>> views, std::size_t object_bytes) {
   const std::size_t n = keys.size();
   if (out.size() != n || views.size() != n)
     throw std::invalid_argument("tiered_cache::pin_for_copy: out and views need one element per key");
@@ -161,6 +161,7 @@ void tiered_cache<Traits>::complete(lookup_id id, lookup& l, const pipeline::pre
   std::vector<chunk_key> back;
   std::vector<wait_handler> waiters, loaded_waiters;
   std::vector<std::pair<std::size_t, bool>> early;
+  std::vector<std::function<void()>> watchers;  // copies that started before the decision
   {
     std::lock_guard g(mutex_);
     l.hit_keys = chunks * l.group;
@@ -181,6 +182,7 @@ void tiered_cache<Traits>::complete(lookup_id id, lookup& l, const pipeline::pre
     l.answered_at = options_.l1.clock();
     waiters.swap(l.waiters);
     early.swap(l.early);
+    watchers = l.watchers;
     if (early.empty() && l.pending.none()) loaded_waiters.swap(l.loaded_waiters);
   }
   release_holds(back, l.extra);
@@ -200,6 +202,7 @@ void tiered_cache<Traits>::complete(lookup_id id, lookup& l, const pipeline::pre
   std::shared_ptr<lookup> self = find(id);
   for (auto& [i, landed] : early)
     if (self) on_key(id, self, i, landed);
+  for (auto& w : watchers) w();
   forget_if_done(id, l);
 }
 
@@ -254,8 +257,8 @@ void tiered_cache<Traits>::on_key(lookup_id id, const std::shared_ptr<lookup>& l
 // --- writes -------------------------------------------------------------------------------
 
 template <class Traits>
-std::size_t tiered_cache<Traits>::reserve_write(std::span<const chunk_key> keys, std::size_t object_bytes, std::span<l1::status> out,
-                          std::span<std::span<std::byte>> buffers) {
+std::size_t tiered_cache<Traits>::reserve_write(std::span<const chunk_key> keys, std::size_t object_bytes,
+                                                std::span<l1::status> out, std::span<std::span<std::byte>> buffers) {
   const std::size_t n = keys.size();
   if (out.size() != n || buffers.size() != n)
     throw std::invalid_argument("tiered_cache::reserve_write: out and buffers need one element per key");
@@ -323,7 +326,7 @@ std::size_t tiered_cache<Traits>::reserve_write(std::span<const chunk_key> keys,
 
 template <class Traits>
 std::size_t tiered_cache<Traits>::finish_write(std::span<const chunk_key> keys, const pipeline::write_context& ctx,
-                         std::span<l1::status> out) {
+                                               std::span<l1::status> out) {
   const std::size_t n = keys.size();
   if (out.size() != n) throw std::invalid_argument("tiered_cache::finish_write: out needs one element per key");
   std::size_t ok = 0;
@@ -435,11 +438,10 @@ void tiered_cache<Traits>::export_metrics(telemetry::registry& reg) {
   reg.add_callback("kvtier_store_staged_bytes",
                    "Staging memory of stores larger than L1 (reserved or being stored to L2)", metric_type::gauge, {},
                    [this] { return static_cast<double>(store_.staged_bytes()); });
-  reg.add_callback("kvtier_lookups_active", "Lookups holding L1 locks or prefetching", metric_type::gauge, {},
-                   [this] {
-                     std::lock_guard g(mutex_);
-                     return static_cast<double>(lookups_.size());
-                   });
+  reg.add_callback("kvtier_lookups_active", "Lookups holding L1 locks or prefetching", metric_type::gauge, {}, [this] {
+    std::lock_guard g(mutex_);
+    return static_cast<double>(lookups_.size());
+  });
   for (std::size_t b = 0; b < backends_.size(); ++b)
     reg.add_callback("kvtier_l2_read_bandwidth_bytes_per_second",
                      "Achieved L2 load bandwidth of the backend (moving mean over its load tasks; 0 before the first); "

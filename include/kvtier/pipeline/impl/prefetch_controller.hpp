@@ -7,7 +7,6 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
 
-
 template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
 boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::run(std::shared_ptr<state> sp) {
   state& s = *sp;
@@ -19,7 +18,8 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::run(std
   s.temporary = s.req.wait_budget.count() > 0;
   if (s.temporary)
     tracker_.spawn(executor_, answer_at_budget(sp));
-  else answer(s, {}, {});
+  else
+    answer(s, {}, {});
 
   const bool admitted = co_await admit();
   if (!admitted || n == 0 || backends_.empty() || (s.gave_up && s.temporary) || stopping()) {
@@ -60,9 +60,9 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::run(std
     any.subtract(s.own);
     any.subtract(s.served);
     const std::size_t trimmed = any.count();  // found, but neither loaded nor served otherwise
-    bus_.publish(bus::l2_prefetch_load_submitted{
-        s.req.id, static_cast<std::uint32_t>(submitted), static_cast<std::uint32_t>(plan.tasks()),
-        static_cast<std::uint32_t>(trimmed), submitted * s.req.object_bytes});
+    bus_.publish(bus::l2_prefetch_load_submitted{s.req.id, static_cast<std::uint32_t>(submitted),
+                                                 static_cast<std::uint32_t>(plan.tasks()),
+                                                 static_cast<std::uint32_t>(trimmed), submitted * s.req.object_bytes});
   }
   s.outcomes.assign(s.reserved, l2::key_outcome::timeout);
   for (std::size_t b = 0; b < plan.per_backend.size(); ++b) {
@@ -104,9 +104,9 @@ std::size_t prefetch_controller<Tier, PlanPolicy, Bus>::gate(state& s, const pre
   const std::size_t n = s.req.keys.size();
   if (s.req.prefill_tokens_per_second == 0 || s.req.object_bytes == 0 || s.req.chunk_tokens == 0) return n;
   const std::size_t g = s.req.group == 0 ? 1 : s.req.group;
-  recompute_rate rate{static_cast<double>(s.req.prefill_tokens_per_second), s.req.chunk_tokens, g,
-                      s.req.object_bytes};
-  const double compute_key = static_cast<double>(s.req.chunk_tokens) / (rate.prefill_tokens_per_second * static_cast<double>(g));
+  recompute_rate rate{static_cast<double>(s.req.prefill_tokens_per_second), s.req.chunk_tokens, g, s.req.object_bytes};
+  const double compute_key =
+      static_cast<double>(s.req.chunk_tokens) / (rate.prefill_tokens_per_second * static_cast<double>(g));
   std::vector<double> bw(backends_.size());
   bool slower = false;
   for (std::size_t b = 0; b < backends_.size(); ++b) {
@@ -137,7 +137,8 @@ std::size_t prefetch_controller<Tier, PlanPolicy, Bus>::gate(state& s, const pre
 // Step 3: the walk over L1 and the plan (l1::tier::reserve_prefix); keys from `limit` on
 // are not loaded.
 template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
-void prefetch_controller<Tier, PlanPolicy, Bus>::reserve(const std::shared_ptr<state>& sp, const prefetch_plan& plan, std::size_t limit) {
+void prefetch_controller<Tier, PlanPolicy, Bus>::reserve(const std::shared_ptr<state>& sp, const prefetch_plan& plan,
+                                                         std::size_t limit) {
   state& s = *sp;
   const std::size_t n = s.req.keys.size();
   const bitmap loadable = planned_keys(plan, n);
@@ -154,8 +155,7 @@ void prefetch_controller<Tier, PlanPolicy, Bus>::reserve(const std::shared_ptr<s
   po.hold_reads = !s.gave_up;  // a request nobody waits for reads nothing now
   const auto r = l1_.reserve_prefix(
       s.req.keys, po, [&](std::size_t i) { return can_load && i < limit && loadable.test(i); },
-      [&](std::size_t i) { return !s.gave_up && i < limit && inflight_.contains(s.req.keys[i]); }, takes,
-      s.buffers);
+      [&](std::size_t i) { return !s.gave_up && i < limit && inflight_.contains(s.req.keys[i]); }, takes, s.buffers);
   s.reserved = r.length;
   s.keys.assign(s.reserved, key_state::released);
   for (std::size_t i = 0; i < s.reserved; ++i) {
@@ -184,9 +184,9 @@ void prefetch_controller<Tier, PlanPolicy, Bus>::reserve(const std::shared_ptr<s
                                          static_cast<std::uint32_t>(r.short_of_room)});
 }
 
-
 template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
-boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::load_task(std::shared_ptr<state> sp, std::size_t b, bitmap mine) {
+boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::load_task(std::shared_ptr<state> sp,
+                                                                                   std::size_t b, bitmap mine) {
   state& s = *sp;
   std::vector<std::size_t> idx;
   std::vector<chunk_key> keys;
@@ -232,7 +232,8 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::load_ta
 // Step 5: the keys of a completed task are made readable with the holds of every request
 // still waiting for them, or abandoned; their joiners learn the outcome.
 template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
-void prefetch_controller<Tier, PlanPolicy, Bus>::finalize(const std::shared_ptr<state>& sp, std::span<const std::size_t> idx) {
+void prefetch_controller<Tier, PlanPolicy, Bus>::finalize(const std::shared_ptr<state>& sp,
+                                                          std::span<const std::size_t> idx) {
   state& s = *sp;
   const bool live = !stopping();
   std::vector<chunk_key> ready, drop;
