@@ -78,6 +78,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -162,17 +163,32 @@ class session : public std::enable_shared_from_this<session> {
   [[nodiscard]] const std::string& close_reason() const noexcept { return close_reason_; }
   [[nodiscard]] std::uint64_t requests() const noexcept { return requests_; }
 
-  /// The answer to one frame (publishes server_request_started/finished). Never throws.
-  boost::asio::awaitable<protocol::message> handle_frame(protocol::frame& f) {
+  /// The answer to one frame (publishes server_request_started/finished), or nullopt for a
+  /// query_prefetch of a lookup still deciding: answered later (answer_when_decided). Never
+  /// throws.
+  boost::asio::awaitable<std::optional<protocol::message>> handle_frame(protocol::frame& f) {
     ++requests_;
     const bus::request_kind kind = protocol::request_kind_of(f.header.type);
     const auto t0 = clock::now();
     ctx_.bus.publish(bus::server_request_started{kind, id_});
     protocol::message reply = co_await dispatch(f);
+    if (const auto* q = std::get_if<protocol::query_prefetch_response>(&reply);
+        q != nullptr && q->state == protocol::prefetch_state::pending) {
+      // No polling on the wire: the answer goes out when the prefetch is decided.
+      if (auto m = protocol::decode_message(f, conn_.frame_limits())) {
+        const std::string key = std::get<protocol::query_prefetch_request>(*m).request_key;
+        if (const lookup_table::entry* e = ctx_.lookups.find(id_, key)) {
+          boost::asio::co_spawn(conn_.get_executor(),
+                                answer_when_decided(shared_from_this(), f.header.call_id, key, e->cache_id, t0),
+                                boost::asio::detached);
+          co_return std::nullopt;
+        }
+      }
+    }
     const bool ok = !std::holds_alternative<protocol::error_response>(reply);
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
     ctx_.bus.publish(bus::server_request_finished{kind, id_, ok, static_cast<std::uint64_t>(ns)});
-    co_return reply;
+    co_return std::optional<protocol::message>(std::move(reply));
   }
 
  private:
@@ -209,13 +225,14 @@ class session : public std::enable_shared_from_this<session> {
         break;
       }
       last_activity_ = clock::now();
-      protocol::message reply = co_await handle_frame(f);
+      std::optional<protocol::message> reply = co_await handle_frame(f);
       if (closing_) {  // closed while a copy ran: the socket closes now, unanswered
         set_reason("closed");
         break;
       }
+      if (!reply) continue;  // answered when decided (a query_prefetch)
       const std::uint64_t call_id = f.header.call_id;
-      auto [wec] = co_await conn_.async_send(call_id, reply, as_tuple(use_awaitable));
+      auto [wec] = co_await conn_.async_send(call_id, *reply, as_tuple(use_awaitable));
       if (wec) {
         set_reason(closing_ ? "closed" : "write failed: " + wec.message());
         break;
@@ -419,13 +436,45 @@ class session : public std::enable_shared_from_this<session> {
     if (!reg) return reg.error();
     const lookup_table::entry* e = ctx_.lookups.find(id_, r.request_key);
     if (e == nullptr) return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
-    if (auto st = ctx_.cache.poll(e->cache_id))
-      return protocol::query_prefetch_response{protocol::prefetch_state::done, static_cast<std::uint32_t>(st->chunks),
-                                               static_cast<std::uint32_t>(st->l1_chunks)};
-    if (ctx_.cache.known(e->cache_id))
+    if (auto st = ctx_.cache.poll(e->cache_id)) return done_response(*st);
+    if (ctx_.cache.known(e->cache_id))  // not decided yet: dispatch() answers it when it is
       return protocol::query_prefetch_response{protocol::prefetch_state::pending, 0, 0};
     ctx_.lookups.take(id_, r.request_key);  // expired in the cache (lookup_ttl)
     return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
+  }
+
+  static protocol::query_prefetch_response done_response(const cache::lookup_status& st) {
+    return protocol::query_prefetch_response{protocol::prefetch_state::done, static_cast<std::uint32_t>(st.chunks),
+                                             static_cast<std::uint32_t>(st.l1_chunks)};
+  }
+
+  /// A query of a lookup still deciding: answered once it is decided (tiered_cache::
+  /// async_wait; the prefetch decides within its wait budget, prefetch_timeout_cap_ms at
+  /// most), while this connection's next frames are read and answered (answers carry their
+  /// call id). A lookup replaced meanwhile is waited for in its turn; one released or
+  /// reaped meanwhile answers unknown.
+  boost::asio::awaitable<void> answer_when_decided(std::shared_ptr<session> self, std::uint64_t call_id,
+                                                   std::string request_key, std::uint64_t cache_id,
+                                                   clock::time_point t0) {
+    using boost::asio::as_tuple;
+    using boost::asio::use_awaitable;
+    (void)self;  // keeps the session alive until the answer went out
+    protocol::query_prefetch_response reply{protocol::prefetch_state::unknown, 0, 0};
+    for (;;) {
+      auto [ec, st] = co_await ctx_.cache.async_wait(cache_id, as_tuple(use_awaitable));
+      const lookup_table::entry* e = closing_ ? nullptr : ctx_.lookups.find(id_, request_key);
+      if (e == nullptr) break;        // released, ended, reaped
+      if (e->cache_id != cache_id) {  // replaced by a newer lookup
+        cache_id = e->cache_id;
+        continue;
+      }
+      if (!ec) reply = done_response(st);
+      break;
+    }
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
+    ctx_.bus.publish(
+        bus::server_request_finished{bus::request_kind::query_prefetch, id_, true, static_cast<std::uint64_t>(ns)});
+    if (!closing_) co_await conn_.async_send(call_id, protocol::message(reply), as_tuple(use_awaitable));
   }
 
   /// Copies of this session in flight: counted from the start of a copy operation until its
