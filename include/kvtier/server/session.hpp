@@ -423,6 +423,7 @@ class session : public std::enable_shared_from_this<session> {
     lr.object_bytes = reg.object_bytes;
     lr.chunk_tokens = reg.chunk.chunk_tokens;
     lr.request_id = request_id_of(r.request_key);
+    lr.prefill_tokens_per_second = reg.prefill_tokens_per_second;  // load or recompute
     const auto id = ctx_.cache.start_lookup(lr);
     lookup_table::entry e{id, id_, static_cast<std::uint32_t>(r.chunk_hashes.size()), reg.world_size};
     // The new lookup holds its locks before the old one gives its back: nothing the two
