@@ -210,7 +210,7 @@ double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t objec
     r.chunk_tokens = 256;
     const auto id = c.start_lookup(r);
     std::optional<cache::lookup_status> st;
-    c.async_wait(id, [&](error_code, cache::lookup_status s) { st = s; });
+    c.async_wait_loaded(id, [&](error_code, cache::lookup_status s) { st = s; });
     io.restart();
     while (!st)
       if (io.run_one() == 0) throw std::runtime_error("a lookup never answered");

@@ -230,7 +230,7 @@ int main(int argc, char** argv) try {
     std::size_t chunks = 0;
     run(io, [&]() -> asio::awaitable<int> {
       for (auto id : ids) {
-        auto [ec, st] = co_await tc.async_wait(id, asio::as_tuple(asio::use_awaitable));
+        auto [ec, st] = co_await tc.async_wait_loaded(id, asio::as_tuple(asio::use_awaitable));
         if (!ec) chunks += st.chunks;
       }
       co_return 0;

@@ -115,7 +115,7 @@ struct fixture {
 
   cache::lookup_status wait(std::uint64_t id) {
     auto [ec, st] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, cache::lookup_status>> {
-      co_return co_await cache->async_wait(id, asio::as_tuple(asio::use_awaitable));
+      co_return co_await cache->async_wait_loaded(id, asio::as_tuple(asio::use_awaitable));
     }());
     REQUIRE_FALSE(ec);
     return st;

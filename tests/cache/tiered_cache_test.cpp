@@ -115,7 +115,7 @@ struct fixture {
     const auto id = cache->start_lookup(r);
     last_id = id;
     auto [ec, st] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, cache::lookup_status>> {
-      co_return co_await cache->async_wait(id, asio::as_tuple(asio::use_awaitable));
+      co_return co_await cache->async_wait_loaded(id, asio::as_tuple(asio::use_awaitable));
     }());
     REQUIRE_FALSE(ec);
     settle();
@@ -260,7 +260,7 @@ TEST_CASE("a hung backend does not hang the lookup, and its late read never land
   r.chunk_tokens = 256;
   const auto id = f.cache->start_lookup(r);
   auto [ec, st] = run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code, cache::lookup_status>> {
-    co_return co_await f.cache->async_wait(id, asio::as_tuple(asio::use_awaitable));
+    co_return co_await f.cache->async_wait_loaded(id, asio::as_tuple(asio::use_awaitable));
   }());
   CHECK_FALSE(ec);
   CHECK(st.chunks == 0);  // answered at the wait budget with what landed: nothing

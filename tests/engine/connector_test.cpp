@@ -139,6 +139,30 @@ struct harness {
 
 }  // namespace
 
+TEST_CASE("a lookup's query waits for the server's decision up to the lookup deadline, not the call deadline",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  auto o = h.options();
+  o.timeouts.request_timeout = 500ms;  // the small calls' deadline: the query must not use it
+  connector<test_bus> c(o, h.region, h.bus);
+  REQUIRE(c.wait_ready(60s));
+  h.server->hold(p::message_type::query_prefetch_request);  // a server still deciding
+  c.lookup("q", tokens(2 * ct, 1));
+  REQUIRE(h.server->wait_received(p::message_type::query_prefetch_request, 1));
+  // Time passes (pings every 20 ms: 40 of them outlast request_timeout): the query is
+  // still waiting, the lookup unanswered, nothing polled again.
+  const std::size_t pings = h.server->received(p::message_type::ping_request);
+  REQUIRE(h.server->wait_received(p::message_type::ping_request, pings + 40));  // > 0.8 s
+  CHECK_FALSE(c.lookup_result("q").has_value());
+  CHECK(h.server->received(p::message_type::query_prefetch_request) == 1);
+  h.server->hold(p::message_type::query_prefetch_request, false);
+  h.server->release_held();  // decided: answered
+  REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 1; }));
+  CHECK(h.rec.snapshot().lookups.at(0).outcome == bus::connector_outcome::ok);
+  CHECK(h.server->received(p::message_type::query_prefetch_request) == 1);
+}
+
 TEST_CASE("a lookup answers the tokens of the cached chunk prefix, polling a pending prefetch",
           "[engine][connector][concurrency]") {
   harness h;

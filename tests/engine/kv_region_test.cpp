@@ -26,6 +26,27 @@ TEST_CASE("a region created by the engine is seen byte for byte by the server", 
   CHECK(engine->layers()[0][0] == std::byte{0x11});
 }
 
+TEST_CASE("the server's mapping of a region is prefaulted when it opens it", "[engine][kv_region]") {
+  const auto& layout = small;
+  auto engine_side = engine::kv_region::create(layout);
+  REQUIRE(engine_side.has_value());
+  const std::size_t page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  const std::size_t pages = (engine_side->bytes() + page - 1) / page;
+  auto resident = [&](const engine::kv_region& r) {
+    std::vector<unsigned char> v(pages);
+    REQUIRE(::mincore(r.data(), r.bytes(), v.data()) == 0);
+    std::size_t n = 0;
+    for (auto b : v) n += b & 1;
+    return n;
+  };
+  CHECK(resident(*engine_side) < pages);  // a fresh memfd: pages come on first touch
+  auto server_side = engine::kv_region::open(::dup(engine_side->fd()), layout);
+  REQUIRE(server_side.has_value());
+  CHECK(resident(*server_side) == pages);
+  CHECK(resident(*engine_side) == pages);  // the same shared pages
+  for (std::size_t i = 0; i < engine_side->bytes(); i += page) CHECK(engine_side->data()[i] == std::byte{0});
+}
+
 TEST_CASE("generations move when the engine reuses a block, and the server sees it", "[engine][kv_region]") {
   auto engine = engine::kv_region::create(small);
   REQUIRE(engine.has_value());

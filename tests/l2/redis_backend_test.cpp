@@ -930,7 +930,7 @@ struct cache_node {
     r.chunk_tokens = 256;
     id = cache->start_lookup(r);
     auto [ec, st] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, cache::lookup_status>> {
-      co_return co_await cache->async_wait(id, asio::as_tuple(asio::use_awaitable));
+      co_return co_await cache->async_wait_loaded(id, asio::as_tuple(asio::use_awaitable));
     }());
     REQUIRE_FALSE(ec);
     return st;

@@ -16,7 +16,10 @@
 #include <sys/time.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
+#include <future>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <sstream>
@@ -292,6 +295,65 @@ TEST_CASE("a retrieve or store with bad counts, block ids or rank is refused and
   // A lookup for another model or world size is refused too.
   CHECK(c.refused(p::lookup_request{"k", reg.model_id + 1, 1, hashes}).code == invalid);
   CHECK(c.refused(p::lookup_request{"k", reg.model_id, 2, hashes}).code == invalid);
+}
+
+TEST_CASE("a connection closed while its copy runs on the copy pool closes only once the copy ended",
+          "[server][concurrency]") {
+  // The promise engines rely on (quarantine release): EOF on a connection proves that no
+  // copy for it runs any more. The copy of chunk 0 blocks in the hook while the server
+  // decides to close the connection (shutdown); EOF must not come before it was let go.
+  std::mutex m;
+  std::condition_variable cv;
+  bool armed = false, in_copy = false, go = false;
+  std::atomic<bool> released{false};
+  server::server_options opts;
+  opts.hooks.during_copy = [&](std::uint64_t) {
+    std::unique_lock g(m);
+    if (!armed) return;
+    armed = false;
+    in_copy = true;
+    cv.notify_all();
+    cv.wait(g, [&] { return go; });
+  };
+  running_server s({}, std::move(opts));
+  raw_client c(s.path());
+  engine_region r;
+  c.register_region(r);
+  const auto hashes = chunk_hashes(77, 2);
+  const auto src = block_range(0, 2 * blocks_per_chunk);
+  r.fill_blocks(src, 5);
+  REQUIRE(c.ok(store_req(r, hashes, src)).stored == 2);
+  {
+    std::lock_guard g(m);
+    armed = true;
+  }
+  std::atomic<bool> eof_before_release{false}, answered{false};
+  std::thread client([&] {
+    try {
+      c.call(retrieve_req(hashes, block_range(20, 2 * blocks_per_chunk), 0));
+      answered = true;  // a reply that came before the close is fine too
+    } catch (const std::runtime_error&) {
+      eof_before_release = !released.load();  // the connection ended: was the copy let go?
+    }
+  });
+  {
+    std::unique_lock g(m);
+    REQUIRE(cv.wait_for(g, server_deadline, [&] { return in_copy; }));
+  }
+  // Decide the close (shutdown closes every connection) and wait until the I/O thread ran
+  // past it: the shutdown coroutine starts on the turn after stop()'s, so two hops.
+  s.srv->stop();
+  std::promise<void> past_close;
+  asio::post(s.srv->io_context(), [&] { asio::post(s.srv->io_context(), [&] { past_close.set_value(); }); });
+  REQUIRE(past_close.get_future().wait_for(server_deadline) == std::future_status::ready);
+  released = true;
+  {
+    std::lock_guard g(m);
+    go = true;
+  }
+  cv.notify_all();
+  client.join();
+  CHECK_FALSE(eof_before_release);
 }
 
 TEST_CASE("a store whose blocks were reused is fenced: counted failed, key absent", "[server]") {

@@ -50,9 +50,11 @@ enum class event_type : std::uint16_t {
   connector_load_error,
   connector_quarantine_changed,
   connector_peer_refused,
+  // L2 prefetch pipeline (appended: the load-or-recompute gate)
+  l2_prefetch_declined,
 };
 
-inline constexpr std::size_t event_type_count = static_cast<std::size_t>(event_type::connector_peer_refused) + 1;
+inline constexpr std::size_t event_type_count = static_cast<std::size_t>(event_type::l2_prefetch_declined) + 1;
 
 namespace detail {
 inline constexpr std::array<std::string_view, event_type_count> event_type_names = {
@@ -87,6 +89,7 @@ inline constexpr std::array<std::string_view, event_type_count> event_type_names
     "connector.load_error",
     "connector.quarantine.changed",
     "connector.peer.refused",
+    "l2.prefetch.declined",
 };
 }  // namespace detail
 

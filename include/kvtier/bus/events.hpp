@@ -87,6 +87,16 @@ inline constexpr std::size_t prefetch_failure_count = 5;
   return n[static_cast<std::size_t>(f)];
 }
 
+/// Why a prefetch did not offer keys some tier could serve.
+enum class decline_reason : std::uint8_t {
+  slower_than_recompute,  ///< loading them from L2 takes longer than the engine computes them
+};
+inline constexpr std::size_t decline_reason_count = 1;
+[[nodiscard]] constexpr std::string_view name(decline_reason r) noexcept {
+  constexpr std::array<std::string_view, decline_reason_count> n = {"slower_than_recompute"};
+  return n[static_cast<std::size_t>(r)];
+}
+
 /// How a connector call ended (lookups, retrieves, stores), and why blocks became load errors.
 enum class connector_outcome : std::uint8_t {
   ok,         ///< the server answered (a lookup may still find nothing, a store refuse chunks)
@@ -356,16 +366,25 @@ struct connector_peer_refused {
   std::uint32_t expected_uid = 0;  ///< the uid the connector accepts (and root)
 };
 
+/// A lookup's prefetch offered a shorter prefix than L1 and L2 could serve (load or recompute,
+/// pipeline/load_or_recompute.hpp): the declined chunks' tokens are the engine's to compute.
+struct l2_prefetch_declined {
+  static constexpr event_type type = event_type::l2_prefetch_declined;
+  std::uint64_t request_id = 0;
+  decline_reason reason = decline_reason::slower_than_recompute;
+  std::uint32_t key_count = 0;  ///< keys not offered
+  std::uint64_t tokens = 0;     ///< their chunks' tokens
+};
+
 /// Every event type, in event_type order (the deferred queue stores a variant of these).
-using all_events =
-    std::tuple<l1_read_reserved, l1_read_finished, l1_write_reserved, l1_write_finished,
-               l1_write_finished_and_read_reserved, l1_keys_evicted, l1_allocation_failed, l1_lock_expired,
-               cache_lookup, cache_read_prefetched, cache_write_reserved, cache_write_finished, l2_store_submitted,
-               l2_store_completed, l2_prefetch_lookup_submitted, l2_prefetch_lookup_completed,
-               l2_prefetch_load_submitted, l2_prefetch_load_completed, l2_prefetch_failed, l2_backend_load_completed,
-               server_request_started, server_request_finished, connector_healthy, connector_unhealthy,
-               connector_reconnected, connector_lookup_completed, connector_retrieve_completed,
-               connector_store_completed, connector_load_error, connector_quarantine_changed, connector_peer_refused>;
+using all_events = std::tuple<
+    l1_read_reserved, l1_read_finished, l1_write_reserved, l1_write_finished, l1_write_finished_and_read_reserved,
+    l1_keys_evicted, l1_allocation_failed, l1_lock_expired, cache_lookup, cache_read_prefetched, cache_write_reserved,
+    cache_write_finished, l2_store_submitted, l2_store_completed, l2_prefetch_lookup_submitted,
+    l2_prefetch_lookup_completed, l2_prefetch_load_submitted, l2_prefetch_load_completed, l2_prefetch_failed,
+    l2_backend_load_completed, server_request_started, server_request_finished, connector_healthy, connector_unhealthy,
+    connector_reconnected, connector_lookup_completed, connector_retrieve_completed, connector_store_completed,
+    connector_load_error, connector_quarantine_changed, connector_peer_refused, l2_prefetch_declined>;
 
 static_assert(std::tuple_size_v<all_events> == event_type_count, "one struct per event_type");
 

@@ -1,48 +1,61 @@
 #pragma once
 // tiered_cache<Traits>: L1 + L2 backends + the store and prefetch pipelines + the bus behind
 // one façade (LMCache's StorageManager). The server's sessions call it; an engine may also
-// embed it directly.
+// embed it directly. It speaks whole operations:
 //
-// Lookups. start_lookup(keys) read-locks the contiguous L1 prefix at once (nothing after its
-// first miss) and prefetches the rest in the background: the prefetch serves the longest
-// prefix L1 and L2 can give together (keys only L2 has are loaded, as many as L1 has room
-// for; keys L1 holds are read-locked; keys another lookup is loading are shared);
-// poll() / async_wait() give the answer: the number of leading chunks now in L1 and held
-// for the caller. Keys are chunk-major groups: with world size W, chunk c is keys
-// [c*W, c*W + W) (one shard per rank), and a chunk is a hit only when all its shards are.
-// The caller copies a held object out between pin_for_copy() and unpin_after_copy() (a
-// pinned hold for the copy), and gives the lookup's holds back with release() (after a
-// retrieve) or release_all() (free_lookup_locks, end_request).
+//   start_lookup(keys)        holds the contiguous L1 prefix at once (nothing after its first
+//                             miss) and prefetches the rest in the background: the prefetch
+//                             serves the longest prefix L1 and L2 can give together (keys only
+//                             L2 has are loaded, as many as L1 has room for and as load faster
+//                             than the engine's declared prefill computes them; keys L1 holds
+//                             are read-locked; keys another lookup is loading are shared);
+//   async_wait(lookup)        completes when the prefetch is DECIDED: the hit count (leading
+//                             chunks held or being loaded for the caller) is known; loads may
+//                             still be landing (async_wait_loaded: once they all have);
+//   async_copy_out(...)       copies a lookup's chunks out (a retrieve, cache/copy.hpp), each
+//                             as soon as it is readable: L1 hits at once, L2 loads as each
+//                             lands, so the copy of chunk k overlaps the load of chunk k+1;
+//                             gives the lookup's holds on those keys back; completes with the
+//                             contiguous prefix copied;
+//   async_copy_in(...)        a store: reserve, copy through the source, generation fence,
+//                             finish or abandon (staging to L2 for keys beyond L1);
+//   release_all(lookup)       gives back every hold of the lookup (free_lookup_locks, end).
+// Keys are chunk-major groups: with world size W, chunk c is keys [c*W, c*W + W) (one shard
+// per rank), and a chunk is a hit only when all its shards are. A decided hit can still
+// shrink: a load that fails or times out ends the prefix a copy can take there (its chunks
+// become the engine's load errors: a fault costs hits, never correctness).
 //
 // Holds are owned by their lookup. They are pinned L1 holds (no L1 TTL frees them) that the
-// cache tracks per lookup (its `held` bits): release() and release_all() give back exactly
-// the holds that lookup took, so a stale lookup can never release a newer lookup's hold on
-// the same key; expire() gives back the holds of lookups answered more than lookup_ttl ago
-// (a client that went away) and forgets them.
+// cache tracks per lookup (its `held` bits, and `pending` for keys whose load is in flight):
+// release() and release_all() give back exactly the holds that lookup took, so a stale lookup
+// can never release a newer lookup's hold on the same key; a copy out takes over the holds
+// of the keys it copies (they are its read pins) and gives them back when done; expire() gives
+// back the holds of lookups answered more than lookup_ttl ago (a client that went away) and
+// forgets them.
 //
-// Writes. reserve_write() returns memory to copy into: an L1 slot (pinned write lock) for
-// each new key that fits, after eviction, and for the keys L1 cannot take a staging buffer
-// that goes straight to L2 (so a store larger than L1 still reaches L2; staging memory is
-// bounded by store_options::max_inflight_bytes). finish_write() makes the L1 keys readable
-// and offers the admitted keys, L1 and staged, to the store pipeline; abandon_write() drops
-// a failed or fenced write without it ever becoming readable or stored.
+// Writes, step by step (what async_copy_in does): reserve_write() returns memory to copy into:
+// an L1 slot (pinned write lock) for each new key that fits, after eviction, and for the keys
+// L1 cannot take a staging buffer that goes straight to L2 (staging memory is bounded by
+// store_options::max_inflight_bytes). finish_write() makes the L1 keys readable and offers the
+// admitted keys, L1 and staged, to the store pipeline; abandon_write() drops a failed or fenced
+// write without it ever becoming readable or stored.
 //
 // Shutdown. async_stop() stops the pipelines (answers every prefetch, drops queued stores,
-// lets the backend operations in flight finish) and completes once every coroutine the
-// cache started has ended (docs/architecture.md, "Shutdown"). An idle cache
-// runs no coroutine at all. The destructor is safe in any state of the executor: with work
-// in flight it stops it and waits (or, when the executor is a stopped io_context, runs it
-// until that work is done); destroying it with work in flight from a handler running on its
-// own executor, where it can neither wait nor run, terminates with a message: co_await
-// async_stop() first.
+// lets the backend operations in flight finish) and completes once every coroutine and copy
+// the cache started has ended (docs/architecture.md, "Shutdown"). An idle cache runs no
+// coroutine at all. The destructor is safe in any state of the executor: with work in flight
+// it stops it and waits (or, when the executor is a stopped io_context, runs it until that
+// work is done); destroying it with work in flight from a handler running on its own executor,
+// where it can neither wait nor run, terminates with a message: co_await async_stop() first.
 //
 // Threading: every member may be called from any thread; the pipelines run on the executor
-// given at construction (one thread or a strand). Every per-request operation is linear in
-// its keys. Events: cache.lookup, cache.write.*, cache.read.prefetched, plus everything L1
-// and the pipelines publish.
+// given at construction (one thread or a strand), copies on cache_options::copy_executor.
+// Every per-request operation is linear in its keys. Events: cache.lookup, cache.write.*,
+// cache.read.prefetched, plus everything L1 and the pipelines publish.
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
+#include <kvtier/cache/copy.hpp>
 #include <kvtier/cache/traits.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
@@ -72,6 +85,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -92,6 +106,9 @@ struct cache_options {
   /// first (a client that went away). Keeps the bookkeeping bounded however long we run.
   /// Measured on l1.clock. The L1 read TTL (l1.read_lock_ttl) does not apply to these holds.
   std::chrono::nanoseconds lookup_ttl = std::chrono::seconds(300);
+  /// Where async_copy_out's sinks and async_copy_in's sources run (the server's copy pool);
+  /// empty: the cache's own executor.
+  boost::asio::any_io_executor copy_executor;
 };
 
 /// What a lookup asks for.
@@ -102,12 +119,16 @@ struct lookup_request {
   std::uint32_t chunk_tokens = 0;   ///< tokens per chunk (for the token-level counters)
   std::uint32_t extra_count = 0;    ///< extra read holds per key (MLA: several readers)
   std::uint64_t request_id = 0;     ///< the caller's id, carried into events
+  /// The engine's prefill rate (tokens/s; 0: not declared): L2 offers only the prefix that
+  /// loads faster than the engine computes it (pipeline/load_or_recompute.hpp).
+  std::uint64_t prefill_tokens_per_second = 0;
 };
 
-/// The answer of a finished lookup.
+/// The answer of a decided lookup.
 struct lookup_status {
-  std::size_t chunks = 0;     ///< leading chunks in L1 and held for the caller
+  std::size_t chunks = 0;     ///< leading chunks held for the caller or being loaded for it
   std::size_t l1_chunks = 0;  ///< of those, chunks L1 had (no shard loaded from L2 for this lookup)
+  std::size_t loading_chunks = 0;  ///< of those, chunks with a shard still loading (async_wait)
 };
 
 /// One backend in status(): its name, usage and health.
@@ -140,6 +161,8 @@ class tiered_cache {
   using executor_type = boost::asio::any_io_executor;
   using lookup_id = std::uint64_t;
   using wait_handler = boost::asio::any_completion_handler<void(error_code, lookup_status)>;
+  using copy_out_handler = boost::asio::any_completion_handler<void(error_code, std::size_t)>;
+  using copy_in_handler = boost::asio::any_completion_handler<void(error_code, copy_in_result)>;
 
   static_assert(bus::event_bus<bus_type>);
   static_assert(pipeline::admission_policy<typename Traits::admission_policy>);
@@ -157,6 +180,7 @@ class tiered_cache {
                policies p = {})
       : executor_(std::move(executor)),
         options_(std::move(options)),
+        copy_executor_(options_.copy_executor ? options_.copy_executor : executor_),
         bus_(bus),
         l1_(options_.l1, bus, std::move(p.eviction)),
         backends_(std::move(backends)),
@@ -187,56 +211,10 @@ class tiered_cache {
   // --- lookups ------------------------------------------------------------------------
   /// Starts a lookup; see the header comment. Returns its id at once. After async_stop(),
   /// lookups answer from L1 only.
-  lookup_id start_lookup(const lookup_request& r) {
-    if (r.group == 0 || r.keys.size() % r.group != 0)
-      throw std::invalid_argument("tiered_cache::start_lookup: keys must be whole groups of `group` shards");
-    auto l = std::make_shared<lookup>();
-    l->keys.assign(r.keys.begin(), r.keys.end());
-    l->group = r.group;
-    l->chunk_tokens = r.chunk_tokens;
-    l->extra = r.extra_count;
-    l->request_id = r.request_id;
-    l->held = bitmap(l->keys.size());
-    const std::size_t n = l->keys.size();
+  lookup_id start_lookup(const lookup_request& r);
 
-    // The L1 prefix, held now (pinned, owned by this lookup); nothing after its first miss
-    // is touched.
-    std::vector<l1::prefix_take> takes(n);
-    l1::prefix_options po;
-    po.object_bytes = r.object_bytes;
-    po.extra_count = r.extra_count;
-    po.read_lock = l1::lock_lifetime::pinned;
-    po.count_refused_read = true;
-    const std::size_t prefix = l1_.reserve_read_prefix(l->keys, po, takes).length;
-    l->held.set_range(0, prefix);
-    l->l1_prefix = prefix;
-    if constexpr (requires(typename Traits::store_policy& sp) { sp.wants_hits(); }) {
-      if (store_.policy().wants_hits() && prefix > 0) store_.offer(std::span(l->keys).first(prefix));
-    }
-
-    const lookup_id id = next_id_.fetch_add(1, std::memory_order_relaxed);
-    {
-      std::lock_guard g(mutex_);
-      lookups_.emplace(id, l);
-    }
-    if (prefix == n || backends_.empty() || stopping_.load(std::memory_order_relaxed)) {
-      complete(id, *l, {});
-      return id;
-    }
-    pipeline::prefetch_request pr;
-    pr.id = r.request_id ? r.request_id : id;
-    pr.keys.assign(l->keys.begin() + static_cast<std::ptrdiff_t>(prefix), l->keys.end());
-    pr.object_bytes = r.object_bytes;
-    pr.extra_count = r.extra_count;
-    pr.wait_budget = wait_.wait_budget((n / r.group) * r.chunk_tokens);
-    prefetch_.async_prefetch(std::move(pr), [this, id, l](error_code ec, pipeline::prefetch_result res) {
-      complete(id, *l, ec ? pipeline::prefetch_result{} : std::move(res));
-    });
-    return id;
-  }
-
-  /// The answer of a lookup, nullopt while its prefetch runs (or when the id is unknown:
-  /// check known()).
+  /// The decided answer of a lookup, nullopt while its prefetch decides (or when the id is
+  /// unknown: check known()).
   [[nodiscard]] std::optional<lookup_status> poll(lookup_id id) const {
     std::lock_guard g(mutex_);
     auto it = lookups_.find(id);
@@ -248,28 +226,48 @@ class tiered_cache {
     return lookups_.contains(id);
   }
 
-  /// Completes with the lookup's answer once it is known: void(error_code, lookup_status);
-  /// errc::not_found for an unknown id.
+  /// Completes with the lookup's answer once its prefetch is decided (the hit count is
+  /// known; loads may still be landing): void(error_code, lookup_status); errc::not_found
+  /// for an unknown id.
   template <class Token>
   auto async_wait(lookup_id id, Token&& token) {
     return boost::asio::async_initiate<Token, void(error_code, lookup_status)>(
-        [this, id](auto handler) {
-          std::unique_lock g(mutex_);
-          auto it = lookups_.find(id);
-          if (it == lookups_.end()) {
-            g.unlock();
-            deliver(wait_handler(std::move(handler)), make_error_code(errc::not_found), {});
-            return;
-          }
-          if (it->second->done) {
-            const auto r = it->second->result;
-            g.unlock();
-            deliver(wait_handler(std::move(handler)), {}, r);
-            return;
-          }
-          it->second->waiters.emplace_back(std::move(handler));
+        [this, id](auto handler) { wait(id, wait_handler(std::move(handler)), false); }, token);
+  }
+
+  /// Completes once every load of the decided answer landed or failed, with the leading
+  /// chunks that landed (or were there): chunks = the prefix a copy can take, loading 0.
+  template <class Token>
+  auto async_wait_loaded(lookup_id id, Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, lookup_status)>(
+        [this, id](auto handler) { wait(id, wait_handler(std::move(handler)), true); }, token);
+  }
+
+  // --- whole copies (cache/copy.hpp) ----------------------------------------------------
+  /// Copies the request's keys out through `sink`, each as soon as it is readable (see the
+  /// header comment and cache/copy.hpp); void(error_code, std::size_t copied): the contiguous
+  /// prefix of keys whose every part the sink copied. Gives back the lookup's holds on these
+  /// keys (copied or not). cache.read.prefetched counts the copied prefix as read and the
+  /// other keys as failed.
+  template <class Token>
+  auto async_copy_out(copy_out_request request, copy_out_sink sink, Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, std::size_t)>(
+        [this](auto handler, copy_out_request r, copy_out_sink s) {
+          start_copy_out(std::move(r), std::move(s), copy_out_handler(std::move(handler)));
         },
-        token);
+        token, std::move(request), std::move(sink));
+  }
+
+  /// Stores the request's keys from `source`: reserve_write, the copies (in parallel on the
+  /// copy executor), then `fence` per copied key on the completion's executor, then
+  /// finish_write (fenced ok) or abandon_write; void(error_code, copy_in_result).
+  template <class Token>
+  auto async_copy_in(copy_in_request request, copy_in_source source, copy_in_fence fence, Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, copy_in_result)>(
+        [this](auto handler, copy_in_request r, copy_in_source s, copy_in_fence f) {
+          start_copy_in(std::move(r), std::move(s), std::move(f), copy_in_handler(std::move(handler)));
+        },
+        token, std::move(request), std::move(source), std::move(fence));
   }
 
   /// Pins the contiguous prefix of readable keys for a copy (of `object_bytes` bytes each
@@ -279,41 +277,7 @@ class tiered_cache {
   /// wrong_state for a wrong size), the rest skipped. cache.read.prefetched counts the
   /// prefix as read and the other keys as failed. Release with unpin_after_copy(prefix).
   std::size_t pin_for_copy(std::span<const chunk_key> keys, std::span<l1::status> out,
-                           std::span<std::span<const std::byte>> views, std::size_t object_bytes = 0) {
-    const std::size_t n = keys.size();
-    if (out.size() != n || views.size() != n)
-      throw std::invalid_argument("tiered_cache::pin_for_copy: out and views need one element per key");
-    std::vector<l1::prefix_take> takes(n);
-    l1::prefix_options po;
-    po.object_bytes = object_bytes;
-    po.read_lock = l1::lock_lifetime::pinned;
-    po.count_refused_read = true;
-    const auto r = l1_.reserve_read_prefix(keys, po, takes);
-    for (std::size_t i = 0; i < n; ++i) {
-      views[i] = {};
-      out[i] = i < r.length ? l1::status::success : l1::status::skipped;
-    }
-    if (r.length < n) {
-      switch (r.end) {
-        case l1::prefix_end::busy:
-          out[r.length] = l1::status::not_readable;
-          break;
-        case l1::prefix_end::wrong_size:
-          out[r.length] = l1::status::wrong_state;
-          break;
-        default:
-          out[r.length] = l1::status::not_found;
-          break;
-      }
-    }
-    if (r.length > 0) {
-      std::vector<l1::status> vs(r.length);
-      l1_.read_views(keys.first(r.length), vs, views.first(r.length));
-    }
-    bus_.publish(
-        bus::cache_read_prefetched{static_cast<std::uint32_t>(r.length), static_cast<std::uint32_t>(n - r.length)});
-    return r.length;
-  }
+                           std::span<std::span<const std::byte>> views, std::size_t object_bytes = 0);
 
   /// Releases the pins of pin_for_copy (only for the keys it pinned).
   void unpin_after_copy(std::span<const chunk_key> keys) {
@@ -329,18 +293,11 @@ class tiered_cache {
     std::vector<chunk_key> back;
     {
       std::lock_guard g(mutex_);
-      const std::size_t n = l->keys.size();
-      std::size_t guess = n;  // where the next key should be: retrieves walk a rank's shards in order
+      std::size_t guess = l->keys.size();
       for (const auto& k : keys) {
-        std::size_t i = n;
-        if (guess < n && l->keys[guess] == k)
-          i = guess;
-        else if (k.rank < l->group && k.rank < n && l->keys[k.rank] == k)
-          i = k.rank;  // chunk 0
-        else
-          i = position_of(*l, k);
-        if (i >= n) continue;
-        guess = i + l->group;
+        const std::size_t i = locate(*l, k, guess);
+        if (i >= l->keys.size()) continue;
+        if (l->pending.test(i)) l->gone.set(i);  // its hold goes back when it lands
         if (!l->held.test(i)) continue;
         l->held.reset(i);
         back.push_back(k);
@@ -378,161 +335,17 @@ class tiered_cache {
   /// L1 or being written), out_of_memory (neither L1 nor staging could take it: counted in
   /// kvtier_cache_write_failed_keys_total).
   std::size_t reserve_write(std::span<const chunk_key> keys, std::size_t object_bytes, std::span<l1::status> out,
-                            std::span<std::span<std::byte>> buffers) {
-    const std::size_t n = keys.size();
-    if (out.size() != n || buffers.size() != n)
-      throw std::invalid_argument("tiered_cache::reserve_write: out and buffers need one element per key");
-    l1::write_options o;
-    o.mode = l1::write_mode::new_only;
-    o.lock = l1::lock_lifetime::pinned;
-    o.purpose = bus::allocation_purpose::store;
-    o.all_or_nothing = false;
-    if (!any_staged()) {
-      l1_.reserve_write(keys, object_bytes, o, out, buffers);
-    } else {
-      // A key being written through staging is not written twice: only the others go to L1.
-      std::vector<chunk_key> rest;
-      std::vector<std::size_t> where;
-      {
-        std::lock_guard g(mutex_);
-        for (std::size_t i = 0; i < n; ++i) {
-          buffers[i] = {};
-          if (staged_.contains(keys[i])) {
-            out[i] = l1::status::not_writable;
-          } else {
-            rest.push_back(keys[i]);
-            where.push_back(i);
-          }
-        }
-      }
-      std::vector<l1::status> st(rest.size());
-      std::vector<std::span<std::byte>> buf(rest.size());
-      if (!rest.empty()) l1_.reserve_write(rest, object_bytes, o, st, buf);
-      for (std::size_t j = 0; j < rest.size(); ++j) {
-        out[where[j]] = st[j];
-        buffers[where[j]] = buf[j];
-      }
-    }
-    // What L1 had no room for goes through staging.
-    const std::uint64_t bytes = align_up(object_bytes);
-    for (std::size_t i = 0; i < n; ++i) {
-      if (out[i] != l1::status::out_of_memory || object_bytes == 0) continue;
-      if (!store_.try_reserve_staging(bytes)) continue;
-      staged_object so;
-      try {
-        so.buffer = aligned_buffer(object_bytes);
-      } catch (const std::bad_alloc&) {
-        store_.release_staging(bytes);
-        continue;
-      }
-      so.reserved = bytes;
-      so.object_bytes = object_bytes;
-      std::lock_guard g(mutex_);
-      auto [it, inserted] = staged_.try_emplace(keys[i], std::move(so));
-      if (!inserted) {  // the same key twice in the batch
-        store_.release_staging(bytes);
-        out[i] = l1::status::not_writable;
-        continue;
-      }
-      buffers[i] = {it->second.buffer.data(), object_bytes};
-      out[i] = l1::status::success;
-      staged_count_.store(staged_.size(), std::memory_order_relaxed);
-    }
-    std::size_t ok = 0;
-    for (std::size_t i = 0; i < n; ++i) ok += out[i] == l1::status::success ? 1 : 0;
-    bus_.publish(bus::cache_write_reserved{static_cast<std::uint32_t>(ok), static_cast<std::uint32_t>(n - ok)});
-    return ok;
-  }
+                            std::span<std::span<std::byte>> buffers);
 
   /// Makes written keys readable and offers the admitted ones to the store pipeline (staged
   /// keys go straight to it, or are dropped when not admitted).
   std::size_t finish_write(std::span<const chunk_key> keys, const pipeline::write_context& ctx,
-                           std::span<l1::status> out) {
-    const std::size_t n = keys.size();
-    if (out.size() != n) throw std::invalid_argument("tiered_cache::finish_write: out needs one element per key");
-    std::size_t ok = 0;
-    std::vector<chunk_key> admitted;
-    if (!any_staged()) {
-      ok = l1_.finish_write(keys, out);
-      for (std::size_t i = 0; i < n; ++i)
-        if (out[i] == l1::status::success && admission_.admit(keys[i], ctx)) admitted.push_back(keys[i]);
-    } else {
-      std::vector<std::pair<std::size_t, staged_object>> mine;  // (index in keys, its staging)
-      std::vector<chunk_key> rest;
-      std::vector<std::size_t> where;
-      {
-        std::lock_guard g(mutex_);
-        for (std::size_t i = 0; i < n; ++i) {
-          auto node = staged_.extract(keys[i]);
-          if (node.empty()) {
-            rest.push_back(keys[i]);
-            where.push_back(i);
-          } else {
-            mine.emplace_back(i, std::move(node.mapped()));
-          }
-        }
-        staged_count_.store(staged_.size(), std::memory_order_relaxed);
-      }
-      pipeline::staged_keys staged;
-      std::uint64_t refused = 0;
-      for (auto& [i, so] : mine) {
-        out[i] = l1::status::success;
-        ++ok;
-        if (!admission_.admit(keys[i], ctx)) {  // not for L2: its memory just goes
-          refused += so.reserved;
-          continue;
-        }
-        if (!staged.keys.empty() && staged.object_bytes != so.object_bytes)
-          store_.offer_staged(std::exchange(staged, {}));  // one object size per batch
-        staged.object_bytes = so.object_bytes;
-        staged.reserved_bytes += so.reserved;
-        staged.keys.push_back(keys[i]);
-        staged.buffers.push_back(std::move(so.buffer));
-      }
-      if (refused > 0) store_.release_staging(refused);
-      std::vector<l1::status> st(rest.size());
-      if (!rest.empty()) ok += l1_.finish_write(rest, st);
-      for (std::size_t j = 0; j < rest.size(); ++j) {
-        out[where[j]] = st[j];
-        if (st[j] == l1::status::success && admission_.admit(rest[j], ctx)) admitted.push_back(rest[j]);
-      }
-      store_.offer_staged(std::move(staged));
-    }
-    bus_.publish(bus::cache_write_finished{static_cast<std::uint32_t>(ok), static_cast<std::uint32_t>(n - ok)});
-    store_.offer(admitted);
-    return ok;
-  }
+                           std::span<l1::status> out);
 
   /// Drops reserved keys whose copy failed or was fenced: never readable, never stored.
   /// Returns (and counts as failed writes) the keys it abandoned; keys it does not know
   /// are ignored.
-  std::size_t abandon_write(std::span<const chunk_key> keys) {
-    std::size_t n = 0;
-    std::vector<chunk_key> rest;
-    if (any_staged()) {
-      std::uint64_t freed = 0;
-      {
-        std::lock_guard g(mutex_);
-        for (const auto& k : keys) {
-          auto node = staged_.extract(k);
-          if (node.empty()) {
-            rest.push_back(k);
-            continue;
-          }
-          freed += node.mapped().reserved;
-          ++n;
-        }
-        staged_count_.store(staged_.size(), std::memory_order_relaxed);
-      }
-      store_.release_staging(freed);
-    } else {
-      rest.assign(keys.begin(), keys.end());
-    }
-    std::vector<l1::status> st(rest.size());
-    if (!rest.empty()) n += l1_.abandon_write(rest, st);
-    bus_.publish(bus::cache_write_finished{0, static_cast<std::uint32_t>(n)});
-    return n;
-  }
+  std::size_t abandon_write(std::span<const chunk_key> keys);
 
   // --- administration -----------------------------------------------------------------
   /// Deletes L1 objects (see l1::tier::clear). L2 is left as it is.
@@ -575,38 +388,7 @@ class tiered_cache {
   /// kvtier_prefetch_requests_active, kvtier_prefetch_inflight_load_bytes,
   /// kvtier_store_inflight_bytes, kvtier_store_inflight_tasks, kvtier_store_staged_bytes,
   /// kvtier_lookups_active. Read at scrape time; do not scrape after the cache is destroyed.
-  void export_metrics(telemetry::registry& reg) {
-    using telemetry::metric_type;
-    l1_.export_metrics(reg);
-    for (std::size_t b = 0; b < backends_.size(); ++b) {
-      const telemetry::label_pairs l = {{"backend", std::string(backends_[b].name())}};
-      auto* be = &backends_[b];
-      reg.add_callback("kvtier_l2_bytes_used", "Bytes used on the L2 backend", metric_type::gauge, l,
-                       [be] { return static_cast<double>(be->usage().bytes_used); });
-      reg.add_callback("kvtier_l2_bytes_capacity", "Capacity of the L2 backend in bytes (0: unbounded)",
-                       metric_type::gauge, l, [be] { return static_cast<double>(be->usage().bytes_capacity); });
-      reg.add_callback("kvtier_l2_objects", "Objects on the L2 backend", metric_type::gauge, l,
-                       [be] { return static_cast<double>(be->usage().objects); });
-      reg.add_callback("kvtier_l2_healthy", "1 while the L2 backend is healthy", metric_type::gauge, l,
-                       [be] { return be->health().healthy ? 1.0 : 0.0; });
-    }
-    reg.add_callback("kvtier_prefetch_requests_active", "Prefetch requests not finished (late loads included)",
-                     metric_type::gauge, {}, [this] { return static_cast<double>(prefetch_.active()); });
-    reg.add_callback("kvtier_prefetch_inflight_load_bytes", "Bytes of L2 loads in flight", metric_type::gauge, {},
-                     [this] { return static_cast<double>(prefetch_.inflight_load_bytes()); });
-    reg.add_callback("kvtier_store_inflight_bytes", "Bytes of L2 stores in flight", metric_type::gauge, {},
-                     [this] { return static_cast<double>(store_.inflight_bytes()); });
-    reg.add_callback("kvtier_store_inflight_tasks", "L2 store tasks in flight", metric_type::gauge, {},
-                     [this] { return static_cast<double>(store_.inflight_tasks()); });
-    reg.add_callback("kvtier_store_staged_bytes",
-                     "Staging memory of stores larger than L1 (reserved or being stored to L2)", metric_type::gauge, {},
-                     [this] { return static_cast<double>(store_.staged_bytes()); });
-    reg.add_callback("kvtier_lookups_active", "Lookups holding L1 locks or prefetching", metric_type::gauge, {},
-                     [this] {
-                       std::lock_guard g(mutex_);
-                       return static_cast<double>(lookups_.size());
-                     });
-  }
+  void export_metrics(telemetry::registry& reg);
 
   /// Completes once no prefetch or store is running or queued (tests, orderly shutdown).
   boost::asio::awaitable<void> wait_idle() {
@@ -651,12 +433,19 @@ class tiered_cache {
     std::uint32_t extra = 0;
     std::uint64_t request_id = 0;
     l1::clock_type::time_point answered_at{};
-    bitmap held;  ///< keys this lookup holds (pinned) read locks on: its own, nobody else's
+    bitmap held;     ///< keys this lookup holds (pinned) read locks on: its own, nobody else's
+    bitmap pending;  ///< keys of the decided answer whose load is in flight (held when they land)
+    bitmap failed;   ///< keys of the decided answer whose load failed (or came too late)
+    bitmap gone;     ///< pending keys a retrieve gave up: their hold goes back when they land
     std::size_t l1_prefix = 0;
-    bool done = false;
-    bool abandoned = false;      ///< release_all called: forget when done
+    std::size_t hit_keys = 0;  ///< the decided answer in keys (whole chunks)
+    bool done = false;         ///< decided
+    bool abandoned = false;    ///< release_all called: forget when done
     lookup_status result;
-    std::vector<wait_handler> waiters;
+    std::vector<wait_handler> waiters;                ///< async_wait
+    std::vector<wait_handler> loaded_waiters;         ///< async_wait_loaded
+    std::vector<std::function<void()>> watchers;      ///< copies waiting for pending keys
+    std::vector<std::pair<std::size_t, bool>> early;  ///< progress that came before the decision
     /// key -> first index, built on the first release that misses its guess (under mutex_).
     std::unordered_map<chunk_key, std::size_t, chunk_key_hash> index;
   };
@@ -666,6 +455,9 @@ class tiered_cache {
     std::uint64_t reserved = 0;
     std::size_t object_bytes = 0;
   };
+
+  class copy_out_op;  // cache/impl/copy_ops.hpp
+  class copy_in_op;
 
   void deliver(wait_handler h, error_code ec, lookup_status r) {
     auto ex = boost::asio::get_associated_executor(h, executor_);
@@ -688,6 +480,21 @@ class tiered_cache {
     return it == l.index.end() ? l.keys.size() : it->second;
   }
 
+  // Where key k is in l, keys.size() when absent; `guess` (start with keys.size()) follows a
+  // rank's shards in order, so a retrieve's keys are found in O(1) each. Under mutex_.
+  static std::size_t locate(lookup& l, const chunk_key& k, std::size_t& guess) {
+    const std::size_t n = l.keys.size();
+    std::size_t i = n;
+    if (guess < n && l.keys[guess] == k)
+      i = guess;
+    else if (k.rank < l.group && k.rank < n && l.keys[k.rank] == k)
+      i = k.rank;  // chunk 0
+    else
+      i = position_of(l, k);
+    if (i < n) guess = i + l.group;
+    return i;
+  }
+
   bool any_staged() const noexcept { return staged_count_.load(std::memory_order_relaxed) > 0; }
 
   void release_holds(std::span<const chunk_key> keys, std::uint32_t extra) {
@@ -696,49 +503,14 @@ class tiered_cache {
     l1_.finish_read(keys, extra, l1::lock_lifetime::pinned, st);
   }
 
-  // The prefetch answered with `res.prefix` leading keys (after the L1 prefix) held for this
-  // lookup: round down to whole chunks, give back the rest, publish, wake the waiters.
-  void complete(lookup_id id, lookup& l, const pipeline::prefetch_result& res) {
-    const std::size_t n = l.keys.size();
-    const std::size_t locked = std::min(n, l.l1_prefix + res.prefix);
-    const std::size_t chunks = locked / l.group;
-    // A hit chunk counts for L1 when none of its shards was loaded from L2 for this lookup.
-    std::size_t l1_chunks = 0;
-    for (std::size_t c = 0; c < chunks; ++c) {
-      bool loaded = false;
-      for (std::size_t i = c * l.group; i < (c + 1) * l.group && !loaded; ++i)
-        loaded = i >= l.l1_prefix && i - l.l1_prefix < res.from_l2.size() && res.from_l2.test(i - l.l1_prefix);
-      l1_chunks += loaded ? 0 : 1;
-    }
-    std::vector<chunk_key> back;
-    std::vector<wait_handler> waiters;
-    lookup_status r{chunks, l1_chunks};
-    {
-      std::lock_guard g(mutex_);
-      if (l.abandoned) {
-        // Released while prefetching (release_all gave back the L1 prefix): nobody will
-        // read what L2 brought in.
-        for (std::size_t i = l.l1_prefix; i < locked; ++i) back.push_back(l.keys[i]);
-      } else {
-        l.held.set_range(l.l1_prefix, locked);
-        for (std::size_t i = chunks * l.group; i < locked; ++i) {  // a partial chunk is no hit
-          back.push_back(l.keys[i]);
-          l.held.reset(i);
-        }
-      }
-      l.result = r;
-      l.done = true;
-      l.answered_at = options_.l1.clock();
-      waiters.swap(l.waiters);
-    }
-    release_holds(back, l.extra);
-    bus_.publish(bus::cache_lookup{l.request_id ? l.request_id : id,
-                                   static_cast<std::uint32_t>(n / l.group * l.chunk_tokens),
-                                   static_cast<std::uint32_t>(n / l.group), static_cast<std::uint32_t>(r.l1_chunks),
-                                   static_cast<std::uint32_t>(r.chunks - r.l1_chunks), l.chunk_tokens});
-    for (auto& w : waiters) deliver(std::move(w), {}, r);
-    forget_if_done(id, l);
-  }
+  // cache/impl/lookups.hpp
+  void wait(lookup_id id, wait_handler h, bool loaded);
+  void complete(lookup_id id, lookup& l, const pipeline::prefetch_result& res);
+  void on_key(lookup_id id, const std::shared_ptr<lookup>& l, std::size_t i, bool landed);
+  [[nodiscard]] lookup_status loaded_status(const lookup& l) const;
+  // cache/impl/copy_ops.hpp
+  void start_copy_out(copy_out_request r, copy_out_sink sink, copy_out_handler h);
+  void start_copy_in(copy_in_request r, copy_in_source source, copy_in_fence fence, copy_in_handler h);
 
   // A lookup is forgotten once released as a whole (release_all, or the TTL sweep of
   // expire()) and finished; until then poll() keeps answering.
@@ -748,40 +520,11 @@ class tiered_cache {
   }
 
   // The destructor's wait for the work the pipelines still run (see the header comment).
-  void wait_for_work() {
-    namespace asio = boost::asio;
-    using io_executor = asio::io_context::executor_type;
-    asio::io_context* ctx = nullptr;
-    bool here = false;
-    if (const auto* e = executor_.template target<io_executor>()) {
-      ctx = &e->context();
-      here = e->running_in_this_thread();
-    } else if (const auto* s = executor_.template target<asio::strand<io_executor>>()) {
-      ctx = &s->get_inner_executor().context();
-      here = s->running_in_this_thread() || s->get_inner_executor().running_in_this_thread();
-    }
-    if (here) {
-      // Its coroutines need this thread to finish, and the L1 memory they may be writing
-      // must not be freed before: nothing safe is left.
-      std::fputs(
-          "kvtier: tiered_cache destroyed by a handler of its own executor while its pipelines work: co_await "
-          "async_stop() before destroying it\n",
-          stderr);
-      std::terminate();
-    }
-    if (ctx != nullptr && ctx->stopped()) {
-      // Nobody runs the executor: run it here until the cache's work is done, then leave it
-      // stopped as it was.
-      ctx->restart();
-      while (!tracker_.idle()) ctx->run_one_for(std::chrono::milliseconds(100));
-      ctx->stop();
-      return;
-    }
-    tracker_.wait_idle();  // another thread runs the executor
-  }
+  void wait_for_work();
 
   executor_type executor_;
   cache_options options_;
+  executor_type copy_executor_;
   bus_type& bus_;
   tier_type l1_;
   std::vector<l2::any_backend> backends_;
@@ -799,3 +542,6 @@ class tiered_cache {
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::cache
+
+#include <kvtier/cache/impl/copy_ops.hpp>
+#include <kvtier/cache/impl/tiered_cache.hpp>

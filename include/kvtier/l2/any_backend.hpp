@@ -52,6 +52,19 @@ class any_backend {
         },
         token);
   }
+  /// async_load telling each key as it lands (load_observer); backends that cannot tell
+  /// settle every key at the completion only (the observer is then never called).
+  template <class Token>
+  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
+                  load_observer observer, Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, batch_result)>(
+        [impl = impl_, keys, destinations, d](auto handler, load_observer o) {
+          impl->load_observed(keys, destinations, d, std::move(o), batch_handler(std::move(handler)));
+        },
+        token, std::move(observer));
+  }
+  /// Whether async_load with an observer tells keys as they land.
+  [[nodiscard]] bool observes_loads() const noexcept { return impl_->observes_loads(); }
   template <class Token>
   auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
                    Token&& token) {
@@ -84,6 +97,9 @@ class any_backend {
     virtual void unpin(std::span<const chunk_key>) = 0;
     virtual void lookup(std::span<const chunk_key>, deadline, lookup_handler) = 0;
     virtual void load(std::span<const chunk_key>, std::span<const std::span<std::byte>>, deadline, batch_handler) = 0;
+    virtual void load_observed(std::span<const chunk_key>, std::span<const std::span<std::byte>>, deadline,
+                               load_observer, batch_handler) = 0;
+    [[nodiscard]] virtual bool observes_loads() const noexcept = 0;
     virtual void store(std::span<const chunk_key>, std::span<const std::span<const std::byte>>, deadline,
                        batch_handler) = 0;
     virtual void remove(std::span<const chunk_key>, deadline, batch_handler) = 0;
@@ -104,6 +120,14 @@ class any_backend {
               batch_handler h) override {
       backend->async_load(keys, dst, d, std::move(h));
     }
+    void load_observed(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> dst, deadline d,
+                       load_observer o, batch_handler h) override {
+      if constexpr (observable_load_backend<B>)
+        backend->async_load(keys, dst, d, std::move(o), std::move(h));
+      else
+        backend->async_load(keys, dst, d, std::move(h));
+    }
+    bool observes_loads() const noexcept override { return observable_load_backend<B>; }
     void store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> src, deadline d,
                batch_handler h) override {
       backend->async_store(keys, src, d, std::move(h));

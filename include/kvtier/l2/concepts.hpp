@@ -71,6 +71,16 @@ concept l2_backend = requires(B& b, const B& cb, std::span<const chunk_key> keys
   { cb.health() } -> std::same_as<health_info>;
 };
 
+/// Backends whose loads tell each key as it lands (async_load with a load_observer before the
+/// token, types.hpp): the prefetch makes each key readable at once instead of at the end of
+/// the batch. Others are served through the plain async_load (any_backend falls back).
+template <class B>
+concept observable_load_backend =
+    l2_backend<B> && requires(B& b, std::span<const chunk_key> keys, std::span<const std::span<std::byte>> dst,
+                              deadline d, load_observer o) {
+      b.async_load(keys, dst, d, o, detail::batch_handler_archetype{});
+    };
+
 /// Backends that can damage their own stored copy of a key on command (for tests and the
 /// fault injector): the next load of that key must answer `corrupt`, never serve the bytes.
 template <class B>

@@ -218,6 +218,14 @@ class disk_backend {
     return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, load_impl(keys, destinations, d),
                                                                      std::forward<Token>(token));
   }
+  /// The same, telling each key as soon as all its parts landed and its checksum matched
+  /// (load_observer), so the caller can use it while the rest of the batch is read.
+  template <class Token>
+  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
+                  load_observer observer, Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(
+        executor_, load_impl(keys, destinations, d, std::move(observer)), std::forward<Token>(token));
+  }
   /// void(error_code, batch_result): ok, exists, no_space, io_error, timeout per key.
   template <class Token>
   auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
@@ -273,7 +281,8 @@ class disk_backend {
 
   boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d);
   boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
-                                                std::span<const std::span<std::byte>> destinations, deadline d);
+                                                std::span<const std::span<std::byte>> destinations, deadline d,
+                                                load_observer observer = {});
   boost::asio::awaitable<batch_tuple> store_impl(std::span<const chunk_key> keys,
                                                  std::span<const std::span<const std::byte>> sources, deadline d);
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d);

@@ -105,6 +105,13 @@ class memory_backend {
     return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, load_impl(keys, destinations, d),
                                                              std::forward<Token>(token));
   }
+  /// The same, telling each key as it lands (keys finish one after the other on the channel).
+  template <class Token>
+  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
+                  load_observer observer, Token&& token) {
+    return kvtier::detail::async_run<void(error_code, batch_result)>(
+        executor_, load_impl(keys, destinations, d, std::move(observer)), std::forward<Token>(token));
+  }
 
   template <class Token>
   auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
@@ -197,7 +204,8 @@ class memory_backend {
   }
 
   boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
-                                                std::span<const std::span<std::byte>> destinations, deadline d) {
+                                                std::span<const std::span<std::byte>> destinations, deadline d,
+                                                load_observer observer = {}) {
     batch_result r(keys.size(), key_outcome::timeout);
     if (keys.size() != destinations.size()) co_return batch_tuple{make_error_code(errc::invalid_argument), r};
     if (!health().healthy) {
@@ -212,6 +220,7 @@ class memory_backend {
       }
       if (!co_await wait_until(*finish)) co_return batch_tuple{boost::asio::error::operation_aborted, r};
       r.outcomes[i] = copy_out(keys[i], destinations[i]);
+      if (observer && r.outcomes[i] == key_outcome::ok) observer(i);
     }
     co_return batch_tuple{error_code{}, r};
   }

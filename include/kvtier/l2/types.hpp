@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -63,6 +64,14 @@ struct batch_result {
     return b;
   }
 };
+
+/// Told, on the backend's executor, that key `index` of a load batch has landed and passed
+/// its integrity check: its outcome will be ok and nothing writes its destination any more,
+/// so the caller may read it before the whole batch completes (the pipelined L2 hit). A
+/// backend that supports it (observable_load_backend, concepts.hpp) calls it at most once per
+/// key, before the operation completes; keys it is not called for are settled by the
+/// completion as usual. It must not block: post the work elsewhere.
+using load_observer = std::function<void(std::size_t index)>;
 
 /// Bytes on the backend, as the backend measures them (the disk backend counts bytes actually
 /// allocated on the file system, not logical sizes).

@@ -4,7 +4,9 @@
 // For each request (keys a lookup did not find at the head of L1, in prefix order):
 //   1. lookup-and-pin in every backend at once;
 //   2. plan (the plan policy picks a backend per key); the contiguous prefix of keys some
-//      backend has is the pure L2 hit count (l2.prefetch.lookup.completed);
+//      backend has is the pure L2 hit count (l2.prefetch.lookup.completed). With a declared
+//      prefill rate the load-or-recompute gate (load_or_recompute.hpp) keeps only the prefix
+//      that loads faster than the engine computes it (l2.prefetch.declined for the rest);
 //   3. take the longest prefix L1 and L2 can serve together, in one step under the tier's
 //      mutex (l1::tier::reserve_prefix), walking the keys in order: a key L1 holds is
 //      read-locked for the caller (a prefix split between L2 and L1 is served whole); a key
@@ -20,16 +22,21 @@
 //      shared load);
 //   5. each key that lands is made readable at once, atomically with the read holds of
 //      every request still waiting for it (this one and its joiners; finish_write_and_
-//      reserve_read, never offered to the store pipeline); a failed key is abandoned
-//      without ever becoming readable and fails its joiners too;
-//   6. answer the caller when its loads and joins ended or the wait budget passed,
-//      whichever is first: the answer is the contiguous prefix the caller holds; holds past
-//      it are given back. A load still running at the answer keeps its slots write-locked
-//      until the backend completes (a cancelled or late read never lands in a reused slot);
-//      it is then handed to its joiners, or abandoned, or, for a non-temporary reservation
-//      (the best_effort wait policy), made ready in L1 for later requests.
-//      l2.prefetch.load.completed is published once every task completed: loaded = keys
-//      that landed and were made readable, failed = submitted minus loaded, with
+//      reserve_read, never offered to the store pipeline): as its own load lands with
+//      backends that tell (l2::observable_load_backend: disk, memory), else when its task
+//      completes; a failed key is abandoned without ever becoming readable and fails its
+//      joiners too;
+//   6. answer the caller. A caller that gives request.on_key is answered when the prefetch
+//      is DECIDED (after step 4: the prefix it gets, L1 reads and loads in flight, is known),
+//      and on_key(i, landed) then tells it, once per key still loading, that the key landed
+//      (held for it like the rest) or failed; a caller without on_key is answered when its
+//      loads and joins ended. Either way the wait budget passing first ends the wait: keys
+//      not landed by then are failed for the caller. A load still running then keeps its
+//      slots write-locked until the backend completes (a cancelled or late read never lands
+//      in a reused slot); it is then handed to its joiners, or abandoned, or, for a
+//      non-temporary reservation (the best_effort wait policy), made ready in L1 for later
+//      requests. l2.prefetch.load.completed is published once every task completed: loaded
+//      = keys that landed and were made readable, failed = submitted minus loaded, with
 //      l2.prefetch.failed per reason.
 // At most max_in_flight requests run at once (default 8); others wait in FIFO order.
 //
@@ -37,19 +44,21 @@
 // gives them back with finish_read(..., 1 + extra_count, pinned) (tiered_cache does, per
 // lookup, and expires its own lookups).
 //
-// Stop: stop() answers every request with operation_aborted (giving back what it held),
-// cancels the timers and the queue of requests waiting for admission, and reserves nothing
-// more; the backend operations in flight are left to complete by their deadlines
-// (lookup_timeout, load_timeout: not every backend survives the cancellation of an
-// operation, and a load must end before its slots may be freed), after which every
-// coroutine ends. The work is counted in the work_tracker given at construction, which the
-// owner waits on before destroying the controller.
+// Stop: stop() answers every request with operation_aborted (or, when it was answered
+// already, fails its keys still loading, giving back what it held), cancels the timers and
+// the queue of requests waiting for admission, and reserves nothing more; the backend
+// operations in flight are left to complete by their deadlines (lookup_timeout,
+// load_timeout: not every backend survives the cancellation of an operation, and a load must
+// end before its slots may be freed), after which every coroutine ends. The work is counted
+// in the work_tracker given at construction, which the owner waits on before destroying the
+// controller.
 //
 // Threading: async_prefetch and stop may be called from any thread; the controller runs on
-// its executor, which must not run handlers concurrently (one thread or a strand). The
-// caller's handler runs on its associated executor. Cancelling async_prefetch (its
-// cancellation slot) answers at once with operation_aborted; the request then finishes in
-// the background.
+// its executor, which must not run handlers concurrently (one thread or a strand); on_key
+// runs there too, after the answer's handler was dispatched. The caller's handler runs on its
+// associated executor. Cancelling async_prefetch (its cancellation slot) answers at once with
+// operation_aborted (or fails the keys still loading); the request then finishes in the
+// background.
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
@@ -61,6 +70,7 @@
 #include <kvtier/l1/tier.hpp>
 #include <kvtier/l2/any_backend.hpp>
 #include <kvtier/pipeline/concepts.hpp>
+#include <kvtier/pipeline/load_or_recompute.hpp>
 #include <kvtier/pipeline/plan.hpp>
 #include <kvtier/pipeline/work_tracker.hpp>
 
@@ -81,9 +91,11 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -103,6 +115,14 @@ struct prefetch_request {
   std::size_t object_bytes = 0;     ///< size of each object (0: nothing is loaded)
   std::uint32_t extra_count = 0;    ///< extra read holds per key handed to the caller
   std::chrono::nanoseconds wait_budget{0};  ///< how long the caller waits for the answer
+  /// Set: answer when decided and tell each key still loading with on_key(index, landed)
+  /// (see the header comment). Runs on the controller's executor; must not call into it.
+  std::function<void(std::size_t, bool)> on_key;
+  /// The load-or-recompute gate (0: off, offer everything): the engine's prefill rate, and
+  /// what a chunk is (keys per chunk, its tokens).
+  std::uint64_t prefill_tokens_per_second = 0;
+  std::size_t group = 1;
+  std::uint32_t chunk_tokens = 0;
 };
 
 struct prefetch_result {
@@ -114,6 +134,9 @@ struct prefetch_result {
   /// Bit i (i < prefix): key i was loaded from L2 for this answer (by this request or a
   /// load it shared); clear: it was read from L1. Empty when prefix is 0.
   bitmap from_l2;
+  /// A decided answer (on_key given): bit i (i < prefix) is a key still loading, which on_key
+  /// will report; the others are held now. Empty otherwise.
+  bitmap pending;
 };
 
 template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
@@ -132,7 +155,8 @@ class prefetch_controller {
         bus_(bus),
         tracker_(tracker),
         plan_(std::move(plan)),
-        options_(options) {}
+        options_(options),
+        bandwidth_(backends.size()) {}
 
   prefetch_controller(const prefetch_controller&) = delete;
   prefetch_controller& operator=(const prefetch_controller&) = delete;
@@ -153,7 +177,10 @@ class prefetch_controller {
             slot.assign([this, weak = std::weak_ptr<state>(st)](boost::asio::cancellation_type) {
               tracker_.post(executor_, [this, weak] {
                 if (auto s = weak.lock()) {
-                  answer(*s, boost::asio::error::operation_aborted, {});
+                  if (s->answered)
+                    give_up(*s);
+                  else
+                    answer(*s, boost::asio::error::operation_aborted, {});
                   s->signal.cancel();
                 }
               });
@@ -180,6 +207,9 @@ class prefetch_controller {
   [[nodiscard]] std::uint64_t inflight_load_bytes() const noexcept {
     return inflight_bytes_.load(std::memory_order_relaxed);
   }
+
+  /// Each backend's achieved load bandwidth (bytes per second, 0 before its first load).
+  [[nodiscard]] const bandwidth_meter& bandwidth() const noexcept { return bandwidth_; }
 
   /// Completes once no request is active (every load task completed): tests, shutdown.
   boost::asio::awaitable<void> wait_idle() {
@@ -218,6 +248,7 @@ class prefetch_controller {
     std::optional<answer_handler> handler;
     boost::asio::cancellation_slot slot;  ///< the caller's, cleared at the answer
     bool answered = false;
+    bool gave_up = false;  ///< the caller takes no more holds (answered in full, budget, stop)
     bool finished = false;
     bool temporary = true;
     std::size_t l2_prefix = 0;
@@ -226,6 +257,7 @@ class prefetch_controller {
     std::vector<key_state> keys;
     bitmap own;     ///< keys this request loads itself (submitted)
     bitmap served;  ///< keys the walk took from L1 or from another request's load
+    bitmap settled;  ///< own keys finalized (landed early, or at their task's completion)
     std::vector<l2::key_outcome> outcomes;
     std::size_t tasks_left = 0;
     std::size_t joins_left = 0;
@@ -237,12 +269,15 @@ class prefetch_controller {
   };
 
   [[nodiscard]] std::uint32_t holds_of(const state& s) const noexcept { return 1 + s.req.extra_count; }
+  [[nodiscard]] static bool decides(const state& s) noexcept { return static_cast<bool>(s.req.on_key); }
 
   // The caller's answer. An error answer, or keys past `r.prefix`, give the caller's holds back.
+  // Only a decided answer (decides(s), r.pending set) leaves the caller waiting for keys.
   void answer(state& s, error_code ec, prefetch_result r) {
     if (s.answered) return;
     s.answered = true;
     if (ec) r = {};
+    if (r.pending.none()) s.gave_up = true;
     release_past(s, r.prefix);
     if (s.slot.is_connected()) s.slot.clear();
     if (!s.handler) return;
@@ -257,6 +292,23 @@ class prefetch_controller {
     });
   }
 
+  // A decided caller stops waiting (budget, stop, cancellation): every key still loading or
+  // joined for it fails (on_key(i, false)); what it holds stays its own.
+  void give_up(state& s) {
+    if (s.gave_up) return;
+    s.gave_up = true;
+    if (!decides(s)) return;
+    for (std::size_t i = 0; i < s.keys.size(); ++i) {
+      if (s.keys[i] == key_state::joined) {
+        s.keys[i] = key_state::failed;
+        --s.joins_left;
+      } else if (s.keys[i] != key_state::loading) {
+        continue;
+      }
+      s.req.on_key(i, false);
+    }
+  }
+
   // Gives back the caller's holds on keys [from, reserved).
   void release_past(state& s, std::size_t from) {
     std::vector<chunk_key> back;
@@ -268,6 +320,20 @@ class prefetch_controller {
     if (back.empty()) return;
     std::vector<l1::status> st(back.size());
     l1_.finish_read(back, s.req.extra_count, l1::lock_lifetime::pinned, st);
+  }
+
+  // The decided answer: everything the walk took, held or still loading.
+  prefetch_result decided_answer(const state& s) const {
+    prefetch_result r;
+    r.l2_prefix = s.l2_prefix;
+    r.prefix = s.reserved;
+    r.from_l2 = bitmap(r.prefix);
+    r.pending = bitmap(r.prefix);
+    for (std::size_t i = 0; i < r.prefix; ++i) {
+      if (s.keys[i] != key_state::l1_held) r.from_l2.set(i);
+      if (s.keys[i] == key_state::loading || s.keys[i] == key_state::joined) r.pending.set(i);
+    }
+    return r;
   }
 
   // The answer now: the contiguous prefix the caller holds.
@@ -327,102 +393,27 @@ class prefetch_controller {
     queue_.clear();
     const std::vector<state*> live(live_.begin(), live_.end());
     for (state* s : live) {
-      answer(*s, boost::asio::error::operation_aborted, {});
+      if (s->answered)
+        give_up(*s);
+      else
+        answer(*s, boost::asio::error::operation_aborted, {});
       s->budget_timer.cancel();
       s->signal.cancel();
     }
   }
 
-  boost::asio::awaitable<void> run(std::shared_ptr<state> sp) {
-    state& s = *sp;
-    active_.fetch_add(1, std::memory_order_relaxed);
-    live_.insert(&s);
-    const std::size_t n = s.req.keys.size();
-    // A caller that waits reads the objects once: reserve them temporary. A caller that does
-    // not wait (best_effort) leaves them to later requests: keep them.
-    s.temporary = s.req.wait_budget.count() > 0;
-    if (s.temporary)
-      tracker_.spawn(executor_, answer_at_budget(sp));
-    else answer(s, {}, {});
-
-    const bool admitted = co_await admit();
-    if (!admitted || n == 0 || backends_.empty() || (s.answered && s.temporary) || stopping()) {
-      answer(s, stopping() ? boost::asio::error::operation_aborted : error_code{}, {});
-      if (admitted) release_admission();
-      finish(s);
-      co_return;
-    }
-
-    // 1. lookup and pin everywhere at once.
-    bus_.publish(bus::l2_prefetch_lookup_submitted{s.req.id, static_cast<std::uint32_t>(n),
-                                                   static_cast<std::uint32_t>(backends_.size())});
-    std::vector<bitmap> found = co_await lookup_all(sp, s.submitted_at + options_.lookup_timeout);
-
-    // 2. plan, untrimmed; its leading run is the pure L2 prefix.
-    prefetch_plan plan = plan_backends(plan_, found, n);
-    s.l2_prefix = plan.l2_prefix;
-    bus_.publish(bus::l2_prefetch_lookup_completed{s.req.id, static_cast<std::uint32_t>(n),
-                                                   static_cast<std::uint32_t>(plan.l2_prefix)});
-
-    // 3. walk L1 and the plan together (unless the answer already went out for a temporary
-    //    reservation: nobody would read it), keep in the plan only what this request loads,
-    //    unpin the rest.
-    s.own = bitmap(n);
-    s.served = bitmap(n);
-    if (!(s.answered && s.temporary) && !stopping()) reserve(sp, plan);
-    restrict_plan(plan, s.own);
-    const auto unpins = unpins_for(found, plan);
-    for (std::size_t b = 0; b < backends_.size(); ++b) unpin(b, s.req.keys, unpins[b]);
-
-    // 4. submit the loads.
-    const std::size_t submitted = plan.submitted();
-    if (plan.found_any > 0) {
-      bitmap any(n);
-      for (const auto& f : found)
-        if (f.size() == n) any |= f;
-      any.subtract(s.own);
-      any.subtract(s.served);
-      const std::size_t trimmed = any.count();  // found, but neither loaded nor served otherwise
-      bus_.publish(bus::l2_prefetch_load_submitted{
-          s.req.id, static_cast<std::uint32_t>(submitted), static_cast<std::uint32_t>(plan.tasks()),
-          static_cast<std::uint32_t>(trimmed), submitted * s.req.object_bytes});
-    }
-    s.outcomes.assign(s.reserved, l2::key_outcome::timeout);
-    for (std::size_t b = 0; b < plan.per_backend.size(); ++b) {
-      if (!plan.per_backend[b].any()) continue;
-      ++s.tasks_left;
-      tracker_.spawn(executor_, load_task(sp, b, plan.per_backend[b]));
-    }
-    release_admission();
-
-    // 5. answer when every task and join ended, unless the budget (or a cancellation) answered first.
-    while ((s.tasks_left > 0 || s.joins_left > 0) && !s.answered) {
-      s.signal.expires_at(boost::asio::steady_timer::time_point::max());
-      co_await s.signal.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
-    }
-    answer(s, stopping() ? boost::asio::error::operation_aborted : error_code{}, current_answer(s));
-    // 6. late tasks finalize their own keys; wait for them before the completion event.
-    while (s.tasks_left > 0) {
-      s.signal.expires_at(boost::asio::steady_timer::time_point::max());
-      co_await s.signal.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
-    }
-    if (submitted > 0) {
-      bus_.publish(bus::l2_prefetch_load_completed{s.req.id, s.loaded, static_cast<std::uint32_t>(submitted) - s.loaded,
-                                                   s.loaded_bytes, ns(l2::clock::now() - s.submitted_at)});
-      for (std::size_t r = 0; r < bus::prefetch_failure_count; ++r)
-        if (s.failures[r] > 0)
-          bus_.publish(bus::l2_prefetch_failed{s.req.id, static_cast<bus::prefetch_failure>(r), s.failures[r]});
-    }
-    finish(s);
-  }
+  boost::asio::awaitable<void> run(std::shared_ptr<state> sp);
 
   // Answers with what is held when the wait budget passes first.
   boost::asio::awaitable<void> answer_at_budget(std::shared_ptr<state> sp) {
     state& s = *sp;
     s.budget_timer.expires_at(s.answer_at);
     auto [ec] = co_await s.budget_timer.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
-    if (ec || s.answered || s.finished) co_return;
-    answer(s, {}, current_answer(s));
+    if (ec || s.gave_up || s.finished) co_return;
+    if (s.answered)
+      give_up(s);
+    else
+      answer(s, {}, current_answer(s));
     s.signal.cancel();
   }
 
@@ -465,140 +456,29 @@ class prefetch_controller {
     if (!u.empty()) backends_[b].unpin(u);
   }
 
-  // Step 3: the walk over L1 and the plan (l1::tier::reserve_prefix).
-  void reserve(const std::shared_ptr<state>& sp, const prefetch_plan& plan) {
-    state& s = *sp;
-    const std::size_t n = s.req.keys.size();
-    const bitmap loadable = planned_keys(plan, n);
-    const bool can_load = s.req.object_bytes > 0;
-    std::vector<l1::prefix_take> takes(n);
-    s.buffers.assign(n, {});
-    l1::prefix_options po;
-    po.object_bytes = s.req.object_bytes;
-    po.extra_count = s.req.extra_count;
-    po.read_lock = l1::lock_lifetime::pinned;   // the caller's holds: it expires them itself
-    po.write_lock = l1::lock_lifetime::pinned;  // the kernel writes these slots: they must never expire
-    po.temporary = s.temporary;
-    po.purpose = bus::allocation_purpose::prefetch;
-    po.hold_reads = !s.answered;  // a request nobody waits for reads nothing now
-    const auto r = l1_.reserve_prefix(
-        s.req.keys, po, [&](std::size_t i) { return can_load && loadable.test(i); },
-        [&](std::size_t i) { return !s.answered && inflight_.contains(s.req.keys[i]); }, takes, s.buffers);
-    s.reserved = r.length;
-    s.keys.assign(s.reserved, key_state::released);
-    for (std::size_t i = 0; i < s.reserved; ++i) {
-      switch (takes[i]) {
-        case l1::prefix_take::read:
-          s.keys[i] = s.answered ? key_state::released : key_state::l1_held;
-          s.served.set(i);
-          break;
-        case l1::prefix_take::write:
-          s.keys[i] = key_state::loading;
-          s.own.set(i);
-          inflight_.try_emplace(s.req.keys[i]);
-          break;
-        case l1::prefix_take::wait:
-          s.keys[i] = key_state::joined;
-          s.served.set(i);
-          inflight_[s.req.keys[i]].joiners.emplace_back(sp, i);
-          ++s.joins_left;
-          break;
-        case l1::prefix_take::none:
-          break;
-      }
-    }
-    if (r.short_of_room > 0)
-      bus_.publish(bus::l2_prefetch_failed{s.req.id, bus::prefetch_failure::l1_out_of_memory,
-                                           static_cast<std::uint32_t>(r.short_of_room)});
-  }
+  // Step 2's load-or-recompute gate: loadable keys must be below the returned index. Only
+  // when a rate is declared and some planned backend loads a key slower than the engine
+  // computes it (else every prefix gains and nothing is probed); L1 is probed per key then.
+  std::size_t gate(state& s, const prefetch_plan& plan);
 
-  boost::asio::awaitable<void> load_task(std::shared_ptr<state> sp, std::size_t b, bitmap mine) {
+  // Step 3: the walk over L1 and the plan (l1::tier::reserve_prefix); keys from `limit` on
+  // are not loaded.
+  void reserve(const std::shared_ptr<state>& sp, const prefetch_plan& plan, std::size_t limit);
+
+  boost::asio::awaitable<void> load_task(std::shared_ptr<state> sp, std::size_t b, bitmap mine);
+
+  // One key of a load in flight landed (the backend told): finalize it now.
+  void land(const std::shared_ptr<state>& sp, std::size_t i) {
     state& s = *sp;
-    std::vector<std::size_t> idx;
-    std::vector<chunk_key> keys;
-    std::vector<std::span<std::byte>> dst;
-    for (std::size_t i = 0; i < mine.size(); ++i)
-      if (mine.test(i)) {
-        idx.push_back(i);
-        keys.push_back(s.req.keys[i]);
-        dst.push_back(s.buffers[i]);
-      }
-    const std::uint64_t bytes = keys.size() * s.req.object_bytes;
-    inflight_bytes_.fetch_add(bytes, std::memory_order_relaxed);
-    const auto t0 = l2::clock::now();
-    auto [ec, result] = co_await backends_[b].async_load(keys, dst, t0 + options_.load_timeout,
-                                                         boost::asio::as_tuple(boost::asio::use_awaitable));
-    // The backend no longer writes the buffers: the slots may now be finalized or freed.
-    inflight_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
-    backends_[b].unpin(keys);
-    std::uint32_t ok = 0;
-    for (std::size_t j = 0; j < idx.size(); ++j) {
-      const auto o = j < result.size() ? result.outcomes[j] : l2::key_outcome::timeout;
-      s.outcomes[idx[j]] = o;
-      ok += o == l2::key_outcome::ok ? 1 : 0;
-    }
-    bus_.publish(bus::l2_backend_load_completed{static_cast<std::uint8_t>(b), backends_[b].name(),
-                                                static_cast<std::uint32_t>(keys.size()), ok, ok * s.req.object_bytes,
-                                                ns(l2::clock::now() - t0)});
-    finalize(sp, idx);
-    --s.tasks_left;
-    s.signal.cancel();
+    if (i >= s.settled.size() || s.settled.test(i)) return;  // its task completed first
+    s.outcomes[i] = l2::key_outcome::ok;
+    const std::size_t one[] = {i};
+    finalize(sp, one);
   }
 
   // Step 5: the keys of a completed task are made readable with the holds of every request
   // still waiting for them, or abandoned; their joiners learn the outcome.
-  void finalize(const std::shared_ptr<state>& sp, std::span<const std::size_t> idx) {
-    state& s = *sp;
-    const bool live = !stopping();
-    std::vector<chunk_key> ready, drop;
-    std::vector<std::uint32_t> holds;
-    std::vector<state*> woken;
-    for (const std::size_t i : idx) {
-      const chunk_key& k = s.req.keys[i];
-      std::vector<std::pair<std::shared_ptr<state>, std::size_t>> joiners;
-      if (auto it = inflight_.find(k); it != inflight_.end()) {
-        joiners = std::move(it->second.joiners);
-        inflight_.erase(it);
-      }
-      const bool landed = s.outcomes[i] == l2::key_outcome::ok;
-      const bool self_waits = live && !s.answered && s.keys[i] == key_state::loading;
-      std::uint32_t n = landed && self_waits ? holds_of(s) : 0;
-      for (auto& [j, at] : joiners) {
-        if (j->answered || !live || j->keys[at] != key_state::joined) continue;
-        if (landed) {
-          n += holds_of(*j);
-          j->keys[at] = key_state::held;
-        } else {
-          j->keys[at] = key_state::failed;
-        }
-        --j->joins_left;
-        woken.push_back(j.get());
-      }
-      if (landed && (n > 0 || !s.temporary)) {
-        // Readable now: held by whoever waits for it, or kept unlocked for later requests.
-        ready.push_back(k);
-        holds.push_back(n);
-        s.keys[i] = self_waits ? key_state::held : key_state::released;
-        ++s.loaded;
-        s.loaded_bytes += s.req.object_bytes;
-      } else {
-        // Failed, or landed too late for anyone: never readable.
-        if (landed) s.outcomes[i] = l2::key_outcome::timeout;
-        ++s.failures[static_cast<std::size_t>(reason_of(s.outcomes[i]))];
-        s.keys[i] = key_state::failed;
-        drop.push_back(k);
-      }
-    }
-    if (!ready.empty()) {
-      std::vector<l1::status> st(ready.size());
-      l1_.finish_write_and_reserve_read(ready, holds, l1::lock_lifetime::pinned, st);
-    }
-    if (!drop.empty()) {
-      std::vector<l1::status> st(drop.size());
-      l1_.abandon_write(drop, st);
-    }
-    for (state* j : woken) j->signal.cancel();
-  }
+  void finalize(const std::shared_ptr<state>& sp, std::span<const std::size_t> idx);
 
   executor_type executor_;
   Tier& l1_;
@@ -607,6 +487,7 @@ class prefetch_controller {
   work_tracker& tracker_;
   PlanPolicy plan_;
   prefetch_options options_;
+  bandwidth_meter bandwidth_;
   std::atomic<bool> stopping_{false};
   std::atomic<std::size_t> active_{0};
   std::atomic<std::size_t> in_flight_{0};
@@ -618,3 +499,5 @@ class prefetch_controller {
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::pipeline
+
+#include <kvtier/pipeline/impl/prefetch_controller.hpp>

@@ -22,8 +22,10 @@
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 
+#include <boost/asio/any_completion_handler.hpp>
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/as_tuple.hpp>
+#include <boost/asio/async_result.hpp>
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
@@ -46,27 +48,55 @@ struct server_traits : cache::default_traits {
   using wait_policy = runtime_wait_policy;
 };
 
-/// The tiered_cache façade as the sessions use it (see cache/tiered_cache.hpp for each
-/// member's meaning). Thread safety as tiered_cache: any member from any thread.
+/// The tiered_cache façade as the sessions use it: whole operations only (a lookup, its
+/// decided answer, a copy out, a copy in; see cache/tiered_cache.hpp for each member's
+/// meaning). Thread safety as tiered_cache: any member from any thread.
 class any_cache {
  public:
   using lookup_id = std::uint64_t;
 
   virtual ~any_cache() = default;
 
+  using wait_handler = boost::asio::any_completion_handler<void(error_code, cache::lookup_status)>;
+  using copy_out_handler = boost::asio::any_completion_handler<void(error_code, std::size_t)>;
+  using copy_in_handler = boost::asio::any_completion_handler<void(error_code, cache::copy_in_result)>;
+
   virtual lookup_id start_lookup(const cache::lookup_request& r) = 0;
+  /// The decided answer, nullopt while the prefetch decides (or for an unknown id).
   [[nodiscard]] virtual std::optional<cache::lookup_status> poll(lookup_id id) const = 0;
   [[nodiscard]] virtual bool known(lookup_id id) const = 0;
-  virtual std::size_t pin_for_copy(std::span<const chunk_key> keys, std::span<l1::status> out,
-                                   std::span<std::span<const std::byte>> views, std::size_t object_bytes) = 0;
-  virtual void unpin_after_copy(std::span<const chunk_key> keys) = 0;
-  virtual void release(lookup_id id, std::span<const chunk_key> keys) = 0;
   virtual void release_all(lookup_id id) = 0;
-  virtual std::size_t reserve_write(std::span<const chunk_key> keys, std::size_t object_bytes,
-                                    std::span<l1::status> out, std::span<std::span<std::byte>> buffers) = 0;
-  virtual std::size_t finish_write(std::span<const chunk_key> keys, const pipeline::write_context& ctx,
-                                   std::span<l1::status> out) = 0;
-  virtual std::size_t abandon_write(std::span<const chunk_key> keys) = 0;
+
+  /// tiered_cache::async_wait: void(error_code, lookup_status) once the prefetch is decided.
+  template <class Token>
+  auto async_wait(lookup_id id, Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, cache::lookup_status)>(
+        [this, id](auto h) { wait(id, wait_handler(std::move(h))); }, token);
+  }
+  /// tiered_cache::async_copy_out: void(error_code, std::size_t copied).
+  template <class Token>
+  auto async_copy_out(cache::copy_out_request r, cache::copy_out_sink sink, Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, std::size_t)>(
+        [this](auto h, cache::copy_out_request req, cache::copy_out_sink s) {
+          copy_out(std::move(req), std::move(s), copy_out_handler(std::move(h)));
+        },
+        token, std::move(r), std::move(sink));
+  }
+  /// tiered_cache::async_copy_in: void(error_code, copy_in_result).
+  template <class Token>
+  auto async_copy_in(cache::copy_in_request r, cache::copy_in_source source, cache::copy_in_fence fence,
+                     Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, cache::copy_in_result)>(
+        [this](auto h, cache::copy_in_request req, cache::copy_in_source s, cache::copy_in_fence f) {
+          copy_in(std::move(req), std::move(s), std::move(f), copy_in_handler(std::move(h)));
+        },
+        token, std::move(r), std::move(source), std::move(fence));
+  }
+
+  virtual void wait(lookup_id id, wait_handler h) = 0;
+  virtual void copy_out(cache::copy_out_request r, cache::copy_out_sink sink, copy_out_handler h) = 0;
+  virtual void copy_in(cache::copy_in_request r, cache::copy_in_source source, cache::copy_in_fence fence,
+                       copy_in_handler h) = 0;
   virtual std::size_t clear(bool force) = 0;
   virtual std::size_t expire() = 0;
   [[nodiscard]] virtual cache::cache_status status() const = 0;
@@ -96,22 +126,15 @@ class cache_model final : public any_cache {
   lookup_id start_lookup(const cache::lookup_request& r) override { return cache_.start_lookup(r); }
   std::optional<cache::lookup_status> poll(lookup_id id) const override { return cache_.poll(id); }
   bool known(lookup_id id) const override { return cache_.known(id); }
-  std::size_t pin_for_copy(std::span<const chunk_key> keys, std::span<l1::status> out,
-                           std::span<std::span<const std::byte>> views, std::size_t object_bytes) override {
-    return cache_.pin_for_copy(keys, out, views, object_bytes);
-  }
-  void unpin_after_copy(std::span<const chunk_key> keys) override { cache_.unpin_after_copy(keys); }
-  void release(lookup_id id, std::span<const chunk_key> keys) override { cache_.release(id, keys); }
   void release_all(lookup_id id) override { cache_.release_all(id); }
-  std::size_t reserve_write(std::span<const chunk_key> keys, std::size_t object_bytes, std::span<l1::status> out,
-                            std::span<std::span<std::byte>> buffers) override {
-    return cache_.reserve_write(keys, object_bytes, out, buffers);
+  void wait(lookup_id id, wait_handler h) override { cache_.async_wait(id, std::move(h)); }
+  void copy_out(cache::copy_out_request r, cache::copy_out_sink sink, copy_out_handler h) override {
+    cache_.async_copy_out(std::move(r), std::move(sink), std::move(h));
   }
-  std::size_t finish_write(std::span<const chunk_key> keys, const pipeline::write_context& ctx,
-                           std::span<l1::status> out) override {
-    return cache_.finish_write(keys, ctx, out);
+  void copy_in(cache::copy_in_request r, cache::copy_in_source source, cache::copy_in_fence fence,
+               copy_in_handler h) override {
+    cache_.async_copy_in(std::move(r), std::move(source), std::move(fence), std::move(h));
   }
-  std::size_t abandon_write(std::span<const chunk_key> keys) override { return cache_.abandon_write(keys); }
   std::size_t clear(bool force) override { return cache_.clear(force); }
   std::size_t expire() override { return cache_.expire(); }
   cache::cache_status status() const override { return cache_.status(); }
@@ -158,12 +181,15 @@ std::unique_ptr<any_cache> make_cache_with(boost::asio::any_io_executor ex, cons
 }
 
 /// The cache a configuration asks for, over `backends`, publishing on `bus` (which must
-/// outlive it). Throws std::invalid_argument for options L1 refuses, std::bad_alloc when the
-/// L1 arena cannot be allocated.
+/// outlive it); its copies run on `copy_executor` (the server's copy pool; empty: `ex`).
+/// Throws std::invalid_argument for options L1 refuses, std::bad_alloc when the L1 arena
+/// cannot be allocated.
 [[nodiscard]] inline std::unique_ptr<any_cache> make_cache(const server_config& c, boost::asio::any_io_executor ex,
                                                            default_event_bus& bus,
-                                                           std::vector<l2::any_backend> backends) {
-  const cache::cache_options o = cache_options_from(c);
+                                                           std::vector<l2::any_backend> backends,
+                                                           boost::asio::any_io_executor copy_executor = {}) {
+  cache::cache_options o = cache_options_from(c);
+  o.copy_executor = std::move(copy_executor);
   runtime_store_policy store{c.store_policy == store_kind::write_through};
   runtime_wait_policy wait;
   wait.kind = c.prefetch_policy;

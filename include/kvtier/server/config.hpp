@@ -36,6 +36,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
@@ -108,6 +109,9 @@ struct server_config {
   std::uint32_t prefetch_timeout_per_1k_tokens_ms = 100;             ///< "prefetch_timeout_per_1k_tokens_ms" (timeout)
   std::uint32_t prefetch_timeout_cap_ms = 30000;  ///< "prefetch_timeout_cap_ms" (timeout, wait_complete)
   std::uint32_t prefetch_max_in_flight = 8;       ///< "prefetch_max_in_flight"
+  /// "copy_threads": threads of the copy pool that moves chunks between the engines' regions
+  /// and L1 (retrieve, store), off the I/O thread; 0 = from the cores (copy_thread_count()).
+  std::uint32_t copy_threads = 0;
 
   // --- clients, logs, shutdown ---------------------------------------------------------
   telemetry::log_level log_level = telemetry::log_level::info;  ///< "log_level"
@@ -121,6 +125,13 @@ struct server_config {
   std::uint16_t metrics_port = 0;
   bool metrics_any_port = false;              ///< "metrics_port": "auto"
   std::string metrics_address = "127.0.0.1";  ///< "metrics_address": loopback unless told otherwise
+
+  /// The copy pool's size: copy_threads, or when 0 half the cores, between 1 and 8.
+  [[nodiscard]] std::uint32_t copy_thread_count() const noexcept {
+    if (copy_threads > 0) return copy_threads;
+    const unsigned cores = std::thread::hardware_concurrency();
+    return std::clamp<std::uint32_t>(cores / 2, 1, 8);
+  }
 
   /// Whether the HTTP endpoint is on.
   [[nodiscard]] bool metrics_enabled() const noexcept { return metrics_port != 0 || metrics_any_port; }
@@ -301,6 +312,7 @@ inline void server_config::merge_json(const nlohmann::json& j) {
   if (auto v = r.integer("prefetch_timeout_cap_ms", 0, max_ms))
     prefetch_timeout_cap_ms = static_cast<std::uint32_t>(*v);
   if (auto v = r.integer("prefetch_max_in_flight", 1, 65536)) prefetch_max_in_flight = static_cast<std::uint32_t>(*v);
+  if (auto v = r.integer("copy_threads", 0, 256)) copy_threads = static_cast<std::uint32_t>(*v);
   if (auto v = r.string("log_level", {"trace", "debug", "info", "warn", "error", "off"}))
     log_level = *telemetry::parse_log_level(*v);
   if (auto v = r.number("client_reap_timeout", 0.001, 1e7, "in seconds, e.g. 30")) client_reap_timeout_s = *v;
@@ -412,6 +424,7 @@ inline nlohmann::json server_config::to_json() const {
   j["prefetch_timeout_per_1k_tokens_ms"] = prefetch_timeout_per_1k_tokens_ms;
   j["prefetch_timeout_cap_ms"] = prefetch_timeout_cap_ms;
   j["prefetch_max_in_flight"] = prefetch_max_in_flight;
+  j["copy_threads"] = copy_threads;
   j["log_level"] = std::string(telemetry::to_string(log_level));
   j["client_reap_timeout"] = client_reap_timeout_s;
   j["max_lookups_per_client"] = max_lookups_per_client;

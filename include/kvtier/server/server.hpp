@@ -1,7 +1,10 @@
 #pragma once
 // server: the kvtier cache server in one object. It owns
-//   - its io_context: ONE thread (run()) carries the protocol, the pipelines' coroutines and
-//     the copies between engine regions and L1 (DESIGN.md, "Async core");
+//   - its io_context: ONE thread (run()) carries the protocol, the pipelines' coroutines,
+//     lookups and pings (DESIGN.md, "Async core");
+//   - the copy pool (copy_threads threads): the copies between engine regions and L1 of
+//     retrieves and stores (tiered_cache::async_copy_out / async_copy_in), so a large copy
+//     never holds up the I/O thread;
 //   - the event bus (metrics inline, logs on the bus's drain thread: the second thread);
 //   - the metrics registry (metrics(), metrics_text()) and, when metrics_port is set, the
 //     HTTP endpoint on this same executor: /metrics (Prometheus text), /healthz (200 with
@@ -10,8 +13,9 @@
 //     lookups (region_registry.hpp), the listening socket and one session per connection;
 //   - a reaper timer: expires L1 locks and lookups past their TTL, and closes connections
 //     silent for client_reap_timeout (a connection that dies is reaped at once: EOF),
-//     releasing the lookups each one owned; like every close, on the I/O thread between
-//     handlers, so no copy for the connection runs or starts after (session.hpp);
+//     releasing the lookups each one owned; like every close, on the I/O thread, and a
+//     connection with a copy in flight is closed once it ended, so no copy for the
+//     connection runs or starts after (session.hpp);
 //   - a random boot token, answered to ping and register (a new one reveals a restart);
 //   - who may connect: every accepted connection's peer is checked with SO_PEERCRED (the
 //     server's own uid, root, allowed_uids, allowed_gids) and against the connection caps
@@ -66,6 +70,7 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/signal_set.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <fmt/format.h>
@@ -134,7 +139,7 @@ class server final : private session_host {
       backend_lines_.push_back(spec.name + " (" + spec.description + ")");
       backend_types_.push_back(spec.type);
     }
-    cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends));
+    cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), copy_pool_.get_executor());
     ctx_.emplace(
         server_context{config_, *cache_, clients_, lookups_, bus_, log_, boot_token_, options_.hooks, &budget_});
     cache_->export_metrics(registry_);
@@ -283,11 +288,11 @@ class server final : private session_host {
     for (const auto& b : backend_lines_) backends += (backends.empty() ? "" : ", ") + b;
     return fmt::format(
         "kvtier-server {} listening on {} (boot token {:016x}, pid {}): L1 {} MiB in {} slots of {} KiB, eviction {}, "
-        "chunk {} tokens, L2 backends: {}, store {}, prefetch {}, metrics {}",
+        "chunk {} tokens, L2 backends: {}, store {}, prefetch {}, {} copy threads, metrics {}",
         version_string, config_.socket_path, boot_token_, ::getpid(),
         (cache_->slot_count() * cache_->slot_bytes()) >> 20, cache_->slot_count(), cache_->slot_bytes() >> 10,
         cache_->eviction_policy(), config_.chunk_tokens, backends.empty() ? std::string("none") : backends,
-        name(config_.store_policy), name(config_.prefetch_policy),
+        name(config_.store_policy), name(config_.prefetch_policy), config_.copy_thread_count(),
         metrics_port_ ? metrics_url() + "/metrics" : std::string("off"));
   }
 
@@ -582,6 +587,9 @@ class server final : private session_host {
   telemetry::registry registry_;
   default_event_bus bus_;
   boost::asio::io_context io_{1};
+  /// The copies' threads; before cache_, so destroyed (joined) after it: the cache's
+  /// async_stop has waited for every copy by then.
+  boost::asio::thread_pool copy_pool_{config_.copy_thread_count()};
   std::optional<telemetry::http_exporter> http_;  ///< after io_: destroyed before it
   std::uint16_t metrics_port_ = 0;
   std::uint64_t boot_token_;

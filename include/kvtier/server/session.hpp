@@ -6,9 +6,13 @@
 // Every frame is answered:
 //   - a request: its response, or error_response{errc, message} when refused (not
 //     registered, counts that do not match the layout, block id out of range, rank not the
-//     registration's, ...). Handlers are synchronous: lookups start a background prefetch
-//     and answer at once; copies between the engine's region and L1 happen inline (a
-//     retrieve of 10k tokens of a 0.5B model moves 117 MiB, see docs/server.md for the time).
+//     registration's, ...). Lookups start a background prefetch and answer at once. A
+//     retrieve is decode -> one cache call (tiered_cache::async_copy_out: each chunk copied
+//     into the engine's blocks as soon as it is readable, an L2 load pipelined with the
+//     copies) -> encode; a store likewise (async_copy_in, the generation fence after the
+//     copies). The copies run on the server's copy pool (copy_threads), so the I/O thread
+//     keeps serving the other connections' protocol, pings and lookups meanwhile; this
+//     connection's next frame is read once the answer went out, as for every request.
 //   - a frame whose body does not decode (unknown type, truncated or oversized field,
 //     trailing bytes) or that carries a response type: error_response, and the connection
 //     goes on (its frame boundaries held; docs/protocol.md).
@@ -26,13 +30,14 @@
 // reads EOF on a connection therefore knows that no block it handed over on it can be
 // written any more, and releases the blocks it had quarantined for calls it gave up on
 // (engine/quarantine.hpp); breaking the promise lets a late copy write into blocks the
-// engine already reuses: wrong KV. Today copies run inline in the handlers on the one I/O
-// thread, and close() is only ever called on that thread (reaper, shutdown, a broken
-// stream), between handlers: no copy can be running when the socket closes, and the loop
-// drops a frame read after close() unanswered (a read completed before it), so none starts
-// after. Whoever moves copies off the I/O thread (a copy pool) must keep it explicitly:
-// count a session's copies in flight, defer the socket's close (and the region's unmapping
-// in session_closed) until they are 0, and start no copy once closing_ is set.
+// engine already reuses: wrong KV. Copies run on the copy pool, so the session keeps it
+// explicitly: it counts its copy operations in flight (copies_, on the I/O thread: a copy
+// operation counts from its start until its completion ran, by which time every sink and
+// source call of it returned); close() (reaper, shutdown, a broken stream: always on the I/O
+// thread) sets closing_ at once but defers the socket's close until copies_ is 0; no copy
+// starts once closing_ is set (the loop drops a frame read after it, and the copy handlers
+// check it); and the region is unmapped only in session_closed, after the loop ended, which
+// it cannot while it awaits a copy.
 //
 // Lookups are the connection's own (lookup_table, keyed by this session's id): query,
 // free, end and the release after a retrieve touch this connection's lookup only.
@@ -71,7 +76,9 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <new>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -82,12 +89,16 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
-/// Hooks into request handling, run on the server's I/O thread. For tests and embedders.
+/// Hooks into request handling, run on the server's I/O thread (during_copy: on a copy
+/// thread). For tests and embedders.
 struct server_hooks {
   /// Called by a store after the chunks were copied out of the engine's region into L1 and
   /// before their block generations are re-read: a test bumps a generation here to play an
   /// engine that reused a block while the server copied it (fencing).
   std::function<void(std::uint64_t client_id, std::span<const std::uint32_t> block_ids)> after_store_copy;
+  /// Called on a copy-pool thread before each chunk a retrieve or store copies: a test
+  /// blocks a copy here to close its connection meanwhile.
+  std::function<void(std::uint64_t client_id)> during_copy;
 };
 
 /// What the sessions share: the server's state (owned by server::server).
@@ -134,13 +145,16 @@ class session : public std::enable_shared_from_this<session> {
   void start() { boost::asio::co_spawn(conn_.get_executor(), run(shared_from_this()), boost::asio::detached); }
 
   /// Closes the connection; the loop ends and the host reaps it. `reason` goes to the log.
-  /// On the I/O thread, between handlers (no copy of this session is running: the promise
-  /// in the header comment).
+  /// On the I/O thread. With a copy of this session in flight the socket closes when it
+  /// ended (the promise in the header comment); none starts after this call.
   void close(std::string reason) {
     if (close_reason_.empty()) close_reason_ = std::move(reason);
     closing_ = true;
-    conn_.close();
+    if (copies_ == 0) conn_.close();
   }
+
+  /// Copy operations of this session in flight (I/O thread).
+  [[nodiscard]] std::size_t copies_in_flight() const noexcept { return copies_; }
 
   [[nodiscard]] std::uint64_t id() const noexcept { return id_; }
   /// When the last complete frame arrived (or the connection was accepted).
@@ -149,17 +163,32 @@ class session : public std::enable_shared_from_this<session> {
   [[nodiscard]] const std::string& close_reason() const noexcept { return close_reason_; }
   [[nodiscard]] std::uint64_t requests() const noexcept { return requests_; }
 
-  /// The answer to one frame (publishes server_request_started/finished). Never throws.
-  protocol::message handle_frame(protocol::frame& f) {
+  /// The answer to one frame (publishes server_request_started/finished), or nullopt for a
+  /// query_prefetch of a lookup still deciding: answered later (answer_when_decided). Never
+  /// throws.
+  boost::asio::awaitable<std::optional<protocol::message>> handle_frame(protocol::frame& f) {
     ++requests_;
     const bus::request_kind kind = protocol::request_kind_of(f.header.type);
     const auto t0 = clock::now();
     ctx_.bus.publish(bus::server_request_started{kind, id_});
-    protocol::message reply = dispatch(f);
+    protocol::message reply = co_await dispatch(f);
+    if (const auto* q = std::get_if<protocol::query_prefetch_response>(&reply);
+        q != nullptr && q->state == protocol::prefetch_state::pending) {
+      // No polling on the wire: the answer goes out when the prefetch is decided.
+      if (auto m = protocol::decode_message(f, conn_.frame_limits())) {
+        const std::string key = std::get<protocol::query_prefetch_request>(*m).request_key;
+        if (const lookup_table::entry* e = ctx_.lookups.find(id_, key)) {
+          boost::asio::co_spawn(conn_.get_executor(),
+                                answer_when_decided(shared_from_this(), f.header.call_id, key, e->cache_id, t0),
+                                boost::asio::detached);
+          co_return std::nullopt;
+        }
+      }
+    }
     const bool ok = !std::holds_alternative<protocol::error_response>(reply);
     const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
     ctx_.bus.publish(bus::server_request_finished{kind, id_, ok, static_cast<std::uint64_t>(ns)});
-    return reply;
+    co_return std::optional<protocol::message>(std::move(reply));
   }
 
  private:
@@ -196,9 +225,14 @@ class session : public std::enable_shared_from_this<session> {
         break;
       }
       last_activity_ = clock::now();
-      protocol::message reply = handle_frame(f);
+      std::optional<protocol::message> reply = co_await handle_frame(f);
+      if (closing_) {  // closed while a copy ran: the socket closes now, unanswered
+        set_reason("closed");
+        break;
+      }
+      if (!reply) continue;  // answered when decided (a query_prefetch)
       const std::uint64_t call_id = f.header.call_id;
-      auto [wec] = co_await conn_.async_send(call_id, reply, as_tuple(use_awaitable));
+      auto [wec] = co_await conn_.async_send(call_id, *reply, as_tuple(use_awaitable));
       if (wec) {
         set_reason(closing_ ? "closed" : "write failed: " + wec.message());
         break;
@@ -218,23 +252,39 @@ class session : public std::enable_shared_from_this<session> {
     return protocol::error_response::make(e, text);
   }
 
-  protocol::message dispatch(protocol::frame& f) {
+  boost::asio::awaitable<protocol::message> dispatch(protocol::frame& f) {
     auto decoded = protocol::decode_message(f, conn_.frame_limits());
     if (!decoded) {
       const auto& e = decoded.error();
       const errc code =
           e.code.category() == kvtier_category() ? static_cast<errc>(e.code.value()) : errc::protocol_error;
-      return error(code, e.reason);
+      co_return error(code, e.reason);
     }
     if (protocol::is_response(f.header.type))
-      return error(errc::protocol_error,
-                   std::string(protocol::name(f.header.type)) + " is a response: a client sends requests only");
+      co_return error(errc::protocol_error,
+                      std::string(protocol::name(f.header.type)) + " is a response: a client sends requests only");
+    std::string failure;
+    errc failure_code = errc::invalid_argument;
     try {
-      return std::visit(
+      // The requests that await the cache (copies): one cache call each.
+      if (auto* m = std::get_if<protocol::retrieve_request>(&*decoded)) {
+        auto r = co_await on_retrieve(*m);
+        if (!r) co_return r.error().response();
+        co_return protocol::message(std::move(*r));
+      }
+      if (auto* m = std::get_if<protocol::store_request>(&*decoded)) {
+        auto r = co_await on_store(*m);
+        if (!r) co_return r.error().response();
+        co_return protocol::message(std::move(*r));
+      }
+      co_return std::visit(
           [&](auto& m) -> protocol::message {
             using T = std::decay_t<decltype(m)>;
             if constexpr (!protocol::wire_request<T>) {
               return error(errc::protocol_error, "not a request");
+            } else if constexpr (std::is_same_v<T, protocol::retrieve_request> ||
+                                 std::is_same_v<T, protocol::store_request>) {
+              return error(errc::protocol_error, "unreachable: copies are handled above");
             } else {
               request_result<typename T::response_type> r = [&] {
                 if constexpr (std::is_same_v<T, protocol::register_kv_request>)
@@ -249,11 +299,13 @@ class session : public std::enable_shared_from_this<session> {
           *decoded);
     } catch (const std::bad_alloc&) {
       ctx_.log.error("client {}: out of memory handling {}", id_, protocol::name(f.header.type));
-      return error(errc::out_of_memory, "the server ran out of memory handling this request");
+      failure_code = errc::out_of_memory;
+      failure = "the server ran out of memory handling this request";
     } catch (const std::exception& e) {
       ctx_.log.error("client {}: {} failed: {}", id_, protocol::name(f.header.type), e.what());
-      return error(errc::invalid_argument, e.what());
+      failure = e.what();
     }
+    co_return error(failure_code, failure);
   }
 
   /// The connection's registration, or not_registered naming the request.
@@ -371,6 +423,7 @@ class session : public std::enable_shared_from_this<session> {
     lr.object_bytes = reg.object_bytes;
     lr.chunk_tokens = reg.chunk.chunk_tokens;
     lr.request_id = request_id_of(r.request_key);
+    lr.prefill_tokens_per_second = reg.prefill_tokens_per_second;  // load or recompute
     const auto id = ctx_.cache.start_lookup(lr);
     lookup_table::entry e{id, id_, static_cast<std::uint32_t>(r.chunk_hashes.size()), reg.world_size};
     // The new lookup holds its locks before the old one gives its back: nothing the two
@@ -384,65 +437,142 @@ class session : public std::enable_shared_from_this<session> {
     if (!reg) return reg.error();
     const lookup_table::entry* e = ctx_.lookups.find(id_, r.request_key);
     if (e == nullptr) return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
-    if (auto st = ctx_.cache.poll(e->cache_id))
-      return protocol::query_prefetch_response{protocol::prefetch_state::done, static_cast<std::uint32_t>(st->chunks),
-                                               static_cast<std::uint32_t>(st->l1_chunks)};
-    if (ctx_.cache.known(e->cache_id))
+    if (auto st = ctx_.cache.poll(e->cache_id)) return done_response(*st);
+    if (ctx_.cache.known(e->cache_id))  // not decided yet: dispatch() answers it when it is
       return protocol::query_prefetch_response{protocol::prefetch_state::pending, 0, 0};
     ctx_.lookups.take(id_, r.request_key);  // expired in the cache (lookup_ttl)
     return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
   }
 
-  request_result<protocol::retrieve_response> on(const protocol::retrieve_request& r) {
+  static protocol::query_prefetch_response done_response(const cache::lookup_status& st) {
+    return protocol::query_prefetch_response{protocol::prefetch_state::done, static_cast<std::uint32_t>(st.chunks),
+                                             static_cast<std::uint32_t>(st.l1_chunks)};
+  }
+
+  /// A query of a lookup still deciding: answered once it is decided (tiered_cache::
+  /// async_wait; the prefetch decides within its wait budget, prefetch_timeout_cap_ms at
+  /// most), while this connection's next frames are read and answered (answers carry their
+  /// call id). A lookup replaced meanwhile is waited for in its turn; one released or
+  /// reaped meanwhile answers unknown.
+  boost::asio::awaitable<void> answer_when_decided(std::shared_ptr<session> self, std::uint64_t call_id,
+                                                   std::string request_key, std::uint64_t cache_id,
+                                                   clock::time_point t0) {
+    using boost::asio::as_tuple;
+    using boost::asio::use_awaitable;
+    (void)self;  // keeps the session alive until the answer went out
+    protocol::query_prefetch_response reply{protocol::prefetch_state::unknown, 0, 0};
+    for (;;) {
+      auto [ec, st] = co_await ctx_.cache.async_wait(cache_id, as_tuple(use_awaitable));
+      const lookup_table::entry* e = closing_ ? nullptr : ctx_.lookups.find(id_, request_key);
+      if (e == nullptr) break;        // released, ended, reaped
+      if (e->cache_id != cache_id) {  // replaced by a newer lookup
+        cache_id = e->cache_id;
+        continue;
+      }
+      if (!ec) reply = done_response(st);
+      break;
+    }
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
+    ctx_.bus.publish(
+        bus::server_request_finished{bus::request_kind::query_prefetch, id_, true, static_cast<std::uint64_t>(ns)});
+    if (!closing_) co_await conn_.async_send(call_id, protocol::message(reply), as_tuple(use_awaitable));
+  }
+
+  /// Copies of this session in flight: counted from the start of a copy operation until its
+  /// completion ran; the last one to end closes the socket when close() came meanwhile.
+  class copy_scope {
+   public:
+    explicit copy_scope(session& s) : s_(s) { ++s_.copies_; }
+    copy_scope(const copy_scope&) = delete;
+    copy_scope& operator=(const copy_scope&) = delete;
+    ~copy_scope() {
+      if (--s_.copies_ == 0 && s_.closing_) s_.conn_.close();
+    }
+
+   private:
+    session& s_;
+  };
+
+  /// The first error of the copies of one request (they run on several threads at once).
+  class first_error {
+   public:
+    void set(std::error_code ec) {
+      std::lock_guard g(m_);
+      if (!ec_) ec_ = ec;
+    }
+    [[nodiscard]] std::error_code get() {
+      std::lock_guard g(m_);
+      return ec_;
+    }
+
+   private:
+    std::mutex m_;
+    std::error_code ec_;
+  };
+
+  static request_error closing_error(std::string_view what) {
+    return request_error{errc::shutting_down, std::string(what) + ": the connection is closing"};
+  }
+
+  boost::asio::awaitable<request_result<protocol::retrieve_response>> on_retrieve(const protocol::retrieve_request& r) {
+    using boost::asio::as_tuple;
+    using boost::asio::use_awaitable;
     auto reg_r = registered_with_region("retrieve_request");
-    if (!reg_r) return reg_r.error();
+    if (!reg_r) co_return reg_r.error();
     registration& reg = **reg_r;
     const std::size_t n = r.chunk_hashes.size();
-    if (auto e = check_blocks(reg, "retrieve_request", r.rank, n, r.block_ids)) return *e;
-    if (n == 0) return protocol::retrieve_response{0};
+    if (auto e = check_blocks(reg, "retrieve_request", r.rank, n, r.block_ids)) co_return *e;
+    if (n == 0) co_return protocol::retrieve_response{0};
+    if (closing_) co_return closing_error("retrieve_request");  // no copy starts after the close
 
     const std::uint64_t mid = reg.model_id_for(r.cache_salt);
     std::vector<chunk_key> keys(n);
     for (std::size_t i = 0; i < n; ++i) keys[i] = reg.key(mid, r.chunk_hashes[i]);
-    std::vector<l1::status> st(n);
-    std::vector<std::span<const std::byte>> views(n);
-    ctx_.cache.pin_for_copy(keys, st, views, reg.object_bytes);  // the copyable prefix only
-
-    // The contiguous prefix of pinned objects of the right size is copied out.
+    cache::copy_out_request cr;
+    // Only this connection's lookup: a worker retrieving what its scheduler looked up on
+    // another connection copies what L1 holds and leaves the scheduler's holds to the
+    // scheduler (end_request).
+    if (const lookup_table::entry* e = ctx_.lookups.find(id_, r.request_key)) cr.lookup = e->cache_id;
+    cr.keys = keys;
+    cr.object_bytes = reg.object_bytes;
+    // The sink runs on the copy pool; everything it reads stays alive until the completion
+    // (this coroutine's frame, the registration: this connection cannot unregister meanwhile).
+    const paged_kv_view view = reg.region.view();
+    const chunk_layout& chunk = reg.chunk;
     const std::uint32_t ct = reg.chunk.chunk_tokens;
     const std::size_t bpc = reg.blocks_per_chunk;
-    std::size_t prefix = 0;
-    while (prefix < n && st[prefix] == l1::status::success && views[prefix].size() == reg.object_bytes) ++prefix;
-    std::vector<scatter_item> items(prefix);
-    for (std::size_t i = 0; i < prefix; ++i) {
+    first_error refused;
+    cache::copy_out_sink sink = [&](std::size_t i, std::size_t, std::span<const std::byte> object) {
+      if (ctx_.hooks.during_copy) ctx_.hooks.during_copy(id_);
       const std::uint64_t done = std::uint64_t{ct} * i;
       const std::uint64_t skip = r.skip_tokens > done ? std::min<std::uint64_t>(r.skip_tokens - done, ct) : 0;
-      items[i] =
-          scatter_item{std::span(r.block_ids).subspan(i * bpc, bpc), views[i].data(), static_cast<std::uint32_t>(skip)};
+      const scatter_item item{std::span(r.block_ids).subspan(i * bpc, bpc), object.data(),
+                              static_cast<std::uint32_t>(skip)};
+      if (const std::error_code ec = scatter_chunks(view, chunk, std::span(&item, 1))) {
+        refused.set(ec);
+        return false;
+      }
+      return true;
+    };
+    std::size_t copied = 0;
+    {
+      copy_scope scope(*this);
+      auto [ec, count] = co_await ctx_.cache.async_copy_out(std::move(cr), std::move(sink), as_tuple(use_awaitable));
+      copied = ec ? 0 : count;
     }
-    std::uint32_t retrieved = static_cast<std::uint32_t>(prefix);
-    if (const std::error_code ec = scatter_chunks(reg.region.view(), reg.chunk, items)) {
-      ctx_.log.error("client {}: retrieve copy refused: {}", id_, ec.message());
-      retrieved = 0;  // nothing was written
-    }
-
-    std::vector<chunk_key> pinned;
-    pinned.reserve(n);
-    for (std::size_t i = 0; i < n; ++i)
-      if (st[i] == l1::status::success) pinned.push_back(keys[i]);
-    ctx_.cache.unpin_after_copy(pinned);
-    // Only this connection's lookup: a worker retrieving what its scheduler looked up on
-    // another connection leaves the scheduler's holds to the scheduler (end_request).
-    if (const lookup_table::entry* e = ctx_.lookups.find(id_, r.request_key)) ctx_.cache.release(e->cache_id, keys);
-    return protocol::retrieve_response{retrieved};
+    if (const std::error_code e = refused.get())
+      ctx_.log.error("client {}: retrieve copy refused: {}", id_, e.message());
+    co_return protocol::retrieve_response{static_cast<std::uint32_t>(copied)};
   }
 
-  request_result<protocol::store_response> on(const protocol::store_request& r) {
+  boost::asio::awaitable<request_result<protocol::store_response>> on_store(const protocol::store_request& r) {
+    using boost::asio::as_tuple;
+    using boost::asio::use_awaitable;
     auto reg_r = registered_with_region("store_request");
-    if (!reg_r) return reg_r.error();
+    if (!reg_r) co_return reg_r.error();
     registration& reg = **reg_r;
     const std::size_t n = r.chunk_hashes.size();
-    if (auto e = check_blocks(reg, "store_request", r.rank, n, r.block_ids)) return *e;
+    if (auto e = check_blocks(reg, "store_request", r.rank, n, r.block_ids)) co_return *e;
     const std::uint64_t mid = reg.model_id_for(r.cache_salt);
     const std::size_t bpc = reg.blocks_per_chunk;
     auto blocks_of = [&](std::size_t i) { return std::span(r.block_ids).subspan(i * bpc, bpc); };
@@ -464,45 +594,44 @@ class session : public std::enable_shared_from_this<session> {
       todo.push_back(i);
       keys.push_back(reg.key(mid, r.chunk_hashes[i]));
     }
-    std::vector<l1::status> st(keys.size());
-    std::vector<std::span<std::byte>> buffers(keys.size());
-    if (!keys.empty()) ctx_.cache.reserve_write(keys, reg.object_bytes, st, buffers);
+    if (keys.empty()) co_return out;
+    if (closing_) co_return closing_error("store_request");  // no copy starts after the close
 
-    std::vector<gather_item> items;
-    std::vector<std::size_t> reserved;  // indexes into todo/keys
-    for (std::size_t j = 0; j < keys.size(); ++j) {
-      if (st[j] == l1::status::success) {
-        items.push_back(gather_item{blocks_of(todo[j]), buffers[j].data(), 0});
-        reserved.push_back(j);
-      } else if (st[j] == l1::status::not_writable) {
-        ++out.already_present;
-      } else {
-        ++out.failed;
+    cache::copy_in_request cr;
+    cr.keys = keys;
+    cr.object_bytes = reg.object_bytes;
+    cr.context = pipeline::write_context{request_id_of(r.request_key), 0, r.first_chunk};
+    const paged_kv_view view = reg.region.view();
+    const chunk_layout& chunk = reg.chunk;
+    first_error refused;
+    cache::copy_in_source source = [&](std::size_t j, std::span<std::byte> object) {
+      if (ctx_.hooks.during_copy) ctx_.hooks.during_copy(id_);
+      const gather_item item{blocks_of(todo[j]), object.data(), 0};
+      if (const std::error_code ec = gather_chunks(view, chunk, std::span(&item, 1))) {
+        refused.set(ec);
+        return false;
       }
+      return true;
+    };
+    // The fence: a block the engine reused while we copied is never stored under the old
+    // key. Runs on this thread after every copy ended.
+    bool hooked = false;
+    cache::copy_in_fence fence = [&](std::size_t j) {
+      if (!std::exchange(hooked, true) && ctx_.hooks.after_store_copy) ctx_.hooks.after_store_copy(id_, r.block_ids);
+      return !fenced(todo[j]);
+    };
+    cache::copy_in_result res;
+    {
+      copy_scope scope(*this);
+      auto [ec, x] = co_await ctx_.cache.async_copy_in(std::move(cr), std::move(source), std::move(fence),
+                                                       as_tuple(use_awaitable));
+      res = ec ? cache::copy_in_result{0, 0, keys.size()} : x;
     }
-    if (items.empty()) return out;
-
-    std::vector<chunk_key> good, bad;
-    if (const std::error_code ec = gather_chunks(reg.region.view(), reg.chunk, items)) {
-      ctx_.log.error("client {}: store copy refused: {}", id_, ec.message());
-      for (std::size_t j : reserved) bad.push_back(keys[j]);
-    } else {
-      if (ctx_.hooks.after_store_copy) ctx_.hooks.after_store_copy(id_, r.block_ids);
-      // The fence: a block the engine reused while we copied is never stored under the old key.
-      for (std::size_t j : reserved) (fenced(todo[j]) ? bad : good).push_back(keys[j]);
-    }
-    if (!bad.empty()) {
-      ctx_.cache.abandon_write(bad);
-      out.failed += static_cast<std::uint32_t>(bad.size());
-    }
-    if (!good.empty()) {
-      std::vector<l1::status> fs(good.size());
-      const pipeline::write_context wc{request_id_of(r.request_key), 0, r.first_chunk};
-      const std::size_t ok = ctx_.cache.finish_write(good, wc, fs);
-      out.stored += static_cast<std::uint32_t>(ok);
-      out.failed += static_cast<std::uint32_t>(good.size() - ok);
-    }
-    return out;
+    if (const std::error_code e = refused.get()) ctx_.log.error("client {}: store copy refused: {}", id_, e.message());
+    out.stored += static_cast<std::uint32_t>(res.stored);
+    out.already_present += static_cast<std::uint32_t>(res.already_present);
+    out.failed += static_cast<std::uint32_t>(res.failed);
+    co_return out;
   }
 
   request_result<protocol::free_lookup_locks_response> on(const protocol::free_lookup_locks_request& r) {
@@ -554,6 +683,7 @@ class session : public std::enable_shared_from_this<session> {
   clock::time_point last_activity_;
   std::string close_reason_;
   bool closing_ = false;
+  std::size_t copies_ = 0;  ///< copy operations in flight (copy_scope)
   std::uint64_t requests_ = 0;
 };
 

@@ -85,6 +85,10 @@ class logging_subscriber {
   void on(const bus::l2_prefetch_failed& e) {
     log_->warn("L2 prefetch {} could not deliver {} keys: {}", e.request_id, e.key_count, bus::name(e.reason));
   }
+  void on(const bus::l2_prefetch_declined& e) {
+    log_->debug("L2 prefetch {} declined {} keys ({} tokens): {}", e.request_id, e.key_count, e.tokens,
+                bus::name(e.reason));
+  }
   void on(const bus::l2_backend_load_completed& e) {
     log_->debug("L2 backend {} ({}) load: {} of {} keys, {} bytes, {:.3f} ms", e.backend_index, e.backend.view(),
                 e.loaded_count, e.key_count, e.bytes, static_cast<double>(e.duration_ns) * 1e-6);

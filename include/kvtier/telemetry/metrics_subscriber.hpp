@@ -120,6 +120,9 @@ class metrics_subscriber {
   void on(const bus::l2_prefetch_failed& e) noexcept {
     s_->prefetch_failure_keys[static_cast<std::size_t>(e.reason)]->inc(e.key_count);
   }
+  void on(const bus::l2_prefetch_declined& e) noexcept {
+    s_->l2_declined_tokens[static_cast<std::size_t>(e.reason)]->inc(e.tokens);
+  }
   void on(const bus::l2_backend_load_completed& e) {
     auto& b = s_->backend(e.backend_index, e.backend);
     b.load_keys.inc(e.key_count);
@@ -292,6 +295,11 @@ class metrics_subscriber {
           prefetch_failure_keys(per_enum_counters<bus::prefetch_failure_count, bus::prefetch_failure>(
               r, "kvtier_l2_prefetch_failure_keys_total", "Keys an L2 prefetch could not deliver, by reason", "reason",
               [](bus::prefetch_failure x) { return bus::name(x); })),
+          l2_declined_tokens(per_enum_counters<bus::decline_reason_count, bus::decline_reason>(
+              r, "kvtier_lookup_l2_declined_tokens_total",
+              "Tokens L2 could have served that lookups did not offer, by reason (slower_than_recompute: the "
+              "backend loads them slower than the engine's declared prefill rate computes them)",
+              "reason", [](bus::decline_reason x) { return bus::name(x); })),
           prefetch_duration(r.add_histogram("kvtier_l2_prefetch_duration_seconds",
                                             "Time from L2 lookup submission to prefetch completion",
                                             latency_buckets_seconds())),
@@ -408,6 +416,7 @@ class metrics_subscriber {
     counter& prefetch_failed_keys;
     counter& prefetch_loaded_bytes;
     std::array<counter*, bus::prefetch_failure_count> prefetch_failure_keys;
+    std::array<counter*, bus::decline_reason_count> l2_declined_tokens;
     histogram& prefetch_duration;
     std::array<counter*, bus::request_kind_count> requests{};
     std::array<counter*, bus::request_kind_count> request_errors{};

@@ -3,7 +3,7 @@
 //
 // Threads: the engine's threads call the public functions; the connector's own thread runs
 // the io_context: the connection lifecycle (connect, handshake, register, ping loop,
-// backoff), one reader per connection, call deadlines, lookup polls and the pidfd watches.
+// backoff), one reader per connection, call deadlines, lookup queries and the pidfd watches.
 // Shared state is guarded by mu_; Asio objects are touched on the connector's thread only
 // (engine threads insert a call into calls_ and post its sending). A call completes exactly
 // once, with mu_ held, by whichever comes first: its reply (reader), its deadline, the
@@ -358,9 +358,14 @@ void connector<Bus>::start_lookup_io(const std::string& id, std::uint64_t serial
 
 template <class Bus>
 void connector<Bus>::issue_query_locked(const std::string& id, std::uint64_t serial) {
+  const lookup_entry* e = find_lookup_locked(id, serial);
+  if (e == nullptr) return;
+  // The server answers when the prefetch is decided (within its own wait budget); we wait
+  // until the lookup's deadline at most.
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(e->deadline - clock::now());
   const std::uint64_t cid = next_call_id_.fetch_add(1, std::memory_order_relaxed);
   issue_locked(cid, call_kind::query, current_epoch_, protocol::query_prefetch_response::type,
-               encode(cid, protocol::query_prefetch_request{id}), -1, scaled(options_.timeouts.request_timeout),
+               encode(cid, protocol::query_prefetch_request{id}), -1, std::max(left, std::chrono::milliseconds(1)),
                [this, id, serial](pending_call&, call_result& r) { on_lookup_reply_io(id, serial, r, false); });
 }
 
@@ -380,6 +385,8 @@ void connector<Bus>::on_lookup_reply_io(const std::string& id, std::uint64_t ser
     if (r.status == call_status::timeout) send_notify_locked(protocol::free_lookup_locks_request{id});
     return;
   }
+  // After the ack, the query: the server answers it once the prefetch is decided, so
+  // nothing wakes while it waits.
   if (ack) return issue_query_locked(id, serial);
   const auto& q = std::get<protocol::query_prefetch_response>(r.reply);
   switch (q.state) {
@@ -397,15 +404,9 @@ void connector<Bus>::on_lookup_reply_io(const std::string& id, std::uint64_t ser
     send_notify_locked(protocol::free_lookup_locks_request{id});
     return;
   }
-  auto t = std::make_shared<boost::asio::steady_timer>(ex_, options_.lookup_poll_interval);
-  t->async_wait([this, t, id, serial](error_code ec) {
-    if (ec) return;
-    std::lock_guard g(mu_);
-    if (stopping_) return;
-    lookup_entry* le = find_lookup_locked(id, serial);
-    if (le == nullptr || le->answered || state_ != health_state::healthy) return;
-    issue_query_locked(id, serial);
-  });
+  // `pending`: the server's wait ended before the decision (a server that answers at once,
+  // or the lookup replaced meanwhile): ask again, the server waits again. No timer.
+  if (state_ == health_state::healthy) issue_query_locked(id, serial);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -678,7 +679,9 @@ void connector<Bus>::on_deadline_io(std::uint64_t id) {
   complete_locked(*c, call_result{call_status::timeout, {}, "deadline passed"});
   // Work (not pings, not the handshake) timing out again and again: the server answers
   // pings but does nothing else.
-  const bool work = c->kind != call_kind::control && c->kind != call_kind::ping;
+  // A query waits server-side for the prefetch's decision: its deadline is the lookup's,
+  // and a prefetch slower than that is no sign of a hung server.
+  const bool work = c->kind != call_kind::control && c->kind != call_kind::ping && c->kind != call_kind::query;
   if (work && c->epoch == current_epoch_ && state_ == health_state::healthy && breaker_.on_timeout()) {
     last_error_ = std::to_string(breaker_.threshold()) + " calls in a row timed out";
     mark_unhealthy_io("timeouts");

@@ -182,6 +182,7 @@ struct disk_backend::load_item {
   std::size_t hash_next = 0;  ///< the next part (index into parts) to feed the checksum
   std::size_t parts_end = 0;  ///< one past this key's last part
   XXH3_state_t* hash = nullptr;
+  const load_observer* landed = nullptr;  ///< told when the key verified (the caller's observer)
   bool failed = false;
   bool drop = false;  ///< the object is bad: remove it
   key_outcome outcome = key_outcome::timeout;
@@ -686,7 +687,8 @@ inline boost::asio::awaitable<disk_backend::lookup_tuple> disk_backend::lookup_i
 // --- load -------------------------------------------------------------------------------------
 
 inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl(
-    std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d) {
+    std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
+    load_observer observer) {
   namespace asio = boost::asio;
   co_await asio::this_coro::throw_if_cancelled(false);
   batch_result r(keys.size(), key_outcome::timeout);
@@ -717,6 +719,7 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
       it.dst = destinations[i];
       it.generation = e->generation;
       it.index = i;
+      it.landed = observer ? &observer : nullptr;
       items.push_back(it);
     }
   }
@@ -862,6 +865,7 @@ inline void disk_backend::verify_loaded(load_item& it) {
   it.outcome = key_outcome::ok;
   stats_->loaded_bytes.fetch_add(it.dst.size(), std::memory_order_relaxed);
   count_success();
+  if (it.landed != nullptr) (*it.landed)(it.index);  // every part landed: nothing writes dst any more
 }
 
 inline boost::asio::awaitable<void> disk_backend::drop(std::vector<std::pair<chunk_key, std::uint64_t>> bad) {
