@@ -297,6 +297,58 @@ TEST_CASE("a retrieve or store with bad counts, block ids or rank is refused and
   CHECK(c.refused(p::lookup_request{"k", reg.model_id, 2, hashes}).code == invalid);
 }
 
+TEST_CASE("a ping is answered while a retrieve of the same connection is still copying", "[server][concurrency]") {
+  // Issue 13 item 10: the connector judges the server's health by its pings, on the same
+  // connection as its retrieves and stores; a ping must never wait behind a copy. The copy
+  // of chunk 0 blocks in the hook until the ping's answer has arrived.
+  std::mutex m;
+  std::condition_variable cv;
+  bool armed = false, in_copy = false, go = false;
+  server::server_options opts;
+  opts.hooks.during_copy = [&](std::uint64_t) {
+    std::unique_lock g(m);
+    if (!armed) return;
+    armed = false;
+    in_copy = true;
+    cv.notify_all();
+    cv.wait_for(g, server_deadline, [&] { return go; });
+  };
+  running_server s({}, std::move(opts));
+  raw_client c(s.path());
+  engine_region r;
+  c.register_region(r);
+  const auto hashes = chunk_hashes(78, 2);
+  const auto src = block_range(0, 2 * blocks_per_chunk);
+  r.fill_blocks(src, 6);
+  REQUIRE(c.ok(store_req(r, hashes, src)).stored == 2);
+  {
+    std::lock_guard g(m);
+    armed = true;
+  }
+  REQUIRE_FALSE(c.send(101, retrieve_req(hashes, block_range(20, 2 * blocks_per_chunk), 0)));
+  {
+    std::unique_lock g(m);
+    REQUIRE(cv.wait_for(g, server_deadline, [&] { return in_copy; }));
+  }
+  REQUIRE_FALSE(c.send(102, p::ping_request{42}));
+  auto [ec, f] = c.read_frame();  // the copy is still blocked: only the ping can be answered
+  REQUIRE_FALSE(ec);
+  CHECK(f.header.call_id == 102);
+  CHECK(f.header.type == p::message_type::ping_response);
+  {
+    std::lock_guard g(m);
+    go = true;
+  }
+  cv.notify_all();
+  auto [ec2, f2] = c.read_frame();
+  REQUIRE_FALSE(ec2);
+  CHECK(f2.header.call_id == 101);
+  auto reply = p::decode_message(f2);
+  REQUIRE(reply.has_value());
+  REQUIRE(std::holds_alternative<p::retrieve_response>(*reply));
+  CHECK(std::get<p::retrieve_response>(*reply).retrieved_chunks == 2);
+}
+
 TEST_CASE("a connection closed while its copy runs on the copy pool closes only once the copy ended",
           "[server][concurrency]") {
   // The promise engines rely on (quarantine release): EOF on a connection proves that no

@@ -69,11 +69,13 @@
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/error.hpp>
+#include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -193,10 +195,20 @@ class session : public std::enable_shared_from_this<session> {
 
  private:
   // --- the loop ------------------------------------------------------------------------
+  // Two coroutines per connection on the I/O thread: the reader answers each ping at once and
+  // queues every other frame; the lane handles the queued frames in order, one at a time (a
+  // retrieve or a store awaits its copies there). So a ping never waits behind a copy (the
+  // connector judges the server's health by its pings), and every other request keeps the
+  // order the client sent it in. The reader stays at most max_lane_frames / max_lane_bytes
+  // ahead of the lane (then it stops reading: backpressure on the client).
+  static constexpr std::size_t max_lane_frames = 64;
+  static constexpr std::size_t max_lane_bytes = std::size_t{64} << 20;
+
   boost::asio::awaitable<void> run(std::shared_ptr<session> self) {
     using boost::asio::as_tuple;
     using boost::asio::use_awaitable;
-    (void)self;  // keeps the session alive while the loop runs
+    boost::asio::co_spawn(conn_.get_executor(), lane(self), boost::asio::detached);
+    bool drain = false;  // EOF: the frames the client sent before closing are still handled
     for (;;) {
       auto [ec, f] = co_await conn_.async_read_frame(as_tuple(use_awaitable));
       if (ec) {
@@ -211,6 +223,7 @@ class session : public std::enable_shared_from_this<session> {
           co_await conn_.async_send(call_id, reply, as_tuple(use_awaitable));
         } else if (ec == boost::asio::error::eof) {
           set_reason("disconnected");
+          drain = true;
         } else if (ec != boost::asio::error::operation_aborted) {
           set_reason("socket error: " + ec.message());
         } else {
@@ -220,27 +233,70 @@ class session : public std::enable_shared_from_this<session> {
       }
       // Closed meanwhile (reaped, shutting down): a frame read before the close is dropped,
       // so no copy starts after it (the promise in the header comment).
-      if (closing_) {
+      if (closing_ || lane_done_) {
         set_reason("closed");
         break;
       }
       last_activity_ = clock::now();
+      if (f.header.type == protocol::message_type::ping_request) {
+        std::optional<protocol::message> reply = co_await handle_frame(f);  // never awaits a copy
+        if (reply) {
+          auto [wec] = co_await conn_.async_send(f.header.call_id, *reply, as_tuple(use_awaitable));
+          if (wec) {
+            set_reason(closing_ ? "closed" : "write failed: " + wec.message());
+            break;
+          }
+        }
+        continue;
+      }
+      lane_bytes_ += f.body.size();
+      lane_.push_back(std::move(f));
+      lane_wake_.cancel();
+      while (!closing_ && !lane_done_ && (lane_.size() >= max_lane_frames || lane_bytes_ >= max_lane_bytes))
+        co_await reader_wake_.async_wait(as_tuple(use_awaitable));
+    }
+    if (!drain || closing_) {
+      lane_.clear();
+      lane_bytes_ = 0;
+    }
+    reader_done_ = true;
+    lane_wake_.cancel();
+    while (!lane_done_) co_await reader_wake_.async_wait(as_tuple(use_awaitable));
+    conn_.close();
+    host_.session_closed(id_);
+  }
+
+  boost::asio::awaitable<void> lane(std::shared_ptr<session> self) {
+    using boost::asio::as_tuple;
+    using boost::asio::use_awaitable;
+    (void)self;  // keeps the session alive while the lane runs
+    for (;;) {
+      while (lane_.empty() && !reader_done_) co_await lane_wake_.async_wait(as_tuple(use_awaitable));
+      if (lane_.empty() || closing_) break;
+      protocol::frame f = std::move(lane_.front());
+      lane_.pop_front();
+      lane_bytes_ -= f.body.size();
+      reader_wake_.cancel();
       std::optional<protocol::message> reply = co_await handle_frame(f);
       if (closing_) {  // closed while a copy ran: the socket closes now, unanswered
         set_reason("closed");
         break;
       }
       if (!reply) continue;  // answered when decided (a query_prefetch)
-      const std::uint64_t call_id = f.header.call_id;
-      auto [wec] = co_await conn_.async_send(call_id, *reply, as_tuple(use_awaitable));
+      auto [wec] = co_await conn_.async_send(f.header.call_id, *reply, as_tuple(use_awaitable));
       if (wec) {
         set_reason(closing_ ? "closed" : "write failed: " + wec.message());
         break;
       }
       if (closing_) break;
     }
-    conn_.close();
-    host_.session_closed(id_);
+    lane_.clear();
+    lane_bytes_ = 0;
+    lane_done_ = true;
+    // Between requests, no copy of this session runs: a reader still waiting for a frame is
+    // woken by the close (the lane ended on a failed write or a close).
+    if (!reader_done_ && copies_ == 0) conn_.close();
+    reader_wake_.cancel();
   }
 
   void set_reason(std::string r) {
@@ -684,6 +740,13 @@ class session : public std::enable_shared_from_this<session> {
   std::string close_reason_;
   bool closing_ = false;
   std::size_t copies_ = 0;  ///< copy operations in flight (copy_scope)
+  std::deque<protocol::frame> lane_;  ///< read, not yet handled (run, lane)
+  std::size_t lane_bytes_ = 0;
+  bool reader_done_ = false;
+  bool lane_done_ = false;
+  /// Wake-ups between the two coroutines: a wait ends when the other side cancels the timer.
+  boost::asio::steady_timer lane_wake_{conn_.get_executor(), boost::asio::steady_timer::time_point::max()};
+  boost::asio::steady_timer reader_wake_{conn_.get_executor(), boost::asio::steady_timer::time_point::max()};
   std::uint64_t requests_ = 0;
 };
 
