@@ -234,10 +234,13 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
     auto h = std::move(handler_);
     auto self = std::move(keep_alive_);  // alive until this function returns
     tiered_cache& c = c_;
-    auto ex = boost::asio::get_associated_executor(h, c.executor_);
-    // Through the cache's executor first (the op may finish inside the initiation), then on
-    // the handler's own; counted until the handler ran.
-    boost::asio::post(c.executor_, [ex, h = std::move(h), copied, &c]() mutable {
+    // Through the cache's executor first (the op may finish inside the initiation, or on a
+    // copy thread), then on the handler's own; counted until the handler ran. The handler's
+    // executor is looked up, copied and dropped only on the cache's executor: asio's shared
+    // executor targets count references with fences that TSan cannot see, so copies of one
+    // dropped on two threads read as a race.
+    boost::asio::post(c.executor_, [h = std::move(h), copied, &c]() mutable {
+      auto ex = boost::asio::get_associated_executor(h, c.executor_);
       boost::asio::dispatch(ex, [h = std::move(h), copied, &c]() mutable {
         std::move(h)(error_code{}, copied);
         c.tracker_.end();
@@ -322,10 +325,13 @@ class tiered_cache<Traits>::copy_in_op : public std::enable_shared_from_this<cop
  private:
   // On the handler's executor (posted: never inside the initiation): fence, finish or
   // abandon, answer.
+  // The handler's executor is looked up and dropped on the cache's executor only (see
+  // copy_out_op::finish), never on the copy thread that ran the last copy.
   void complete() {
-    auto ex = boost::asio::get_associated_executor(handler_, c_.executor_);
-    boost::asio::post(c_.executor_,
-                      [ex, self = this->shared_from_this()] { boost::asio::dispatch(ex, [self] { self->finish(); }); });
+    boost::asio::post(c_.executor_, [self = this->shared_from_this()] {
+      auto ex = boost::asio::get_associated_executor(self->handler_, self->c_.executor_);
+      boost::asio::dispatch(ex, [self] { self->finish(); });
+    });
   }
 
   void finish() {
