@@ -31,11 +31,6 @@ std::vector<std::string> disk_server_args(const std::string& socket, const fs::p
   return args;
 }
 
-::mode_t mode_of(const fs::path& p) {
-  struct ::stat st {};
-  REQUIRE(::lstat(p.c_str(), &st) == 0);
-  return st.st_mode & 07777;
-}
 
 /// Stores `chunks` chunks through a first server on `l2` and stops it.
 void fill_disk(const temp_dir& dir, const std::string& socket, const fs::path& l2, std::size_t chunks) {

@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "server/in_process_server.hpp"
 #include "server/server_fixtures.hpp"
 
 using namespace kvtier;
@@ -14,32 +15,6 @@ using namespace kvtier::test;
 using nlohmann::json;
 
 namespace {
-
-/// An in-process server with 256 L1 slots of 4 KiB (one chunk of the test model each).
-struct running_server {
-  temp_dir dir{"kvtier-lookups"};
-  server::server_config cfg;
-  std::unique_ptr<server::server> srv;
-  std::thread thread;
-
-  running_server() {
-    cfg.socket_path = (dir.path() / "kvtier.sock").string();
-    cfg.chunk_tokens = test_chunk_tokens;
-    cfg.l1_slot_bytes = 4096;
-    cfg.l1_size_bytes = 256 * 4096;
-    cfg.log_level = telemetry::log_level::error;
-    srv = std::make_unique<server::server>(cfg);
-    srv->start();
-    thread = std::thread([s = srv.get()] { s->run(); });
-  }
-  running_server(const running_server&) = delete;
-  running_server& operator=(const running_server&) = delete;
-  ~running_server() {
-    srv->stop();
-    thread.join();
-  }
-  [[nodiscard]] const std::string& path() const { return cfg.socket_path; }
-};
 
 /// Stores `hashes` from blocks `first`.. of `r`, filled with a pattern of `seed` first;
 /// returns the blocks.

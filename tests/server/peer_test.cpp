@@ -26,11 +26,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-::mode_t mode_of(const fs::path& p) {
-  struct ::stat st {};
-  REQUIRE(::lstat(p.c_str(), &st) == 0);
-  return st.st_mode & 07777;
-}
 ::uid_t owner_of(const fs::path& p) {
   struct ::stat st {};
   REQUIRE(::lstat(p.c_str(), &st) == 0);

@@ -30,6 +30,7 @@
 
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -425,6 +426,13 @@ inline void retrieve_and_compare(raw_client& c, const engine_region& r, const st
   REQUIRE(c.ok(retrieve_req(hashes, blocks, 0, 0, key)).retrieved_chunks == hashes.size());
   for (std::uint32_t i = 0; i < blocks.size(); ++i)
     for (std::uint32_t t = 0; t < test_block_size; ++t) REQUIRE(r.same_token(blocks[i], i, t, &source));
+}
+
+/// The permission bits of `p` itself (lstat: a symlink is not followed).
+inline ::mode_t mode_of(const std::filesystem::path& p) {
+  struct ::stat st {};
+  REQUIRE(::lstat(p.c_str(), &st) == 0);
+  return st.st_mode & 07777;
 }
 
 }  // namespace kvtier::test

@@ -6,6 +6,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "server/in_process_server.hpp"
 #include "server/server_fixtures.hpp"
 
 #include <boost/asio/ip/tcp.hpp>
@@ -30,34 +31,6 @@ using namespace kvtier::test;
 using nlohmann::json;
 
 namespace {
-
-/// A server on its own thread, on a socket in a temp dir. Small L1: 256 slots of 4 KiB.
-struct running_server {
-  temp_dir dir{"kvtier-server"};
-  server::server_config cfg;
-  std::unique_ptr<server::server> srv;
-  std::thread thread;
-
-  explicit running_server(const std::function<void(server::server_config&)>& tweak = {},
-                          server::server_options opts = {}) {
-    cfg.socket_path = (dir.path() / "kvtier.sock").string();
-    cfg.chunk_tokens = test_chunk_tokens;
-    cfg.l1_slot_bytes = 4096;
-    cfg.l1_size_bytes = 256 * 4096;
-    cfg.log_level = telemetry::log_level::error;
-    if (tweak) tweak(cfg);
-    srv = std::make_unique<server::server>(cfg, std::move(opts));
-    srv->start();
-    thread = std::thread([s = srv.get()] { s->run(); });
-  }
-  running_server(const running_server&) = delete;
-  running_server& operator=(const running_server&) = delete;
-  ~running_server() {
-    srv->stop();
-    thread.join();
-  }
-  [[nodiscard]] const std::string& path() const { return cfg.socket_path; }
-};
 
 // Reads until the server closes the connection (checking it ended with EOF, or a reset when
 // it closed with our bytes unread); returns what came before.

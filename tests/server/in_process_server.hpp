@@ -1,0 +1,45 @@
+#pragma once
+// The in-process server of the server tests: server::server on its own thread and
+// io_context, on a socket in a temporary directory, stopped and joined on destruction.
+// Small L1 by default: 256 slots of 4 KiB (one chunk of the test model each); `tweak`
+// changes the configuration before the server starts.
+
+#include <kvtier/server/server.hpp>
+
+#include "server/server_fixtures.hpp"
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+namespace kvtier::test {
+
+struct running_server {
+  temp_dir dir{"kvtier-server"};
+  server::server_config cfg;
+  std::unique_ptr<server::server> srv;
+  std::thread thread;
+
+  explicit running_server(const std::function<void(server::server_config&)>& tweak = {},
+                          server::server_options opts = {}) {
+    cfg.socket_path = (dir.path() / "kvtier.sock").string();
+    cfg.chunk_tokens = test_chunk_tokens;
+    cfg.l1_slot_bytes = 4096;
+    cfg.l1_size_bytes = 256 * 4096;
+    cfg.log_level = telemetry::log_level::error;
+    if (tweak) tweak(cfg);
+    srv = std::make_unique<server::server>(cfg, std::move(opts));
+    srv->start();
+    thread = std::thread([s = srv.get()] { s->run(); });
+  }
+  running_server(const running_server&) = delete;
+  running_server& operator=(const running_server&) = delete;
+  ~running_server() {
+    srv->stop();
+    thread.join();
+  }
+  [[nodiscard]] const std::string& path() const { return cfg.socket_path; }
+};
+
+}  // namespace kvtier::test
