@@ -15,6 +15,7 @@ class token_hasher;
 struct model_shape;
 struct chunk_layout;
 struct paged_kv_layout;
+class kv_region;
 
 namespace bus {
 template <class... Subscribers>
@@ -34,7 +35,6 @@ class tier;
 }  // namespace l1
 
 namespace engine {
-class kv_region;
 struct connector_options;
 class finished_tracker;
 class quarantine;

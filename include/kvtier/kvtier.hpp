@@ -11,6 +11,7 @@
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/kv_transfer.hpp>
 #include <kvtier/core/slot_allocator.hpp>
 #include <kvtier/core/token_hasher.hpp>
@@ -24,7 +25,6 @@
 #include <kvtier/engine/connector.hpp>
 #include <kvtier/engine/finished_tracker.hpp>
 #include <kvtier/engine/health.hpp>
-#include <kvtier/engine/kv_region.hpp>
 #include <kvtier/engine/options.hpp>
 #include <kvtier/engine/quarantine.hpp>
 

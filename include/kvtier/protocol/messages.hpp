@@ -214,7 +214,7 @@ struct status_response {
 /// What a registration brings of the engine's KV memory. Values are stable.
 enum class region_kind : std::uint8_t {
   none = 0,       ///< no KV memory: a scheduler (lookup, query, free, end only)
-  cpu_memfd = 1,  ///< a sealed memfd (engine::kv_region) passed beside the frame
+  cpu_memfd = 1,  ///< a sealed memfd (kv_region) passed beside the frame
   cuda_ipc = 2,   ///< GPU memory: region_descriptor holds the CUDA IPC descriptor bytes
 };
 [[nodiscard]] constexpr std::string_view name(region_kind k) noexcept {
