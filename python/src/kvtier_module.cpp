@@ -387,7 +387,7 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("__len__", &layer_buffer::size);
 
   py::class_<kv_region, region_ptr>(m, "KvRegion",
-                                            "An engine's paged KV cache in a sealed memfd, with per-block generations.")
+                                    "An engine's paged KV cache in a sealed memfd, with per-block generations.")
       .def_static("create", &create_region, py::arg("layout"), py::arg("name") = "kvtier-kv",
                   "A new zero-filled region for `layout`.")
       .def_static("bytes_for", &kv_region::bytes_for, py::arg("layout"))

@@ -76,7 +76,7 @@ struct registration {
   std::size_t object_bytes = 0;                 ///< chunk.object_bytes(): one shard of one chunk
   std::uint32_t blocks_per_chunk = 0;           ///< chunk_tokens / block_size (0 without a region)
   std::uint64_t prefill_tokens_per_second = 0;  ///< as the engine declared (0: not declared)
-  kv_region region;                     ///< the worker's memory, mapped here (invalid without one)
+  kv_region region;                             ///< the worker's memory, mapped here (invalid without one)
   std::chrono::steady_clock::time_point registered_at{};
 
   /// Whether the connection registered KV memory (retrieve and store need it).
