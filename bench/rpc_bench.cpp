@@ -33,8 +33,8 @@
 // lookup_rtt_vs_raw_same_cpu, ...). Targets: at most 2 unpinned, at most 1.5 pinned.
 #include "../examples/common/process.hpp"
 
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
-#include <kvtier/engine/kv_region.hpp>
 #include <kvtier/protocol/codec.hpp>
 
 #include <common/protocol_client.hpp>
@@ -188,7 +188,7 @@ int main(int argc, char** argv) {
     // Register a region (0.5B shape) and store the prompt's chunks, so every lookup hits L1.
     const model_shape shape{.num_layers = 24, .num_kv_heads = 2, .head_dim = 64, .dtype = dtype_kind::bf16};
     const std::uint32_t num_blocks = chunks * bpc + 16;
-    auto region = engine::kv_region::create(paged_kv_layout{shape, block_size, num_blocks}).value();
+    auto region = kv_region::create(paged_kv_layout{shape, block_size, num_blocks}).value();
     bench::protocol_client c(socket);
     const auto reg = c.call(p::register_kv_request{static_cast<std::uint64_t>(::getpid()), 0, 1, "bench/rpc", shape,
                                                    block_size, num_blocks, chunk_tokens, region.bytes()},

@@ -22,8 +22,8 @@
 // server_{store,retrieve}_<shape>_gbps, server_{store,retrieve}_vs_memcpy_<shape>.
 #include <kvtier/server/server.hpp>
 
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
-#include <kvtier/engine/kv_region.hpp>
 #include <kvtier/protocol/codec.hpp>
 #include <kvtier/protocol/connection.hpp>
 #include <kvtier/protocol/unix_socket.hpp>
@@ -92,7 +92,7 @@ shape_result measure(const std::string& tag, model_shape shape, int repeats) {
   shape_result res;
   res.bytes = chunks * object;
   {
-    auto region = engine::kv_region::create(layout).value();
+    auto region = kv_region::create(layout).value();
     // Touch and fill every page (a real engine's cache is resident).
     std::mt19937_64 rng(42);
     for (auto* l : region.layers())

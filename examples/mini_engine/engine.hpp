@@ -20,9 +20,9 @@
 #include "kv_model.hpp"
 
 #include <kvtier/bus/event_bus.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
 #include <kvtier/engine/connector.hpp>
-#include <kvtier/engine/kv_region.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 
 #include <nlohmann/json.hpp>
@@ -122,7 +122,7 @@ class engine {
     per_rank.num_kv_heads /= cfg_.world_size;
     const kvtier::paged_kv_layout layout{per_rank, cfg_.block_size, cfg_.num_blocks};
     for (std::uint32_t r = 0; r < cfg_.world_size; ++r) {
-      auto reg = kvtier::engine::kv_region::create(layout);
+      auto reg = kvtier::kv_region::create(layout);
       if (!reg) throw std::runtime_error("mini_engine: cannot create the KV region: " + reg.error().message());
       ranks_.push_back(std::make_unique<rank_state>(std::move(*reg), shard{per_rank, r, cfg_.world_size}));
     }
@@ -165,9 +165,9 @@ class engine {
 
  private:
   struct rank_state {
-    rank_state(kvtier::engine::kv_region r, shard s)
+    rank_state(kvtier::kv_region r, shard s)
         : region(std::move(r)), shard_(s), events(kvtier::telemetry::metrics_subscriber{reg}) {}
-    kvtier::engine::kv_region region;
+    kvtier::kv_region region;
     shard shard_;
     kvtier::telemetry::registry reg;
     metrics_bus events;

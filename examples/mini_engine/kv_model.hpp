@@ -10,8 +10,8 @@
 // per token for the default shape) and never equal by accident across inputs.
 
 #include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
-#include <kvtier/engine/kv_region.hpp>
 
 #include <cstdint>
 #include <cstring>
@@ -69,7 +69,7 @@ inline void fill_row(std::span<std::byte> row, std::uint64_t prefix_hash, std::u
 /// sequence into its blocks of the region. `blocks[i]` holds tokens [i*block_size, ...).
 /// Returns the number of mismatching rows (0 when writing). When checking, `stride` > 1 checks
 /// every stride-th token and the last one only (a sample: a wrong block or chunk still shows).
-inline std::size_t write_or_verify(const kvtier::engine::kv_region& region, const shard& s,
+inline std::size_t write_or_verify(const kvtier::kv_region& region, const shard& s,
                                    std::span<const std::uint64_t> hashes, std::span<const std::uint32_t> blocks,
                                    std::size_t first, std::size_t last, bool compute, std::size_t stride = 1) {
   const auto& layout = region.layout();

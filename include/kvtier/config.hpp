@@ -3,8 +3,9 @@
 // builds without any definition from CMake (the CUDA path builds these with nvcc alone).
 // Standard library only.
 //
-//   KVTIER_WITH_CUDA   0 or 1. Set to 1 by the kvtier::cuda target. Enables pinned L1 memory
-//                      and the cuda/ headers. Part of the ABI tag below.
+//   KVTIER_WITH_CUDA   0 or 1. Set to 1 by the kvtier::cuda target (and by cuda/check.cuh
+//                      when it comes first); the cuda/ headers refuse to build without it.
+//                      It changes no type outside cuda/; it is part of the ABI tag below.
 //
 // Every declaration lives in `namespace kvtier::inline KVTIER_ABI_TAG`, an inline namespace
 // whose name encodes the switches that change types or layouts, so two translation units

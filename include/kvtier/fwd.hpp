@@ -1,5 +1,8 @@
 #pragma once
-// Forward declarations of kvtier's main types and the default aliases hosts use.
+// Forward declarations of kvtier's main types (those of the kvtier::kvtier target, as
+// <kvtier/kvtier.hpp> includes them) and the default aliases hosts use. Templates whose
+// parameters are constrained by a concept are left out (a declaration would have to repeat
+// the constraint); so are the io_uring, Redis, CUDA and server parts (their own targets).
 
 #include <kvtier/config.hpp>
 
@@ -15,6 +18,7 @@ class token_hasher;
 struct model_shape;
 struct chunk_layout;
 struct paged_kv_layout;
+class kv_region;
 
 namespace bus {
 template <class... Subscribers>
@@ -33,8 +37,38 @@ template <class Policy = lru, class Bus = bus::null_bus>
 class tier;
 }  // namespace l1
 
+namespace l2 {
+struct memory_backend_options;
+class memory_backend;
+class any_backend;
+struct fault;
+}  // namespace l2
+
+namespace pipeline {
+struct prefetch_options;
+struct prefetch_request;
+struct prefetch_result;
+struct store_options;
+class work_tracker;
+struct first_backend_plan;
+struct write_through;
+struct skip_l1;
+struct admit_all;
+struct best_effort;
+struct wait_complete;
+}  // namespace pipeline
+
+namespace cache {
+struct default_traits;
+struct cache_options;
+struct lookup_request;
+struct cache_status;
+/// The tiered cache (cache/tiered_cache.hpp); by default cache::default_traits.
+template <class Traits>
+class tiered_cache;
+}  // namespace cache
+
 namespace engine {
-class kv_region;
 struct connector_options;
 class finished_tracker;
 class quarantine;

@@ -1,6 +1,8 @@
 #pragma once
-// Umbrella header: everything of kvtier::kvtier (the io_uring, Redis and CUDA parts have
-// their own targets and are included on their own).
+// Umbrella header: everything of kvtier::kvtier. Not here, because their targets add a
+// dependency: io/ and l2/disk_backend.hpp (kvtier::uring, liburing), l2/redis_*
+// (kvtier::redis, hiredis), cuda/ (kvtier::cuda, the CUDA runtime) and server/
+// (kvtier::server, nlohmann/json); include those on their own.
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -11,6 +13,7 @@
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/kv_transfer.hpp>
 #include <kvtier/core/slot_allocator.hpp>
 #include <kvtier/core/token_hasher.hpp>
@@ -24,7 +27,6 @@
 #include <kvtier/engine/connector.hpp>
 #include <kvtier/engine/finished_tracker.hpp>
 #include <kvtier/engine/health.hpp>
-#include <kvtier/engine/kv_region.hpp>
 #include <kvtier/engine/options.hpp>
 #include <kvtier/engine/quarantine.hpp>
 
@@ -35,6 +37,25 @@
 #include <kvtier/l1/policy/s3fifo.hpp>
 #include <kvtier/l1/status.hpp>
 #include <kvtier/l1/tier.hpp>
+
+#include <kvtier/l2/any_backend.hpp>
+#include <kvtier/l2/concepts.hpp>
+#include <kvtier/l2/fault_injecting_backend.hpp>
+#include <kvtier/l2/memory_backend.hpp>
+#include <kvtier/l2/object_format.hpp>
+#include <kvtier/l2/types.hpp>
+
+#include <kvtier/pipeline/concepts.hpp>
+#include <kvtier/pipeline/load_or_recompute.hpp>
+#include <kvtier/pipeline/plan.hpp>
+#include <kvtier/pipeline/policies.hpp>
+#include <kvtier/pipeline/prefetch_controller.hpp>
+#include <kvtier/pipeline/store_controller.hpp>
+#include <kvtier/pipeline/work_tracker.hpp>
+
+#include <kvtier/cache/copy.hpp>
+#include <kvtier/cache/tiered_cache.hpp>
+#include <kvtier/cache/traits.hpp>
 
 #include <kvtier/telemetry/counter.hpp>
 #include <kvtier/telemetry/exposition.hpp>

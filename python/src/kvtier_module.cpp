@@ -4,7 +4,7 @@
 //   layouts      ModelShape, ChunkLayout, PagedKvLayout (core/kv_layout.hpp)
 //   hashing      TokenHasher, make_model_id, salted_model_id, ChunkKey (core/token_hasher.hpp,
 //                core/chunk_key.hpp); a 128-bit chunk hash is a Python int (hi << 64 | lo)
-//   memory       KvRegion (engine/kv_region.hpp) and LayerBuffer: one writable buffer per
+//   memory       KvRegion (core/kv_region.hpp) and LayerBuffer: one writable buffer per
 //                layer (the buffer protocol, bytes), so torch.frombuffer / numpy.frombuffer
 //                view it without a copy; typed views are built in Python (kvtier.views)
 //   connector    ConnectorOptions, ConnectorTimeouts, Connector (engine/connector.hpp): a
@@ -27,9 +27,9 @@
 
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
 #include <kvtier/engine/connector.hpp>
-#include <kvtier/engine/kv_region.hpp>
 #include <kvtier/protocol/limits.hpp>
 #include <kvtier/version.hpp>
 
@@ -112,7 +112,7 @@ py::list to_list(const std::vector<hash128>& hs) {
 
 // --- the region -------------------------------------------------------------------------
 
-using region_ptr = std::shared_ptr<engine::kv_region>;
+using region_ptr = std::shared_ptr<kv_region>;
 
 /// One layer's tensor as a writable byte buffer; keeps the region alive.
 struct layer_buffer {
@@ -125,12 +125,12 @@ struct layer_buffer {
 
 region_ptr create_region(const paged_kv_layout& layout, const std::string& name) {
   if (auto e = layout.validation_error(); !e.empty()) throw std::invalid_argument("kvtier.KvRegion: " + e);
-  auto r = engine::kv_region::create(layout, name.c_str());
+  auto r = kv_region::create(layout, name.c_str());
   if (!r) throw kvtier_failure("kvtier.KvRegion: cannot create the memfd region: " + r.error().message());
-  return std::make_shared<engine::kv_region>(std::move(*r));
+  return std::make_shared<kv_region>(std::move(*r));
 }
 
-void check_block(const engine::kv_region& r, std::uint32_t block) {
+void check_block(const kv_region& r, std::uint32_t block) {
   if (block >= r.layout().num_blocks)
     throw std::out_of_range("kvtier.KvRegion: block " + std::to_string(block) + " is not below num_blocks " +
                             std::to_string(r.layout().num_blocks));
@@ -386,15 +386,15 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_readonly("layer", &layer_buffer::layer)
       .def("__len__", &layer_buffer::size);
 
-  py::class_<engine::kv_region, region_ptr>(m, "KvRegion",
-                                            "An engine's paged KV cache in a sealed memfd, with per-block generations.")
+  py::class_<kv_region, region_ptr>(m, "KvRegion",
+                                    "An engine's paged KV cache in a sealed memfd, with per-block generations.")
       .def_static("create", &create_region, py::arg("layout"), py::arg("name") = "kvtier-kv",
                   "A new zero-filled region for `layout`.")
-      .def_static("bytes_for", &engine::kv_region::bytes_for, py::arg("layout"))
-      .def_property_readonly("layout", &engine::kv_region::layout)
-      .def_property_readonly("bytes", &engine::kv_region::bytes)
-      .def_property_readonly("fd", &engine::kv_region::fd)
-      .def_property_readonly("num_layers", [](const engine::kv_region& r) { return r.layout().model.num_layers; })
+      .def_static("bytes_for", &kv_region::bytes_for, py::arg("layout"))
+      .def_property_readonly("layout", &kv_region::layout)
+      .def_property_readonly("bytes", &kv_region::bytes)
+      .def_property_readonly("fd", &kv_region::fd)
+      .def_property_readonly("num_layers", [](const kv_region& r) { return r.layout().model.num_layers; })
       .def(
           "layer",
           [](const region_ptr& r, std::uint32_t l) {
@@ -406,14 +406,14 @@ PYBIND11_MODULE(_kvtier, m) {
           py::arg("layer"), "Layer `layer`'s tensor as a writable byte buffer.")
       .def(
           "begin_reuse",
-          [](engine::kv_region& r, std::uint32_t block) {
+          [](kv_region& r, std::uint32_t block) {
             check_block(r, block);
             r.begin_reuse(block);
           },
           py::arg("block"), "Announce that `block` is about to hold new content (fencing).")
       .def(
           "generation",
-          [](const engine::kv_region& r, std::uint32_t block) {
+          [](const kv_region& r, std::uint32_t block) {
             check_block(r, block);
             return r.generation(block);
           },

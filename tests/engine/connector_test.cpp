@@ -28,7 +28,6 @@ using namespace std::chrono_literals;
 namespace p = kvtier::protocol;
 using engine::connector;
 using engine::connector_options;
-using engine::kv_region;
 using kvtier::test::event_recorder;
 using kvtier::test::fake_server;
 using kvtier::test::temp_dir;

@@ -15,9 +15,9 @@
 // writing blocks it will store and before reading blocks a retrieve wrote.
 
 #include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/kv_transfer.hpp>
 #include <kvtier/core/token_hasher.hpp>
-#include <kvtier/engine/kv_region.hpp>
 #include <kvtier/protocol/codec.hpp>
 #include <kvtier/protocol/connection.hpp>
 #include <kvtier/protocol/messages.hpp>
@@ -188,7 +188,7 @@ class fake_server {
     std::shared_ptr<protocol::connection> conn;
     bool open = true;
     bool registered = false;
-    std::optional<engine::kv_region> region;
+    std::optional<kv_region> region;
     std::uint16_t rank = 0;
     std::uint16_t world_size = 1;
     std::uint64_t model_id = 0;
@@ -342,7 +342,7 @@ class fake_server {
       s.region.reset();
     } else {
       if (!fd) return error(errc::invalid_argument, "no region fd");
-      auto region = engine::kv_region::open(fd.release(), r.layout());
+      auto region = kv_region::open(fd.release(), r.layout());
       if (!region)
         return error(region.error() == errc::layout_mismatch ? errc::layout_mismatch : errc::invalid_argument,
                      "cannot map the region: " + region.error().message());

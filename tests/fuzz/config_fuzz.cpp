@@ -1,7 +1,7 @@
 // Fuzz target: the server's JSON configuration (server/config.hpp, json_config.hpp) and the
 // L2 backend descriptions (server/backend_factory.hpp with the memory, disk and redis types:
-// l2/disk_backend_json.hpp, l2/redis_options_json.hpp), read the way kvtier-server reads
-// them (examples/server/main.cpp).
+// server/disk_backend_json.hpp, server/redis_options_json.hpp), read the way kvtier-server
+// reads them (examples/server/main.cpp).
 //
 // Input: one byte of choice (mode % 4), then text.
 //   0, 2: the text is a --config file: parse_config_text (server/json_config.hpp, what

@@ -4,7 +4,6 @@
 #include <kvtier/l2/disk_backend.hpp>
 
 #include <kvtier/core/buffer.hpp>
-#include <kvtier/l2/disk_backend_json.hpp>
 #include <kvtier/l2/fault_injecting_backend.hpp>
 #include <kvtier/telemetry/registry.hpp>
 
@@ -932,52 +931,6 @@ TEST_CASE("reads into a registered arena use fixed buffers where the kernel allo
     WARN("fixed buffers not active here: " << ec.message());
     CHECK(r.count(l2::key_outcome::ok) == 2);
   }
-}
-
-TEST_CASE("the JSON options parse with clear errors", "[l2][disk]") {
-  using nlohmann::json;
-  const auto o = l2::disk_backend_options_from_json(json::parse(R"({"type": "disk", "name": "nvme0",
-      "path": "/mnt/x", "capacity_gb": 1.5, "o_direct": false, "io": "pread", "eviction": "fifo",
-      "queue_depth": 32, "part_kib": 512, "sync": "none"})"));
-  CHECK(o.name == "nvme0");
-  CHECK(o.path == "/mnt/x");
-  CHECK(o.capacity_bytes == (std::uint64_t{3} << 29));
-  CHECK_FALSE(o.o_direct);
-  CHECK(o.io == io::engine_choice::pread);
-  CHECK(o.eviction == l2::disk_eviction::fifo);
-  CHECK(o.queue_depth == 32);
-  CHECK(o.part_bytes == 512 * 1024);
-  CHECK(o.sync == l2::disk_sync::none);
-  const auto d = json::parse(R"({"path": "/p", "capacity_bytes": 4096})").get<l2::disk_backend_options>();
-  CHECK(d.capacity_bytes == 4096);
-  CHECK(d.eviction == l2::disk_eviction::lru);
-  CHECK(d.o_direct);
-  auto fails = [](const char* text) {
-    try {
-      (void)l2::disk_backend_options_from_json(json::parse(text));
-    } catch (const std::invalid_argument& e) {
-      return std::string(e.what());
-    }
-    return std::string("no error");
-  };
-  CHECK_THAT(fails(R"({"capacity_gb": 1})"), Catch::Contains("'path' is missing"));
-  CHECK_THAT(fails(R"({"path": "/p"})"), Catch::Contains("capacity is missing"));
-  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "capacity_bytes": 5})"), Catch::Contains("keep one"));
-  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": -1})"), Catch::Contains("'capacity_gb' must be"));
-  // 1e30 GiB used to overflow the conversion to bytes (undefined behaviour; UBSan in the config
-  // fuzz target: tests/fuzz/regressions/config/), then read as "less than one byte".
-  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1e30})"), Catch::Contains("more than 1048576 (1 PiB)"));
-  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1048577})"), Catch::Contains("more than 1048576 (1 PiB)"));
-  CHECK(l2::disk_backend_options_from_json(json::parse(R"({"path": "/p", "capacity_gb": 1048576})")).capacity_bytes ==
-        std::uint64_t{1} << 50);
-  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "io": "threads"})"), Catch::Contains("\"pread\""));
-  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "eviction": "random"})"), Catch::Contains("'eviction'"));
-  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "o_direct": "yes"})"), Catch::Contains("true or false"));
-  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "capacity": 3})"), Catch::Contains("unknown key 'capacity'"));
-  CHECK_THAT(fails(R"({"type": "redis", "path": "/p", "capacity_gb": 1})"), Catch::Contains("'type'"));
-  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "queue_depth": 0})"), Catch::Contains("out of range"));
-  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "high_watermark": 0.5, "low_watermark": 0.8})"),
-             Catch::Contains("exceeds"));
 }
 
 // --- threads ------------------------------------------------------------------------------------

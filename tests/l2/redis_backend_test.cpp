@@ -8,7 +8,6 @@
 
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/core/buffer.hpp>
-#include <kvtier/l2/redis_options_json.hpp>
 #include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/registry.hpp>
 
@@ -233,47 +232,6 @@ TEST_CASE("redirects, endpoints and INFO fields are parsed, malformed ones refus
   CHECK(redis_info_field(info, "maxmemory") == 0u);
   CHECK_FALSE(redis_info_field(info, "used_memory_human"));
   CHECK_FALSE(redis_info_field(info, "absent"));
-}
-
-TEST_CASE("options are checked and read from JSON key for key, passwords never from the configuration",
-          "[redis][options]") {
-  auto o = l2::redis_options_from_json(nlohmann::json::parse(R"({
-      "type": "redis", "name": "shared", "nodes": ["10.0.0.1:7000", "10.0.0.2:7000"], "cluster": true,
-      "key_prefix": "fleet", "connections_per_node": 8, "ttl_seconds": 3600, "username": "kv",
-      "password_env": "KV_REDIS_PASSWORD", "connect_timeout_ms": 250, "reconnect_backoff_min_ms": 10,
-      "reconnect_backoff_max_ms": 5000, "info_interval_ms": 2000, "log_interval_ms": 30000,
-      "max_redirects": 3, "max_inflight_bytes_per_connection": 8388608})"));
-  CHECK(o.name == "shared");
-  CHECK(o.nodes.size() == 2);
-  CHECK(o.cluster);
-  CHECK(o.key_prefix == "fleet");
-  CHECK(o.connections_per_node == 8);
-  CHECK(o.ttl_seconds == 3600);
-  CHECK(o.username == "kv");
-  CHECK(o.password_env == "KV_REDIS_PASSWORD");
-  CHECK(o.connect_timeout_ms == std::chrono::milliseconds(250));
-  CHECK(o.reconnect_backoff_max_ms == std::chrono::milliseconds(5000));
-  CHECK(o.info_interval_ms == std::chrono::milliseconds(2000));
-  CHECK(o.max_redirects == 3);
-  CHECK(o.max_inflight_bytes_per_connection == 8u << 20);
-  auto throws_naming = [](const char* json, const char* what) {
-    try {
-      (void)l2::redis_options_from_json(nlohmann::json::parse(json));
-      return false;
-    } catch (const std::invalid_argument& e) {
-      return std::string(e.what()).find(what) != std::string::npos;
-    }
-  };
-  CHECK(throws_naming(R"({"password": "hunter2"})", "password_file"));
-  CHECK(throws_naming(R"({"colour": "red"})", "colour"));
-  CHECK(throws_naming(R"({"type": "disk"})", "type"));
-  CHECK(throws_naming(R"({"ttl_seconds": -1})", "ttl_seconds"));
-  CHECK(throws_naming(R"({"cluster": "yes"})", "cluster"));
-  CHECK(throws_naming(R"({"nodes": ["a:1", "b:2"]})", "nodes"));  // standalone takes one
-  CHECK(throws_naming(R"({"nodes": ["no-port"]})", "nodes"));
-  CHECK(throws_naming(R"({"connections_per_node": 0})", "connections_per_node"));
-  CHECK(throws_naming(R"({"password_file": "/a", "password_env": "B"})", "not both"));
-  CHECK(throws_naming(R"({"cluster": true, "database": 2})", "database"));
 }
 
 // --- a real standalone Redis ------------------------------------------------------------

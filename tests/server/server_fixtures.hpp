@@ -8,8 +8,8 @@
 // std::runtime_error, so the multi-threaded test can use them from its threads.
 
 #include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
-#include <kvtier/engine/kv_region.hpp>
 #include <kvtier/protocol/codec.hpp>
 #include <kvtier/protocol/connection.hpp>
 #include <kvtier/protocol/messages.hpp>
@@ -75,12 +75,12 @@ inline std::vector<hash128> chunk_hashes(std::uint32_t seed, std::size_t chunks)
 /// An engine worker's KV region (a sealed memfd) with helpers to write and read blocks.
 struct engine_region {
   paged_kv_layout layout;
-  engine::kv_region region;
+  kv_region region;
 
   explicit engine_region(model_shape m = small_model(), std::uint32_t block_size = test_block_size,
                          std::uint32_t num_blocks = 64, kv_layout_kind order = kv_layout_kind::nhd)
       : layout{m, block_size, num_blocks, order} {
-    auto r = engine::kv_region::create(layout);
+    auto r = kv_region::create(layout);
     if (!r) throw std::runtime_error("kv_region::create: " + r.error().message());
     region = std::move(*r);
   }

@@ -43,8 +43,8 @@
 // (8B model shape), gather 1.19-1.25x and scatter 1.25-1.26x with 4 KiB segments (0.5B
 // shape). A memcpy per segment reached 0.90-1.00x and 0.79-0.84x.
 //
-// CUDA (a later issue, include/kvtier/cuda/): the kernels keep these signatures and only
-// append a `cudaStream_t stream` parameter:
+// CUDA (cuda/kv_transfer.cuh): the kernels keep these signatures and only append a
+// `cudaStream_t stream` parameter:
 //   gather_chunk(cache, block_ids, chunk, object, skip_tokens, options, stream)
 //   gather_chunks(cache, chunk, items, options, stream)   (likewise for scatter)
 // and map as follows. `cache.layers` then points to a device-resident table of the layer

@@ -10,11 +10,12 @@
 // bytes of the digest, via OpenSSL) is selectable where tenants do not trust each other and
 // collisions must be infeasible to construct.
 //
-// Dependencies beyond the standard library: xxhash.h (used header-only) and OpenSSL's
+// Dependencies beyond the standard library: xxhash.h (header-only, core/detail/xxhash.hpp) and OpenSSL's
 // libcrypto. This is the one core/ header with dependencies; the others are std-only.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
+#include <kvtier/core/detail/xxhash.hpp>
 #include <kvtier/core/kv_layout.hpp>
 
 #include <array>
@@ -28,11 +29,6 @@
 #include <string>
 #include <string_view>
 #include <vector>
-
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#endif
-#include <xxhash.h>
 
 #include <openssl/evp.h>
 

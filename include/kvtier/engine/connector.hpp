@@ -52,11 +52,11 @@
 #include <kvtier/bus/null_bus.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
 #include <kvtier/engine/detail/server_process.hpp>
 #include <kvtier/engine/finished_tracker.hpp>
 #include <kvtier/engine/health.hpp>
-#include <kvtier/engine/kv_region.hpp>
 #include <kvtier/engine/options.hpp>
 #include <kvtier/engine/quarantine.hpp>
 #include <kvtier/error.hpp>

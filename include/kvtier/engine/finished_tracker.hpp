@@ -45,6 +45,7 @@
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
+#include <kvtier/core/detail/xxhash.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -58,11 +59,6 @@
 #include <unordered_set>
 #include <utility>
 #include <vector>
-
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#endif
-#include <xxhash.h>
 
 namespace kvtier::inline KVTIER_ABI_TAG::engine {
 

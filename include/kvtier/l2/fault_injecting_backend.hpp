@@ -1,6 +1,7 @@
 #pragma once
 // fault_injecting_backend<Backend>: wraps any l2_backend and, on command, fails, delays,
-// corrupts or hangs chosen operations. Used by tests and the fault-tolerance harness.
+// corrupts or hangs chosen operations. Used by the tests (tests/l2, tests/cache); the
+// fault-tolerance harness (examples/fault_tolerance) does not use it.
 //
 //   fault_kind::fail     matching keys answer `outcome` (io_error by default) and are not
 //                        passed to the inner backend (lookups report them missing); with no

@@ -15,17 +15,13 @@
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
+#include <kvtier/core/detail/xxhash.hpp>
 
 #include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
-
-#ifndef XXH_INLINE_ALL
-#define XXH_INLINE_ALL
-#endif
-#include <xxhash.h>
 
 namespace kvtier::inline KVTIER_ABI_TAG::l2 {
 

@@ -12,7 +12,6 @@
 // `fields(self)`: its members in wire order with their limits (field.hpp). Requests name
 // their answer as `response_type`.
 
-#include <kvtier/bus/events.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/core/kv_layout.hpp>
@@ -214,7 +213,7 @@ struct status_response {
 /// What a registration brings of the engine's KV memory. Values are stable.
 enum class region_kind : std::uint8_t {
   none = 0,       ///< no KV memory: a scheduler (lookup, query, free, end only)
-  cpu_memfd = 1,  ///< a sealed memfd (engine::kv_region) passed beside the frame
+  cpu_memfd = 1,  ///< a sealed memfd (kv_region) passed beside the frame
   cuda_ipc = 2,   ///< GPU memory: region_descriptor holds the CUDA IPC descriptor bytes
 };
 [[nodiscard]] constexpr std::string_view name(region_kind k) noexcept {
@@ -468,40 +467,6 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
 /// True for the values that name a message of this protocol version.
 [[nodiscard]] constexpr bool is_known(std::uint16_t type) noexcept {
   return detail::known_type(type, std::make_index_sequence<std::variant_size_v<message>>{});
-}
-
-/// The request a type belongs to (a response maps to its request), for the server's
-/// metrics; error_response and unknown values are `other`.
-[[nodiscard]] constexpr bus::request_kind request_kind_of(message_type t) noexcept {
-  using k = bus::request_kind;
-  switch (static_cast<message_type>(static_cast<std::uint16_t>(t) & ~response_bit)) {
-    case message_type::register_kv_request:
-      return k::register_kv;
-    case message_type::unregister_kv_request:
-      return k::unregister_kv;
-    case message_type::lookup_request:
-      return k::lookup;
-    case message_type::query_prefetch_request:
-      return k::query_prefetch;
-    case message_type::retrieve_request:
-      return k::retrieve;
-    case message_type::store_request:
-      return k::store;
-    case message_type::free_lookup_locks_request:
-      return k::free_lookup_locks;
-    case message_type::end_request_request:
-      return k::end_request;
-    case message_type::ping_request:
-      return k::ping;
-    case message_type::clear_request:
-      return k::clear;
-    case message_type::get_chunk_size_request:
-      return k::get_chunk_size;
-    case message_type::status_request:
-      return k::status;
-    default:
-      return k::other;
-  }
 }
 
 /// The message's struct name ("lookup_request"); "unknown" for other values.

@@ -3,7 +3,7 @@
 //
 //   {"type": "disk", "name": "nvme0", "path": "/mnt/nvme/kvtier", "capacity_gb": 512}
 //
-// The keys are those of l2/disk_backend_json.hpp (path, capacity_gb | capacity_bytes,
+// The keys are those of server/disk_backend_json.hpp (path, capacity_gb | capacity_bytes,
 // o_direct, io, eviction, watermarks, queue_depth, part_kib, pread_threads, sync,
 // preallocate, verify_on_start). Needs kvtier::uring (liburing). create() throws config_error
 // for a directory the backend does not trust (another user owns it, or group or others may
@@ -12,8 +12,8 @@
 
 #include <kvtier/config.hpp>
 #include <kvtier/l2/disk_backend.hpp>
-#include <kvtier/l2/disk_backend_json.hpp>
 #include <kvtier/server/backend_factory.hpp>
+#include <kvtier/server/disk_backend_json.hpp>
 
 #include <memory>
 #include <stdexcept>
@@ -31,7 +31,7 @@ inline void add_disk_backend_type(backend_factory& f) {
                const std::string where = r.prefix();
                l2::disk_backend_options o;
                try {
-                 o = r.rest().get<l2::disk_backend_options>();  // validates too
+                 o = disk_backend_options_from_json(r.rest());  // validates too
                } catch (const std::invalid_argument& e) {
                  throw config_error(where.substr(0, where.size() - 1), "disk", e.what());
                }

@@ -3,14 +3,14 @@
 //
 //   {"type": "redis", "nodes": ["10.0.0.5:6379"], "cluster": false, "ttl_seconds": 86400}
 //
-// The keys are the fields of l2::redis_backend_options (l2/redis_options_json.hpp). Needs
+// The keys are the fields of l2::redis_backend_options (server/redis_options_json.hpp). Needs
 // kvtier::redis (hiredis). The backend's kvtier_l2_redis_* series go to the server's
 // registry. Several servers may share one Redis: every server sees what the others stored.
 
 #include <kvtier/config.hpp>
 #include <kvtier/l2/redis_backend.hpp>
-#include <kvtier/l2/redis_options_json.hpp>
 #include <kvtier/server/backend_factory.hpp>
+#include <kvtier/server/redis_options_json.hpp>
 
 #include <memory>
 #include <stdexcept>
@@ -27,7 +27,7 @@ inline void add_redis_backend_type(backend_factory& f) {
                const std::string where = r.prefix();
                l2::redis_backend_options o;
                try {
-                 o = l2::redis_options_from_json(r.rest());
+                 o = redis_options_from_json(r.rest());
                } catch (const std::invalid_argument& e) {
                  throw config_error(where.substr(0, where.size() - 1), "redis", e.what());
                }

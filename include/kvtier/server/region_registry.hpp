@@ -20,8 +20,8 @@
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/core/kv_layout.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
-#include <kvtier/engine/kv_region.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/protocol/unique_fd.hpp>
@@ -76,7 +76,7 @@ struct registration {
   std::size_t object_bytes = 0;                 ///< chunk.object_bytes(): one shard of one chunk
   std::uint32_t blocks_per_chunk = 0;           ///< chunk_tokens / block_size (0 without a region)
   std::uint64_t prefill_tokens_per_second = 0;  ///< as the engine declared (0: not declared)
-  engine::kv_region region;                     ///< the worker's memory, mapped here (invalid without one)
+  kv_region region;                             ///< the worker's memory, mapped here (invalid without one)
   std::chrono::steady_clock::time_point registered_at{};
 
   /// Whether the connection registered KV memory (retrieve and store need it).
@@ -179,18 +179,18 @@ class region_registry {
         const paged_kv_layout layout = r.layout();
         if (auto e = layout.validation_error(); !e.empty()) return fail(errc::invalid_argument, "KV layout: " + e);
         if (auto e = layout.compatibility_error(chunk); !e.empty()) return fail(errc::layout_mismatch, e);
-        const std::size_t bytes = engine::kv_region::bytes_for(layout);
+        const std::size_t bytes = kv_region::bytes_for(layout);
         if (r.region_bytes != bytes)
           return fail(errc::layout_mismatch, "region_bytes " + std::to_string(r.region_bytes) + " is not the " +
                                                  std::to_string(bytes) + " bytes a region of this layout has");
         if (!r.region_descriptor.empty())
           return fail(errc::invalid_argument, "a cpu_memfd registration carries no region_descriptor");
-        auto region = engine::kv_region::open(fd.release(), layout);
+        auto region = kv_region::open(fd.release(), layout);
         if (!region) {
           if (region.error() == errc::layout_mismatch)
             return fail(errc::layout_mismatch, "the fd is not a memfd of " + std::to_string(bytes) +
                                                    " bytes sealed against resizing (F_SEAL_SHRINK|F_SEAL_GROW|"
-                                                   "F_SEAL_SEAL): create the region with engine::kv_region::create");
+                                                   "F_SEAL_SEAL): create the region with kv_region::create");
           return fail(errc::invalid_argument, "cannot map the region: " + region.error().message());
         }
         reg.layout = layout;

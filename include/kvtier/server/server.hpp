@@ -50,10 +50,10 @@
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/client_budget.hpp>
 #include <kvtier/server/config.hpp>
+#include <kvtier/server/http_exporter.hpp>
 #include <kvtier/server/region_registry.hpp>
 #include <kvtier/server/session.hpp>
 #include <kvtier/telemetry/exposition.hpp>
-#include <kvtier/telemetry/http_exporter.hpp>
 #include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
@@ -385,7 +385,7 @@ class server final : private session_host {
 
  private:
   void start_http() {
-    telemetry::http_exporter_options o;
+    http_exporter_options o;
     o.address = config_.metrics_address;
     o.port = config_.metrics_any_port ? 0 : config_.metrics_port;
     http_.emplace(boost::asio::any_io_executor(io_.get_executor()), std::move(o));
@@ -590,7 +590,7 @@ class server final : private session_host {
   /// The copies' threads; before cache_, so destroyed (joined) after it: the cache's
   /// async_stop has waited for every copy by then.
   boost::asio::thread_pool copy_pool_{config_.copy_thread_count()};
-  std::optional<telemetry::http_exporter> http_;  ///< after io_: destroyed before it
+  std::optional<http_exporter> http_;  ///< after io_: destroyed before it
   std::uint16_t metrics_port_ = 0;
   std::uint64_t boot_token_;
   std::chrono::steady_clock::time_point started_at_;

@@ -61,6 +61,7 @@
 #include <kvtier/server/client_budget.hpp>
 #include <kvtier/server/config.hpp>
 #include <kvtier/server/region_registry.hpp>
+#include <kvtier/server/request_kinds.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
@@ -170,7 +171,7 @@ class session : public std::enable_shared_from_this<session> {
   /// throws.
   boost::asio::awaitable<std::optional<protocol::message>> handle_frame(protocol::frame& f) {
     ++requests_;
-    const bus::request_kind kind = protocol::request_kind_of(f.header.type);
+    const bus::request_kind kind = request_kind_of(f.header.type);
     const auto t0 = clock::now();
     ctx_.bus.publish(bus::server_request_started{kind, id_});
     protocol::message reply = co_await dispatch(f);

@@ -1,5 +1,7 @@
 #pragma once
-// disk_backend_options from the server's JSON configuration (one entry of its "l2" list):
+// l2::disk_backend_options from the server's JSON configuration (one entry of its "l2_backends"
+// list; the server's disk backend type, disk_backend_type.hpp, reads it here, so l2/ needs no
+// JSON library):
 //
 //   {"type": "disk", "name": "nvme0", "path": "/mnt/nvme/kvtier", "capacity_gb": 512,
 //    "o_direct": true, "io": "auto", "eviction": "lru"}
@@ -33,7 +35,7 @@
 #include <string>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier::inline KVTIER_ABI_TAG::server {
 
 namespace detail {
 
@@ -84,8 +86,11 @@ inline double json_fraction(const nlohmann::json& v, const char* key) {
 
 }  // namespace detail
 
-/// nlohmann's conversion hook: `j.get<l2::disk_backend_options>()`. See the header comment.
-inline void from_json(const nlohmann::json& j, disk_backend_options& o) {
+/// The options one JSON entry describes; throws std::invalid_argument naming the bad key.
+[[nodiscard]] inline l2::disk_backend_options disk_backend_options_from_json(const nlohmann::json& j) {
+  using l2::disk_backend_options;
+  using l2::disk_eviction;
+  using l2::disk_sync;
   using detail::json_excerpt;
   using detail::json_fail;
   if (!j.is_object()) json_fail("expected an object, got " + json_excerpt(j));
@@ -170,14 +175,7 @@ inline void from_json(const nlohmann::json& j, disk_backend_options& o) {
   if (const auto* v = detail::json_find(j, "verify_on_start"))
     out.verify_on_start = detail::json_bool(*v, "verify_on_start");
   out.validate();
-  o = std::move(out);
+  return out;
 }
 
-/// The options one JSON entry describes; throws std::invalid_argument naming the bad key.
-[[nodiscard]] inline disk_backend_options disk_backend_options_from_json(const nlohmann::json& j) {
-  disk_backend_options o;
-  from_json(j, o);
-  return o;
-}
-
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace kvtier::inline KVTIER_ABI_TAG::server

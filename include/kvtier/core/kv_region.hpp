@@ -2,7 +2,10 @@
 // kv_region: an engine's paged KV cache in shared memory (a sealed memfd), plus one
 // generation counter per block for fencing. The engine creates it and registers its fd with
 // the server (SCM_RIGHTS); the server maps the same memory and copies between it and L1 with
-// core/kv_transfer.hpp. KV bytes never cross the socket.
+// core/kv_transfer.hpp. KV bytes never cross the socket. Both sides use it (the engine's
+// connector creates it, the server's region_registry opens it), so it lives in core/; unlike
+// the rest of core/ it needs POSIX and error.hpp, and the CUDA path does not use it (its
+// device-memory counterpart is cuda::kv_region in cuda/ipc_region.cuh).
 //
 // Layout of the memory (all offsets 4 KiB-aligned):
 //   [layer 0][layer 1]...[layer L-1]   each paged_kv_layout::layer_bytes(), vLLM's per-layer
@@ -41,7 +44,7 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine {
+namespace kvtier::inline KVTIER_ABI_TAG {
 
 class kv_region {
  public:
@@ -185,4 +188,4 @@ class kv_region {
   std::atomic<std::uint64_t>* generations_ = nullptr;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine
+}  // namespace kvtier::inline KVTIER_ABI_TAG

@@ -1,4 +1,5 @@
-#include <kvtier/telemetry/http_exporter.hpp>
+#include <kvtier/server/http_exporter.hpp>
+#include <kvtier/telemetry/registry.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -12,7 +13,8 @@
 #include <vector>
 
 using namespace kvtier;
-using namespace kvtier::telemetry;
+using namespace kvtier::server;
+using kvtier::telemetry::registry;
 namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
 
@@ -70,7 +72,7 @@ std::string get(const std::string& path, const std::string& extra = "") {
 
 }  // namespace
 
-TEST_CASE("GET /metrics serves the exposition with the Prometheus content type", "[telemetry][http]") {
+TEST_CASE("GET /metrics serves the exposition with the Prometheus content type", "[server][http]") {
   fixture f;
   const auto r = f.exchange(get("/metrics"));
   CHECK(r.starts_with("HTTP/1.1 200 OK\r\n"));
@@ -79,7 +81,7 @@ TEST_CASE("GET /metrics serves the exposition with the Prometheus content type",
   CHECK(f.exchange(get("/metrics?x=1")).find("kvtier_test_hits_total 7") != std::string::npos);
 }
 
-TEST_CASE("unknown paths are 404, other methods 405, HEAD has no body", "[telemetry][http]") {
+TEST_CASE("unknown paths are 404, other methods 405, HEAD has no body", "[server][http]") {
   fixture f;
   CHECK(f.exchange(get("/nope")).starts_with("HTTP/1.1 404 Not Found"));
   const auto post = f.exchange("POST /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 0\r\n\r\n");
@@ -93,7 +95,7 @@ TEST_CASE("unknown paths are 404, other methods 405, HEAD has no body", "[teleme
   CHECK(health.find(R"({"status":"serving"})") != std::string::npos);
 }
 
-TEST_CASE("a keep-alive connection serves several requests", "[telemetry][http]") {
+TEST_CASE("a keep-alive connection serves several requests", "[server][http]") {
   fixture f;
   const std::string two = "GET /healthz HTTP/1.1\r\nHost: x\r\n\r\nGET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
   const auto r = f.exchange(two);
@@ -102,7 +104,7 @@ TEST_CASE("a keep-alive connection serves several requests", "[telemetry][http]"
   CHECK(count == 2);
 }
 
-TEST_CASE("malformed and oversized requests close that connection only", "[telemetry][http]") {
+TEST_CASE("malformed and oversized requests close that connection only", "[server][http]") {
   fixture f;
   const auto garbage = f.exchange("\x01\x02 not http at all\r\n\r\n");
   CHECK(garbage.find("200") == std::string::npos);
@@ -141,7 +143,7 @@ bool closed_silently(tcp::socket& s) {
 
 }  // namespace
 
-TEST_CASE("a new connection that sends no request is closed after the header timeout", "[telemetry][http]") {
+TEST_CASE("a new connection that sends no request is closed after the header timeout", "[server][http]") {
   http_exporter_options o;
   o.header_timeout = std::chrono::milliseconds(100);
   fixture f(o);
@@ -151,7 +153,7 @@ TEST_CASE("a new connection that sends no request is closed after the header tim
   CHECK(eventually([&] { return f.http.stats().header_timeouts == 1; }));
 }
 
-TEST_CASE("a request header trickled byte by byte is cut off at the header timeout", "[telemetry][http]") {
+TEST_CASE("a request header trickled byte by byte is cut off at the header timeout", "[server][http]") {
   http_exporter_options o;
   o.header_timeout = std::chrono::milliseconds(300);
   fixture f(o);
@@ -172,7 +174,7 @@ TEST_CASE("a request header trickled byte by byte is cut off at the header timeo
   CHECK(f.http.stats().requests == 0);
 }
 
-TEST_CASE("a kept-alive connection is closed after the idle timeout", "[telemetry][http]") {
+TEST_CASE("a kept-alive connection is closed after the idle timeout", "[server][http]") {
   http_exporter_options o;
   o.idle_timeout = std::chrono::milliseconds(100);
   fixture f(o);
@@ -192,7 +194,7 @@ TEST_CASE("a kept-alive connection is closed after the idle timeout", "[telemetr
   CHECK(eventually([&] { return f.http.stats().idle_timeouts == 1; }));
 }
 
-TEST_CASE("at the connection cap the connection idle longest makes room for a new one", "[telemetry][http]") {
+TEST_CASE("at the connection cap the connection idle longest makes room for a new one", "[server][http]") {
   http_exporter_options o;
   o.max_connections = 2;
   fixture f(o);
@@ -212,7 +214,7 @@ TEST_CASE("at the connection cap the connection idle longest makes room for a ne
   CHECK(f.http.stats().dropped_at_cap == 2);
 }
 
-TEST_CASE("every method but GET and HEAD is 405, with or without a body", "[telemetry][http]") {
+TEST_CASE("every method but GET and HEAD is 405, with or without a body", "[server][http]") {
   fixture f;
   const std::string big(200000, 'x');
   for (const std::string& req : std::vector<std::string>{
@@ -231,7 +233,7 @@ TEST_CASE("every method but GET and HEAD is 405, with or without a body", "[tele
   CHECK(f.exchange(get("/metrics")).starts_with("HTTP/1.1 200 OK"));
 }
 
-TEST_CASE("binding a bad address is a clear error", "[telemetry][http]") {
+TEST_CASE("binding a bad address is a clear error", "[server][http]") {
   asio::io_context io;
   http_exporter_options o;
   o.address = "not-an-address";

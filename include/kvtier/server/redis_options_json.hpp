@@ -1,5 +1,6 @@
 #pragma once
-// Reads redis_backend_options from the backend's JSON object in the server configuration,
+// Reads l2::redis_backend_options from the backend's JSON object in the server configuration
+// (here, not in l2/, so that l2/ needs no JSON library),
 // e.g. {"type": "redis", "nodes": ["10.0.0.5:6379"], "cluster": false, "ttl_seconds": 86400,
 //       "password_file": "/run/secrets/redis"}.
 // Keys are the field names of redis_backend_options (durations: integers, milliseconds);
@@ -18,11 +19,11 @@
 #include <stdexcept>
 #include <string>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier::inline KVTIER_ABI_TAG::server {
 
-[[nodiscard]] inline redis_backend_options redis_options_from_json(const nlohmann::json& j) {
+[[nodiscard]] inline l2::redis_backend_options redis_options_from_json(const nlohmann::json& j) {
   if (!j.is_object()) throw std::invalid_argument("redis backend: the configuration must be a JSON object");
-  redis_backend_options o;
+  l2::redis_backend_options o;
   auto fail = [](const std::string& key, const std::string& what) {
     // A key is quoted as an excerpt: an unknown key may be of any length.
     const std::string k = key.size() <= 80 ? key : key.substr(0, 60) + "... (" + std::to_string(key.size()) + " bytes)";
@@ -94,4 +95,4 @@ namespace kvtier::inline KVTIER_ABI_TAG::l2 {
   return o;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace kvtier::inline KVTIER_ABI_TAG::server

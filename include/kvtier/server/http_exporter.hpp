@@ -1,8 +1,10 @@
 #pragma once
 // http_exporter: a small HTTP/1.1 server (Boost.Beast) for /metrics and friends, running on
-// the host's executor (the cache server's one I/O thread): no thread of its own.
+// the host's executor (the cache server's one I/O thread): no thread of its own. It is the
+// server's (server.hpp serves /metrics, /healthz and /status with it): the socket code stays
+// in server/, and telemetry/ only writes the exposition text it serves.
 //
-//   telemetry::http_exporter http(executor, {.address = "127.0.0.1", .port = 9100});
+//   server::http_exporter http(executor, {.address = "127.0.0.1", .port = 9100});
 //   http.route("/metrics", [&] { return http_response::metrics(registry); });
 //   http.route("/healthz", [&] { return http_response::json(200, R"({"status":"serving"})"); });
 //   auto port = http.start();      // result<std::uint16_t>: the bound port (0 asks for any)
@@ -60,7 +62,7 @@
 #include <string_view>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+namespace kvtier::inline KVTIER_ABI_TAG::server {
 
 struct http_response {
   unsigned status = 200;
@@ -337,4 +339,4 @@ class http_exporter {
   counters counters_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry
+}  // namespace kvtier::inline KVTIER_ABI_TAG::server
