@@ -10,8 +10,8 @@
 # ~10 min on the 2-core dev VM (--quick: ~4.5; budget 15 and 5), not counting the build. Uses the build in
 # $KVTIER_BUILD_DIR when set, else configures and builds build/ (Release). Installs missing
 # Debian packages (gnuplot-nox, fio, redis-server, redis-tools, python3) as the quick-start
-# scripts do (as root). Benchmarks: event_bus l1_policies gather server_copy io l2_fio l2_redis
-# rpc degraded longdoc scaling (--only picks some; the docs are regenerated from whatever results.json holds).
+# scripts do (as root). Benchmarks: event_bus l1_policies gather server_copy copy_pool io l2_fio
+# l2_redis rpc degraded longdoc scaling (--only picks some; the docs are regenerated from whatever results.json holds).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -39,8 +39,8 @@ source "$root/scripts/lib/common.sh"
 kvtier_ensure_packages gnuplot-nox fio redis-server redis-tools python3
 
 targets=(kvtier-server kvtier_mini_engine kvtier_long_doc_qa kvtier_fault_tolerance kvtier_bench_event_bus
-  kvtier_bench_l1_policies kvtier_bench_gather kvtier_bench_server kvtier_bench_io kvtier_bench_l2_disk
-  kvtier_bench_l2_redis kvtier_bench_rpc)
+  kvtier_bench_l1_policies kvtier_bench_gather kvtier_bench_server kvtier_bench_copy_pool kvtier_bench_io
+  kvtier_bench_l2_disk kvtier_bench_l2_redis kvtier_bench_rpc)
 build="${KVTIER_BUILD_DIR:-}"
 if [ -z "$build" ]; then
   kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}"
@@ -93,6 +93,10 @@ bench_gather() {
 bench_server_copy() {
   "$build/bench/kvtier_bench_server" "${qflag[@]}" > "$logs/server_copy.log" 2>&1
   gather server_copy "$logs/server_copy.log"
+}
+bench_copy_pool() {
+  "$build/bench/kvtier_bench_copy_pool" "${qflag[@]}" > "$logs/copy_pool.log" 2>&1
+  gather copy_pool "$logs/copy_pool.log"
 }
 bench_io() {
   mkdir -p "$work/io"
@@ -237,7 +241,7 @@ bench_scaling() {
 # ---- the run ------------------------------------------------------------------------------
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
-stages=(event_bus:50:50 l1_policies:15:5 gather:25:10 server_copy:20:2 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 degraded:85:35
+stages=(event_bus:50:50 l1_policies:15:5 gather:25:10 server_copy:20:2 copy_pool:25:10 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 degraded:85:35
   longdoc:220:90 scaling:20:10)
 selected=()
 for s in "${stages[@]}"; do

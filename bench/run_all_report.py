@@ -338,8 +338,14 @@ def summary(res, meta, table, made):
     for op, what in (("store", "engine blocks -> L1 (gather)"), ("retrieve", "L1 -> engine blocks (scatter)")):
         for sh in ("05b", "8b"):
             if g(f"server_{op}_{sh}_gbps") is not None:
-                row(f"server I/O thread, 10k-token {op}, {sh} shape: {what}", g(f"server_{op}_{sh}_gbps"), "GB/s",
+                row(f"server, 10k-token {op}, {sh} shape: {what}", g(f"server_{op}_{sh}_gbps"), "GB/s",
                     None, "", "one memcpy of the same bytes", g(f"server_{op}_vs_memcpy_{sh}"), "")
+    row("**server copy pool, 2 threads vs 1** (`copy_pool_2_vs_1`, 4 clients retrieving 10k tokens, 05b)",
+        g("copy_pool_gbps_2"), "GB/s", g("copy_pool_gbps_1"), "GB/s", "the same with 1 copy thread, interleaved",
+        g("copy_pool_2_vs_1"), ">= 1.5")
+    row("**ping p99 while the copy pool is saturated** (`ping_p99_under_copy_load_ms`, worse of 1 and 2 threads)",
+        g("ping_p99_under_copy_load_ms"), "ms", g("ping_p99_idle_ms"), "ms", "ping p99 of the same server, idle",
+        None, "<= 5 ms")
     row("io_uring vs pread pool, O_DIRECT 4 KiB reads, depth 32", None, "", None, "", "pread thread pool",
         g("io_direct_4k_uring_vs_pread_pool_qd32"), "")
     for trace in ("zipf_10", "scan_zipf", "long_doc_qa"):

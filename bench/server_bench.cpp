@@ -1,13 +1,13 @@
-// kvtier_bench_server: how long the server's I/O thread spends on the copies of one
-// 10k-token request (DESIGN.md puts them on the one I/O thread; a copy pool comes only if
-// this starves the control path). An in-process server::server and a protocol client on a
+// kvtier_bench_server: how long the server takes for the copies of one 10k-token request
+// (the copies run on the server's copy pool, copy_threads; kvtier_bench_copy_pool measures
+// what the pool's size buys). An in-process server::server and a protocol client on a
 // sealed memfd region, as an engine worker would use them:
 //
 //   store     39 chunks of 256 tokens (9984 tokens) from the region into L1 (gather)
 //   retrieve  the same 39 chunks from L1 into other blocks of the region (scatter)
 //
 // Each is one request; its time is the client's round trip (request to reply), which is
-// the time the I/O thread is busy with it (the protocol part is ~50 us of it). Blocks are
+// the time the server is busy with it (the protocol part is ~50 us of it). Blocks are
 // a random permutation of the region (a long-running engine's free list), so block ids are
 // rarely consecutive. Next to each, one memcpy of the same bytes (region -> buffer), as the
 // physical limit, interleaved: store, memcpy, retrieve, memcpy, ...

@@ -1,5 +1,5 @@
 #pragma once
-// Benchmark output helpers: medians, and the `RESULT name=value` lines every benchmark ends
+// Benchmark output helpers: medians and percentiles, and the `RESULT name=value` lines every benchmark ends
 // with (DESIGN.md: lower_snake_case name, plain decimal value, unit in the name; a ratio
 // a_vs_b is the median over interleaved repeats of a_i / b_i).
 
@@ -18,6 +18,14 @@ namespace kvtier::bench {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
   return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/// The q-quantile (0 <= q <= 1) of `v`, nearest rank: percentile(v, 0.99) is the p99.
+[[nodiscard]] inline double percentile(std::vector<double> v, double q) {
+  if (v.empty()) throw std::invalid_argument("percentile of nothing");
+  std::sort(v.begin(), v.end());
+  const auto i = static_cast<std::size_t>(std::clamp(q, 0.0, 1.0) * static_cast<double>(v.size() - 1) + 0.5);
+  return v[std::min(i, v.size() - 1)];
 }
 
 /// The median of a_i / b_i over repeats measured in the same run, interleaved.
