@@ -13,6 +13,7 @@
 #include <kvtier/io/probe.hpp>
 #include <kvtier/io/uring_context.hpp>
 
+#include <support/asio.hpp>
 #include <support/process.hpp>
 
 #include <boost/asio/io_context.hpp>
@@ -47,28 +48,6 @@ inline const io::uring_probe_result& uring_probe() {
       return;                                                                            \
     }                                                                                    \
   } while (false)
-
-/// Generous: sanitizer builds are slow, and a deadline only guards against a hang.
-inline std::chrono::seconds io_deadline() { return std::chrono::seconds(30 * config::timeout_scale); }
-
-/// Runs handlers of `io` until `done()` holds or the deadline passes; returns done().
-template <class Pred>
-bool run_until(boost::asio::io_context& io, Pred done, std::chrono::steady_clock::duration limit = io_deadline()) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  io.restart();
-  while (!done()) {
-    if (std::chrono::steady_clock::now() > end) return false;
-    io.run_one_for(std::chrono::milliseconds(50));
-    if (io.stopped()) io.restart();
-  }
-  return true;
-}
-
-/// Runs every ready handler without blocking.
-inline void poll(boost::asio::io_context& io) {
-  io.restart();
-  io.poll();
-}
 
 /// An owned file descriptor.
 class unique_fd {

@@ -41,6 +41,8 @@ struct fault_injecting_memory_fixture {
 
   explicit fault_injecting_memory_fixture(std::uint64_t capacity_bytes) : inner(capacity_bytes) {}
   l2::fault_injecting_backend<l2::memory_backend>& backend() { return b; }
+  /// Damages the wrapped backend's copy (the wrapper passes the load through to it).
+  bool corrupt_stored(const chunk_key& k) { return inner.backend().corrupt_stored(k); }
 };
 
 /// The type-erased wrapper the server uses, around a memory backend.
@@ -56,6 +58,8 @@ struct any_memory_fixture {
     b = std::make_unique<l2::any_backend>(mem);
   }
   l2::any_backend& backend() { return *b; }
+  /// Damages the stored copy behind the wrapper's back (the wrapper has no such operation).
+  bool corrupt_stored(const chunk_key& k) { return mem->corrupt_stored(k); }
 };
 
 }  // namespace kvtier::test

@@ -11,6 +11,7 @@
 
 #include <kvtier/l2/detail/redis_wire.hpp>
 
+#include "support/asio.hpp"
 #include "support/process.hpp"
 
 #include <boost/asio/io_context.hpp>
@@ -58,18 +59,6 @@ inline redis_reply redis_command(std::uint16_t port, const std::vector<std::stri
 
 inline std::string reply_text(const redis_reply& r) {
   return r && r->str ? std::string(r->str, r->len) : std::string();
-}
-
-/// Runs io until pred() holds or `limit` passes; returns whether it holds.
-template <class Pred>
-bool run_until(boost::asio::io_context& io, Pred pred, std::chrono::seconds limit = std::chrono::seconds(30)) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (!pred()) {
-    if (std::chrono::steady_clock::now() > end) return false;
-    io.restart();
-    io.run_for(std::chrono::milliseconds(5));
-  }
-  return true;
 }
 
 /// Polls `pred` (a blocking check, e.g. a command to a server) until it holds or `limit`.
