@@ -23,7 +23,7 @@
 #include <kvtier/server/server.hpp>
 
 #include <kvtier/core/token_hasher.hpp>
-#include <kvtier/engine/kv_region.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/protocol/codec.hpp>
 
 #include <common/protocol_client.hpp>
@@ -65,13 +65,13 @@ struct run_result {
   std::vector<double> idle_ping_ms;
 };
 
-p::register_kv_request registration(std::uint64_t instance, const engine::kv_region& region) {
+p::register_kv_request registration(std::uint64_t instance, const kv_region& region) {
   return p::register_kv_request{instance, 0, 1, "bench/copy-pool", shape, block_size, num_blocks, chunk_tokens,
                                 region.bytes()};
 }
 
-engine::kv_region filled_region(const paged_kv_layout& layout, std::uint64_t seed) {
-  auto region = engine::kv_region::create(layout).value();
+kv_region filled_region(const paged_kv_layout& layout, std::uint64_t seed) {
+  auto region = kv_region::create(layout).value();
   std::mt19937_64 rng(seed);
   for (auto* l : region.layers())
     for (std::size_t i = 0; i < layout.layer_bytes(); i += 8) {
@@ -139,7 +139,7 @@ run_result run_once(std::uint32_t workers, int clients, double seconds, std::uin
       pinger.join();
     }
 
-    std::vector<engine::kv_region> regions;
+    std::vector<kv_region> regions;
     for (int i = 0; i < clients; ++i) regions.push_back(filled_region(layout, seed + 1 + static_cast<std::uint64_t>(i)));
     std::atomic<bool> stop{false};
     std::atomic<int> ready{0};
