@@ -36,6 +36,7 @@
 #include <kvtier/l1/status.hpp>
 #include <kvtier/l1/tier.hpp>
 
+#include <kvtier/telemetry/collectors.hpp>
 #include <kvtier/telemetry/counter.hpp>
 #include <kvtier/telemetry/exposition.hpp>
 #include <kvtier/telemetry/gauge.hpp>

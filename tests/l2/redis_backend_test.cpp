@@ -10,7 +10,7 @@
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/l2/redis_options_json.hpp>
 #include <kvtier/telemetry/logger.hpp>
-#include <kvtier/telemetry/registry.hpp>
+#include <kvtier/telemetry/collectors.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -422,7 +422,7 @@ TEST_CASE("Redis killed mid-run: lookups miss and stores fail within the deadlin
                         [&](telemetry::log_level, std::string_view line) { lines.emplace_back(line); });
   client c(o, true, &log);
   telemetry::registry reg;
-  c.b->export_metrics(reg);
+  telemetry::collect_redis_backend(reg, *c.b);
   const auto k = keys(0, 8);
   REQUIRE_FALSE(std::get<0>(c.store(k)));
 
