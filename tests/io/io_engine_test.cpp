@@ -6,9 +6,9 @@
 #include "support/captured_log.hpp"
 
 #include <kvtier/io/probe.hpp>
+#include <kvtier/telemetry/collectors.hpp>
 #include <kvtier/telemetry/exposition.hpp>
 #include <kvtier/telemetry/logger.hpp>
-#include <kvtier/telemetry/collectors.hpp>
 
 #include <boost/asio/io_context.hpp>
 

@@ -9,8 +9,8 @@
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/l2/redis_options_json.hpp>
-#include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/collectors.hpp>
+#include <kvtier/telemetry/logger.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -199,8 +199,7 @@ class io_engine {
     } else if (selection_.requested == engine_choice::pread) {
       log->info("file I/O on the pread thread pool ({} threads): {}", opts.pool.threads, selection_.reason);
     } else {
-      log->warn("file I/O falls back to the pread thread pool ({} threads): {}", opts.pool.threads,
-                selection_.reason);
+      log->warn("file I/O falls back to the pread thread pool ({} threads): {}", opts.pool.threads, selection_.reason);
     }
   }
 

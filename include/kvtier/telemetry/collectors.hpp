@@ -41,13 +41,11 @@ namespace detail {
 
 /// A relaxed atomic (statistics another thread writes) or a plain number, as a double.
 template <class T>
-[[nodiscard]] double metric_value(const std::atomic<T>& a) noexcept {
-  return static_cast<double>(a.load(std::memory_order_relaxed));
-}
-template <class T>
-  requires std::is_arithmetic_v<T>
-[[nodiscard]] double metric_value(T v) noexcept {
-  return static_cast<double>(v);
+[[nodiscard]] double metric_value(const T& v) noexcept {
+  if constexpr (requires { v.load(std::memory_order_relaxed); })
+    return static_cast<double>(v.load(std::memory_order_relaxed));
+  else
+    return static_cast<double>(v);
 }
 
 }  // namespace detail
@@ -78,8 +76,8 @@ void collect_l1_usage(registry& reg, const label_pairs& labels, Usage usage) {
                    metric_type::gauge, labels, [usage] { return metric_value(usage().bytes_used); });
   reg.add_callback("kvtier_l1_bytes_capacity", "Bytes of the L1 arena", metric_type::gauge, labels,
                    [usage] { return metric_value(usage().bytes_capacity); });
-  reg.add_callback("kvtier_l1_objects", "Objects held in L1 (being written, ready or being read)",
-                   metric_type::gauge, labels, [usage] { return metric_value(usage().objects); });
+  reg.add_callback("kvtier_l1_objects", "Objects held in L1 (being written, ready or being read)", metric_type::gauge,
+                   labels, [usage] { return metric_value(usage().objects); });
 }
 
 }  // namespace detail
@@ -166,7 +164,8 @@ void collect_cache(registry& reg, const Cache& cache) {
         [](const auto& s) { return s.prefetch_inflight_bytes; });
   gauge("kvtier_store_inflight_bytes", "Bytes of L2 stores in flight",
         [](const auto& s) { return s.store_inflight_bytes; });
-  gauge("kvtier_store_inflight_tasks", "L2 store tasks in flight", [](const auto& s) { return s.store_inflight_tasks; });
+  gauge("kvtier_store_inflight_tasks", "L2 store tasks in flight",
+        [](const auto& s) { return s.store_inflight_tasks; });
   gauge("kvtier_store_staged_bytes", "Staging memory of stores larger than L1 (reserved or being stored to L2)",
         [](const auto& s) { return s.store_staged_bytes; });
   gauge("kvtier_lookups_active", "Lookups holding L1 locks or prefetching", [](const auto& s) { return s.lookups; });
@@ -204,13 +203,13 @@ concept io_counter_set = requires(const S& s) {
 template <io_counter_set Stats>
 void collect_io(registry& reg, bool uring, std::shared_ptr<const Stats> stats) {
   const double enabled = uring ? 1.0 : 0.0;
-  reg.add_callback("kvtier_io_uring_enabled", "1 when L2 file I/O runs on io_uring, 0 on the pread thread-pool fallback",
-                   metric_type::gauge, {}, [enabled] { return enabled; });
+  reg.add_callback("kvtier_io_uring_enabled",
+                   "1 when L2 file I/O runs on io_uring, 0 on the pread thread-pool fallback", metric_type::gauge, {},
+                   [enabled] { return enabled; });
   auto add = [&](const char* name, const char* help, metric_type type, const auto Stats::*field) {
     reg.add_callback(name, help, type, {}, [stats, field] { return detail::metric_value((*stats).*field); });
   };
-  add("kvtier_io_ops_total", "File I/O operations completed (any result)", metric_type::counter,
-      &Stats::ops_completed);
+  add("kvtier_io_ops_total", "File I/O operations completed (any result)", metric_type::counter, &Stats::ops_completed);
   add("kvtier_io_cancelled_ops_total", "File I/O operations completed with operation_aborted", metric_type::counter,
       &Stats::ops_cancelled);
   add("kvtier_io_failed_ops_total", "File I/O operations completed with an error other than cancellation",
@@ -269,8 +268,7 @@ void collect_disk_backend(registry& reg, const Backend& backend) {
   auto gauge = [&](const char* name, const char* help, const auto& field) {
     add(name, help, metric_type::gauge, field, l);
   };
-  counter("kvtier_l2_disk_enospc_total", "Stores failed because the file system was full (ENOSPC, EDQUOT)",
-          st->enospc);
+  counter("kvtier_l2_disk_enospc_total", "Stores failed because the file system was full (ENOSPC, EDQUOT)", st->enospc);
   for (std::size_t o = 0; o < stats_type::op_count; ++o) {
     label_pairs lo = l;
     lo.emplace_back("op", std::string(stats_type::op_name(o)));
