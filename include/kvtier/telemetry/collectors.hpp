@@ -248,7 +248,7 @@ concept disk_counter_set = requires(const S& s, std::size_t op) {
 template <class B>
 concept disk_stats_source = requires(const B& b) {
   { b.name() } -> std::convertible_to<std::string_view>;
-  { *b.shared_stats() } -> disk_counter_set;
+  requires disk_counter_set<std::remove_cvref_t<decltype(*b.shared_stats())>>;
 };
 
 /// Registers the kvtier_l2_disk_* metrics of docs/metrics.md (label backend = its name, and
@@ -319,7 +319,7 @@ concept redis_counter_set = requires(const S& s, std::size_t kind) {
 template <class B>
 concept redis_stats_source = requires(const B& b) {
   { b.name() } -> std::convertible_to<std::string_view>;
-  { *b.shared_stats() } -> redis_counter_set;
+  requires redis_counter_set<std::remove_cvref_t<decltype(*b.shared_stats())>>;
 };
 
 /// Registers, with label backend = its name: kvtier_l2_redis_errors_total{kind} (one child
