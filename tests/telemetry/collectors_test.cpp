@@ -95,6 +95,33 @@ TEST_CASE("collect_cache reads every gauge from the cache's status at scrape tim
   CHECK(reg.value("kvtier_store_inflight_tasks") == 8.0);
   CHECK(reg.value("kvtier_store_inflight_bytes") == 9.0);
   CHECK(reg.value("kvtier_store_staged_bytes") == 10.0);
+  CHECK(reg.value("kvtier_l2_read_bandwidth_bytes_per_second", {{"backend", "disk"}}) == 0.0);
+  c.s.backends[0].read_bytes_per_second = 2.5e9;
+  CHECK(reg.value("kvtier_l2_read_bandwidth_bytes_per_second", {{"backend", "disk"}}) == 2.5e9);
+}
+
+TEST_CASE("collect_cache registers its families in the order of the page", "[telemetry][collectors]") {
+  scripted_cache c;
+  c.s.backends.push_back({"disk", l2::usage_info{}, l2::health_info{true, ""}});
+  registry reg;
+  collect_cache(reg, c);
+  std::vector<std::string> names;
+  reg.for_each_family([&](const metric_family& f) { names.push_back(f.name); });
+  const std::vector<std::string> want = {"kvtier_l1_bytes_used",
+                                         "kvtier_l1_bytes_capacity",
+                                         "kvtier_l1_objects",
+                                         "kvtier_l2_bytes_used",
+                                         "kvtier_l2_bytes_capacity",
+                                         "kvtier_l2_objects",
+                                         "kvtier_l2_healthy",
+                                         "kvtier_prefetch_requests_active",
+                                         "kvtier_prefetch_inflight_load_bytes",
+                                         "kvtier_store_inflight_bytes",
+                                         "kvtier_store_inflight_tasks",
+                                         "kvtier_store_staged_bytes",
+                                         "kvtier_lookups_active",
+                                         "kvtier_l2_read_bandwidth_bytes_per_second"};
+  CHECK(names == want);
 }
 
 TEST_CASE("a cache names its backends on the bus, so their series read zero before any operation",
