@@ -27,8 +27,8 @@ int main(int argc, char** argv) {
   telemetry::registry registry;
   telemetry::logger log(level, "in_process");
   default_event_bus events{telemetry::metrics_subscriber{registry}, telemetry::logging_subscriber{log}};
-  telemetry::export_bus_metrics(registry, events);
-  events.subscriber<telemetry::metrics_subscriber>().declare_backend(0, "disk");
+  telemetry::collect_bus(registry, events);
+  events.publish(bus::cache_backend_attached{0, "disk"});  // as a tiered_cache does for its backends
   events.start_drain_thread();
 
   // A 10,000-token prompt of a 0.5B-class model: 39 full chunks of 256 tokens (3 MiB each).

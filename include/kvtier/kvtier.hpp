@@ -57,6 +57,7 @@
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/cache/traits.hpp>
 
+#include <kvtier/telemetry/collectors.hpp>
 #include <kvtier/telemetry/counter.hpp>
 #include <kvtier/telemetry/exposition.hpp>
 #include <kvtier/telemetry/gauge.hpp>

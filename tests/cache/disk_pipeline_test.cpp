@@ -8,6 +8,7 @@
 #include <kvtier/l1/policy/noop.hpp>
 #include <kvtier/l2/disk_backend.hpp>
 #include <kvtier/l2/fault_injecting_backend.hpp>
+#include <kvtier/telemetry/collectors.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 
 #include <catch2/catch.hpp>
@@ -70,7 +71,8 @@ struct fixture {
     l2::disk_backend_options d;
     d.path = dir.path() / "l2";
     d.capacity_bytes = std::uint64_t{256} << 20;
-    disk = std::make_shared<l2::disk_backend>(io.get_executor(), d, nullptr, &reg);
+    disk = std::make_shared<l2::disk_backend>(io.get_executor(), d);
+    telemetry::collect_disk_backend(reg, *disk);
     faulty = std::make_shared<l2::fault_injecting_backend<l2::disk_backend>>(*disk);
     cache::cache_options o;
     o.l1.slot_bytes = object_bytes;

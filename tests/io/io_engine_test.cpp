@@ -6,9 +6,9 @@
 #include "support/captured_log.hpp"
 
 #include <kvtier/io/probe.hpp>
+#include <kvtier/telemetry/collectors.hpp>
 #include <kvtier/telemetry/exposition.hpp>
 #include <kvtier/telemetry/logger.hpp>
-#include <kvtier/telemetry/registry.hpp>
 
 #include <boost/asio/io_context.hpp>
 
@@ -110,7 +110,8 @@ TEST_CASE("io_engine says which engine it chose, in the log and in kvtier_io_uri
   captured_log cap;
   io::io_engine_options o;
   if (force_pread) o.engine = io::engine_choice::pread;
-  io::io_engine engine(ctx.get_executor(), o, &reg, &cap.log);
+  io::io_engine engine(ctx.get_executor(), o, &cap.log);
+  telemetry::collect_io(reg, engine.kind() == io::engine_kind::uring, engine.shared_stats());
 
   const bool uring = !force_pread && test::uring_probe().available();
   CHECK(engine.kind() == (uring ? io::engine_kind::uring : io::engine_kind::pread));
@@ -167,7 +168,8 @@ TEST_CASE("the metrics of an io_engine stay readable after it is gone", "[io][en
     asio::io_context ctx;
     io::io_engine_options o;
     o.engine = io::engine_choice::pread;
-    io::io_engine engine(ctx.get_executor(), o, &reg);
+    io::io_engine engine(ctx.get_executor(), o);
+    telemetry::collect_io(reg, engine.kind() == io::engine_kind::uring, engine.shared_stats());
   }
   CHECK(reg.value("kvtier_io_uring_enabled") == 0.0);
   CHECK(reg.value("kvtier_io_ops_total") == 0.0);
@@ -179,7 +181,8 @@ TEST_CASE("io_engine counts a refused fixed-buffer registration in its metric", 
   telemetry::registry reg;
   io::io_engine_options o;
   o.engine = io::engine_choice::uring;
-  io::io_engine engine(ctx.get_executor(), o, &reg);
+  io::io_engine engine(ctx.get_executor(), o);
+  telemetry::collect_io(reg, true, engine.shared_stats());
   // Read-only memory cannot be pinned for the kernel to write into: EFAULT.
   void* ro = ::mmap(nullptr, 65536, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   REQUIRE(ro != MAP_FAILED);

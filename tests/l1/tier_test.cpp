@@ -2,7 +2,6 @@
 
 #include <kvtier/l1/policy/lru.hpp>
 #include <kvtier/l1/policy/noop.hpp>
-#include <kvtier/telemetry/registry.hpp>
 
 #include "l1/support.hpp"
 
@@ -706,20 +705,8 @@ TEST_CASE("clear removes unlocked objects, and locked ones only when forced", "[
 }
 
 // ----------------------------------------------------------------------------------------
-// metrics and the default bus
+// the default bus
 // ----------------------------------------------------------------------------------------
-TEST_CASE("export_metrics registers usage gauges read at scrape time", "[l1][tier][metrics]") {
-  fixture f;
-  telemetry::registry reg;
-  f.l1->export_metrics(reg, {{"tier", "l1"}});
-  const telemetry::label_pairs l{{"tier", "l1"}};
-  CHECK(reg.value("kvtier_l1_bytes_capacity", l) == 8.0 * 4096);
-  CHECK(reg.value("kvtier_l1_objects", l) == 0.0);
-  make_ready(f, keys({1, 2}));
-  CHECK(reg.value("kvtier_l1_objects", l) == 2.0);
-  CHECK(reg.value("kvtier_l1_bytes_used", l) == 2.0 * 4096);
-}
-
 TEST_CASE("a tier without a bus works and publishes nothing", "[l1][tier]") {
   tier_options o;
   o.slot_bytes = 4096;

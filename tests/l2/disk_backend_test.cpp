@@ -5,7 +5,7 @@
 
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/l2/fault_injecting_backend.hpp>
-#include <kvtier/telemetry/registry.hpp>
+#include <kvtier/telemetry/collectors.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -65,6 +65,12 @@ bool matches(const chunk_key& k, std::span<const std::byte> got) {
   std::vector<std::byte> want(got.size());
   fill_for(k, want);
   return std::memcmp(want.data(), got.data(), got.size()) == 0;
+}
+
+/// The backend's series and its I/O engine's, as the server registers them.
+void collect(telemetry::registry& reg, const l2::disk_backend& b) {
+  telemetry::collect_io(reg, b.engine_kind() == io::engine_kind::uring, b.shared_io_stats());
+  telemetry::collect_disk_backend(reg, b);
 }
 
 l2::deadline soon() { return l2::clock::now() + std::chrono::seconds(60 * config::timeout_scale); }
@@ -466,7 +472,8 @@ TEST_CASE("a payload corrupted on disk answers corrupt, is dropped and counted",
   temp_dir dir;
   asio::io_context io;
   telemetry::registry reg;
-  l2::disk_backend b(io.get_executor(), options_for(dir.path()), nullptr, &reg);
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  collect(reg, b);
   const objects o(0, 3, 1 << 20);
   REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 3);
   REQUIRE(b.corrupt_stored(o.keys[1]));
@@ -482,6 +489,21 @@ TEST_CASE("a payload corrupted on disk answers corrupt, is dropped and counted",
   CHECK(reg.value("kvtier_l2_disk_o_direct", {{"backend", "disk"}}) == 1);
   CHECK(reg.value("kvtier_io_uring_enabled").has_value());  // the engine's metrics too
   CHECK(b.usage().objects == 2);
+}
+
+TEST_CASE("the disk backend's series stay readable after it is gone", "[l2][disk]") {
+  temp_dir dir;
+  asio::io_context io;
+  telemetry::registry reg;
+  {
+    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+    collect(reg, b);
+    const objects o(0, 2, 1 << 20);
+    REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 2);
+  }
+  CHECK(reg.value("kvtier_l2_disk_written_bytes_total", {{"backend", "disk"}}) == 2.0 * (1 << 20));
+  CHECK(reg.value("kvtier_l2_disk_io_errors_total", {{"backend", "disk"}, {"op", "store"}}) == 0.0);
+  CHECK(reg.value("kvtier_io_ops_total").value_or(0) > 0);
 }
 
 TEST_CASE("a file truncated or rewritten behind the backend's back is never served", "[l2][disk]") {
@@ -912,7 +934,8 @@ TEST_CASE("reads into a registered arena use fixed buffers where the kernel allo
   temp_dir dir;
   asio::io_context io;
   telemetry::registry reg;
-  l2::disk_backend b(io.get_executor(), options_for(dir.path()), nullptr, &reg);
+  l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+  collect(reg, b);
   const objects o(0, 2, 1 << 20);
   REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 2);
   const double fixed_before = reg.value("kvtier_io_fixed_ops_total").value_or(0);

@@ -8,8 +8,8 @@
 
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/core/buffer.hpp>
+#include <kvtier/telemetry/collectors.hpp>
 #include <kvtier/telemetry/logger.hpp>
-#include <kvtier/telemetry/registry.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -380,7 +380,7 @@ TEST_CASE("Redis killed mid-run: lookups miss and stores fail within the deadlin
                         [&](telemetry::log_level, std::string_view line) { lines.emplace_back(line); });
   client c(o, true, &log);
   telemetry::registry reg;
-  c.b->export_metrics(reg);
+  telemetry::collect_redis_backend(reg, *c.b);
   const auto k = keys(0, 8);
   REQUIRE_FALSE(std::get<0>(c.store(k)));
 

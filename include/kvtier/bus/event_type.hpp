@@ -52,9 +52,11 @@ enum class event_type : std::uint16_t {
   connector_peer_refused,
   // L2 prefetch pipeline (appended: the load-or-recompute gate)
   l2_prefetch_declined,
+  // cache facade, once per L2 backend at construction (appended: values are stable)
+  cache_backend_attached,
 };
 
-inline constexpr std::size_t event_type_count = static_cast<std::size_t>(event_type::l2_prefetch_declined) + 1;
+inline constexpr std::size_t event_type_count = static_cast<std::size_t>(event_type::cache_backend_attached) + 1;
 
 namespace detail {
 inline constexpr std::array<std::string_view, event_type_count> event_type_names = {
@@ -90,6 +92,7 @@ inline constexpr std::array<std::string_view, event_type_count> event_type_names
     "connector.quarantine.changed",
     "connector.peer.refused",
     "l2.prefetch.declined",
+    "cache.backend.attached",
 };
 }  // namespace detail
 

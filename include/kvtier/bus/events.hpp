@@ -377,15 +377,26 @@ struct l2_prefetch_declined {
   std::uint64_t tokens = 0;     ///< their chunks' tokens
 };
 
+/// The cache took an L2 backend (published once per backend by tiered_cache's constructor,
+/// in index order), so subscribers know each backend's name before its first operation (the
+/// metrics subscriber creates its per-backend series at zero).
+struct cache_backend_attached {
+  static constexpr event_type type = event_type::cache_backend_attached;
+  std::uint8_t backend_index = 0;
+  short_name backend{};
+};
+
 /// Every event type, in event_type order (the deferred queue stores a variant of these).
-using all_events = std::tuple<
-    l1_read_reserved, l1_read_finished, l1_write_reserved, l1_write_finished, l1_write_finished_and_read_reserved,
-    l1_keys_evicted, l1_allocation_failed, l1_lock_expired, cache_lookup, cache_read_prefetched, cache_write_reserved,
-    cache_write_finished, l2_store_submitted, l2_store_completed, l2_prefetch_lookup_submitted,
-    l2_prefetch_lookup_completed, l2_prefetch_load_submitted, l2_prefetch_load_completed, l2_prefetch_failed,
-    l2_backend_load_completed, server_request_started, server_request_finished, connector_healthy, connector_unhealthy,
-    connector_reconnected, connector_lookup_completed, connector_retrieve_completed, connector_store_completed,
-    connector_load_error, connector_quarantine_changed, connector_peer_refused, l2_prefetch_declined>;
+using all_events =
+    std::tuple<l1_read_reserved, l1_read_finished, l1_write_reserved, l1_write_finished,
+               l1_write_finished_and_read_reserved, l1_keys_evicted, l1_allocation_failed, l1_lock_expired,
+               cache_lookup, cache_read_prefetched, cache_write_reserved, cache_write_finished, l2_store_submitted,
+               l2_store_completed, l2_prefetch_lookup_submitted, l2_prefetch_lookup_completed,
+               l2_prefetch_load_submitted, l2_prefetch_load_completed, l2_prefetch_failed, l2_backend_load_completed,
+               server_request_started, server_request_finished, connector_healthy, connector_unhealthy,
+               connector_reconnected, connector_lookup_completed, connector_retrieve_completed,
+               connector_store_completed, connector_load_error, connector_quarantine_changed, connector_peer_refused,
+               l2_prefetch_declined, cache_backend_attached>;
 
 static_assert(std::tuple_size_v<all_events> == event_type_count, "one struct per event_type");
 

@@ -69,7 +69,6 @@
 #include <kvtier/pipeline/prefetch_controller.hpp>
 #include <kvtier/pipeline/store_controller.hpp>
 #include <kvtier/pipeline/work_tracker.hpp>
-#include <kvtier/telemetry/registry.hpp>
 
 #include <boost/asio/any_completion_handler.hpp>
 #include <boost/asio/any_io_executor.hpp>
@@ -131,11 +130,14 @@ struct lookup_status {
   std::size_t loading_chunks = 0;  ///< of those, chunks with a shard still loading (async_wait)
 };
 
-/// One backend in status(): its name, usage and health.
+/// One backend in status(): its name, usage, health and achieved load bandwidth.
 struct backend_status {
   std::string name;
   l2::usage_info usage;
   l2::health_info health;
+  /// Achieved L2 load bandwidth (moving mean over its load tasks; 0 before the first): what
+  /// the load-or-recompute gate compares with the engine's prefill rate.
+  double read_bytes_per_second = 0;
 };
 
 struct cache_status {
@@ -188,11 +190,8 @@ class tiered_cache {
         prefetch_(executor_, l1_, backends_, bus, tracker_, std::move(p.plan), options_.prefetch),
         admission_(std::move(p.admission)),
         wait_(std::move(p.wait)) {
-    if constexpr (requires(bus_type& b) { b.template subscriber<telemetry::metrics_subscriber>(); }) {
-      for (std::size_t b = 0; b < backends_.size(); ++b)
-        bus_.template subscriber<telemetry::metrics_subscriber>().declare_backend(static_cast<std::uint8_t>(b),
-                                                                                 backends_[b].name());
-    }
+    for (std::size_t b = 0; b < backends_.size(); ++b)
+      bus_.publish(bus::cache_backend_attached{static_cast<std::uint8_t>(b), backends_[b].name()});
   }
 
   tiered_cache(const tiered_cache&) = delete;
@@ -369,7 +368,9 @@ class tiered_cache {
   [[nodiscard]] cache_status status() const {
     cache_status s;
     s.l1 = l1_.usage();
-    for (const auto& b : backends_) s.backends.push_back({std::string(b.name()), b.usage(), b.health()});
+    for (std::size_t b = 0; b < backends_.size(); ++b)
+      s.backends.push_back({std::string(backends_[b].name()), backends_[b].usage(), backends_[b].health(),
+                            prefetch_.bandwidth().bytes_per_second(b)});
     {
       std::lock_guard g(mutex_);
       s.lookups = lookups_.size();
@@ -382,13 +383,6 @@ class tiered_cache {
     s.store_staged_bytes = store_.staged_bytes();
     return s;
   }
-
-  /// Registers gauges over status(): L1 (see l1::tier::export_metrics), per backend
-  /// kvtier_l2_bytes_used / kvtier_l2_bytes_capacity / kvtier_l2_objects / kvtier_l2_healthy,
-  /// kvtier_prefetch_requests_active, kvtier_prefetch_inflight_load_bytes,
-  /// kvtier_store_inflight_bytes, kvtier_store_inflight_tasks, kvtier_store_staged_bytes,
-  /// kvtier_lookups_active. Read at scrape time; do not scrape after the cache is destroyed.
-  void export_metrics(telemetry::registry& reg);
 
   /// Completes once no prefetch or store is running or queued (tests, orderly shutdown).
   boost::asio::awaitable<void> wait_idle() {

@@ -7,10 +7,8 @@
 // of its own.
 //
 // It says what it chose: one log line (info for io_uring or a forced choice, warn for a
-// fallback), and, given a registry, the kvtier_io_* metrics of docs/io.md:
-// kvtier_io_uring_enabled (1/0), kvtier_io_fixed_buffer_registration_failures_total, ...
-// They are callbacks over the engine's shared io_stats, so they stay valid after the
-// engine is gone. One io_engine per registry (a second one replaces the callbacks).
+// fallback), kind(), and its shared io_stats (shared_stats(): they outlive the engine), from
+// which telemetry::collect_io makes the kvtier_io_* metrics of docs/io.md.
 //
 // Threading and contracts are those of the engine it holds (uring_context.hpp: one
 // executor, cancellation contract; pread_pool.hpp).
@@ -24,7 +22,6 @@
 #include <kvtier/io/stats.hpp>
 #include <kvtier/io/uring_context.hpp>
 #include <kvtier/telemetry/logger.hpp>
-#include <kvtier/telemetry/registry.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/async_result.hpp>
@@ -64,8 +61,7 @@ class io_engine {
 
   /// Chooses and starts the engine. Throws std::runtime_error when io_uring is required but
   /// refused, std::invalid_argument on a bad KVTIER_IO_BACKEND or bad options.
-  explicit io_engine(executor_type ex, io_engine_options opts = {}, telemetry::registry* metrics = nullptr,
-                     telemetry::logger* log = nullptr)
+  explicit io_engine(executor_type ex, io_engine_options opts = {}, telemetry::logger* log = nullptr)
       : selection_(select_engine(opts.engine)) {
     if (selection_.kind == engine_kind::uring) {
       try {
@@ -77,7 +73,7 @@ class io_engine {
       }
     }
     if (selection_.kind == engine_kind::pread) engine_.emplace<pread_pool>(ex, opts.pool, log);
-    report(metrics, log, opts);
+    report(log, opts);
   }
 
   io_engine(const io_engine&) = delete;
@@ -196,49 +192,15 @@ class io_engine {
                                                          std::forward<Args>(args)...);
   }
 
-  void report(telemetry::registry* metrics, telemetry::logger* log, const io_engine_options& opts) {
-    if (log != nullptr) {
-      if (selection_.kind == engine_kind::uring) {
-        log->info("file I/O on io_uring ({})", selection_.reason);
-      } else if (selection_.requested == engine_choice::pread) {
-        log->info("file I/O on the pread thread pool ({} threads): {}", opts.pool.threads, selection_.reason);
-      } else {
-        log->warn("file I/O falls back to the pread thread pool ({} threads): {}", opts.pool.threads,
-                  selection_.reason);
-      }
+  void report(telemetry::logger* log, const io_engine_options& opts) const {
+    if (log == nullptr) return;
+    if (selection_.kind == engine_kind::uring) {
+      log->info("file I/O on io_uring ({})", selection_.reason);
+    } else if (selection_.requested == engine_choice::pread) {
+      log->info("file I/O on the pread thread pool ({} threads): {}", opts.pool.threads, selection_.reason);
+    } else {
+      log->warn("file I/O falls back to the pread thread pool ({} threads): {}", opts.pool.threads, selection_.reason);
     }
-    if (metrics == nullptr) return;
-    using telemetry::metric_type;
-    const double enabled = selection_.kind == engine_kind::uring ? 1.0 : 0.0;
-    metrics->add_callback("kvtier_io_uring_enabled",
-                          "1 when L2 file I/O runs on io_uring, 0 on the pread thread-pool fallback",
-                          metric_type::gauge, {}, [enabled] { return enabled; });
-    auto st = shared_stats();
-    auto counter = [&](const char* name, const char* help, const std::atomic<std::uint64_t> io_stats::*field) {
-      metrics->add_callback(name, help, metric_type::counter, {},
-                            [st, field] { return static_cast<double>(((*st).*field).load(std::memory_order_relaxed)); });
-    };
-    counter("kvtier_io_ops_total", "File I/O operations completed (any result)", &io_stats::ops_completed);
-    counter("kvtier_io_cancelled_ops_total", "File I/O operations completed with operation_aborted",
-            &io_stats::ops_cancelled);
-    counter("kvtier_io_failed_ops_total", "File I/O operations completed with an error other than cancellation",
-            &io_stats::ops_failed);
-    counter("kvtier_io_uring_enter_calls_total", "io_uring_enter system calls made to submit or reap",
-            &io_stats::enter_calls);
-    counter("kvtier_io_uring_sqes_total", "Submission queue entries the kernel accepted", &io_stats::sqes_submitted);
-    counter("kvtier_io_fixed_ops_total", "Reads and writes that used a registered (fixed) buffer",
-            &io_stats::fixed_ops);
-    counter("kvtier_io_fixed_buffer_registration_failures_total",
-            "Fixed-buffer registrations the kernel refused (the same memory is then used with plain reads)",
-            &io_stats::fixed_buffer_registration_failures);
-    metrics->add_callback("kvtier_io_fixed_buffer_bytes", "Bytes registered as io_uring fixed buffers now",
-                          metric_type::gauge, {}, [st] {
-                            return static_cast<double>(st->fixed_buffer_bytes.load(std::memory_order_relaxed));
-                          });
-    metrics->add_callback("kvtier_io_in_flight", "File I/O operations started and not completed",
-                          metric_type::gauge, {}, [st] {
-                            return static_cast<double>(st->ops_in_flight.load(std::memory_order_relaxed));
-                          });
   }
 
   engine_selection selection_;

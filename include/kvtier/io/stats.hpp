@@ -1,8 +1,8 @@
 #pragma once
 // io_stats: what an I/O engine did, as relaxed atomics that a metrics scrape (another thread)
 // may read at any time. Each engine owns one through a shared_ptr, so a registry callback
-// that holds it stays valid after the engine is gone. io_engine exports them as the
-// kvtier_io_* metrics (docs/io.md).
+// that holds it stays valid after the engine is gone. They become the
+// kvtier_io_* metrics (docs/io.md) through telemetry::collect_io.
 
 #include <kvtier/config.hpp>
 

@@ -49,7 +49,6 @@
 #include <kvtier/l1/concepts.hpp>
 #include <kvtier/l1/policy/lru.hpp>
 #include <kvtier/l1/status.hpp>
-#include <kvtier/telemetry/registry.hpp>
 
 #include <array>
 #include <chrono>
@@ -136,7 +135,7 @@ struct prefix_result {
   prefix_end end = prefix_end::complete;  ///< why keys[length] was not taken
 };
 
-/// Memory accounting of a tier (also exported as gauges, see export_metrics).
+/// Memory accounting of a tier: a snapshot (docs/metrics.md lists the gauges read from it).
 struct usage_info {
   std::size_t bytes_used = 0;      ///< slots_used * slot_bytes
   std::size_t bytes_capacity = 0;  ///< slot_count * slot_bytes
@@ -328,12 +327,6 @@ class tier {
   /// Locks and size of a key, nullopt when absent.
   [[nodiscard]] std::optional<object_info> info(const chunk_key& key);
   [[nodiscard]] usage_info usage() const;
-
-  /// Registers the callback gauges kvtier_l1_bytes_used, kvtier_l1_bytes_capacity and
-  /// kvtier_l1_objects (with `labels`, e.g. {{"tier", "l1"}} when a process has several).
-  /// They read usage() at scrape time; the registry must not be scraped after the tier is
-  /// destroyed.
-  void export_metrics(telemetry::registry& registry, const telemetry::label_pairs& labels = {});
 
   /// Sets (or, with an empty function, clears) the listener called after finish_write with
   /// the keys it made readable, outside the tier's mutex (it may call back into the tier).

@@ -77,7 +77,6 @@
 #include <kvtier/l2/object_format.hpp>
 #include <kvtier/l2/types.hpp>
 #include <kvtier/telemetry/logger.hpp>
-#include <kvtier/telemetry/registry.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/awaitable.hpp>
@@ -162,9 +161,16 @@ struct disk_recovery_report {
   std::uint64_t evicted = 0;          ///< objects evicted because they exceeded the capacity
 };
 
-/// Counters of one backend (shared, so metric callbacks may outlive it).
+/// Counters of one backend: relaxed atomics any thread may read at any time, shared
+/// (shared_stats()) so that a reader may outlive the backend (docs/metrics.md lists the
+/// kvtier_l2_disk_* series made of them).
 struct disk_stats {
   enum op : std::uint8_t { load, store, remove, op_count };
+  /// "load", "store", "remove" (the `op` label).
+  [[nodiscard]] static constexpr std::string_view op_name(std::size_t o) noexcept {
+    constexpr std::array<std::string_view, op_count> names = {"load", "store", "remove"};
+    return o < names.size() ? names[o] : std::string_view{"unknown"};
+  }
   std::atomic<std::uint64_t> enospc{0};                        ///< stores failed by ENOSPC/EDQUOT
   std::array<std::atomic<std::uint64_t>, op_count> io_errors{};  ///< keys failed by an I/O error
   std::atomic<std::uint64_t> corrupt_objects{0};  ///< loads that found a bad header, short file or checksum
@@ -187,12 +193,10 @@ class disk_backend {
   using executor_type = boost::asio::any_io_executor;
 
   /// Opens (creates) the directory, rebuilds the index (see RECOVERY) and starts the I/O
-  /// engine on a strand of `executor`. `log` (default: stderr at warn) and `metrics` (the
-  /// engine's kvtier_io_* and this backend's kvtier_l2_disk_* metrics) may be null.
+  /// engine on a strand of `executor`. `log` may be null (default: stderr at warn).
   /// Throws std::invalid_argument for bad options, std::runtime_error when the directory
   /// cannot be used (not writable, another process holds it, foreign FORMAT file).
-  disk_backend(executor_type executor, disk_backend_options options, telemetry::logger* log = nullptr,
-               telemetry::registry* metrics = nullptr);
+  disk_backend(executor_type executor, disk_backend_options options, telemetry::logger* log = nullptr);
   ~disk_backend();
 
   disk_backend(const disk_backend&) = delete;
@@ -249,12 +253,13 @@ class disk_backend {
   /// Returns the engine's answer (the pread fallback accepts and ignores it).
   error_code register_buffers(std::span<std::byte> region);
 
-  /// Registers the kvtier_l2_disk_* metrics (labels: backend, and op where it applies).
-  void export_metrics(telemetry::registry& reg) const;
-
   /// Pins currently held on key (for tests).
   [[nodiscard]] std::uint32_t pins(const chunk_key& key) const;
   [[nodiscard]] const disk_stats& stats() const noexcept { return *stats_; }
+  /// The same counters, shared: they stay readable after the backend is gone.
+  [[nodiscard]] std::shared_ptr<const disk_stats> shared_stats() const noexcept { return stats_; }
+  /// The I/O engine's counters (io::io_stats), shared likewise.
+  [[nodiscard]] std::shared_ptr<const io::io_stats> shared_io_stats() const noexcept { return engine_->shared_stats(); }
   [[nodiscard]] const disk_recovery_report& recovery() const noexcept { return recovery_; }
   [[nodiscard]] const disk_backend_options& options() const noexcept { return options_; }
   [[nodiscard]] io::engine_kind engine_kind() const noexcept { return engine_->kind(); }

@@ -48,7 +48,7 @@
 // operation where every key is unavailable completes with errc::backend_unavailable; a lookup
 // then finds nothing); a node that does not answer leaves its keys to the deadline (`timeout`,
 // errc::timeout); broken connections reconnect in the background with exponential backoff
-// (reconnect_backoff_min_ms .. max_ms). Every failure is counted (stats(), export_metrics) and
+// (reconnect_backoff_min_ms .. max_ms). Every failure is counted (stats(), shared_stats()) and
 // logged through a log_throttle, at most once per log_interval_ms per kind.
 // Deadlines and buffers: when an operation gives up, requests not yet sent are dropped, replies
 // not yet begun are discarded when they come, and a connection still reading into (or writing
@@ -80,7 +80,6 @@
 #include <kvtier/l2/redis_stats.hpp>
 #include <kvtier/l2/types.hpp>
 #include <kvtier/telemetry/logger.hpp>
-#include <kvtier/telemetry/registry.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/post.hpp>
@@ -160,35 +159,10 @@ class redis_backend {
   [[nodiscard]] usage_info usage() const { return engine_->usage(); }
   [[nodiscard]] health_info health() const { return engine_->health(); }
   [[nodiscard]] redis_backend_stats stats() const { return engine_->stats(); }
+  /// The live counters behind stats(), shared: they stay readable after the backend is gone.
+  [[nodiscard]] std::shared_ptr<const redis_counters> shared_stats() const noexcept { return engine_->counter_cells(); }
   /// Pins this backend holds on key (for tests).
   [[nodiscard]] std::uint32_t pins(const chunk_key& key) const { return engine_->pins(key); }
-
-  /// Registers, with label backend=<name>: kvtier_l2_redis_errors_total{kind} (one child per
-  /// redis_error_kind), kvtier_l2_redis_reconnects_total, kvtier_l2_redis_redirects_total{kind=
-  /// moved|ask}, kvtier_l2_redis_connections (gauge: connections up). Read at scrape time from
-  /// counters that stay valid as long as the registry (they are shared with it).
-  void export_metrics(telemetry::registry& reg) const {
-    using telemetry::metric_type;
-    const auto c = engine_->counter_cells();
-    const std::string b(name());
-    for (std::size_t k = 0; k < redis_error_kind_count; ++k)
-      reg.add_callback("kvtier_l2_redis_errors_total", "Failures of the Redis L2 backend by kind (keys or connections)",
-                       metric_type::counter,
-                       {{"backend", b}, {"kind", std::string(l2::name(static_cast<redis_error_kind>(k)))}},
-                       [c, k] { return static_cast<double>(c->errors[k].load(std::memory_order_relaxed)); });
-    reg.add_callback("kvtier_l2_redis_reconnects_total", "Connections to Redis re-established after a failure",
-                     metric_type::counter, {{"backend", b}},
-                     [c] { return static_cast<double>(c->reconnects.load(std::memory_order_relaxed)); });
-    reg.add_callback("kvtier_l2_redis_redirects_total", "Redis Cluster redirects followed", metric_type::counter,
-                     {{"backend", b}, {"kind", "moved"}},
-                     [c] { return static_cast<double>(c->moved.load(std::memory_order_relaxed)); });
-    reg.add_callback("kvtier_l2_redis_redirects_total", "Redis Cluster redirects followed", metric_type::counter,
-                     {{"backend", b}, {"kind", "ask"}},
-                     [c] { return static_cast<double>(c->ask.load(std::memory_order_relaxed)); });
-    reg.add_callback("kvtier_l2_redis_connections", "Connections to Redis nodes that are up", metric_type::gauge,
-                     {{"backend", b}},
-                     [c] { return static_cast<double>(c->connections_up.load(std::memory_order_relaxed)); });
-  }
 
  private:
   static std::string read_password(const redis_backend_options& o, telemetry::logger* log) {

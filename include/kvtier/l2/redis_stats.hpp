@@ -1,11 +1,13 @@
 #pragma once
-// What l2::redis_backend counts: errors by kind, reconnections, cluster redirects. Exported
-// as Prometheus metrics by redis_backend::export_metrics (see docs/metrics.md), readable
-// directly with redis_backend::stats(). Standard library only.
+// What l2::redis_backend counts: errors by kind, reconnections, cluster redirects. The
+// backend keeps them as relaxed atomics (redis_counters, shared: shared_stats() stays
+// readable after the backend is gone) and answers a snapshot of plain numbers with stats();
+// docs/metrics.md lists the kvtier_l2_redis_* series made of them. Standard library only.
 
 #include <kvtier/config.hpp>
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <string_view>
@@ -43,6 +45,32 @@ struct redis_backend_stats {
   std::uint32_t connections_up = 0;
 
   [[nodiscard]] std::uint64_t error(redis_error_kind k) const noexcept { return errors[static_cast<std::size_t>(k)]; }
+};
+
+/// The live counters behind redis_backend_stats: written by the backend's strand, read by
+/// anyone at any time.
+struct redis_counters {
+  static constexpr std::size_t error_kind_count = redis_error_kind_count;
+  /// The `kind` label of error kind k.
+  [[nodiscard]] static constexpr std::string_view error_kind_name(std::size_t k) noexcept {
+    return k < error_kind_count ? name(static_cast<redis_error_kind>(k)) : std::string_view{"unknown"};
+  }
+
+  std::array<std::atomic<std::uint64_t>, redis_error_kind_count> errors{};
+  std::atomic<std::uint64_t> reconnects{0};
+  std::atomic<std::uint64_t> moved{0};
+  std::atomic<std::uint64_t> ask{0};
+  std::atomic<std::uint32_t> connections_up{0};
+
+  [[nodiscard]] redis_backend_stats snapshot() const noexcept {
+    redis_backend_stats s;
+    for (std::size_t i = 0; i < redis_error_kind_count; ++i) s.errors[i] = errors[i].load(std::memory_order_relaxed);
+    s.reconnects = reconnects.load(std::memory_order_relaxed);
+    s.moved = moved.load(std::memory_order_relaxed);
+    s.ask = ask.load(std::memory_order_relaxed);
+    s.connections_up = connections_up.load(std::memory_order_relaxed);
+    return s;
+  }
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2

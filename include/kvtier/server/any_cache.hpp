@@ -100,7 +100,6 @@ class any_cache {
   virtual std::size_t clear(bool force) = 0;
   virtual std::size_t expire() = 0;
   [[nodiscard]] virtual cache::cache_status status() const = 0;
-  virtual void export_metrics(telemetry::registry& reg) = 0;
   /// Completes once no prefetch or store is running or queued.
   virtual boost::asio::awaitable<void> wait_idle() = 0;
   /// Stops the pipelines (tiered_cache::async_stop: every prefetch answered, queued stores
@@ -138,7 +137,6 @@ class cache_model final : public any_cache {
   std::size_t clear(bool force) override { return cache_.clear(force); }
   std::size_t expire() override { return cache_.expire(); }
   cache::cache_status status() const override { return cache_.status(); }
-  void export_metrics(telemetry::registry& reg) override { cache_.export_metrics(reg); }
   boost::asio::awaitable<void> wait_idle() override { return cache_.wait_idle(); }
   boost::asio::awaitable<void> stop() override {
     co_await cache_.async_stop(boost::asio::as_tuple(boost::asio::use_awaitable));

@@ -49,8 +49,9 @@ struct backend_context {
   boost::asio::any_io_executor executor;
   /// The server's logger (backends may log their own setup).
   telemetry::logger* log = nullptr;
-  /// The server's metrics registry: a backend with its own series (kvtier_l2_disk_*,
-  /// kvtier_redis_*) adds them here. May be null (no metrics).
+  /// The server's metrics registry: a backend type with its own series (kvtier_l2_disk_*,
+  /// kvtier_l2_redis_*) registers their collectors (telemetry/collectors.hpp) here. May be
+  /// null (no metrics).
   telemetry::registry* metrics = nullptr;
 };
 

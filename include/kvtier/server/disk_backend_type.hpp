@@ -8,12 +8,13 @@
 // preallocate, verify_on_start). Needs kvtier::uring (liburing). create() throws config_error
 // for a directory the backend does not trust (another user owns it, or group or others may
 // write it: l2/disk_backend.hpp, "TRUST"). The backend's own series
-// (kvtier_l2_disk_*, kvtier_io_*) go to the server's registry.
+// (kvtier_l2_disk_*, kvtier_io_*: telemetry/collectors.hpp) go to the server's registry.
 
 #include <kvtier/config.hpp>
 #include <kvtier/l2/disk_backend.hpp>
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/disk_backend_json.hpp>
+#include <kvtier/telemetry/collectors.hpp>
 
 #include <memory>
 #include <stdexcept>
@@ -41,8 +42,13 @@ inline void add_disk_backend_type(backend_factory& f) {
                  l2::disk_backend_options named = o;
                  named.name = name;
                  try {
-                   return l2::any_backend(
-                       std::make_shared<l2::disk_backend>(ctx.executor, std::move(named), ctx.log, ctx.metrics));
+                   auto b = std::make_shared<l2::disk_backend>(ctx.executor, std::move(named), ctx.log);
+                   if (ctx.metrics) {
+                     telemetry::collect_io(*ctx.metrics, b->engine_kind() == io::engine_kind::uring,
+                                           b->shared_io_stats());
+                     telemetry::collect_disk_backend(*ctx.metrics, *b);
+                   }
+                   return l2::any_backend(std::move(b));
                  } catch (const std::invalid_argument& e) {
                    // A directory that cannot be trusted (another user's, or writable by
                    // others) is a configuration to change: the program exits 2.

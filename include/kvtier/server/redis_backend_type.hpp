@@ -4,13 +4,15 @@
 //   {"type": "redis", "nodes": ["10.0.0.5:6379"], "cluster": false, "ttl_seconds": 86400}
 //
 // The keys are the fields of l2::redis_backend_options (server/redis_options_json.hpp). Needs
-// kvtier::redis (hiredis). The backend's kvtier_l2_redis_* series go to the server's
-// registry. Several servers may share one Redis: every server sees what the others stored.
+// kvtier::redis (hiredis). The backend's kvtier_l2_redis_* series (telemetry/collectors.hpp)
+// go to the server's registry. Several servers may share one Redis: every server sees what
+// the others stored.
 
 #include <kvtier/config.hpp>
 #include <kvtier/l2/redis_backend.hpp>
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/redis_options_json.hpp>
+#include <kvtier/telemetry/collectors.hpp>
 
 #include <memory>
 #include <stdexcept>
@@ -39,7 +41,7 @@ inline void add_redis_backend_type(backend_factory& f) {
                  l2::redis_backend_options named = o;
                  named.name = name;
                  auto b = std::make_shared<l2::redis_backend>(ctx.executor, std::move(named), ctx.log);
-                 if (ctx.metrics) b->export_metrics(*ctx.metrics);
+                 if (ctx.metrics) telemetry::collect_redis_backend(*ctx.metrics, *b);
                  return l2::any_backend(std::move(b));
                };
                return s;

@@ -53,6 +53,7 @@
 #include <kvtier/server/http_exporter.hpp>
 #include <kvtier/server/region_registry.hpp>
 #include <kvtier/server/session.hpp>
+#include <kvtier/telemetry/collectors.hpp>
 #include <kvtier/telemetry/exposition.hpp>
 #include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
@@ -142,8 +143,8 @@ class server final : private session_host {
     cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), copy_pool_.get_executor());
     ctx_.emplace(
         server_context{config_, *cache_, clients_, lookups_, bus_, log_, boot_token_, options_.hooks, &budget_});
-    cache_->export_metrics(registry_);
-    telemetry::export_bus_metrics(registry_, bus_);
+    telemetry::collect_cache(registry_, *cache_);
+    telemetry::collect_bus(registry_, bus_);
     using telemetry::metric_type;
     registry_.add_callback("kvtier_server_connections", "Open client connections", metric_type::gauge, {},
                            [this] { return static_cast<double>(connections_.load(std::memory_order_relaxed)); });

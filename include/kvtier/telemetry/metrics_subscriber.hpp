@@ -28,8 +28,10 @@ class metrics_subscriber {
   explicit metrics_subscriber(registry& reg) : s_(std::make_unique<state>(reg)) {}
 
   /// Creates the per-backend series of L2 backend `index` (named `name`) so they read zero
-  /// before its first event. Backends first seen in an event are declared then.
+  /// before its first event. Backends first seen in an event are declared then; a cache
+  /// declares its own backends with cache_backend_attached.
   void declare_backend(std::uint8_t index, std::string_view name) { s_->backend(index, name); }
+  void on(const bus::cache_backend_attached& e) { s_->backend(e.backend_index, e.backend); }
 
   // --- L1 ------------------------------------------------------------------------------
   void on(const bus::l1_read_reserved& e) noexcept {
@@ -454,15 +456,5 @@ class metrics_subscriber {
 
   std::unique_ptr<state> s_;
 };
-
-/// Exposes a bus's own health: deferred events dropped (queue full) and delivered.
-template <class Bus>
-void export_bus_metrics(registry& reg, const Bus& b) {
-  reg.add_callback("kvtier_event_bus_dropped_events_total",
-                   "Events dropped for deferred subscribers because the bus queue was full", metric_type::counter, {},
-                   [&b] { return static_cast<double>(b.dropped()); });
-  reg.add_callback("kvtier_event_bus_delivered_events_total", "Events delivered to deferred subscribers",
-                   metric_type::counter, {}, [&b] { return static_cast<double>(b.delivered()); });
-}
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry

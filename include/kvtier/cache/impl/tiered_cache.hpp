@@ -412,45 +412,6 @@ std::size_t tiered_cache<Traits>::abandon_write(std::span<const chunk_key> keys)
 }
 
 template <class Traits>
-void tiered_cache<Traits>::export_metrics(telemetry::registry& reg) {
-  using telemetry::metric_type;
-  l1_.export_metrics(reg);
-  for (std::size_t b = 0; b < backends_.size(); ++b) {
-    const telemetry::label_pairs l = {{"backend", std::string(backends_[b].name())}};
-    auto* be = &backends_[b];
-    reg.add_callback("kvtier_l2_bytes_used", "Bytes used on the L2 backend", metric_type::gauge, l,
-                     [be] { return static_cast<double>(be->usage().bytes_used); });
-    reg.add_callback("kvtier_l2_bytes_capacity", "Capacity of the L2 backend in bytes (0: unbounded)",
-                     metric_type::gauge, l, [be] { return static_cast<double>(be->usage().bytes_capacity); });
-    reg.add_callback("kvtier_l2_objects", "Objects on the L2 backend", metric_type::gauge, l,
-                     [be] { return static_cast<double>(be->usage().objects); });
-    reg.add_callback("kvtier_l2_healthy", "1 while the L2 backend is healthy", metric_type::gauge, l,
-                     [be] { return be->health().healthy ? 1.0 : 0.0; });
-  }
-  reg.add_callback("kvtier_prefetch_requests_active", "Prefetch requests not finished (late loads included)",
-                   metric_type::gauge, {}, [this] { return static_cast<double>(prefetch_.active()); });
-  reg.add_callback("kvtier_prefetch_inflight_load_bytes", "Bytes of L2 loads in flight", metric_type::gauge, {},
-                   [this] { return static_cast<double>(prefetch_.inflight_load_bytes()); });
-  reg.add_callback("kvtier_store_inflight_bytes", "Bytes of L2 stores in flight", metric_type::gauge, {},
-                   [this] { return static_cast<double>(store_.inflight_bytes()); });
-  reg.add_callback("kvtier_store_inflight_tasks", "L2 store tasks in flight", metric_type::gauge, {},
-                   [this] { return static_cast<double>(store_.inflight_tasks()); });
-  reg.add_callback("kvtier_store_staged_bytes",
-                   "Staging memory of stores larger than L1 (reserved or being stored to L2)", metric_type::gauge, {},
-                   [this] { return static_cast<double>(store_.staged_bytes()); });
-  reg.add_callback("kvtier_lookups_active", "Lookups holding L1 locks or prefetching", metric_type::gauge, {}, [this] {
-    std::lock_guard g(mutex_);
-    return static_cast<double>(lookups_.size());
-  });
-  for (std::size_t b = 0; b < backends_.size(); ++b)
-    reg.add_callback("kvtier_l2_read_bandwidth_bytes_per_second",
-                     "Achieved L2 load bandwidth of the backend (moving mean over its load tasks; 0 before the first); "
-                     "the load-or-recompute gate compares it with the engine's prefill rate",
-                     metric_type::gauge, {{"backend", std::string(backends_[b].name())}},
-                     [this, b] { return prefetch_.bandwidth().bytes_per_second(b); });
-}
-
-template <class Traits>
 void tiered_cache<Traits>::wait_for_work() {
   namespace asio = boost::asio;
   using io_executor = asio::io_context::executor_type;

@@ -629,17 +629,6 @@ usage_info tier<Policy, Bus>::usage() const {
 }
 
 template <class Policy, class Bus>
-void tier<Policy, Bus>::export_metrics(telemetry::registry& registry, const telemetry::label_pairs& labels) {
-  using telemetry::metric_type;
-  registry.add_callback("kvtier_l1_bytes_used", "Bytes of L1 slots in use (objects and objects being freed)",
-                        metric_type::gauge, labels, [this] { return static_cast<double>(usage().bytes_used); });
-  registry.add_callback("kvtier_l1_bytes_capacity", "Bytes of the L1 arena", metric_type::gauge, labels,
-                        [this] { return static_cast<double>(slots_.bytes_capacity()); });
-  registry.add_callback("kvtier_l1_objects", "Objects held in L1 (being written, ready or being read)",
-                        metric_type::gauge, labels, [this] { return static_cast<double>(usage().objects); });
-}
-
-template <class Policy, class Bus>
 void tier<Policy, Bus>::on_write_finished(write_listener listener) {
   auto p = listener ? std::make_shared<const write_listener>(std::move(listener)) : nullptr;
   std::lock_guard g(mutex_);

@@ -127,13 +127,7 @@ class redis_engine final : public std::enable_shared_from_this<redis_engine>, pr
   using lookup_tuple = std::tuple<error_code, bitmap>;
   using batch_tuple = std::tuple<error_code, batch_result>;
 
-  struct counters {
-    std::array<std::atomic<std::uint64_t>, redis_error_kind_count> errors{};
-    std::atomic<std::uint64_t> reconnects{0};
-    std::atomic<std::uint64_t> moved{0};
-    std::atomic<std::uint64_t> ask{0};
-    std::atomic<std::uint32_t> connections_up{0};
-  };
+  using counters = redis_counters;
 
   redis_engine(boost::asio::any_io_executor ex, redis_backend_options o, std::string password, telemetry::logger* log)
       : strand_(boost::asio::make_strand(std::move(ex))),
@@ -224,15 +218,7 @@ class redis_engine final : public std::enable_shared_from_this<redis_engine>, pr
     std::lock_guard g(state_mutex_);
     return health_;
   }
-  [[nodiscard]] redis_backend_stats stats() const {
-    redis_backend_stats s;
-    for (std::size_t i = 0; i < redis_error_kind_count; ++i) s.errors[i] = counters_->errors[i].load();
-    s.reconnects = counters_->reconnects.load();
-    s.moved = counters_->moved.load();
-    s.ask = counters_->ask.load();
-    s.connections_up = counters_->connections_up.load();
-    return s;
-  }
+  [[nodiscard]] redis_backend_stats stats() const { return counters_->snapshot(); }
 
   // --- operations (coroutines on the strand) ---------------------------------------------
   static boost::asio::awaitable<lookup_tuple> lookup(std::shared_ptr<redis_engine> self,

@@ -210,8 +210,7 @@ struct disk_backend::store_item {
 
 // --- construction, recovery -----------------------------------------------------------------
 
-inline disk_backend::disk_backend(executor_type executor, disk_backend_options options, telemetry::logger* log,
-                                  telemetry::registry* metrics)
+inline disk_backend::disk_backend(executor_type executor, disk_backend_options options, telemetry::logger* log)
     : executor_(boost::asio::make_strand(std::move(executor))),
       options_(std::move(options)),
       log_(log),
@@ -233,12 +232,11 @@ inline disk_backend::disk_backend(executor_type executor, disk_backend_options o
     eo.pool.threads = options_.pread_threads;
     // Room for two operations at full depth plus their metadata ops; more wait in the ring.
     eo.uring.entries = std::max(256U, 4 * options_.queue_depth);
-    engine_ = std::make_unique<io::io_engine>(executor_, eo, metrics, log_);
+    engine_ = std::make_unique<io::io_engine>(executor_, eo, log_);
   } catch (...) {
     close_fds();
     throw;
   }
-  if (metrics != nullptr) export_metrics(*metrics);
   log_->info("disk backend '{}' at {}: {} objects ({:.2f} GiB) recovered, {} dropped, {} temporary files removed, "
              "{} evicted; engine {}, O_DIRECT {}, capacity {:.2f} GiB, eviction {}",
              options_.name, options_.path.string(), recovery_.objects,
@@ -535,65 +533,19 @@ inline error_code disk_backend::register_buffers(std::span<std::byte> region) {
   return engine_->register_buffers(r);
 }
 
-inline void disk_backend::export_metrics(telemetry::registry& reg) const {
-  using telemetry::metric_type;
-  const telemetry::label_pairs l = {{"backend", options_.name}};
-  auto st = stats_;
-  auto counter = [&](const char* name, const char* help, const std::atomic<std::uint64_t>& field,
-                     const telemetry::label_pairs& labels) {
-    reg.add_callback(name, help, metric_type::counter, labels,
-                     [st, f = &field] { return static_cast<double>(f->load(std::memory_order_relaxed)); });
-  };
-  auto gauge = [&](const char* name, const char* help, const std::atomic<std::uint64_t>& field) {
-    reg.add_callback(name, help, metric_type::gauge, l,
-                     [st, f = &field] { return static_cast<double>(f->load(std::memory_order_relaxed)); });
-  };
-  counter("kvtier_l2_disk_enospc_total", "Stores failed because the file system was full (ENOSPC, EDQUOT)",
-          st->enospc, l);
-  static constexpr std::array<const char*, disk_stats::op_count> ops = {"load", "store", "remove"};
-  for (std::size_t o = 0; o < ops.size(); ++o) {
-    telemetry::label_pairs lo = l;
-    lo.emplace_back("op", ops[o]);
-    counter("kvtier_l2_disk_io_errors_total", "Keys failed by an I/O error of the file system or device",
-            st->io_errors[o], lo);
-    counter("kvtier_l2_disk_timeouts_total", "Keys that missed their operation's deadline", st->timeouts[o], lo);
-  }
-  counter("kvtier_l2_disk_corrupt_objects_total",
-          "Loads that found a bad header, a truncated file or a payload checksum mismatch (never served)",
-          st->corrupt_objects, l);
-  counter("kvtier_l2_disk_dropped_objects_total", "Objects deleted after a failed load (corrupt or unreadable)",
-          st->dropped_objects, l);
-  counter("kvtier_l2_disk_evicted_objects_total", "Objects evicted to make room", st->evicted_objects, l);
-  counter("kvtier_l2_disk_evicted_bytes_total", "Allocated bytes freed by eviction", st->evicted_bytes, l);
-  counter("kvtier_l2_disk_read_bytes_total", "Payload bytes of loads answered ok", st->loaded_bytes, l);
-  counter("kvtier_l2_disk_written_bytes_total", "Payload bytes of stores answered ok", st->stored_bytes, l);
-  gauge("kvtier_l2_disk_recovered_objects", "Objects found valid by the start-up scan", st->recovered_objects);
-  gauge("kvtier_l2_disk_recovered_bytes", "Allocated bytes of the objects found by the start-up scan",
-        st->recovered_bytes);
-  gauge("kvtier_l2_disk_recovery_dropped_objects", "Torn or corrupt object files deleted by the start-up scan",
-        st->recovery_dropped);
-  gauge("kvtier_l2_disk_recovery_temp_files", "Temporary files of interrupted stores deleted by the start-up scan",
-        st->recovery_temp_files);
-  gauge("kvtier_l2_disk_recovery_untrusted_files",
-        "Object files the start-up scan skipped because another user owns them or others may write them",
-        st->recovery_untrusted);
-  reg.add_callback("kvtier_l2_disk_o_direct", "1 when the disk backend uses O_DIRECT", metric_type::gauge, l,
-                   [st] { return st->o_direct.load(std::memory_order_relaxed) ? 1.0 : 0.0; });
-}
-
 // --- failure accounting -----------------------------------------------------------------------
 
 inline void disk_backend::count_io_error(disk_stats::op op, const error_code& ec, const chunk_key& key) {
-  static constexpr std::array<const char*, disk_stats::op_count> ops = {"load", "store", "remove"};
+  const std::string_view what = disk_stats::op_name(op);
   stats_->io_errors[op].fetch_add(1, std::memory_order_relaxed);
   {
     std::lock_guard g(mutex_);
     ++consecutive_errors_;
-    last_error_ = fmt::format("{} of {}: {}", ops[op], key.to_string(), ec.message());
+    last_error_ = fmt::format("{} of {}: {}", what, key.to_string(), ec.message());
   }
   if (auto hidden = io_error_log_.allow())
     log_->warn("disk backend '{}': {} of {} failed: {} ({} more I/O errors since the last message)", options_.name,
-               ops[op], key.to_string(), ec.message(), *hidden);
+               what, key.to_string(), ec.message(), *hidden);
 }
 
 inline void disk_backend::count_enospc(const chunk_key& key) {
