@@ -31,7 +31,7 @@
 // poll) and lookup_rtt_vs_raw = median over repeats of (median lookup RTT / median raw
 // RTT), unpinned; the same with the suffix _same_cpu and _cross_cpu (lookup_rtt_same_cpu_us,
 // lookup_rtt_vs_raw_same_cpu, ...). Targets: at most 2 unpinned, at most 1.5 pinned.
-#include "../examples/common/process.hpp"
+#include <kvtier_program/process.hpp>
 
 #include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>

@@ -3,29 +3,29 @@
 // with (DESIGN.md: lower_snake_case name, plain decimal value, unit in the name; a ratio
 // a_vs_b is the median over interleaved repeats of a_i / b_i).
 
+#include <kvtier_program/stats.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace kvtier::bench {
 
+/// The median of `v` (program::median); a benchmark that measured nothing is a bug: throws.
 [[nodiscard]] inline double median(std::vector<double> v) {
   if (v.empty()) throw std::invalid_argument("median of nothing");
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+  return program::median(std::move(v));
 }
 
 /// The q-quantile (0 <= q <= 1) of `v`, nearest rank: percentile(v, 0.99) is the p99.
 [[nodiscard]] inline double percentile(std::vector<double> v, double q) {
   if (v.empty()) throw std::invalid_argument("percentile of nothing");
-  std::sort(v.begin(), v.end());
-  const auto i = static_cast<std::size_t>(std::clamp(q, 0.0, 1.0) * static_cast<double>(v.size() - 1) + 0.5);
-  return v[std::min(i, v.size() - 1)];
+  return program::percentile(std::move(v), q);
 }
 
 /// The median of a_i / b_i over repeats measured in the same run, interleaved.

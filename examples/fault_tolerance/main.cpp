@@ -14,7 +14,8 @@
 // 5 server restarted mid-run: the connector reconnects and hits again; 6 engine killed
 // mid-run: the server frees its registration and locks within the reap timeout.
 // Exit status 0 when every phase passed. Ends with RESULT degraded_vs_nocache=<ratio>.
-#include "../common/process.hpp"
+#include <kvtier_program/process.hpp>
+#include <kvtier_program/stats.hpp>
 #include "../mini_engine/engine.hpp"
 #include "../mini_engine/workload.hpp"
 
@@ -68,12 +69,7 @@ struct phase_result {
   std::string detail{};
 };
 
-double percentile(std::vector<double> v, double p) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const auto i = static_cast<std::size_t>(std::min<double>(static_cast<double>(v.size() - 1), p * static_cast<double>(v.size() - 1) + 0.5));
-  return v[i];
-}
+using program::percentile;
 
 void fill_ttft(phase_result& r, const std::vector<mini_engine::run_report>& runs) {
   std::vector<double> t;

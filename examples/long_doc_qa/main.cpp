@@ -44,7 +44,8 @@
 // Exit status: 0 when every request completed with correct output (and, in L2 mode, the
 // query round got every warm chunk from the cache), 1 otherwise, 2 on bad arguments or a
 // server that cannot run the workload.
-#include "../common/process.hpp"
+#include <kvtier_program/process.hpp>
+#include <kvtier_program/stats.hpp>
 #include "../mini_engine/engine.hpp"
 #include "../mini_engine/workload.hpp"
 
@@ -96,12 +97,7 @@ ttft_stats stats_of(std::vector<double> v) {
   return s;
 }
 
-double median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
+using program::median;
 
 struct round_summary {
   std::string name;

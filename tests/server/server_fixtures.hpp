@@ -20,7 +20,7 @@
 #include "support/asio.hpp"
 #include "support/process.hpp"
 
-#include "../../examples/common/process.hpp"
+#include <kvtier_program/process.hpp>
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/io_context.hpp>
@@ -305,7 +305,7 @@ nlohmann::json wait_for_status(raw_client& c, Pred pred) {
   }
 }
 
-/// A kvtier-server process (examples/common/process.hpp: posix_spawn, stdout and stderr in
+/// A kvtier-server process (examples/common/kvtier_program/process.hpp: posix_spawn, stdout and stderr in
 /// files of `dir`) with Catch2 checks and the tests' deadline; killed when destroyed.
 class server_process {
  public:
