@@ -410,15 +410,12 @@ TEST_CASE("a write-locked object removed by force is freed when its writer ends"
   CHECK(f.counts->removed_as(bus::removal_reason::abandoned) == 0);
 }
 
-TEST_CASE("an abandoned write is never readable and never reaches the store listener", "[l1][tier]") {
+TEST_CASE("an abandoned write is never readable and never counts as a finished write", "[l1][tier]") {
   fixture f;
-  std::vector<chunk_key> heard;
-  f.l1->on_write_finished([&](std::span<const chunk_key> ks) { heard.insert(heard.end(), ks.begin(), ks.end()); });
   REQUIRE(f.write(keys({1, 2})) == all(2, status::success));
   CHECK(f.abandon(keys({1, 2, 9})) == std::vector<status>{status::success, status::success, status::not_found});
   CHECK(f.l1->state(key(1)) == object_state::absent);
   CHECK(f.read(keys({1})) == all(1, status::not_found));
-  CHECK(heard.empty());
   CHECK(f.counts->write_finished == 0);
   CHECK(f.counts->removed_as(bus::removal_reason::abandoned) == 2);
   CHECK(f.counts->removed_bytes[static_cast<std::size_t>(bus::removal_reason::abandoned)] == 2000);
@@ -427,7 +424,7 @@ TEST_CASE("an abandoned write is never readable and never reaches the store list
   make_ready(f, keys({3}));
   CHECK(f.abandon(keys({3})) == all(1, status::wrong_state));  // ready, not being written
   CHECK(f.l1->state(key(3)) == object_state::ready);
-  CHECK(heard == keys({3}));
+  CHECK(f.counts->write_finished == 1);  // key 3's own finish_write only
 }
 
 TEST_CASE("an abandoned update drops the object it was overwriting", "[l1][tier]") {
@@ -442,37 +439,16 @@ TEST_CASE("an abandoned update drops the object it was overwriting", "[l1][tier]
   CHECK(f.l1->usage().evictable == 0);
 }
 
-TEST_CASE("the write listener hears finish_write outside the tier's lock", "[l1][tier]") {
+TEST_CASE("finish_write_and_reserve_read is atomic and not counted as a finished write", "[l1][tier]") {
   fixture f;
-  std::vector<chunk_key> heard;
-  std::size_t objects_seen = 0;
-  f.l1->on_write_finished([&](std::span<const chunk_key> ks) {
-    heard.insert(heard.end(), ks.begin(), ks.end());
-    objects_seen = f.l1->usage().objects;  // calling back in would deadlock under the lock
-  });
-  REQUIRE(f.write(keys({1, 2, 3})) == all(3, status::success));
-  CHECK(f.finish(keys({1, 9, 3})) == std::vector<status>{status::success, status::not_found, status::success});
-  CHECK(heard == keys({1, 3}));
-  CHECK(objects_seen == 3);
-  f.l1->on_write_finished({});
-  CHECK(f.finish(keys({2})) == all(1, status::success));
-  CHECK(heard.size() == 2);
-}
-
-TEST_CASE("finish_write_and_reserve_read is atomic and not offered to the store listener", "[l1][tier]") {
-  fixture f;
-  bool heard = false;
-  f.l1->on_write_finished([&](std::span<const chunk_key>) { heard = true; });
   write_options o;
   o.temporary = true;
   o.lock = lock_lifetime::pinned;
   o.purpose = bus::allocation_purpose::prefetch;
   REQUIRE(f.write(keys({1, 2}), o) == all(2, status::success));
   make_ready(f, keys({3}));
-  heard = false;
   CHECK(f.finish_and_read(keys({1, 2, 3, 9}), 1) ==
         std::vector<status>{status::success, status::success, status::wrong_state, status::not_found});
-  CHECK_FALSE(heard);
   CHECK(f.l1->state(key(1)) == object_state::read_locked);
   CHECK(f.l1->info(key(1))->expiring_readers == 2);
   CHECK(f.counts->finished_and_read_reserved == 2);

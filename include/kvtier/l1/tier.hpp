@@ -30,8 +30,8 @@
 // them, so counts stay exact.
 //
 // Thread safety: every member function may be called from any thread. One mutex guards the
-// tier (LMCache does the same; the machines have 2 cores). Bus events and the write listener
-// run after the mutex is released; the policy runs under it.
+// tier (LMCache does the same; the machines have 2 cores). Bus events are published
+// after the mutex is released; the policy runs under it.
 //
 // Events (bus/events.hpp), with exact counts: l1_write_reserved (+ l1_allocation_failed when
 // new keys did not fit), l1_write_finished, l1_write_finished_and_read_reserved,
@@ -157,7 +157,6 @@ struct object_info {
 };
 
 /// Called with the keys a finish_write made readable (the store pipeline's hook).
-using write_listener = std::function<void(std::span<const chunk_key>)>;
 
 /// The L1 tier. `Policy` models l1::eviction_policy; `Bus` models bus::event_bus and must
 /// outlive the tier. Not copyable or movable (the policy links hooks inside the tier).
@@ -206,8 +205,7 @@ class tier {
   std::size_t reserve_write(std::span<const chunk_key> keys, std::size_t object_bytes, const write_options& o,
                             std::span<status> out, std::span<std::span<std::byte>> buffers = {});
 
-  /// Makes write-locked keys ready (readable, evictable) and calls the write listener with
-  /// them (after the mutex is released). Answers: not_found (absent, or removed while the
+  /// Makes write-locked keys ready (readable, evictable). Answers: not_found (absent, or removed while the
   /// write ran: its memory is freed now), wrong_state (not write-locked).
   std::size_t finish_write(std::span<const chunk_key> keys, std::span<status> out);
 
@@ -220,8 +218,8 @@ class tier {
 
   /// Atomically makes write-locked keys ready and takes 1 + extra_count read holds of
   /// `read_lock` lifetime on each, so eviction cannot slip in between (the prefetch
-  /// controller's finalize). Not offered to the write listener (prefetched objects are
-  /// already in L2). Answers as finish_write.
+  /// controller's finalize). Publishes l1_write_finished_and_read_reserved, not
+  /// l1_write_finished (prefetched objects are already in L2). Answers as finish_write.
   std::size_t finish_write_and_reserve_read(std::span<const chunk_key> keys, std::uint32_t extra_count,
                                             lock_lifetime read_lock, std::span<status> out);
 
@@ -328,11 +326,6 @@ class tier {
   [[nodiscard]] std::optional<object_info> info(const chunk_key& key);
   [[nodiscard]] usage_info usage() const;
 
-  /// Sets (or, with an empty function, clears) the listener called after finish_write with
-  /// the keys it made readable, outside the tier's mutex (it may call back into the tier).
-  /// Never called for abandon_write or finish_write_and_reserve_read.
-  void on_write_finished(write_listener listener);
-
   /// Runs f(policy) under the tier's mutex (introspection for tests and benchmarks).
   template <class F>
   decltype(auto) with_policy(F&& f) {
@@ -437,8 +430,7 @@ class tier {
   std::size_t evict_n(std::size_t n, tally& t);
   std::size_t finish_write_impl(std::span<const chunk_key> keys, std::span<status> out, bool reserve_read,
                                 std::uint32_t extra_count, std::span<const std::uint32_t> holds,
-                                lock_lifetime read_lock, std::shared_ptr<const write_listener>* listener,
-                                std::vector<chunk_key>* finished);
+                                lock_lifetime read_lock);
   void publish(const tally& t);
 
   tier_options options_;
@@ -448,7 +440,6 @@ class tier {
   Policy policy_;
   std::unique_ptr<entry[]> entries_;
   std::unordered_map<chunk_key, entry*, chunk_key_hash> index_;  ///< nullptr: a key being reserved
-  std::shared_ptr<const write_listener> listener_;
   std::size_t watermark_slots_ = 0;
   std::size_t target_slots_ = 0;
   std::size_t objects_ = 0;

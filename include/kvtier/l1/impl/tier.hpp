@@ -142,11 +142,8 @@ std::size_t tier<Policy, Bus>::reserve_write(std::span<const chunk_key> keys, st
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::finish_write(std::span<const chunk_key> keys, std::span<status> out) {
   check_span(keys.size(), out.size(), "out");
-  std::shared_ptr<const write_listener> listener;
-  std::vector<chunk_key> finished;
-  const std::size_t ok = finish_write_impl(keys, out, false, 0, {}, lock_lifetime::pinned, &listener, &finished);
+  const std::size_t ok = finish_write_impl(keys, out, false, 0, {}, lock_lifetime::pinned);
   bus_.publish(bus::l1_write_finished{static_cast<std::uint32_t>(ok)});
-  if (listener && !finished.empty()) (*listener)(std::span<const chunk_key>(finished));
   return ok;
 }
 
@@ -155,7 +152,7 @@ std::size_t tier<Policy, Bus>::finish_write_and_reserve_read(std::span<const chu
                                                              lock_lifetime read_lock, std::span<status> out) {
   check_span(keys.size(), out.size(), "out");
   check_extra(extra_count);
-  const std::size_t ok = finish_write_impl(keys, out, true, extra_count, {}, read_lock, nullptr, nullptr);
+  const std::size_t ok = finish_write_impl(keys, out, true, extra_count, {}, read_lock);
   bus_.publish(bus::l1_write_finished_and_read_reserved{static_cast<std::uint32_t>(ok)});
   return ok;
 }
@@ -166,7 +163,7 @@ std::size_t tier<Policy, Bus>::finish_write_and_reserve_read(std::span<const chu
                                                              lock_lifetime read_lock, std::span<status> out) {
   check_span(keys.size(), out.size(), "out");
   check_span(keys.size(), holds.size(), "holds");
-  const std::size_t ok = finish_write_impl(keys, out, true, 0, holds, read_lock, nullptr, nullptr);
+  const std::size_t ok = finish_write_impl(keys, out, true, 0, holds, read_lock);
   bus_.publish(bus::l1_write_finished_and_read_reserved{static_cast<std::uint32_t>(ok)});
   return ok;
 }
@@ -174,20 +171,12 @@ std::size_t tier<Policy, Bus>::finish_write_and_reserve_read(std::span<const chu
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys, std::span<status> out,
                                                  bool reserve_read, std::uint32_t extra_count,
-                                                 std::span<const std::uint32_t> holds, lock_lifetime read_lock,
-                                                 std::shared_ptr<const write_listener>* listener,
-                                                 std::vector<chunk_key>* finished) {
+                                                 std::span<const std::uint32_t> holds, lock_lifetime read_lock) {
   tally t;
   std::size_t ok = 0;
   {
     std::lock_guard g(mutex_);
     lazy_now now{options_.clock};
-    if (listener != nullptr) *listener = listener_;
-    // Keys are collected only for a listener (the store pipeline); none: no allocation.
-    if (listener == nullptr || !*listener)
-      finished = nullptr;
-    else
-      finished->reserve(keys.size());
     for (std::size_t i = 0; i < keys.size(); ++i) {
       entry* e = lookup(keys[i], now, t);
       if (e == nullptr) {
@@ -206,7 +195,6 @@ std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys
         if (!e->in_policy) policy_insert(*e);
         out[i] = status::success;
         ++ok;
-        if (finished != nullptr) finished->push_back(keys[i]);
         if (reserve_read) {
           const std::uint32_t n = holds.empty() ? 1 + extra_count : holds[i];
           if (n > 0)
@@ -626,13 +614,6 @@ usage_info tier<Policy, Bus>::usage() const {
   u.object_bytes = object_bytes_;
   u.evictable = evictable_;
   return u;
-}
-
-template <class Policy, class Bus>
-void tier<Policy, Bus>::on_write_finished(write_listener listener) {
-  auto p = listener ? std::make_shared<const write_listener>(std::move(listener)) : nullptr;
-  std::lock_guard g(mutex_);
-  listener_ = std::move(p);
 }
 
 // ---------------------------------------------------------------------------------------
