@@ -69,7 +69,7 @@ struct phase_result {
   std::string detail{};
 };
 
-using program::percentile;
+using kvtier::program::percentile;
 
 void fill_ttft(phase_result& r, const std::vector<mini_engine::run_report>& runs) {
   std::vector<double> t;

@@ -97,7 +97,7 @@ ttft_stats stats_of(std::vector<double> v) {
   return s;
 }
 
-using program::median;
+using kvtier::program::median;
 
 struct round_summary {
   std::string name;

@@ -70,8 +70,8 @@ struct http_response {
   std::string body;
 
   /// The Prometheus exposition of `reg`.
-  [[nodiscard]] static http_response metrics(const registry& reg) {
-    return {200, std::string(prometheus_content_type), prometheus_text(reg)};
+  [[nodiscard]] static http_response metrics(const telemetry::registry& reg) {
+    return {200, std::string(telemetry::prometheus_content_type), telemetry::prometheus_text(reg)};
   }
   [[nodiscard]] static http_response json(unsigned status, std::string body) {
     return {status, "application/json", std::move(body)};

@@ -390,9 +390,9 @@ class server final : private session_host {
     o.address = config_.metrics_address;
     o.port = config_.metrics_any_port ? 0 : config_.metrics_port;
     http_.emplace(boost::asio::any_io_executor(io_.get_executor()), std::move(o));
-    http_->route("/metrics", [this] { return telemetry::http_response::metrics(registry_); });
-    http_->route("/healthz", [this] { return telemetry::http_response::json(stopping_ ? 503 : 200, health_json()); });
-    http_->route("/status", [this] { return telemetry::http_response::json(200, status_json()); });
+    http_->route("/metrics", [this] { return http_response::metrics(registry_); });
+    http_->route("/healthz", [this] { return http_response::json(stopping_ ? 503 : 200, health_json()); });
+    http_->route("/status", [this] { return http_response::json(200, status_json()); });
     auto port = http_->start();
     if (!port) {
       const error_code ec = port.error();
