@@ -218,10 +218,7 @@ longdoc_one() {
   local tag="${1/./}_${2}_${3}"
   # query_ttft_vs_warmup is per run: name it after the run.
   sed -i "s/^RESULT query_ttft_vs_warmup=/RESULT query_ttft_vs_warmup_${tag}=/" "$logs/longdoc.log.cur"
-  # L2 runs: the bounds derived from the report (max(disk, copy), disk time alone, vs recompute).
-  if [ "$2" = l2 ] && [ -f "$results/longdoc/$tag.json" ]; then
-    python3 bench/tools/l2_hit_bounds.py "$results/longdoc/$tag.json" "${6:-}" >> "$logs/longdoc.log.cur" || rc=1
-  fi
+  # L2 runs print their bounds themselves (max(disk, copy), disk time alone, vs recompute).
   # L1 runs: against bytes / streaming-copy bandwidth + one lookup RTT (the gather and rpc
   # stages of this run, else of the previous results.json).
   if [ "$2" = l1 ] && [ -f "$results/longdoc/$tag.json" ]; then

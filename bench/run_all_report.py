@@ -102,7 +102,7 @@ def longdoc_table(results_dir):
             ios = [t["io_bound"] for t in trials
                    if t.get("io_bound") and t["io_bound"].get("disk_read_gbps") and t["io_bound"].get("memcpy_gbps")]
             if ios:
-                # max(disk, copy): the two costs overlap (bench/tools/l2_hit_bounds.py).
+                # max(disk, copy): the two costs overlap (kvtier_long_doc_qa prints it).
                 row["io_bound"] = statistics.median(
                     max(i["bytes_per_request"] / (i["disk_read_gbps"] * 1e9),
                         i["bytes_per_request"] / (i["memcpy_gbps"] * 1e9)) for i in ios)

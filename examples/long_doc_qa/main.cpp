@@ -318,7 +318,7 @@ int main(int argc, char** argv) {
   app.add_option("--io-bound-dir", io_bound_dir,
                  "With --l2-mode: the disk backend's path; measure the L2-hit TTFT against disk + memcpy time "
                  "(RESULT l2_hit_ttft_vs_io_bound)");
-  app.add_option("--result-suffix", result_suffix, "Appended to the l2_hit_ttft_vs_io_bound RESULT names (e.g. _05b)");
+  app.add_option("--result-suffix", result_suffix, "Appended to the l2_hit_* RESULT names (e.g. _05b)");
   app.add_option("--json", json_path, "Write the JSON report here (\"-\": stdout)");
   CLI11_PARSE(app, argc, argv);
 
@@ -437,6 +437,9 @@ int main(int argc, char** argv) {
     std::size_t stored_chunks = 0, needed_from_l2 = 0, query_hit_requests = 0, query_miss_requests = 0;
     std::size_t warm_retrieved_chunks = 0;
     std::vector<double> io_ratios, io_kvtier_s, io_bound_s, io_disk_bps, io_memcpy_bps, io_bytes;
+    // The bounds that count: the copy of one chunk overlaps the read of the next, so the limit
+    // is the larger of the two costs (io_bound_s, their sum, is kept as the old figure).
+    std::vector<double> io_disk_s, io_copy_s, io_overlap_s, io_vs_overlap, io_vs_disk;
 
     for (std::size_t t = 0; t < trials; ++t) {
       const std::uint64_t trial_seed = seed + 1'000'003ULL * t;
@@ -514,6 +517,12 @@ int main(int argc, char** argv) {
         io_disk_bps.push_back(disk_bps);
         io_memcpy_bps.push_back(memcpy_bps);
         io_bytes.push_back(bytes);
+        const double disk_s = bytes / disk_bps, copy_s = bytes / memcpy_bps, overlap_s = std::max(disk_s, copy_s);
+        io_disk_s.push_back(disk_s);
+        io_copy_s.push_back(copy_s);
+        io_overlap_s.push_back(overlap_s);
+        io_vs_overlap.push_back(kv_s / overlap_s);
+        io_vs_disk.push_back(kv_s / disk_s);
         std::fprintf(
             stderr,
             "io-bound: %.1f MiB per request; kvtier %.4f s; disk %.2f GB/s + memcpy %.2f GB/s -> bound %.4f s; "
@@ -567,6 +576,14 @@ int main(int argc, char** argv) {
       std::printf("RESULT l2_hit_memcpy_gbps%s=%.4f\n", result_suffix.c_str(), median(io_memcpy_bps) / 1e9);
       std::printf("RESULT l2_hit_bytes_per_request%s=%.1f\n", result_suffix.c_str(), median(io_bytes));
       std::printf("RESULT l2_hit_ttft_vs_io_bound%s=%.6f\n", result_suffix.c_str(), median(io_ratios));
+      const char* sfx = result_suffix.c_str();
+      std::printf("RESULT l2_hit_disk_time_s%s=%.6f\n", sfx, median(io_disk_s));
+      std::printf("RESULT l2_hit_copy_time_s%s=%.6f\n", sfx, median(io_copy_s));
+      std::printf("RESULT l2_hit_overlap_bound_s%s=%.6f\n", sfx, median(io_overlap_s));
+      std::printf("RESULT l2_hit_ttft_vs_overlap_bound%s=%.6f\n", sfx, median(io_vs_overlap));
+      std::printf("RESULT l2_hit_ttft_vs_disk_time%s=%.6f\n", sfx, median(io_vs_disk));
+      // The query round is served from L2, the warmup round computed the same documents.
+      if (l2_mode) std::printf("RESULT l2_hit_vs_recompute%s=%.6f\n", sfx, median(ratios));
     }
     std::printf("RESULT query_ttft_vs_warmup=%.6f\n", result);
     return ok ? 0 : 1;
