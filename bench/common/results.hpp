@@ -1,6 +1,6 @@
 #pragma once
 // Benchmark output helpers: medians and percentiles, and the `RESULT name=value` lines every benchmark ends
-// with (DESIGN.md: lower_snake_case name, plain decimal value, unit in the name; a ratio
+// with (docs/performance.md: lower_snake_case name, plain decimal value, unit in the name; a ratio
 // a_vs_b is the median over interleaved repeats of a_i / b_i).
 
 #include <kvtier_program/stats.hpp>

@@ -1,7 +1,7 @@
 // kvtier_fault_tolerance: proves that an engine keeps serving correct outputs when the cache
 // server dies, hangs, restarts, or is not there at all, and that the server cleans up after
-// an engine that dies. The scenario of LMCache's fault-tolerance CI
-// (reference/lmcache-mp.md 8.6), made stricter: every output and every retrieved block is
+// an engine that dies. The scenario of LMCache's fault-tolerance CI (docs/fault-tolerance.md),
+// made stricter: every output and every retrieved block is
 // verified, duplicate finished reports are counted, detection times are measured.
 //
 //   kvtier_fault_tolerance                 every phase, defaults (50 requests of 10,000 tokens)

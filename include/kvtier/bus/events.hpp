@@ -3,7 +3,7 @@
 // publisher), are cheap to copy (no heap), and carry the counts and ids their subscribers
 // need. Each has `static constexpr event_type type`.
 //
-// Counting rules (reference/lmcache-mp.md section 6.2, not repeated here):
+// Counting rules (the prefetch counters; docs/metrics.md says what each series counts):
 //   l2_prefetch_lookup_completed::hit_count   the pure L2 contiguous prefix, before any L1
 //                                             reservation;
 //   l2_prefetch_load_submitted::key_count     keys actually handed to backends;

@@ -23,8 +23,8 @@
 // different processes do not share the SMs at the same time (the GPU time-slices between
 // contexts), whereas DMA runs on the copy engines: staged holds the SMs ~3% of the transfer
 // time, zero-copy for all of it (its CTAs wait on PCIe round trips of ~1-2 us). vLLM found
-// the same end to end (reference/peers.md: "DMA beat custom copy kernels end to end because
-// it interferes less with compute"). bench/cuda measures both modes' bandwidth; their
+// the same end to end (DMA beat custom copy kernels end to end because it interferes less
+// with compute). bench/cuda measures both modes' bandwidth; their
 // interference with a running engine is still to be measured. Zero-copy wins where the
 // latency of small transfers matters more than SM time (no staging hop, one launch) and
 // needs no device memory: it stays available as an option.

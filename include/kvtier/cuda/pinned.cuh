@@ -11,7 +11,7 @@
 //
 // Why pieces and threads: one cudaHostRegister call pins every page of its range on one
 // thread (fault it in, lock it, map it for the devices), so a multi-TB CPU KV region blocks
-// engine start-up for minutes (vllm#42632, reference/peers.md). The kernel pins pages under
+// engine start-up for minutes (vllm#42632). The kernel pins pages under
 // the process's mmap lock taken for reading, so disjoint pieces pin in parallel on as many
 // cores as are given. The time is measured and reported (registration_stats, the log
 // callback) so a deployment sees what start-up costs; figures on the GPU machines are still

@@ -4,7 +4,7 @@
 // their KV stores are over), following vLLM's KV-connector contract. Pure bookkeeping, no
 // I/O, not thread-safe (the connector guards it with its mutex).
 //
-// Rules (docs/fault-tolerance.md, reference/lmcache-mp.md 8.3-8.4, vLLM's scheduler):
+// Rules (docs/fault-tolerance.md; vLLM's scheduler, docs/integration.md):
 //   recving   an id is reported finished receiving once, at the first take_finished at
 //             which it has had a retrieve and none of its retrieves is pending. "Every
 //             retrieve" is every retrieve started before that call: an engine that loads a

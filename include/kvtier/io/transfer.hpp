@@ -3,7 +3,7 @@
 // file_io engine, split into parts of ~1 MiB that run in parallel (at most
 // max_parts_in_flight at a time), and complete once, after every part has completed.
 //
-// Why these numbers (peers.md 4.3): at >= 256 KiB per I/O the submission cost is under 1%
+// Why these numbers (docs/io.md): at >= 256 KiB per I/O the submission cost is under 1%
 // even unbatched, and 8-32 requests in flight saturate an NVMe device; 1 MiB parts, 16 in
 // flight, put a 32 MiB object in flight in two waves while the ring batches each wave into
 // one io_uring_enter.

@@ -39,7 +39,7 @@ enum class taskrun_mode : std::uint8_t {
 struct uring_options {
   /// SQ entries (the kernel rounds up to a power of two; the CQ gets twice as many). 256
   /// holds 8 objects of 32 MiB in 1 MiB parts, far above the useful queue depth (8-32 per
-  /// device, peers.md 4.3). Operations beyond the CQ size wait in the ring's own queue.
+  /// device, docs/io.md). Operations beyond the CQ size wait in the ring's own queue.
   unsigned entries = 256;
   taskrun_mode taskrun = taskrun_mode::coop;
   /// When false, register_buffers() registers nothing and every op uses plain READ/WRITE.

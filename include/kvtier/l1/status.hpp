@@ -38,7 +38,7 @@ inline constexpr std::size_t status_count = 8;
   return i < status_count ? n[i] : std::string_view{"unknown"};
 }
 
-/// Which keys of a reserve_write batch may be written (reference/lmcache-mp.md section 3).
+/// Which keys of a reserve_write batch may be written (LMCache's write modes; docs/l1.md).
 enum class write_mode : std::uint8_t {
   new_only,  ///< LMCache "new": absent keys only; an existing key answers not_writable
   update,    ///< existing, writable keys only (ready, unlocked, not temporary); an absent

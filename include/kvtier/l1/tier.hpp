@@ -1,6 +1,6 @@
 #pragma once
 // l1::tier<Policy, Bus>: the L1 tier, chunk objects in CPU memory, one object per fixed-size
-// slot of one arena, with LMCache's per-key state machine (reference/lmcache-mp.md section 3):
+// slot of one arena, with LMCache's per-key state machine (docs/l1.md):
 //
 //   absent --reserve_write / reserve_prefix(write)--> write_locked
 //   write_locked --finish_write--> ready

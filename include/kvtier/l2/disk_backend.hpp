@@ -125,7 +125,7 @@ struct disk_backend_options {
   /// The I/O engine: automatic (KVTIER_IO_BACKEND, else the probe), uring, pread.
   io::engine_choice io = io::engine_choice::automatic;
   /// Bytes per read/write (rounded up to 4 KiB). 1 MiB: >= 256 KiB keeps the submission cost
-  /// under 1% (peers.md 4.3) and 1 MiB parts saturate the target disk (docs/io.md).
+  /// under 1% and 1 MiB parts saturate the target disk (docs/io.md).
   std::size_t part_bytes = std::size_t{1} << 20;
   /// Reads or writes in flight per operation (1..256): 8-32 saturate an NVMe device.
   unsigned queue_depth = 16;

@@ -1,5 +1,5 @@
 #pragma once
-// The planning arithmetic of the prefetch pipeline (reference/lmcache-mp.md section 6.1),
+// The planning arithmetic of the prefetch pipeline (docs/pipelines.md),
 // as pure functions so every trimming case is testable on its own:
 //
 //   1. plan_backends: the policy picks a backend per key, untrimmed; l2_prefix is the

@@ -1,5 +1,5 @@
 #pragma once
-// prefetch_controller: the prefetch pipeline, L2 -> L1 (reference/lmcache-mp.md section 6.1).
+// prefetch_controller: the prefetch pipeline, L2 -> L1 (docs/pipelines.md).
 //
 // For each request (keys a lookup did not find at the head of L1, in prefix order):
 //   1. lookup-and-pin in every backend at once;

@@ -1,7 +1,7 @@
 #pragma once
 // server: the kvtier cache server in one object. It owns
 //   - its io_context: ONE thread (run()) carries the protocol, the pipelines' coroutines,
-//     lookups and pings (DESIGN.md, "Async core");
+//     lookups and pings (docs/architecture.md);
 //   - the copy pool (copy_threads threads): the copies between engine regions and L1 of
 //     retrieves and stores (tiered_cache::async_copy_out / async_copy_in), so a large copy
 //     never holds up the I/O thread;
