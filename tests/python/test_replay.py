@@ -29,6 +29,19 @@ def engine(srv, **kw) -> ReplayEngine:
     return ReplayEngine(socket_path=srv.socket_path if srv else None, extra=extra, **kw)
 
 
+def at_first_load(action):
+    """A before_workers hook that calls action(scheduler_output) once, at the first step whose
+    connector plan has loads (the moment a load goes out to the workers). Returns the hook and
+    the list of what action returned (empty until it fired)."""
+    fired = []
+
+    def hook(so):
+        if so.kv_connector_metadata.plan.loads and not fired:
+            fired.append(action(so))
+
+    return hook, fired
+
+
 def assert_clean(e: ReplayEngine, srv=None, loaded=()) -> None:
     """Nothing is left behind and every id was reported as vLLM needs it."""
     assert e.violations == []
@@ -146,13 +159,7 @@ def test_abort_while_looking_up_loading_or_running_releases_everything(servers):
             srv.resume()
         # While its KV is loading (WAITING_FOR_REMOTE_KVS: the server stops as the load goes out).
         e.add("loading", d + [3], 2)
-        paused = []
-
-        def stop_at_load(so):
-            if so.kv_connector_metadata.plan.loads and not paused:
-                srv.pause()
-                paused.append(so)
-
+        stop_at_load, paused = at_first_load(lambda so: srv.pause())
         try:
             e.run(before_workers=stop_at_load, until=lambda: bool(paused))
             assert e.sched.requests["loading"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -176,13 +183,7 @@ def test_the_server_killed_with_loads_in_flight_costs_recomputation_only(servers
         d = doc(64, 6)
         e.add("warm", d + [1], 1)
         e.run()
-        killed = []
-
-        def kill_at_load(so):
-            if so.kv_connector_metadata.plan.loads and not killed:
-                srv.kill()
-                killed.append(so)
-
+        kill_at_load, killed = at_first_load(lambda so: srv.kill())
         e.add("b", d + [2], 3)
         e.add("c", d + [3, 4], 3)
         e.run(before_workers=kill_at_load)
@@ -206,13 +207,11 @@ def test_a_stopped_server_keeps_the_blocks_of_its_load_quarantined_until_it_answ
         d = doc(64, 7)
         e.add("warm", d + [1], 1)
         e.run()
-        stopped = []
+        def pause_and_note_blocks(so):
+            srv.pause()
+            return [op.block_ids for op in so.kv_connector_metadata.plan.loads]
 
-        def stop_at_load(so):
-            if so.kv_connector_metadata.plan.loads and not stopped:
-                srv.pause()
-                stopped.append([op.block_ids for op in so.kv_connector_metadata.plan.loads])
-
+        stop_at_load, stopped = at_first_load(pause_and_note_blocks)
         e.add("b", d + [2], 2)
         e.run(before_workers=stop_at_load, until=lambda: bool(stopped))
         (blocks,) = stopped[0]
