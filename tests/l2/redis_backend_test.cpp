@@ -38,6 +38,7 @@ namespace asio = boost::asio;
 using kvtier::test::reply_text;
 using kvtier::test::run_sync;
 using kvtier::test::run_until;
+using kvtier::test::run_until_idle;
 using l2::key_outcome;
 
 namespace {
