@@ -28,6 +28,7 @@
 
 #include <common/protocol_client.hpp>
 #include <common/results.hpp>
+#include <common/server_config.hpp>
 
 #include <unistd.h>
 
@@ -101,15 +102,8 @@ run_result run_once(std::uint32_t workers, int clients, double seconds, std::uin
   const auto dir = std::filesystem::temp_directory_path() /
                    ("kvtier-bench-copy-pool-" + std::to_string(::getpid()) + "-" + std::to_string(seed));
   std::filesystem::create_directories(dir);
-  server::server_config cfg;
-  cfg.socket_path = (dir / "s.sock").string();
-  cfg.chunk_tokens = chunk_tokens;
-  cfg.l1_slot_bytes = align_up(object);
-  cfg.l1_size_bytes = (chunks + 2) * cfg.l1_slot_bytes;
-  cfg.eviction_watermark = 1.0;
-  cfg.eviction_target = 0.9;
+  server::server_config cfg = bench::one_request_server_config(dir, chunk_tokens, object, chunks);
   cfg.copy_threads = workers;
-  cfg.log_level = telemetry::log_level::warn;
   server::server srv(cfg);
   srv.start();
   std::thread io([&] { srv.run(); });

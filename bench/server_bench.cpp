@@ -30,6 +30,7 @@
 
 #include <common/protocol_client.hpp>
 #include <common/results.hpp>
+#include <common/server_config.hpp>
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
@@ -77,14 +78,7 @@ shape_result measure(const std::string& tag, model_shape shape, int repeats) {
 
   const auto dir = std::filesystem::temp_directory_path() / ("kvtier-bench-server-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
-  server::server_config cfg;
-  cfg.socket_path = (dir / "s.sock").string();
-  cfg.chunk_tokens = chunk_tokens;
-  cfg.l1_slot_bytes = align_up(object);
-  cfg.l1_size_bytes = (chunks + 2) * cfg.l1_slot_bytes;
-  cfg.eviction_watermark = 1.0;
-  cfg.eviction_target = 0.9;
-  cfg.log_level = telemetry::log_level::warn;
+  const server::server_config cfg = bench::one_request_server_config(dir, chunk_tokens, object, chunks);
   server::server srv(cfg);
   srv.start();
   std::thread io([&] { srv.run(); });
