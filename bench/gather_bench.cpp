@@ -1,5 +1,5 @@
 // kvtier_bench_gather: bytes/s of gather_chunk and scatter_chunk (core/kv_transfer.hpp) next
-// to one memcpy of the same total bytes, with cold source and destination.
+// to a streaming copy and a memcpy of the same total bytes, with cold source and destination.
 //
 // Two shapes, block size 16, 256-token chunks, bf16:
 //   8b    32 layers, 8 KV heads, head dim 128: 32 MiB chunks, 32 KiB block segments
@@ -9,30 +9,39 @@
 // chunk is a random set of blocks (a long-running engine's free list is shuffled, so block
 // ids are rarely consecutive). Each timed sweep copies `sweep` chunks; a global cursor
 // rotates chunk objects and blocks through the whole working set, so a chunk's object and
-// blocks were last touched one rotation (>= 4x LLC of traffic) ago. (The memcpy reads region
-// slice c, whose blocks belong to random chunks: under 10% of it was touched by the last few
-// copies.) One repeat runs memcpy, stream copy, gather, memcpy, stream copy, scatter; a
-// ratio x_vs_memcpy is the median over repeats of x_i / memcpy_i (the memcpy of the same
-// repeat just before x), x_vs_stream_copy likewise with the stream copy just before x. The
-// memcpy copies one whole chunk (object_bytes) from the region into an object in one call
-// (glibc's memcpy: at these sizes it stores through the cache). The stream copy
-// (common/stream_copy.hpp: non-temporal AVX-512/AVX/SSE2 stores, one thread, as gather and
-// scatter run on one thread) copies the same bytes in the direction of the op it stands
-// beside: region slice -> object before a gather, object -> region slice before a scatter.
-// It is the single-core limit for a copy whose destination is cold.
+// blocks were last touched one rotation (>= 4x LLC of traffic) ago. (The baselines read
+// region slice c, whose blocks belong to random chunks: under 10% of it was touched by the
+// last few copies.) One repeat runs memcpy, stream copy, gather, memcpy, stream copy,
+// scatter; a ratio x_vs_memcpy is the median over repeats of x_i / memcpy_i (the memcpy of
+// the same repeat just before x), x_vs_stream_copy likewise with the stream copy just
+// before x. The memcpy copies one whole chunk (object_bytes) from the region into an object
+// in one call (glibc's memcpy: at these sizes it stores through the cache). The stream copy
+// (common/stream_copy.hpp: non-temporal AVX-512/AVX/SSE2 stores, 4 parts of the chunk side
+// by side, one thread, as gather and scatter run on one thread) copies the same bytes in the
+// direction of the op it stands beside: region slice -> object before a gather, object ->
+// region slice before a scatter. It is the fastest single-core copy to cold memory we have.
+//
+// Every sweep is timed twice: wall clock (the RESULT lines without _cpu) and the thread's
+// CPU time (CLOCK_THREAD_CPUTIME_ID: the _cpu_ ratios). On a machine shared with other jobs
+// the wall clock also counts the time the thread waited for a CPU; the CPU-time ratios show
+// whether a wall-clock ratio is that noise.
 //
 //   kvtier_bench_gather [--quick] [--repeats=N] [--explore[=<substring of variant names>]]
 //     --quick    5 repeats instead of 21 (--repeats sets any number)
-//     --explore  also measures the variants tried while optimising (docs/performance.md):
-//                per-segment memcpy with per-segment index math, hoisted memcpy, streaming
-//                AVX-512 and AVX2 stores with 0-64 lines of the next segment prefetched,
-//                consecutive block ids (runs merged into one copy), and one streaming copy
-//                of a whole contiguous chunk (the limit for a copy that streams)
+//     --explore  also measures the variants tried while optimising (docs/performance.md),
+//                each against the stream copy of the same direction just before it: the
+//                stream copy with 1-8 parts, memcpy, rep movsb; gather and scatter one copy
+//                per segment (the first version), one streaming copy per run of
+//                consecutive ids, 1-8 segments side by side, 0-8 prefetched lines, AVX2,
+//                memcpy, and chunks whose block ids are consecutive
 //
 // Ends with RESULT lines: <op>_<shape>_gbps (medians, op = memcpy, stream_copy, gather,
-// scatter), <op>_vs_memcpy_<shape> and <op>_vs_stream_copy_<shape> (op = gather, scatter).
+// scatter), <op>_vs_memcpy_<shape>, <op>_vs_stream_copy_<shape> and
+// <op>_vs_stream_copy_cpu_<shape> (op = gather, scatter), stream_copy_vs_memcpy_<shape>.
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/core/kv_transfer.hpp>
+
+#include <time.h>
 
 #include <common/results.hpp>
 #include <common/stream_copy.hpp>
@@ -139,22 +148,47 @@ void check(std::error_code ec) {
   }
 }
 
-/// GB/s of `op` over `sweep` chunks.
-double run_sweep(fixture& f, std::size_t sweep, const chunk_op& op) {
-  const auto t0 = clock_type::now();
-  for (std::size_t i = 0; i < sweep; ++i) op(f, f.next());
-  const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
-  return static_cast<double>(sweep * f.chunk().object_bytes()) / s / 1e9;
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
 }
 
+/// GB/s of one sweep, by the wall clock and by the thread's CPU time.
+struct rate {
+  double wall;
+  double cpu;
+};
+
+/// Runs `op` over `sweep` chunks.
+rate run_sweep(fixture& f, std::size_t sweep, const chunk_op& op) {
+  const auto t0 = clock_type::now();
+  const double c0 = thread_cpu_seconds();
+  for (std::size_t i = 0; i < sweep; ++i) op(f, f.next());
+  const double c = thread_cpu_seconds() - c0;
+  const double s = std::chrono::duration<double>(clock_type::now() - t0).count();
+  const double bytes = static_cast<double>(sweep * f.chunk().object_bytes());
+  return {bytes / s / 1e9, bytes / c / 1e9};
+}
+
+/// The rates of one op over the repeats.
+struct series {
+  std::vector<double> wall, cpu;
+  void add(rate r) { wall.push_back(r.wall), cpu.push_back(r.cpu); }
+};
+
+chunk_op stream_in(int streams) {  // as a gather: region -> object
+  return [streams](fixture& f, const fixture::slot& s) {
+    bench::stream_copy(s.object, s.region_slice, f.chunk().object_bytes(), streams);
+  };
+}
+chunk_op stream_out(int streams) {  // as a scatter: object -> region
+  return [streams](fixture& f, const fixture::slot& s) {
+    bench::stream_copy(s.region_slice, s.object, f.chunk().object_bytes(), streams);
+  };
+}
 const chunk_op op_memcpy = [](fixture& f, const fixture::slot& s) {
   std::memcpy(s.object, s.region_slice, f.chunk().object_bytes());
-};
-const chunk_op op_stream_in = [](fixture& f, const fixture::slot& s) {  // as a gather: region -> object
-  bench::stream_copy(s.object, s.region_slice, f.chunk().object_bytes());
-};
-const chunk_op op_stream_out = [](fixture& f, const fixture::slot& s) {  // as a scatter: object -> region
-  bench::stream_copy(s.region_slice, s.object, f.chunk().object_bytes());
 };
 const chunk_op op_gather = [](fixture& f, const fixture::slot& s) {
   check(gather_chunk(f.view(), s.blocks, f.chunk(), s.object));
@@ -185,32 +219,67 @@ void naive_copy(fixture& f, const fixture::slot& s) {
 }
 
 template <bool Gather>
-chunk_op with_mode(transfer_write mode) {
-  return [mode](fixture& f, const fixture::slot& s) {
+chunk_op with_plan(detail::copy_plan plan) {
+  return [plan](fixture& f, const fixture::slot& s) {
     if constexpr (Gather)
-      check(gather_chunk(f.view(), s.blocks, f.chunk(), s.object, 0, {mode}));
+      detail::copy_chunk<true>(f.view(), s.blocks, f.chunk(), s.object, 0, plan);
     else
-      check(scatter_chunk(f.view(), s.blocks, f.chunk(), s.object, 0, {mode}));
+      detail::copy_chunk<false>(f.view(), s.blocks, f.chunk(), static_cast<const std::byte*>(s.object), 0, plan);
+    detail::store_fence();
   };
 }
 
-template <bool Gather>
-chunk_op with_copy(detail::copy_function copy, std::size_t prefetch_lines) {
-  return [copy, prefetch_lines](fixture& f, const fixture::slot& s) {
-    if constexpr (Gather)
-      detail::copy_chunk<true>(f.view(), s.blocks, f.chunk(), s.object, 0, copy, prefetch_lines);
-    else
-      detail::copy_chunk<false>(f.view(), s.blocks, f.chunk(), static_cast<const std::byte*>(s.object), 0, copy,
-                                prefetch_lines);
-    detail::store_fence();
-  };
+void rep_movsb(std::byte* dst, const std::byte* src, std::size_t n) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  __asm__ volatile("rep movsb" : "+D"(dst), "+S"(src), "+c"(n) : : "memory");
+#else
+  std::memcpy(dst, src, n);
+#endif
 }
 
 struct variant {
   std::string name;
   chunk_op op;
+  bool gather;               ///< compared with the stream copy region -> object, else object -> region
   bool consecutive = false;  ///< run on a fixture whose chunks have consecutive block ids
 };
+
+std::vector<variant> explore_variants() {
+  std::vector<variant> vars;
+  const auto kernels = detail::available_copies();
+  const detail::copy_kernel& memcpy_kernel = kernels[0];
+  for (int streams : {1, 2, 4, 8})
+    vars.push_back({"stream_copy_" + std::to_string(streams) + "_parts", stream_in(streams), true});
+  vars.push_back({"glibc_memcpy", op_memcpy, true});
+  vars.push_back(
+      {"rep_movsb",
+       [](fixture& f, const fixture::slot& s) { rep_movsb(s.object, s.region_slice, f.chunk().object_bytes()); },
+       true});
+  for (int dir = 0; dir < 2; ++dir) {
+    const bool gather = dir == 0;
+    const std::string d = gather ? "gather" : "scatter";
+    auto plan_op = [&](detail::copy_plan plan) { return gather ? with_plan<true>(plan) : with_plan<false>(plan); };
+    vars.push_back({d + "_naive_memcpy", gather ? chunk_op(naive_copy<true>) : chunk_op(naive_copy<false>), gather});
+    vars.push_back({d + "_memcpy_per_run", plan_op({&memcpy_kernel, 0, gather ? 8u : 0u}), gather});
+    for (std::size_t k = 1; k < kernels.size(); ++k) {
+      const std::string n = d + "_" + kernels[k].name;
+      const bool best = k == 1;
+      // Streams 0: one streaming copy per run of consecutive ids (the previous version).
+      for (std::size_t streams : {0u, 1u, 2u, 4u, 8u}) {
+        if (!best && streams != 0 && streams != detail::transfer_copy_streams) continue;
+        for (std::size_t lines : {0u, 1u, 2u, 4u, 8u}) {
+          if (!gather && lines) continue;  // scatter prefetches nothing: it reads the object in order
+          if (gather && !best && lines != detail::gather_prefetch_lines) continue;
+          if (gather && streams != detail::transfer_copy_streams && lines != 0 && lines != 2 && lines != 8) continue;
+          vars.push_back({n + "_streams" + std::to_string(streams) + "_prefetch" + std::to_string(lines),
+                          plan_op({&kernels[k], streams, lines}), gather});
+        }
+      }
+    }
+    vars.push_back({d + "_consecutive_ids", gather ? op_gather : op_scatter, gather, true});
+  }
+  return vars;
+}
 
 void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, const std::string& only) {
   fixture f(sc.model, ws, 16, 256, false);
@@ -221,80 +290,53 @@ void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, 
       "shape %s: chunk %zu KiB, segment %zu KiB, %zu chunks in rotation, working set %zu MiB, "
       "%zu chunks per sweep, %d repeats\n",
       sc.name, obj >> 10, f.view().layout.segment_bytes() >> 10, f.num_chunks(), f.working_set() >> 20, sweep, repeats);
+  const chunk_op op_stream_in = stream_in(bench::stream_copy_default_streams);
+  const chunk_op op_stream_out = stream_out(bench::stream_copy_default_streams);
   // Warm up code paths and the CPU probe.
-  run_sweep(f, 2, op_memcpy);
-  run_sweep(f, 2, op_stream_in);
-  run_sweep(f, 2, op_stream_out);
-  run_sweep(f, 2, op_gather);
-  run_sweep(f, 2, op_scatter);
+  for (const chunk_op* op : {&op_memcpy, &op_stream_in, &op_stream_out, &op_gather, &op_scatter}) run_sweep(f, 2, *op);
 
-  std::vector<double> mg, sg, g, ms, ss, s;
+  series mg, sg, g, ms, ss, s;
   for (int r = 0; r < repeats; ++r) {
-    mg.push_back(run_sweep(f, sweep, op_memcpy));
-    sg.push_back(run_sweep(f, sweep, op_stream_in));
-    g.push_back(run_sweep(f, sweep, op_gather));
-    ms.push_back(run_sweep(f, sweep, op_memcpy));
-    ss.push_back(run_sweep(f, sweep, op_stream_out));
-    s.push_back(run_sweep(f, sweep, op_scatter));
+    mg.add(run_sweep(f, sweep, op_memcpy));
+    sg.add(run_sweep(f, sweep, op_stream_in));
+    g.add(run_sweep(f, sweep, op_gather));
+    ms.add(run_sweep(f, sweep, op_memcpy));
+    ss.add(run_sweep(f, sweep, op_stream_out));
+    s.add(run_sweep(f, sweep, op_scatter));
   }
-  std::vector<double> m = mg, st = sg;
-  m.insert(m.end(), ms.begin(), ms.end());
-  st.insert(st.end(), ss.begin(), ss.end());
+  std::vector<double> m = mg.wall, st = sg.wall;
+  m.insert(m.end(), ms.wall.begin(), ms.wall.end());
+  st.insert(st.end(), ss.wall.begin(), ss.wall.end());
   const std::string n = sc.name;
   bench::print_result("memcpy_" + n + "_gbps", bench::median(m));
   bench::print_result("stream_copy_" + n + "_gbps", bench::median(st));
-  bench::print_result("gather_" + n + "_gbps", bench::median(g));
-  bench::print_result("scatter_" + n + "_gbps", bench::median(s));
-  bench::print_result("gather_vs_memcpy_" + n, bench::median_ratio(g, mg));
-  bench::print_result("scatter_vs_memcpy_" + n, bench::median_ratio(s, ms));
-  bench::print_result("gather_vs_stream_copy_" + n, bench::median_ratio(g, sg));
-  bench::print_result("scatter_vs_stream_copy_" + n, bench::median_ratio(s, ss));
-  bench::print_result("stream_copy_vs_memcpy_" + n, bench::median_ratio(sg, mg));
+  bench::print_result("gather_" + n + "_gbps", bench::median(g.wall));
+  bench::print_result("scatter_" + n + "_gbps", bench::median(s.wall));
+  bench::print_result("gather_vs_memcpy_" + n, bench::median_ratio(g.wall, mg.wall));
+  bench::print_result("scatter_vs_memcpy_" + n, bench::median_ratio(s.wall, ms.wall));
+  bench::print_result("gather_vs_stream_copy_" + n, bench::median_ratio(g.wall, sg.wall));
+  bench::print_result("scatter_vs_stream_copy_" + n, bench::median_ratio(s.wall, ss.wall));
+  bench::print_result("gather_vs_stream_copy_cpu_" + n, bench::median_ratio(g.cpu, sg.cpu));
+  bench::print_result("scatter_vs_stream_copy_cpu_" + n, bench::median_ratio(s.cpu, ss.cpu));
+  bench::print_result("stream_copy_vs_memcpy_" + n, bench::median_ratio(sg.wall, mg.wall));
 
   if (!explore) return;
-  std::vector<variant> vars;
-  for (int dir = 0; dir < 2; ++dir) {
-    const bool gather = dir == 0;
-    const std::string d = gather ? "gather" : "scatter";
-    auto pick = [&](auto gather_op, auto scatter_op) { return gather ? chunk_op(gather_op) : chunk_op(scatter_op); };
-    if (gather)  // the physical limit of a copy that writes around the cache: one whole chunk
-      vars.push_back({"contiguous_streaming_copy", [](fixture& ff, const fixture::slot& sl) {
-                        detail::select_copy(transfer_write::streaming, 0)(sl.object, sl.region_slice,
-                                                                          ff.chunk().object_bytes());
-                        detail::store_fence();
-                      }});
-    vars.push_back({d + "_naive_memcpy", pick(naive_copy<true>, naive_copy<false>)});
-    vars.push_back({d + "_hoisted_memcpy",
-                    pick(with_copy<true>(&detail::copy_cached, 0), with_copy<false>(&detail::copy_cached, 0))});
-    if (gather)
-      vars.push_back({d + "_hoisted_memcpy_prefetch8",
-                      pick(with_copy<true>(&detail::copy_cached, 8), with_copy<false>(&detail::copy_cached, 8))});
-    for (const auto& c : detail::available_copies()) {
-      if (std::string_view(c.name) == "memcpy") continue;
-      for (std::size_t lines : {0, 4, 8, 16, 64}) {
-        if (!gather && lines) continue;  // scatter prefetches nothing: it reads the object in order
-        vars.push_back({d + "_" + c.name + "_prefetch" + std::to_string(lines),
-                        pick(with_copy<true>(c.copy, lines), with_copy<false>(c.copy, lines))});
-      }
-    }
-    vars.push_back({d + "_consecutive_ids_cached",
-                    pick(with_mode<true>(transfer_write::cached), with_mode<false>(transfer_write::cached)), true});
-    vars.push_back({d + "_consecutive_ids_auto",
-                    pick(with_mode<true>(transfer_write::automatic), with_mode<false>(transfer_write::automatic)),
-                    true});
-  }
+  std::vector<variant> vars = explore_variants();
   std::erase_if(vars, [&](const variant& v) { return v.name.find(only) == std::string::npos; });
   fixture fc(sc.model, ws, 16, 256, true);
-  std::vector<std::vector<double>> vr(vars.size()), vm(vars.size());
+  std::vector<series> vr(vars.size()), vb(vars.size());
   for (int r = 0; r < repeats; ++r)
     for (std::size_t k = 0; k < vars.size(); ++k) {
       fixture& ff = vars[k].consecutive ? fc : f;
-      vm[k].push_back(run_sweep(ff, sweep, op_memcpy));
-      vr[k].push_back(run_sweep(ff, sweep, vars[k].op));
+      vb[k].add(run_sweep(ff, sweep, vars[k].gather ? op_stream_in : op_stream_out));
+      vr[k].add(run_sweep(ff, sweep, vars[k].op));
     }
+  std::printf("  %-44s %9s %9s %7s %7s  (ratio: median of variant_i / stream copy_i, same direction)\n", "variant",
+              "GB/s", "stream", "ratio", "cpu");
   for (std::size_t k = 0; k < vars.size(); ++k)
-    std::printf("  %-40s %7.2f GB/s  memcpy %7.2f GB/s  ratio %.3f\n", vars[k].name.c_str(), bench::median(vr[k]),
-                bench::median(vm[k]), bench::median_ratio(vr[k], vm[k]));
+    std::printf("  %-44s %9.2f %9.2f %7.3f %7.3f\n", vars[k].name.c_str(), bench::median(vr[k].wall),
+                bench::median(vb[k].wall), bench::median_ratio(vr[k].wall, vb[k].wall),
+                bench::median_ratio(vr[k].cpu, vb[k].cpu));
 }
 
 }  // namespace
@@ -321,8 +363,11 @@ int main(int argc, char** argv) {
   if (quick) repeats = 5;
   const std::size_t llc = llc_bytes();
   const std::size_t ws = 4 * llc;  // per buffer: the region, and the object pool
-  std::printf("LLC %zu MiB; region and object pool each >= %zu MiB; stream copy: %s stores, 1 thread\n", llc >> 20,
-              ws >> 20, bench::stream_copy_kind());
+  const detail::copy_kernel* k = detail::streaming_copy();
+  std::printf(
+      "LLC %zu MiB; region and object pool each >= %zu MiB; stream copy: %s stores, %d parts, 1 thread; "
+      "gather/scatter: %s\n",
+      llc >> 20, ws >> 20, bench::stream_copy_kind(), bench::stream_copy_default_streams, k ? k->name : "memcpy");
   const shape_case shapes[] = {
       {"8b", {32, 8, 128, dtype_kind::bf16, attention_kind::mha}},
       {"05b", {24, 2, 64, dtype_kind::bf16, attention_kind::mha}},

@@ -6,8 +6,17 @@
 //
 // The widest store the CPU has, probed once at run time: AVX-512 (64-byte stores), AVX (two
 // 32-byte stores per line), else SSE2 (four 16-byte stores per line, every x86-64 CPU has
-// it). Cached loads, four lines per loop iteration, both halves of a line stored back to
-// back, one sfence at the end. Off x86-64 it is memcpy (named so in stream_copy_kind()).
+// it). Cached loads, one sfence at the end, no software prefetch (the hardware prefetcher
+// follows a contiguous source on its own). Off x86-64 it is memcpy (named so in
+// stream_copy_kind()).
+//
+// `streams`: the bytes are cut into that many equal parts, copied side by side, 256 bytes of
+// each in turn (each 256 bytes: four lines loaded, then stored). One core's copy to cold
+// memory is bound by the misses it keeps in flight, and the hardware prefetcher runs one
+// stream per 4 KiB page: several parts at once keep several streams going. On the dev VM
+// 4 streams copied 1.05-1.15x faster than 1 (docs/performance.md), so 4 is the default: the
+// fastest contiguous copy we know how to write on one thread, which is what gather and
+// scatter are judged against.
 
 #include <cstddef>
 #include <cstdint>
@@ -20,41 +29,54 @@
 
 namespace kvtier::bench {
 
+/// Parts stream_copy copies side by side unless told otherwise.
+inline constexpr int stream_copy_default_streams = 4;
+
 namespace detail_stream {
 
 #ifdef KVTIER_BENCH_STREAM_X86
-// Each copies n bytes (a multiple of 256) from src to a 64-byte aligned dst.
-__attribute__((target("avx512f"))) inline void lines_avx512(std::byte* dst, const std::byte* src, std::size_t n) {
-  for (std::size_t i = 0; i < n; i += 256) {
-    const __m512i a = _mm512_loadu_si512(src + i);
-    const __m512i b = _mm512_loadu_si512(src + i + 64);
-    const __m512i c = _mm512_loadu_si512(src + i + 128);
-    const __m512i d = _mm512_loadu_si512(src + i + 192);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i), a);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 64), b);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 128), c);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + i + 192), d);
-  }
+// Each copies `streams` parts of `part` bytes (a multiple of 256): part k from src + k * part
+// to the 64-byte aligned dst + k * part.
+__attribute__((target("avx512f"))) inline void lines_avx512(std::byte* dst, const std::byte* src, std::size_t part,
+                                                            int streams) {
+  for (std::size_t i = 0; i < part; i += 256)
+    for (int k = 0; k < streams; ++k) {
+      const std::byte* s = src + k * part + i;
+      std::byte* d = dst + k * part + i;
+      const __m512i a = _mm512_loadu_si512(s);
+      const __m512i b = _mm512_loadu_si512(s + 64);
+      const __m512i c = _mm512_loadu_si512(s + 128);
+      const __m512i e = _mm512_loadu_si512(s + 192);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d), a);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 64), b);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 128), c);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 192), e);
+    }
 }
 
-__attribute__((target("avx"))) inline void lines_avx(std::byte* dst, const std::byte* src, std::size_t n) {
-  for (std::size_t i = 0; i < n; i += 256) {
-    __m256i v[8];
-    for (int k = 0; k < 8; ++k) v[k] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i + 32 * k));
-    for (int k = 0; k < 8; ++k) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32 * k), v[k]);
-  }
+__attribute__((target("avx"))) inline void lines_avx(std::byte* dst, const std::byte* src, std::size_t part,
+                                                     int streams) {
+  for (std::size_t i = 0; i < part; i += 256)
+    for (int k = 0; k < streams; ++k) {
+      __m256i v[8];
+      for (int j = 0; j < 8; ++j)
+        v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * part + i + 32 * j));
+      for (int j = 0; j < 8; ++j) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k * part + i + 32 * j), v[j]);
+    }
 }
 
-inline void lines_sse2(std::byte* dst, const std::byte* src, std::size_t n) {
-  for (std::size_t i = 0; i < n; i += 256) {
-    __m128i v[16];
-    for (int k = 0; k < 16; ++k) v[k] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i + 16 * k));
-    for (int k = 0; k < 16; ++k) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + i + 16 * k), v[k]);
-  }
+inline void lines_sse2(std::byte* dst, const std::byte* src, std::size_t part, int streams) {
+  for (std::size_t i = 0; i < part; i += 256)
+    for (int k = 0; k < streams; ++k) {
+      __m128i v[16];
+      for (int j = 0; j < 16; ++j)
+        v[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * part + i + 16 * j));
+      for (int j = 0; j < 16; ++j) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k * part + i + 16 * j), v[j]);
+    }
 }
 #endif
 
-using lines_fn = void (*)(std::byte*, const std::byte*, std::size_t);
+using lines_fn = void (*)(std::byte*, const std::byte*, std::size_t, int);
 
 struct choice {
   lines_fn fn;
@@ -82,8 +104,9 @@ inline const choice& chosen() {
 /// Which stores stream_copy uses: "avx512", "avx", "sse2" or "memcpy".
 [[nodiscard]] inline const char* stream_copy_kind() { return detail_stream::chosen().name; }
 
-/// Copies n bytes from src to dst (not overlapping) with non-temporal stores, then sfence.
-inline void stream_copy(void* dst_v, const void* src_v, std::size_t n) {
+/// Copies n bytes from src to dst (not overlapping) with non-temporal stores, `streams`
+/// (1..8) parts side by side, then sfence.
+inline void stream_copy(void* dst_v, const void* src_v, std::size_t n, int streams = stream_copy_default_streams) {
   auto* dst = static_cast<std::byte*>(dst_v);
   const auto* src = static_cast<const std::byte*>(src_v);
   const auto& c = detail_stream::chosen();
@@ -91,11 +114,13 @@ inline void stream_copy(void* dst_v, const void* src_v, std::size_t n) {
     std::memcpy(dst, src, n);
     return;
   }
-  // Head up to a 64-byte aligned destination, whole 256-byte groups, then the tail.
+  streams = streams < 1 ? 1 : streams > 8 ? 8 : streams;
+  // Head up to a 64-byte aligned destination, the parts (whole 256-byte groups), then the tail.
   const std::size_t head = (64 - (reinterpret_cast<std::uintptr_t>(dst) & 63)) & 63;
   std::memcpy(dst, src, head);
-  const std::size_t body = (n - head) & ~std::size_t{255};
-  c.fn(dst + head, src + head, body);
+  const std::size_t part = (n - head) / static_cast<std::size_t>(streams) & ~std::size_t{255};
+  const std::size_t body = part * static_cast<std::size_t>(streams);
+  c.fn(dst + head, src + head, part, streams);
   std::memcpy(dst + head + body, src + head + body, n - head - body);
 #ifdef KVTIER_BENCH_STREAM_X86
   _mm_sfence();

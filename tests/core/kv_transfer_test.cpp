@@ -30,21 +30,52 @@ void fill_random(std::span<std::byte> bytes, std::uint64_t seed) {
   }
 }
 
+/// std::vector's allocator for 64-byte aligned storage.
+template <class T>
+struct aligned64_allocator {
+  using value_type = T;
+  aligned64_allocator() = default;
+  template <class U>
+  aligned64_allocator(const aligned64_allocator<U>&) noexcept {}
+  T* allocate(std::size_t n) { return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{64})); }
+  void deallocate(T* p, std::size_t) noexcept { ::operator delete (p, std::align_val_t{64}); }
+  friend bool operator==(const aligned64_allocator&, const aligned64_allocator&) = default;
+};
+using aligned_vector = std::vector<std::byte, aligned64_allocator<std::byte>>;
+
+/// Bytes whose usable part starts `misalign` bytes after a 64-byte boundary (0 gives the
+/// aligned destinations the side-by-side streaming path needs, anything else the one-run
+/// path), with 64 guard bytes after it.
+class offset_bytes {
+ public:
+  offset_bytes(std::size_t n, std::size_t misalign, std::byte fill = std::byte{0})
+      : storage_(n + misalign + 64, fill), misalign_(misalign), size_(n) {}
+  [[nodiscard]] std::byte* data() { return storage_.data() + misalign_; }
+  [[nodiscard]] std::span<std::byte> span() { return {data(), size_}; }
+  /// Every byte, the guard bytes around the usable part included.
+  [[nodiscard]] const aligned_vector& all() const { return storage_; }
+  [[nodiscard]] aligned_vector& all() { return storage_; }
+
+ private:
+  aligned_vector storage_;
+  std::size_t misalign_;
+  std::size_t size_;
+};
+
 /// An engine's paged KV cache in test memory: one allocation per layer (not contiguous,
-/// optionally at an odd offset inside it), or all layers back to back like a kv region.
+/// 64-byte aligned or at an odd offset), or all layers back to back like a kv region.
 class test_cache {
  public:
   test_cache(const paged_kv_layout& layout, std::uint64_t seed, bool contiguous, std::size_t misalign = 0)
       : layout_(layout) {
     const std::size_t lb = layout.layer_bytes();
     if (contiguous) {
-      storage_.emplace_back(lb * layout.model.num_layers + misalign);
-      for (std::uint32_t l = 0; l < layout.model.num_layers; ++l)
-        layers_.push_back(storage_[0].data() + misalign + l * lb);
+      storage_.emplace_back(lb * layout.model.num_layers, misalign);
+      for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) layers_.push_back(storage_[0].data() + l * lb);
     } else {
       for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) {
-        storage_.emplace_back(lb + misalign + 64);
-        layers_.push_back(storage_.back().data() + misalign);
+        storage_.emplace_back(lb, misalign);
+        layers_.push_back(storage_.back().data());
       }
       std::reverse(storage_.begin(), storage_.end());  // pointers keep their targets
     }
@@ -52,10 +83,10 @@ class test_cache {
   }
 
   void fill(std::uint64_t seed) {
-    for (auto& s : storage_) fill_random(s, seed++ * 1000003);
+    for (auto& s : storage_) fill_random(s.all(), seed++ * 1000003);
   }
   void fill_with(std::byte v) {
-    for (auto& s : storage_) std::fill(s.begin(), s.end(), v);
+    for (auto& s : storage_) std::fill(s.all().begin(), s.all().end(), v);
   }
 
   [[nodiscard]] paged_kv_view view() const { return {layout_, layers_}; }
@@ -64,20 +95,22 @@ class test_cache {
   /// Every byte of the cache, padding included, for whole-state comparisons.
   [[nodiscard]] std::vector<std::byte> snapshot() const {
     std::vector<std::byte> all;
-    for (const auto& s : storage_) all.insert(all.end(), s.begin(), s.end());
+    for (const auto& s : storage_) all.insert(all.end(), s.all().begin(), s.all().end());
     return all;
   }
 
  private:
   paged_kv_layout layout_;
-  std::vector<std::vector<std::byte>> storage_;
+  std::vector<offset_bytes> storage_;
   std::vector<std::byte*> layers_;
 };
 
-/// The trivially correct gather: byte by byte, one (token, head) row at a time, straight
-/// from the layout definitions (offset_in_layer and object_offset, which know NHD and HND).
-void reference_gather(const test_cache& cache, const std::vector<std::uint32_t>& ids, const chunk_layout& chunk,
-                      std::byte* object, std::uint32_t skip) {
+/// The trivially correct gather (Gather) or scatter: byte by byte, one (token, head) row at a
+/// time, straight from the layout definitions (offset_in_layer and object_offset, which know
+/// NHD and HND).
+template <bool Gather, class ObjectByte>
+void reference_copy(const test_cache& cache, const std::vector<std::uint32_t>& ids, const chunk_layout& chunk,
+                    ObjectByte* object, std::uint32_t skip) {
   const auto& L = cache.layout();
   const std::size_t row = L.head_row_bytes();
   for (std::uint32_t l = 0; l < L.model.num_layers; ++l)
@@ -86,28 +119,14 @@ void reference_gather(const test_cache& cache, const std::vector<std::uint32_t>&
         for (std::uint32_t t = 0; t < L.block_size; ++t) {
           const std::uint32_t token = i * L.block_size + t;
           if (token < skip) continue;
-          for (std::uint32_t h = 0; h < L.model.num_kv_heads; ++h)
-            for (std::size_t b = 0; b < row; ++b)
-              object[L.object_offset(chunk, l, p, token, h) + b] =
-                  cache.layer(l)[L.offset_in_layer(p, ids[i], t, h) + b];
-        }
-}
-
-/// The trivially correct scatter.
-void reference_scatter(const test_cache& cache, const std::vector<std::uint32_t>& ids, const chunk_layout& chunk,
-                       const std::byte* object, std::uint32_t skip) {
-  const auto& L = cache.layout();
-  const std::size_t row = L.head_row_bytes();
-  for (std::uint32_t l = 0; l < L.model.num_layers; ++l)
-    for (std::uint32_t p = 0; p < L.model.planes(); ++p)
-      for (std::uint32_t i = 0; i < ids.size(); ++i)
-        for (std::uint32_t t = 0; t < L.block_size; ++t) {
-          const std::uint32_t token = i * L.block_size + t;
-          if (token < skip) continue;
-          for (std::uint32_t h = 0; h < L.model.num_kv_heads; ++h)
-            for (std::size_t b = 0; b < row; ++b)
-              cache.layer(l)[L.offset_in_layer(p, ids[i], t, h) + b] =
-                  object[L.object_offset(chunk, l, p, token, h) + b];
+          for (std::uint32_t h = 0; h < L.model.num_kv_heads; ++h) {
+            ObjectByte* obj = object + L.object_offset(chunk, l, p, token, h);
+            std::byte* paged = cache.layer(l) + L.offset_in_layer(p, ids[i], t, h);
+            if constexpr (Gather)
+              std::copy(paged, paged + row, obj);
+            else
+              std::copy(obj, obj + row, paged);
+          }
         }
 }
 
@@ -152,6 +171,9 @@ std::vector<transfer_case> transfer_cases() {
   return {
       {"MHA, block size 1, one block", {3, 2, 4, dtype_kind::bf16, attention_kind::mha}, 1, 1, 5},
       {"MHA, block size 1, many blocks", {3, 2, 4, dtype_kind::bf16, attention_kind::mha}, 1, 37, 50},
+      // Segments of one and of five 64-byte lines: copied side by side, but not in 256-byte steps.
+      {"MHA, 64-byte segments", {3, 2, 16, dtype_kind::bf16, attention_kind::mha}, 1, 37, 50},
+      {"MHA, 320-byte segments", {2, 2, 16, dtype_kind::bf16, attention_kind::mha}, 5, 7, 12},
       {"MHA, block size 16, one block", {4, 2, 8, dtype_kind::bf16, attention_kind::mha}, 16, 1, 4},
       {"MHA, block size 16, many blocks", {4, 2, 8, dtype_kind::bf16, attention_kind::mha}, 16, 16, 40},
       {"MHA, block size 64, fp32", {2, 1, 16, dtype_kind::fp32, attention_kind::mha}, 64, 3, 9},
@@ -193,50 +215,103 @@ const char* mode_name(transfer_write m) {
   return "?";
 }
 
+/// A gather and a scatter of one chunk of `tc`, through `gather` and `scatter` (called as
+/// (view, ids, chunk, object, skip)), compared byte for byte with reference_copy: the whole
+/// object and every byte of the cache, the guard bytes around them included.
+template <class Gather, class Scatter>
+void check_against_reference(const transfer_case& tc, id_order order, std::uint32_t skip, std::uint64_t seed,
+                             bool contiguous, std::size_t misalign, Gather&& gather, Scatter&& scatter) {
+  const paged_kv_layout layout{tc.model, tc.block_size, tc.num_blocks, tc.order};
+  const chunk_layout chunk{tc.model, tc.block_size * tc.blocks_per_chunk};
+  REQUIRE(layout.validation_error().empty());
+  REQUIRE(layout.compatibility_error(chunk).empty());
+  const auto ids = make_ids(tc.blocks_per_chunk, tc.num_blocks, order, seed);
+  test_cache cache(layout, seed, contiguous, misalign);
+
+  // Gather: the skipped prefix of the object keeps its sentinel.
+  offset_bytes obj(chunk.object_bytes(), misalign, sentinel);
+  offset_bytes expected(chunk.object_bytes(), misalign, sentinel);
+  REQUIRE(gather(cache.view(), ids, chunk, obj.data(), skip) == std::error_code{});
+  reference_copy<true>(cache, ids, chunk, expected.data(), skip);
+  REQUIRE(obj.all() == expected.all());
+
+  // Scatter into a cache filled with a sentinel (tokens that are skipped stay so), and into
+  // a copy with the reference.
+  test_cache dst(layout, 0, !contiguous, misalign);
+  test_cache ref(layout, 0, !contiguous, misalign);
+  dst.fill_with(sentinel);
+  ref.fill_with(sentinel);
+  // A distinct object, so repeated ids are not trivially the same bytes.
+  offset_bytes src(chunk.object_bytes(), misalign);
+  fill_random(src.span(), seed * 7);
+  REQUIRE(scatter(dst.view(), ids, chunk, src.data(), skip) == std::error_code{});
+  reference_copy<false>(ref, ids, chunk, static_cast<const std::byte*>(src.data()), skip);
+  REQUIRE(dst.snapshot() == ref.snapshot());
+}
+
+const std::vector<id_order> all_orders{id_order::consecutive, id_order::reversed, id_order::shuffled,
+                                       id_order::repeated};
+
 }  // namespace
 
 TEST_CASE("gather and scatter match a byte-by-byte reference for every shape, id order, skip and write mode",
           "[core][kv_transfer]") {
   std::uint64_t seed = 1;
-  for (const auto& tc : transfer_cases()) {
-    const paged_kv_layout layout{tc.model, tc.block_size, tc.num_blocks, tc.order};
-    const chunk_layout chunk{tc.model, tc.block_size * tc.blocks_per_chunk};
-    REQUIRE(layout.validation_error().empty());
-    REQUIRE(layout.compatibility_error(chunk).empty());
-    for (id_order order : {id_order::consecutive, id_order::reversed, id_order::shuffled, id_order::repeated})
-      for (std::uint32_t skip : skips_for(chunk.chunk_tokens, tc.block_size))
+  for (const auto& tc : transfer_cases())
+    for (id_order order : all_orders)
+      for (std::uint32_t skip : skips_for(tc.block_size * tc.blocks_per_chunk, tc.block_size))
         for (transfer_write mode : {transfer_write::automatic, transfer_write::cached, transfer_write::streaming}) {
           ++seed;
           const bool contiguous = seed % 2 == 0;
-          const std::size_t misalign = seed % 3 == 0 ? 3 : 0;  // unaligned layer and object bases
+          // 64-byte aligned layer and object bases (streaming: segments side by side), or not.
+          const std::size_t misalign = seed % 3 == 0 ? 3 : 0;
           INFO(tc.name << ", order " << static_cast<int>(order) << ", skip " << skip << ", mode " << mode_name(mode)
                        << (contiguous ? ", contiguous layers" : ", separate layers") << ", misalign " << misalign);
-          const auto ids = make_ids(tc.blocks_per_chunk, tc.num_blocks, order, seed);
-          test_cache cache(layout, seed, contiguous, misalign);
-
-          // Gather: the skipped prefix of the object keeps its sentinel.
-          std::vector<std::byte> obj_buf(chunk.object_bytes() + misalign, sentinel);
-          std::vector<std::byte> expected = obj_buf;
-          std::byte* obj = obj_buf.data() + misalign;
-          REQUIRE(gather_chunk(cache.view(), ids, chunk, obj, skip, {mode}) == std::error_code{});
-          reference_gather(cache, ids, chunk, expected.data() + misalign, skip);
-          REQUIRE(obj_buf == expected);
-
-          // Scatter into a cache filled with a sentinel (tokens that are skipped stay so),
-          // and into a copy with the reference.
-          test_cache dst(layout, 0, !contiguous, misalign);
-          test_cache ref(layout, 0, !contiguous, misalign);
-          dst.fill_with(sentinel);
-          ref.fill_with(sentinel);
-          // A distinct object, so repeated ids are not trivially the same bytes.
-          std::vector<std::byte> src_buf(chunk.object_bytes() + misalign);
-          fill_random(src_buf, seed * 7);
-          const std::byte* src = src_buf.data() + misalign;
-          REQUIRE(scatter_chunk(dst.view(), ids, chunk, src, skip, {mode}) == std::error_code{});
-          reference_scatter(ref, ids, chunk, src, skip);
-          REQUIRE(dst.snapshot() == ref.snapshot());
+          check_against_reference(
+              tc, order, skip, seed, contiguous, misalign,
+              [mode](const paged_kv_view& v, const auto& ids, const chunk_layout& c, std::byte* o, std::uint32_t k) {
+                return gather_chunk(v, ids, c, o, k, {mode});
+              },
+              [mode](const paged_kv_view& v, const auto& ids, const chunk_layout& c, const std::byte* o,
+                     std::uint32_t k) { return scatter_chunk(v, ids, c, o, k, {mode}); });
         }
-  }
+}
+
+TEST_CASE("every copy kernel, segments side by side or one run at a time, matches the reference",
+          "[core][kv_transfer]") {
+  // detail::copy_chunk with each plan the benchmark can pick: every kernel this CPU runs,
+  // 0 (one copy per run) to max_copy_streams segments side by side (3 and 5 leave a last
+  // group that is not full and groups that span two (layer, plane)s), with and without
+  // prefetching; aligned bases (side by side) and unaligned ones (one run at a time). The
+  // large 8B-like segments only with the plans the library uses, to stay quick.
+  std::uint64_t seed = 1000;
+  for (const auto& kernel : detail::available_copies())
+    for (std::size_t streams : {0u, 1u, 3u, 4u, 5u, 8u})
+      for (const auto& tc : transfer_cases())
+        for (id_order order : {id_order::shuffled, id_order::repeated})
+          if (streams == 0 || streams == detail::transfer_copy_streams || tc.model.head_dim < 128)
+            for (std::uint32_t skip : {0u, tc.block_size / 2 + 1}) {
+              ++seed;
+              const detail::copy_plan plan{&kernel, streams, seed % 2 ? 0u : 8u};
+              const std::size_t misalign = seed % 5 == 0 ? 7 : 0;
+              INFO(kernel.name << ", streams " << streams << ", prefetch " << plan.prefetch_lines << ", " << tc.name
+                               << ", order " << static_cast<int>(order) << ", skip " << skip << ", misalign "
+                               << misalign);
+              check_against_reference(
+                  tc, order, skip, seed, seed % 3 == 0, misalign,
+                  [&plan](const paged_kv_view& v, const auto& ids, const chunk_layout& c, std::byte* o,
+                          std::uint32_t k) {
+                    detail::copy_chunk<true>(v, ids, c, o, k, plan);
+                    detail::store_fence();
+                    return std::error_code{};
+                  },
+                  [&plan](const paged_kv_view& v, const auto& ids, const chunk_layout& c, const std::byte* o,
+                          std::uint32_t k) {
+                    detail::copy_chunk<false>(v, ids, c, o, k, plan);
+                    detail::store_fence();
+                    return std::error_code{};
+                  });
+            }
 }
 
 TEST_CASE("a gather then a scatter into other blocks reproduces the chunk's KV byte for byte", "[core][kv_transfer]") {
@@ -472,5 +547,32 @@ TEST_CASE("every copy function this CPU runs copies exactly n bytes at any align
             FAIL_CHECK("n " << n << ", source offset " << so << ", destination offset " << d);
         }
     CHECK(mismatches == 0);
+  }
+}
+
+TEST_CASE("every kernel copies up to max_copy_streams runs side by side, a later run winning where two overlap",
+          "[core][kv_transfer]") {
+  std::mt19937_64 rng(78);
+  for (const auto& k : detail::available_copies()) {
+    INFO(k.name);
+    for (std::size_t count = 1; count <= detail::max_copy_streams; ++count)
+      for (std::size_t len : {0u, 64u, 128u, 192u, 256u, 320u, 704u, 4096u}) {
+        INFO("count " << count << ", len " << len);
+        // Runs 64-byte aligned in one destination, a 64-byte gap between them; sources at
+        // odd offsets. With three or more runs, the last one writes over the first.
+        const std::size_t pitch = len + 64;
+        offset_bytes dst(count * pitch, 0, sentinel);
+        offset_bytes src(count * pitch + 1, 0);
+        fill_random(src.span(), count * 1000 + len);
+        std::byte* d[detail::max_copy_streams];
+        const std::byte* s[detail::max_copy_streams];
+        for (std::size_t r = 0; r < count; ++r) d[r] = dst.data() + r * pitch, s[r] = src.data() + r * pitch + 1;
+        if (count >= 3) d[count - 1] = d[0];
+        aligned_vector expected = dst.all();
+        for (std::size_t r = 0; r < count; ++r) std::memcpy(expected.data() + (d[r] - dst.data()), s[r], len);
+        k.streams(d, s, count, len);
+        detail::store_fence();
+        CHECK(dst.all() == expected);
+      }
   }
 }

@@ -61,8 +61,10 @@
 // publishes streaming stores here becomes the stream's completion.
 
 #include <kvtier/config.hpp>
+#include <kvtier/core/detail/streaming_copy.hpp>
 #include <kvtier/core/kv_layout.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -70,14 +72,6 @@
 #include <string>
 #include <system_error>
 #include <type_traits>
-
-// x86-64 with GCC or clang (not nvcc, whose front end does not know the x86 builtins):
-// streaming stores with AVX-512 or AVX2, chosen at run time. Elsewhere: memcpy only.
-#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__) && !defined(__CUDACC__)
-#define KVTIER_DETAIL_X86_STREAMING 1
-#else
-#define KVTIER_DETAIL_X86_STREAMING 0
-#endif
 
 namespace kvtier::inline KVTIER_ABI_TAG {
 
@@ -182,141 +176,12 @@ struct scatter_item {
 
 namespace detail {
 
-/// Copies n bytes with plain stores.
-inline void copy_cached(std::byte* dst, const std::byte* src, std::size_t n) noexcept {
-  std::memcpy(dst, src, n);
-}
-
-#if KVTIER_DETAIL_X86_STREAMING
-
-// GCC spells the streaming store as a builtin; clang has a generic one. The vector types
-// are <immintrin.h>'s __m512i / __m256i (may_alias); loads go through memcpy, which both
-// compilers turn into one unaligned vector load.
-typedef long long v8di __attribute__((vector_size(64), may_alias));
-typedef long long v4di __attribute__((vector_size(32), may_alias));
-
-/// Bytes to copy with memcpy before dst reaches an Align boundary.
-template <std::size_t Align>
-[[nodiscard]] inline std::size_t head_bytes(const std::byte* dst, std::size_t n) noexcept {
-  const std::size_t mis = reinterpret_cast<std::uintptr_t>(dst) & (Align - 1);
-  const std::size_t head = mis ? Align - mis : 0;
-  return head < n ? head : n;
-}
-
-/// One 64-byte line: an unaligned load, a streaming store to the 64-byte aligned dst.
-__attribute__((target("avx512f"), always_inline)) inline void stream_line_avx512(std::byte* dst,
-                                                                                const std::byte* src) noexcept {
-  v8di v;
-  std::memcpy(&v, src, sizeof v);
-#if defined(__clang__)
-  __builtin_nontemporal_store(v, reinterpret_cast<v8di*>(dst));
-#else
-  __builtin_ia32_movntdq512(reinterpret_cast<v8di*>(dst), v);
-#endif
-}
-
-/// One 64-byte line as two 32-byte halves, stored back to back (the compiler otherwise
-/// interleaves the halves of neighbouring lines, which keeps more write-combining buffers
-/// partially filled: measured 10-15% slower).
-__attribute__((target("avx2"), always_inline)) inline void stream_line_avx2(std::byte* dst,
-                                                                           const std::byte* src) noexcept {
-  v4di lo, hi;
-  std::memcpy(&lo, src, sizeof lo);
-  std::memcpy(&hi, src + 32, sizeof hi);
-#if defined(__clang__)
-  __builtin_nontemporal_store(lo, reinterpret_cast<v4di*>(dst));
-  __builtin_nontemporal_store(hi, reinterpret_cast<v4di*>(dst + 32));
-#else
-  __builtin_ia32_movntdq256(reinterpret_cast<v4di*>(dst), lo);
-  __builtin_ia32_movntdq256(reinterpret_cast<v4di*>(dst + 32), hi);
-#endif
-  __asm__ volatile("" ::: "memory");
-}
-
-/// Streaming copy with 64-byte stores, four lines per iteration. Head (up to the first
-/// 64-byte boundary of dst) and tail (under one line) go through memcpy. The caller fences.
-__attribute__((target("avx512f"))) inline void copy_streaming_avx512(std::byte* dst, const std::byte* src,
-                                                                     std::size_t n) noexcept {
-  const std::size_t head = head_bytes<64>(dst, n);
-  std::memcpy(dst, src, head);
-  dst += head, src += head, n -= head;
-  for (; n >= 256; dst += 256, src += 256, n -= 256) {
-    stream_line_avx512(dst, src);
-    stream_line_avx512(dst + 64, src + 64);
-    stream_line_avx512(dst + 128, src + 128);
-    stream_line_avx512(dst + 192, src + 192);
-  }
-  for (; n >= 64; dst += 64, src += 64, n -= 64) stream_line_avx512(dst, src);
-  std::memcpy(dst, src, n);
-}
-
-/// The same with 32-byte stores, for CPUs with AVX2 but no AVX-512.
-__attribute__((target("avx2"))) inline void copy_streaming_avx2(std::byte* dst, const std::byte* src,
-                                                                std::size_t n) noexcept {
-  const std::size_t head = head_bytes<64>(dst, n);
-  std::memcpy(dst, src, head);
-  dst += head, src += head, n -= head;
-  for (; n >= 256; dst += 256, src += 256, n -= 256) {
-    stream_line_avx2(dst, src);
-    stream_line_avx2(dst + 64, src + 64);
-    stream_line_avx2(dst + 128, src + 128);
-    stream_line_avx2(dst + 192, src + 192);
-  }
-  for (; n >= 64; dst += 64, src += 64, n -= 64) stream_line_avx2(dst, src);
-  std::memcpy(dst, src, n);
-}
-
-/// Orders the streaming stores before anything this thread does next (a release that
-/// publishes the destination must not overtake them).
-inline void store_fence() noexcept { __builtin_ia32_sfence(); }
-
-#else
-
-inline void store_fence() noexcept {}
-
-#endif
-
-using copy_function = void (*)(std::byte*, const std::byte*, std::size_t) noexcept;
-
-/// A copy function and its name, for tests and benchmarks.
-struct named_copy {
-  const char* name;
-  copy_function copy;
-};
-
-/// Every copy function this build and CPU can run: "memcpy", then "streaming_avx512" and
-/// "streaming_avx2" where the CPU has them (best first). Probed once: a function-local
-/// static, so thread-safe, and one guard load per call afterwards.
-[[nodiscard]] inline std::span<const named_copy> available_copies() noexcept {
-  struct table {
-    named_copy entries[3];
-    std::size_t size = 0;
-  };
-  static const table t = [] () noexcept {
-    table r{};
-    r.entries[r.size++] = {"memcpy", &copy_cached};
-#if KVTIER_DETAIL_X86_STREAMING
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) r.entries[r.size++] = {"streaming_avx512", &copy_streaming_avx512};
-    if (__builtin_cpu_supports("avx2")) r.entries[r.size++] = {"streaming_avx2", &copy_streaming_avx2};
-#endif
-    return r;
-  }();
-  return {t.entries, t.size};
-}
-
-/// The best streaming copy this CPU has, or nullptr.
-[[nodiscard]] inline copy_function streaming_copy() noexcept {
-  const auto copies = available_copies();
-  return copies.size() > 1 ? copies[1].copy : nullptr;
-}
-
-/// The copy function for a transfer of `bytes` bytes.
-[[nodiscard]] inline copy_function select_copy(transfer_write mode, std::size_t bytes) noexcept {
+/// The kernel for a transfer of `bytes` bytes.
+[[nodiscard]] inline const copy_kernel& select_copy(transfer_write mode, std::size_t bytes) noexcept {
   if (mode == transfer_write::cached || (mode == transfer_write::automatic && bytes < transfer_streaming_threshold_bytes))
-    return &copy_cached;
-  const copy_function s = streaming_copy();
-  return s ? s : &copy_cached;
+    return cached_copy();
+  const copy_kernel* s = streaming_copy();
+  return s ? *s : cached_copy();
 }
 
 /// The checks common to every item: layouts, the layer pointer table.
@@ -357,85 +222,191 @@ inline void prefetch_read([[maybe_unused]] const void* p) noexcept {
 #endif
 }
 
-/// Cache lines of the next block segment a gather prefetches before copying the current one:
-/// the segments are scattered over the cache, and the hardware prefetcher needs a few misses
-/// in each new page before it runs ahead. Measured with 4 KiB segments: none 1.0x memcpy,
-/// 4-16 lines 1.25-1.35x, the whole segment (64 lines) 0.9x (docs/performance.md).
-inline constexpr std::size_t gather_prefetch_lines = 8;
+/// Block segments a streaming transfer copies side by side (copy_kernel::streams). Measured
+/// on the dev VM against a one-stream copy per segment (docs/performance.md): 4 KiB segments
+/// 0.8x -> 1.0x of a one-stream contiguous copy with 4, 2 about halfway, 8 no better than 4.
+inline constexpr std::size_t transfer_copy_streams = 4;
 
-/// Copies one validated chunk. Gather: paged -> object; else object -> paged. ObjectByte is
-/// std::byte for a gather (the object is written), const std::byte for a scatter. All index
-/// math is hoisted out of the loops; runs of consecutive block ids are copied as one call (a
-/// fresh engine hands out consecutive blocks); a gather prefetches the next run's start.
-template <bool Gather, class ObjectByte>
-inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t> ids, const chunk_layout& chunk,
-                       ObjectByte* object, std::uint32_t skip_tokens, copy_function copy,
-                       std::size_t prefetch_lines = gather_prefetch_lines) noexcept {
-  const paged_kv_layout& layout = cache.layout;
-  const std::size_t nblocks = ids.size();
-  const std::size_t seg = layout.segment_bytes();
-  const std::size_t plane_stride = seg * layout.num_blocks;  // one plane of one layer's tensor
-  const std::size_t slab = chunk.slab_bytes();                // one (layer, plane) of the object
-  const std::uint32_t planes = layout.model.planes();
-  const std::size_t first = skip_tokens / layout.block_size;  // first block with bytes to copy
-  // Bytes of each run of the first block left alone (a skip that ends inside that block).
-  const std::size_t first_offset = layout.run_offset(skip_tokens % layout.block_size);
-  // HND splits such a first block into one run per head, copied on their own.
-  const std::uint32_t runs = layout.segment_runs();
-  const std::size_t run = layout.run_bytes();
-  const bool split_first = first_offset != 0 && runs > 1;
-  if (first >= nblocks) return;  // the whole chunk is skipped
+/// Cache lines at the start of each source segment of the next group that a gather
+/// prefetches before copying the current group: each segment starts in a new page, where
+/// the hardware prefetcher first needs a few misses (docs/performance.md).
+inline constexpr std::size_t gather_prefetch_lines = 2;
 
-  // Never more lines than one segment has.
-  const std::size_t lines = prefetch_lines < (seg + 63) / 64 ? prefetch_lines : (seg + 63) / 64;
-  const std::size_t num_layers = cache.layers.size();
+/// How copy_chunk copies; the benchmark varies the tuning.
+struct copy_plan {
+  const copy_kernel* kernel;
+  /// Segments side by side through kernel->streams (1..max_copy_streams), where every
+  /// destination segment is 64-byte aligned and a multiple of 64 bytes long; 0: one copy
+  /// per run of consecutive block ids through kernel->copy (what unaligned layouts get).
+  std::size_t streams = transfer_copy_streams;
+  /// Gather: lines of each next source segment (or run) prefetched; scatter: none.
+  std::size_t prefetch_lines = gather_prefetch_lines;
+};
 
-  ObjectByte* obj_slab = object;
-  for (std::size_t l = 0; l < num_layers; ++l) {
-    std::byte* paged_plane = cache.layers[l];
-    for (std::uint32_t p = 0; p < planes; ++p, paged_plane += plane_stride, obj_slab += slab) {
-      std::size_t i = first;
-      std::size_t offset = first_offset;
-      if (split_first) {
-        std::byte* paged = paged_plane + ids[first] * seg + first_offset;
-        ObjectByte* obj = obj_slab + first * seg + first_offset;
-        for (std::uint32_t r = 0; r < runs; ++r, paged += run, obj += run) {
-          if constexpr (Gather)
-            copy(obj, paged, run - first_offset);
-          else
-            copy(paged, obj, run - first_offset);
-        }
-        ++i;
-        offset = 0;
-      }
-      while (i < nblocks) {
-        std::size_t j = i + 1;
-        while (j < nblocks && ids[j] == ids[j - 1] + 1) ++j;
-        if constexpr (Gather) {
+/// The plan of a transfer of `bytes` bytes: memcpy copies one run at a time (a memcpy per
+/// segment gains nothing from company), streaming kernels several segments side by side.
+[[nodiscard]] inline copy_plan plan_for(transfer_write mode, std::size_t bytes) noexcept {
+  const copy_kernel& k = select_copy(mode, bytes);
+  return {&k, &k == &cached_copy() ? 0 : transfer_copy_streams};
+}
+
+/// The geometry of one chunk's copy, computed once per call.
+template <class ObjectByte>
+struct chunk_walk {
+  std::span<std::byte* const> layers;
+  std::span<const std::uint32_t> ids;
+  ObjectByte* object;
+  std::size_t seg;           ///< bytes of one block segment
+  std::size_t plane_stride;  ///< bytes of one plane of one layer's tensor
+  std::size_t slab;          ///< bytes of one (layer, plane) of the object
+  std::uint32_t planes;
+  std::size_t start;  ///< the first block copied whole
+
+  /// Calls f(paged, object, bytes) for each run of consecutive block ids from `start`, in
+  /// chunk order per (layer, plane), and prefetch(next paged run) before each run.
+  template <class F, class P>
+  void for_each_run(F&& f, P&& prefetch) const noexcept {
+    const std::size_t n = ids.size();
+    ObjectByte* obj_slab = object;
+    for (std::size_t l = 0; l < layers.size(); ++l) {
+      std::byte* paged_plane = layers[l];
+      for (std::uint32_t p = 0; p < planes; ++p, paged_plane += plane_stride, obj_slab += slab) {
+        for (std::size_t i = start; i < n;) {
+          std::size_t j = i + 1;
+          while (j < n && ids[j] == ids[j - 1] + 1) ++j;
           // The source of the next run: the next block of this plane, else the first block
           // of the next plane (of this layer or the next one).
-          const std::byte* next = nullptr;
-          if (j < nblocks)
-            next = paged_plane + ids[j] * seg;
+          if (j < n)
+            prefetch(paged_plane + ids[j] * seg);
           else if (p + 1 < planes)
-            next = paged_plane + plane_stride + ids[first] * seg + first_offset;
-          else if (l + 1 < num_layers)
-            next = cache.layers[l + 1] + ids[first] * seg + first_offset;
-          if (next != nullptr)
-            for (std::size_t k = 0; k < lines; ++k) prefetch_read(next + 64 * k);
+            prefetch(paged_plane + plane_stride + ids[start] * seg);
+          else if (l + 1 < layers.size())
+            prefetch(layers[l + 1] + ids[start] * seg);
+          f(paged_plane + ids[i] * seg, obj_slab + i * seg, (j - i) * seg);
+          i = j;
         }
-        std::byte* paged = paged_plane + ids[i] * seg + offset;
-        ObjectByte* obj = obj_slab + i * seg + offset;
-        const std::size_t len = (j - i) * seg - offset;
-        if constexpr (Gather)
-          copy(obj, paged, len);
-        else
-          copy(paged, obj, len);
-        i = j;
-        offset = 0;
       }
     }
   }
+
+  /// Fills paged[] and obj[] with the next up to `width` whole segments from the cursor
+  /// (l, p, i), in chunk order across (layer, plane) boundaries; returns how many.
+  struct cursor {
+    std::size_t l = 0, i = 0;
+    std::uint32_t p = 0;
+    std::byte* paged_plane = nullptr;
+    ObjectByte* obj_slab = nullptr;
+  };
+  std::size_t next_group(cursor& c, std::size_t width, std::byte** paged, ObjectByte** obj) const noexcept {
+    std::size_t k = 0;
+    for (; k < width && c.l < layers.size(); ++k) {
+      paged[k] = c.paged_plane + ids[c.i] * seg;
+      obj[k] = c.obj_slab + c.i * seg;
+      if (++c.i < ids.size()) continue;
+      c.i = start;
+      c.obj_slab += slab;
+      c.paged_plane += plane_stride;
+      if (++c.p < planes) continue;
+      c.p = 0;
+      if (++c.l < layers.size()) c.paged_plane = layers[c.l];
+    }
+    return k;
+  }
+};
+
+/// Copies one validated chunk. Gather: paged -> object; else object -> paged. ObjectByte is
+/// std::byte for a gather (the object is written), const std::byte for a scatter.
+///
+/// First, where the skip ends inside a block, that block's part after the skip in every
+/// (layer, plane) (NHD and MLA: one run of token rows; HND: one run per head), one copy
+/// each. Then the blocks after it, whole: with a streaming plan, `streams` segments at a
+/// time side by side, the next group's first source lines prefetched by a gather; else (or
+/// when a destination segment is not 64-byte aligned) one copy per run of consecutive block
+/// ids. A scatter that names a block twice leaves the later occurrence's bytes either way:
+/// copies follow chunk order, and side by side runs store each 256 bytes in chunk order.
+template <bool Gather, class ObjectByte>
+inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t> ids, const chunk_layout& chunk,
+                       ObjectByte* object, std::uint32_t skip_tokens, const copy_plan& plan) noexcept {
+  const paged_kv_layout& layout = cache.layout;
+  const std::size_t nblocks = ids.size();
+  const std::size_t first = skip_tokens / layout.block_size;  // first block with bytes to copy
+  if (first >= nblocks) return;                               // the whole chunk is skipped
+  // Bytes of each run of the first block left alone (a skip that ends inside that block).
+  const std::size_t offset = layout.run_offset(skip_tokens % layout.block_size);
+  const chunk_walk<ObjectByte> w{cache.layers,
+                                 ids,
+                                 object,
+                                 layout.segment_bytes(),
+                                 layout.segment_bytes() * layout.num_blocks,
+                                 chunk.slab_bytes(),
+                                 layout.model.planes(),
+                                 offset != 0 ? first + 1 : first};
+  const copy_kernel& k = *plan.kernel;
+  auto copy = [&k](std::byte* paged, ObjectByte* obj, std::size_t n) noexcept {
+    if constexpr (Gather)
+      k.copy(obj, paged, n);
+    else
+      k.copy(paged, obj, n);
+  };
+
+  if (offset != 0) {
+    const std::size_t run = layout.run_bytes();
+    ObjectByte* obj_slab = object + first * w.seg + offset;
+    for (std::byte* layer : cache.layers)
+      for (std::uint32_t p = 0; p < w.planes; ++p, obj_slab += w.slab) {
+        std::byte* paged = layer + p * w.plane_stride + ids[first] * w.seg + offset;
+        for (std::uint32_t r = 0; r < layout.segment_runs(); ++r)
+          copy(paged + r * run, obj_slab + r * run, run - offset);
+      }
+    if (w.start == nblocks) return;
+  }
+
+  // A gather's prefetch of the first lines of a segment: never more lines than it has.
+  const std::size_t lines = std::min(plan.prefetch_lines, (w.seg + 63) / 64);
+  auto prefetch = [&]([[maybe_unused]] const std::byte* segment) noexcept {
+    if constexpr (Gather)
+      for (std::size_t j = 0; j < lines; ++j) prefetch_read(segment + 64 * j);
+  };
+  bool aligned = w.seg % 64 == 0;
+  if constexpr (Gather)
+    aligned = aligned && reinterpret_cast<std::uintptr_t>(object) % 64 == 0;
+  else
+    for (std::byte* layer : cache.layers) aligned = aligned && reinterpret_cast<std::uintptr_t>(layer) % 64 == 0;
+  if (plan.streams == 0 || !aligned) {
+    w.for_each_run(copy, prefetch);
+    return;
+  }
+
+  const std::size_t width = std::min(plan.streams, max_copy_streams);
+  typename chunk_walk<ObjectByte>::cursor c{0, w.start, 0, cache.layers[0], object};
+  std::byte* paged[2][max_copy_streams];
+  ObjectByte* obj[2][max_copy_streams];
+  std::size_t count = w.next_group(c, width, paged[0], obj[0]);
+  for (std::size_t g = 0; count != 0; g ^= 1) {
+    const std::size_t next = w.next_group(c, width, paged[g ^ 1], obj[g ^ 1]);
+    for (std::size_t s = 0; s < next; ++s) prefetch(paged[g ^ 1][s]);
+    if constexpr (Gather)
+      k.streams(obj[g], paged[g], count, w.seg);
+    else
+      k.streams(paged[g], obj[g], count, w.seg);
+    count = next;
+  }
+}
+
+/// Validates every item, then copies them all (gather: Item = gather_item, else scatter).
+template <bool Gather, class Item>
+[[nodiscard]] inline std::error_code transfer_chunks(const paged_kv_view& cache, const chunk_layout& chunk,
+                                                     std::span<const Item> items, transfer_options options) noexcept {
+  if (auto ec = validate_cache(cache, chunk)) return ec;
+  std::size_t bytes = 0;
+  for (const Item& it : items) {
+    if (auto ec = validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens)) return ec;
+    bytes += item_bytes(chunk, it.skip_tokens);
+  }
+  const copy_plan plan = plan_for(options.write, bytes);
+  for (const Item& it : items) copy_chunk<Gather>(cache, it.block_ids, chunk, it.object, it.skip_tokens, plan);
+  store_fence();
+  return {};
 }
 
 }  // namespace detail
@@ -455,11 +426,8 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
 [[nodiscard]] inline std::error_code gather_chunk(const paged_kv_view& cache, std::span<const std::uint32_t> block_ids,
                                                   const chunk_layout& chunk, std::byte* object,
                                                   std::uint32_t skip_tokens = 0, transfer_options options = {}) noexcept {
-  if (auto ec = check_transfer(cache, block_ids, chunk, object, skip_tokens)) return ec;
-  detail::copy_chunk<true>(cache, block_ids, chunk, object, skip_tokens,
-                           detail::select_copy(options.write, detail::item_bytes(chunk, skip_tokens)));
-  detail::store_fence();
-  return {};
+  const gather_item item{block_ids, object, skip_tokens};
+  return detail::transfer_chunks<true>(cache, chunk, std::span(&item, 1), options);
 }
 
 /// Copies `object` into the blocks `block_ids` (chunk order) of the paged cache, but its
@@ -470,11 +438,8 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
                                                    const chunk_layout& chunk, const std::byte* object,
                                                    std::uint32_t skip_tokens = 0,
                                                    transfer_options options = {}) noexcept {
-  if (auto ec = check_transfer(cache, block_ids, chunk, object, skip_tokens)) return ec;
-  detail::copy_chunk<false>(cache, block_ids, chunk, object, skip_tokens,
-                            detail::select_copy(options.write, detail::item_bytes(chunk, skip_tokens)));
-  detail::store_fence();
-  return {};
+  const scatter_item item{block_ids, object, skip_tokens};
+  return detail::transfer_chunks<false>(cache, chunk, std::span(&item, 1), options);
 }
 
 /// gather_chunk for several chunks of the same layout (one retrieve or store request): all
@@ -482,17 +447,7 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
 [[nodiscard]] inline std::error_code gather_chunks(const paged_kv_view& cache, const chunk_layout& chunk,
                                                    std::span<const gather_item> items,
                                                    transfer_options options = {}) noexcept {
-  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
-  std::size_t bytes = 0;
-  for (const gather_item& it : items) {
-    if (auto ec = detail::validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens)) return ec;
-    bytes += detail::item_bytes(chunk, it.skip_tokens);
-  }
-  const detail::copy_function copy = detail::select_copy(options.write, bytes);
-  for (const gather_item& it : items)
-    detail::copy_chunk<true>(cache, it.block_ids, chunk, it.object, it.skip_tokens, copy);
-  detail::store_fence();
-  return {};
+  return detail::transfer_chunks<true>(cache, chunk, items, options);
 }
 
 /// scatter_chunk for several chunks of the same layout: all items are validated first, and
@@ -501,19 +456,7 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
 [[nodiscard]] inline std::error_code scatter_chunks(const paged_kv_view& cache, const chunk_layout& chunk,
                                                     std::span<const scatter_item> items,
                                                     transfer_options options = {}) noexcept {
-  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
-  std::size_t bytes = 0;
-  for (const scatter_item& it : items) {
-    if (auto ec = detail::validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens)) return ec;
-    bytes += detail::item_bytes(chunk, it.skip_tokens);
-  }
-  const detail::copy_function copy = detail::select_copy(options.write, bytes);
-  for (const scatter_item& it : items)
-    detail::copy_chunk<false>(cache, it.block_ids, chunk, it.object, it.skip_tokens, copy);
-  detail::store_fence();
-  return {};
+  return detail::transfer_chunks<false>(cache, chunk, items, options);
 }
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG
-
-#undef KVTIER_DETAIL_X86_STREAMING
