@@ -26,9 +26,10 @@
 // the wall clock also counts the time the thread waited for a CPU; the CPU-time ratios show
 // whether a wall-clock ratio is that noise.
 //
-//   kvtier_bench_gather [--quick] [--repeats=N] [--explore[=<substring of variant names>]]
+//   kvtier_bench_gather [--quick] [--repeats=N] [--explore[=<substrings of variant names>]]
 //     --quick    5 repeats instead of 21 (--repeats sets any number)
-//     --explore  also measures the variants tried while optimising (docs/performance.md),
+//     --explore  also measures the variants tried while optimising (docs/performance.md;
+//                =a,b: only those whose name contains a or b),
 //                each against the stream copy of the same direction just before it: the
 //                stream copy with 1-8 parts, memcpy, rep movsb; gather and scatter one copy
 //                per segment (the first version), one streaming copy per run of
@@ -322,7 +323,14 @@ void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, 
 
   if (!explore) return;
   std::vector<variant> vars = explore_variants();
-  std::erase_if(vars, [&](const variant& v) { return v.name.find(only) == std::string::npos; });
+  std::erase_if(vars, [&](const variant& v) {
+    for (std::size_t b = 0;;) {  // `only` is a comma-separated list of substrings
+      const std::size_t e = std::min(only.find(',', b), only.size());
+      if (v.name.find(only.substr(b, e - b)) != std::string::npos) return false;
+      if (e == only.size()) return true;
+      b = e + 1;
+    }
+  });
   fixture fc(sc.model, ws, 16, 256, true);
   std::vector<series> vr(vars.size()), vb(vars.size());
   for (int r = 0; r < repeats; ++r)
@@ -344,7 +352,7 @@ void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, 
 int main(int argc, char** argv) {
   bool quick = false, explore = false;
   int repeats = 21;
-  std::string only;  // --explore=<substring>: only the variants whose name contains it
+  std::string only;  // --explore=<a,b,...>: only the variants whose name contains one of them
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--quick")
@@ -356,7 +364,7 @@ int main(int argc, char** argv) {
     else if (a.starts_with("--repeats="))
       repeats = std::max(1, std::atoi(a.c_str() + 10));
     else {
-      std::fprintf(stderr, "usage: %s [--quick] [--repeats=N] [--explore[=<substring>]]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--repeats=N] [--explore[=<substring>,...]]\n", argv[0]);
       return 2;
     }
   }

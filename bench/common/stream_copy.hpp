@@ -30,7 +30,7 @@
 namespace kvtier::bench {
 
 /// Parts stream_copy copies side by side unless told otherwise.
-inline constexpr int stream_copy_default_streams = 4;
+inline constexpr int stream_copy_default_streams = 8;
 
 namespace detail_stream {
 

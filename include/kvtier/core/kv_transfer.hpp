@@ -223,9 +223,11 @@ inline void prefetch_read([[maybe_unused]] const void* p) noexcept {
 }
 
 /// Block segments a streaming transfer copies side by side (copy_kernel::streams). Measured
-/// on the dev VM against a one-stream copy per segment (docs/performance.md): 4 KiB segments
-/// 0.8x -> 1.0x of a one-stream contiguous copy with 4, 2 about halfway, 8 no better than 4.
-inline constexpr std::size_t transfer_copy_streams = 4;
+/// on the dev VM against a streaming copy of the same bytes in 8 contiguous parts side by
+/// side (docs/performance.md): one segment at a time 0.75-0.8x with 32 KiB segments and
+/// 0.75-0.8x with 4 KiB ones (prefetched), 4 side by side 0.9-0.95x and 0.85-0.9x, 8 side
+/// by side 0.95-1.0x and 0.87-0.9x.
+inline constexpr std::size_t transfer_copy_streams = 8;
 
 /// Cache lines at the start of each source segment of the next group that a gather
 /// prefetches before copying the current group: each segment starts in a new page, where

@@ -13,11 +13,11 @@
 //
 // Why several runs at once (docs/performance.md, "Gather/scatter"): one core's copy to cold
 // memory is bound by the cache misses it keeps in flight, and the hardware prefetcher starts
-// over at every 4 KiB page. Copying four block segments side by side keeps four page streams
-// going (four prefetcher streams, four times the misses in flight at each page start): on
-// the dev VM a gather of 4 KiB segments went from 0.8 to 1.0x a one-stream streaming copy of
-// the same bytes. A contiguous copy gains from it too (1.05-1.15x), which is why the
-// benchmark's baseline copies four streams as well.
+// over at every 4 KiB page. Copying eight block segments side by side keeps eight page
+// streams going (eight prefetcher streams, more misses in flight at each page start): on the
+// dev VM a gather went from 0.75-0.8x to 0.87-1.0x of the benchmark's baseline. A contiguous
+// copy gains from it too (8 parts side by side: 1.2x one part), which is why that baseline
+// copies 8 parts side by side as well.
 
 #include <kvtier/config.hpp>
 
