@@ -35,44 +35,49 @@ inline constexpr int stream_copy_default_streams = 8;
 namespace detail_stream {
 
 #ifdef KVTIER_BENCH_STREAM_X86
-// Each copies `streams` parts of `part` bytes (a multiple of 256): part k from src + k * part
-// to the 64-byte aligned dst + k * part.
-__attribute__((target("avx512f"))) inline void lines_avx512(std::byte* dst, const std::byte* src, std::size_t part,
-                                                            int streams) {
+// 256 bytes: loaded whole, then stored whole, to a 64-byte aligned d.
+struct avx512_256 {
+  __attribute__((target("avx512f"))) static void copy(std::byte* d, const std::byte* s) {
+    __m512i v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm512_loadu_si512(s + 64 * j);
+    for (int j = 0; j < 4; ++j) _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 64 * j), v[j]);
+  }
+};
+struct avx_256 {
+  __attribute__((target("avx"))) static void copy(std::byte* d, const std::byte* s) {
+    __m256i v[8];
+    for (int j = 0; j < 8; ++j) v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 32 * j));
+    for (int j = 0; j < 8; ++j) _mm256_stream_si256(reinterpret_cast<__m256i*>(d + 32 * j), v[j]);
+  }
+};
+struct sse2_256 {
+  static void copy(std::byte* d, const std::byte* s) {
+    __m128i v[16];
+    for (int j = 0; j < 16; ++j) v[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16 * j));
+    for (int j = 0; j < 16; ++j) _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16 * j), v[j]);
+  }
+};
+
+// Copies `streams` parts of `part` bytes (a multiple of 256), 256 bytes of each in turn: part
+// k from src + k * part to the 64-byte aligned dst + k * part.
+template <class Copy256>
+inline void copy_parts(std::byte* dst, const std::byte* src, std::size_t part, int streams) {
   for (std::size_t i = 0; i < part; i += 256)
-    for (int k = 0; k < streams; ++k) {
-      const std::byte* s = src + k * part + i;
-      std::byte* d = dst + k * part + i;
-      const __m512i a = _mm512_loadu_si512(s);
-      const __m512i b = _mm512_loadu_si512(s + 64);
-      const __m512i c = _mm512_loadu_si512(s + 128);
-      const __m512i e = _mm512_loadu_si512(s + 192);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d), a);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 64), b);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 128), c);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 192), e);
-    }
+    for (int k = 0; k < streams; ++k) Copy256::copy(dst + k * part + i, src + k * part + i);
 }
 
-__attribute__((target("avx"))) inline void lines_avx(std::byte* dst, const std::byte* src, std::size_t part,
-                                                     int streams) {
-  for (std::size_t i = 0; i < part; i += 256)
-    for (int k = 0; k < streams; ++k) {
-      __m256i v[8];
-      for (int j = 0; j < 8; ++j)
-        v[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k * part + i + 32 * j));
-      for (int j = 0; j < 8; ++j) _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k * part + i + 32 * j), v[j]);
-    }
+// The entry points carry the target attribute; `flatten` inlines copy_parts and the 256-byte
+// copies into them.
+__attribute__((target("avx512f"), flatten)) inline void lines_avx512(std::byte* dst, const std::byte* src,
+                                                                     std::size_t part, int streams) {
+  copy_parts<avx512_256>(dst, src, part, streams);
 }
-
-inline void lines_sse2(std::byte* dst, const std::byte* src, std::size_t part, int streams) {
-  for (std::size_t i = 0; i < part; i += 256)
-    for (int k = 0; k < streams; ++k) {
-      __m128i v[16];
-      for (int j = 0; j < 16; ++j)
-        v[j] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k * part + i + 16 * j));
-      for (int j = 0; j < 16; ++j) _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k * part + i + 16 * j), v[j]);
-    }
+__attribute__((target("avx"), flatten)) inline void lines_avx(std::byte* dst, const std::byte* src, std::size_t part,
+                                                              int streams) {
+  copy_parts<avx_256>(dst, src, part, streams);
+}
+__attribute__((flatten)) inline void lines_sse2(std::byte* dst, const std::byte* src, std::size_t part, int streams) {
+  copy_parts<sse2_256>(dst, src, part, streams);
 }
 #endif
 

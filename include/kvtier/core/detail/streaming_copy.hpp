@@ -78,31 +78,19 @@ inline void copy_streams_unrolled(std::byte* const* dst, const std::byte* const*
   for (; i < len; i += 64) (Lines::one(d[K] + i, s[K] + i), ...);
 }
 
+/// Runs copy_streams_unrolled with the index sequence of length `count` among 1..sizeof...(N).
+template <class Lines, std::size_t... N>
+inline void copy_streams_counted(std::byte* const* dst, const std::byte* const* src, std::size_t count, std::size_t len,
+                                 std::index_sequence<N...>) noexcept {
+  (void)((count == N + 1 && (copy_streams_unrolled<Lines>(dst, src, len, std::make_index_sequence<N + 1>{}), true)) ||
+         ...);
+}
+
 /// A streams_function over Lines: one unrolled body per number of runs.
 template <class Lines>
 inline void copy_streams_with(std::byte* const* dst, const std::byte* const* src, std::size_t count,
                               std::size_t len) noexcept {
-  static_assert(max_copy_streams == 8, "one case per stream count");
-  switch (count) {
-    case 1:
-      return copy_streams_unrolled<Lines>(dst, src, len, std::make_index_sequence<1>{});
-    case 2:
-      return copy_streams_unrolled<Lines>(dst, src, len, std::make_index_sequence<2>{});
-    case 3:
-      return copy_streams_unrolled<Lines>(dst, src, len, std::make_index_sequence<3>{});
-    case 4:
-      return copy_streams_unrolled<Lines>(dst, src, len, std::make_index_sequence<4>{});
-    case 5:
-      return copy_streams_unrolled<Lines>(dst, src, len, std::make_index_sequence<5>{});
-    case 6:
-      return copy_streams_unrolled<Lines>(dst, src, len, std::make_index_sequence<6>{});
-    case 7:
-      return copy_streams_unrolled<Lines>(dst, src, len, std::make_index_sequence<7>{});
-    case 8:
-      return copy_streams_unrolled<Lines>(dst, src, len, std::make_index_sequence<8>{});
-    default:
-      return;
-  }
+  copy_streams_counted<Lines>(dst, src, count, len, std::make_index_sequence<max_copy_streams>{});
 }
 
 /// One run at any alignment over Lines: memcpy up to dst's first 64-byte boundary, whole
