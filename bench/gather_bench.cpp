@@ -26,15 +26,18 @@
 // the wall clock also counts the time the thread waited for a CPU; the CPU-time ratios show
 // whether a wall-clock ratio is that noise.
 //
-//   kvtier_bench_gather [--quick] [--repeats=N] [--explore[=<substrings of variant names>]]
-//     --quick    5 repeats instead of 21 (--repeats sets any number)
-//     --explore  also measures the variants tried while optimising (docs/performance.md;
-//                =a,b: only those whose name contains a or b),
-//                each against the stream copy of the same direction just before it: the
-//                stream copy with 1-8 parts, memcpy, rep movsb; gather and scatter one copy
-//                per segment (the first version), one streaming copy per run of
-//                consecutive ids, 1-8 segments side by side, 0-8 prefetched lines, AVX2,
-//                memcpy, and chunks whose block ids are consecutive
+//   kvtier_bench_gather [--quick] [--repeats=N] [--huge-pages] [--explore[=<substrings>]]
+//     --quick       5 repeats instead of 21 (--repeats sets any number)
+//     --huge-pages  region and objects in transparent huge pages where the kernel grants
+//                   them (madvise; the log says how many MiB it did): one TLB entry then
+//                   covers 2 MiB, so a gather's random 4 KiB segments need few page walks
+//     --explore     also measures the variants tried while optimising (docs/performance.md;
+//                   =a,b: only those whose name contains a or b), each against the stream
+//                   copy of the same direction just before it: the stream copy with 1-8
+//                   parts, memcpy, rep movsb; gather and scatter one copy per segment (the
+//                   first version), one streaming copy per run of consecutive ids, 1-8
+//                   segments side by side, 0-8 prefetched lines, AVX2, memcpy, and chunks
+//                   whose block ids are consecutive
 //
 // Ends with RESULT lines: <op>_<shape>_gbps (medians, op = memcpy, stream_copy, gather,
 // scatter), <op>_vs_memcpy_<shape>, <op>_vs_stream_copy_<shape> and
@@ -42,6 +45,7 @@
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/core/kv_transfer.hpp>
 
+#include <sys/mman.h>
 #include <time.h>
 
 #include <common/results.hpp>
@@ -89,11 +93,32 @@ struct shape_case {
   model_shape model;
 };
 
+/// Asks for transparent huge pages (2 MiB) on the 2 MiB-aligned interior of `b` (THP in
+/// "madvise" mode gives them only where asked). Before the first touch.
+void advise_huge_pages(aligned_buffer& b) {
+  constexpr std::uintptr_t huge = std::uintptr_t{1} << 21;
+  const auto begin = reinterpret_cast<std::uintptr_t>(b.data());
+  const std::uintptr_t first = (begin + huge - 1) & ~(huge - 1);
+  const std::uintptr_t last = (begin + b.size()) & ~(huge - 1);
+  if (last > first && ::madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE) != 0)
+    std::perror("madvise(MADV_HUGEPAGE)");
+}
+
+/// This process's anonymous memory in transparent huge pages, in MiB (smaps_rollup).
+std::size_t anon_huge_mib() {
+  std::ifstream f("/proc/self/smaps_rollup");
+  std::string key;
+  std::size_t kib = 0;
+  while (f >> key)
+    if (key == "AnonHugePages:" && (f >> kib)) return kib >> 10;
+  return 0;
+}
+
 /// One shape's working set: paged region, object pool, block lists.
 class fixture {
  public:
   fixture(const model_shape& m, std::size_t ws_bytes, std::uint32_t block_size, std::uint32_t chunk_tokens,
-          bool consecutive_ids)
+          bool consecutive_ids, bool huge_pages)
       : chunk_{m, chunk_tokens} {
     const std::size_t obj = chunk_.object_bytes();
     num_chunks_ = (ws_bytes + obj - 1) / obj;
@@ -101,6 +126,10 @@ class fixture {
     layout_ = paged_kv_layout{m, block_size, static_cast<std::uint32_t>(num_chunks_ * per_chunk)};
     region_ = aligned_buffer(layout_.total_bytes());
     objects_ = aligned_buffer(num_chunks_ * obj);
+    if (huge_pages) {
+      advise_huge_pages(region_);
+      advise_huge_pages(objects_);
+    }
     // Touch everything before timing (page faults are not what we measure).
     std::memset(region_.data(), 0x5a, region_.size());
     std::memset(objects_.data(), 0xa5, objects_.size());
@@ -265,12 +294,13 @@ std::vector<variant> explore_variants() {
     for (std::size_t k = 1; k < kernels.size(); ++k) {
       const std::string n = d + "_" + kernels[k].name;
       const bool best = k == 1;
+      const std::size_t default_lines = gather ? detail::gather_prefetch_lines : detail::scatter_prefetch_lines;
       // Streams 0: one streaming copy per run of consecutive ids (the previous version).
       for (std::size_t streams : {0u, 1u, 2u, 4u, 8u}) {
         if (!best && streams != 0 && streams != detail::transfer_copy_streams) continue;
         for (std::size_t lines : {0u, 1u, 2u, 4u, 8u}) {
-          if (!gather && lines) continue;  // scatter prefetches nothing: it reads the object in order
-          if (gather && !best && lines != detail::gather_prefetch_lines) continue;
+          if (!gather && lines > 1) continue;  // scatter: at most the page of the next destinations
+          if (!best && lines != default_lines) continue;
           if (gather && streams != detail::transfer_copy_streams && lines != 0 && lines != 2 && lines != 8) continue;
           vars.push_back({n + "_streams" + std::to_string(streams) + "_prefetch" + std::to_string(lines),
                           plan_op({&kernels[k], streams, lines}), gather});
@@ -282,15 +312,17 @@ std::vector<variant> explore_variants() {
   return vars;
 }
 
-void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, const std::string& only) {
-  fixture f(sc.model, ws, 16, 256, false);
+void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, const std::string& only,
+               bool huge_pages) {
+  fixture f(sc.model, ws, 16, 256, false, huge_pages);
   const std::size_t obj = f.chunk().object_bytes();
   // ~256 MiB per sweep: 8 chunks of 32 MiB, 85 of 3 MiB; tens of ms at 10 GB/s.
   const std::size_t sweep = std::max<std::size_t>(1, (std::size_t{256} << 20) / obj);
   std::printf(
       "shape %s: chunk %zu KiB, segment %zu KiB, %zu chunks in rotation, working set %zu MiB, "
-      "%zu chunks per sweep, %d repeats\n",
-      sc.name, obj >> 10, f.view().layout.segment_bytes() >> 10, f.num_chunks(), f.working_set() >> 20, sweep, repeats);
+      "%zu chunks per sweep, %d repeats, %zu MiB in huge pages\n",
+      sc.name, obj >> 10, f.view().layout.segment_bytes() >> 10, f.num_chunks(), f.working_set() >> 20, sweep, repeats,
+      anon_huge_mib());
   const chunk_op op_stream_in = stream_in(bench::stream_copy_default_streams);
   const chunk_op op_stream_out = stream_out(bench::stream_copy_default_streams);
   // Warm up code paths and the CPU probe.
@@ -331,7 +363,7 @@ void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, 
       b = e + 1;
     }
   });
-  fixture fc(sc.model, ws, 16, 256, true);
+  fixture fc(sc.model, ws, 16, 256, true, huge_pages);
   std::vector<series> vr(vars.size()), vb(vars.size());
   for (int r = 0; r < repeats; ++r)
     for (std::size_t k = 0; k < vars.size(); ++k) {
@@ -350,7 +382,7 @@ void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, 
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, explore = false;
+  bool quick = false, explore = false, huge_pages = false;
   int repeats = 21;
   std::string only;  // --explore=<a,b,...>: only the variants whose name contains one of them
   for (int i = 1; i < argc; ++i) {
@@ -359,12 +391,14 @@ int main(int argc, char** argv) {
       quick = true;
     else if (a == "--explore")
       explore = true;
+    else if (a == "--huge-pages")
+      huge_pages = true;
     else if (a.starts_with("--explore="))
       explore = true, only = a.substr(10);
     else if (a.starts_with("--repeats="))
       repeats = std::max(1, std::atoi(a.c_str() + 10));
     else {
-      std::fprintf(stderr, "usage: %s [--quick] [--repeats=N] [--explore[=<substring>,...]]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--quick] [--repeats=N] [--huge-pages] [--explore[=<substring>,...]]\n", argv[0]);
       return 2;
     }
   }
@@ -380,5 +414,5 @@ int main(int argc, char** argv) {
       {"8b", {32, 8, 128, dtype_kind::bf16, attention_kind::mha}},
       {"05b", {24, 2, 64, dtype_kind::bf16, attention_kind::mha}},
   };
-  for (const auto& sc : shapes) run_shape(sc, ws, repeats, explore, only);
+  for (const auto& sc : shapes) run_shape(sc, ws, repeats, explore, only, huge_pages);
 }

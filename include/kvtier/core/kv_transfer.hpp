@@ -222,6 +222,14 @@ inline void prefetch_read([[maybe_unused]] const void* p) noexcept {
 #endif
 }
 
+/// Hints that the page of `p` will be written soon: a prefetch into the outer cache levels
+/// only (prefetcht2), for its address translation more than for the line.
+inline void prefetch_page([[maybe_unused]] const void* p) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 1);
+#endif
+}
+
 /// Block segments a streaming transfer copies side by side (copy_kernel::streams). Measured
 /// on the dev VM against a streaming copy of the same bytes in 8 contiguous parts side by
 /// side (docs/performance.md): one segment at a time 0.75-0.8x with 32 KiB segments and
@@ -234,6 +242,11 @@ inline constexpr std::size_t transfer_copy_streams = 8;
 /// the hardware prefetcher first needs a few misses (docs/performance.md).
 inline constexpr std::size_t gather_prefetch_lines = 2;
 
+/// Cache lines at the start of each destination segment of the next group that a scatter
+/// prefetches (prefetch_page): the streaming stores need the page's translation, and a store
+/// waits for its page walk where a prefetch does not (docs/performance.md).
+inline constexpr std::size_t scatter_prefetch_lines = 0;
+
 /// How copy_chunk copies; the benchmark varies the tuning.
 struct copy_plan {
   const copy_kernel* kernel;
@@ -241,15 +254,19 @@ struct copy_plan {
   /// destination segment is 64-byte aligned and a multiple of 64 bytes long; 0: one copy
   /// per run of consecutive block ids through kernel->copy (what unaligned layouts get).
   std::size_t streams = transfer_copy_streams;
-  /// Gather: lines of each next source segment (or run) prefetched; scatter: none.
+  /// Lines of each next paged segment (or run) prefetched: a gather's sources
+  /// (prefetch_read), a scatter's destinations (prefetch_page).
   std::size_t prefetch_lines = gather_prefetch_lines;
 };
 
-/// The plan of a transfer of `bytes` bytes: memcpy copies one run at a time (a memcpy per
-/// segment gains nothing from company), streaming kernels several segments side by side.
+/// The plan of a gather (Gather) or scatter of `bytes` bytes: memcpy copies one run at a
+/// time (a memcpy per segment gains nothing from company), streaming kernels several
+/// segments side by side.
+template <bool Gather>
 [[nodiscard]] inline copy_plan plan_for(transfer_write mode, std::size_t bytes) noexcept {
   const copy_kernel& k = select_copy(mode, bytes);
-  return {&k, &k == &cached_copy() ? 0 : transfer_copy_streams};
+  return {&k, &k == &cached_copy() ? 0 : transfer_copy_streams,
+          Gather ? gather_prefetch_lines : scatter_prefetch_lines};
 }
 
 /// The geometry of one chunk's copy, computed once per call.
@@ -322,10 +339,10 @@ struct chunk_walk {
 /// First, where the skip ends inside a block, that block's part after the skip in every
 /// (layer, plane) (NHD and MLA: one run of token rows; HND: one run per head), one copy
 /// each. Then the blocks after it, whole: with a streaming plan, `streams` segments at a
-/// time side by side, the next group's first source lines prefetched by a gather; else (or
-/// when a destination segment is not 64-byte aligned) one copy per run of consecutive block
-/// ids. A scatter that names a block twice leaves the later occurrence's bytes either way:
-/// copies follow chunk order, and side by side runs store each 256 bytes in chunk order.
+/// time side by side, the first lines of the next group's paged segments prefetched; else
+/// (or when a destination segment is not 64-byte aligned) one copy per run of consecutive
+/// block ids, the next run's first lines prefetched. A scatter that names a block twice leaves the later occurrence's
+/// bytes either way: copies follow chunk order, and side by side runs store each 256 bytes in chunk order.
 template <bool Gather, class ObjectByte>
 inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t> ids, const chunk_layout& chunk,
                        ObjectByte* object, std::uint32_t skip_tokens, const copy_plan& plan) noexcept {
@@ -363,11 +380,15 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
     if (w.start == nblocks) return;
   }
 
-  // A gather's prefetch of the first lines of a segment: never more lines than it has.
+  // The prefetch of the first lines of a paged segment: never more lines than it has.
   const std::size_t lines = std::min(plan.prefetch_lines, (w.seg + 63) / 64);
-  auto prefetch = [&]([[maybe_unused]] const std::byte* segment) noexcept {
-    if constexpr (Gather)
-      for (std::size_t j = 0; j < lines; ++j) prefetch_read(segment + 64 * j);
+  auto prefetch = [lines](const std::byte* segment) noexcept {
+    for (std::size_t j = 0; j < lines; ++j) {
+      if constexpr (Gather)
+        prefetch_read(segment + 64 * j);
+      else
+        prefetch_page(segment + 64 * j);
+    }
   };
   bool aligned = w.seg % 64 == 0;
   if constexpr (Gather)
@@ -405,7 +426,7 @@ template <bool Gather, class Item>
     if (auto ec = validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens)) return ec;
     bytes += item_bytes(chunk, it.skip_tokens);
   }
-  const copy_plan plan = plan_for(options.write, bytes);
+  const copy_plan plan = plan_for<Gather>(options.write, bytes);
   for (const Item& it : items) copy_chunk<Gather>(cache, it.block_ids, chunk, it.object, it.skip_tokens, plan);
   store_fence();
   return {};
