@@ -14,8 +14,8 @@
 // HND: the same with each block's segment head-major). A chunk of chunk_tokens tokens is
 // chunk_tokens / block_size blocks, named by block ids in chunk order. Every (layer, plane)
 // of the object is therefore the concatenation of the chunk's block segments of that
-// (layer, plane): the copy is num_layers * planes * blocks memcpys of one segment each
-// (fewer where consecutive block ids let runs be merged), whatever the layout kind.
+// (layer, plane): the copy is num_layers * planes * blocks copies of one segment each,
+// whatever the layout kind.
 //
 // skip_tokens: the first skip_tokens tokens of the chunk are neither read nor written, in
 // either direction (any value in [0, chunk_tokens], not only block multiples). Scatter uses
@@ -34,14 +34,18 @@
 //
 // Speed (docs/performance.md, "Gather/scatter"): the copy is memory-bound, so what counts is
 // how the memory is touched. Large transfers write with non-temporal (streaming) stores
-// where the CPU has AVX-512 or AVX2 (checked once at run time, memcpy elsewhere): the
-// destination of a multi-MiB chunk is cold and not read back by this core soon, and
-// streaming saves the read-for-ownership of every destination line. A gather prefetches
-// the start of the next block segment, whose address the hardware prefetcher cannot guess.
-// Measured on the 2-vCPU dev VM with cold source and destination, against one glibc memcpy
-// of the same bytes: gather 1.35-1.40x and scatter 1.41-1.46x with 32 KiB block segments
-// (8B model shape), gather 1.19-1.25x and scatter 1.25-1.26x with 4 KiB segments (0.5B
-// shape). A memcpy per segment reached 0.90-1.00x and 0.79-0.84x.
+// where the CPU has AVX-512 or AVX2 (checked once at run time, memcpy elsewhere:
+// core/detail/streaming_copy.hpp): the destination of a multi-MiB chunk is cold and not read
+// back by this core soon, and streaming saves the read-for-ownership of every destination
+// line. Whole block segments are copied 8 side by side, 256 bytes of each in turn, so that 8
+// page streams are in flight instead of one that restarts at every segment, and a gather
+// prefetches the first lines of the next 8 source segments, whose addresses the hardware
+// prefetcher cannot guess. Measured on the 2-vCPU dev VM with cold source and destination,
+// against the fastest one-thread copy of the same bytes to cold memory (a streaming copy of
+// the chunk in 8 contiguous parts side by side): gather 0.93-1.04x and scatter 0.96-1.04x
+// with 32 KiB block segments (8B model shape), gather 0.84-0.88x (0.95x in huge pages) and
+// scatter 0.90-0.96x with 4 KiB segments (0.5B shape); one streaming copy per segment
+// reached 0.86/0.63 and 0.87/0.76, memcpy 0.4-0.55x.
 //
 // CUDA (cuda/kv_transfer.cuh): the kernels keep these signatures and only append a
 // `cudaStream_t stream` parameter:
@@ -232,14 +236,15 @@ inline void prefetch_page([[maybe_unused]] const void* p) noexcept {
 
 /// Block segments a streaming transfer copies side by side (copy_kernel::streams). Measured
 /// on the dev VM against a streaming copy of the same bytes in 8 contiguous parts side by
-/// side (docs/performance.md): one segment at a time 0.75-0.8x with 32 KiB segments and
-/// 0.75-0.8x with 4 KiB ones (prefetched), 4 side by side 0.9-0.95x and 0.85-0.9x, 8 side
-/// by side 0.95-1.0x and 0.87-0.9x.
+/// side (docs/performance.md), 32 KiB / 4 KiB segments: one at a time 0.86 / 0.63-0.76,
+/// 4 side by side 0.91-1.01 / 0.76-0.92, 8 side by side 0.93-1.04 / 0.84-0.96; 16 no
+/// better than 8.
 inline constexpr std::size_t transfer_copy_streams = 8;
 
 /// Cache lines at the start of each source segment of the next group that a gather
 /// prefetches before copying the current group: each segment starts in a new page, where
-/// the hardware prefetcher first needs a few misses (docs/performance.md).
+/// the hardware prefetcher first needs a few misses. Worth 0.1-0.2 of the baseline with one
+/// segment in flight at 4 KiB; with 8 side by side within the noise (docs/performance.md).
 inline constexpr std::size_t gather_prefetch_lines = 2;
 
 /// Cache lines at the start of each destination segment of the next group that a scatter

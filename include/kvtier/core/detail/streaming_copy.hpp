@@ -14,10 +14,10 @@
 // Why several runs at once (docs/performance.md, "Gather/scatter"): one core's copy to cold
 // memory is bound by the cache misses it keeps in flight, and the hardware prefetcher starts
 // over at every 4 KiB page. Copying eight block segments side by side keeps eight page
-// streams going (eight prefetcher streams, more misses in flight at each page start): on the
-// dev VM a gather went from 0.75-0.8x to 0.87-1.0x of the benchmark's baseline. A contiguous
-// copy gains from it too (8 parts side by side: 1.2x one part), which is why that baseline
-// copies 8 parts side by side as well.
+// streams going: on the dev VM a gather went from 0.86x (32 KiB segments) and 0.63x (4 KiB)
+// of the benchmark's baseline with one segment at a time to 0.93-1.04x and 0.84-0.88x. A
+// contiguous copy gains from it too (8 parts side by side: 1.04-1.25x one part), which is
+// why that baseline copies 8 parts side by side as well.
 
 #include <kvtier/config.hpp>
 
