@@ -313,14 +313,17 @@ struct chunk_walk {
     }
   }
 
-  /// Fills paged[] and obj[] with the next up to `width` whole segments from the cursor
-  /// (l, p, i), in chunk order across (layer, plane) boundaries; returns how many.
+  /// Where next_group continues: block i of (layer l, plane p), whose plane starts at
+  /// paged_plane in the cache and at obj_slab in the object.
   struct cursor {
     std::size_t l = 0, i = 0;
     std::uint32_t p = 0;
     std::byte* paged_plane = nullptr;
     ObjectByte* obj_slab = nullptr;
   };
+
+  /// Fills paged[] and obj[] with the next up to `width` whole segments from the cursor, in
+  /// chunk order across (layer, plane) boundaries; returns how many (0: the chunk is done).
   std::size_t next_group(cursor& c, std::size_t width, std::byte** paged, ObjectByte** obj) const noexcept {
     std::size_t k = 0;
     for (; k < width && c.l < layers.size(); ++k) {
@@ -346,8 +349,9 @@ struct chunk_walk {
 /// each. Then the blocks after it, whole: with a streaming plan, `streams` segments at a
 /// time side by side, the first lines of the next group's paged segments prefetched; else
 /// (or when a destination segment is not 64-byte aligned) one copy per run of consecutive
-/// block ids, the next run's first lines prefetched. A scatter that names a block twice leaves the later occurrence's
-/// bytes either way: copies follow chunk order, and side by side runs store each 256 bytes in chunk order.
+/// block ids, the next run's first lines prefetched. A scatter that names a block twice
+/// leaves the later occurrence's bytes either way: copies follow chunk order, and segments
+/// side by side store each 256 bytes in chunk order.
 template <bool Gather, class ObjectByte>
 inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t> ids, const chunk_layout& chunk,
                        ObjectByte* object, std::uint32_t skip_tokens, const copy_plan& plan) noexcept {
