@@ -21,8 +21,19 @@ prefix_result tier<Policy, Bus>::reserve_prefix(std::span<const chunk_key> keys,
   check_object_bytes(o.object_bytes, "reserve_prefix");
   const std::uint32_t holds = 1 + o.extra_count;
   std::size_t held = 0;
+  bool loadable_without_size = false;
   const prefix_result taken = run_locked([&](lazy_now& now, tally& t) {
     prefix_result r;
+    // Gives back, uncounted and unseen by the policy, the holds the walk took from `cut` on.
+    auto give_back_reads = [&](std::size_t cut) {
+      while (!prefix_read_positions_.empty() && prefix_read_positions_.back() >= cut) {
+        entry& e = *prefix_reads_.back();
+        drop_readers(e, o.read_lock, holds);
+        release_if_done(e, t);
+        prefix_reads_.pop_back();
+        prefix_read_positions_.pop_back();
+      }
+    };
     new_positions_.clear();
     new_index_slots_.clear();
     prefix_reads_.clear();
@@ -69,8 +80,11 @@ prefix_result tier<Policy, Bus>::reserve_prefix(std::span<const chunk_key> keys,
         r.end = prefix_end::missing;
         break;
       }
-      if (o.object_bytes == 0)
-        throw std::invalid_argument("kvtier::l1::tier::reserve_prefix: a loadable key needs object_bytes > 0");
+      if (o.object_bytes == 0) {  // misuse: thrown below, once the tier is as it was
+        loadable_without_size = true;
+        give_back_reads(0);
+        return r;
+      }
       auto [slot_it, inserted] = index_.try_emplace(keys[i], nullptr);  // placeholder until allocated
       (void)inserted;
       new_positions_.push_back(i);
@@ -92,13 +106,7 @@ prefix_result tier<Policy, Bus>::reserve_prefix(std::span<const chunk_key> keys,
       r.length = cut;
       r.end = prefix_end::no_room;
       for (std::size_t j = got; j < need; ++j) index_.erase(keys[new_positions_[j]]);
-      while (!prefix_read_positions_.empty() && prefix_read_positions_.back() >= cut) {
-        entry& e = *prefix_reads_.back();
-        drop_readers(e, o.read_lock, holds);
-        release_if_done(e, t);
-        prefix_reads_.pop_back();
-        prefix_read_positions_.pop_back();
-      }
+      give_back_reads(cut);
       for (std::size_t j = cut; j < keys.size(); ++j) out[j] = prefix_take::none;
     }
     place_new_keys(keys, got, o.object_bytes, o.temporary, o.write_lock, buffers, now);
@@ -113,6 +121,8 @@ prefix_result tier<Policy, Bus>::reserve_prefix(std::span<const chunk_key> keys,
       if (e->in_policy) policy_.on_access(*e);
     return r;
   });
+  if (loadable_without_size)
+    throw std::invalid_argument("kvtier::l1::tier::reserve_prefix: a loadable key needs object_bytes > 0");
   const bool refused = o.count_refused_read && taken.end != prefix_end::complete && taken.end != prefix_end::no_room &&
                        taken.length < keys.size();
   if (held > 0 || refused) bus_.publish(bus::l1_read_reserved{static_cast<std::uint32_t>(held), refused ? 1U : 0U});
