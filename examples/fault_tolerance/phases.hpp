@@ -17,6 +17,16 @@
 
 namespace fault_tolerance {
 
+/// One request per document of A (cache hits once warm), then one per document of B (new),
+/// ids "<a_tag>-<d>" and "<b_tag>-<d>".
+inline std::vector<mini_engine::request_spec> docs_a_then_b(const test_bed& bed, const std::string& a_tag,
+                                                            const std::string& b_tag) {
+  auto specs = mini_engine::round_of(bed.docs_a(), a_tag);
+  auto more = mini_engine::round_of(bed.docs_b(), b_tag);
+  specs.insert(specs.end(), more.begin(), more.end());
+  return specs;
+}
+
 /// Phase 1: a server, an engine, one round over documents A (which fills the cache).
 inline phase_result warmup(test_bed& bed) {
   phase_result r{.name = "warmup"};
@@ -37,9 +47,7 @@ inline phase_result server_killed(test_bed& bed) {
   if (!bed.server_running()) bed.start_server();
   if (bed.warmup_s == 0) bed.warmup_s = o.documents * o.tokens / o.tokens_per_second;
   mini_engine::engine e(bed.engine_config());
-  auto specs = mini_engine::round_of(bed.docs_a(), "kill-hit");
-  auto fresh = mini_engine::round_of(bed.docs_b(), "kill-new");
-  specs.insert(specs.end(), fresh.begin(), fresh.end());
+  const auto specs = docs_a_then_b(bed, "kill-hit", "kill-new");
   const double kill_at = std::max(o.kill_min_s, 0.4 * bed.warmup_s);
   const auto run = run_with_fault(
       e, std::chrono::duration_cast<steady::duration>(seconds_d(kill_at)), [&] { bed.server().signal(SIGKILL); }, {},
@@ -91,9 +99,7 @@ inline phase_result server_stopped(test_bed& bed) {
   bed.start_server();
   mini_engine::engine e(bed.engine_config());
   bool ok = check_run(r, e.run(mini_engine::round_of(bed.docs_a(), "stop-fill")), o.documents, "fill");
-  auto specs = mini_engine::round_of(bed.docs_a(), "stop-hit");
-  auto fresh = mini_engine::round_of(bed.docs_b(), "stop-new");
-  specs.insert(specs.end(), fresh.begin(), fresh.end());
+  const auto specs = docs_a_then_b(bed, "stop-hit", "stop-new");
   const auto run = run_with_fault(
       e, std::chrono::milliseconds(300), [&] { bed.server().signal(SIGSTOP); },
       [&] {
@@ -104,9 +110,7 @@ inline phase_result server_stopped(test_bed& bed) {
   ok = check_run(r, run.report, specs.size(), "run") && ok;
   // The server woke up: whatever it holds must be right. Every hit is verified.
   mini_engine::engine checker(bed.engine_config());
-  auto again = mini_engine::round_of(bed.docs_a(), "stop-verify");
-  auto again_b = mini_engine::round_of(bed.docs_b(), "stop-verify-b");
-  again.insert(again.end(), again_b.begin(), again_b.end());
+  const auto again = docs_a_then_b(bed, "stop-verify", "stop-verify-b");
   const auto verify = checker.run(again);
   ok = check_run(r, verify, again.size(), "verification run") && ok;
   if (verify.tokens_from_cache == 0) {
