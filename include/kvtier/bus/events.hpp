@@ -195,7 +195,7 @@ struct cache_lookup {
   /// The other hit chunks: at least one shard came (or is coming) from L2 for this lookup,
   /// by its own load or one it joined; a chunk split between the tiers counts here.
   std::uint32_t l2_hit_chunks = 0;
-  std::uint32_t chunk_tokens = 0;      ///< tokens per chunk, to turn chunks into tokens
+  std::uint32_t chunk_tokens = 0;  ///< tokens per chunk, to turn chunks into tokens
 };
 struct cache_read_prefetched {
   static constexpr event_type type = event_type::cache_read_prefetched;
