@@ -3,8 +3,8 @@
 // modes, no allocation per op, executors other than the ring's.
 #include <kvtier/io/uring_context.hpp>
 
-#include "alloc_counter.hpp"
 #include "io_test_support.hpp"
+#include "support/allocation_probe.hpp"
 #include "support/captured_log.hpp"
 
 #include <kvtier/io/transfer.hpp>

@@ -786,6 +786,20 @@ TEST_CASE("reserve_prefix cut by room releases the reads it took past the cut", 
   CHECK(f.counts->read_finished == 0);
 }
 
+TEST_CASE("reserve_prefix misused with a loadable key and no object size throws and holds nothing",
+          "[l1][tier][prefix]") {
+  fixture f(8);
+  make_ready(f, keys({1}));
+  std::vector<prefix_take> takes(2);
+  prefix_options o;  // object_bytes 0: no key may be loadable
+  CHECK_THROWS_AS(f.l1->reserve_prefix(
+                      keys({1, 2}), o, [](std::size_t i) { return i == 1; }, [](std::size_t) { return false; }, takes),
+                  std::invalid_argument);
+  CHECK(f.l1->state(key(1)) == object_state::ready);  // the walk's hold on key 1 went back
+  CHECK(f.l1->state(key(2)) == object_state::absent);
+  CHECK(f.counts->read_reserved == 0);
+}
+
 TEST_CASE("a read prefix stops at the first key it cannot read and touches nothing after it", "[l1][tier][prefix]") {
   fixture f(8);
   make_ready(f, keys({1, 3}));

@@ -2,8 +2,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "protocol/allocation_tracker.hpp"
 #include "protocol/protocol_fixtures.hpp"
+#include "support/allocation_probe.hpp"
 
 #include <set>
 #include <string>

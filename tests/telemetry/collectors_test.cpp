@@ -26,10 +26,24 @@ namespace {
 
 chunk_key key(std::uint64_t i) { return chunk_key{7, 1, 0, hash128{i, i}}; }
 
-/// A cache stand-in whose status the test scripts.
+/// A cache stand-in whose status the test scripts; counts the status() calls.
 struct scripted_cache {
   cache::cache_status s;
-  [[nodiscard]] cache::cache_status status() const { return s; }
+  mutable std::size_t status_calls = 0;
+  [[nodiscard]] cache::cache_status status() const {
+    ++status_calls;
+    return s;
+  }
+};
+
+/// An L1 stand-in that counts the usage() calls.
+struct counted_l1 {
+  l1::usage_info u;
+  mutable std::size_t usage_calls = 0;
+  [[nodiscard]] l1::usage_info usage() const {
+    ++usage_calls;
+    return u;
+  }
 };
 
 using metrics_bus = bus::basic_event_bus<metrics_subscriber>;
@@ -122,6 +136,35 @@ TEST_CASE("collect_cache registers its families in the order of the page", "[tel
                                          "kvtier_lookups_active",
                                          "kvtier_l2_read_bandwidth_bytes_per_second"};
   CHECK(names == want);
+}
+
+TEST_CASE("one scrape reads the cache's status and the tier's usage once, however many gauges read them",
+          "[telemetry][collectors]") {
+  scripted_cache c;
+  c.s.l1.objects = 3;
+  c.s.lookups = 2;
+  c.s.backends.push_back({"disk", l2::usage_info{100, 1000, 3}, l2::health_info{true, ""}});
+  c.s.backends.push_back({"redis", l2::usage_info{}, l2::health_info{false, "down"}});
+  counted_l1 t;
+  t.u.objects = 5;
+  registry reg, l1_reg;
+  collect_cache(reg, c);
+  collect_l1(l1_reg, t, {{"tier", "l1"}});
+  c.status_calls = 0;
+  t.usage_calls = 0;
+  const std::string text = prometheus_text(reg);
+  CHECK(c.status_calls == 1);  // L1 usage under the tier's mutex, every backend's usage and health: once
+  CHECK(prometheus_text(l1_reg).find("kvtier_l1_objects{tier=\"l1\"} 5\n") != std::string::npos);
+  CHECK(t.usage_calls == 1);
+  // Every series of the scrape was read from that one snapshot.
+  CHECK(text.find("kvtier_l1_objects 3\n") != std::string::npos);
+  CHECK(text.find("kvtier_lookups_active 2\n") != std::string::npos);
+  CHECK(text.find("kvtier_l2_objects{backend=\"disk\"} 3\n") != std::string::npos);
+  CHECK(text.find("kvtier_l2_healthy{backend=\"redis\"} 0\n") != std::string::npos);
+  // The next scrape takes a fresh snapshot.
+  c.s.lookups = 7;
+  CHECK(prometheus_text(reg).find("kvtier_lookups_active 7\n") != std::string::npos);
+  CHECK(c.status_calls == 2);
 }
 
 TEST_CASE("a cache names its backends on the bus, so their series read zero before any operation",

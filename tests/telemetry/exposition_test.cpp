@@ -6,6 +6,8 @@
 #include "support/process.hpp"
 
 #include <fstream>
+#include <memory>
+#include <string>
 
 using namespace kvtier::telemetry;
 
@@ -66,6 +68,37 @@ TEST_CASE("registry rejects names and reuse that would make invalid output", "[t
   a.inc(5);
   CHECK(reg.value("kvtier_x_total", {{"k", "1"}}) == 5.0);
   CHECK_FALSE(reg.value("kvtier_missing_total").has_value());
+}
+
+TEST_CASE("a collector group's snapshot is taken once per scrape, before its callbacks read it",
+          "[telemetry][registry]") {
+  registry reg;
+  int source = 1;
+  int reads = 0;
+  auto snap = make_scrape_snapshot([&] {
+    ++reads;
+    return source;
+  });
+  CHECK(reads == 1);  // taken at construction, for registration
+  for (const char* name : {"kvtier_a", "kvtier_b", "kvtier_c"})
+    reg.add_callback(
+        name, "x", metric_type::gauge, {}, [snap] { return static_cast<double>(snap->get()); }, snap);
+  source = 7;
+  const std::string text = prometheus_text(reg);
+  CHECK(reads == 2);  // one refresh for three gauges
+  CHECK(text.find("kvtier_a 7\n") != std::string::npos);
+  CHECK(text.find("kvtier_c 7\n") != std::string::npos);
+  source = 8;
+  CHECK(reg.value("kvtier_b") == 8.0);  // value() refreshes the group it reads
+  CHECK(reads == 3);
+  // Callbacks registered again without the hook drop it: the registry no longer refreshes it.
+  const std::weak_ptr<scrape_hook> gone = snap;
+  snap.reset();
+  for (const char* name : {"kvtier_a", "kvtier_b", "kvtier_c"})
+    reg.add_callback(name, "x", metric_type::gauge, {}, [] { return 0.0; });
+  CHECK(gone.expired());
+  CHECK(prometheus_text(reg).find("kvtier_a 0\n") != std::string::npos);
+  CHECK(reads == 3);
 }
 
 #ifdef KVTIER_PROMTOOL

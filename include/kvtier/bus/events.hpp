@@ -188,9 +188,14 @@ struct cache_lookup {
   std::uint64_t request_id = 0;
   std::uint32_t requested_tokens = 0;  ///< tokens asked about (full chunks only)
   std::uint32_t requested_chunks = 0;  ///< chunks asked about (a chunk = world_size shards)
-  std::uint32_t l1_hit_chunks = 0;     ///< leading chunks already in L1
-  std::uint32_t l2_hit_chunks = 0;     ///< chunks after those, brought in from L2
-  std::uint32_t chunk_tokens = 0;      ///< tokens per chunk, to turn chunks into tokens
+  /// Of the hit chunks (the leading whole chunks the lookup holds or is still loading), those
+  /// whose shards were all read from L1, wherever they stand in the hit prefix: a chunk L1
+  /// held after one that came from L2 counts here (tiered_cache's complete()).
+  std::uint32_t l1_hit_chunks = 0;
+  /// The other hit chunks: at least one shard came (or is coming) from L2 for this lookup,
+  /// by its own load or one it joined; a chunk split between the tiers counts here.
+  std::uint32_t l2_hit_chunks = 0;
+  std::uint32_t chunk_tokens = 0;  ///< tokens per chunk, to turn chunks into tokens
 };
 struct cache_read_prefetched {
   static constexpr event_type type = event_type::cache_read_prefetched;

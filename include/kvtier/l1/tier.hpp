@@ -156,8 +156,6 @@ struct object_info {
   std::uint32_t pinned_readers = 0;    ///< read holds that never expire
 };
 
-/// Called with the keys a finish_write made readable (the store pipeline's hook).
-
 /// The L1 tier. `Policy` models l1::eviction_policy; `Bus` models bus::event_bus and must
 /// outlive the tier. Not copyable or movable (the policy links hooks inside the tier).
 template <class Policy, class Bus>
@@ -398,13 +396,25 @@ class tier {
   }
   static void check_span(std::size_t keys, std::size_t other, const char* what);
   static void check_extra(std::uint32_t extra_count);
+  void check_object_bytes(std::size_t object_bytes, const char* operation) const;
 
   [[nodiscard]] static bool evictable(const entry& e) noexcept { return e.in_policy && !e.locked(); }
   [[nodiscard]] static bool writable(const entry& e) noexcept { return !e.removing && !e.locked() && !e.temporary; }
   [[nodiscard]] static object_state state_of(const entry& e) noexcept;
   [[nodiscard]] static entry& entry_of(typename Policy::hook& h) noexcept { return static_cast<entry&>(h); }
 
-  // Leaf mutators: each keeps evictable_ exact, none calls another.
+  // The frame of every operation (impl/tier.hpp): f(lazy_now&, tally&) runs under the mutex;
+  // what it removed and expired is published once the mutex is released. Returns f's result.
+  template <class F>
+  auto run_locked(F&& f);
+  // A batch in that frame: per key, per_key(entry or nullptr (absent), index, now, tally)
+  // answers its status (written to out unless out is empty). Returns the successes.
+  template <class PerKey>
+  std::size_t for_each_key(std::span<const chunk_key> keys, std::span<status> out, PerKey&& per_key);
+  entry* lookup(const chunk_key& key, lazy_now& now, tally& t);
+  void publish(const tally& t);
+
+  // Leaf mutators (impl/tier_entry.hpp): each keeps evictable_ exact, none calls another.
   template <class F>
   void adjust(entry& e, F&& f);
   void lock_write(entry& e, lock_lifetime lifetime, lazy_now& now);
@@ -415,23 +425,28 @@ class tier {
   void policy_leave(entry& e);
   void free_slot(entry& e);
 
-  // Composite steps.
-  entry* lookup(const chunk_key& key, lazy_now& now, tally& t);
-  bool expire(entry& e, lazy_now& now, tally& t);
-  std::size_t expire_all(lazy_now& now, tally& t);
+  // An entry leaving the tier (impl/tier_entry.hpp).
   bool release_if_done(entry& e, tally& t);
+  void drop_unfinished_write(entry& e, tally& t);
+  void count_removal(const entry& e, bus::removal_reason reason, tally& t);
   void remove_object(entry& e, bus::removal_reason reason, tally& t);
   void mark_removing(entry& e, tally& t);
   void free_removed(entry& e);
+
+  // Expiry (impl/tier_expiry.hpp) and room for new objects (impl/tier_allocation.hpp).
+  bool expire(entry& e, lazy_now& now, tally& t);
+  std::size_t expire_all(lazy_now& now, tally& t);
   bool ensure_room(std::size_t need, lazy_now& now, tally& t);
   std::size_t room_for(std::size_t need, lazy_now& now, tally& t);
-  entry& place_new(const chunk_key& key, slot_id slot, std::size_t bytes, bool temporary, lock_lifetime lock,
-                   lazy_now& now);
   std::size_t evict_n(std::size_t n, tally& t);
+  // Places keys[new_positions_[j]] for j < count in new slots, write-locked, fills their index
+  // placeholders (new_index_slots_) and buffers; the room was made by ensure_room / room_for.
+  void place_new_keys(std::span<const chunk_key> keys, std::size_t count, std::size_t bytes, bool temporary,
+                      lock_lifetime lock, std::span<std::span<std::byte>> buffers, lazy_now& now);
+
   std::size_t finish_write_impl(std::span<const chunk_key> keys, std::span<status> out, bool reserve_read,
                                 std::uint32_t extra_count, std::span<const std::uint32_t> holds,
                                 lock_lifetime read_lock);
-  void publish(const tally& t);
 
   tier_options options_;
   Bus& bus_;

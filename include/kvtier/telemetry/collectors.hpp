@@ -30,6 +30,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -68,26 +69,30 @@ concept l1_usage_source = requires(const T& t) {
 
 namespace detail {
 
-/// kvtier_l1_bytes_used, kvtier_l1_bytes_capacity, kvtier_l1_objects over `usage`, a
-/// callable returning an l1_usage.
-template <class Usage>
-void collect_l1_usage(registry& reg, const label_pairs& labels, Usage usage) {
-  reg.add_callback("kvtier_l1_bytes_used", "Bytes of L1 slots in use (objects and objects being freed)",
-                   metric_type::gauge, labels, [usage] { return metric_value(usage().bytes_used); });
-  reg.add_callback("kvtier_l1_bytes_capacity", "Bytes of the L1 arena", metric_type::gauge, labels,
-                   [usage] { return metric_value(usage().bytes_capacity); });
-  reg.add_callback("kvtier_l1_objects", "Objects held in L1 (being written, ready or being read)", metric_type::gauge,
-                   labels, [usage] { return metric_value(usage().objects); });
+/// kvtier_l1_bytes_used, kvtier_l1_bytes_capacity, kvtier_l1_objects read from `snap` (a
+/// scrape_snapshot, the callbacks' collector group) through l1_of(snap->get()), an l1_usage.
+template <class Snapshot, class L1Of>
+void collect_l1_usage(registry& reg, const label_pairs& labels, const std::shared_ptr<Snapshot>& snap, L1Of l1_of) {
+  auto gauge = [&](const char* name, const char* help, auto get) {
+    reg.add_callback(
+        name, help, metric_type::gauge, labels, [snap, l1_of, get] { return get(l1_of(snap->get())); }, snap);
+  };
+  gauge("kvtier_l1_bytes_used", "Bytes of L1 slots in use (objects and objects being freed)",
+        [](const auto& u) { return metric_value(u.bytes_used); });
+  gauge("kvtier_l1_bytes_capacity", "Bytes of the L1 arena",
+        [](const auto& u) { return metric_value(u.bytes_capacity); });
+  gauge("kvtier_l1_objects", "Objects held in L1 (being written, ready or being read)",
+        [](const auto& u) { return metric_value(u.objects); });
 }
 
 }  // namespace detail
 
 /// Registers the L1 gauges kvtier_l1_bytes_used, kvtier_l1_bytes_capacity and
-/// kvtier_l1_objects over tier.usage() (with `labels`, e.g. {{"tier", "l1"}} when a process
-/// has several tiers). The tier must outlive scrapes.
+/// kvtier_l1_objects over tier.usage(), read once per scrape (with `labels`, e.g.
+/// {{"tier", "l1"}} when a process has several tiers). The tier must outlive scrapes.
 template <l1_usage_source Tier>
 void collect_l1(registry& reg, const Tier& tier, const label_pairs& labels = {}) {
-  detail::collect_l1_usage(reg, labels, [t = &tier] { return t->usage(); });
+  detail::collect_l1_usage(reg, labels, make_scrape_snapshot([t = &tier] { return t->usage(); }), std::identity{});
 }
 
 // --- the cache ----------------------------------------------------------------------------
@@ -129,55 +134,51 @@ concept cache_status_source = requires(const C& c) {
 /// kvtier_prefetch_inflight_load_bytes, kvtier_store_inflight_bytes,
 /// kvtier_store_inflight_tasks, kvtier_store_staged_bytes, kvtier_lookups_active, and per
 /// backend kvtier_l2_read_bandwidth_bytes_per_second (in that order: the order of the page).
-/// The backends are those of the status at registration (a cache's backends are fixed). The
-/// cache must outlive scrapes.
+/// They are one collector group: a scrape calls status() once (it takes L1's mutex and asks
+/// every backend), and every gauge reads that snapshot. The backends are those of the status
+/// at registration (a cache's backends are fixed). The cache must outlive scrapes.
 template <cache_status_source Cache>
 void collect_cache(registry& reg, const Cache& cache) {
-  const Cache* c = &cache;
-  detail::collect_l1_usage(reg, {}, [c] { return c->status().l1; });
-  const auto initial = cache.status();
-  for (std::size_t b = 0; b < initial.backends.size(); ++b) {
-    const label_pairs l = {{"backend", std::string(std::string_view(initial.backends[b].name))}};
-    // The backend's entry of a fresh status (nullopt-free: a backend never goes away).
-    auto field = [c, b](auto get) {
-      return [c, b, get] {
-        const auto s = c->status();
-        return b < s.backends.size() ? get(s.backends[b]) : 0.0;
-      };
-    };
-    reg.add_callback("kvtier_l2_bytes_used", "Bytes used on the L2 backend", metric_type::gauge, l,
-                     field([](const auto& e) { return detail::metric_value(e.usage.bytes_used); }));
-    reg.add_callback("kvtier_l2_bytes_capacity", "Capacity of the L2 backend in bytes (0: unbounded)",
-                     metric_type::gauge, l,
-                     field([](const auto& e) { return detail::metric_value(e.usage.bytes_capacity); }));
-    reg.add_callback("kvtier_l2_objects", "Objects on the L2 backend", metric_type::gauge, l,
-                     field([](const auto& e) { return detail::metric_value(e.usage.objects); }));
-    reg.add_callback("kvtier_l2_healthy", "1 while the L2 backend is healthy", metric_type::gauge, l,
-                     field([](const auto& e) { return e.health.healthy ? 1.0 : 0.0; }));
-  }
-  auto gauge = [&](const char* name, const char* help, auto get) {
-    reg.add_callback(name, help, metric_type::gauge, {}, [c, get] { return detail::metric_value(get(c->status())); });
+  const auto snap = make_scrape_snapshot([c = &cache] { return c->status(); });
+  detail::collect_l1_usage(
+      reg, {}, snap, [](const auto& s) -> const auto& { return s.l1; });
+  auto gauge = [&](const char* name, const char* help, const label_pairs& labels, auto get) {
+    reg.add_callback(
+        name, help, metric_type::gauge, labels, [snap, get] { return detail::metric_value(get(snap->get())); }, snap);
   };
-  gauge("kvtier_prefetch_requests_active", "Prefetch requests not finished (late loads included)",
+  // A field of backend b's entry (a cache's backends never go away; 0 should one be missing).
+  auto backend_gauge = [&](const char* name, const char* help, std::size_t b, auto get) {
+    const label_pairs l = {{"backend", std::string(std::string_view(snap->get().backends[b].name))}};
+    gauge(name, help, l, [b, get](const auto& s) { return b < s.backends.size() ? get(s.backends[b]) : 0.0; });
+  };
+  const std::size_t backends = snap->get().backends.size();
+  for (std::size_t b = 0; b < backends; ++b) {
+    backend_gauge("kvtier_l2_bytes_used", "Bytes used on the L2 backend", b,
+                  [](const auto& e) { return detail::metric_value(e.usage.bytes_used); });
+    backend_gauge("kvtier_l2_bytes_capacity", "Capacity of the L2 backend in bytes (0: unbounded)", b,
+                  [](const auto& e) { return detail::metric_value(e.usage.bytes_capacity); });
+    backend_gauge("kvtier_l2_objects", "Objects on the L2 backend", b,
+                  [](const auto& e) { return detail::metric_value(e.usage.objects); });
+    backend_gauge("kvtier_l2_healthy", "1 while the L2 backend is healthy", b,
+                  [](const auto& e) { return e.health.healthy ? 1.0 : 0.0; });
+  }
+  gauge("kvtier_prefetch_requests_active", "Prefetch requests not finished (late loads included)", {},
         [](const auto& s) { return s.prefetches_active; });
-  gauge("kvtier_prefetch_inflight_load_bytes", "Bytes of L2 loads in flight",
+  gauge("kvtier_prefetch_inflight_load_bytes", "Bytes of L2 loads in flight", {},
         [](const auto& s) { return s.prefetch_inflight_bytes; });
-  gauge("kvtier_store_inflight_bytes", "Bytes of L2 stores in flight",
+  gauge("kvtier_store_inflight_bytes", "Bytes of L2 stores in flight", {},
         [](const auto& s) { return s.store_inflight_bytes; });
-  gauge("kvtier_store_inflight_tasks", "L2 store tasks in flight",
+  gauge("kvtier_store_inflight_tasks", "L2 store tasks in flight", {},
         [](const auto& s) { return s.store_inflight_tasks; });
-  gauge("kvtier_store_staged_bytes", "Staging memory of stores larger than L1 (reserved or being stored to L2)",
+  gauge("kvtier_store_staged_bytes", "Staging memory of stores larger than L1 (reserved or being stored to L2)", {},
         [](const auto& s) { return s.store_staged_bytes; });
-  gauge("kvtier_lookups_active", "Lookups holding L1 locks or prefetching", [](const auto& s) { return s.lookups; });
-  for (std::size_t b = 0; b < initial.backends.size(); ++b)
-    reg.add_callback("kvtier_l2_read_bandwidth_bytes_per_second",
-                     "Achieved L2 load bandwidth of the backend (moving mean over its load tasks; 0 before the first); "
-                     "the load-or-recompute gate compares it with the engine's prefill rate",
-                     metric_type::gauge, {{"backend", std::string(std::string_view(initial.backends[b].name))}},
-                     [c, b] {
-                       const auto s = c->status();
-                       return b < s.backends.size() ? s.backends[b].read_bytes_per_second : 0.0;
-                     });
+  gauge("kvtier_lookups_active", "Lookups holding L1 locks or prefetching", {},
+        [](const auto& s) { return s.lookups; });
+  for (std::size_t b = 0; b < backends; ++b)
+    backend_gauge("kvtier_l2_read_bandwidth_bytes_per_second",
+                  "Achieved L2 load bandwidth of the backend (moving mean over its load tasks; 0 before the first); "
+                  "the load-or-recompute gate compares it with the engine's prefill rate",
+                  b, [](const auto& e) { return static_cast<double>(e.read_bytes_per_second); });
 }
 
 // --- file I/O -------------------------------------------------------------------------------

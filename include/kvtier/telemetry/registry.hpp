@@ -13,6 +13,7 @@
 #include <kvtier/telemetry/gauge.hpp>
 #include <kvtier/telemetry/histogram.hpp>
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -20,6 +21,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -39,13 +41,47 @@ enum class metric_type { counter, gauge, histogram };
   return "untyped";
 }
 
+/// The per-scrape refresh of a collector group: callback metrics that read one snapshot of a
+/// component (a cache's status, a tier's usage) instead of asking the component each. A
+/// scrape (for_each_family) calls refresh() once, before it reads any metric, for every hook
+/// a callback holds; value() calls it before reading a callback that holds it. refresh()
+/// runs under the registry's lock, as the callbacks do. A hook lives as long as a callback
+/// holds it: registering its callbacks again (replacing them) drops it.
+class scrape_hook {
+ public:
+  virtual ~scrape_hook() = default;
+  virtual void refresh() = 0;
+};
+
+/// A collector group's snapshot: read() taken at construction and again at each refresh();
+/// the group's callbacks read get(). Make one with make_scrape_snapshot and pass it to each
+/// add_callback of the group.
+template <class Read>
+class scrape_snapshot final : public scrape_hook {
+ public:
+  using value_type = std::remove_cvref_t<std::invoke_result_t<Read&>>;
+  explicit scrape_snapshot(Read read) : read_(std::move(read)), value_(read_()) {}
+  void refresh() override { value_ = read_(); }
+  [[nodiscard]] const value_type& get() const noexcept { return value_; }
+
+ private:
+  Read read_;
+  value_type value_;
+};
+
+template <class Read>
+[[nodiscard]] std::shared_ptr<scrape_snapshot<Read>> make_scrape_snapshot(Read read) {
+  return std::make_shared<scrape_snapshot<Read>>(std::move(read));
+}
+
 /// One child of a family: exactly one of the pointers (or the callback) is set.
 struct metric_child {
   std::vector<std::string> label_values;
   std::unique_ptr<counter> as_counter;
   std::unique_ptr<gauge> as_gauge;
   std::unique_ptr<histogram> as_histogram;
-  std::function<double()> callback;  ///< read at scrape time (callback counters and gauges)
+  std::function<double()> callback;   ///< read at scrape time (callback counters and gauges)
+  std::shared_ptr<scrape_hook> hook;  ///< the callback's collector group, refreshed first (or null)
 };
 
 struct metric_family {
@@ -89,20 +125,25 @@ class registry {
 
   /// A counter or gauge whose value is read from `fn` at scrape time (fn runs under the
   /// registry's lock: it must be cheap, thread-safe and must not register metrics).
-  /// Registering the same child again replaces the callback.
+  /// With `hook`, fn belongs to that collector group: it reads what the hook's refresh()
+  /// took for this scrape (see scrape_hook). Registering the same child again replaces the
+  /// callback and its hook.
   void add_callback(std::string_view name, std::string_view help, metric_type type, const label_pairs& labels,
-                    std::function<double()> fn) {
+                    std::function<double()> fn, std::shared_ptr<scrape_hook> hook = nullptr) {
     if (type == metric_type::histogram) throw misuse(name, "callbacks are counters or gauges");
     std::lock_guard g(mutex_);
     metric_child& c = child(name, help, type, labels);
     if (c.as_counter || c.as_gauge) throw misuse(name, "is already registered as a stored metric");
     c.callback = std::move(fn);
+    c.hook = std::move(hook);
   }
 
-  /// Calls f(const metric_family&) for every family, in registration order, under the lock.
+  /// Calls f(const metric_family&) for every family, in registration order, under the lock
+  /// (a scrape): first refreshes every collector group once (scrape_hook).
   template <class F>
   void for_each_family(F&& f) const {
     std::lock_guard g(mutex_);
+    refresh_hooks();
     for (const auto& fam : families_) f(*fam);
   }
 
@@ -117,7 +158,10 @@ class registry {
         if (c.as_counter) return static_cast<double>(c.as_counter->value());
         if (c.as_gauge) return c.as_gauge->value();
         if (c.as_histogram) return static_cast<double>(c.as_histogram->snapshot().count());
-        if (c.callback) return c.callback();
+        if (c.callback) {
+          if (c.hook) c.hook->refresh();
+          return c.callback();
+        }
       }
     }
     return std::nullopt;
@@ -146,6 +190,17 @@ class registry {
   static std::invalid_argument misuse(std::string_view name, std::string_view what) {
     return std::invalid_argument("kvtier::telemetry::registry: metric '" + std::string(name) + "' " +
                                  std::string(what));
+  }
+
+  // Each hook once, however many callbacks hold it.
+  void refresh_hooks() const {
+    std::vector<scrape_hook*> done;
+    for (const auto& fam : families_)
+      for (const auto& c : fam->children)
+        if (c.hook && std::find(done.begin(), done.end(), c.hook.get()) == done.end()) {
+          c.hook->refresh();
+          done.push_back(c.hook.get());
+        }
   }
 
   static bool labels_match(const metric_family& fam, const metric_child& c, const label_pairs& labels) {

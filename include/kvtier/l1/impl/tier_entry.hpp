@@ -1,0 +1,165 @@
+#pragma once
+// l1::tier, one entry's lock state (part of kvtier/l1/impl/tier.hpp): the leaf mutators, each
+// keeping the count of evictable entries exact and none calling another, and the steps by
+// which an entry leaves the tier (removed now, or marked removing and freed at its last
+// unlock).
+
+#include <kvtier/l1/tier.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+
+template <class Policy, class Bus>
+object_state tier<Policy, Bus>::state_of(const entry& e) noexcept {
+  if (e.removing) return object_state::removing;
+  if (e.write_locked) return object_state::write_locked;
+  return e.readers() > 0 ? object_state::read_locked : object_state::ready;
+}
+
+// ---------------------------------------------------------------------------------------
+// leaf mutators (each keeps evictable_ exact)
+// ---------------------------------------------------------------------------------------
+template <class Policy, class Bus>
+template <class F>
+void tier<Policy, Bus>::adjust(entry& e, F&& f) {
+  const bool before = evictable(e);
+  std::forward<F>(f)();
+  const bool after = evictable(e);
+  if (before && !after)
+    --evictable_;
+  else if (!before && after)
+    ++evictable_;
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::lock_write(entry& e, lock_lifetime lifetime, lazy_now& now) {
+  adjust(e, [&] {
+    e.write_locked = true;
+    e.write_pinned = lifetime == lock_lifetime::pinned;
+    if (!e.write_pinned) {
+      e.write_deadline = now() + options_.write_lock_ttl;
+      earliest_deadline_ = std::min(earliest_deadline_, e.write_deadline);
+    }
+  });
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::unlock_write(entry& e) {
+  adjust(e, [&] {
+    e.write_locked = false;
+    e.write_pinned = false;
+  });
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::add_readers(entry& e, lock_lifetime lifetime, std::uint32_t n, lazy_now& now) {
+  adjust(e, [&] {
+    if (lifetime == lock_lifetime::pinned) {
+      e.pinned_readers += n;
+    } else {
+      e.expiring_readers += n;
+      e.read_deadline = now() + options_.read_lock_ttl;
+      earliest_deadline_ = std::min(earliest_deadline_, e.read_deadline);
+    }
+  });
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::drop_readers(entry& e, lock_lifetime lifetime, std::uint32_t n) {
+  adjust(e, [&] { (lifetime == lock_lifetime::pinned ? e.pinned_readers : e.expiring_readers) -= n; });
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::policy_insert(entry& e) {
+  adjust(e, [&] {
+    policy_.on_insert(e, e.key);
+    e.in_policy = true;
+  });
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::policy_leave(entry& e) {
+  adjust(e, [&] {
+    if (e.in_policy) policy_.on_remove(e);
+    e.in_policy = false;
+  });
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::free_slot(entry& e) {
+  adjust(e, [&] {
+    slots_.release(e.slot);
+    const slot_id s = e.slot;
+    e.key = {};
+    e.bytes = 0;
+    e.slot = s;
+    e.expiring_readers = e.pinned_readers = 0;
+    e.write_locked = e.write_pinned = e.temporary = e.in_policy = e.removing = false;
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// leaving the tier
+// ---------------------------------------------------------------------------------------
+template <class Policy, class Bus>
+bool tier<Policy, Bus>::release_if_done(entry& e, tally& t) {
+  if (e.locked()) return false;
+  if (e.removing) {
+    free_removed(e);
+    return true;
+  }
+  if (e.temporary) {
+    remove_object(e, bus::removal_reason::temporary, t);
+    return true;
+  }
+  return false;
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::drop_unfinished_write(entry& e, tally& t) {
+  unlock_write(e);
+  if (e.removing)
+    free_removed(e);  // already counted when it was removed
+  else
+    remove_object(e, bus::removal_reason::abandoned, t);
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::count_removal(const entry& e, bus::removal_reason reason, tally& t) {
+  const auto r = static_cast<std::size_t>(reason);
+  ++t.removed_keys[r];
+  t.removed_bytes[r] += e.bytes;
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::remove_object(entry& e, bus::removal_reason reason, tally& t) {
+  count_removal(e, reason, t);
+  policy_leave(e);
+  index_.erase(e.key);
+  --objects_;
+  object_bytes_ -= e.bytes;
+  free_slot(e);
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::mark_removing(entry& e, tally& t) {
+  count_removal(e, bus::removal_reason::deleted, t);
+  policy_leave(e);
+  e.removing = true;
+  --objects_;
+  object_bytes_ -= e.bytes;
+  ++removing_;
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::free_removed(entry& e) {
+  index_.erase(e.key);
+  --removing_;
+  free_slot(e);
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l1

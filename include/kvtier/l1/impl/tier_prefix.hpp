@@ -1,0 +1,137 @@
+#pragma once
+// l1::tier, reserve_prefix (part of kvtier/l1/impl/tier.hpp): the longest prefix of a batch
+// read-locked, waited for or write-locked in new slots, in one step under the mutex.
+
+#include <kvtier/l1/tier.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <stdexcept>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+
+template <class Policy, class Bus>
+template <class Loadable, class Waitable>
+prefix_result tier<Policy, Bus>::reserve_prefix(std::span<const chunk_key> keys, const prefix_options& o,
+                                                Loadable&& loadable, Waitable&& waitable, std::span<prefix_take> out,
+                                                std::span<std::span<std::byte>> buffers) {
+  check_span(keys.size(), out.size(), "out");
+  if (!buffers.empty()) check_span(keys.size(), buffers.size(), "buffers");
+  check_extra(o.extra_count);
+  check_object_bytes(o.object_bytes, "reserve_prefix");
+  const std::uint32_t holds = 1 + o.extra_count;
+  std::size_t held = 0;
+  bool loadable_without_size = false;
+  const prefix_result taken = run_locked([&](lazy_now& now, tally& t) {
+    prefix_result r;
+    // Gives back, uncounted and unseen by the policy, the holds the walk took from `cut` on.
+    auto give_back_reads = [&](std::size_t cut) {
+      while (!prefix_read_positions_.empty() && prefix_read_positions_.back() >= cut) {
+        entry& e = *prefix_reads_.back();
+        drop_readers(e, o.read_lock, holds);
+        release_if_done(e, t);
+        prefix_reads_.pop_back();
+        prefix_read_positions_.pop_back();
+      }
+    };
+    new_positions_.clear();
+    new_index_slots_.clear();
+    prefix_reads_.clear();
+    prefix_read_positions_.clear();
+    std::size_t i = 0;
+    for (; i < keys.size(); ++i) {
+      out[i] = prefix_take::none;
+      if (!buffers.empty()) buffers[i] = {};
+      auto it = index_.find(keys[i]);
+      if (it != index_.end() && it->second == nullptr) {  // a new key earlier in this batch
+        r.end = prefix_end::busy;
+        break;
+      }
+      entry* e = it == index_.end() ? nullptr : it->second;
+      if (e != nullptr && expire(*e, now, t)) e = nullptr;
+      if (e != nullptr) {
+        if (e->removing) {
+          r.end = prefix_end::missing;
+          break;
+        }
+        if (e->write_locked) {
+          if (!waitable(i)) {
+            r.end = prefix_end::busy;
+            break;
+          }
+          out[i] = prefix_take::wait;
+          continue;
+        }
+        if (o.object_bytes != 0 && e->bytes != o.object_bytes) {
+          r.end = prefix_end::wrong_size;
+          break;
+        }
+        out[i] = prefix_take::read;
+        if (o.hold_reads) {
+          // Held now, so that making room below can never evict it; counted and shown to the
+          // policy only if it stays in the prefix.
+          add_readers(*e, o.read_lock, holds, now);
+          prefix_reads_.push_back(e);
+          prefix_read_positions_.push_back(i);
+        }
+        continue;
+      }
+      if (!loadable(i)) {
+        r.end = prefix_end::missing;
+        break;
+      }
+      if (o.object_bytes == 0) {  // misuse: thrown below, once the tier is as it was
+        loadable_without_size = true;
+        give_back_reads(0);
+        return r;
+      }
+      auto [slot_it, inserted] = index_.try_emplace(keys[i], nullptr);  // placeholder until allocated
+      (void)inserted;
+      new_positions_.push_back(i);
+      new_index_slots_.push_back(&slot_it->second);
+      out[i] = prefix_take::write;
+    }
+    r.length = i;
+    for (std::size_t j = i + 1; j < keys.size(); ++j) {
+      out[j] = prefix_take::none;
+      if (!buffers.empty()) buffers[j] = {};
+    }
+
+    const std::size_t need = new_positions_.size();
+    const std::size_t got = need > 0 ? room_for(need, now, t) : 0;
+    if (got < need) {
+      // Cut the prefix at the first loadable key without a slot; give back what lies past it.
+      const std::size_t cut = new_positions_[got];
+      r.short_of_room = need - got;
+      r.length = cut;
+      r.end = prefix_end::no_room;
+      for (std::size_t j = got; j < need; ++j) index_.erase(keys[new_positions_[j]]);
+      give_back_reads(cut);
+      for (std::size_t j = cut; j < keys.size(); ++j) out[j] = prefix_take::none;
+    }
+    place_new_keys(keys, got, o.object_bytes, o.temporary, o.write_lock, buffers, now);
+    r.writes = got;
+    r.reads = r.waits = 0;
+    for (std::size_t j = 0; j < r.length; ++j) {
+      r.reads += out[j] == prefix_take::read ? 1 : 0;
+      r.waits += out[j] == prefix_take::wait ? 1 : 0;
+    }
+    held = prefix_reads_.size();
+    for (entry* e : prefix_reads_)
+      if (e->in_policy) policy_.on_access(*e);
+    return r;
+  });
+  if (loadable_without_size)
+    throw std::invalid_argument("kvtier::l1::tier::reserve_prefix: a loadable key needs object_bytes > 0");
+  const bool refused = o.count_refused_read && taken.end != prefix_end::complete && taken.end != prefix_end::no_room &&
+                       taken.length < keys.size();
+  if (held > 0 || refused) bus_.publish(bus::l1_read_reserved{static_cast<std::uint32_t>(held), refused ? 1U : 0U});
+  if (taken.writes > 0 || taken.short_of_room > 0)
+    bus_.publish(bus::l1_write_reserved{static_cast<std::uint32_t>(taken.writes),
+                                        static_cast<std::uint32_t>(taken.short_of_room), o.purpose});
+  if (taken.short_of_room > 0)
+    bus_.publish(bus::l1_allocation_failed{static_cast<std::uint32_t>(taken.short_of_room), o.purpose});
+  return taken;
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l1

@@ -1,0 +1,46 @@
+#pragma once
+// l1::tier, deletion on request (part of kvtier/l1/impl/tier.hpp): remove and clear. A locked
+// object leaves the tier only when forced, and its memory waits for its last lock.
+
+#include <kvtier/l1/tier.hpp>
+
+#include <cstddef>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+
+template <class Policy, class Bus>
+std::size_t tier<Policy, Bus>::remove(std::span<const chunk_key> keys, bool force, std::span<status> out) {
+  check_span(keys.size(), out.size(), "out");
+  return for_each_key(keys, out, [&](entry* e, std::size_t, lazy_now&, tally& t) {
+    if (e == nullptr || e->removing) return status::not_found;
+    if (!e->locked()) {
+      remove_object(*e, bus::removal_reason::deleted, t);
+      return status::success;
+    }
+    if (!force) return status::locked;
+    mark_removing(*e, t);
+    return status::success;
+  });
+}
+
+template <class Policy, class Bus>
+std::size_t tier<Policy, Bus>::clear(bool force) {
+  return run_locked([&](lazy_now& now, tally& t) {
+    std::size_t removed = 0;
+    for (std::size_t s = 0; s < options_.slot_count; ++s) {
+      entry& e = entries_[s];
+      if (!slots_.is_allocated(e.slot) || e.removing) continue;
+      if (expire(e, now, t)) continue;
+      if (!e.locked()) {
+        remove_object(e, bus::removal_reason::deleted, t);
+        ++removed;
+      } else if (force) {
+        mark_removing(e, t);
+        ++removed;
+      }
+    }
+    return removed;
+  });
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
