@@ -1,0 +1,208 @@
+#pragma once
+// engine::connector, the scheduler side: lookups, their answers (lookup_result) and the
+// notifications that release them (free_lookup_locks, end_request). Declarations and the
+// contract: kvtier/engine/connector.hpp.
+
+#include <kvtier/engine/connector.hpp>
+
+#include <boost/asio/post.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::engine {
+
+// ---------------------------------------------------------------------------------------
+// Scheduler side
+// ---------------------------------------------------------------------------------------
+
+template <class Bus>
+void connector<Bus>::lookup(std::string_view request_id, std::span<const token_id> tokens,
+                            std::string_view cache_salt) {
+  if (!options_.is_scheduler())
+    throw std::logic_error(
+        "kvtier::engine::connector::lookup: only the scheduler's connector looks up "
+        "(connector_options::scheduler)");
+  check_request_id(request_id);
+  {
+    std::lock_guard g(mu());
+    if (lookups_.contains(std::string(request_id))) return;  // idempotent: do not even hash again
+  }
+  lookup_hashes(request_id, hasher_.chunk_hashes(tokens), cache_salt);
+}
+
+template <class Bus>
+void connector<Bus>::lookup_hashes(std::string_view request_id, std::vector<hash128> hashes,
+                                   std::string_view cache_salt) {
+  if (!options_.is_scheduler())
+    throw std::logic_error(
+        "kvtier::engine::connector::lookup: only the scheduler's connector looks up "
+        "(connector_options::scheduler)");
+  check_request_id(request_id);
+  check_salt(cache_salt);
+  if (hashes.size() > protocol::max_chunk_hashes)
+    throw std::invalid_argument("kvtier::engine::connector: more than 65536 chunks in one lookup");
+  std::string key(request_id);
+  std::lock_guard g(mu());
+  auto [it, inserted] = lookups_.try_emplace(key);
+  if (!inserted) return;
+  lookup_entry& e = it->second;
+  e.serial = next_lookup_serial_++;
+  e.requested_chunks = static_cast<std::uint32_t>(hashes.size());
+  e.started = clock::now();
+  e.deadline = e.started + scaled(options_.timeouts.lookup_timeout);
+  if (hashes.empty()) return answer_lookup_locked(key, e, 0, bus::connector_outcome::ok);
+  if (link_.state_locked() != health_state::healthy)
+    return answer_lookup_locked(key, e, 0, bus::connector_outcome::unhealthy);
+  e.hashes = std::move(hashes);
+  e.cache_salt = std::string(cache_salt);
+  boost::asio::post(link_.executor(), [this, key, serial = e.serial] { start_lookup_io(key, serial); });
+}
+
+template <class Bus>
+std::optional<std::size_t> connector<Bus>::lookup_result(std::string_view request_id) const {
+  std::lock_guard g(mu());
+  auto it = lookups_.find(std::string(request_id));
+  if (it == lookups_.end()) return std::size_t{0};
+  if (!it->second.answered) return std::nullopt;
+  return it->second.tokens;
+}
+
+template <class Bus>
+void connector<Bus>::free_lookup_locks(std::string_view request_id) {
+  check_request_id(request_id);
+  std::lock_guard g(mu());
+  send_notify_locked(protocol::free_lookup_locks_request{std::string(request_id)});
+}
+
+template <class Bus>
+void connector<Bus>::end_request(std::string_view request_id) {
+  check_request_id(request_id);
+  std::lock_guard g(mu());
+  lookups_.erase(std::string(request_id));
+  send_notify_locked(protocol::end_request_request{std::string(request_id)});
+}
+
+template <class Bus>
+template <class Msg>
+void connector<Bus>::send_notify_locked(const Msg& m) {
+  if (link_.state_locked() != health_state::healthy || link_.stopping_locked()) return;
+  const std::uint64_t id = link_.next_call_id();
+  link_.issue_locked(id, call_kind::notify, Msg::response_type::type, detail::server_link::encode(id, m),
+                     scaled(options_.timeouts.request_timeout), {});
+}
+
+template <class Bus>
+typename connector<Bus>::lookup_entry* connector<Bus>::find_lookup_locked(const std::string& id, std::uint64_t serial) {
+  auto it = lookups_.find(id);
+  return it != lookups_.end() && it->second.serial == serial ? &it->second : nullptr;
+}
+
+template <class Bus>
+void connector<Bus>::answer_lookup_locked(const std::string& id, lookup_entry& e, std::size_t tokens,
+                                          bus::connector_outcome outcome) {
+  e.answered = true;
+  e.tokens = tokens;
+  e.hashes = {};
+  bus_.publish(bus::connector_lookup_completed{options_.rank, outcome, e.requested_chunks,
+                                               static_cast<std::uint32_t>(tokens / options_.chunk_tokens),
+                                               options_.chunk_tokens, detail::elapsed_ns(e.started)});
+  answered_order_.emplace_back(id, e.serial);
+  // Bound the answers kept: the oldest answered go first (e may be erased from here on).
+  while (lookups_.size() > options_.max_lookups && !answered_order_.empty()) {
+    auto [oid, os] = std::move(answered_order_.front());
+    answered_order_.pop_front();
+    auto it = lookups_.find(oid);
+    if (it != lookups_.end() && it->second.serial == os && it->second.answered) lookups_.erase(it);
+  }
+  // Entries of answers already dropped (end_request) are compacted away, so the order list
+  // stays within 2 x max_lookups however the engine behaves.
+  if (answered_order_.size() > 2 * options_.max_lookups + 16) {
+    std::deque<std::pair<std::string, std::uint64_t>> live;
+    for (auto& [oid, os] : answered_order_) {
+      auto it = lookups_.find(oid);
+      if (it != lookups_.end() && it->second.serial == os) live.emplace_back(std::move(oid), os);
+    }
+    answered_order_ = std::move(live);
+  }
+}
+
+template <class Bus>
+void connector<Bus>::start_lookup_io(const std::string& id, std::uint64_t serial) {
+  std::lock_guard g(mu());
+  if (link_.stopping_locked()) return;
+  lookup_entry* e = find_lookup_locked(id, serial);
+  if (e == nullptr || e->answered) return;
+  if (link_.state_locked() != health_state::healthy)
+    return answer_lookup_locked(id, *e, 0, bus::connector_outcome::unhealthy);
+  const std::uint64_t cid = link_.next_call_id();
+  protocol::lookup_request req{id, link_.model_id_locked(), options_.world_size, std::move(e->hashes),
+                               std::move(e->cache_salt)};
+  e->hashes = {};
+  e->cache_salt = {};
+  link_.issue_locked(cid, call_kind::lookup, protocol::lookup_response::type, detail::server_link::encode(cid, req),
+                     scaled(options_.timeouts.request_timeout),
+                     [this, id, serial](pending_call&, call_result& r) { on_lookup_reply_io(id, serial, r, true); });
+}
+
+template <class Bus>
+void connector<Bus>::issue_query_locked(const std::string& id, std::uint64_t serial) {
+  const lookup_entry* e = find_lookup_locked(id, serial);
+  if (e == nullptr) return;
+  // The server answers when the prefetch is decided (within its own wait budget); we wait
+  // until the lookup's deadline at most.
+  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(e->deadline - clock::now());
+  const std::uint64_t cid = link_.next_call_id();
+  link_.issue_locked(cid, call_kind::query, protocol::query_prefetch_response::type,
+                     detail::server_link::encode(cid, protocol::query_prefetch_request{id}),
+                     std::max(left, std::chrono::milliseconds(1)),
+                     [this, id, serial](pending_call&, call_result& r) { on_lookup_reply_io(id, serial, r, false); });
+}
+
+template <class Bus>
+void connector<Bus>::on_lookup_reply_io(const std::string& id, std::uint64_t serial, call_result& r, bool ack) {
+  lookup_entry* e = find_lookup_locked(id, serial);
+  if (e == nullptr) {
+    // end_request came first (its frame may even have overtaken the lookup's): make sure
+    // the server forgets the lookup it just accepted.
+    if (ack && r.status == call_status::reply) send_notify_locked(protocol::end_request_request{id});
+    return;
+  }
+  if (e->answered) return;
+  if (r.status != call_status::reply) {
+    answer_lookup_locked(id, *e, 0, outcome_of(r.status));
+    // The server may hold locks for a lookup whose answer we gave up on.
+    if (r.status == call_status::timeout) send_notify_locked(protocol::free_lookup_locks_request{id});
+    return;
+  }
+  // After the ack, the query: the server answers it once the prefetch is decided, so
+  // nothing wakes while it waits.
+  if (ack) return issue_query_locked(id, serial);
+  const auto& q = std::get<protocol::query_prefetch_response>(r.reply);
+  switch (q.state) {
+    case protocol::prefetch_state::done: {
+      const std::size_t chunks = std::min<std::size_t>(q.hit_chunks, e->requested_chunks);
+      return answer_lookup_locked(id, *e, chunks * options_.chunk_tokens, bus::connector_outcome::ok);
+    }
+    case protocol::prefetch_state::unknown:
+      return answer_lookup_locked(id, *e, 0, bus::connector_outcome::failed);
+    case protocol::prefetch_state::pending:
+      break;
+  }
+  if (clock::now() >= e->deadline) {
+    answer_lookup_locked(id, *e, 0, bus::connector_outcome::timeout);
+    send_notify_locked(protocol::free_lookup_locks_request{id});
+    return;
+  }
+  // `pending`: the server's wait ended before the decision (a server that answers at once,
+  // or the lookup replaced meanwhile): ask again, the server waits again. No timer.
+  if (link_.state_locked() == health_state::healthy) issue_query_locked(id, serial);
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::engine
