@@ -18,8 +18,8 @@
 // The engine is synchronous, so the connector runs its own io_context on one background
 // thread: its transport (engine/detail/server_link.hpp: connection, calls in flight, ping,
 // reconnect, the pidfd watch) lives there; this class keeps what the calls mean (lookup
-// answers, finished reporting, load errors, quarantine). Every public function is thread-safe and returns without waiting for the server
-// (wait_ready aside, which the engine may call once at start-up). docs/fault-tolerance.md
+// answers, finished reporting, load errors, quarantine). Every public function is thread-safe and returns without
+// waiting for the server (wait_ready aside, which the engine may call once at start-up). docs/fault-tolerance.md
 // describes the behaviour and every knob (engine/options.hpp); in short:
 //
 //   health     EOF or a socket error: unhealthy at once; an unanswered ping (ping_timeout)
@@ -221,8 +221,6 @@ class connector : private detail::link_owner {
     bool answered = false;
     std::size_t tokens = 0;
     std::uint32_t requested_chunks = 0;
-    std::vector<hash128> hashes;  ///< until the lookup request is sent
-    std::string cache_salt;
     clock::time_point started{};
     clock::time_point deadline{};
   };
@@ -271,9 +269,8 @@ class connector : private detail::link_owner {
   void finish_store_locked(const store_info& info, const call_result* r, bus::connector_outcome outcome);
   void answer_lookup_locked(const std::string& id, lookup_entry& e, std::size_t tokens, bus::connector_outcome outcome);
   lookup_entry* find_lookup_locked(const std::string& id, std::uint64_t serial);
-  void start_lookup_io(const std::string& id, std::uint64_t serial);
   void issue_query_locked(const std::string& id, std::uint64_t serial);
-  void on_lookup_reply_io(const std::string& id, std::uint64_t serial, call_result& r, bool ack);
+  void on_lookup_reply_io(const std::string& id, std::uint64_t serial, call_result& r, bool from_lookup);
   template <class Msg>
   void send_notify_locked(const Msg& m);
   void publish_quarantine_locked(std::size_t held, std::size_t released);

@@ -5,8 +5,6 @@
 
 #include <kvtier/engine/connector.hpp>
 
-#include <boost/asio/post.hpp>
-
 #include <algorithm>
 #include <chrono>
 #include <deque>
@@ -60,9 +58,16 @@ void connector<Bus>::lookup_hashes(std::string_view request_id, std::vector<hash
   if (hashes.empty()) return answer_lookup_locked(key, e, 0, bus::connector_outcome::ok);
   if (link_.state_locked() != health_state::healthy)
     return answer_lookup_locked(key, e, 0, bus::connector_outcome::unhealthy);
-  e.hashes = std::move(hashes);
-  e.cache_salt = std::string(cache_salt);
-  boost::asio::post(link_.executor(), [this, key, serial = e.serial] { start_lookup_io(key, serial); });
+  // One call: the server answers it when the prefetch is decided (at once for an L1 hit), so
+  // a lookup costs one round trip and nothing wakes while the prefetch runs. Its deadline is
+  // the lookup's.
+  protocol::lookup_request req{
+      key, link_.model_id_locked(), options_.world_size, std::move(hashes), std::string(cache_salt), true};
+  const std::uint64_t cid = link_.next_call_id();
+  link_.issue_locked(cid, call_kind::lookup, protocol::lookup_response::type, detail::server_link::encode(cid, req),
+                     e.deadline - e.started, [this, key, serial = e.serial](pending_call&, call_result& r) {
+                       on_lookup_reply_io(key, serial, r, true);
+                     });
 }
 
 template <class Bus>
@@ -109,7 +114,6 @@ void connector<Bus>::answer_lookup_locked(const std::string& id, lookup_entry& e
                                           bus::connector_outcome outcome) {
   e.answered = true;
   e.tokens = tokens;
-  e.hashes = {};
   bus_.publish(bus::connector_lookup_completed{options_.rank, outcome, e.requested_chunks,
                                                static_cast<std::uint32_t>(tokens / options_.chunk_tokens),
                                                options_.chunk_tokens, detail::elapsed_ns(e.started)});
@@ -134,24 +138,6 @@ void connector<Bus>::answer_lookup_locked(const std::string& id, lookup_entry& e
 }
 
 template <class Bus>
-void connector<Bus>::start_lookup_io(const std::string& id, std::uint64_t serial) {
-  std::lock_guard g(mu());
-  if (link_.stopping_locked()) return;
-  lookup_entry* e = find_lookup_locked(id, serial);
-  if (e == nullptr || e->answered) return;
-  if (link_.state_locked() != health_state::healthy)
-    return answer_lookup_locked(id, *e, 0, bus::connector_outcome::unhealthy);
-  const std::uint64_t cid = link_.next_call_id();
-  protocol::lookup_request req{id, link_.model_id_locked(), options_.world_size, std::move(e->hashes),
-                               std::move(e->cache_salt)};
-  e->hashes = {};
-  e->cache_salt = {};
-  link_.issue_locked(cid, call_kind::lookup, protocol::lookup_response::type, detail::server_link::encode(cid, req),
-                     scaled(options_.timeouts.request_timeout),
-                     [this, id, serial](pending_call&, call_result& r) { on_lookup_reply_io(id, serial, r, true); });
-}
-
-template <class Bus>
 void connector<Bus>::issue_query_locked(const std::string& id, std::uint64_t serial) {
   const lookup_entry* e = find_lookup_locked(id, serial);
   if (e == nullptr) return;
@@ -166,12 +152,11 @@ void connector<Bus>::issue_query_locked(const std::string& id, std::uint64_t ser
 }
 
 template <class Bus>
-void connector<Bus>::on_lookup_reply_io(const std::string& id, std::uint64_t serial, call_result& r, bool ack) {
+void connector<Bus>::on_lookup_reply_io(const std::string& id, std::uint64_t serial, call_result& r, bool from_lookup) {
   lookup_entry* e = find_lookup_locked(id, serial);
   if (e == nullptr) {
-    // end_request came first (its frame may even have overtaken the lookup's): make sure
-    // the server forgets the lookup it just accepted.
-    if (ack && r.status == call_status::reply) send_notify_locked(protocol::end_request_request{id});
+    // end_request came first: make sure the server forgets the lookup it accepted.
+    if (from_lookup && r.status == call_status::reply) send_notify_locked(protocol::end_request_request{id});
     return;
   }
   if (e->answered) return;
@@ -181,13 +166,13 @@ void connector<Bus>::on_lookup_reply_io(const std::string& id, std::uint64_t ser
     if (r.status == call_status::timeout) send_notify_locked(protocol::free_lookup_locks_request{id});
     return;
   }
-  // After the ack, the query: the server answers it once the prefetch is decided, so
-  // nothing wakes while it waits.
-  if (ack) return issue_query_locked(id, serial);
-  const auto& q = std::get<protocol::query_prefetch_response>(r.reply);
-  switch (q.state) {
+  // The lookup's answer and a query's carry the same fields.
+  auto prefetch = [](const auto& a) { return std::pair{a.state, a.hit_chunks}; };
+  const auto [state, hit_chunks] = from_lookup ? prefetch(std::get<protocol::lookup_response>(r.reply))
+                                               : prefetch(std::get<protocol::query_prefetch_response>(r.reply));
+  switch (state) {
     case protocol::prefetch_state::done: {
-      const std::size_t chunks = std::min<std::size_t>(q.hit_chunks, e->requested_chunks);
+      const std::size_t chunks = std::min<std::size_t>(hit_chunks, e->requested_chunks);
       return answer_lookup_locked(id, *e, chunks * options_.chunk_tokens, bus::connector_outcome::ok);
     }
     case protocol::prefetch_state::unknown:
@@ -200,8 +185,8 @@ void connector<Bus>::on_lookup_reply_io(const std::string& id, std::uint64_t ser
     send_notify_locked(protocol::free_lookup_locks_request{id});
     return;
   }
-  // `pending`: the server's wait ended before the decision (a server that answers at once,
-  // or the lookup replaced meanwhile): ask again, the server waits again. No timer.
+  // `pending`: the server answered before the decision (one that answers at once, or whose
+  // wait ended first): ask with query_prefetch, which it answers when decided. No timer.
   if (link_.state_locked() == health_state::healthy) issue_query_locked(id, serial);
 }
 

@@ -154,10 +154,10 @@ inline void server_link::on_deadline_io(std::uint64_t id) {
   if (!c) return;
   complete_locked(*c, call_result{call_status::timeout, {}, "deadline passed"});
   // Work (not pings, not the handshake) timing out again and again: the server answers
-  // pings but does nothing else.
-  // A query waits server-side for the prefetch's decision: its deadline is the lookup's,
-  // and a prefetch slower than that is no sign of a hung server.
-  const bool work = c->kind != call_kind::control && c->kind != call_kind::ping && c->kind != call_kind::query;
+  // pings but does nothing else. A lookup (or its query) waits server-side for the
+  // prefetch's decision: its deadline is the lookup's, and a prefetch slower than that is no
+  // sign of a hung server.
+  const bool work = c->kind == call_kind::retrieve || c->kind == call_kind::store || c->kind == call_kind::notify;
   if (work && c->epoch == current_epoch_ && state_ == health_state::healthy && breaker_.on_timeout()) {
     last_error_ = std::to_string(breaker_.threshold()) + " calls in a row timed out";
     mark_unhealthy_io("timeouts");
