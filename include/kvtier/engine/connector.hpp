@@ -244,6 +244,8 @@ class connector : private detail::link_owner {
 
   // Engine-thread helpers.
   void check_request_id(std::string_view id) const;
+  /// std::logic_error on a connector that is not the scheduler; then check_request_id.
+  void check_lookup(std::string_view request_id) const;
   static void check_salt(std::string_view salt);
   /// The region of a worker's connector; std::logic_error naming `what` without one.
   kv_region& region_for(const char* what) const;

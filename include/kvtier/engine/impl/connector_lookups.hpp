@@ -21,13 +21,18 @@ namespace kvtier::inline KVTIER_ABI_TAG::engine {
 // ---------------------------------------------------------------------------------------
 
 template <class Bus>
-void connector<Bus>::lookup(std::string_view request_id, std::span<const token_id> tokens,
-                            std::string_view cache_salt) {
+void connector<Bus>::check_lookup(std::string_view request_id) const {
   if (!options_.is_scheduler())
     throw std::logic_error(
         "kvtier::engine::connector::lookup: only the scheduler's connector looks up "
         "(connector_options::scheduler)");
   check_request_id(request_id);
+}
+
+template <class Bus>
+void connector<Bus>::lookup(std::string_view request_id, std::span<const token_id> tokens,
+                            std::string_view cache_salt) {
+  check_lookup(request_id);
   {
     std::lock_guard g(mu());
     if (lookups_.contains(std::string(request_id))) return;  // idempotent: do not even hash again
@@ -38,11 +43,7 @@ void connector<Bus>::lookup(std::string_view request_id, std::span<const token_i
 template <class Bus>
 void connector<Bus>::lookup_hashes(std::string_view request_id, std::vector<hash128> hashes,
                                    std::string_view cache_salt) {
-  if (!options_.is_scheduler())
-    throw std::logic_error(
-        "kvtier::engine::connector::lookup: only the scheduler's connector looks up "
-        "(connector_options::scheduler)");
-  check_request_id(request_id);
+  check_lookup(request_id);
   check_salt(cache_salt);
   if (hashes.size() > protocol::max_chunk_hashes)
     throw std::invalid_argument("kvtier::engine::connector: more than 65536 chunks in one lookup");
