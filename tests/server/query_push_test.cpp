@@ -14,6 +14,7 @@
 
 #include <future>
 #include <mutex>
+#include <optional>
 #include <utility>
 
 using namespace kvtier;
@@ -101,7 +102,8 @@ class held_lookup_backend {
   std::function<void()> on_held_;
 };
 
-/// A server whose L2 backend is a held_lookup_backend, running on its own thread.
+/// A server whose L2 backend is a held_lookup_backend, running on its own thread, and a
+/// client registered with it (a region of its own).
 struct held_server {
   std::shared_ptr<held_lookup_backend> backend;
   temp_dir dir{"kvtier-query-push"};
@@ -110,11 +112,18 @@ struct held_server {
   server::server srv{cfg, {}, factory};
   std::thread thread;
 
+  std::optional<raw_client> client;
+  engine_region region;
+  p::register_kv_response reg;
+
   held_server() {
     srv.start();
     thread = std::thread([this] { srv.run(); });
+    client.emplace(cfg.socket_path);
+    reg = client->register_region(region);
   }
   ~held_server() {
+    client.reset();
     srv.stop();
     thread.join();
   }
@@ -168,9 +177,8 @@ p::message next_message(raw_client& c, std::uint64_t& call_id) {
 TEST_CASE("query_prefetch is answered when the prefetch is decided, and the connection is served meanwhile",
           "[server]") {
   held_server s;
-  raw_client c(s.cfg.socket_path);
-  engine_region r;
-  const auto reg = c.register_region(r);
+  raw_client& c = *s.client;
+  const auto& reg = s.reg;
   const auto hashes = chunk_hashes(31, 3);
   // A lookup that does not ask to wait is answered at once: pending.
   CHECK(c.ok(p::lookup_request{"req-1", reg.model_id, 1, hashes}).state == p::prefetch_state::pending);
@@ -198,9 +206,8 @@ TEST_CASE("query_prefetch is answered when the prefetch is decided, and the conn
 TEST_CASE("a lookup that asks to be answered when decided costs one round trip, or is answered unknown when released",
           "[server]") {
   held_server s;
-  raw_client c(s.cfg.socket_path);
-  engine_region r;
-  const auto reg = c.register_region(r);
+  raw_client& c = *s.client;
+  const auto& reg = s.reg;
   constexpr std::uint64_t lookup_call = 1'000'000;
   REQUIRE_FALSE(c.send(lookup_call, p::lookup_request{"req-1", reg.model_id, 1, chunk_hashes(31, 3), "", true}));
   REQUIRE(s.wait_held());
