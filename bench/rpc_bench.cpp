@@ -25,37 +25,65 @@
 // (/proc/<pid>/task); 20 calls of each kind after each re-pinning are not counted. Within a
 // placement, each repeat interleaves lookup, raw and query calls.
 //
+// Through the engine's connector (engine::connector, its own thread, one call per lookup since
+// protocol 3):
+//   l1 hit     a scheduler's connector on the same server looks the same prompt up (all in
+//              L1), in the unpinned repeats, interleaved with the calls above: the time from
+//              lookup() to its answer (connector.lookup.completed's duration);
+//   l2 hit     a second server with a disk L2 backend (--l2-store-policy skip_l1, eviction
+//              noop: L1 stays empty) holds the prompt on disk only; per repeat a worker's
+//              connector looks it up and retrieves it into its region (lookup() to its
+//              answer plus retrieve() to its completion: the KV is in the engine's blocks),
+//              then the object files it loaded are read again with O_DIRECT, 1 MiB reads, 16
+//              in flight (the disk backend's depth): the disk time of those bytes, measured
+//              after the hit so that a host cache can only favour it. The added latency is the
+//              difference, per repeat.
+//
 //   kvtier_bench_rpc [--server PATH] [--repeats N] [--calls N] [--quick]
 //
-// Ends with RESULT lookup_rtt_us, raw_rtt_us, query_rtt_us (query_prefetch, the engine's
-// poll) and lookup_rtt_vs_raw = median over repeats of (median lookup RTT / median raw
-// RTT), unpinned; the same with the suffix _same_cpu and _cross_cpu (lookup_rtt_same_cpu_us,
-// lookup_rtt_vs_raw_same_cpu, ...). Targets: at most 2 unpinned, at most 1.5 pinned.
+// Ends with RESULT lookup_rtt_us, raw_rtt_us, query_rtt_us (query_prefetch) and
+// lookup_rtt_vs_raw = median over repeats of (median lookup RTT / median raw RTT), unpinned;
+// the same with the suffix _same_cpu and _cross_cpu (lookup_rtt_same_cpu_us,
+// lookup_rtt_vs_raw_same_cpu, ...). Targets: at most 2 unpinned, at most 1.5 pinned. Then
+// lookup_rtt_l1_hit_us (the connector's L1-hit lookup, median over repeats of the median over
+// calls), l2_hit_lookup_us, l2_hit_latency_us (lookup + retrieve), l2_hit_disk_time_us and
+// l2_hit_added_latency_us = median over repeats of (L2-hit latency - disk time).
 #include <kvtier_program/process.hpp>
 
+#include <kvtier/bus/event_bus.hpp>
 #include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
+#include <kvtier/engine/connector.hpp>
 #include <kvtier/protocol/codec.hpp>
 
 #include <common/protocol_client.hpp>
 #include <common/results.hpp>
 
+#include <fcntl.h>
 #include <sched.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <filesystem>
+#include <memory>
+#include <mutex>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -68,6 +96,8 @@ constexpr std::uint32_t chunk_tokens = 256;
 constexpr std::uint32_t block_size = 16;
 constexpr std::size_t chunks = 39;  // 9984 of 10k tokens
 constexpr std::uint32_t bpc = chunk_tokens / block_size;
+/// The 0.5B shape (Qwen2.5-0.5B: 24 layers, 2 KV heads of 64, bf16): 3 MiB per chunk.
+constexpr model_shape shape{.num_layers = 24, .num_kv_heads = 2, .head_dim = 64, .dtype = dtype_kind::bf16};
 
 // The echo process: reads `in` bytes, answers `out` bytes, until EOF.
 [[noreturn]] void echo_child(int fd, std::size_t in, std::size_t out) {
@@ -112,6 +142,153 @@ void pin_process(pid_t pid, const std::vector<int>& cpus) {
   for (const auto& t : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task", ec))
     pin_thread(static_cast<pid_t>(std::stol(t.path().filename().string())), cpus);
   if (ec) throw std::runtime_error("cannot list the threads of process " + std::to_string(pid) + ": " + ec.message());
+}
+
+/// Hands the connector's lookup and retrieve completions (duration, chunks) to the bench's
+/// thread. Copies share one state (the bus takes its subscribers by value).
+class completions {
+ public:
+  using done = std::pair<std::uint64_t, std::uint32_t>;  ///< (duration_ns, hit or retrieved chunks)
+
+  void on(const bus::connector_lookup_completed& e) { push(s_->lookups, {e.duration_ns, e.hit_chunks}); }
+  void on(const bus::connector_retrieve_completed& e) { push(s_->retrieves, {e.duration_ns, e.retrieved_chunks}); }
+
+  /// The next lookup (retrieve) completion; throws after a minute without one.
+  done next_lookup() { return pop(s_->lookups); }
+  done next_retrieve() { return pop(s_->retrieves); }
+
+ private:
+  struct state {
+    std::mutex m;
+    std::condition_variable cv;
+    std::deque<done> lookups, retrieves;
+  };
+  void push(std::deque<done>& q, done d) {
+    std::lock_guard g(s_->m);
+    q.push_back(d);
+    s_->cv.notify_all();
+  }
+  done pop(std::deque<done>& q) {
+    std::unique_lock l(s_->m);
+    if (!s_->cv.wait_for(l, std::chrono::minutes(1), [&] { return !q.empty(); }))
+      throw std::runtime_error("the connector did not complete a call within a minute");
+    const done d = q.front();
+    q.pop_front();
+    return d;
+  }
+  std::shared_ptr<state> s_ = std::make_shared<state>();
+};
+using completions_bus = bus::basic_event_bus<completions>;
+
+engine::connector_options connector_options_for(const std::string& socket) {
+  engine::connector_options o;
+  o.socket_path = socket;
+  o.model_name = "bench/rpc";
+  o.chunk_tokens = chunk_tokens;
+  return o;
+}
+
+/// Polls the server's status until `done(status)`; throws after `what` took a minute.
+template <class Pred>
+void wait_status(const std::string& socket, const char* what, Pred done) {
+  const auto deadline = clock_type::now() + std::chrono::minutes(1);
+  for (;;) {
+    const auto st = examples::server_status(socket);
+    if (st && !st->is_discarded() && done(*st)) return;
+    if (clock_type::now() >= deadline) throw std::runtime_error(std::string("timed out waiting for ") + what);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+}
+
+/// Microseconds to read every regular file under `dir` with O_DIRECT: 1 MiB reads, `depth`
+/// threads with one read in flight each. Adds the files' bytes to `bytes`.
+double direct_read_us(const std::filesystem::path& dir, std::size_t& bytes, unsigned depth = 16) {
+  constexpr std::size_t part = std::size_t{1} << 20;
+  struct piece {
+    int fd;
+    std::size_t offset;
+  };
+  std::vector<int> fds;
+  std::vector<piece> pieces;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    const int fd = ::open(e.path().c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+    if (fd < 0) throw std::runtime_error("open " + e.path().string() + ": " + std::strerror(errno));
+    fds.push_back(fd);
+    bytes += e.file_size();
+    for (std::size_t off = 0; off < e.file_size(); off += part) pieces.push_back({fd, off});
+  }
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> failed{false};
+  const auto t0 = clock_type::now();
+  std::vector<std::thread> readers;
+  for (unsigned t = 0; t < depth; ++t)
+    readers.emplace_back([&] {
+      void* buf = nullptr;
+      if (::posix_memalign(&buf, 4096, part) != 0) return failed.store(true);
+      for (std::size_t i; (i = next.fetch_add(1)) < pieces.size();)
+        if (::pread(pieces[i].fd, buf, part, static_cast<off_t>(pieces[i].offset)) < 0) failed.store(true);
+      std::free(buf);
+    });
+  for (auto& r : readers) r.join();
+  const double us = us_since(t0);
+  for (int fd : fds) ::close(fd);
+  if (failed) throw std::runtime_error("an O_DIRECT read of the disk backend's files failed");
+  return us;
+}
+
+struct l2_hit_figures {
+  std::vector<double> lookup_us, latency_us, disk_us;  ///< per repeat
+  std::size_t disk_bytes = 0;                          ///< read by each disk probe
+};
+
+/// The L2-hit repeats against a server with a disk L2 backend (see the header comment).
+l2_hit_figures measure_l2_hit(const std::string& server_path, const std::filesystem::path& dir,
+                              const std::vector<token_id>& tokens, int repeats) {
+  const std::string socket = (dir / "kvtier-l2.sock").string();
+  const std::filesystem::path l2_dir = dir / "l2";
+  const std::string backend = R"({"type":"disk","path":")" + l2_dir.string() + R"(","capacity_gb":2})";
+  examples::child_process server(server_path,
+                                 {"--socket", socket, "--l1-size-mb", "512", "--log-level", "warn", "--l2-backend",
+                                  backend, "--l2-store-policy", "skip_l1", "--eviction-policy", "noop"},
+                                 dir, "server-l2");
+  if (!examples::wait_listening(server, socket, std::chrono::seconds(30)))
+    throw std::runtime_error("the L2 server did not start: " + server.stderr_text());
+  const std::uint32_t num_blocks = chunks * bpc + 16;
+  auto region = kv_region::create(paged_kv_layout{shape, block_size, num_blocks}).value();
+  completions done;
+  completions_bus b{done};
+  engine::connector<completions_bus> worker(connector_options_for(socket), region, b);
+  if (!worker.wait_ready(std::chrono::milliseconds(30000))) throw std::runtime_error(worker.last_error());
+  std::vector<std::uint32_t> blocks(chunks * bpc);
+  std::iota(blocks.begin(), blocks.end(), 0u);
+  worker.store("l2-fill", tokens, 0, chunks, blocks);
+  const auto no_l1 = [](const nlohmann::json& s) {
+    return s["store"]["inflight_tasks"] == 0 && s["store"]["pending_keys"] == 0 && s["prefetch"]["active"] == 0 &&
+           s["l1"]["objects"] == 0;
+  };
+  wait_status(socket, "the store to reach the disk",
+              [&](const nlohmann::json& s) { return no_l1(s) && s["backends"][0]["objects"] == chunks; });
+  l2_hit_figures f;
+  for (int r = -1; r < repeats; ++r) {  // r = -1: warm-up, not counted
+    wait_status(socket, "L1 to be empty", no_l1);
+    const std::string key = "l2-hit-" + std::to_string(r);
+    worker.lookup(key, tokens);
+    const auto [lookup_ns, hit] = done.next_lookup();
+    if (hit != chunks) throw std::runtime_error("the L2 lookup hit " + std::to_string(hit) + " chunks, not all");
+    worker.retrieve(key, tokens, 0, blocks);
+    const auto [retrieve_ns, landed] = done.next_retrieve();
+    if (landed != chunks) throw std::runtime_error("the L2 retrieve landed " + std::to_string(landed) + " chunks");
+    worker.end_request(key);
+    (void)worker.get_finished(std::vector<std::string>{key});
+    f.disk_bytes = 0;
+    const double disk = direct_read_us(l2_dir / "objects", f.disk_bytes);
+    if (r < 0) continue;
+    f.lookup_us.push_back(static_cast<double>(lookup_ns) / 1e3);
+    f.latency_us.push_back(static_cast<double>(lookup_ns + retrieve_ns) / 1e3);
+    f.disk_us.push_back(disk);
+  }
+  return f;
 }
 
 struct placement {
@@ -186,7 +363,6 @@ int main(int argc, char** argv) {
       return 1;
     }
     // Register a region (0.5B shape) and store the prompt's chunks, so every lookup hits L1.
-    const model_shape shape{.num_layers = 24, .num_kv_heads = 2, .head_dim = 64, .dtype = dtype_kind::bf16};
     const std::uint32_t num_blocks = chunks * bpc + 16;
     auto region = kv_region::create(paged_kv_layout{shape, block_size, num_blocks}).value();
     bench::protocol_client c(socket);
@@ -212,8 +388,23 @@ int main(int argc, char** argv) {
       places.push_back({"_cross_cpu", {cpus[0]}, {cpus[1]}, {}, {}, {}});
     else
       std::printf("one CPU allowed: no cross_cpu placement\n");
-    auto one_round = [&](int n, std::vector<double>& l, std::vector<double>& w, std::vector<double>& qq) {
+    // The scheduler's connector of the L1-hit figure (unpinned repeats only): its lookups
+    // (connector.lookup.completed's duration) join each call's interleaving.
+    std::optional<completions> l1_done;
+    std::optional<completions_bus> l1_bus;
+    std::optional<engine::connector<completions_bus>> sched;
+    std::vector<double> connector_l1;  ///< per repeat: median of the connector's lookups (us)
+    auto connector_lookup = [&]() -> double {
+      sched->lookup_hashes("rpc-connector", hashes);
+      const auto [ns, hit] = l1_done->next_lookup();
+      if (hit != chunks) throw std::runtime_error("the connector's lookup did not hit every chunk");
+      sched->end_request("rpc-connector");
+      return static_cast<double>(ns) / 1e3;
+    };
+    auto one_round = [&](int n, std::vector<double>& l, std::vector<double>& w, std::vector<double>& qq,
+                         std::vector<double>* cl = nullptr) {
       for (int i = 0; i < n; ++i) {
+        if (cl != nullptr) cl->push_back(connector_lookup());
         auto t0 = clock_type::now();
         c.call(lookup);
         l.push_back(us_since(t0));
@@ -229,14 +420,22 @@ int main(int argc, char** argv) {
     // The unpinned repeats first, before anything was pinned (a process keeps the CPU it was
     // last pinned to until the scheduler moves it: after a pinned round, "unpinned" would
     // inherit that placement); then the pinned placements, interleaved.
+    l1_done.emplace();
+    l1_bus.emplace(*l1_done);
+    auto so = connector_options_for(socket);
+    so.model = shape;  // a scheduler: one rank's shape, what the region registered
+    sched.emplace(so, *l1_bus);
+    if (!sched->wait_ready(std::chrono::milliseconds(30000))) throw std::runtime_error(sched->last_error());
     for (int r = -1; r < repeats; ++r) {  // r = -1: warm-up, not counted
-      std::vector<double> l, w, qq;
-      one_round(calls, l, w, qq);
+      std::vector<double> l, w, qq, cl;
+      one_round(calls, l, w, qq, &cl);
       if (r < 0) continue;
       places[0].lookup.push_back(bench::median(l));
       places[0].raw.push_back(bench::median(w));
       places[0].query.push_back(bench::median(qq));
+      connector_l1.push_back(bench::median(cl));
     }
+    sched.reset();                        // its thread and pings stay out of the pinned placements
     for (int r = -1; r < repeats; ++r) {  // r = -1: warm-up, not counted
       for (std::size_t k = 1; k < places.size(); ++k) {
         auto& pl = places[k];
@@ -265,7 +464,21 @@ int main(int argc, char** argv) {
       bench::print_result("raw_rtt" + pl.suffix + "_us", bench::median(pl.raw));
       bench::print_result("lookup_rtt_vs_raw" + pl.suffix, bench::median_ratio(pl.lookup, pl.raw));
     }
+    bench::print_result("lookup_rtt_l1_hit_us", bench::median(connector_l1));
     if (!server.stop(SIGTERM, std::chrono::seconds(10))) rc = 1;
+  }
+  {
+    const l2_hit_figures f = measure_l2_hit(server_path, dir, tokens, repeats);
+    std::vector<double> added;
+    for (std::size_t i = 0; i < f.latency_us.size(); ++i) added.push_back(f.latency_us[i] - f.disk_us[i]);
+    std::printf(
+        "L2 hit: %zu chunks (%.1f MiB of object files) from disk, %d repeats, each: lookup + retrieve, then the "
+        "O_DIRECT read\n",
+        chunks, static_cast<double>(f.disk_bytes) / (1 << 20), repeats);
+    bench::print_result("l2_hit_lookup_us", bench::median(f.lookup_us));
+    bench::print_result("l2_hit_latency_us", bench::median(f.latency_us));
+    bench::print_result("l2_hit_disk_time_us", bench::median(f.disk_us));
+    bench::print_result("l2_hit_added_latency_us", bench::median(added));
   }
   ::close(sv[0]);
   ::waitpid(echo, nullptr, 0);

@@ -2,12 +2,7 @@
 
 #include <catch2/catch.hpp>
 
-#include "engine/event_recorder.hpp"
-#include "engine/fake_server.hpp"
-#include "support/process.hpp"
-
-#include <kvtier/bus/event_bus.hpp>
-#include <kvtier/telemetry/metrics_subscriber.hpp>
+#include "engine/connector_fixtures.hpp"
 
 #include <signal.h>
 #include <sys/prctl.h>
@@ -17,7 +12,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <limits>
 #include <memory>
 #include <numeric>
 #include <string>
@@ -31,15 +25,14 @@ using engine::connector_options;
 using kvtier::test::event_recorder;
 using kvtier::test::fake_server;
 using kvtier::test::temp_dir;
+using test_bus = kvtier::test::connector_test_bus;
 using ids = std::vector<std::string>;
 using blocks = std::vector<std::uint32_t>;
 
 namespace {
 
-constexpr std::uint32_t ct = 8;  // tokens per chunk: 2 blocks of 4
+constexpr std::uint32_t ct = kvtier::test::connector_chunk_tokens;  // 2 blocks of 4
 const paged_kv_layout layout{{2, 2, 16, dtype_kind::bf16, attention_kind::mha}, 4, 32};
-// Metrics first: by the time the recorder wakes a waiting test, the metrics are updated.
-using test_bus = bus::basic_event_bus<telemetry::metrics_subscriber, event_recorder>;
 using record = event_recorder::record;
 
 kv_region make_region() {
@@ -82,44 +75,8 @@ blocks sorted(blocks b) {
   return b;
 }
 
-struct harness {
-  temp_dir dir{"kvtier-engine"};
-  std::string path = (dir.path() / "server.sock").string();
-  telemetry::registry reg;
-  event_recorder rec;
-  test_bus bus{telemetry::metrics_subscriber{reg}, rec};
-  kv_region region = make_region();
-  std::unique_ptr<fake_server> server;
-
-  void start_server(std::uint32_t chunk_tokens = ct) {
-    server = std::make_unique<fake_server>(path, chunk_tokens);
-    server->start();
-  }
-
-  /// Generous deadlines everywhere a test does not provoke a timeout: a loaded machine must
-  /// not turn a healthy server unhealthy.
-  [[nodiscard]] connector_options options(std::uint16_t rank = 0, std::uint16_t world_size = 1) const {
-    connector_options o;
-    o.socket_path = path;
-    o.rank = rank;
-    o.world_size = world_size;
-    o.model_name = "test-model";
-    o.chunk_tokens = ct;
-    o.timeouts.ping_interval = 20ms;
-    o.timeouts.ping_timeout = 10s;
-    o.timeouts.request_timeout = 10s;
-    o.timeouts.lookup_timeout = 60s;
-    o.timeouts.retrieve_timeout = 30s;
-    o.timeouts.store_timeout = 30s;
-    o.timeouts.reconnect_initial = 5ms;
-    o.timeouts.reconnect_max = 100ms;
-    return o;
-  }
-
-  template <class Pred>
-  bool wait(Pred pred) {
-    return rec.wait(pred);
-  }
+struct harness : kvtier::test::connector_harness {
+  harness() : connector_harness(layout) {}
 
   /// Fills the blocks of chunks [0, n) (blocks first .. first + 2n) with values v0, v0+1, ...
   void fill(std::uint32_t first, std::uint32_t count, std::uint8_t v0, kv_region* r = nullptr) {
@@ -134,52 +91,72 @@ struct harness {
     c.store(id, toks, first_chunk, chunks, b);
     REQUIRE(wait([&](const record& r) { return r.stores.size() > before; }));
   }
+
+  /// Stores the first `chunks` chunks of `toks` under request `id` from blocks
+  /// [0, 2 x chunks), filled with 1, 2, ... first.
+  template <class C>
+  void store_prefix(C& c, const std::string& id, const std::vector<token_id>& toks, std::uint32_t chunks) {
+    fill(0, 2 * chunks, 1);
+    store_and_wait(c, id, toks, 0, chunks, range(0, 2 * chunks));
+  }
 };
 
 }  // namespace
 
-TEST_CASE("a lookup's query waits for the server's decision up to the lookup deadline, not the call deadline",
+TEST_CASE("a lookup costs one request frame when the server's answer is ready", "[engine][connector][concurrency]") {
+  harness h;
+  auto& c = h.connect();
+  const auto toks = tokens(3 * ct, 21);
+  h.store_prefix(c, "s", toks, 2);
+  const std::size_t frames = h.server->received_work();
+  c.lookup("one", toks);
+  REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 1; }));
+  CHECK(c.lookup_result("one") == std::optional<std::size_t>(2 * ct));
+  CHECK(h.server->received_work() == frames + 1);  // the lookup itself, nothing after it
+  CHECK(h.server->received(p::message_type::lookup_request) == 1);
+  CHECK(h.server->received(p::message_type::query_prefetch_request) == 0);
+  CHECK(h.server->lookups().at(0).answer_when_decided);  // the server answers when decided
+}
+
+TEST_CASE("a lookup waits for the server's decision up to the lookup deadline, not the call deadline",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
   auto o = h.options();
-  o.timeouts.request_timeout = 500ms;  // the small calls' deadline: the query must not use it
-  connector<test_bus> c(o, h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
-  h.server->hold(p::message_type::query_prefetch_request);  // a server still deciding
+  o.timeouts.request_timeout = 500ms;  // the small calls' deadline: the lookup must not use it
+  auto& c = h.connect(o);
+  h.server->hold(p::message_type::lookup_request);  // a server still deciding
   c.lookup("q", tokens(2 * ct, 1));
-  REQUIRE(h.server->wait_received(p::message_type::query_prefetch_request, 1));
-  // Time passes (pings every 20 ms: 40 of them outlast request_timeout): the query is
-  // still waiting, the lookup unanswered, nothing polled again.
+  REQUIRE(h.server->wait_received(p::message_type::lookup_request, 1));
+  // Time passes (pings every 20 ms: 40 of them outlast request_timeout): the lookup is
+  // still waiting, unanswered, and nothing was sent about it again.
   const std::size_t pings = h.server->received(p::message_type::ping_request);
   REQUIRE(h.server->wait_received(p::message_type::ping_request, pings + 40));  // > 0.8 s
   CHECK_FALSE(c.lookup_result("q").has_value());
-  CHECK(h.server->received(p::message_type::query_prefetch_request) == 1);
-  h.server->hold(p::message_type::query_prefetch_request, false);
+  CHECK(h.server->received_work() == h.server->received(p::message_type::lookup_request) + 2);  // + handshake
+  h.server->hold(p::message_type::lookup_request, false);
   h.server->release_held();  // decided: answered
   REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 1; }));
   CHECK(h.rec.snapshot().lookups.at(0).outcome == bus::connector_outcome::ok);
-  CHECK(h.server->received(p::message_type::query_prefetch_request) == 1);
+  CHECK(h.server->received(p::message_type::lookup_request) == 1);
+  CHECK(h.server->received(p::message_type::query_prefetch_request) == 0);
 }
 
-TEST_CASE("a lookup answers the tokens of the cached chunk prefix, polling a pending prefetch",
+TEST_CASE("a lookup answers the tokens of the cached chunk prefix, asking again while the server says pending",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
-  connector<test_bus> c(h.options(), h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect();
   const auto toks = tokens(4 * ct + 3, 1);  // 4 full chunks and a partial one
-  h.fill(0, 6, 1);
-  h.store_and_wait(c, "s", toks, 0, 3, range(0, 6));
+  h.store_prefix(c, "s", toks, 3);
 
-  h.server->set_pending_queries(3);
+  h.server->set_pending_answers(3);  // a server that answers before the decision
   c.lookup("q", toks);
   c.lookup("q", toks);  // idempotent per request id
   REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 1; }));
   CHECK(c.lookup_result("q") == std::optional<std::size_t>(3 * ct));
   CHECK(c.lookup_result("q") == std::optional<std::size_t>(3 * ct));  // stable
   CHECK(h.server->received(p::message_type::lookup_request) == 1);
-  CHECK(h.server->received(p::message_type::query_prefetch_request) == 4);  // 3 pending, then done
+  // The lookup's answer and 2 queries' pending, then done.
+  CHECK(h.server->received(p::message_type::query_prefetch_request) == 3);
   const auto e = h.rec.snapshot().lookups.at(0);
   CHECK(e.outcome == bus::connector_outcome::ok);
   CHECK(e.requested_chunks == 4);
@@ -188,7 +165,7 @@ TEST_CASE("a lookup answers the tokens of the cached chunk prefix, polling a pen
   // A prompt that shares only its first chunk with the stored one.
   auto other = toks;
   other[ct + 1] += 1;
-  h.server->set_pending_queries(0);
+  h.server->set_pending_answers(0);
   c.lookup("q2", other);
   REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 2; }));
   CHECK(c.lookup_result("q2") == std::optional<std::size_t>(ct));
@@ -202,12 +179,9 @@ TEST_CASE("a lookup answers the tokens of the cached chunk prefix, polling a pen
 TEST_CASE("a retrieve writes the cached KV into the engine's blocks and reports each id once",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
-  connector<test_bus> c(h.options(), h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect();
   const auto toks = tokens(4 * ct, 2);
-  h.fill(0, 6, 1);
-  h.store_and_wait(c, "s", toks, 0, 3, range(0, 6));
+  h.store_prefix(c, "s", toks, 3);
   CHECK(c.get_finished(ids{"s"}).sending == ids{"s"});
 
   c.retrieve("r", toks, 0, range(10, 6));
@@ -248,14 +222,11 @@ TEST_CASE("a retrieve writes the cached KV into the engine's blocks and reports 
 TEST_CASE("a timed-out retrieve is a load error and its blocks stay quarantined until the late reply",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
   auto o = h.options();
   o.timeouts.retrieve_timeout = 100ms;
-  connector<test_bus> c(o, h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect(o);
   const auto toks = tokens(2 * ct, 3);
-  h.fill(0, 4, 1);
-  h.store_and_wait(c, "s", toks, 0, 2, range(0, 4));
+  h.store_prefix(c, "s", toks, 2);
 
   h.server->hold(p::message_type::retrieve_request);
   c.retrieve("t", toks, 0, range(8, 4));
@@ -285,12 +256,9 @@ TEST_CASE("a timed-out retrieve is a load error and its blocks stay quarantined 
 TEST_CASE("finished reporting: no id with a pending retrieve is finished sending, stores are waited for",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
-  connector<test_bus> c(h.options(), h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect();
   const auto toks = tokens(2 * ct, 4);
-  h.fill(0, 4, 1);
-  h.store_and_wait(c, "setup", toks, 0, 2, range(0, 4));
+  h.store_prefix(c, "setup", toks, 2);
 
   h.server->hold(p::message_type::retrieve_request);
   c.retrieve("a", toks, 0, range(8, 4));
@@ -327,22 +295,19 @@ TEST_CASE("finished reporting: no id with a pending retrieve is finished sending
 TEST_CASE("the server's EOF makes the connector unhealthy at once and releases every pending request",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
-  connector<test_bus> c(h.options(), h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect();
   const auto toks = tokens(2 * ct, 5);
-  h.fill(0, 4, 1);
-  h.store_and_wait(c, "setup", toks, 0, 2, range(0, 4));
+  h.store_prefix(c, "setup", toks, 2);
 
   h.server->hold(p::message_type::retrieve_request);
   h.server->hold(p::message_type::store_request);
-  h.server->set_pending_queries(std::numeric_limits<std::uint64_t>::max());
+  h.server->hold(p::message_type::lookup_request);  // a lookup still deciding
   c.lookup("l", toks);
   c.retrieve("r", toks, 0, range(8, 4));
   c.store("s", toks, 0, 2, range(0, 4));
   REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
   REQUIRE(h.server->wait_received(p::message_type::store_request, 2));
-  REQUIRE(h.server->wait_received(p::message_type::query_prefetch_request, 1));
+  REQUIRE(h.server->wait_received(p::message_type::lookup_request, 1));
   CHECK_FALSE(c.lookup_result("l").has_value());  // pending
 
   h.server->close_connections();
@@ -375,13 +340,11 @@ TEST_CASE("the server's EOF makes the connector unhealthy at once and releases e
 TEST_CASE("a hung server that closes the old connection instead of answering releases its quarantine",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
   auto o = h.options();
   o.timeouts.ping_timeout = 100ms;
   o.timeouts.request_timeout = 200ms;
   o.timeouts.quarantine_limit = 0ms;  // off: only a proof releases
-  connector<test_bus> c(o, h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect(o);
   h.server->hold(p::message_type::retrieve_request);
   c.retrieve("h", tokens(ct, 15), 0, blocks{8, 9});
   REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
@@ -403,12 +366,10 @@ TEST_CASE("a hung server that closes the old connection instead of answering rel
 TEST_CASE("a hung server is declared unhealthy by the ping timeout, and recovery follows",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
   auto o = h.options();
   o.timeouts.ping_timeout = 100ms;
   o.timeouts.request_timeout = 200ms;
-  connector<test_bus> c(o, h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect(o);
   // A retrieve is in flight when the server stops.
   h.server->hold(p::message_type::retrieve_request);
   c.retrieve("h", tokens(ct, 14), 0, blocks{8, 9});
@@ -444,12 +405,10 @@ TEST_CASE("without any proof, quarantined blocks are released after quarantine_l
   CHECK(engine::connector_timeouts{}.quarantine_limit > 0ms);
   CHECK(engine::connector_timeouts{}.quarantine_limit >= 20 * engine::connector_timeouts{}.ping_timeout);
   harness h;
-  h.start_server();
   auto o = h.options();
   o.timeouts.retrieve_timeout = 100ms;
   o.timeouts.quarantine_limit = 300ms;
-  connector<test_bus> c(o, h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect(o);
   h.server->hold(p::message_type::retrieve_request);  // never answered, connection kept open
   c.retrieve("q", tokens(ct, 16), 0, blocks{4, 5});
   REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
@@ -462,9 +421,7 @@ TEST_CASE("without any proof, quarantined blocks are released after quarantine_l
 TEST_CASE("after a server restart the connector registers its region again and reports the restart",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
-  connector<test_bus> c(h.options(), h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect();
   const auto first_boot = c.boot_token();
   CHECK(first_boot == h.server->boot_token());
 
@@ -481,8 +438,7 @@ TEST_CASE("after a server restart the connector registers its region again and r
 
   // And it works again: a store reaches the new server.
   const auto toks = tokens(ct, 6);
-  h.fill(0, 2, 1);
-  h.store_and_wait(c, "after", toks, 0, 1, range(0, 2));
+  h.store_prefix(c, "after", toks, 1);
   CHECK(h.rec.snapshot().stores.back().stored_chunks == 1);
 }
 
@@ -523,9 +479,7 @@ TEST_CASE("without a server the connector runs degraded: stores skipped, retriev
 TEST_CASE("fencing: a block reused after its store was issued is never stored under the old key",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
-  connector<test_bus> c(h.options(), h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect();
   const auto toks = tokens(2 * ct, 8);
   h.fill(0, 4, 1);
   std::vector<std::uint64_t> at_issue;
@@ -595,12 +549,9 @@ TEST_CASE("world size 2: a chunk is a hit only when both ranks' shards are cache
 
 TEST_CASE("the connector's events and metrics count a session exactly", "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
-  connector<test_bus> c(h.options(), h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect();
   const auto toks = tokens(4 * ct, 10);
-  h.fill(0, 4, 1);
-  h.store_and_wait(c, "m", toks, 0, 2, range(0, 4));
+  h.store_prefix(c, "m", toks, 2);
   c.lookup("m", toks);
   REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 1; }));
   c.retrieve("m", toks, 0, range(8, 4));
@@ -638,12 +589,10 @@ TEST_CASE("the connector's events and metrics count a session exactly", "[engine
 
 TEST_CASE("a server that answers pings but no work trips the breaker", "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
   auto o = h.options();
   o.timeouts.store_timeout = 50ms;
   o.breaker_threshold = 3;
-  connector<test_bus> c(o, h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect(o);
   h.server->hold(p::message_type::store_request);
   const auto toks = tokens(ct, 11);
   for (int i = 0; i < 3; ++i) c.store("b" + std::to_string(i), toks, 0, 1, range(0, 2));
@@ -657,9 +606,7 @@ TEST_CASE("a server that answers pings but no work trips the breaker", "[engine]
 
 TEST_CASE("a server that lost the registration gets it again", "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
-  connector<test_bus> c(h.options(), h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect();
   h.server->forget_registrations();
   c.store("x", tokens(ct, 15), 0, 1, range(0, 2));
   REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1 && r.healthy.size() == 2; }));
@@ -731,20 +678,12 @@ TEST_CASE("quarantined blocks are released when the server's process is gone", "
     ::_exit(1);
   }
   {
-    telemetry::registry reg;
-    event_recorder rec;
-    test_bus b{telemetry::metrics_subscriber{reg}, rec};
+    kvtier::test::recording_bus b;
+    auto& rec = b.rec;
     kv_region region = make_region();
-    connector_options o;
-    o.socket_path = path;
-    o.model_name = "test-model";
-    o.chunk_tokens = ct;
-    o.timeouts.ping_timeout = 10s;
-    o.timeouts.request_timeout = 10s;
+    auto o = kvtier::test::connector_test_options(path);
     o.timeouts.retrieve_timeout = 100ms;
-    o.timeouts.reconnect_initial = 5ms;
-    o.timeouts.reconnect_max = 50ms;
-    connector<test_bus> c(o, region, b);
+    connector<test_bus> c(o, region, b.bus);
     REQUIRE(c.wait_ready(60s));
     c.retrieve("g", tokens(ct, 13), 0, blocks{6, 7});
     REQUIRE(rec.wait([](const record& r) { return r.retrieves.size() == 1; }));
@@ -785,8 +724,7 @@ TEST_CASE("a scheduler's connector registers without a region and looks up the w
   CHECK(regs[1].num_blocks == 0);
 
   const auto toks = tokens(3 * ct, 4);
-  h.fill(0, 6, 1);
-  h.store_and_wait(worker, "s", toks, 0, 3, range(0, 6));
+  h.store_prefix(worker, "s", toks, 3);
   sched.lookup("q", toks);
   REQUIRE(h.wait([](const record& r) { return r.lookups.size() == 1; }));
   CHECK(sched.lookup_result("q") == std::optional<std::size_t>(3 * ct));
@@ -812,9 +750,7 @@ TEST_CASE("a region-less connector must be a scheduler with a valid model shape"
 TEST_CASE("cache salts travel with lookups, retrieves and stores; other salts miss",
           "[engine][connector][concurrency]") {
   harness h;
-  h.start_server();
-  connector<test_bus> c(h.options(), h.region, h.bus);
-  REQUIRE(c.wait_ready(60s));
+  auto& c = h.connect();
   const auto toks = tokens(2 * ct, 5);
   h.fill(0, 4, 1);
   const std::size_t before = h.rec.snapshot().stores.size();

@@ -7,7 +7,8 @@
 // copy). It follows tests' scripts: delay nothing, hold requests of a type (a server stuck on
 // them) and answer them later (a hung server waking up), hang completely (pings too), close
 // every connection (EOF), restart (new boot token, everything forgotten), reject
-// registrations, keep lookups pending for a number of queries.
+// registrations, answer lookups `pending` a number of times (a server that answers before the
+// prefetch is decided).
 //
 // Memory ordering for sanitizers: the fake server and the test share the region's bytes in
 // one process, but their hand-over goes through the socket, which ThreadSanitizer does not
@@ -133,10 +134,12 @@ class fake_server {
     std::lock_guard g(m_);
     reject_ = e;
   }
-  /// query_prefetch answers `pending` this many times per lookup before `done`.
-  void set_pending_queries(std::uint64_t n) {
+  /// A lookup's answer, then its queries' answer `pending` this many times before `done` (a
+  /// server that answers before the prefetch is decided). 0 (default): the lookup's own
+  /// answer is `done`.
+  void set_pending_answers(std::uint64_t n) {
     std::lock_guard g(m_);
-    pending_queries_ = n;
+    pending_answers_ = n;
   }
   /// A happens-before edge with the server's copies (see the header comment).
   void sync() const { std::lock_guard g(m_); }
@@ -147,6 +150,14 @@ class fake_server {
     auto it = received_.find(t);
     return it == received_.end() ? 0 : it->second;
   }
+  /// Request frames received, pings aside (they come every ping_interval).
+  [[nodiscard]] std::size_t received_work() const {
+    std::lock_guard g(m_);
+    std::size_t n = 0;
+    for (const auto& [t, count] : received_)
+      if (t != protocol::message_type::ping_request) n += count;
+    return n;
+  }
   /// Waits until `n` requests of type `t` have arrived; false after `deadline`.
   bool wait_received(protocol::message_type t, std::size_t n,
                      std::chrono::seconds deadline = std::chrono::seconds(60)) const {
@@ -155,6 +166,11 @@ class fake_server {
       auto it = received_.find(t);
       return it != received_.end() && it->second >= n;
     });
+  }
+  /// Every lookup_request received, in order.
+  [[nodiscard]] std::vector<protocol::lookup_request> lookups() const {
+    std::lock_guard g(m_);
+    return lookup_requests_;
   }
   [[nodiscard]] std::vector<protocol::store_request> stores() const {
     std::lock_guard g(m_);
@@ -273,6 +289,16 @@ class fake_server {
 
   static protocol::error_response error(errc e, std::string_view why) { return protocol::error_response::make(e, why); }
 
+  /// Where lookup `l` stands: `pending` while it has pending answers left, then `done`.
+  template <class Response>
+  static Response answer(lookup_state& l) {
+    if (l.pending_left > 0) {
+      --l.pending_left;
+      return Response{protocol::prefetch_state::pending, 0, 0};
+    }
+    return Response{protocol::prefetch_state::done, l.hit_chunks, l.hit_chunks};
+  }
+
   // Runs on the server's thread.
   void process(const std::shared_ptr<session>& s, protocol::frame f) {
     namespace p = protocol;
@@ -291,8 +317,9 @@ class fake_server {
             return do_register(*s, msg, std::move(f.fd));
           } else if constexpr (std::is_same_v<T, p::lookup_request>) {
             if (!s->registered) return error(errc::not_registered, "register first");
+            lookup_requests_.push_back(msg);
             lookup_state l;
-            l.pending_left = pending_queries_;
+            l.pending_left = pending_answers_;
             for (const hash128& h : msg.chunk_hashes) {
               bool all = true;
               for (std::uint16_t r = 0; r < msg.world_size; ++r)
@@ -301,16 +328,11 @@ class fake_server {
               if (!all) break;
               ++l.hit_chunks;
             }
-            lookups_[msg.request_key] = l;
-            return p::lookup_response{};
+            return answer<p::lookup_response>(lookups_[msg.request_key] = l);
           } else if constexpr (std::is_same_v<T, p::query_prefetch_request>) {
             auto it = lookups_.find(msg.request_key);
             if (it == lookups_.end()) return p::query_prefetch_response{p::prefetch_state::unknown, 0, 0};
-            if (it->second.pending_left > 0) {
-              --it->second.pending_left;
-              return p::query_prefetch_response{p::prefetch_state::pending, 0, 0};
-            }
-            return p::query_prefetch_response{p::prefetch_state::done, it->second.hit_chunks, it->second.hit_chunks};
+            return answer<p::query_prefetch_response>(it->second);
           } else if constexpr (std::is_same_v<T, p::retrieve_request>) {
             return do_retrieve(*s, msg);
           } else if constexpr (std::is_same_v<T, p::store_request>) {
@@ -437,8 +459,9 @@ class fake_server {
   std::set<protocol::message_type> held_types_;
   std::vector<held_request> held_;
   std::optional<errc> reject_;
-  std::uint64_t pending_queries_ = 0;
+  std::uint64_t pending_answers_ = 0;
   std::map<protocol::message_type, std::size_t> received_;
+  std::vector<protocol::lookup_request> lookup_requests_;
   std::vector<protocol::store_request> stores_;
   std::map<chunk_key, std::vector<std::byte>> chunks_;
   std::map<std::string, lookup_state> lookups_;

@@ -8,14 +8,8 @@
 
 #include <catch2/catch.hpp>
 
-#include "engine/event_recorder.hpp"
-#include "engine/fake_server.hpp"
+#include "engine/connector_fixtures.hpp"
 #include "support/other_user.hpp"
-#include "support/process.hpp"
-
-#include <kvtier/bus/event_bus.hpp>
-#include <kvtier/telemetry/metrics_subscriber.hpp>
-#include <kvtier/telemetry/registry.hpp>
 
 #include <sys/prctl.h>
 #include <sys/stat.h>
@@ -29,17 +23,13 @@
 using namespace kvtier;
 using namespace std::chrono_literals;
 namespace p = kvtier::protocol;
-using engine::connector;
-using engine::connector_options;
-using kvtier::test::event_recorder;
 using kvtier::test::fake_server;
 using kvtier::test::temp_dir;
 
 namespace {
 
-constexpr std::uint32_t ct = 8;
+constexpr std::uint32_t ct = kvtier::test::connector_chunk_tokens;
 const paged_kv_layout layout{{2, 2, 16, dtype_kind::fp16, attention_kind::mha}, 4, 32};
-using test_bus = bus::basic_event_bus<telemetry::metrics_subscriber, event_recorder>;
 
 /// Bits of the fake server child's exit code: what reached it.
 enum : int { got_any_request = 1, got_register = 2 };
@@ -105,67 +95,60 @@ std::string socket_dir_for_nobody(const temp_dir& dir) {
   return d.string();
 }
 
-connector_options options_for(const std::string& path) {
-  connector_options o;
-  o.socket_path = path;
-  o.model_name = "test-model";
-  o.chunk_tokens = ct;
-  o.timeouts.reconnect_initial = 5ms;
-  o.timeouts.reconnect_max = 50ms;
-  return o;
+/// The fake server run by `nobody`, listening on a socket in a directory of its own.
+struct nobody_server {
+  temp_dir dir{"kvtier-peer"};
+  std::string path = socket_dir_for_nobody(dir) + "/kvtier.sock";
+  fake_server_as_nobody fake{path};
+
+  nobody_server() { fake.wait_listening(); }
+};
+
+/// Whether this process can play a second user (root); says so when not.
+bool can_play_other_user() {
+  if (kvtier::test::can_play_other_user()) return true;
+  WARN("not root: cannot play a second user");
+  return false;
 }
 
 }  // namespace
 
 TEST_CASE("the connector refuses a server run by another user before it sends its KV region",
           "[engine][connector][peer]") {
-  if (!kvtier::test::can_play_other_user()) {
-    WARN("not root: cannot play a second user");
-    return;
-  }
-  temp_dir dir("kvtier-peer");
-  const std::string path = socket_dir_for_nobody(dir) + "/kvtier.sock";
-  fake_server_as_nobody fake(path);
-  fake.wait_listening();
+  if (!can_play_other_user()) return;
+  nobody_server srv;
   {
-    telemetry::registry reg;
-    event_recorder rec;
-    test_bus b{telemetry::metrics_subscriber{reg}, rec};
+    kvtier::test::recording_bus b;
     auto region = kv_region::create(layout);
     REQUIRE(region.has_value());
-    connector<test_bus> c(options_for(path), *region, b);
+    engine::connector<kvtier::test::connector_test_bus> c(kvtier::test::connector_test_options(srv.path), *region,
+                                                          b.bus);
     CHECK_FALSE(c.wait_ready(1s));
     // Several attempts (reconnect backoff): each refused the same way.
-    REQUIRE(rec.wait([](const event_recorder::record& r) { return !r.unhealthy.empty(); }));
-    const auto first = rec.snapshot().unhealthy.front();
+    REQUIRE(b.rec.wait([](const kvtier::test::event_recorder::record& r) { return !r.unhealthy.empty(); }));
+    const auto first = b.rec.snapshot().unhealthy.front();
     CHECK(first.reason.view() == "peer_refused");
     const std::string why = c.last_error();
     INFO(why);
-    CHECK_THAT(why, Catch::Contains(path) && Catch::Contains("uid " + std::to_string(kvtier::test::nobody().uid)) &&
+    CHECK_THAT(why, Catch::Contains(srv.path) && Catch::Contains("uid " + std::to_string(kvtier::test::nobody().uid)) &&
                         Catch::Contains("server_uid"));
     CHECK_FALSE(c.healthy());
-    CHECK(reg.value("kvtier_connector_peer_refusals_total").value_or(0) >= 1);
+    CHECK(b.reg.value("kvtier_connector_peer_refusals_total").value_or(0) >= 1);
   }
-  CHECK(fake.finish() == 0);  // not a byte reached the impostor, let alone the memfd
+  CHECK(srv.fake.finish() == 0);  // not a byte reached the impostor, let alone the memfd
 }
 
 TEST_CASE("the connector accepts a server run by the uid it is told to expect", "[engine][connector][peer]") {
-  if (!kvtier::test::can_play_other_user()) {
-    WARN("not root: cannot play a second user");
-    return;
-  }
-  temp_dir dir("kvtier-peer");
-  const std::string path = socket_dir_for_nobody(dir) + "/kvtier.sock";
-  fake_server_as_nobody fake(path);
-  fake.wait_listening();
+  if (!can_play_other_user()) return;
+  nobody_server srv;
   {
     auto region = kv_region::create(layout);
     REQUIRE(region.has_value());
-    connector_options o = options_for(path);
+    auto o = kvtier::test::connector_test_options(srv.path);
     o.server_uid = kvtier::test::nobody().uid;  // the server's service account
-    connector<bus::null_bus> c(o, *region);
+    engine::connector<bus::null_bus> c(o, *region);
     CHECK(c.wait_ready(30s));
     CHECK(c.healthy());
   }
-  CHECK(fake.finish() == (got_any_request | got_register));
+  CHECK(srv.fake.finish() == (got_any_request | got_register));
 }

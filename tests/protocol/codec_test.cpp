@@ -88,12 +88,19 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     want.raw("KVT1").u16(p::protocol_version).u16(0x0009).u64(0x1122334455667788ULL).u32(8).u64(0x0102030405060708ULL);
     CHECK(*bytes == want.bytes);
   }
-  SECTION("a lookup request with a string and a vector of hashes") {
-    auto bytes = p::encode_frame(3, p::lookup_request{"ab", 5, 2, {hash128{1, 2}}});
+  SECTION("a lookup request with a string, a vector of hashes and its answer_when_decided flag") {
+    auto bytes = p::encode_frame(3, p::lookup_request{"ab", 5, 2, {hash128{1, 2}}, "", true});
     REQUIRE(bytes.has_value());
     bytes_builder body;
-    body.str("ab").u64(5).u16(2).u32(1).u64(1).u64(2).str("");
+    body.str("ab").u64(5).u16(2).u32(1).u64(1).u64(2).str("").u8(1);
     CHECK(*bytes == make_frame(p::message_type::lookup_request, 3, body.bytes));
+  }
+  SECTION("a lookup response: the prefetch's state and counts, as a query's") {
+    auto bytes = p::encode_frame(4, p::lookup_response{p::prefetch_state::done, 7, 3});
+    REQUIRE(bytes.has_value());
+    bytes_builder body;
+    body.u8(1).u32(7).u32(3);
+    CHECK(*bytes == make_frame(p::message_type::lookup_response, 4, body.bytes));
   }
   SECTION("a register request with its nested model shape") {
     p::register_kv_request r;
@@ -285,6 +292,14 @@ TEST_CASE("malformed bodies are protocol errors with a reason", "[protocol][code
     auto r = decode_whole(make_frame(p::message_type::clear_request, 8, body.bytes));
     REQUIRE_FALSE(r.has_value());
     CHECK(r.error().code == errc::protocol_error);
+  }
+  SECTION("a lookup body of protocol version 2 (no answer_when_decided byte)") {
+    bytes_builder body;
+    body.str("ab").u64(5).u16(1).u32(0).str("");
+    auto r = decode_whole(make_frame(p::message_type::lookup_request, 8, body.bytes));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().reason.find("lookup_request.answer_when_decided") != std::string::npos);
   }
   SECTION("an enumeration value past the last known one") {
     bytes_builder body;

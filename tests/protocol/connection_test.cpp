@@ -240,7 +240,8 @@ TEST_CASE("a malformed stream fails the read with reason and call id, and stays 
           "[protocol][connection]") {
   socket_pair sp;
   run_sync(sp.io, [&]() -> asio::awaitable<void> {
-    auto bytes = kvtier::test::make_frame(p::message_type::ping_request, 9, std::vector<std::byte>(8), 3);
+    auto bytes = kvtier::test::make_frame(p::message_type::ping_request, 9, std::vector<std::byte>(8),
+                                          static_cast<std::uint16_t>(p::protocol_version + 1));
     co_await sp.client.async_write_frame(std::move(bytes), asio::use_awaitable);
     auto [ec, f] = co_await sp.server.async_read_frame(use_tuple);
     CHECK(ec == errc::version_mismatch);

@@ -43,7 +43,7 @@ inline std::vector<protocol::message> sample_messages() {
   m.emplace_back(reg);
   m.emplace_back(p::unregister_kv_request{});
   m.emplace_back(
-      p::lookup_request{"cmpl-1234-0", 0xfeedULL, 4, {hash128{1, 2}, hash128{3, 4}, hash128{~0ULL, 0}}, "salt-l"});
+      p::lookup_request{"cmpl-1234-0", 0xfeedULL, 4, {hash128{1, 2}, hash128{3, 4}, hash128{~0ULL, 0}}, "salt-l", true});
   m.emplace_back(p::query_prefetch_request{"cmpl-query"});
   m.emplace_back(
       p::retrieve_request{"cmpl-r", 2, 5, {hash128{7, 8}, hash128{9, 10}}, {1, 2, 3, 4, 0xffffffffu, 6}, 17, "salt-r"});
@@ -58,7 +58,7 @@ inline std::vector<protocol::message> sample_messages() {
   m.emplace_back(p::error_response{static_cast<std::uint32_t>(errc::not_registered), "register first"});
   m.emplace_back(p::register_kv_response{0xb007ULL, 7, 0xabcdefULL, 256});
   m.emplace_back(p::unregister_kv_response{});
-  m.emplace_back(p::lookup_response{});
+  m.emplace_back(p::lookup_response{p::prefetch_state::pending, 0, 0});
   m.emplace_back(p::query_prefetch_response{p::prefetch_state::done, 12, 5});
   m.emplace_back(p::retrieve_response{11});
   m.emplace_back(p::store_response{3, 2, 1});

@@ -2,7 +2,8 @@
 // prefetch is decided, not `pending` at once, and keeps answering the connection's other
 // requests meanwhile (the answers carry their call ids). The L2 backend here holds every
 // lookup until the test lets it go, so the prefetch stays undecided exactly as long as the
-// test says: no timing.
+// test says: no timing. A lookup may ask for the same: its own answer then waits for the
+// decision (one round trip), or goes out `unknown` at once when the lookup is released first.
 #include <kvtier/server/server.hpp>
 
 #include <catch2/catch.hpp>
@@ -13,6 +14,8 @@
 
 #include <future>
 #include <mutex>
+#include <optional>
+#include <utility>
 
 using namespace kvtier;
 using namespace kvtier::test;
@@ -40,7 +43,8 @@ class held_lookup_backend {
     return boost::asio::async_initiate<Token, void(error_code, bitmap)>(
         [this, n = keys.size()](auto handler) {
           held_.emplace_back(lookup_handler(std::move(handler)), n);
-          if (on_held_) on_held_();
+          ++arrived_;
+          notify();
         },
         token);
   }
@@ -58,13 +62,12 @@ class held_lookup_backend {
     return done(keys.size(), std::forward<Token>(token));
   }
 
-  /// Calls f (on the I/O thread) once a lookup is held.
-  void when_held(std::function<void()> f) {
-    boost::asio::post(ex_, [this, f = std::move(f)] {
-      if (!held_.empty())
-        f();
-      else
-        on_held_ = f;
+  /// Calls f once (on the I/O thread) when `n` lookups have arrived in all.
+  void when_held(std::size_t n, std::function<void()> f) {
+    boost::asio::post(ex_, [this, n, f = std::move(f)] {
+      want_ = n;
+      on_held_ = f;
+      notify();
     });
   }
   /// Completes every held lookup (found nothing).
@@ -88,69 +91,158 @@ class held_lookup_backend {
         token);
   }
 
+  void notify() {
+    if (on_held_ && arrived_ >= want_) std::exchange(on_held_, nullptr)();
+  }
+
   executor_type ex_;
   std::vector<std::pair<lookup_handler, std::size_t>> held_;
+  std::size_t arrived_ = 0;
+  std::size_t want_ = 0;
   std::function<void()> on_held_;
 };
+
+/// A server whose L2 backend is a held_lookup_backend, running on its own thread, and a
+/// client registered with it (a region of its own).
+struct held_server {
+  std::shared_ptr<held_lookup_backend> backend;
+  temp_dir dir{"kvtier-query-push"};
+  server::server_config cfg = config(dir);
+  server::backend_factory factory = factory_of(backend);
+  server::server srv{cfg, {}, factory};
+  std::thread thread;
+
+  std::optional<raw_client> client;
+  engine_region region;
+  p::register_kv_response reg;
+
+  held_server() {
+    srv.start();
+    thread = std::thread([this] { srv.run(); });
+    client.emplace(cfg.socket_path);
+    reg = client->register_region(region);
+  }
+  ~held_server() {
+    client.reset();
+    srv.stop();
+    thread.join();
+  }
+
+  /// Waits until `n` lookups have reached the backend (the last one's prefetch is undecided
+  /// until release()).
+  bool wait_held(std::size_t n = 1) {
+    std::promise<void> held;
+    backend->when_held(n, [&] { held.set_value(); });
+    return held.get_future().wait_for(server_deadline) == std::future_status::ready;
+  }
+
+  static server::server_config config(const temp_dir& d) {
+    server::server_config c;
+    c.socket_path = (d.path() / "kvtier.sock").string();
+    c.chunk_tokens = test_chunk_tokens;
+    c.l1_slot_bytes = 4096;
+    c.l1_size_bytes = 256 * 4096;
+    c.log_level = telemetry::log_level::error;
+    c.l2_backends = {json{{"type", "held"}}};
+    c.prefetch_policy = server::prefetch_wait_kind::wait_complete;
+    return c;
+  }
+  static server::backend_factory factory_of(std::shared_ptr<held_lookup_backend>& backend) {
+    server::backend_factory f = server::backend_factory::builtin_copy();
+    f.add_type("held", "holds lookups (test)", [&backend](server::json_object_reader&) {
+      server::backend_spec s;
+      s.description = "held";
+      s.create = [&backend](const server::backend_context& ctx, const std::string&) {
+        backend = std::make_shared<held_lookup_backend>(ctx.executor);
+        return l2::any_backend(backend);
+      };
+      return s;
+    });
+    return f;
+  }
+};
+
+/// The next frame of `c`, decoded; its call id in `call_id`.
+p::message next_message(raw_client& c, std::uint64_t& call_id) {
+  auto [ec, frame] = c.read_frame();
+  REQUIRE_FALSE(ec);
+  call_id = frame.header.call_id;
+  auto m = p::decode_message(frame);
+  REQUIRE(m.has_value());
+  return std::move(*m);
+}
 
 }  // namespace
 
 TEST_CASE("query_prefetch is answered when the prefetch is decided, and the connection is served meanwhile",
           "[server]") {
-  std::shared_ptr<held_lookup_backend> backend;
-  server::backend_factory f = server::backend_factory::builtin_copy();
-  f.add_type("held", "holds lookups (test)", [&](server::json_object_reader&) {
-    server::backend_spec s;
-    s.description = "held";
-    s.create = [&](const server::backend_context& ctx, const std::string&) {
-      backend = std::make_shared<held_lookup_backend>(ctx.executor);
-      return l2::any_backend(backend);
-    };
-    return s;
-  });
-  temp_dir dir{"kvtier-query-push"};
-  server::server_config cfg;
-  cfg.socket_path = (dir.path() / "kvtier.sock").string();
-  cfg.chunk_tokens = test_chunk_tokens;
-  cfg.l1_slot_bytes = 4096;
-  cfg.l1_size_bytes = 256 * 4096;
-  cfg.log_level = telemetry::log_level::error;
-  cfg.l2_backends = {json{{"type", "held"}}};
-  cfg.prefetch_policy = server::prefetch_wait_kind::wait_complete;
-  server::server srv(cfg, {}, f);
-  srv.start();
-  std::thread thread([&] { srv.run(); });
+  held_server s;
+  raw_client& c = *s.client;
+  const auto& reg = s.reg;
+  const auto hashes = chunk_hashes(31, 3);
+  // A lookup that does not ask to wait is answered at once: pending.
+  CHECK(c.ok(p::lookup_request{"req-1", reg.model_id, 1, hashes}).state == p::prefetch_state::pending);
+  REQUIRE(s.wait_held());
 
-  {
-    raw_client c(cfg.socket_path);
-    engine_region r;
-    const auto reg = c.register_region(r);
-    const auto hashes = chunk_hashes(31, 3);
-    c.ok(p::lookup_request{"req-1", reg.model_id, 1, hashes});
-    std::promise<void> held;
-    backend->when_held([&] { held.set_value(); });
-    REQUIRE(held.get_future().wait_for(server_deadline) == std::future_status::ready);
+  // The query of the undecided lookup is not answered `pending`: a ping sent after it is
+  // answered first (call() checks that the reply is the ping's).
+  constexpr std::uint64_t query_call = 1'000'000;
+  REQUIRE_FALSE(c.send(query_call, p::query_prefetch_request{"req-1"}));
+  CHECK(c.ping() == s.srv.boot_token());
+  CHECK(c.ok(p::get_chunk_size_request{}).chunk_tokens == test_chunk_tokens);
 
-    // The query of the undecided lookup is not answered `pending`: a ping sent after it is
-    // answered first (call() checks that the reply is the ping's).
-    constexpr std::uint64_t query_call = 1'000'000;
-    REQUIRE_FALSE(c.send(query_call, p::query_prefetch_request{"req-1"}));
-    CHECK(c.ping() == srv.boot_token());
-    CHECK(c.ok(p::get_chunk_size_request{}).chunk_tokens == test_chunk_tokens);
+  s.backend->release();  // decided now: nothing in L2
+  std::uint64_t call = 0;
+  const auto m = next_message(c, call);
+  CHECK(call == query_call);
+  REQUIRE(std::holds_alternative<p::query_prefetch_response>(m));
+  const auto& q = std::get<p::query_prefetch_response>(m);
+  CHECK(q.state == p::prefetch_state::done);
+  CHECK(q.hit_chunks == 0);
+  // Decided: later queries answer at once.
+  CHECK(c.ok(p::query_prefetch_request{"req-1"}) == q);
+}
 
-    backend->release();  // decided now: nothing in L2
-    auto [ec, frame] = c.read_frame();
-    REQUIRE_FALSE(ec);
-    CHECK(frame.header.call_id == query_call);
-    auto m = p::decode_message(frame);
-    REQUIRE(m.has_value());
-    REQUIRE(std::holds_alternative<p::query_prefetch_response>(*m));
-    const auto& q = std::get<p::query_prefetch_response>(*m);
-    CHECK(q.state == p::prefetch_state::done);
-    CHECK(q.hit_chunks == 0);
-    // Decided: later queries answer at once.
-    CHECK(c.ok(p::query_prefetch_request{"req-1"}) == q);
+TEST_CASE("a lookup that asks to be answered when decided costs one round trip, or is answered unknown when released",
+          "[server]") {
+  held_server s;
+  raw_client& c = *s.client;
+  const auto& reg = s.reg;
+  constexpr std::uint64_t lookup_call = 1'000'000;
+  REQUIRE_FALSE(c.send(lookup_call, p::lookup_request{"req-1", reg.model_id, 1, chunk_hashes(31, 3), "", true}));
+  REQUIRE(s.wait_held());
+  CHECK(c.ping() == s.srv.boot_token());  // undecided: no answer yet, the connection is served
+  std::uint64_t call = 0;
+
+  SECTION("decided: the answer carries the counts") {
+    s.backend->release();
+    const auto m = next_message(c, call);
+    CHECK(call == lookup_call);
+    REQUIRE(std::holds_alternative<p::lookup_response>(m));
+    CHECK(std::get<p::lookup_response>(m) == p::lookup_response{p::prefetch_state::done, 0, 0});
+    CHECK(c.ok(p::query_prefetch_request{"req-1"}).state == p::prefetch_state::done);
   }
-  srv.stop();
-  thread.join();
+  SECTION("ended first: the held answer goes out at once, unknown, before the end_request's") {
+    REQUIRE_FALSE(c.send(lookup_call + 1, p::end_request_request{"req-1"}));
+    auto m = next_message(c, call);
+    CHECK(call == lookup_call);
+    REQUIRE(std::holds_alternative<p::lookup_response>(m));
+    CHECK(std::get<p::lookup_response>(m).state == p::prefetch_state::unknown);
+    m = next_message(c, call);
+    CHECK(call == lookup_call + 1);
+    CHECK(std::holds_alternative<p::end_request_response>(m));
+    s.backend->release();
+    CHECK(c.ping() == s.srv.boot_token());  // nothing else was sent for the lookup
+  }
+  SECTION("replaced: the old lookup's answer is unknown, the new one's is its own") {
+    REQUIRE_FALSE(c.send(lookup_call + 1, p::lookup_request{"req-1", reg.model_id, 1, chunk_hashes(31, 2), "", true}));
+    auto m = next_message(c, call);
+    CHECK(call == lookup_call);
+    CHECK(std::get<p::lookup_response>(m).state == p::prefetch_state::unknown);
+    REQUIRE(s.wait_held(2));
+    s.backend->release();
+    m = next_message(c, call);
+    CHECK(call == lookup_call + 1);
+    CHECK(std::get<p::lookup_response>(m) == p::lookup_response{p::prefetch_state::done, 0, 0});
+  }
 }

@@ -16,8 +16,10 @@
 //   health           healthy(), state(), wait_ready(timeout), last_error()
 //
 // The engine is synchronous, so the connector runs its own io_context on one background
-// thread. Every public function is thread-safe and returns without waiting for the server
-// (wait_ready aside, which the engine may call once at start-up). docs/fault-tolerance.md
+// thread: its transport (engine/detail/server_link.hpp: connection, calls in flight, ping,
+// reconnect, the pidfd watch) lives there; this class keeps what the calls mean (lookup
+// answers, finished reporting, load errors, quarantine). Every public function is thread-safe and returns without
+// waiting for the server (wait_ready aside, which the engine may call once at start-up). docs/fault-tolerance.md
 // describes the behaviour and every knob (engine/options.hpp); in short:
 //
 //   health     EOF or a socket error: unhealthy at once; an unanswered ping (ping_timeout)
@@ -54,49 +56,28 @@
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
-#include <kvtier/engine/detail/server_process.hpp>
+#include <kvtier/engine/detail/call_table.hpp>
+#include <kvtier/engine/detail/server_link.hpp>
 #include <kvtier/engine/finished_tracker.hpp>
 #include <kvtier/engine/health.hpp>
 #include <kvtier/engine/options.hpp>
 #include <kvtier/engine/quarantine.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/fwd.hpp>
-#include <kvtier/protocol/codec.hpp>
-#include <kvtier/protocol/connection.hpp>
 #include <kvtier/protocol/messages.hpp>
-#include <kvtier/protocol/unix_socket.hpp>
 
-#include <boost/asio/any_io_executor.hpp>
-#include <boost/asio/as_tuple.hpp>
 #include <boost/asio/awaitable.hpp>
-#include <boost/asio/co_spawn.hpp>
-#include <boost/asio/detached.hpp>
-#include <boost/asio/executor_work_guard.hpp>
-#include <boost/asio/io_context.hpp>
-#include <boost/asio/posix/stream_descriptor.hpp>
-#include <boost/asio/post.hpp>
-#include <boost/asio/steady_timer.hpp>
-#include <boost/asio/use_awaitable.hpp>
 
-#include <unistd.h>
-
-#include <atomic>
 #include <chrono>
 #include <concepts>
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
-#include <functional>
-#include <map>
-#include <memory>
 #include <mutex>
 #include <optional>
 #include <span>
-#include <stdexcept>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -115,7 +96,7 @@ struct connector_stats {
 };
 
 template <class Bus>
-class connector {
+class connector : private detail::link_owner {
  public:
   static_assert(bus::event_bus<Bus>, "kvtier::engine::connector: Bus must model kvtier::bus::event_bus");
   using bus_type = Bus;
@@ -150,7 +131,7 @@ class connector {
   // --- health ---------------------------------------------------------------------------
   /// Blocks until the connector is registered with a server (true) or `timeout` passes.
   bool wait_ready(std::chrono::milliseconds timeout);
-  [[nodiscard]] bool healthy() const noexcept { return healthy_.load(std::memory_order_acquire); }
+  [[nodiscard]] bool healthy() const noexcept { return link_.healthy(); }
   [[nodiscard]] health_state state() const;
   /// Why the last connection attempt or connection failed (human-readable, may be empty).
   [[nodiscard]] std::string last_error() const;
@@ -230,55 +211,16 @@ class connector {
   [[nodiscard]] bool block_reused(std::uint32_t block);
 
  private:
-  enum class call_kind : std::uint8_t { control, ping, lookup, query, retrieve, store, notify };
-  enum class call_status : std::uint8_t {
-    reply,        ///< the expected response
-    error_reply,  ///< error_response
-    timeout,      ///< the deadline passed
-    unhealthy,    ///< released on the unhealthy edge
-    closed,       ///< the connection broke before an answer (handshake) or was gone at send
-  };
-  struct call_result {
-    call_status status = call_status::closed;
-    protocol::message reply{};
-    std::string error;  ///< error_response message, or why
-  };
-  struct pending_call;
-  using call_done = std::function<void(pending_call&, call_result&)>;
-  struct pending_call {
-    std::uint64_t id = 0;
-    call_kind kind = call_kind::control;
-    std::uint64_t epoch = 0;
-    protocol::message_type expect{};
-    clock::duration timeout{};
-    std::vector<std::byte> bytes;  ///< the encoded frame until sent
-    int fd = -1;                   ///< passed beside the frame (register)
-    bool sent = false;             ///< handed to the socket: the server may act on it
-    std::optional<boost::asio::steady_timer> deadline;
-    call_done done;
-  };
-  struct peer {
-    std::uint64_t epoch = 0;
-    std::shared_ptr<protocol::connection> conn;
-    ::pid_t pid = 0;
-    std::optional<boost::asio::posix::stream_descriptor> pidfd;
-    bool broken = false;        ///< EOF, socket or stream error seen
-    bool process_gone = false;  ///< the pidfd fired
-    /// The server closed its end (EOF, EPIPE, ECONNRESET): it had ended every copy it started
-    /// for this connection, and starts none after (docs/protocol.md), so nothing handed
-    /// over on it can be written any more.
-    bool closed_by_server = false;
-    /// The text of an error_response with call id 0 (the server refusing this connection:
-    /// a peer check or a connection cap), kept for last_error() over the EOF that follows.
-    std::string refusal;
-  };
+  using call_kind = detail::call_kind;
+  using call_status = detail::call_status;
+  using call_result = detail::call_result;
+  using pending_call = detail::pending_call;
+
   struct lookup_entry {
     std::uint64_t serial = 0;
     bool answered = false;
     std::size_t tokens = 0;
     std::uint32_t requested_chunks = 0;
-    std::vector<hash128> hashes;  ///< until the lookup request is sent
-    std::string cache_salt;
     clock::time_point started{};
     clock::time_point deadline{};
   };
@@ -294,11 +236,6 @@ class connector {
     std::uint32_t chunks = 0;
     clock::time_point started{};
   };
-  struct call_waiter {
-    explicit call_waiter(const boost::asio::any_io_executor& ex) : timer(ex, clock::time_point::max()) {}
-    boost::asio::steady_timer timer;
-    std::optional<call_result> result;
-  };
 
   static bus::null_bus& null_bus_instance() noexcept {
     static bus::null_bus b;
@@ -307,36 +244,35 @@ class connector {
 
   // Engine-thread helpers.
   void check_request_id(std::string_view id) const;
+  /// std::logic_error on a connector that is not the scheduler; then check_request_id.
+  void check_lookup(std::string_view request_id) const;
   static void check_salt(std::string_view salt);
   /// The region of a worker's connector; std::logic_error naming `what` without one.
   kv_region& region_for(const char* what) const;
   void check_blocks(std::span<const std::uint32_t> block_ids, std::size_t chunks) const;
   [[nodiscard]] std::vector<hash128> hashes_of(std::span<const token_id> tokens, std::uint32_t first_chunk,
                                                std::size_t chunks) const;
-  template <class Msg>
-  [[nodiscard]] static std::vector<std::byte> encode(std::uint64_t call_id, const Msg& m);
+  /// What every connection registers.
+  [[nodiscard]] protocol::register_kv_request registration() const;
+  [[nodiscard]] std::mutex& mu() const noexcept { return link_.mutex(); }
 
-  // Everything below runs with mu_ held; the *_io functions on the connector's thread.
-  void issue_locked(std::uint64_t id, call_kind kind, std::uint64_t epoch, protocol::message_type expect,
-                    std::vector<std::byte> bytes, int fd, clock::duration timeout, call_done done);
-  void complete_locked(pending_call& c, call_result r);
-  void send_io(std::uint64_t id);
-  void on_deadline_io(std::uint64_t id);
-  bool on_frame_io(peer& p, protocol::frame f);
-  /// `server_closed`: the break is the server's close (EOF, EPIPE, ECONNRESET), which
-  /// releases the connection's quarantine.
-  void on_peer_broken_io(peer& p, std::string_view reason, bool server_closed);
-  void mark_unhealthy_io(std::string_view reason);
-  void fail_calls_io(std::optional<std::uint64_t> epoch, call_status status);
-  void maybe_retire_peer_io(std::uint64_t epoch);
+  // detail::link_owner: the link's edges, on its thread with the mutex held.
+  void on_healthy_locked(bool reconnect, bool restarted, std::uint64_t unhealthy_ns) override;
+  void on_unhealthy_locked(std::string_view reason, std::size_t released_transfers) override;
+  void after_unhealthy_locked() override;
+  void on_peer_refused_locked(std::uint32_t uid, std::uint32_t pid, std::uint32_t expected) override;
+  void on_copies_over_locked(std::uint64_t epoch) override;
+  void on_late_reply_locked(std::uint64_t id) override;
+  [[nodiscard]] bool awaits_late_replies_locked(std::uint64_t epoch) const override;
+
+  // Everything below runs with the mutex held; the *_io functions on the link's thread.
   void finish_retrieve_locked(const retrieve_info& info, std::uint32_t retrieved, bus::connector_outcome outcome,
                               const pending_call* call);
   void finish_store_locked(const store_info& info, const call_result* r, bus::connector_outcome outcome);
   void answer_lookup_locked(const std::string& id, lookup_entry& e, std::size_t tokens, bus::connector_outcome outcome);
   lookup_entry* find_lookup_locked(const std::string& id, std::uint64_t serial);
-  void start_lookup_io(const std::string& id, std::uint64_t serial);
   void issue_query_locked(const std::string& id, std::uint64_t serial);
-  void on_lookup_reply_io(const std::string& id, std::uint64_t serial, call_result& r, bool ack);
+  void on_lookup_reply_io(const std::string& id, std::uint64_t serial, call_result& r, bool from_lookup);
   template <class Msg>
   void send_notify_locked(const Msg& m);
   void publish_quarantine_locked(std::size_t held, std::size_t released);
@@ -344,19 +280,9 @@ class connector {
   [[nodiscard]] std::uint32_t blocks_per_chunk() const noexcept {
     return options_.chunk_tokens / region_->layout().block_size;
   }
-
-  // Coroutines on the connector's thread.
-  template <class Msg>
-  boost::asio::awaitable<call_result> async_call(call_kind kind, std::uint64_t epoch, const Msg& m, int fd,
-                                                 clock::duration timeout);
-  boost::asio::awaitable<void> lifecycle();
-  boost::asio::awaitable<std::string> establish();
-  boost::asio::awaitable<void> ping_loop(std::uint64_t epoch);
-  boost::asio::awaitable<void> reader(std::shared_ptr<peer> p);
-  boost::asio::awaitable<void> housekeeping();
-  void watch_process_io(const std::shared_ptr<peer>& p);
-  std::string fail_handshake_locked(std::uint64_t epoch, std::string_view reason, std::string message);
   [[nodiscard]] clock::duration scaled(std::chrono::milliseconds d) const noexcept { return options_.scaled(d); }
+  /// Releases quarantined blocks held past quarantine_limit (a coroutine on the link's thread).
+  boost::asio::awaitable<void> housekeeping();
   static connector_options validated(connector_options o, const kv_region* region);
   connector(connector_options options, kv_region* region, Bus& bus);
 
@@ -365,41 +291,21 @@ class connector {
   Bus& bus_;
   token_hasher hasher_;
   std::uint64_t instance_id_;
-
-  // I/O objects: the io_context first, so the destructor can tear the others down before it.
-  std::unique_ptr<boost::asio::io_context> io_;
-  std::optional<boost::asio::executor_work_guard<boost::asio::io_context::executor_type>> work_;
-  boost::asio::any_io_executor ex_;
-  std::optional<boost::asio::steady_timer> ping_timer_;   ///< the ping loop's pause
-  std::optional<boost::asio::steady_timer> retry_timer_;  ///< the reconnection pause
-  std::thread thread_;
-
-  mutable std::mutex mu_;
-  std::condition_variable ready_cv_;
-  std::atomic<bool> healthy_{false};
-  std::atomic<std::uint64_t> next_call_id_{1};  ///< call ids are allocated before the lock (encoding)
-  // --- guarded by mu_ ---
-  bool stopping_ = false;
-  health_state state_ = health_state::starting;
-  clock::time_point unhealthy_since_{};
-  std::string last_error_;
-  std::optional<std::uint64_t> boot_token_;  ///< of the last registration
-  std::uint64_t model_id_ = 0;
-  std::uint64_t next_epoch_ = 0;
-  std::uint64_t current_epoch_ = 0;  ///< the connection being set up or registered; 0: none
+  // --- guarded by mu() ---
   std::uint64_t next_lookup_serial_ = 1;
-  breaker breaker_;
-  std::unordered_map<std::uint64_t, std::shared_ptr<pending_call>> calls_;
-  std::map<std::uint64_t, std::shared_ptr<peer>> peers_;
   finished_tracker tracker_;
   quarantine quarantine_;
   std::vector<std::uint32_t> load_errors_;
   std::vector<bool> is_load_error_;
   std::unordered_map<std::string, lookup_entry> lookups_;
   std::deque<std::pair<std::string, std::uint64_t>> answered_order_;  ///< (id, serial), oldest first
-  connector_stats stats_{};
+  // The transport last: it starts after everything above exists and stops (~connector)
+  // before any of it goes.
+  detail::server_link link_;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::engine
 
 #include <kvtier/engine/impl/connector.hpp>
+#include <kvtier/engine/impl/connector_lookups.hpp>
+#include <kvtier/engine/impl/connector_transfers.hpp>

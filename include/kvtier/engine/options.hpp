@@ -31,12 +31,13 @@ struct connector_timeouts {
   /// A ping unanswered this long means the server is hung: the connector turns unhealthy.
   /// Detection takes at most ping_interval + ping_timeout after the server stops answering.
   duration ping_timeout{1000};
-  /// Deadline of the small calls: get_chunk_size, register, lookup ack, free_lookup_locks,
-  /// end_request. (query_prefetch waits until lookup_timeout: the server answers it when the
-  /// prefetch is decided.)
+  /// Deadline of the small calls: get_chunk_size, register, free_lookup_locks, end_request.
+  /// (A lookup waits until lookup_timeout: the server answers it when the prefetch is
+  /// decided.)
   duration request_timeout{2000};
-  /// How long a lookup may stay pending (prefetch still running) before it answers 0 and its
-  /// locks are freed.
+  /// How long a lookup may stay pending (prefetch still deciding) before it answers 0 and its
+  /// locks are freed: the deadline of its one call (and of a query after a `pending` answer).
+  /// Its timeout does not count towards the breaker (a slow prefetch is no hung server).
   duration lookup_timeout{5000};
   /// Deadline of a retrieve: past it the blocks are load errors (recomputed) and quarantined.
   duration retrieve_timeout{5000};
@@ -105,9 +106,9 @@ struct connector_options {
   connector_timeouts timeouts;
   /// Multiplies every timeout and period of `timeouts`.
   int timeout_scale = config::timeout_scale;
-  /// Unused since the server answers query_prefetch when the prefetch is decided (no polling
-  /// on the wire, docs/protocol.md): kept so that code setting it still compiles. Must be
-  /// > 0.
+  /// Unused since a lookup is one call that the server answers when the prefetch is decided
+  /// (no polling on the wire, docs/protocol.md): kept so that code setting it still compiles.
+  /// Must be > 0.
   std::chrono::microseconds lookup_poll_interval{2000};
   /// Consecutive call timeouts (pings aside) that trip the breaker: the server is declared
   /// unhealthy even though pings still pass (it answers pings but not work).

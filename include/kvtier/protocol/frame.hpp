@@ -4,7 +4,7 @@
 //
 //   offset  size  field
 //        0     4  magic "KVT1"
-//        4     2  protocol version (u16 LE), protocol_version = 1
+//        4     2  protocol version (u16 LE), protocol_version (limits.hpp)
 //        6     2  message type (u16 LE), messages.hpp
 //        8     8  call id (u64 LE), chosen by the client, echoed in the response
 //       16     4  body length (u32 LE), at most limits::max_body_bytes

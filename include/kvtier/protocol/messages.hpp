@@ -117,8 +117,6 @@ struct empty_response {
   static constexpr auto fields(auto&) noexcept { return std::tuple{}; }
 };
 using unregister_kv_response = empty_response<message_type::unregister_kv_response>;
-/// The lookup was accepted; its prefetch runs in the background (poll query_prefetch).
-using lookup_response = empty_response<message_type::lookup_response>;
 using free_lookup_locks_response = empty_response<message_type::free_lookup_locks_response>;
 using end_request_response = empty_response<message_type::end_request_response>;
 using clear_response = empty_response<message_type::clear_response>;
@@ -141,18 +139,28 @@ enum class prefetch_state : std::uint8_t {
   return "invalid";
 }
 
-struct query_prefetch_response {
-  static constexpr message_type type = message_type::query_prefetch_response;
+/// Where a lookup's prefetch stands, with its hit counts once decided; one distinct type per
+/// request that asks (lookup_response, query_prefetch_response).
+template <message_type Type>
+struct basic_prefetch_response {
+  static constexpr message_type type = Type;
   prefetch_state state = prefetch_state::unknown;
-  std::uint32_t hit_chunks = 0;     ///< contiguous prefix now read-locked in L1 for retrieve
+  std::uint32_t hit_chunks = 0;     ///< contiguous prefix now held for retrieve (L1, or loading from L2)
   std::uint32_t l1_hit_chunks = 0;  ///< of those, how many were already in L1 at lookup
 
-  friend bool operator==(const query_prefetch_response&, const query_prefetch_response&) = default;
+  friend bool operator==(const basic_prefetch_response&, const basic_prefetch_response&) = default;
   static constexpr auto fields(auto& self) noexcept {
     return std::tuple{enumerated("state", self.state, prefetch_state::unknown), field("hit_chunks", self.hit_chunks),
                       field("l1_hit_chunks", self.l1_hit_chunks)};
   }
 };
+/// The lookup was accepted: `done` with its counts when its prefetch was decided at once (an
+/// L1 hit, no L2 backend) or, when the request asked for it (answer_when_decided), once it is
+/// decided; `pending` when it was not decided and the request did not ask to wait (ask with
+/// query_prefetch); `unknown` when a held answer's lookup went first (released, ended,
+/// replaced, unregistered) or the cache no longer knows it.
+using lookup_response = basic_prefetch_response<message_type::lookup_response>;
+using query_prefetch_response = basic_prefetch_response<message_type::query_prefetch_response>;
 
 struct retrieve_response {
   static constexpr message_type type = message_type::retrieve_response;
@@ -294,13 +302,18 @@ struct lookup_request {
   std::uint16_t world_size = 1;       ///< prefetch every rank's shard
   std::vector<hash128> chunk_hashes;  ///< rolling prefix hashes of the full chunks, <= max_chunk_hashes
   std::string cache_salt;             ///< the request's salt (vLLM cache_salt), <= max_cache_salt_bytes
+  /// Answer when the prefetch is decided (one round trip, nothing polls) instead of at once;
+  /// the server answers earlier, `unknown`, when the lookup is released, ended or replaced.
+  bool answer_when_decided = false;
 
   friend bool operator==(const lookup_request&, const lookup_request&) = default;
   static constexpr auto fields(auto& self) noexcept {
-    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes), field("model_id", self.model_id),
+    return std::tuple{bounded("request_key", self.request_key, max_request_key_bytes),
+                      field("model_id", self.model_id),
                       field("world_size", self.world_size),
                       bounded("chunk_hashes", self.chunk_hashes, max_chunk_hashes),
-                      bounded("cache_salt", self.cache_salt, max_cache_salt_bytes)};
+                      bounded("cache_salt", self.cache_salt, max_cache_salt_bytes),
+                      field("answer_when_decided", self.answer_when_decided)};
   }
 };
 

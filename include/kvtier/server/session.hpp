@@ -6,7 +6,8 @@
 // Every frame is answered:
 //   - a request: its response, or error_response{errc, message} when refused (not
 //     registered, counts that do not match the layout, block id out of range, rank not the
-//     registration's, ...). Lookups start a background prefetch and answer at once. A
+//     registration's, ...). Lookups start a background prefetch and answer at once, or,
+//     when the request asks, once the prefetch is decided (hold_lookup_answer). A
 //     retrieve is decode -> one cache call (tiered_cache::async_copy_out: each chunk copied
 //     into the engine's blocks as soon as it is readable, an L2 load pipelined with the
 //     copies) -> encode; a store likewise (async_copy_in, the generation fence after the
@@ -67,6 +68,7 @@
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/awaitable.hpp>
+#include <boost/asio/bind_executor.hpp>
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/detached.hpp>
 #include <boost/asio/error.hpp>
@@ -86,6 +88,7 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -175,6 +178,11 @@ class session : public std::enable_shared_from_this<session> {
     const auto t0 = clock::now();
     ctx_.bus.publish(bus::server_request_started{kind, id_});
     protocol::message reply = co_await dispatch(f);
+    if (lookup_to_hold_) {  // a lookup that asked to be answered when decided
+      auto [key, cache_id] = std::move(*std::exchange(lookup_to_hold_, std::nullopt));
+      hold_lookup_answer(f.header.call_id, std::move(key), cache_id, t0);
+      co_return std::nullopt;
+    }
     if (const auto* q = std::get_if<protocol::query_prefetch_response>(&reply);
         q != nullptr && q->state == protocol::prefetch_state::pending) {
       // No polling on the wire: the answer goes out when the prefetch is decided.
@@ -485,8 +493,13 @@ class session : public std::enable_shared_from_this<session> {
     lookup_table::entry e{id, id_, static_cast<std::uint32_t>(r.chunk_hashes.size()), reg.world_size};
     // The new lookup holds its locks before the old one gives its back: nothing the two
     // share can be evicted in between.
-    if (auto old = ctx_.lookups.put(r.request_key, e)) ctx_.cache.release_all(old->cache_id);
-    return protocol::lookup_response{};
+    if (auto old = ctx_.lookups.put(r.request_key, e)) {
+      answer_held_lookup(r.request_key, {});  // the replaced lookup's answer, if held: unknown
+      ctx_.cache.release_all(old->cache_id);
+    }
+    if (auto st = ctx_.cache.poll(id)) return lookup_done(*st);             // decided at once (an L1 hit)
+    if (r.answer_when_decided) lookup_to_hold_.emplace(r.request_key, id);  // handle_frame holds it
+    return protocol::lookup_response{protocol::prefetch_state::pending, 0, 0};
   }
 
   request_result<protocol::query_prefetch_response> on(const protocol::query_prefetch_request& r) {
@@ -504,6 +517,37 @@ class session : public std::enable_shared_from_this<session> {
   static protocol::query_prefetch_response done_response(const cache::lookup_status& st) {
     return protocol::query_prefetch_response{protocol::prefetch_state::done, static_cast<std::uint32_t>(st.chunks),
                                              static_cast<std::uint32_t>(st.l1_chunks)};
+  }
+  static protocol::lookup_response lookup_done(const cache::lookup_status& st) {
+    const auto q = done_response(st);
+    return protocol::lookup_response{q.state, q.hit_chunks, q.l1_hit_chunks};
+  }
+
+  /// The answer to lookup `key` (call `call_id`), held until its prefetch (cache lookup
+  /// `cache_id`) is decided: no polling on the wire, one round trip. Answered earlier, with
+  /// `unknown`, when the lookup goes first (released, ended, replaced, unregistered:
+  /// answer_held_lookup); dropped when the connection closes.
+  void hold_lookup_answer(std::uint64_t call_id, std::string key, std::uint64_t cache_id, clock::time_point t0) {
+    held_lookups_[key] = held_lookup{call_id, cache_id, t0};
+    ctx_.cache.async_wait(
+        cache_id, boost::asio::bind_executor(conn_.get_executor(), [w = weak_from_this(), key, cache_id](
+                                                                       error_code ec, cache::lookup_status st) {
+          if (auto self = w.lock())
+            self->answer_held_lookup(key, ec ? protocol::lookup_response{} : lookup_done(st), cache_id);
+        }));
+  }
+
+  /// Sends the held answer of lookup `key` (when it is lookup `cache_id`'s, if given).
+  void answer_held_lookup(const std::string& key, protocol::lookup_response reply,
+                          std::optional<std::uint64_t> cache_id = std::nullopt) {
+    auto it = held_lookups_.find(key);
+    if (it == held_lookups_.end() || (cache_id && it->second.cache_id != *cache_id)) return;
+    const held_lookup h = it->second;
+    held_lookups_.erase(it);
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - h.t0).count();
+    ctx_.bus.publish(
+        bus::server_request_finished{bus::request_kind::lookup, id_, true, static_cast<std::uint64_t>(ns)});
+    if (!closing_) conn_.async_send(h.call_id, protocol::message(reply), [](error_code) {});
   }
 
   /// A query of a lookup still deciding: answered once it is decided (tiered_cache::
@@ -726,10 +770,12 @@ class session : public std::enable_shared_from_this<session> {
 
   /// Releases this connection's lookup of `request_key` (none: nothing to do).
   void forget_lookup(const std::string& request_key) {
+    answer_held_lookup(request_key, {});
     if (auto e = ctx_.lookups.take(id_, request_key)) ctx_.cache.release_all(e->cache_id);
   }
 
   void release_owned_lookups() {
+    while (!held_lookups_.empty()) answer_held_lookup(held_lookups_.begin()->first, {});
     for (const auto& e : ctx_.lookups.take_owned_by(id_)) ctx_.cache.release_all(e.cache_id);
   }
 
@@ -749,6 +795,15 @@ class session : public std::enable_shared_from_this<session> {
   boost::asio::steady_timer lane_wake_{conn_.get_executor(), boost::asio::steady_timer::time_point::max()};
   boost::asio::steady_timer reader_wake_{conn_.get_executor(), boost::asio::steady_timer::time_point::max()};
   std::uint64_t requests_ = 0;
+  /// Lookup answers held until decided (hold_lookup_answer), by request key.
+  struct held_lookup {
+    std::uint64_t call_id = 0;
+    std::uint64_t cache_id = 0;
+    clock::time_point t0{};
+  };
+  std::unordered_map<std::string, held_lookup> held_lookups_;
+  /// Set by on(lookup_request) for handle_frame: the lookup whose answer to hold (key, cache id).
+  std::optional<std::pair<std::string, std::uint64_t>> lookup_to_hold_;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server
