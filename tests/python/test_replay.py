@@ -106,7 +106,8 @@ def test_a_preempted_request_releases_its_lookup_and_resumes_exactly(servers):
         e.run(until=lambda: e.sched.requests["a"].num_computed_tokens >= 64)
         e.sched.preempt("a")
         e.step()
-        assert srv.status()["lookups"] == 0  # the preemption ended the request's lookup
+        # The preemption ended the request's lookup (end_request is fire and forget: wait for it).
+        wait_until(lambda: srv.status()["lookups"] == 0, what="the preempted request's lookup released")
         e.run()
         a = e.sched.finished["a"]
         assert a.num_preemptions == 1 and len(a.output_token_ids) == 3
