@@ -33,7 +33,7 @@
 //   figures to mean anything); X GiB per measurement (default 2); --quick: 0.25 GiB, 2 repeats.
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/core/buffer.hpp>
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 
 #include <common/results.hpp>
 

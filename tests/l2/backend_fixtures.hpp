@@ -78,7 +78,7 @@ inline constexpr bool pins_prevent_eviction = [] {
 
 #ifndef KVTIER_L2_TEST_REDIS
 #include <kvtier/io/probe.hpp>
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 
 #include "support/process.hpp"
 
@@ -116,7 +116,7 @@ using disk_pread_fixture = basic_disk_fixture<io::engine_choice::pread>;
 // kvtier_test_redis compiles the suite a second time (l2/redis_conformance_test.cpp) with
 // these: a real standalone Redis and a real three-master cluster (tests/l2/redis_support.hpp),
 // shared by the tests of the process and emptied (FLUSHALL) for each fixture.
-#include <kvtier/l2/redis_backend.hpp>
+#include <kvtier/l2/redis/redis_backend.hpp>
 
 #include "l2/redis_support.hpp"
 

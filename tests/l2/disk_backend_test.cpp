@@ -1,7 +1,7 @@
 // The disk backend beyond the conformance suite: format and index, restart, crash recovery
 // (a child killed mid-write), torn files, ENOSPC on a small tmpfs, EIO and corruption (never
 // a wrong byte), capacity by st_blocks, deadlines and the buffer contract, JSON options.
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/l2/fault_injecting_backend.hpp>

@@ -4,7 +4,7 @@
 // behind the backend's back, Redis killed, restarted and frozen mid-run, a fake server that
 // stalls mid-reply (the buffer contract), AUTH, TTL, Redis's own eviction, and two tiered
 // caches sharing one Redis.
-#include <kvtier/l2/redis_backend.hpp>
+#include <kvtier/l2/redis/redis_backend.hpp>
 
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/core/buffer.hpp>

@@ -25,7 +25,7 @@
 
 #include <kvtier/config.hpp>
 #include <kvtier/io/probe.hpp>
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 
 #include <nlohmann/json.hpp>
 

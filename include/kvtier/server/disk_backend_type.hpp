@@ -1,5 +1,5 @@
 #pragma once
-// Registers the "disk" L2 backend type (l2/disk_backend.hpp) with a backend_factory:
+// Registers the "disk" L2 backend type (l2/disk/disk_backend.hpp) with a backend_factory:
 //
 //   {"type": "disk", "name": "nvme0", "path": "/mnt/nvme/kvtier", "capacity_gb": 512}
 //
@@ -7,11 +7,11 @@
 // o_direct, io, eviction, watermarks, queue_depth, part_kib, pread_threads, sync,
 // preallocate, verify_on_start). Needs kvtier::uring (liburing). create() throws config_error
 // for a directory the backend does not trust (another user owns it, or group or others may
-// write it: l2/disk_backend.hpp, "TRUST"). The backend's own series
+// write it: l2/disk/disk_backend.hpp, "TRUST"). The backend's own series
 // (kvtier_l2_disk_*, kvtier_io_*: telemetry/collectors.hpp) go to the server's registry.
 
 #include <kvtier/config.hpp>
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/disk_backend_json.hpp>
 #include <kvtier/telemetry/collectors.hpp>

@@ -8,12 +8,12 @@
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/error.hpp>
-#include <kvtier/l2/detail/redis_link.hpp>
-#include <kvtier/l2/detail/redis_slot.hpp>
-#include <kvtier/l2/detail/redis_wire.hpp>
+#include <kvtier/l2/redis/detail/redis_link.hpp>
+#include <kvtier/l2/redis/detail/redis_slot.hpp>
+#include <kvtier/l2/redis/detail/redis_wire.hpp>
 #include <kvtier/l2/object_format.hpp>
-#include <kvtier/l2/redis_options.hpp>
-#include <kvtier/l2/redis_stats.hpp>
+#include <kvtier/l2/redis/redis_options.hpp>
+#include <kvtier/l2/redis/redis_stats.hpp>
 #include <kvtier/l2/types.hpp>
 #include <kvtier/telemetry/logger.hpp>
 

@@ -75,9 +75,9 @@
 #include <kvtier/detail/async.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/l2/concepts.hpp>
-#include <kvtier/l2/detail/redis_engine.hpp>
-#include <kvtier/l2/redis_options.hpp>
-#include <kvtier/l2/redis_stats.hpp>
+#include <kvtier/l2/redis/detail/redis_engine.hpp>
+#include <kvtier/l2/redis/redis_options.hpp>
+#include <kvtier/l2/redis/redis_stats.hpp>
 #include <kvtier/l2/types.hpp>
 #include <kvtier/telemetry/logger.hpp>
 

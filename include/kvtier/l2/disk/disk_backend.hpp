@@ -72,8 +72,8 @@
 #include <kvtier/io/io_engine.hpp>
 #include <kvtier/io/probe.hpp>
 #include <kvtier/l2/concepts.hpp>
-#include <kvtier/l2/detail/disk_index.hpp>
-#include <kvtier/l2/detail/disk_layout.hpp>
+#include <kvtier/l2/disk/detail/disk_index.hpp>
+#include <kvtier/l2/disk/detail/disk_layout.hpp>
 #include <kvtier/l2/object_format.hpp>
 #include <kvtier/l2/types.hpp>
 #include <kvtier/telemetry/logger.hpp>
@@ -349,4 +349,4 @@ static_assert(corruptible_backend<disk_backend>);
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2
 
-#include <kvtier/l2/impl/disk_backend.hpp>
+#include <kvtier/l2/disk/impl/disk_backend.hpp>

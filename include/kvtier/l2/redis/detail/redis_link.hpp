@@ -31,7 +31,7 @@
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/error.hpp>
-#include <kvtier/l2/detail/redis_wire.hpp>
+#include <kvtier/l2/redis/detail/redis_wire.hpp>
 #include <kvtier/l2/object_format.hpp>
 
 #include <boost/asio/any_io_executor.hpp>

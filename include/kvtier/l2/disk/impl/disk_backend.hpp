@@ -1,7 +1,7 @@
 #pragma once
-// Definitions of l2::disk_backend (declarations and documentation: kvtier/l2/disk_backend.hpp).
+// Definitions of l2::disk_backend (declarations and documentation: kvtier/l2/disk/disk_backend.hpp).
 
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/bind_cancellation_slot.hpp>
