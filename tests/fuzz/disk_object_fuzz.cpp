@@ -122,7 +122,7 @@ l2::disk_backend_options scan_options() {
   o.path = dir().root;
   o.capacity_bytes = std::uint64_t{1} << 30;
   o.o_direct = false;
-  o.io = kvtier::io::engine_choice::pread;
+  o.io = kvtier::io::file_io_choice::pread;
   o.pread_threads = 1;
   o.verify_on_start = true;
   o.sync = l2::disk_sync::none;

@@ -59,7 +59,7 @@ TEST_CASE("a pread pool rejects a thread count of zero", "[io][pread]") {
   CHECK_THROWS_AS(io::pread_pool(ctx.get_executor(), o), std::invalid_argument);
   io::pread_pool pool(ctx.get_executor());
   CHECK(pool.thread_count() == 2);
-  CHECK(pool.kind() == io::engine_kind::pread);
+  CHECK(pool.kind() == io::file_io_kind::pread);
   const io::buffer_region none[] = {std::span<std::byte>()};
   CHECK_FALSE(pool.register_buffers(none));
   CHECK_FALSE(pool.fixed_buffers_active());

@@ -1,4 +1,4 @@
-// What only the io_uring engine does: batched submission, the pending queue, fixed buffers
+// What only uring_context does: batched submission, the pending queue, fixed buffers
 // and their fallback, kernel-side cancellation, teardown with ops in flight, the task-running
 // modes, no allocation per op, executors other than the ring's.
 #include <kvtier/io/uring_context.hpp>

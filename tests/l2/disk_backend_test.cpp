@@ -67,9 +67,9 @@ bool matches(const chunk_key& k, std::span<const std::byte> got) {
   return std::memcmp(want.data(), got.data(), got.size()) == 0;
 }
 
-/// The backend's series and its I/O engine's, as the server registers them.
+/// The backend's series and its file I/O's, as the server registers them.
 void collect(telemetry::registry& reg, const l2::disk_backend& b) {
-  telemetry::collect_io(reg, b.engine_kind() == io::engine_kind::uring, b.shared_io_stats());
+  telemetry::collect_io(reg, b.file_io_kind() == io::file_io_kind::uring, b.shared_io_stats());
   telemetry::collect_disk_backend(reg, b);
 }
 
@@ -487,7 +487,7 @@ TEST_CASE("a payload corrupted on disk answers corrupt, is dropped and counted",
   CHECK(reg.value("kvtier_l2_disk_corrupt_objects_total", {{"backend", "disk"}}) == 1);
   CHECK(reg.value("kvtier_l2_disk_dropped_objects_total", {{"backend", "disk"}}) == 1);
   CHECK(reg.value("kvtier_l2_disk_o_direct", {{"backend", "disk"}}) == 1);
-  CHECK(reg.value("kvtier_io_uring_enabled").has_value());  // the engine's metrics too
+  CHECK(reg.value("kvtier_io_uring_enabled").has_value());  // the file I/O's metrics too
   CHECK(b.usage().objects == 2);
 }
 
@@ -928,7 +928,7 @@ TEST_CASE("a full file system fails stores with no_space, leaves nothing half-wr
   }
 }
 
-// --- engine and options -----------------------------------------------------------------------
+// --- file I/O and options -----------------------------------------------------------------------
 
 TEST_CASE("reads into a registered arena use fixed buffers where the kernel allows", "[l2][disk]") {
   temp_dir dir;
@@ -948,7 +948,7 @@ TEST_CASE("reads into a registered arena use fixed buffers where the kernel allo
   }());
   CHECK(r.count(l2::key_outcome::ok) == 2);
   CHECK(matches(o.keys[1], dst[1]));
-  if (b.engine_kind() == io::engine_kind::uring && !ec) {
+  if (b.file_io_kind() == io::file_io_kind::uring && !ec) {
     CHECK(reg.value("kvtier_io_fixed_ops_total").value_or(0) >= fixed_before + 2);  // 1 MiB parts, 2 keys
   } else {
     WARN("fixed buffers not active here: " << ec.message());

@@ -44,7 +44,7 @@ inline void add_disk_backend_type(backend_factory& f) {
                  try {
                    auto b = std::make_shared<l2::disk_backend>(ctx.executor, std::move(named), ctx.log);
                    if (ctx.metrics) {
-                     telemetry::collect_io(*ctx.metrics, b->engine_kind() == io::engine_kind::uring,
+                     telemetry::collect_io(*ctx.metrics, b->file_io_kind() == io::file_io_kind::uring,
                                            b->shared_io_stats());
                      telemetry::collect_disk_backend(*ctx.metrics, *b);
                    }

@@ -52,14 +52,14 @@
 // through a bounce block.
 //
 // DEADLINES AND THE BUFFER CONTRACT: at the deadline (or on the caller's cancellation) the
-// operation stops issuing and asks the engine to cancel what is in flight, then waits
+// operation stops issuing and asks the file I/O to cancel what is in flight, then waits
 // until every read of the caller's buffers has completed or been cancelled; only then does
 // it complete (errc::timeout, or operation_aborted when cancelled). Keys whose every part
 // had landed and verified are still ok; the others answer timeout. O_DIRECT reads at the
 // device cannot be cancelled: the completion waits for them (bounded by the device).
 //
 // THREADING: operations may be started from any thread; the backend runs its I/O on a
-// strand of the executor given (the io engine's threading rule). unpin, usage, health,
+// strand of the executor given (the threading rule of io::uring_context). unpin, usage, health,
 // corrupt_stored and pins take a mutex and may be called from any thread. Destroy the
 // backend when no operation is running, before its io_context.
 
@@ -69,7 +69,7 @@
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/detail/async.hpp>
 #include <kvtier/error.hpp>
-#include <kvtier/io/io_engine.hpp>
+#include <kvtier/io/any_file_io.hpp>
 #include <kvtier/io/probe.hpp>
 #include <kvtier/l2/concepts.hpp>
 #include <kvtier/l2/disk/detail/disk_index.hpp>
@@ -122,8 +122,8 @@ struct disk_backend_options {
   /// O_DIRECT for loads and stores whose buffers are 4 KiB aligned (L1 slots are). Falls
   /// back to buffered I/O, with a warning, on a file system that refuses it.
   bool o_direct = true;
-  /// The I/O engine: automatic (KVTIER_IO_BACKEND, else the probe), uring, pread.
-  io::engine_choice io = io::engine_choice::automatic;
+  /// The file I/O: automatic (KVTIER_IO_BACKEND, else the probe), uring, pread.
+  io::file_io_choice io = io::file_io_choice::automatic;
   /// Bytes per read/write (rounded up to 4 KiB). 1 MiB: >= 256 KiB keeps the submission cost
   /// under 1% and 1 MiB parts saturate the target disk (docs/io.md).
   std::size_t part_bytes = std::size_t{1} << 20;
@@ -192,8 +192,8 @@ class disk_backend {
  public:
   using executor_type = boost::asio::any_io_executor;
 
-  /// Opens (creates) the directory, rebuilds the index (see RECOVERY) and starts the I/O
-  /// engine on a strand of `executor`. `log` may be null (default: stderr at warn).
+  /// Opens (creates) the directory, rebuilds the index (see RECOVERY) and starts the
+  /// file I/O on a strand of `executor`. `log` may be null (default: stderr at warn).
   /// Throws std::invalid_argument for bad options, std::runtime_error when the directory
   /// cannot be used (not writable, another process holds it, foreign FORMAT file).
   disk_backend(executor_type executor, disk_backend_options options, telemetry::logger* log = nullptr);
@@ -250,7 +250,7 @@ class disk_backend {
 
   /// Registers memory (the L1 arena: tier.arena()) as io_uring fixed buffers; reads into it
   /// then use READ_FIXED. Call before the first operation, or from the backend's executor.
-  /// Returns the engine's answer (the pread fallback accepts and ignores it).
+  /// Returns the file I/O's answer (the pread fallback accepts and ignores it).
   error_code register_buffers(std::span<std::byte> region);
 
   /// Pins currently held on key (for tests).
@@ -258,15 +258,15 @@ class disk_backend {
   [[nodiscard]] const disk_stats& stats() const noexcept { return *stats_; }
   /// The same counters, shared: they stay readable after the backend is gone.
   [[nodiscard]] std::shared_ptr<const disk_stats> shared_stats() const noexcept { return stats_; }
-  /// The I/O engine's counters (io::io_stats), shared likewise.
-  [[nodiscard]] std::shared_ptr<const io::io_stats> shared_io_stats() const noexcept { return engine_->shared_stats(); }
+  /// The file I/O's counters (io::io_stats), shared likewise.
+  [[nodiscard]] std::shared_ptr<const io::io_stats> shared_io_stats() const noexcept { return file_io_->shared_stats(); }
   [[nodiscard]] const disk_recovery_report& recovery() const noexcept { return recovery_; }
   [[nodiscard]] const disk_backend_options& options() const noexcept { return options_; }
-  [[nodiscard]] io::engine_kind engine_kind() const noexcept { return engine_->kind(); }
+  [[nodiscard]] io::file_io_kind file_io_kind() const noexcept { return file_io_->kind(); }
   /// Whether O_DIRECT is in use (asked for, and accepted by the file system).
   [[nodiscard]] bool o_direct_active() const noexcept { return direct_; }
-  /// Engine operations in flight (0 whenever no backend operation runs).
-  [[nodiscard]] std::size_t io_in_flight() const noexcept { return engine_->in_flight(); }
+  /// File I/O operations in flight (0 whenever no backend operation runs).
+  [[nodiscard]] std::size_t io_in_flight() const noexcept { return file_io_->in_flight(); }
   /// Where the file of key lives (whether or not it exists), for tests and tools.
   [[nodiscard]] std::filesystem::path object_file(const chunk_key& key) const;
 
@@ -342,7 +342,7 @@ class disk_backend {
   telemetry::log_throttle io_error_log_;
   telemetry::log_throttle corrupt_log_;
 
-  std::unique_ptr<io::io_engine> engine_;  // last: destroyed first (it waits for in-flight ops)
+  std::unique_ptr<io::any_file_io> file_io_;  // last: destroyed first (it waits for in-flight ops)
 };
 
 static_assert(corruptible_backend<disk_backend>);

@@ -227,27 +227,27 @@ inline disk_backend::disk_backend(executor_type executor, disk_backend_options o
   try {
     open_directory();
     recover();
-    io::io_engine_options eo;
-    eo.engine = options_.io;
+    io::any_file_io_options eo;
+    eo.choice = options_.io;
     eo.pool.threads = options_.pread_threads;
     // Room for two operations at full depth plus their metadata ops; more wait in the ring.
     eo.uring.entries = std::max(256U, 4 * options_.queue_depth);
-    engine_ = std::make_unique<io::io_engine>(executor_, eo, log_);
+    file_io_ = std::make_unique<io::any_file_io>(executor_, eo, log_);
   } catch (...) {
     close_fds();
     throw;
   }
   log_->info("disk backend '{}' at {}: {} objects ({:.2f} GiB) recovered, {} dropped, {} temporary files removed, "
-             "{} evicted; engine {}, O_DIRECT {}, capacity {:.2f} GiB, eviction {}",
+             "{} evicted; file I/O {}, O_DIRECT {}, capacity {:.2f} GiB, eviction {}",
              options_.name, options_.path.string(), recovery_.objects,
              static_cast<double>(recovery_.bytes) / (1 << 30), recovery_.dropped, recovery_.temp_files,
-             recovery_.evicted, io::to_string(engine_->kind()), direct_ ? "on" : "off",
+             recovery_.evicted, io::to_string(file_io_->kind()), direct_ ? "on" : "off",
              static_cast<double>(options_.capacity_bytes) / (1 << 30),
              options_.eviction == disk_eviction::lru ? "lru" : options_.eviction == disk_eviction::fifo ? "fifo" : "none");
 }
 
 inline disk_backend::~disk_backend() {
-  engine_.reset();  // waits for any op still in the kernel before the fds go
+  file_io_.reset();  // waits for any op still in the kernel before the fds go
   close_fds();
 }
 
@@ -530,7 +530,7 @@ inline bool disk_backend::corrupt_stored(const chunk_key& key) {
 
 inline error_code disk_backend::register_buffers(std::span<std::byte> region) {
   const io::buffer_region r[] = {region};
-  return engine_->register_buffers(r);
+  return file_io_->register_buffers(r);
 }
 
 // --- failure accounting -----------------------------------------------------------------------
@@ -705,11 +705,11 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
   }
 
   fan_state fs;
-  // 3. Open every file (through the engine: a slow directory lookup never blocks the thread).
+  // 3. Open every file (through file_io: a slow directory lookup never blocks the thread).
   auto open_body = [this, &items](std::size_t j, fan_state& f, unsigned lane) -> asio::awaitable<void> {
     load_item& it = items[j];
     const int flags = O_RDONLY | O_CLOEXEC | (it.direct ? O_DIRECT : 0);
-    auto [ec, fd] = co_await engine_->async_openat(objects_fd_, it.path.c_str(), flags, 0,
+    auto [ec, fd] = co_await file_io_->async_openat(objects_fd_, it.path.c_str(), flags, 0,
                                                    asio::bind_cancellation_slot(f.slot(lane), asio::as_tuple(asio::use_awaitable)));
     if (!ec) {
       it.fd = fd;
@@ -764,7 +764,7 @@ inline boost::asio::awaitable<void> disk_backend::load_part(std::vector<load_ite
                    : p.kind == part_kind::tail ? it.tail
                                                : it.dst.data() + p.offset;
   const std::uint64_t at = p.kind == part_kind::header ? 0 : detail::disk_block_bytes + p.offset;
-  auto [ec, got] = co_await engine_->async_read(it.fd, std::span<std::byte>(buf, p.len), at,
+  auto [ec, got] = co_await file_io_->async_read(it.fd, std::span<std::byte>(buf, p.len), at,
                                                 asio::bind_cancellation_slot(fs.slot(lane), asio::as_tuple(asio::use_awaitable)));
   if (it.failed) co_return;  // another part of this key failed meanwhile
   if (ec) {
@@ -857,7 +857,7 @@ boost::asio::awaitable<std::vector<error_code>> disk_backend::unlink_all(int dir
   fan_state fs;
   fs.stoppable = false;
   auto body = [this, dirfd, &names, &errors](std::size_t i, fan_state&, unsigned) -> asio::awaitable<void> {
-    auto [ec] = co_await engine_->async_unlinkat(dirfd, names[i].c_str(), 0, asio::as_tuple(asio::use_awaitable));
+    auto [ec] = co_await file_io_->async_unlinkat(dirfd, names[i].c_str(), 0, asio::as_tuple(asio::use_awaitable));
     if (ec && !detail::is_errno(ec, ENOENT)) errors[i] = ec;
   };
   co_await fan_out(fs, names.size(), 32, deadline::max(), body);
@@ -976,7 +976,7 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
     store_item& it = items[j];
     const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (it.direct ? O_DIRECT : 0);
     auto [ec, fd] =
-        co_await engine_->async_openat(tmp_fd_, it.temp.c_str(), flags, 0600,
+        co_await file_io_->async_openat(tmp_fd_, it.temp.c_str(), flags, 0600,
                                        asio::bind_cancellation_slot(f.slot(lane), asio::as_tuple(asio::use_awaitable)));
     if (ec) {
       fail_store(it, ec);
@@ -984,7 +984,7 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
     }
     it.fd = fd;
     it.created = true;
-    // No io_uring opcode here for fallocate in the engine; the syscall only reserves extents
+    // No io_uring opcode here for fallocate in file_io; the syscall only reserves extents
     // (tens of microseconds on ext4), and shows ENOSPC before any byte is written.
     if (options_.preallocate &&
         ::fallocate(fd, 0, 0, static_cast<off_t>(detail::object_file_bytes(it.src.size()))) != 0 &&
@@ -1043,7 +1043,7 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
     fan_state sync_fs;
     sync_fs.stoppable = false;
     auto sync_body = [this, &dirs](std::size_t i, fan_state&, unsigned) -> asio::awaitable<void> {
-      auto [ec] = co_await engine_->async_fsync(dirs[i], asio::as_tuple(asio::use_awaitable));
+      auto [ec] = co_await file_io_->async_fsync(dirs[i], asio::as_tuple(asio::use_awaitable));
       (void)ec;  // the objects are committed and verified on load; only durability is at stake
     };
     co_await fan_out(sync_fs, dirs.size(), 16, deadline::max(), sync_body);
@@ -1105,7 +1105,7 @@ inline boost::asio::awaitable<void> disk_backend::store_part(std::vector<store_i
   }
   std::size_t done = 0;
   while (done < p.len) {
-    auto [ec, put] = co_await engine_->async_write(it.fd, std::span<const std::byte>(buf + done, p.len - done),
+    auto [ec, put] = co_await file_io_->async_write(it.fd, std::span<const std::byte>(buf + done, p.len - done),
                                                    at + done,
                                                    asio::bind_cancellation_slot(fs.slot(lane), asio::as_tuple(asio::use_awaitable)));
     if (it.failed) co_return;
@@ -1129,7 +1129,7 @@ inline boost::asio::awaitable<void> disk_backend::store_part(std::vector<store_i
 inline boost::asio::awaitable<void> disk_backend::commit_stored(store_item& it, fan_state& fs, unsigned lane) {
   namespace asio = boost::asio;
   if (options_.sync == disk_sync::data) {
-    auto [ec] = co_await engine_->async_fdatasync(
+    auto [ec] = co_await file_io_->async_fdatasync(
         it.fd, asio::bind_cancellation_slot(fs.slot(lane), asio::as_tuple(asio::use_awaitable)));
     if (ec) {
       fail_store(it, ec);
@@ -1139,21 +1139,21 @@ inline boost::asio::awaitable<void> disk_backend::commit_stored(store_item& it, 
   struct ::stat st {};
   const std::uint64_t allocated = ::fstat(it.fd, &st) == 0 ? static_cast<std::uint64_t>(st.st_blocks) * 512
                                                            : detail::object_file_bytes(it.src.size());
-  auto [ec] = co_await engine_->async_renameat(tmp_fd_, it.temp.c_str(), objects_fd_, it.path.c_str(),
+  auto [ec] = co_await file_io_->async_renameat(tmp_fd_, it.temp.c_str(), objects_fd_, it.path.c_str(),
                                                detail::rename_noreplace,
                                                asio::bind_cancellation_slot(fs.slot(lane), asio::as_tuple(asio::use_awaitable)));
   if (detail::is_errno(ec, EEXIST)) {
     // A file at this path that the index does not know (put there behind our back, or left by
     // a crash): nothing serves it, so ours (complete, just verified on write) replaces it once.
     // Answering `exists` would claim an object that loads answer not_found for.
-    auto [uec] = co_await engine_->async_unlinkat(
+    auto [uec] = co_await file_io_->async_unlinkat(
         objects_fd_, it.path.c_str(), 0,
         asio::bind_cancellation_slot(fs.slot(lane), asio::as_tuple(asio::use_awaitable)));
     if (uec && !detail::is_errno(uec, ENOENT)) {
       fail_store(it, uec);
       co_return;
     }
-    std::tie(ec) = co_await engine_->async_renameat(
+    std::tie(ec) = co_await file_io_->async_renameat(
         tmp_fd_, it.temp.c_str(), objects_fd_, it.path.c_str(), detail::rename_noreplace,
         asio::bind_cancellation_slot(fs.slot(lane), asio::as_tuple(asio::use_awaitable)));
   }
