@@ -14,7 +14,7 @@
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/io/pread_pool.hpp>
 #include <kvtier/io/probe.hpp>
-#include <kvtier/io/transfer.hpp>
+#include <kvtier/io/object_io.hpp>
 #include <kvtier/io/uring_context.hpp>
 
 #include <common/results.hpp>

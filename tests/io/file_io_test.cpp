@@ -1,8 +1,9 @@
 // The file_io conformance suite: the same behaviour from every implementation (uring_context,
-// pread_pool, any_file_io both ways), and the transfer helpers (async_read_all /
+// pread_pool, any_file_io both ways), and the object helpers (async_run_parts, async_read_all /
 // async_write_all) on each.
 #include <kvtier/io/concepts.hpp>
-#include <kvtier/io/transfer.hpp>
+#include <kvtier/io/object_io.hpp>
+#include <kvtier/io/parts.hpp>
 
 #include "io_test_support.hpp"
 
@@ -11,6 +12,7 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <catch2/catch.hpp>
@@ -19,7 +21,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -311,7 +315,7 @@ TEMPLATE_TEST_CASE("coroutines co_await operations and resume on their executor"
   CHECK(n == 4 * 8192);
 }
 
-TEMPLATE_TEST_CASE("async_write_all and async_read_all move a 5 MiB object in parts", "[io][conformance][transfer]",
+TEMPLATE_TEST_CASE("async_write_all and async_read_all move a 5 MiB object in parts", "[io][conformance][object_io]",
                    KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
@@ -321,7 +325,7 @@ TEMPLATE_TEST_CASE("async_write_all and async_read_all move a 5 MiB object in pa
   constexpr std::size_t size = 5 * 1024 * 1024 + 12288;  // 5 full parts and a short last one
   aligned_buffer out(size);
   test::fill_pattern(out.span(), 8);
-  io::transfer_options opts;
+  io::object_io_options opts;
   opts.part_bytes = 1 << 20;
   opts.max_parts_in_flight = 4;
 
@@ -346,7 +350,7 @@ TEMPLATE_TEST_CASE("async_write_all and async_read_all move a 5 MiB object in pa
   CHECK(f.file_io().in_flight() == 0);
 }
 
-TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with the bytes it has", "[io][conformance][transfer]",
+TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with the bytes it has", "[io][conformance][object_io]",
                    KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
@@ -358,7 +362,7 @@ TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with th
   test::unique_fd fd = test::open_or_throw(path, O_RDONLY | (direct ? O_DIRECT : 0));
   aligned_buffer in = aligned_buffer_of(4 * 1024 * 1024, std::byte{0});
   const std::size_t part = GENERATE(std::size_t{1} << 20, std::size_t{256} << 10);
-  io::transfer_options opts;
+  io::object_io_options opts;
   opts.part_bytes = part;
 
   const auto [ec, n] = test::run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code, std::size_t>> {
@@ -376,7 +380,7 @@ TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with th
   CHECK(n0 == 0);
 }
 
-TEMPLATE_TEST_CASE("async_read_all reports the first failing part's error", "[io][conformance][transfer]",
+TEMPLATE_TEST_CASE("async_read_all reports the first failing part's error", "[io][conformance][object_io]",
                    KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
@@ -387,8 +391,77 @@ TEMPLATE_TEST_CASE("async_read_all reports the first failing part's error", "[io
   CHECK(r.calls == 1);
   CHECK(r.ec == boost::system::errc::bad_file_descriptor);
   CHECK(r.n == 0);
-  CHECK_THROWS_AS(io::async_read_all(f.file_io(), -1, in.span(), 0, io::transfer_options{0, 4}, r.handler()),
+  CHECK_THROWS_AS(io::async_read_all(f.file_io(), -1, in.span(), 0, io::object_io_options{0, 4}, r.handler()),
                   std::invalid_argument);
-  CHECK_THROWS_AS(io::async_read_all(f.file_io(), -1, in.span(), 0, io::transfer_options{4096, 65}, r.handler()),
+  CHECK_THROWS_AS(io::async_read_all(f.file_io(), -1, in.span(), 0, io::object_io_options{4096, 257}, r.handler()),
+                  std::invalid_argument);
+}
+
+namespace {
+
+/// Reads 4 KiB blocks of a file; skips the blocks in `skip`, asks to stop after block
+/// `stop_after`, and records the order parts began and ended.
+struct block_plan {
+  static constexpr bool writes = false;
+  using signature = void(error_code, std::size_t);
+  int fd;
+  std::byte* base;
+  std::size_t blocks;
+  std::vector<std::size_t>* skip;
+  std::size_t stop_after;
+  std::vector<std::size_t>* begun;
+  std::vector<std::size_t>* ended;
+  std::size_t bytes = 0;
+
+  [[nodiscard]] std::size_t part_count() const noexcept { return blocks; }
+  std::optional<io::file_part> begin_part(std::size_t i) {
+    if (std::find(skip->begin(), skip->end(), i) != skip->end()) return std::nullopt;
+    begun->push_back(i);
+    return io::file_part{fd, base + i * 4096, 4096, i * 4096};
+  }
+  bool end_part(std::size_t i, const error_code& ec, std::size_t n) {
+    ended->push_back(i);
+    if (!ec) bytes += n;
+    return i == stop_after;
+  }
+  std::tuple<error_code, std::size_t> result(const io::parts_outcome& o) {
+    return {o.cancelled ? error_code(asio::error::operation_aborted) : error_code{}, bytes};
+  }
+};
+static_assert(io::part_plan<block_plan>);
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("async_run_parts starts parts in order, skips what the plan skips and stops when it says",
+                   "[io][conformance][object_io]", KVTIER_FILE_IO_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  const std::string path = (dir.path() / "blocks").string();
+  test::write_pattern_file(path, 16 * 4096, 5);
+  test::unique_fd fd = test::open_or_throw(path, O_RDONLY);
+  aligned_buffer in = aligned_buffer_of(16 * 4096, std::byte{0});
+  std::vector<std::size_t> skip{1, 4};
+  std::vector<std::size_t> begun, ended;
+
+  // Depth 2, stop after block 8 ends: blocks 0 2 3 5 6 7 8 start in order (maybe 9 too, if
+  // it started before 8 ended), nothing after.
+  const auto [ec, n] = test::run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code, std::size_t>> {
+    co_return co_await io::async_run_parts(f.file_io(), block_plan{fd.get(), in.data(), 16, &skip, 8, &begun, &ended},
+                                           2, asio::as_tuple(asio::use_awaitable));
+  }());
+  CHECK_FALSE(ec);
+  REQUIRE(begun.size() >= 7);
+  CHECK(std::vector<std::size_t>(begun.begin(), begun.begin() + 7) == std::vector<std::size_t>{0, 2, 3, 5, 6, 7, 8});
+  CHECK(begun.size() <= 8);
+  CHECK(std::is_sorted(begun.begin(), begun.end()));
+  std::vector<std::size_t> sorted_ended = ended;
+  std::sort(sorted_ended.begin(), sorted_ended.end());
+  CHECK(sorted_ended == begun);  // every part begun ended, once
+  CHECK(n == begun.size() * 4096);
+  for (std::size_t b : begun) CHECK(test::matches_pattern(in.span().subspan(b * 4096, 4096), 5, b * 4096));
+  CHECK(test::all_bytes(in.span().subspan(4096, 4096), std::byte{0}));  // skipped: never read
+  CHECK_THROWS_AS(io::async_run_parts(f.file_io(), block_plan{fd.get(), in.data(), 16, &skip, 8, &begun, &ended}, 0,
+                                      asio::detached),
                   std::invalid_argument);
 }

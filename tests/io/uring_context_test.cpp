@@ -7,7 +7,7 @@
 #include "io_test_support.hpp"
 #include "support/captured_log.hpp"
 
-#include <kvtier/io/transfer.hpp>
+#include <kvtier/io/object_io.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <support/asio.hpp>
@@ -264,13 +264,13 @@ TEST_CASE("a coroutine racing a read against a timer cancels the read when the t
   CHECK(test::all_bytes(in.span(), std::byte{0x11}));
 }
 
-TEST_CASE("cancelling async_read_all cancels its parts in the kernel and completes once", "[io][uring][cancel][transfer]") {
+TEST_CASE("cancelling async_read_all cancels its parts in the kernel and completes once", "[io][uring][cancel][object_io]") {
   KVTIER_REQUIRE_URING();
   asio::io_context ctx;
   io::uring_context ring(ctx.get_executor());
   test::pipe_pair p;  // every part waits on the empty pipe
   aligned_buffer in = aligned_buffer_of(6 << 20, std::byte{0x66});
-  io::transfer_options o;
+  io::object_io_options o;
   o.part_bytes = 1 << 20;
   o.max_parts_in_flight = 4;
   asio::cancellation_signal sig;

@@ -45,7 +45,8 @@
 // header block read into a buffer of ours and its payload straight into the caller's buffer
 // in part_bytes parts; the parts of all keys of a batch share queue_depth reads in flight,
 // issued in key order (the prefix the prefetch needs first lands first) and batched into one
-// io_uring_enter per executor turn. The payload checksum is computed in part-sized steps as
+// io_uring_enter per executor turn (io::async_run_parts, io/parts.hpp: the part runner of
+// io::async_read_all too; stores write their parts the same way). The payload checksum is computed in part-sized steps as
 // the parts land (stores: as they are issued), so the I/O thread never stalls for a whole
 // object's hash while the device queue drains; a key answers ok only once its digest
 // matches its header. A payload whose size is not a multiple of 4 KiB moves its last block
@@ -275,15 +276,21 @@ class disk_backend {
   using batch_tuple = std::tuple<error_code, batch_result>;
 
   struct fan_state;
-  struct load_item;
-  struct store_item;
   struct part;
   struct hash_state;
+  struct object_item;
+  struct load_item;
+  struct load_plan;
+  struct store_item;
+  struct store_plan;
 
+  // The directory (impl/disk_directory.hpp).
   void open_directory();
   void recover();
   void close_fds() noexcept;
 
+  // The operations: lookup and load (impl/disk_load.hpp), store (impl/disk_store.hpp),
+  // remove (impl/disk_backend.hpp).
   boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d);
   boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
                                                 std::span<const std::span<std::byte>> destinations, deadline d,
@@ -292,16 +299,34 @@ class disk_backend {
                                                  std::span<const std::span<const std::byte>> sources, deadline d);
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d);
 
+  // What loads and stores share (impl/disk_backend.hpp).
+  /// The answer to a batch refused before it starts (buffers that do not match the keys, a
+  /// deadline already passed), or nullopt.
+  std::optional<batch_tuple> refuse_batch(std::size_t keys, std::size_t buffers, deadline d, disk_stats::op op);
+  /// The answer of a batch that ran: counts its timeouts.
+  batch_tuple finish_batch(const fan_state& fs, disk_stats::op op, std::size_t timeouts, batch_result r);
+  /// Sets up item j of a batch (checksum, path, O_DIRECT, its header and tail blocks) for a
+  /// payload of `bytes` at `data`.
+  void prepare_item(object_item& it, std::uint32_t j, const std::byte* data, std::size_t bytes, std::byte* blocks,
+                    hash_state& hash);
+  /// Appends the parts of item's payload: part_bytes parts, then its partial last block.
+  void add_payload_parts(std::vector<part>& parts, const object_item& it, std::uint32_t item, std::size_t bytes) const;
+  /// The outcome of a key whose I/O failed with ec (not ENOSPC): timeout when cancelled,
+  /// unavailable when shutting down, else io_error.
+  static key_outcome outcome_of_failure(const error_code& ec) noexcept;
+
   template <class Body>
   boost::asio::awaitable<void> fan_out(fan_state& fs, std::size_t n, unsigned width, deadline d, Body& body);
   template <class Body>
   boost::asio::awaitable<void> fan_worker(fan_state& fs, unsigned lane, std::size_t n, Body& body);
+  /// Runs a load_plan or store_plan through file_io, bounded by the deadline like fan_out.
+  template <class Plan>
+  boost::asio::awaitable<void> run_parts(fan_state& fs, deadline d, Plan plan);
 
-  boost::asio::awaitable<void> load_part(std::vector<load_item>& items, std::vector<part>& parts, std::size_t i,
-                                         fan_state& fs, unsigned lane);
+  void part_loaded(std::vector<load_item>& items, std::vector<part>& parts, std::size_t i, const error_code& ec,
+                   std::size_t got);
+  void fail_load(load_item& it, const error_code& ec);
   void verify_loaded(load_item& it);
-  boost::asio::awaitable<void> store_part(std::vector<store_item>& items, const part& p, fan_state& fs,
-                                          unsigned lane);
   boost::asio::awaitable<void> commit_stored(store_item& it, fan_state& fs, unsigned lane);
   void fail_store(store_item& it, const error_code& ec);
   /// Unlinks names relative to dirfd, not stoppable (cleanup always completes); the error of
@@ -350,3 +375,6 @@ static_assert(corruptible_backend<disk_backend>);
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2
 
 #include <kvtier/l2/disk/impl/disk_backend.hpp>
+#include <kvtier/l2/disk/impl/disk_directory.hpp>
+#include <kvtier/l2/disk/impl/disk_load.hpp>
+#include <kvtier/l2/disk/impl/disk_store.hpp>
