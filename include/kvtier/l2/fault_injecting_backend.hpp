@@ -19,9 +19,9 @@
 // Call release_hung() before destroying the wrapper while operations hang.
 
 #include <kvtier/config.hpp>
-#include <kvtier/detail/async.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/l2/concepts.hpp>
+#include <kvtier/l2/detail/coroutine_backend.hpp>
 #include <kvtier/l2/types.hpp>
 
 #include <boost/asio/as_tuple.hpp>
@@ -56,7 +56,7 @@ struct fault {
 };
 
 template <l2_backend Backend>
-class fault_injecting_backend {
+class fault_injecting_backend : public detail::coroutine_backend<fault_injecting_backend<Backend>> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
@@ -91,32 +91,12 @@ class fault_injecting_backend {
     return hung_.size();
   }
 
-  template <class Token>
-  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, bitmap)>(get_executor(), lookup_impl(keys, d),
-                                                               std::forward<Token>(token));
-  }
+  // async_lookup_and_pin, async_load, async_store, async_remove: detail/coroutine_backend.hpp.
   void unpin(std::span<const chunk_key> keys) { inner_->unpin(keys); }
 
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(get_executor(), load_impl(keys, destinations, d),
-                                                                     std::forward<Token>(token));
-  }
-  template <class Token>
-  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
-                   Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(get_executor(), store_impl(keys, sources, d),
-                                                                     std::forward<Token>(token));
-  }
-  template <class Token>
-  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(get_executor(), remove_impl(keys, d),
-                                                                     std::forward<Token>(token));
-  }
-
  private:
+  friend class detail::coroutine_backend<fault_injecting_backend>;
+
   using lookup_tuple = std::tuple<error_code, bitmap>;
   using batch_tuple = std::tuple<error_code, batch_result>;
 

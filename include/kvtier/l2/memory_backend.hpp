@@ -12,9 +12,9 @@
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/chunk_key.hpp>
-#include <kvtier/detail/async.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/l2/concepts.hpp>
+#include <kvtier/l2/detail/coroutine_backend.hpp>
 #include <kvtier/l2/object_format.hpp>
 #include <kvtier/l2/types.hpp>
 
@@ -50,7 +50,7 @@ struct memory_backend_options {
   std::chrono::nanoseconds latency{0};
 };
 
-class memory_backend {
+class memory_backend : public detail::coroutine_backend<memory_backend> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
@@ -88,42 +88,14 @@ class memory_backend {
     health_ = std::move(h);
   }
 
-  template <class Token>
-  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, bitmap)>(executor_, lookup_impl(keys, d), std::forward<Token>(token));
-  }
+  // async_lookup_and_pin, async_load (also with a load_observer: keys finish one after the
+  // other on the modelled channel), async_store, async_remove: detail/coroutine_backend.hpp.
+  static constexpr bool tells_landed_keys = true;
 
   void unpin(std::span<const chunk_key> keys) {
     std::lock_guard g(mutex_);
     for (const auto& k : keys)
       if (auto it = objects_.find(k); it != objects_.end() && it->second.pins > 0) --it->second.pins;
-  }
-
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, load_impl(keys, destinations, d),
-                                                             std::forward<Token>(token));
-  }
-  /// The same, telling each key as it lands (keys finish one after the other on the channel).
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  load_observer observer, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(
-        executor_, load_impl(keys, destinations, d, std::move(observer)), std::forward<Token>(token));
-  }
-
-  template <class Token>
-  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
-                   Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, store_impl(keys, sources, d),
-                                                             std::forward<Token>(token));
-  }
-
-  template <class Token>
-  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, remove_impl(keys, d),
-                                                             std::forward<Token>(token));
   }
 
   /// Flips a byte of the stored payload (the checksum is kept): the next load answers
@@ -144,6 +116,8 @@ class memory_backend {
   }
 
  private:
+  friend class detail::coroutine_backend<memory_backend>;
+
   using lookup_result = std::tuple<error_code, bitmap>;
   using batch_tuple = std::tuple<error_code, batch_result>;
 

@@ -68,11 +68,11 @@
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/core/chunk_key.hpp>
-#include <kvtier/detail/async.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/io/any_file_io.hpp>
 #include <kvtier/io/probe.hpp>
 #include <kvtier/l2/concepts.hpp>
+#include <kvtier/l2/detail/coroutine_backend.hpp>
 #include <kvtier/l2/disk/detail/disk_index.hpp>
 #include <kvtier/l2/disk/detail/disk_layout.hpp>
 #include <kvtier/l2/object_format.hpp>
@@ -189,7 +189,7 @@ struct disk_stats {
   std::atomic<bool> o_direct{false};
 };
 
-class disk_backend {
+class disk_backend : public detail::coroutine_backend<disk_backend> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
@@ -208,42 +208,19 @@ class disk_backend {
   [[nodiscard]] usage_info usage() const;
   [[nodiscard]] health_info health() const;
 
-  /// void(error_code, bitmap found): found keys are pinned (never evicted) until unpin().
-  template <class Token>
-  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, bitmap)>(executor_, lookup_impl(keys, d),
-                                                               std::forward<Token>(token));
-  }
+  // The operations (detail/coroutine_backend.hpp):
+  //   async_lookup_and_pin  void(error_code, bitmap found): found keys are pinned (never
+  //                         evicted) until unpin();
+  //   async_load            void(error_code, batch_result); see LOADS and DEADLINES above.
+  //                         With a load_observer, each key is told as soon as all its parts
+  //                         landed and its checksum matched, so the caller can use it while
+  //                         the rest of the batch is read;
+  //   async_store           void(error_code, batch_result): ok, exists, no_space, io_error,
+  //                         timeout per key;
+  //   async_remove          void(error_code, batch_result): ok, not_found, rejected (pinned,
+  //                         or a store in flight).
+  static constexpr bool tells_landed_keys = true;
   void unpin(std::span<const chunk_key> keys);
-
-  /// void(error_code, batch_result); see LOADS and DEADLINES above.
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, load_impl(keys, destinations, d),
-                                                                     std::forward<Token>(token));
-  }
-  /// The same, telling each key as soon as all its parts landed and its checksum matched
-  /// (load_observer), so the caller can use it while the rest of the batch is read.
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  load_observer observer, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(
-        executor_, load_impl(keys, destinations, d, std::move(observer)), std::forward<Token>(token));
-  }
-  /// void(error_code, batch_result): ok, exists, no_space, io_error, timeout per key.
-  template <class Token>
-  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
-                   Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, store_impl(keys, sources, d),
-                                                                     std::forward<Token>(token));
-  }
-  /// void(error_code, batch_result): ok, not_found, rejected (pinned, or a store in flight).
-  template <class Token>
-  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, remove_impl(keys, d),
-                                                                     std::forward<Token>(token));
-  }
 
   /// Flips the first payload byte of the stored object ON DISK (a buffered write through a
   /// separate descriptor): the next load answers corrupt and drops it. False when absent.
@@ -272,6 +249,8 @@ class disk_backend {
   [[nodiscard]] std::filesystem::path object_file(const chunk_key& key) const;
 
  private:
+  friend class detail::coroutine_backend<disk_backend>;
+
   using lookup_tuple = std::tuple<error_code, bitmap>;
   using batch_tuple = std::tuple<error_code, batch_result>;
 
