@@ -38,30 +38,8 @@ static_assert(io::file_io<io::uring_context>);
 static_assert(io::file_io<io::pread_pool>);
 static_assert(io::file_io<io::any_file_io>);
 
-/// What a callback saw: how many times it ran, and its last arguments.
-struct size_result {
-  int calls = 0;
-  error_code ec;
-  std::size_t n = 0;
-  auto handler() {
-    return [this](error_code e, std::size_t bytes) {
-      ++calls;
-      ec = e;
-      n = bytes;
-    };
-  }
-};
-
-struct void_result {
-  int calls = 0;
-  error_code ec;
-  auto handler() {
-    return [this](error_code e) {
-      ++calls;
-      ec = e;
-    };
-  }
-};
+using test::size_result;
+using test::void_result;
 
 }  // namespace
 

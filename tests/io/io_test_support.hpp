@@ -30,6 +30,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace kvtier::test {
@@ -132,6 +133,35 @@ inline void write_pattern_file(const std::string& path, std::size_t bytes, unsig
     done += static_cast<std::size_t>(n);
   }
 }
+
+/// What a callback of void(error_code, std::size_t) saw: how many times it ran, its last
+/// arguments and the thread it ran on.
+struct size_result {
+  int calls = 0;
+  error_code ec;
+  std::size_t n = 0;
+  std::thread::id thread;
+  auto handler() {
+    return [this](error_code e, std::size_t bytes) {
+      ++calls;
+      ec = e;
+      n = bytes;
+      thread = std::this_thread::get_id();
+    };
+  }
+};
+
+/// The same for void(error_code).
+struct void_result {
+  int calls = 0;
+  error_code ec;
+  auto handler() {
+    return [this](error_code e) {
+      ++calls;
+      ec = e;
+    };
+  }
+};
 
 // --- one fixture per file_io implementation: owns an io_context and the implementation ----
 

@@ -35,20 +35,7 @@ namespace asio = boost::asio;
 using namespace kvtier;
 using test::aligned_buffer_of;
 
-struct op_result {
-  int calls = 0;
-  error_code ec;
-  std::size_t n = 0;
-  std::thread::id thread;
-  auto handler() {
-    return [this](error_code e, std::size_t bytes) {
-      ++calls;
-      ec = e;
-      n = bytes;
-      thread = std::this_thread::get_id();
-    };
-  }
-};
+using op_result = test::size_result;
 
 }  // namespace
 

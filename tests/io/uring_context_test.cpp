@@ -45,18 +45,7 @@ using namespace kvtier;
 using kvtier::test::captured_log;
 using test::aligned_buffer_of;
 
-struct op_result {
-  int calls = 0;
-  error_code ec;
-  std::size_t n = 0;
-  auto handler() {
-    return [this](error_code e, std::size_t bytes) {
-      ++calls;
-      ec = e;
-      n = bytes;
-    };
-  }
-};
+using op_result = test::size_result;
 
 }  // namespace
 

@@ -154,6 +154,17 @@ l2::batch_result remove(asio::io_context& io, B& b, std::span<const chunk_key> k
   return r;
 }
 
+/// A first life of the directory: a backend on `dir` stores every object of `o` (all must
+/// answer ok), `then(b)` looks at it, and it closes, as a process that ends; the test then
+/// opens the directory again.
+template <class Then>
+void first_life(const fs::path& dir, const objects& o, Then then) {
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir));
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == o.keys.size());
+  then(b);
+}
+
 /// What is on disk under a backend's directory: object files and their allocated bytes.
 struct on_disk {
   std::size_t objects = 0;
@@ -345,13 +356,10 @@ TEST_CASE("objects survive a restart with the same usage, in their eviction orde
   temp_dir dir;
   const objects o(0, 6, 256 * 1024);
   l2::usage_info before;
-  {
-    asio::io_context io;
-    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
-    CHECK(store(io, b, o).count(l2::key_outcome::ok) == 6);
+  first_life(dir.path(), o, [&](l2::disk_backend& b) {
     before = b.usage();
     CHECK(b.o_direct_active());
-  }
+  });
   asio::io_context io;
   captured_log cap;
   l2::disk_backend b(io.get_executor(), options_for(dir.path()), &cap.log);
@@ -760,12 +768,9 @@ TEST_CASE("torn, foreign and misnamed files are dropped at start-up; good ones a
   temp_dir dir;
   const objects o(0, 8, 64 * 1024);
   std::vector<fs::path> files;
-  {
-    asio::io_context io;
-    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
-    REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 8);
+  first_life(dir.path(), o, [&](l2::disk_backend& b) {
     for (const auto& k : o.keys) files.push_back(b.object_file(k));
-  }
+  });
   fs::resize_file(files[0], 4096 + 32 * 1024);  // truncated payload
   {                                               // a bad header (magic)
     std::fstream f(files[1], std::ios::in | std::ios::out | std::ios::binary);
@@ -807,13 +812,10 @@ TEST_CASE("verify_on_start drops an object whose payload checksum fails", "[l2][
   temp_dir dir;
   const objects o(0, 2, 64 * 1024);
   fs::path victim;
-  {
-    asio::io_context io;
-    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
-    REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 2);
+  first_life(dir.path(), o, [&](l2::disk_backend& b) {
     REQUIRE(b.corrupt_stored(o.keys[0]));
     victim = b.object_file(o.keys[0]);
-  }
+  });
   asio::io_context io;
   auto opts = options_for(dir.path());
   opts.verify_on_start = true;

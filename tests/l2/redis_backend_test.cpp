@@ -527,6 +527,14 @@ class fake_redis {
     asio::co_spawn(io, accept(), asio::detached);
   }
   [[nodiscard]] std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
+  /// Options of a backend on this server: one connection, no background refresh to speak of.
+  [[nodiscard]] l2::redis_backend_options options() const {
+    l2::redis_backend_options o;
+    o.nodes = {"127.0.0.1:" + std::to_string(port())};
+    o.connections_per_node = 1;
+    o.info_interval_ms = std::chrono::hours(1);
+    return o;
+  }
 
   std::function<std::string(const std::vector<std::string>&)> answer;
   std::size_t connections = 0;
@@ -600,11 +608,7 @@ TEST_CASE(
     if (a[0] == "GET") return head + value.substr(0, value.size() / 2);  // then silence
     return {};
   };
-  l2::redis_backend_options o;
-  o.nodes = {"127.0.0.1:" + std::to_string(fake.port())};
-  o.connections_per_node = 1;
-  o.info_interval_ms = std::chrono::hours(1);
-  l2::redis_backend b(io.get_executor(), o);
+  l2::redis_backend b(io.get_executor(), fake.options());
   REQUIRE(run_until(io, [&] { return b.health().healthy; }));
 
   std::vector<std::byte> dst(n, std::byte{0xee});
@@ -637,11 +641,7 @@ TEST_CASE("a reply that comes after the deadline is read and dropped; the connec
     if (a[0] == "EXISTS") return ":1\r\n";
     return "-ERR unexpected\r\n";
   };
-  l2::redis_backend_options o;
-  o.nodes = {"127.0.0.1:" + std::to_string(fake.port())};
-  o.connections_per_node = 1;
-  o.info_interval_ms = std::chrono::hours(1);
-  l2::redis_backend b(io.get_executor(), o);
+  l2::redis_backend b(io.get_executor(), fake.options());
   REQUIRE(run_until(io, [&] { return b.health().healthy; }));
   auto load = [&](std::vector<std::byte>& dst, l2::deadline d) {
     std::vector<std::span<std::byte>> dsts = {dst};
@@ -673,10 +673,7 @@ TEST_CASE("large GETs are not pipelined past max_inflight_bytes_per_connection",
     if (a[0] == "GET") ++gets;  // answered by the test, one at a time
     return {};
   };
-  l2::redis_backend_options o;
-  o.nodes = {"127.0.0.1:" + std::to_string(fake.port())};
-  o.connections_per_node = 1;
-  o.info_interval_ms = std::chrono::hours(1);
+  l2::redis_backend_options o = fake.options();
   o.max_inflight_bytes_per_connection = 100 * 1024;  // room for one object at a time
   l2::redis_backend b(io.get_executor(), o);
   REQUIRE(run_until(io, [&] { return b.health().healthy; }));
@@ -706,11 +703,7 @@ TEST_CASE("a malformed reply drops the connection and counts a protocol error", 
     if (a[0] == "EXISTS") return "?what\r\n";
     return {};
   };
-  l2::redis_backend_options o;
-  o.nodes = {"127.0.0.1:" + std::to_string(fake.port())};
-  o.connections_per_node = 1;
-  o.info_interval_ms = std::chrono::hours(1);
-  l2::redis_backend b(io.get_executor(), o);
+  l2::redis_backend b(io.get_executor(), fake.options());
   REQUIRE(run_until(io, [&] { return b.health().healthy; }));
   const chunk_key k = key_of(9);
   auto [ec, found] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, bitmap>> {

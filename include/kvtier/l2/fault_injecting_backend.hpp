@@ -159,6 +159,21 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
     const fault* fail = nullptr;
     bool whole = false;
     std::vector<std::size_t> passed;
+
+    /// The elements of a per-key span (the keys, or their buffers) that passed: what the
+    /// inner backend is given.
+    template <class T>
+    [[nodiscard]] std::vector<T> of(std::span<const T> all) const {
+      std::vector<T> v;
+      v.reserve(passed.size());
+      for (auto i : passed) v.push_back(all[i]);
+      return v;
+    }
+    /// Puts the inner backend's outcomes of the passed keys in their places of r.
+    void merge(const batch_result& sub, batch_result& r) const {
+      for (std::size_t j = 0; j < passed.size(); ++j)
+        r.outcomes[passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
+    }
   };
   static split split_keys(const std::vector<fault>& fs, std::span<const chunk_key> keys) {
     split s;
@@ -178,8 +193,7 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
       co_await delay_if(fs);
       co_return lookup_tuple{s.fail->error, found};
     }
-    std::vector<chunk_key> sub;
-    for (auto i : s.passed) sub.push_back(keys[i]);
+    const auto sub = s.of(keys);
     auto [ec, sub_found] = co_await inner_->async_lookup_and_pin(sub, d, boost::asio::as_tuple(boost::asio::use_awaitable));
     for (std::size_t j = 0; j < s.passed.size(); ++j)
       if (sub_found.size() > j && sub_found.test(j)) found.set(s.passed[j]);
@@ -189,48 +203,37 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
 
   boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
                                                 std::span<const std::span<std::byte>> destinations, deadline d) {
-    const auto fs = take(fault_op::load);
-    co_await hang_if(fs);
-    corrupt_if(fs, keys);
-    const split s = split_keys(fs, keys);
-    batch_result r(keys.size(), s.fail ? s.fail->outcome : key_outcome::timeout);
-    if (s.whole) {
-      co_await delay_if(fs);
-      co_return batch_tuple{s.fail->error, r};
-    }
-    std::vector<chunk_key> sub_keys;
-    std::vector<std::span<std::byte>> sub_dst;
-    for (auto i : s.passed) {
-      sub_keys.push_back(keys[i]);
-      sub_dst.push_back(destinations[i]);
-    }
-    auto [ec, sub] = co_await inner_->async_load(sub_keys, sub_dst, d, boost::asio::as_tuple(boost::asio::use_awaitable));
-    for (std::size_t j = 0; j < s.passed.size(); ++j)
-      r.outcomes[s.passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
-    co_await delay_if(fs);
-    co_return batch_tuple{ec, r};
+    return pass_batch(fault_op::load, keys, destinations, [this, d](const auto& sub_keys, const auto& sub_dst) {
+      return inner_->async_load(sub_keys, sub_dst, d, boost::asio::as_tuple(boost::asio::use_awaitable));
+    });
   }
 
   boost::asio::awaitable<batch_tuple> store_impl(std::span<const chunk_key> keys,
                                                  std::span<const std::span<const std::byte>> sources, deadline d) {
-    const auto fs = take(fault_op::store);
+    return pass_batch(fault_op::store, keys, sources, [this, d](const auto& sub_keys, const auto& sub_src) {
+      return inner_->async_store(sub_keys, sub_src, d, boost::asio::as_tuple(boost::asio::use_awaitable));
+    });
+  }
+
+  /// A load or store: the faults of its kind apply (a load's corruption before it reads, a
+  /// store's after it wrote), the keys they pass go to the inner backend with their buffers.
+  template <class Buffer, class Inner>
+  boost::asio::awaitable<batch_tuple> pass_batch(fault_op op, std::span<const chunk_key> keys,
+                                                 std::span<const Buffer> buffers, Inner inner) {
+    const auto fs = take(op);
     co_await hang_if(fs);
+    if (op == fault_op::load) corrupt_if(fs, keys);
     const split s = split_keys(fs, keys);
     batch_result r(keys.size(), s.fail ? s.fail->outcome : key_outcome::timeout);
     if (s.whole) {
       co_await delay_if(fs);
       co_return batch_tuple{s.fail->error, r};
     }
-    std::vector<chunk_key> sub_keys;
-    std::vector<std::span<const std::byte>> sub_src;
-    for (auto i : s.passed) {
-      sub_keys.push_back(keys[i]);
-      sub_src.push_back(sources[i]);
-    }
-    auto [ec, sub] = co_await inner_->async_store(sub_keys, sub_src, d, boost::asio::as_tuple(boost::asio::use_awaitable));
-    for (std::size_t j = 0; j < s.passed.size(); ++j)
-      r.outcomes[s.passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
-    corrupt_if(fs, sub_keys);
+    const auto sub_keys = s.of(keys);
+    const auto sub_buffers = s.of(buffers);
+    auto [ec, sub] = co_await inner(sub_keys, sub_buffers);
+    s.merge(sub, r);
+    if (op == fault_op::store) corrupt_if(fs, sub_keys);
     co_await delay_if(fs);
     co_return batch_tuple{ec, r};
   }
@@ -241,11 +244,9 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
     const split s = split_keys(fs, keys);
     batch_result r(keys.size(), s.fail ? s.fail->outcome : key_outcome::timeout);
     if (s.whole) co_return batch_tuple{s.fail->error, r};
-    std::vector<chunk_key> sub_keys;
-    for (auto i : s.passed) sub_keys.push_back(keys[i]);
+    const auto sub_keys = s.of(keys);
     auto [ec, sub] = co_await inner_->async_remove(sub_keys, d, boost::asio::as_tuple(boost::asio::use_awaitable));
-    for (std::size_t j = 0; j < s.passed.size(); ++j)
-      r.outcomes[s.passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
+    s.merge(sub, r);
     co_await delay_if(fs);
     co_return batch_tuple{ec, r};
   }
