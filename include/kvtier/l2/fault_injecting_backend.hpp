@@ -17,6 +17,11 @@
 //                        must survive.
 // A fault applies to the next `times` operations of its kind (-1: until clear()).
 // Call release_hung() before destroying the wrapper while operations hang.
+//
+// Cancellation (the handler's slot, terminal): the caller's cancellation reaches the inner
+// operation (which then completes with operation_aborted, or its real result when it had
+// finished); a delay fault's wait ends at once and the operation completes with the inner
+// result. Nothing touches the caller's buffers after the completion. A hang ignores it.
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -25,6 +30,7 @@
 #include <kvtier/l2/types.hpp>
 
 #include <boost/asio/as_tuple.hpp>
+#include <boost/asio/cancellation_type.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -138,11 +144,14 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
     hung_.remove(&t);
   }
 
+  /// A delay fault's wait; cut short (and skipped) once the caller cancelled the operation.
   boost::asio::awaitable<void> delay_if(const std::vector<fault>& fs) {
-    if (const fault* f = find(fs, fault_kind::delay)) {
-      boost::asio::steady_timer t(get_executor(), f->delay);
-      co_await t.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
-    }
+    const fault* f = find(fs, fault_kind::delay);
+    if (f == nullptr) co_return;
+    const boost::asio::cancellation_state cs = co_await boost::asio::this_coro::cancellation_state;
+    if (cs.cancelled() != boost::asio::cancellation_type::none) co_return;
+    boost::asio::steady_timer t(get_executor(), f->delay);
+    co_await t.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
   }
 
   void corrupt_if(const std::vector<fault>& fs, std::span<const chunk_key> keys) {
@@ -185,6 +194,7 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   }
 
   boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
     const auto fs = take(fault_op::lookup);
     co_await hang_if(fs);
     const split s = split_keys(fs, keys);
@@ -220,6 +230,7 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   template <class Buffer, class Inner>
   boost::asio::awaitable<batch_tuple> pass_batch(fault_op op, std::span<const chunk_key> keys,
                                                  std::span<const Buffer> buffers, Inner inner) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
     const auto fs = take(op);
     co_await hang_if(fs);
     if (op == fault_op::load) corrupt_if(fs, keys);
@@ -239,6 +250,7 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   }
 
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
     const auto fs = take(fault_op::remove);
     co_await hang_if(fs);
     const split s = split_keys(fs, keys);

@@ -8,6 +8,9 @@
 // other, so a deadline cuts a batch after the keys that fit. Data is copied when a key
 // "finishes", on the backend's executor: the buffer contract of l2_backend holds trivially.
 // Eviction: FIFO by insertion, skipping pinned objects, when a store needs room.
+// Cancellation (the handler's slot, terminal) ends the wait of the key in transfer: the
+// operation completes with operation_aborted (keys already done keep their outcome) and
+// copies nothing more.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
@@ -20,9 +23,11 @@
 
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/as_tuple.hpp>
+#include <boost/asio/cancellation_type.hpp>
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/error.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
@@ -137,7 +142,11 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
   static error_code unavailable_error() { return make_error_code(errc::backend_unavailable); }
 
   // Waits until t (or returns at once when t has passed). False when cancelled.
+  /// Waits until t on the executor; false when the caller cancelled the operation (before or
+  /// during the wait).
   boost::asio::awaitable<bool> wait_until(clock::time_point t) {
+    const auto cs = co_await boost::asio::this_coro::cancellation_state;
+    if (cs.cancelled() != boost::asio::cancellation_type::none) co_return false;
     if (t <= clock::now()) co_return true;
     boost::asio::steady_timer timer(executor_, t);
     auto [ec] = co_await timer.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
@@ -159,11 +168,12 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
   }
 
   boost::asio::awaitable<lookup_result> lookup_impl(std::span<const chunk_key> keys, deadline d) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancelled waits answer operation_aborted
     bitmap found(keys.size());
     if (!health().healthy) co_return lookup_result{unavailable_error(), found};
     const auto t = clock::now() + latency();
     if (t > d) {
-      co_await wait_until(d);
+      if (!co_await wait_until(d)) co_return lookup_result{boost::asio::error::operation_aborted, found};
       co_return lookup_result{make_error_code(errc::timeout), found};
     }
     if (!co_await wait_until(t)) co_return lookup_result{boost::asio::error::operation_aborted, found};
@@ -180,6 +190,7 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
   boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
                                                 std::span<const std::span<std::byte>> destinations, deadline d,
                                                 load_observer observer = {}) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancelled waits answer operation_aborted
     batch_result r(keys.size(), key_outcome::timeout);
     if (keys.size() != destinations.size()) co_return batch_tuple{make_error_code(errc::invalid_argument), r};
     if (!health().healthy) {
@@ -189,7 +200,7 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
     for (std::size_t i = 0; i < keys.size(); ++i) {
       const auto finish = reserve_channel(destinations[i].size(), i == 0, d);
       if (!finish) {
-        co_await wait_until(d);
+        if (!co_await wait_until(d)) co_return batch_tuple{boost::asio::error::operation_aborted, r};
         co_return batch_tuple{make_error_code(errc::timeout), r};
       }
       if (!co_await wait_until(*finish)) co_return batch_tuple{boost::asio::error::operation_aborted, r};
@@ -215,6 +226,7 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
 
   boost::asio::awaitable<batch_tuple> store_impl(std::span<const chunk_key> keys,
                                                  std::span<const std::span<const std::byte>> sources, deadline d) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancelled waits answer operation_aborted
     batch_result r(keys.size(), key_outcome::timeout);
     if (keys.size() != sources.size()) co_return batch_tuple{make_error_code(errc::invalid_argument), r};
     if (!health().healthy) {
@@ -224,7 +236,7 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
     for (std::size_t i = 0; i < keys.size(); ++i) {
       const auto finish = reserve_channel(sources[i].size(), i == 0, d);
       if (!finish) {
-        co_await wait_until(d);
+        if (!co_await wait_until(d)) co_return batch_tuple{boost::asio::error::operation_aborted, r};
         co_return batch_tuple{make_error_code(errc::timeout), r};
       }
       if (!co_await wait_until(*finish)) co_return batch_tuple{boost::asio::error::operation_aborted, r};
@@ -255,6 +267,7 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
   }
 
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancelled waits answer operation_aborted
     batch_result r(keys.size(), key_outcome::not_found);
     if (!health().healthy) {
       std::fill(r.outcomes.begin(), r.outcomes.end(), key_outcome::unavailable);

@@ -16,6 +16,7 @@
 
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/error.hpp>
+#include <boost/asio/this_coro.hpp>
 
 #include <hiredis.h>
 
@@ -119,6 +120,7 @@ inline void redis_report_tally(redis_client& c, const redis_outcome_tally& t, st
 /// EXISTS per key; pins the keys found.
 inline boost::asio::awaitable<redis_lookup_tuple> redis_lookup(std::shared_ptr<redis_client> self,
                                                                std::span<const chunk_key> keys, deadline d) {
+  co_await boost::asio::this_coro::throw_if_cancelled(false);  // a cancelled batch answers operation_aborted
   auto& c = *self;
   const std::size_t n = keys.size();
   if (c.is_shut_down()) co_return redis_lookup_tuple{make_error_code(errc::shutting_down), bitmap(n)};
@@ -149,6 +151,7 @@ inline boost::asio::awaitable<redis_lookup_tuple> redis_lookup(std::shared_ptr<r
 inline boost::asio::awaitable<redis_batch_tuple> redis_load(std::shared_ptr<redis_client> self,
                                                             std::span<const chunk_key> keys,
                                                             std::span<const std::span<std::byte>> dst, deadline d) {
+  co_await boost::asio::this_coro::throw_if_cancelled(false);  // a cancelled batch answers operation_aborted
   auto& c = *self;
   const std::size_t n = keys.size();
   if (auto refused = redis_refuse(c, n, dst.size())) co_return std::move(*refused);
@@ -197,6 +200,7 @@ inline boost::asio::awaitable<redis_batch_tuple> redis_store(std::shared_ptr<red
                                                              std::span<const chunk_key> keys,
                                                              std::span<const std::span<const std::byte>> src,
                                                              deadline d) {
+  co_await boost::asio::this_coro::throw_if_cancelled(false);  // a cancelled batch answers operation_aborted
   auto& c = *self;
   const std::size_t n = keys.size();
   if (auto refused = redis_refuse(c, n, src.size())) co_return std::move(*refused);
@@ -243,6 +247,7 @@ inline boost::asio::awaitable<redis_batch_tuple> redis_store(std::shared_ptr<red
 /// DEL per key not pinned here (`rejected` for the pinned ones).
 inline boost::asio::awaitable<redis_batch_tuple> redis_remove(std::shared_ptr<redis_client> self,
                                                               std::span<const chunk_key> keys, deadline d) {
+  co_await boost::asio::this_coro::throw_if_cancelled(false);  // a cancelled batch answers operation_aborted
   auto& c = *self;
   const std::size_t n = keys.size();
   if (auto refused = redis_refuse(c, n, n)) co_return std::move(*refused);

@@ -6,6 +6,7 @@
 #include <kvtier/l2/redis/detail/redis_client.hpp>
 
 #include <boost/asio/as_tuple.hpp>
+#include <boost/asio/cancellation_type.hpp>
 #include <boost/asio/error.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -37,6 +38,11 @@ inline boost::asio::awaitable<error_code> redis_batch::run() {
   if (clock::now() >= deadline_) {
     for (auto& it : items_) it.timed_out = true;
     co_return make_error_code(errc::timeout);
+  }
+  if (const asio::cancellation_state cs = co_await asio::this_coro::cancellation_state;
+      cs.cancelled() != asio::cancellation_type::none) {
+    for (auto& it : items_) it.timed_out = true;  // cancelled before anything was sent
+    co_return asio::error::operation_aborted;
   }
   for (std::size_t i = 0; i < items_.size(); ++i)
     issue(i, items_[i].fixed != nullptr ? items_[i].fixed : client_.route(items_[i].slot), false);
