@@ -12,9 +12,9 @@
 // (default: $TMPDIR or /tmp) must be on a file system with O_DIRECT (not tmpfs for the disk
 // figures to mean anything).
 #include <kvtier/core/buffer.hpp>
+#include <kvtier/io/object_io.hpp>
 #include <kvtier/io/pread_pool.hpp>
 #include <kvtier/io/probe.hpp>
-#include <kvtier/io/object_io.hpp>
 #include <kvtier/io/uring_context.hpp>
 
 #include <common/results.hpp>
@@ -78,11 +78,11 @@ double random_reads(FileIo& fio, asio::io_context& ctx, int fd, std::size_t file
   start = [&](unsigned lane) {
     ++started;
     fio.async_read(fd, mem.span().subspan(std::size_t{lane} * block, block), (rng() % blocks) * block,
-                      [&, lane](error_code ec, std::size_t n) {
-                        if (ec || n != block) throw std::runtime_error("read failed: " + ec.message());
-                        ++completed;
-                        if (!stop) start(lane);
-                      });
+                   [&, lane](error_code ec, std::size_t n) {
+                     if (ec || n != block) throw std::runtime_error("read failed: " + ec.message());
+                     ++completed;
+                     if (!stop) start(lane);
+                   });
   };
   const auto t0 = clock_type::now();
   const auto end = t0 + std::chrono::duration<double>(seconds);

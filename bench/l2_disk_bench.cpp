@@ -188,8 +188,7 @@ double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t obje
 double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes, std::size_t n,
                  io::file_io_choice choice, bool* used_uring = nullptr) {
   asio::io_context io;
-  auto disk = std::make_shared<l2::disk_backend>(io.get_executor(),
-                                                 backend_options(cfg, dir, object_bytes, n, choice));
+  auto disk = std::make_shared<l2::disk_backend>(io.get_executor(), backend_options(cfg, dir, object_bytes, n, choice));
   if (used_uring != nullptr) *used_uring = disk->file_io_kind() == io::file_io_kind::uring;
   if (disk->usage().objects != n) throw std::runtime_error("the load set lacks objects");
   bus::null_bus events;

@@ -26,9 +26,9 @@
 // request; and when every reply was well formed (form 1 and nothing appended or
 // abandoned), every request gets its reply: object_ok with exactly the payload sent.
 
+#include <kvtier/l2/object_format.hpp>
 #include <kvtier/l2/redis/detail/redis_link.hpp>
 #include <kvtier/l2/redis/detail/redis_wire.hpp>
-#include <kvtier/l2/object_format.hpp>
 
 #include "fuzz_support.hpp"
 

@@ -102,7 +102,8 @@ TEST_CASE("KVTIER_IO_BACKEND forces the file I/O of an automatic choice, and onl
   }
 }
 
-TEST_CASE("any_file_io says which implementation it chose, in the log and in kvtier_io_uring_enabled", "[io][any_file_io]") {
+TEST_CASE("any_file_io says which implementation it chose, in the log and in kvtier_io_uring_enabled",
+          "[io][any_file_io]") {
   const scoped_env env(io::file_io_env_var, nullptr);
   asio::io_context ctx;
   const bool force_pread = GENERATE(false, true);

@@ -149,10 +149,10 @@ TEMPLATE_TEST_CASE("many operations started at once all complete, each exactly o
     // Backwards, so each read is checked against its own offset.
     const std::size_t b = blocks - 1 - i;
     f.file_io().async_read(fd.get(), in.span().subspan(b * 4096, 4096), b * 4096,
-                          [&, h = results[b].handler()](error_code ec, std::size_t n) mutable {
-                            h(ec, n);
-                            ++done;
-                          });
+                           [&, h = results[b].handler()](error_code ec, std::size_t n) mutable {
+                             h(ec, n);
+                             ++done;
+                           });
   }
   REQUIRE(test::run_until(f.io, [&] { return done == blocks; }));
   for (std::size_t b = 0; b < blocks; ++b) {
@@ -328,7 +328,8 @@ TEMPLATE_TEST_CASE("async_write_all and async_read_all move a 5 MiB object in pa
   CHECK(f.file_io().in_flight() == 0);
 }
 
-TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with the bytes it has", "[io][conformance][object_io]",
+TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with the bytes it has",
+                   "[io][conformance][object_io]",
                    KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
@@ -344,7 +345,8 @@ TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with th
   opts.part_bytes = part;
 
   const auto [ec, n] = test::run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code, std::size_t>> {
-    co_return co_await io::async_read_all(f.file_io(), fd.get(), in.span(), 0, opts, asio::as_tuple(asio::use_awaitable));
+    co_return co_await io::async_read_all(f.file_io(), fd.get(), in.span(), 0, opts,
+                                          asio::as_tuple(asio::use_awaitable));
   }());
   CHECK(ec == asio::error::eof);
   CHECK(n == on_disk);

@@ -204,7 +204,7 @@ struct any_file_io_fixture {
 using any_file_io_auto_fixture = any_file_io_fixture<io::file_io_choice::automatic>;
 using any_file_io_pread_fixture = any_file_io_fixture<io::file_io_choice::pread>;
 
-#define KVTIER_FILE_IO_FIXTURES                                                           \
+#define KVTIER_FILE_IO_FIXTURES                                                                     \
   kvtier::test::uring_fixture, kvtier::test::pread_fixture, kvtier::test::any_file_io_auto_fixture, \
       kvtier::test::any_file_io_pread_fixture
 

@@ -253,7 +253,8 @@ TEST_CASE("a coroutine racing a read against a timer cancels the read when the t
   CHECK(test::all_bytes(in.span(), std::byte{0x11}));
 }
 
-TEST_CASE("cancelling async_read_all cancels its parts in the kernel and completes once", "[io][uring][cancel][object_io]") {
+TEST_CASE("cancelling async_read_all cancels its parts in the kernel and completes once",
+          "[io][uring][cancel][object_io]") {
   KVTIER_REQUIRE_URING();
   asio::io_context ctx;
   io::uring_context ring(ctx.get_executor());

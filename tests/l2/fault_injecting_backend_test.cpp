@@ -180,9 +180,8 @@ TEST_CASE("a delay cancelled after the wrapped load completed answers at once wi
   asio::cancellation_signal cancel;
   std::optional<std::tuple<error_code, l2::batch_result>> result;
   f.b.async_load(one, dst, l2::clock::now() + std::chrono::hours(1),
-                 asio::bind_cancellation_slot(cancel.slot(), [&](error_code e, l2::batch_result r) {
-                   result.emplace(e, std::move(r));
-                 }));
+                 asio::bind_cancellation_slot(
+                     cancel.slot(), [&](error_code e, l2::batch_result r) { result.emplace(e, std::move(r)); }));
   test::run_until_idle(f.io);  // the inner load is done; the delay runs
   REQUIRE_FALSE(result.has_value());
   CHECK(dst0[0] == std::byte{0x42});

@@ -628,9 +628,10 @@ TEST_CASE(
   CHECK(dst == snapshot);
 }
 
-TEST_CASE("a load cancelled mid-payload completes at once with operation_aborted; the buffer is never written "
-          "afterwards",
-          "[redis][buffers][cancel]") {
+TEST_CASE(
+    "a load cancelled mid-payload completes at once with operation_aborted; the buffer is never written "
+    "afterwards",
+    "[redis][buffers][cancel]") {
   asio::io_context io;
   fake_redis fake(io);
   const chunk_key k = key_of(7);

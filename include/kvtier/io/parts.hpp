@@ -179,7 +179,9 @@ class parts_op {
     }
   }
 
-  [[nodiscard]] bool lane_busy(unsigned l) const noexcept { return (free_[l / 64] & (std::uint64_t{1} << (l % 64))) == 0; }
+  [[nodiscard]] bool lane_busy(unsigned l) const noexcept {
+    return (free_[l / 64] & (std::uint64_t{1} << (l % 64))) == 0;
+  }
 
   /// A free lane, taken; lanes_count_ when none is free.
   unsigned take_lane() noexcept {
@@ -277,8 +279,8 @@ class parts_op {
   Plan plan_;
   std::size_t parts_;
   unsigned lanes_count_;
-  std::uint64_t free_[words]{};  // bit l set: lane l is free
-  part_lane* lanes_ = nullptr;  // lanes_count_ of them
+  std::uint64_t free_[words]{};                          // bit l set: lane l is free
+  part_lane* lanes_ = nullptr;                           // lanes_count_ of them
   boost::asio::cancellation_signal* signals_ = nullptr;  // one per lane, only when cancellable
   boost::asio::cancellation_slot slot_;
   std::size_t next_ = 0;
@@ -295,7 +297,7 @@ struct initiate_parts {
   template <class Handler, class Plan>
   void operator()(Handler&& handler, Plan&& plan, unsigned max_in_flight) const {
     parts_op<Io, std::decay_t<Plan>, std::decay_t<Handler>>::launch(std::forward<Handler>(handler), *io,
-                                                                     std::move(plan), max_in_flight);
+                                                                    std::move(plan), max_in_flight);
   }
 };
 

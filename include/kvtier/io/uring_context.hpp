@@ -140,8 +140,8 @@ class uring_context : public detail::file_io_operations<uring_context> {
     if constexpr (std::is_same_v<Desc, detail::op_read> || std::is_same_v<Desc, detail::op_write>) {
       if (const int idx = core_.fixed_index(desc.data, desc.len); idx >= 0) {
         core_.count_fixed_op();
-        using fixed = std::conditional_t<std::is_same_v<Desc, detail::op_read>, detail::op_read_fixed,
-                                         detail::op_write_fixed>;
+        using fixed =
+            std::conditional_t<std::is_same_v<Desc, detail::op_read>, detail::op_read_fixed, detail::op_write_fixed>;
         start(std::forward<Handler>(handler), fixed{{}, desc.fd, desc.data, desc.len, desc.offset, idx});
         return;
       }

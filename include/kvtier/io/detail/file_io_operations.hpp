@@ -120,8 +120,8 @@ class file_io_operations {
 
   template <class Desc, class Token, class... Args>
   auto initiate(Token& token, Args... args) {
-    return boost::asio::async_initiate<Token, typename Desc::signature>(
-        initiation<Desc>{static_cast<Derived*>(this)}, token, Desc{{}, args...});
+    return boost::asio::async_initiate<Token, typename Desc::signature>(initiation<Desc>{static_cast<Derived*>(this)},
+                                                                        token, Desc{{}, args...});
   }
 };
 

@@ -300,7 +300,7 @@ class uring_core {
     enable_if_needed();
     for (;;) {
       const int r = ring_.mode == taskrun_mode::defer ? ::io_uring_submit_and_get_events(&ring_.ring)
-                                                 : ::io_uring_submit(&ring_.ring);
+                                                      : ::io_uring_submit(&ring_.ring);
       bump_owned(stats_->enter_calls);
       if (r >= 0) {
         bump_owned(stats_->sqes_submitted, static_cast<std::uint64_t>(r));

@@ -46,11 +46,11 @@
 // in part_bytes parts; the parts of all keys of a batch share queue_depth reads in flight,
 // issued in key order (the prefix the prefetch needs first lands first) and batched into one
 // io_uring_enter per executor turn (io::async_run_parts, io/parts.hpp: the part runner of
-// io::async_read_all too; stores write their parts the same way). The payload checksum is computed in part-sized steps as
-// the parts land (stores: as they are issued), so the I/O thread never stalls for a whole
-// object's hash while the device queue drains; a key answers ok only once its digest
-// matches its header. A payload whose size is not a multiple of 4 KiB moves its last block
-// through a bounce block.
+// io::async_read_all too; stores write their parts the same way). The payload checksum is
+// computed in part-sized steps as the parts land (stores: as they are issued), so the I/O
+// thread never stalls for a whole object's hash while the device queue drains; a key
+// answers ok only once its digest matches its header. A payload whose size is not a
+// multiple of 4 KiB moves its last block through a bounce block.
 //
 // DEADLINES AND THE BUFFER CONTRACT: at the deadline (or on the caller's cancellation) the
 // operation stops issuing and asks the file I/O to cancel what is in flight, then waits
@@ -237,7 +237,9 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   /// The same counters, shared: they stay readable after the backend is gone.
   [[nodiscard]] std::shared_ptr<const disk_stats> shared_stats() const noexcept { return stats_; }
   /// The file I/O's counters (io::io_stats), shared likewise.
-  [[nodiscard]] std::shared_ptr<const io::io_stats> shared_io_stats() const noexcept { return file_io_->shared_stats(); }
+  [[nodiscard]] std::shared_ptr<const io::io_stats> shared_io_stats() const noexcept {
+    return file_io_->shared_stats();
+  }
   [[nodiscard]] const disk_recovery_report& recovery() const noexcept { return recovery_; }
   [[nodiscard]] const disk_backend_options& options() const noexcept { return options_; }
   [[nodiscard]] io::file_io_kind file_io_kind() const noexcept { return file_io_->kind(); }

@@ -324,7 +324,8 @@ inline void disk_backend::add_payload_parts(std::vector<part>& parts, const obje
   const std::size_t part_bytes = detail::round_up_block(options_.part_bytes);
   for (std::size_t off = 0; off < it.aligned_bytes; off += part_bytes)
     parts.push_back({item, part_kind::payload, false, off, std::min(part_bytes, it.aligned_bytes - off)});
-  if (bytes > it.aligned_bytes) parts.push_back({item, part_kind::tail, false, it.aligned_bytes, detail::disk_block_bytes});
+  if (bytes > it.aligned_bytes)
+    parts.push_back({item, part_kind::tail, false, it.aligned_bytes, detail::disk_block_bytes});
 }
 
 // --- the fan-out primitive ----------------------------------------------------------------------

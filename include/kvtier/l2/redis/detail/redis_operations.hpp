@@ -111,7 +111,8 @@ inline void redis_report_tally(redis_client& c, const redis_outcome_tally& t, st
 /// match the keys, a client shut down), or nullopt.
 [[nodiscard]] inline std::optional<redis_batch_tuple> redis_refuse(const redis_client& c, std::size_t keys,
                                                                    std::size_t buffers) {
-  if (keys != buffers) return redis_batch_tuple{make_error_code(errc::invalid_argument), batch_result(keys, key_outcome::timeout)};
+  if (keys != buffers)
+    return redis_batch_tuple{make_error_code(errc::invalid_argument), batch_result(keys, key_outcome::timeout)};
   if (c.is_shut_down())
     return redis_batch_tuple{make_error_code(errc::shutting_down), batch_result(keys, key_outcome::unavailable)};
   return std::nullopt;
