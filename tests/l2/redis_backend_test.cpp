@@ -29,6 +29,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <set>
@@ -595,79 +596,79 @@ std::string object_value(const chunk_key& k, std::size_t n) {
 
 }  // namespace
 
+namespace {
+
+/// A backend on a fake server that answers the GET of one 256 KiB object with the first half
+/// of its value, then nothing, and a buffer for it.
+struct stalled_get {
+  asio::io_context io;
+  fake_redis fake{io};
+  const chunk_key k = key_of(7);
+  static constexpr std::size_t n = 256 * 1024;
+  const std::string value = object_value(k, n);
+  std::vector<std::byte> dst = std::vector<std::byte>(n, std::byte{0xee});
+  std::vector<std::span<std::byte>> dsts{dst};
+  std::unique_ptr<l2::redis_backend> b;
+
+  stalled_get() {
+    const std::string head = "$" + std::to_string(value.size()) + "\r\n";
+    fake.answer = [this, head](const std::vector<std::string>& a) -> std::string {
+      if (a[0] == "GET") return head + value.substr(0, value.size() / 2);  // then silence
+      return {};
+    };
+    b = std::make_unique<l2::redis_backend>(io.get_executor(), fake.options());
+    REQUIRE(run_until(io, [&] { return b->health().healthy; }));
+  }
+
+  /// The server sends the rest of the value now, when the connection it was meant for is
+  /// gone; returns once the backend has reconnected.
+  void send_the_rest() {
+    REQUIRE(run_until(io, [&] { return fake.peer_closed >= 1; }));
+    fake.send(0, value.substr(value.size() / 2) + "\r\n");
+    REQUIRE(run_until(io, [&] { return fake.connections >= 2 && b->health().healthy; }));  // reconnected
+  }
+};
+
+}  // namespace
+
 TEST_CASE(
     "a reply that stalls mid-payload: the load times out, the connection is dropped, the buffer is "
     "never written afterwards",
     "[redis][buffers]") {
-  asio::io_context io;
-  fake_redis fake(io);
-  const chunk_key k = key_of(7);
-  constexpr std::size_t n = 256 * 1024;
-  const std::string value = object_value(k, n);
-  const std::string head = "$" + std::to_string(value.size()) + "\r\n";
-  fake.answer = [&](const std::vector<std::string>& a) -> std::string {
-    if (a[0] == "GET") return head + value.substr(0, value.size() / 2);  // then silence
-    return {};
-  };
-  l2::redis_backend b(io.get_executor(), fake.options());
-  REQUIRE(run_until(io, [&] { return b.health().healthy; }));
-
-  std::vector<std::byte> dst(n, std::byte{0xee});
-  std::vector<std::span<std::byte>> dsts = {dst};
-  auto [ec, r] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
-    co_return co_await b.async_load(std::span(&k, 1), dsts, in(std::chrono::milliseconds(300)),
-                                    asio::as_tuple(asio::use_awaitable));
+  stalled_get s;
+  auto [ec, r] = run_sync(s.io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
+    co_return co_await s.b->async_load(std::span(&s.k, 1), s.dsts, in(std::chrono::milliseconds(300)),
+                                       asio::as_tuple(asio::use_awaitable));
   }());
   CHECK(ec == errc::timeout);
   CHECK(r.outcomes[0] == key_outcome::timeout);
-  const auto snapshot = dst;
-  // The server sends the rest now: the connection it was meant for is gone.
-  REQUIRE(run_until(io, [&] { return fake.peer_closed >= 1; }));
-  fake.send(0, value.substr(value.size() / 2) + "\r\n");
-  REQUIRE(run_until(io, [&] { return fake.connections >= 2 && b.health().healthy; }));  // reconnected
-  CHECK(dst == snapshot);
+  const auto snapshot = s.dst;
+  s.send_the_rest();
+  CHECK(s.dst == snapshot);
 }
 
 TEST_CASE(
     "a load cancelled mid-payload completes at once with operation_aborted; the buffer is never written "
     "afterwards",
     "[redis][buffers][cancel]") {
-  asio::io_context io;
-  fake_redis fake(io);
-  const chunk_key k = key_of(7);
-  constexpr std::size_t n = 256 * 1024;
-  const std::string value = object_value(k, n);
-  const std::string head = "$" + std::to_string(value.size()) + "\r\n";
-  fake.answer = [&](const std::vector<std::string>& a) -> std::string {
-    if (a[0] == "GET") return head + value.substr(0, value.size() / 2);  // then silence
-    return {};
-  };
-  l2::redis_backend b(io.get_executor(), fake.options());
-  REQUIRE(run_until(io, [&] { return b.health().healthy; }));
-
-  std::vector<std::byte> dst(n, std::byte{0xee});
-  std::vector<std::span<std::byte>> dsts = {dst};
+  stalled_get s;
   asio::cancellation_signal cancel;
   std::optional<std::tuple<error_code, l2::batch_result>> result;
-  b.async_load(std::span(&k, 1), dsts, in(std::chrono::hours(1)),
-               asio::bind_cancellation_slot(cancel.slot(), [&](error_code e, l2::batch_result r) {
-                 result.emplace(e, std::move(r));
-               }));
+  s.b->async_load(std::span(&s.k, 1), s.dsts, in(std::chrono::hours(1)),
+                  asio::bind_cancellation_slot(
+                      cancel.slot(), [&](error_code e, l2::batch_result r) { result.emplace(e, std::move(r)); }));
   // The first half of the payload lands in the buffer; the rest never comes.
-  REQUIRE(run_until(io, [&] {
-    return std::any_of(dst.begin(), dst.begin() + 4096, [](std::byte x) { return x != std::byte{0xee}; });
+  REQUIRE(run_until(s.io, [&] {
+    return std::any_of(s.dst.begin(), s.dst.begin() + 4096, [](std::byte x) { return x != std::byte{0xee}; });
   }));
   CHECK_FALSE(result.has_value());
   cancel.emit(asio::cancellation_type::terminal);
-  REQUIRE(run_until(io, [&] { return result.has_value(); }));  // long before the deadline
+  REQUIRE(run_until(s.io, [&] { return result.has_value(); }));  // long before the deadline
   CHECK(std::get<0>(*result) == asio::error::operation_aborted);
   CHECK(std::get<1>(*result).outcomes[0] == key_outcome::timeout);
-  std::fill(dst.begin(), dst.end(), std::byte{0x11});
-  // The server sends the rest now: the connection it was meant for is gone.
-  REQUIRE(run_until(io, [&] { return fake.peer_closed >= 1; }));
-  fake.send(0, value.substr(value.size() / 2) + "\r\n");
-  REQUIRE(run_until(io, [&] { return fake.connections >= 2 && b.health().healthy; }));  // reconnected
-  CHECK(std::all_of(dst.begin(), dst.end(), [](std::byte x) { return x == std::byte{0x11}; }));
+  std::fill(s.dst.begin(), s.dst.end(), std::byte{0x11});
+  s.send_the_rest();
+  CHECK(std::all_of(s.dst.begin(), s.dst.end(), [](std::byte x) { return x == std::byte{0x11}; }));
 }
 
 TEST_CASE("a reply that comes after the deadline is read and dropped; the connection stays in step",

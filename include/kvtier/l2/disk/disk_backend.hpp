@@ -356,6 +356,3 @@ static_assert(corruptible_backend<disk_backend>);
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2
 
 #include <kvtier/l2/disk/impl/disk_backend.hpp>
-#include <kvtier/l2/disk/impl/disk_directory.hpp>
-#include <kvtier/l2/disk/impl/disk_load.hpp>
-#include <kvtier/l2/disk/impl/disk_store.hpp>

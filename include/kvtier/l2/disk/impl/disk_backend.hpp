@@ -487,3 +487,8 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::remove_im
 
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+
+// The paths, each in its own file; after the shared definitions above, which they use.
+#include <kvtier/l2/disk/impl/disk_directory.hpp>
+#include <kvtier/l2/disk/impl/disk_load.hpp>
+#include <kvtier/l2/disk/impl/disk_store.hpp>
