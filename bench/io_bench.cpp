@@ -1,9 +1,9 @@
-// io_bench: the io/ engines against each other and against a plain pread loop.
+// io_bench: the io/ implementations of file_io against each other and against a plain pread loop.
 //
 //   - 4 KiB reads of a page-cached file (no device): what an operation costs the CPU, at
 //     queue depth 1 and 32, for uring_context in each task-running mode and for the pread
 //     pool; the batching factor (SQEs per io_uring_enter);
-//   - openat + close pairs through the engine vs plain syscalls (the metadata path);
+//   - openat + close pairs through file_io vs plain syscalls (the metadata path);
 //   - 4 KiB O_DIRECT random reads at depth 32, and 32 MiB objects read with
 //     async_read_all (1 MiB parts, 16 in flight) through O_DIRECT: what reaches the device.
 //
@@ -12,9 +12,9 @@
 // (default: $TMPDIR or /tmp) must be on a file system with O_DIRECT (not tmpfs for the disk
 // figures to mean anything).
 #include <kvtier/core/buffer.hpp>
+#include <kvtier/io/object_io.hpp>
 #include <kvtier/io/pread_pool.hpp>
 #include <kvtier/io/probe.hpp>
-#include <kvtier/io/transfer.hpp>
 #include <kvtier/io/uring_context.hpp>
 
 #include <common/results.hpp>
@@ -65,8 +65,8 @@ void make_file(const std::string& path, std::size_t bytes) {
 
 /// Reads random 4 KiB blocks with `depth` reads in flight (each completion starts the next)
 /// for about `seconds`; returns reads per second.
-template <class Engine>
-double random_reads(Engine& engine, asio::io_context& ctx, int fd, std::size_t file_bytes, unsigned depth,
+template <class FileIo>
+double random_reads(FileIo& fio, asio::io_context& ctx, int fd, std::size_t file_bytes, unsigned depth,
                     double seconds) {
   aligned_buffer mem(std::size_t{depth} * block);
   std::mt19937_64 rng(depth);
@@ -77,12 +77,12 @@ double random_reads(Engine& engine, asio::io_context& ctx, int fd, std::size_t f
   std::function<void(unsigned)> start;
   start = [&](unsigned lane) {
     ++started;
-    engine.async_read(fd, mem.span().subspan(std::size_t{lane} * block, block), (rng() % blocks) * block,
-                      [&, lane](error_code ec, std::size_t n) {
-                        if (ec || n != block) throw std::runtime_error("read failed: " + ec.message());
-                        ++completed;
-                        if (!stop) start(lane);
-                      });
+    fio.async_read(fd, mem.span().subspan(std::size_t{lane} * block, block), (rng() % blocks) * block,
+                   [&, lane](error_code ec, std::size_t n) {
+                     if (ec || n != block) throw std::runtime_error("read failed: " + ec.message());
+                     ++completed;
+                     if (!stop) start(lane);
+                   });
   };
   const auto t0 = clock_type::now();
   const auto end = t0 + std::chrono::duration<double>(seconds);
@@ -114,8 +114,8 @@ double sync_reads(int fd, std::size_t file_bytes, double seconds) {
 }
 
 /// Reads `objects` random 32 MiB objects one after another with async_read_all; GB/s.
-template <class Engine>
-double object_reads(Engine& engine, asio::io_context& ctx, int fd, std::size_t file_bytes, int objects) {
+template <class FileIo>
+double object_reads(FileIo& fio, asio::io_context& ctx, int fd, std::size_t file_bytes, int objects) {
   constexpr std::size_t object = std::size_t{32} << 20;
   aligned_buffer mem(object);
   std::mt19937_64 rng(7);
@@ -123,7 +123,7 @@ double object_reads(Engine& engine, asio::io_context& ctx, int fd, std::size_t f
   int done = 0;
   std::function<void()> next;
   next = [&] {
-    io::async_read_all(engine, fd, mem.span(), (rng() % slots) * object, [&](error_code ec, std::size_t n) {
+    io::async_read_all(fio, fd, mem.span(), (rng() % slots) * object, [&](error_code ec, std::size_t n) {
       if (ec || n != object) throw std::runtime_error("read_all failed: " + ec.message());
       if (++done < objects) next();
     });
@@ -136,18 +136,18 @@ double object_reads(Engine& engine, asio::io_context& ctx, int fd, std::size_t f
   return static_cast<double>(object) * objects / dt / 1e9;
 }
 
-/// Opens and closes an existing file `n` times through the engine, one after the other;
+/// Opens and closes an existing file `n` times through file_io, one after the other;
 /// pairs per second.
-template <class Engine>
-double open_close(Engine& engine, asio::io_context& ctx, const std::string& path, double seconds) {
+template <class FileIo>
+double open_close(FileIo& fio, asio::io_context& ctx, const std::string& path, double seconds) {
   std::size_t done = 0;
   bool stop = false;
   bool running = true;
   std::function<void()> next;
   next = [&] {
-    engine.async_openat(AT_FDCWD, path.c_str(), O_RDONLY | O_CLOEXEC, 0, [&](error_code ec, int fd) {
+    fio.async_openat(AT_FDCWD, path.c_str(), O_RDONLY | O_CLOEXEC, 0, [&](error_code ec, int fd) {
       if (ec) throw std::runtime_error("openat failed: " + ec.message());
-      engine.async_close(fd, [&](error_code cec) {
+      fio.async_close(fd, [&](error_code cec) {
         if (cec) throw std::runtime_error("close failed: " + cec.message());
         ++done;
         if (!stop) next();

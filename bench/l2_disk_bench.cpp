@@ -33,7 +33,7 @@
 //   figures to mean anything); X GiB per measurement (default 2); --quick: 0.25 GiB, 2 repeats.
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/core/buffer.hpp>
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 
 #include <common/results.hpp>
 
@@ -144,12 +144,12 @@ std::string depth_text(const nlohmann::json& depths) {
 }
 
 l2::disk_backend_options backend_options(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes,
-                                         std::size_t n, io::engine_choice engine) {
+                                         std::size_t n, io::file_io_choice choice) {
   l2::disk_backend_options o;
   o.name = "disk";
   o.path = dir;
   o.capacity_bytes = static_cast<std::uint64_t>(n + 16) * (object_bytes + (1 << 20));
-  o.io = engine;
+  o.io = choice;
   o.queue_depth = cfg.depth;
   o.part_bytes = cfg.part;
   o.pread_threads = cfg.depth;
@@ -160,7 +160,7 @@ l2::disk_backend_options backend_options(const bench_config& cfg, const fs::path
 double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes, std::size_t n,
                   std::vector<aligned_buffer>& sources) {
   asio::io_context io;
-  l2::disk_backend b(io.get_executor(), backend_options(cfg, dir, object_bytes, n, io::engine_choice::automatic));
+  l2::disk_backend b(io.get_executor(), backend_options(cfg, dir, object_bytes, n, io::file_io_choice::automatic));
   std::size_t ok = 0;
   const auto t0 = clock_type::now();
   for (std::size_t first = 0; first < n; first += cfg.batch) {
@@ -186,11 +186,10 @@ double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t obje
 
 /// Loads n objects through tiered_cache lookups of cfg.batch keys; returns bytes per second.
 double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes, std::size_t n,
-                 io::engine_choice engine, bool* used_uring = nullptr) {
+                 io::file_io_choice choice, bool* used_uring = nullptr) {
   asio::io_context io;
-  auto disk = std::make_shared<l2::disk_backend>(io.get_executor(),
-                                                 backend_options(cfg, dir, object_bytes, n, engine));
-  if (used_uring != nullptr) *used_uring = disk->engine_kind() == io::engine_kind::uring;
+  auto disk = std::make_shared<l2::disk_backend>(io.get_executor(), backend_options(cfg, dir, object_bytes, n, choice));
+  if (used_uring != nullptr) *used_uring = disk->file_io_kind() == io::file_io_kind::uring;
   if (disk->usage().objects != n) throw std::runtime_error("the load set lacks objects");
   bus::null_bus events;
   cache::cache_options o;
@@ -302,8 +301,8 @@ figures measure(const bench_config& cfg, std::size_t object_bytes) {
       fs::remove_all(fio_dir);
     };
     if (fio_first) fio_read();
-    f.ours_read.push_back(ours_load(cfg, set, object_bytes, n, io::engine_choice::automatic, &uring));
-    f.ours_pread.push_back(ours_load(cfg, set, object_bytes, n, io::engine_choice::pread));
+    f.ours_read.push_back(ours_load(cfg, set, object_bytes, n, io::file_io_choice::automatic, &uring));
+    f.ours_pread.push_back(ours_load(cfg, set, object_bytes, n, io::file_io_choice::pread));
     if (!fio_first) fio_read();
     if (fio_first) fio_write();
     const fs::path ours_dir = cfg.dir / "ours-write";

@@ -28,7 +28,7 @@
 // RESULT l2_redis_load_gbps, redis_benchmark_get_gbps (medians, GB/s = 1e9 bytes/s) and
 // l2_redis_vs_redis_benchmark (median over repeats of ours_i / theirs_i).
 #include <kvtier/cache/tiered_cache.hpp>
-#include <kvtier/l2/redis_backend.hpp>
+#include <kvtier/l2/redis/redis_backend.hpp>
 
 #include <common/results.hpp>
 

@@ -12,7 +12,7 @@ find_package(PkgConfig REQUIRED)
 if(NOT TARGET PkgConfig::URING)
   pkg_check_modules(URING REQUIRED IMPORTED_TARGET GLOBAL liburing)
 endif()
-# hiredis is optional: only kvtier::redis (l2/redis_backend.hpp) needs it. Without it the
+# hiredis is optional: only kvtier::redis (l2/redis/redis_backend.hpp) needs it. Without it the
 # kvtier::redis target is not defined (our build) or not usable (an installed kvtier), and
 # everything else works; consumers that do not link kvtier::redis never need hiredis.
 if(NOT TARGET PkgConfig::HIREDIS)

@@ -1,6 +1,6 @@
 #pragma once
 // Umbrella header: everything of kvtier::kvtier. Not here, because their targets add a
-// dependency: io/ and l2/disk_backend.hpp (kvtier::uring, liburing), l2/redis_*
+// dependency: io/ and l2/disk/disk_backend.hpp (kvtier::uring, liburing), l2/redis/
 // (kvtier::redis, hiredis), cuda/ (kvtier::cuda, the CUDA runtime) and server/
 // (kvtier::server, nlohmann/json); include those on their own.
 

@@ -6,7 +6,7 @@
 
 #include <kvtier/bus/event_bus.hpp>
 #include <kvtier/l1/policy/noop.hpp>
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/l2/fault_injecting_backend.hpp>
 #include <kvtier/telemetry/collectors.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>

@@ -1,7 +1,7 @@
 // Fuzz target: what the disk L2 backend trusts of a file it finds on disk: the object header
 // (l2/object_format.hpp decode_header), the judgement of a header block and file size
-// (l2/detail/disk_layout.hpp check_object), object file names (parse_object_name), and the
-// recovery scan of a real l2::disk_backend over the file (l2/impl/disk_backend.hpp
+// (l2/disk/detail/disk_layout.hpp check_object), object file names (parse_object_name), and the
+// recovery scan of a real l2::disk_backend over the file (l2/disk/impl/disk_backend.hpp
 // recover(), with verify_on_start) followed by a load of what it recovered.
 //
 // Input: two bytes of choices, then the file's bytes.
@@ -26,8 +26,8 @@
 // its payload), and drops (deletes) the file otherwise. A name that parses re-encodes to
 // itself.
 
-#include <kvtier/l2/detail/disk_layout.hpp>
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/detail/disk_layout.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/l2/object_format.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
@@ -122,7 +122,7 @@ l2::disk_backend_options scan_options() {
   o.path = dir().root;
   o.capacity_bytes = std::uint64_t{1} << 30;
   o.o_direct = false;
-  o.io = kvtier::io::engine_choice::pread;
+  o.io = kvtier::io::file_io_choice::pread;
   o.pread_threads = 1;
   o.verify_on_start = true;
   o.sync = l2::disk_sync::none;

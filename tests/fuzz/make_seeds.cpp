@@ -20,7 +20,7 @@
 //                                                stale (ctest fuzz.seeds_current)
 
 #include <kvtier/cuda/ipc_descriptor.hpp>
-#include <kvtier/l2/detail/disk_layout.hpp>
+#include <kvtier/l2/disk/detail/disk_layout.hpp>
 #include <kvtier/l2/object_format.hpp>
 #include <kvtier/protocol/codec.hpp>
 

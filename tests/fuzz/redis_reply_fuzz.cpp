@@ -1,7 +1,7 @@
 // Fuzz target: the Redis reply path, where kvtier interprets bytes a Redis server (or
 // whatever listens at its address) sends back: the hiredis reader and kvtier's reply
-// interpreters (l2/detail/redis_wire.hpp: MOVED/ASK redirects, CLUSTER SLOTS, INFO fields,
-// host:port), and redis_link's own parser of GET replies (l2/detail/redis_link.hpp: the
+// interpreters (l2/redis/detail/redis_wire.hpp: MOVED/ASK redirects, CLUSTER SLOTS, INFO fields,
+// host:port), and redis_link's own parser of GET replies (l2/redis/detail/redis_link.hpp: the
 // "$<n>" line, the 72-byte object header, the payload read straight into the caller's
 // buffer, the CRLF; ASKING's "+OK"; the AUTH/SELECT handshake), driven over a real
 // loopback TCP connection by a fake server that sends the fuzzer's bytes.
@@ -26,9 +26,9 @@
 // request; and when every reply was well formed (form 1 and nothing appended or
 // abandoned), every request gets its reply: object_ok with exactly the payload sent.
 
-#include <kvtier/l2/detail/redis_link.hpp>
-#include <kvtier/l2/detail/redis_wire.hpp>
 #include <kvtier/l2/object_format.hpp>
+#include <kvtier/l2/redis/detail/redis_link.hpp>
+#include <kvtier/l2/redis/detail/redis_wire.hpp>
 
 #include "fuzz_support.hpp"
 

@@ -1,8 +1,9 @@
-// The file_io conformance suite: the same behaviour from every engine (uring_context,
-// pread_pool, io_engine both ways), and the transfer helpers (async_read_all /
+// The file_io conformance suite: the same behaviour from every implementation (uring_context,
+// pread_pool, any_file_io both ways), and the object helpers (async_run_parts, async_read_all /
 // async_write_all) on each.
 #include <kvtier/io/concepts.hpp>
-#include <kvtier/io/transfer.hpp>
+#include <kvtier/io/object_io.hpp>
+#include <kvtier/io/parts.hpp>
 
 #include "io_test_support.hpp"
 
@@ -11,6 +12,7 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/bind_cancellation_slot.hpp>
 #include <boost/asio/cancellation_signal.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <catch2/catch.hpp>
@@ -19,7 +21,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,37 +36,15 @@ using kvtier::test::aligned_buffer_of;
 static_assert(io::file_io<io::file_io_archetype>);
 static_assert(io::file_io<io::uring_context>);
 static_assert(io::file_io<io::pread_pool>);
-static_assert(io::file_io<io::io_engine>);
+static_assert(io::file_io<io::any_file_io>);
 
-/// What a callback saw: how many times it ran, and its last arguments.
-struct size_result {
-  int calls = 0;
-  error_code ec;
-  std::size_t n = 0;
-  auto handler() {
-    return [this](error_code e, std::size_t bytes) {
-      ++calls;
-      ec = e;
-      n = bytes;
-    };
-  }
-};
-
-struct void_result {
-  int calls = 0;
-  error_code ec;
-  auto handler() {
-    return [this](error_code e) {
-      ++calls;
-      ec = e;
-    };
-  }
-};
+using test::size_result;
+using test::void_result;
 
 }  // namespace
 
 TEMPLATE_TEST_CASE("a written block reads back the same bytes, through O_DIRECT and through the page cache",
-                   "[io][conformance]", KVTIER_IO_ENGINE_FIXTURES) {
+                   "[io][conformance]", KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   test::temp_dir dir("kvtier-io");
@@ -74,7 +56,7 @@ TEMPLATE_TEST_CASE("a written block reads back the same bytes, through O_DIRECT 
   aligned_buffer out(64 * 1024);
   test::fill_pattern(out.span(), 7);
   size_result w;
-  f.engine().async_write(fd.get(), std::span<const std::byte>(out.span()), 8192, w.handler());
+  f.file_io().async_write(fd.get(), std::span<const std::byte>(out.span()), 8192, w.handler());
   CHECK(w.calls == 0);  // never inline in the initiating call
   REQUIRE(test::run_until(f.io, [&] { return w.calls > 0; }));
   CHECK(w.calls == 1);
@@ -83,7 +65,7 @@ TEMPLATE_TEST_CASE("a written block reads back the same bytes, through O_DIRECT 
 
   aligned_buffer in = aligned_buffer_of(out.size(), std::byte{0});
   size_result r;
-  f.engine().async_read(fd.get(), in.span(), 8192, r.handler());
+  f.file_io().async_read(fd.get(), in.span(), 8192, r.handler());
   REQUIRE(test::run_until(f.io, [&] { return r.calls > 0; }));
   CHECK(r.calls == 1);
   CHECK_FALSE(r.ec);
@@ -92,7 +74,7 @@ TEMPLATE_TEST_CASE("a written block reads back the same bytes, through O_DIRECT 
 }
 
 TEMPLATE_TEST_CASE("a read past the end of the file comes back short, then empty", "[io][conformance]",
-                   KVTIER_IO_ENGINE_FIXTURES) {
+                   KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   test::temp_dir dir("kvtier-io");
@@ -105,8 +87,8 @@ TEMPLATE_TEST_CASE("a read past the end of the file comes back short, then empty
   aligned_buffer past = aligned_buffer_of(4096, std::byte{0xee});
   size_result a;
   size_result b;
-  f.engine().async_read(fd.get(), in.span(), 0, a.handler());
-  f.engine().async_read(fd.get(), past.span(), 12288, b.handler());
+  f.file_io().async_read(fd.get(), in.span(), 0, a.handler());
+  f.file_io().async_read(fd.get(), past.span(), 12288, b.handler());
   REQUIRE(test::run_until(f.io, [&] { return a.calls > 0 && b.calls > 0; }));
   CHECK_FALSE(a.ec);
   CHECK(a.n == 10000);
@@ -120,7 +102,7 @@ TEMPLATE_TEST_CASE("a read past the end of the file comes back short, then empty
 }
 
 TEMPLATE_TEST_CASE("errors come back as error codes: EBADF for a bad descriptor, EINVAL for unaligned O_DIRECT",
-                   "[io][conformance]", KVTIER_IO_ENGINE_FIXTURES) {
+                   "[io][conformance]", KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   test::temp_dir dir("kvtier-io");
@@ -133,10 +115,10 @@ TEMPLATE_TEST_CASE("errors come back as error codes: EBADF for a bad descriptor,
   size_result bad_offset;
   size_result bad_buffer;
   size_result bad_length;
-  f.engine().async_read(-1, in.span(), 0, bad_fd.handler());
-  f.engine().async_read(fd.get(), in.span().first(4096), 100, bad_offset.handler());
-  f.engine().async_read(fd.get(), in.span().subspan(1, 4096), 0, bad_buffer.handler());
-  f.engine().async_read(fd.get(), in.span().first(1000), 0, bad_length.handler());
+  f.file_io().async_read(-1, in.span(), 0, bad_fd.handler());
+  f.file_io().async_read(fd.get(), in.span().first(4096), 100, bad_offset.handler());
+  f.file_io().async_read(fd.get(), in.span().subspan(1, 4096), 0, bad_buffer.handler());
+  f.file_io().async_read(fd.get(), in.span().first(1000), 0, bad_length.handler());
   REQUIRE(test::run_until(f.io, [&] {
     return bad_fd.calls && bad_offset.calls && bad_buffer.calls && bad_length.calls;
   }));
@@ -146,11 +128,11 @@ TEMPLATE_TEST_CASE("errors come back as error codes: EBADF for a bad descriptor,
   CHECK(bad_length.ec == boost::system::errc::invalid_argument);
   CHECK(bad_fd.n == 0);
   CHECK(test::all_bytes(in.span(), std::byte{0x5a}));
-  CHECK(f.engine().stats().ops_failed.load() == 4);
+  CHECK(f.file_io().stats().ops_failed.load() == 4);
 }
 
 TEMPLATE_TEST_CASE("many operations started at once all complete, each exactly once", "[io][conformance]",
-                   KVTIER_IO_ENGINE_FIXTURES) {
+                   KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   test::temp_dir dir("kvtier-io");
@@ -166,11 +148,11 @@ TEMPLATE_TEST_CASE("many operations started at once all complete, each exactly o
   for (std::size_t i = 0; i < blocks; ++i) {
     // Backwards, so each read is checked against its own offset.
     const std::size_t b = blocks - 1 - i;
-    f.engine().async_read(fd.get(), in.span().subspan(b * 4096, 4096), b * 4096,
-                          [&, h = results[b].handler()](error_code ec, std::size_t n) mutable {
-                            h(ec, n);
-                            ++done;
-                          });
+    f.file_io().async_read(fd.get(), in.span().subspan(b * 4096, 4096), b * 4096,
+                           [&, h = results[b].handler()](error_code ec, std::size_t n) mutable {
+                             h(ec, n);
+                             ++done;
+                           });
   }
   REQUIRE(test::run_until(f.io, [&] { return done == blocks; }));
   for (std::size_t b = 0; b < blocks; ++b) {
@@ -180,11 +162,11 @@ TEMPLATE_TEST_CASE("many operations started at once all complete, each exactly o
     CHECK(results[b].n == 4096);
   }
   CHECK(test::matches_pattern(in.span(), 9));
-  CHECK(f.engine().in_flight() == 0);
-  CHECK(f.engine().stats().ops_started.load() == blocks);
+  CHECK(f.file_io().in_flight() == 0);
+  CHECK(f.file_io().stats().ops_started.load() == blocks);
 }
 
-TEMPLATE_TEST_CASE("readv and writev move scattered buffers", "[io][conformance]", KVTIER_IO_ENGINE_FIXTURES) {
+TEMPLATE_TEST_CASE("readv and writev move scattered buffers", "[io][conformance]", KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   test::temp_dir dir("kvtier-io");
@@ -195,7 +177,7 @@ TEMPLATE_TEST_CASE("readv and writev move scattered buffers", "[io][conformance]
   test::fill_pattern(body.span(), 2, 4096);
   const std::array<::iovec, 2> out{::iovec{head.data(), head.size()}, ::iovec{body.data(), body.size()}};
   size_result w;
-  f.engine().async_writev(fd.get(), std::span<const ::iovec>(out), 0, w.handler());
+  f.file_io().async_writev(fd.get(), std::span<const ::iovec>(out), 0, w.handler());
   REQUIRE(test::run_until(f.io, [&] { return w.calls > 0; }));
   CHECK_FALSE(w.ec);
   CHECK(w.n == 4 * 4096);
@@ -204,7 +186,7 @@ TEMPLATE_TEST_CASE("readv and writev move scattered buffers", "[io][conformance]
   aligned_buffer b = aligned_buffer_of(8192, std::byte{0});
   const std::array<::iovec, 2> in{::iovec{a.data(), a.size()}, ::iovec{b.data(), b.size()}};
   size_result r;
-  f.engine().async_readv(fd.get(), std::span<const ::iovec>(in), 0, r.handler());
+  f.file_io().async_readv(fd.get(), std::span<const ::iovec>(in), 0, r.handler());
   REQUIRE(test::run_until(f.io, [&] { return r.calls > 0; }));
   CHECK_FALSE(r.ec);
   CHECK(r.n == 4 * 4096);
@@ -213,12 +195,12 @@ TEMPLATE_TEST_CASE("readv and writev move scattered buffers", "[io][conformance]
 }
 
 TEMPLATE_TEST_CASE("openat, fsync, fdatasync, renameat, unlinkat and close work on real files", "[io][conformance]",
-                   KVTIER_IO_ENGINE_FIXTURES) {
+                   KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   test::temp_dir dir("kvtier-io");
   test::unique_fd dfd = test::open_or_throw(dir.path().string(), O_RDONLY | O_DIRECTORY);
-  auto& e = f.engine();
+  auto& e = f.file_io();
 
   test::run_sync(f.io, [&]() -> asio::awaitable<void> {
     auto tok = asio::as_tuple(asio::use_awaitable);
@@ -262,19 +244,19 @@ TEMPLATE_TEST_CASE("openat, fsync, fdatasync, renameat, unlinkat and close work 
 }
 
 TEMPLATE_TEST_CASE("operations started after shutdown complete with shutting_down", "[io][conformance]",
-                   KVTIER_IO_ENGINE_FIXTURES) {
+                   KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   test::temp_dir dir("kvtier-io");
   const std::string path = (dir.path() / "s").string();
   test::write_pattern_file(path, 4096, 5);
   test::unique_fd fd = test::open_or_throw(path, O_RDONLY);
-  f.engine().shutdown();
+  f.file_io().shutdown();
   aligned_buffer in = aligned_buffer_of(4096, std::byte{0});
   size_result r;
   void_result s;
-  f.engine().async_read(fd.get(), in.span(), 0, r.handler());
-  f.engine().async_fsync(fd.get(), s.handler());
+  f.file_io().async_read(fd.get(), in.span(), 0, r.handler());
+  f.file_io().async_fsync(fd.get(), s.handler());
   CHECK(r.calls == 0);
   REQUIRE(test::run_until(f.io, [&] { return r.calls > 0 && s.calls > 0; }));
   CHECK(r.ec == errc::shutting_down);
@@ -283,14 +265,14 @@ TEMPLATE_TEST_CASE("operations started after shutdown complete with shutting_dow
 }
 
 TEMPLATE_TEST_CASE("coroutines co_await operations and resume on their executor", "[io][conformance]",
-                   KVTIER_IO_ENGINE_FIXTURES) {
+                   KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   test::temp_dir dir("kvtier-io");
   const std::string path = (dir.path() / "co").string();
   test::write_pattern_file(path, 8192, 6);
   test::unique_fd fd = test::open_or_throw(path, O_RDONLY);
-  auto& e = f.engine();
+  auto& e = f.file_io();
   const std::size_t n = test::run_sync(f.io, [&]() -> asio::awaitable<std::size_t> {
     aligned_buffer in(8192);
     std::size_t total = 0;
@@ -311,8 +293,8 @@ TEMPLATE_TEST_CASE("coroutines co_await operations and resume on their executor"
   CHECK(n == 4 * 8192);
 }
 
-TEMPLATE_TEST_CASE("async_write_all and async_read_all move a 5 MiB object in parts", "[io][conformance][transfer]",
-                   KVTIER_IO_ENGINE_FIXTURES) {
+TEMPLATE_TEST_CASE("async_write_all and async_read_all move a 5 MiB object in parts", "[io][conformance][object_io]",
+                   KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   test::temp_dir dir("kvtier-io");
@@ -321,33 +303,34 @@ TEMPLATE_TEST_CASE("async_write_all and async_read_all move a 5 MiB object in pa
   constexpr std::size_t size = 5 * 1024 * 1024 + 12288;  // 5 full parts and a short last one
   aligned_buffer out(size);
   test::fill_pattern(out.span(), 8);
-  io::transfer_options opts;
+  io::object_io_options opts;
   opts.part_bytes = 1 << 20;
   opts.max_parts_in_flight = 4;
 
   size_result w;
-  io::async_write_all(f.engine(), fd.get(), std::span<const std::byte>(out.span()), 4096, opts, w.handler());
+  io::async_write_all(f.file_io(), fd.get(), std::span<const std::byte>(out.span()), 4096, opts, w.handler());
   CHECK(w.calls == 0);
   REQUIRE(test::run_until(f.io, [&] { return w.calls > 0; }));
   CHECK(w.calls == 1);
   CHECK_FALSE(w.ec);
   CHECK(w.n == size);
-  CHECK(f.engine().stats().ops_completed.load() == 6);
+  CHECK(f.file_io().stats().ops_completed.load() == 6);
 
   aligned_buffer in = aligned_buffer_of(size, std::byte{0});
   size_result r;
-  io::async_read_all(f.engine(), fd.get(), in.span(), 4096, r.handler());
+  io::async_read_all(f.file_io(), fd.get(), in.span(), 4096, r.handler());
   REQUIRE(test::run_until(f.io, [&] { return r.calls > 0; }));
   CHECK(r.calls == 1);
   CHECK_FALSE(r.ec);
   CHECK(r.n == size);
   CHECK(test::matches_pattern(in.span(), 8));
   test::poll(f.io);
-  CHECK(f.engine().in_flight() == 0);
+  CHECK(f.file_io().in_flight() == 0);
 }
 
-TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with the bytes it has", "[io][conformance][transfer]",
-                   KVTIER_IO_ENGINE_FIXTURES) {
+TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with the bytes it has",
+                   "[io][conformance][object_io]",
+                   KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   test::temp_dir dir("kvtier-io");
@@ -358,11 +341,12 @@ TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with th
   test::unique_fd fd = test::open_or_throw(path, O_RDONLY | (direct ? O_DIRECT : 0));
   aligned_buffer in = aligned_buffer_of(4 * 1024 * 1024, std::byte{0});
   const std::size_t part = GENERATE(std::size_t{1} << 20, std::size_t{256} << 10);
-  io::transfer_options opts;
+  io::object_io_options opts;
   opts.part_bytes = part;
 
   const auto [ec, n] = test::run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code, std::size_t>> {
-    co_return co_await io::async_read_all(f.engine(), fd.get(), in.span(), 0, opts, asio::as_tuple(asio::use_awaitable));
+    co_return co_await io::async_read_all(f.file_io(), fd.get(), in.span(), 0, opts,
+                                          asio::as_tuple(asio::use_awaitable));
   }());
   CHECK(ec == asio::error::eof);
   CHECK(n == on_disk);
@@ -370,25 +354,94 @@ TEMPLATE_TEST_CASE("async_read_all reports a file that ends early as eof with th
 
   aligned_buffer empty;
   const auto [ec0, n0] = test::run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code, std::size_t>> {
-    co_return co_await io::async_read_all(f.engine(), fd.get(), empty.span(), 0, asio::as_tuple(asio::use_awaitable));
+    co_return co_await io::async_read_all(f.file_io(), fd.get(), empty.span(), 0, asio::as_tuple(asio::use_awaitable));
   }());
   CHECK_FALSE(ec0);
   CHECK(n0 == 0);
 }
 
-TEMPLATE_TEST_CASE("async_read_all reports the first failing part's error", "[io][conformance][transfer]",
-                   KVTIER_IO_ENGINE_FIXTURES) {
+TEMPLATE_TEST_CASE("async_read_all reports the first failing part's error", "[io][conformance][object_io]",
+                   KVTIER_FILE_IO_FIXTURES) {
   KVTIER_REQUIRE_FIXTURE(TestType);
   TestType f;
   size_result r;
   aligned_buffer in(3 << 20);
-  io::async_read_all(f.engine(), -1, in.span(), 0, r.handler());
+  io::async_read_all(f.file_io(), -1, in.span(), 0, r.handler());
   REQUIRE(test::run_until(f.io, [&] { return r.calls > 0; }));
   CHECK(r.calls == 1);
   CHECK(r.ec == boost::system::errc::bad_file_descriptor);
   CHECK(r.n == 0);
-  CHECK_THROWS_AS(io::async_read_all(f.engine(), -1, in.span(), 0, io::transfer_options{0, 4}, r.handler()),
+  CHECK_THROWS_AS(io::async_read_all(f.file_io(), -1, in.span(), 0, io::object_io_options{0, 4}, r.handler()),
                   std::invalid_argument);
-  CHECK_THROWS_AS(io::async_read_all(f.engine(), -1, in.span(), 0, io::transfer_options{4096, 65}, r.handler()),
+  CHECK_THROWS_AS(io::async_read_all(f.file_io(), -1, in.span(), 0, io::object_io_options{4096, 257}, r.handler()),
+                  std::invalid_argument);
+}
+
+namespace {
+
+/// Reads 4 KiB blocks of a file; skips the blocks in `skip`, asks to stop after block
+/// `stop_after`, and records the order parts began and ended.
+struct block_plan {
+  static constexpr bool writes = false;
+  using signature = void(error_code, std::size_t);
+  int fd;
+  std::byte* base;
+  std::size_t blocks;
+  std::vector<std::size_t>* skip;
+  std::size_t stop_after;
+  std::vector<std::size_t>* begun;
+  std::vector<std::size_t>* ended;
+  std::size_t bytes = 0;
+
+  [[nodiscard]] std::size_t part_count() const noexcept { return blocks; }
+  std::optional<io::file_part> begin_part(std::size_t i) {
+    if (std::find(skip->begin(), skip->end(), i) != skip->end()) return std::nullopt;
+    begun->push_back(i);
+    return io::file_part{fd, base + i * 4096, 4096, i * 4096};
+  }
+  bool end_part(std::size_t i, const error_code& ec, std::size_t n) {
+    ended->push_back(i);
+    if (!ec) bytes += n;
+    return i == stop_after;
+  }
+  std::tuple<error_code, std::size_t> result(const io::parts_outcome& o) {
+    return {o.cancelled ? error_code(asio::error::operation_aborted) : error_code{}, bytes};
+  }
+};
+static_assert(io::part_plan<block_plan>);
+
+}  // namespace
+
+TEMPLATE_TEST_CASE("async_run_parts starts parts in order, skips what the plan skips and stops when it says",
+                   "[io][conformance][object_io]", KVTIER_FILE_IO_FIXTURES) {
+  KVTIER_REQUIRE_FIXTURE(TestType);
+  TestType f;
+  test::temp_dir dir("kvtier-io");
+  const std::string path = (dir.path() / "blocks").string();
+  test::write_pattern_file(path, 16 * 4096, 5);
+  test::unique_fd fd = test::open_or_throw(path, O_RDONLY);
+  aligned_buffer in = aligned_buffer_of(16 * 4096, std::byte{0});
+  std::vector<std::size_t> skip{1, 4};
+  std::vector<std::size_t> begun, ended;
+
+  // Depth 2, stop after block 8 ends: blocks 0 2 3 5 6 7 8 start in order (maybe 9 too, if
+  // it started before 8 ended), nothing after.
+  const auto [ec, n] = test::run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code, std::size_t>> {
+    co_return co_await io::async_run_parts(f.file_io(), block_plan{fd.get(), in.data(), 16, &skip, 8, &begun, &ended},
+                                           2, asio::as_tuple(asio::use_awaitable));
+  }());
+  CHECK_FALSE(ec);
+  REQUIRE(begun.size() >= 7);
+  CHECK(std::vector<std::size_t>(begun.begin(), begun.begin() + 7) == std::vector<std::size_t>{0, 2, 3, 5, 6, 7, 8});
+  CHECK(begun.size() <= 8);
+  CHECK(std::is_sorted(begun.begin(), begun.end()));
+  std::vector<std::size_t> sorted_ended = ended;
+  std::sort(sorted_ended.begin(), sorted_ended.end());
+  CHECK(sorted_ended == begun);  // every part begun ended, once
+  CHECK(n == begun.size() * 4096);
+  for (std::size_t b : begun) CHECK(test::matches_pattern(in.span().subspan(b * 4096, 4096), 5, b * 4096));
+  CHECK(test::all_bytes(in.span().subspan(4096, 4096), std::byte{0}));  // skipped: never read
+  CHECK_THROWS_AS(io::async_run_parts(f.file_io(), block_plan{fd.get(), in.data(), 16, &skip, 8, &begun, &ended}, 0,
+                                      asio::detached),
                   std::invalid_argument);
 }

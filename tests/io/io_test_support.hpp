@@ -1,6 +1,6 @@
 #pragma once
-// Test support for the io/ engines: one fixture per engine (the conformance suite runs over
-// all of them), temp files, pipes, and a bounded event loop that waits on a condition.
+// Test support for io/: one fixture per file_io implementation (the conformance suite runs
+// over all of them), temp files, pipes, and a bounded event loop that waits on a condition.
 //
 // Tests that need io_uring call KVTIER_REQUIRE_URING(): where the kernel refuses io_uring,
 // the test WARNs with the probe's reason and passes on a CHECK of that answer (Catch2 v2
@@ -8,7 +8,7 @@
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/buffer.hpp>
-#include <kvtier/io/io_engine.hpp>
+#include <kvtier/io/any_file_io.hpp>
 #include <kvtier/io/pread_pool.hpp>
 #include <kvtier/io/probe.hpp>
 #include <kvtier/io/uring_context.hpp>
@@ -30,6 +30,7 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace kvtier::test {
@@ -133,7 +134,36 @@ inline void write_pattern_file(const std::string& path, std::size_t bytes, unsig
   }
 }
 
-// --- one fixture per engine: owns an io_context and the engine ---------------------------
+/// What a callback of void(error_code, std::size_t) saw: how many times it ran, its last
+/// arguments and the thread it ran on.
+struct size_result {
+  int calls = 0;
+  error_code ec;
+  std::size_t n = 0;
+  std::thread::id thread;
+  auto handler() {
+    return [this](error_code e, std::size_t bytes) {
+      ++calls;
+      ec = e;
+      n = bytes;
+      thread = std::this_thread::get_id();
+    };
+  }
+};
+
+/// The same for void(error_code).
+struct void_result {
+  int calls = 0;
+  error_code ec;
+  auto handler() {
+    return [this](error_code e) {
+      ++calls;
+      ec = e;
+    };
+  }
+};
+
+// --- one fixture per file_io implementation: owns an io_context and the implementation ----
 
 struct uring_fixture {
   static constexpr const char* name = "uring_context";
@@ -143,7 +173,7 @@ struct uring_fixture {
   uring_fixture() {
     if (available()) e = std::make_unique<io::uring_context>(io.get_executor());
   }
-  io::uring_context& engine() { return *e; }
+  io::uring_context& file_io() { return *e; }
 };
 
 struct pread_fixture {
@@ -151,43 +181,34 @@ struct pread_fixture {
   static bool available() { return true; }
   boost::asio::io_context io;
   std::unique_ptr<io::pread_pool> e = std::make_unique<io::pread_pool>(io.get_executor());
-  io::pread_pool& engine() { return *e; }
+  io::pread_pool& file_io() { return *e; }
 };
 
-/// io_engine as the probe chooses it (io_uring where it works).
-struct engine_auto_fixture {
-  static constexpr const char* name = "io_engine(auto)";
+/// any_file_io with the choice Choice asks for; `automatic` stands for what the probe says
+/// (not the environment: the conformance suite must cover io_uring where it exists).
+template <io::file_io_choice Choice>
+struct any_file_io_fixture {
+  static constexpr const char* name = Choice == io::file_io_choice::pread ? "any_file_io(pread)" : "any_file_io(auto)";
   static bool available() { return true; }
   boost::asio::io_context io;
-  std::unique_ptr<io::io_engine> e = std::make_unique<io::io_engine>(io.get_executor(), options());
-  io::io_engine& engine() { return *e; }
-  static io::io_engine_options options() {
-    io::io_engine_options o;
-    // Not the environment: the conformance suite must cover io_uring where it exists.
-    o.engine = uring_probe().available() ? io::engine_choice::uring : io::engine_choice::pread;
+  std::unique_ptr<io::any_file_io> e = std::make_unique<io::any_file_io>(io.get_executor(), options());
+  io::any_file_io& file_io() { return *e; }
+  static io::any_file_io_options options() {
+    io::any_file_io_options o;
+    o.choice = Choice != io::file_io_choice::automatic ? Choice
+               : uring_probe().available()             ? io::file_io_choice::uring
+                                                       : io::file_io_choice::pread;
     return o;
   }
 };
+using any_file_io_auto_fixture = any_file_io_fixture<io::file_io_choice::automatic>;
+using any_file_io_pread_fixture = any_file_io_fixture<io::file_io_choice::pread>;
 
-/// io_engine forced onto the thread pool.
-struct engine_pread_fixture {
-  static constexpr const char* name = "io_engine(pread)";
-  static bool available() { return true; }
-  boost::asio::io_context io;
-  std::unique_ptr<io::io_engine> e = std::make_unique<io::io_engine>(io.get_executor(), options());
-  io::io_engine& engine() { return *e; }
-  static io::io_engine_options options() {
-    io::io_engine_options o;
-    o.engine = io::engine_choice::pread;
-    return o;
-  }
-};
+#define KVTIER_FILE_IO_FIXTURES                                                                     \
+  kvtier::test::uring_fixture, kvtier::test::pread_fixture, kvtier::test::any_file_io_auto_fixture, \
+      kvtier::test::any_file_io_pread_fixture
 
-#define KVTIER_IO_ENGINE_FIXTURES \
-  kvtier::test::uring_fixture, kvtier::test::pread_fixture, kvtier::test::engine_auto_fixture, \
-      kvtier::test::engine_pread_fixture
-
-/// For fixtures that may be unavailable: WARN and pass where the engine cannot run here.
+/// For fixtures that may be unavailable: WARN and pass where the implementation cannot run here.
 #define KVTIER_REQUIRE_FIXTURE(F)                                                                  \
   do {                                                                                             \
     if (!F::available()) {                                                                         \

@@ -35,20 +35,7 @@ namespace asio = boost::asio;
 using namespace kvtier;
 using test::aligned_buffer_of;
 
-struct op_result {
-  int calls = 0;
-  error_code ec;
-  std::size_t n = 0;
-  std::thread::id thread;
-  auto handler() {
-    return [this](error_code e, std::size_t bytes) {
-      ++calls;
-      ec = e;
-      n = bytes;
-      thread = std::this_thread::get_id();
-    };
-  }
-};
+using op_result = test::size_result;
 
 }  // namespace
 
@@ -59,7 +46,7 @@ TEST_CASE("a pread pool rejects a thread count of zero", "[io][pread]") {
   CHECK_THROWS_AS(io::pread_pool(ctx.get_executor(), o), std::invalid_argument);
   io::pread_pool pool(ctx.get_executor());
   CHECK(pool.thread_count() == 2);
-  CHECK(pool.kind() == io::engine_kind::pread);
+  CHECK(pool.kind() == io::file_io_kind::pread);
   const io::buffer_region none[] = {std::span<std::byte>()};
   CHECK_FALSE(pool.register_buffers(none));
   CHECK_FALSE(pool.fixed_buffers_active());

@@ -1,4 +1,4 @@
-// What only the io_uring engine does: batched submission, the pending queue, fixed buffers
+// What only uring_context does: batched submission, the pending queue, fixed buffers
 // and their fallback, kernel-side cancellation, teardown with ops in flight, the task-running
 // modes, no allocation per op, executors other than the ring's.
 #include <kvtier/io/uring_context.hpp>
@@ -7,7 +7,7 @@
 #include "support/allocation_probe.hpp"
 #include "support/captured_log.hpp"
 
-#include <kvtier/io/transfer.hpp>
+#include <kvtier/io/object_io.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <support/asio.hpp>
@@ -45,18 +45,7 @@ using namespace kvtier;
 using kvtier::test::captured_log;
 using test::aligned_buffer_of;
 
-struct op_result {
-  int calls = 0;
-  error_code ec;
-  std::size_t n = 0;
-  auto handler() {
-    return [this](error_code e, std::size_t bytes) {
-      ++calls;
-      ec = e;
-      n = bytes;
-    };
-  }
-};
+using op_result = test::size_result;
 
 }  // namespace
 
@@ -264,13 +253,14 @@ TEST_CASE("a coroutine racing a read against a timer cancels the read when the t
   CHECK(test::all_bytes(in.span(), std::byte{0x11}));
 }
 
-TEST_CASE("cancelling async_read_all cancels its parts in the kernel and completes once", "[io][uring][cancel][transfer]") {
+TEST_CASE("cancelling async_read_all cancels its parts in the kernel and completes once",
+          "[io][uring][cancel][object_io]") {
   KVTIER_REQUIRE_URING();
   asio::io_context ctx;
   io::uring_context ring(ctx.get_executor());
   test::pipe_pair p;  // every part waits on the empty pipe
   aligned_buffer in = aligned_buffer_of(6 << 20, std::byte{0x66});
-  io::transfer_options o;
+  io::object_io_options o;
   o.part_bytes = 1 << 20;
   o.max_parts_in_flight = 4;
   asio::cancellation_signal sig;

@@ -78,16 +78,16 @@ inline constexpr bool pins_prevent_eviction = [] {
 
 #ifndef KVTIER_L2_TEST_REDIS
 #include <kvtier/io/probe.hpp>
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 
 #include "support/process.hpp"
 
 namespace kvtier::test {
 
 /// The disk backend in a fresh directory (on the file system of $TMPDIR, ext4 here), with
-/// O_DIRECT, on the engine the probe picks (io_uring where the kernel allows it) or the
+/// O_DIRECT, on the file I/O the probe picks (io_uring where the kernel allows it) or the
 /// one forced.
-template <io::engine_choice Engine>
+template <io::file_io_choice Choice>
 struct basic_disk_fixture {
   temp_dir dir{"kvtier-disk"};
   boost::asio::io_context io;
@@ -98,13 +98,13 @@ struct basic_disk_fixture {
     o.name = "disk";
     o.path = dir.path() / "l2";
     o.capacity_bytes = capacity_bytes;
-    o.io = Engine;
+    o.io = Choice;
     b = std::make_unique<l2::disk_backend>(io.get_executor(), o);
   }
   l2::disk_backend& backend() { return *b; }
 };
-using disk_backend_fixture = basic_disk_fixture<io::engine_choice::automatic>;
-using disk_pread_fixture = basic_disk_fixture<io::engine_choice::pread>;
+using disk_backend_fixture = basic_disk_fixture<io::file_io_choice::automatic>;
+using disk_pread_fixture = basic_disk_fixture<io::file_io_choice::pread>;
 
 }  // namespace kvtier::test
 
@@ -116,7 +116,7 @@ using disk_pread_fixture = basic_disk_fixture<io::engine_choice::pread>;
 // kvtier_test_redis compiles the suite a second time (l2/redis_conformance_test.cpp) with
 // these: a real standalone Redis and a real three-master cluster (tests/l2/redis_support.hpp),
 // shared by the tests of the process and emptied (FLUSHALL) for each fixture.
-#include <kvtier/l2/redis_backend.hpp>
+#include <kvtier/l2/redis/redis_backend.hpp>
 
 #include "l2/redis_support.hpp"
 

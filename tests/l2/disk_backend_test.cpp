@@ -1,7 +1,7 @@
 // The disk backend beyond the conformance suite: format and index, restart, crash recovery
 // (a child killed mid-write), torn files, ENOSPC on a small tmpfs, EIO and corruption (never
 // a wrong byte), capacity by st_blocks, deadlines and the buffer contract, JSON options.
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/l2/fault_injecting_backend.hpp>
@@ -67,9 +67,9 @@ bool matches(const chunk_key& k, std::span<const std::byte> got) {
   return std::memcmp(want.data(), got.data(), got.size()) == 0;
 }
 
-/// The backend's series and its I/O engine's, as the server registers them.
+/// The backend's series and its file I/O's, as the server registers them.
 void collect(telemetry::registry& reg, const l2::disk_backend& b) {
-  telemetry::collect_io(reg, b.engine_kind() == io::engine_kind::uring, b.shared_io_stats());
+  telemetry::collect_io(reg, b.file_io_kind() == io::file_io_kind::uring, b.shared_io_stats());
   telemetry::collect_disk_backend(reg, b);
 }
 
@@ -152,6 +152,17 @@ l2::batch_result remove(asio::io_context& io, B& b, std::span<const chunk_key> k
   }());
   (void)ec;
   return r;
+}
+
+/// A first life of the directory: a backend on `dir` stores every object of `o` (all must
+/// answer ok), `then(b)` looks at it, and it closes, as a process that ends; the test then
+/// opens the directory again.
+template <class Then>
+void first_life(const fs::path& dir, const objects& o, Then then) {
+  asio::io_context io;
+  l2::disk_backend b(io.get_executor(), options_for(dir));
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == o.keys.size());
+  then(b);
 }
 
 /// What is on disk under a backend's directory: object files and their allocated bytes.
@@ -345,13 +356,10 @@ TEST_CASE("objects survive a restart with the same usage, in their eviction orde
   temp_dir dir;
   const objects o(0, 6, 256 * 1024);
   l2::usage_info before;
-  {
-    asio::io_context io;
-    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
-    CHECK(store(io, b, o).count(l2::key_outcome::ok) == 6);
+  first_life(dir.path(), o, [&](l2::disk_backend& b) {
     before = b.usage();
     CHECK(b.o_direct_active());
-  }
+  });
   asio::io_context io;
   captured_log cap;
   l2::disk_backend b(io.get_executor(), options_for(dir.path()), &cap.log);
@@ -487,7 +495,7 @@ TEST_CASE("a payload corrupted on disk answers corrupt, is dropped and counted",
   CHECK(reg.value("kvtier_l2_disk_corrupt_objects_total", {{"backend", "disk"}}) == 1);
   CHECK(reg.value("kvtier_l2_disk_dropped_objects_total", {{"backend", "disk"}}) == 1);
   CHECK(reg.value("kvtier_l2_disk_o_direct", {{"backend", "disk"}}) == 1);
-  CHECK(reg.value("kvtier_io_uring_enabled").has_value());  // the engine's metrics too
+  CHECK(reg.value("kvtier_io_uring_enabled").has_value());  // the file I/O's metrics too
   CHECK(b.usage().objects == 2);
 }
 
@@ -760,12 +768,9 @@ TEST_CASE("torn, foreign and misnamed files are dropped at start-up; good ones a
   temp_dir dir;
   const objects o(0, 8, 64 * 1024);
   std::vector<fs::path> files;
-  {
-    asio::io_context io;
-    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
-    REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 8);
+  first_life(dir.path(), o, [&](l2::disk_backend& b) {
     for (const auto& k : o.keys) files.push_back(b.object_file(k));
-  }
+  });
   fs::resize_file(files[0], 4096 + 32 * 1024);  // truncated payload
   {                                               // a bad header (magic)
     std::fstream f(files[1], std::ios::in | std::ios::out | std::ios::binary);
@@ -807,13 +812,10 @@ TEST_CASE("verify_on_start drops an object whose payload checksum fails", "[l2][
   temp_dir dir;
   const objects o(0, 2, 64 * 1024);
   fs::path victim;
-  {
-    asio::io_context io;
-    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
-    REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 2);
+  first_life(dir.path(), o, [&](l2::disk_backend& b) {
     REQUIRE(b.corrupt_stored(o.keys[0]));
     victim = b.object_file(o.keys[0]);
-  }
+  });
   asio::io_context io;
   auto opts = options_for(dir.path());
   opts.verify_on_start = true;
@@ -928,7 +930,7 @@ TEST_CASE("a full file system fails stores with no_space, leaves nothing half-wr
   }
 }
 
-// --- engine and options -----------------------------------------------------------------------
+// --- file I/O and options -----------------------------------------------------------------------
 
 TEST_CASE("reads into a registered arena use fixed buffers where the kernel allows", "[l2][disk]") {
   temp_dir dir;
@@ -948,7 +950,7 @@ TEST_CASE("reads into a registered arena use fixed buffers where the kernel allo
   }());
   CHECK(r.count(l2::key_outcome::ok) == 2);
   CHECK(matches(o.keys[1], dst[1]));
-  if (b.engine_kind() == io::engine_kind::uring && !ec) {
+  if (b.file_io_kind() == io::file_io_kind::uring && !ec) {
     CHECK(reg.value("kvtier_io_fixed_ops_total").value_or(0) >= fixed_before + 2);  // 1 MiB parts, 2 keys
   } else {
     WARN("fixed buffers not active here: " << ec.message());

@@ -2,7 +2,7 @@
 // directories whatever the umask, a directory another user owns or others may write is
 // refused, what an older version made wider is tightened, and an object file another user
 // owns is skipped (and counted) by the recovery scan, never served, never deleted.
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -138,3 +138,55 @@ TEST_CASE("a hung load ignores cancellation and writes its buffers only after re
   CHECK(dst0[0] == std::byte{0x42});  // the late read landed
   CHECK(f.b.hung() == 0);
 }
+
+TEST_CASE("a load cancelled while the wrapped backend runs completes with operation_aborted and writes nothing",
+          "[l2][fault][cancel]") {
+  fixture f;
+  f.mem.set_model(1e3, {});  // 1 KB/s from now on: loading 4 KiB would take 4 s
+  l2::fault d{.op = l2::fault_op::load, .kind = l2::fault_kind::delay};
+  d.delay = std::chrono::hours(1);  // after the inner load: only the cancellation ends it soon
+  f.b.inject(d);
+  std::vector<std::byte> dst0(4096, std::byte{0});
+  std::vector<std::span<std::byte>> dst = {dst0};
+  std::vector<chunk_key> one = {k(1)};
+  asio::cancellation_signal cancel;
+  int calls = 0;
+  error_code ec;
+  f.b.async_load(one, dst, l2::clock::now() + std::chrono::hours(1),
+                 asio::bind_cancellation_slot(cancel.slot(), [&](error_code e, l2::batch_result) {
+                   ++calls;
+                   ec = e;
+                 }));
+  test::run_until_idle(f.io);  // the inner load waits on its modelled channel
+  CHECK(calls == 0);
+  cancel.emit(asio::cancellation_type::terminal);
+  REQUIRE(test::run_until(f.io, [&] { return calls > 0; }));  // no exception escapes either
+  CHECK(ec == asio::error::operation_aborted);
+  CHECK(dst0[0] == std::byte{0});
+  test::run_until_idle(f.io);
+  CHECK(calls == 1);
+  CHECK(dst0[0] == std::byte{0});  // nothing lands after the completion
+}
+
+TEST_CASE("a delay cancelled after the wrapped load completed answers at once with the inner result",
+          "[l2][fault][cancel]") {
+  fixture f;
+  l2::fault d{.op = l2::fault_op::load, .kind = l2::fault_kind::delay};
+  d.delay = std::chrono::hours(1);
+  f.b.inject(d);
+  std::vector<std::byte> dst0(4096, std::byte{0});
+  std::vector<std::span<std::byte>> dst = {dst0};
+  std::vector<chunk_key> one = {k(1)};
+  asio::cancellation_signal cancel;
+  std::optional<std::tuple<error_code, l2::batch_result>> result;
+  f.b.async_load(one, dst, l2::clock::now() + std::chrono::hours(1),
+                 asio::bind_cancellation_slot(
+                     cancel.slot(), [&](error_code e, l2::batch_result r) { result.emplace(e, std::move(r)); }));
+  test::run_until_idle(f.io);  // the inner load is done; the delay runs
+  REQUIRE_FALSE(result.has_value());
+  CHECK(dst0[0] == std::byte{0x42});
+  cancel.emit(asio::cancellation_type::terminal);
+  REQUIRE(test::run_until(f.io, [&] { return result.has_value(); }));
+  CHECK_FALSE(std::get<0>(*result));
+  CHECK(std::get<1>(*result).outcomes[0] == l2::key_outcome::ok);
+}

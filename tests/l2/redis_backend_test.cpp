@@ -4,7 +4,7 @@
 // behind the backend's back, Redis killed, restarted and frozen mid-run, a fake server that
 // stalls mid-reply (the buffer contract), AUTH, TTL, Redis's own eviction, and two tiered
 // caches sharing one Redis.
-#include <kvtier/l2/redis_backend.hpp>
+#include <kvtier/l2/redis/redis_backend.hpp>
 
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/core/buffer.hpp>
@@ -24,10 +24,12 @@
 #include <boost/asio/use_awaitable.hpp>
 #include <boost/asio/write.hpp>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <set>
@@ -527,6 +529,14 @@ class fake_redis {
     asio::co_spawn(io, accept(), asio::detached);
   }
   [[nodiscard]] std::uint16_t port() const { return acceptor_.local_endpoint().port(); }
+  /// Options of a backend on this server: one connection, no background refresh to speak of.
+  [[nodiscard]] l2::redis_backend_options options() const {
+    l2::redis_backend_options o;
+    o.nodes = {"127.0.0.1:" + std::to_string(port())};
+    o.connections_per_node = 1;
+    o.info_interval_ms = std::chrono::hours(1);
+    return o;
+  }
 
   std::function<std::string(const std::vector<std::string>&)> answer;
   std::size_t connections = 0;
@@ -586,41 +596,79 @@ std::string object_value(const chunk_key& k, std::size_t n) {
 
 }  // namespace
 
+namespace {
+
+/// A backend on a fake server that answers the GET of one 256 KiB object with the first half
+/// of its value, then nothing, and a buffer for it.
+struct stalled_get {
+  asio::io_context io;
+  fake_redis fake{io};
+  const chunk_key k = key_of(7);
+  static constexpr std::size_t n = 256 * 1024;
+  const std::string value = object_value(k, n);
+  std::vector<std::byte> dst = std::vector<std::byte>(n, std::byte{0xee});
+  std::vector<std::span<std::byte>> dsts{dst};
+  std::unique_ptr<l2::redis_backend> b;
+
+  stalled_get() {
+    const std::string head = "$" + std::to_string(value.size()) + "\r\n";
+    fake.answer = [this, head](const std::vector<std::string>& a) -> std::string {
+      if (a[0] == "GET") return head + value.substr(0, value.size() / 2);  // then silence
+      return {};
+    };
+    b = std::make_unique<l2::redis_backend>(io.get_executor(), fake.options());
+    REQUIRE(run_until(io, [&] { return b->health().healthy; }));
+  }
+
+  /// The server sends the rest of the value now, when the connection it was meant for is
+  /// gone; returns once the backend has reconnected.
+  void send_the_rest() {
+    REQUIRE(run_until(io, [&] { return fake.peer_closed >= 1; }));
+    fake.send(0, value.substr(value.size() / 2) + "\r\n");
+    REQUIRE(run_until(io, [&] { return fake.connections >= 2 && b->health().healthy; }));  // reconnected
+  }
+};
+
+}  // namespace
+
 TEST_CASE(
     "a reply that stalls mid-payload: the load times out, the connection is dropped, the buffer is "
     "never written afterwards",
     "[redis][buffers]") {
-  asio::io_context io;
-  fake_redis fake(io);
-  const chunk_key k = key_of(7);
-  constexpr std::size_t n = 256 * 1024;
-  const std::string value = object_value(k, n);
-  const std::string head = "$" + std::to_string(value.size()) + "\r\n";
-  fake.answer = [&](const std::vector<std::string>& a) -> std::string {
-    if (a[0] == "GET") return head + value.substr(0, value.size() / 2);  // then silence
-    return {};
-  };
-  l2::redis_backend_options o;
-  o.nodes = {"127.0.0.1:" + std::to_string(fake.port())};
-  o.connections_per_node = 1;
-  o.info_interval_ms = std::chrono::hours(1);
-  l2::redis_backend b(io.get_executor(), o);
-  REQUIRE(run_until(io, [&] { return b.health().healthy; }));
-
-  std::vector<std::byte> dst(n, std::byte{0xee});
-  std::vector<std::span<std::byte>> dsts = {dst};
-  auto [ec, r] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
-    co_return co_await b.async_load(std::span(&k, 1), dsts, in(std::chrono::milliseconds(300)),
-                                    asio::as_tuple(asio::use_awaitable));
+  stalled_get s;
+  auto [ec, r] = run_sync(s.io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
+    co_return co_await s.b->async_load(std::span(&s.k, 1), s.dsts, in(std::chrono::milliseconds(300)),
+                                       asio::as_tuple(asio::use_awaitable));
   }());
   CHECK(ec == errc::timeout);
   CHECK(r.outcomes[0] == key_outcome::timeout);
-  const auto snapshot = dst;
-  // The server sends the rest now: the connection it was meant for is gone.
-  REQUIRE(run_until(io, [&] { return fake.peer_closed >= 1; }));
-  fake.send(0, value.substr(value.size() / 2) + "\r\n");
-  REQUIRE(run_until(io, [&] { return fake.connections >= 2 && b.health().healthy; }));  // reconnected
-  CHECK(dst == snapshot);
+  const auto snapshot = s.dst;
+  s.send_the_rest();
+  CHECK(s.dst == snapshot);
+}
+
+TEST_CASE(
+    "a load cancelled mid-payload completes at once with operation_aborted; the buffer is never written "
+    "afterwards",
+    "[redis][buffers][cancel]") {
+  stalled_get s;
+  asio::cancellation_signal cancel;
+  std::optional<std::tuple<error_code, l2::batch_result>> result;
+  s.b->async_load(std::span(&s.k, 1), s.dsts, in(std::chrono::hours(1)),
+                  asio::bind_cancellation_slot(
+                      cancel.slot(), [&](error_code e, l2::batch_result r) { result.emplace(e, std::move(r)); }));
+  // The first half of the payload lands in the buffer; the rest never comes.
+  REQUIRE(run_until(s.io, [&] {
+    return std::any_of(s.dst.begin(), s.dst.begin() + 4096, [](std::byte x) { return x != std::byte{0xee}; });
+  }));
+  CHECK_FALSE(result.has_value());
+  cancel.emit(asio::cancellation_type::terminal);
+  REQUIRE(run_until(s.io, [&] { return result.has_value(); }));  // long before the deadline
+  CHECK(std::get<0>(*result) == asio::error::operation_aborted);
+  CHECK(std::get<1>(*result).outcomes[0] == key_outcome::timeout);
+  std::fill(s.dst.begin(), s.dst.end(), std::byte{0x11});
+  s.send_the_rest();
+  CHECK(std::all_of(s.dst.begin(), s.dst.end(), [](std::byte x) { return x == std::byte{0x11}; }));
 }
 
 TEST_CASE("a reply that comes after the deadline is read and dropped; the connection stays in step",
@@ -637,11 +685,7 @@ TEST_CASE("a reply that comes after the deadline is read and dropped; the connec
     if (a[0] == "EXISTS") return ":1\r\n";
     return "-ERR unexpected\r\n";
   };
-  l2::redis_backend_options o;
-  o.nodes = {"127.0.0.1:" + std::to_string(fake.port())};
-  o.connections_per_node = 1;
-  o.info_interval_ms = std::chrono::hours(1);
-  l2::redis_backend b(io.get_executor(), o);
+  l2::redis_backend b(io.get_executor(), fake.options());
   REQUIRE(run_until(io, [&] { return b.health().healthy; }));
   auto load = [&](std::vector<std::byte>& dst, l2::deadline d) {
     std::vector<std::span<std::byte>> dsts = {dst};
@@ -673,10 +717,7 @@ TEST_CASE("large GETs are not pipelined past max_inflight_bytes_per_connection",
     if (a[0] == "GET") ++gets;  // answered by the test, one at a time
     return {};
   };
-  l2::redis_backend_options o;
-  o.nodes = {"127.0.0.1:" + std::to_string(fake.port())};
-  o.connections_per_node = 1;
-  o.info_interval_ms = std::chrono::hours(1);
+  l2::redis_backend_options o = fake.options();
   o.max_inflight_bytes_per_connection = 100 * 1024;  // room for one object at a time
   l2::redis_backend b(io.get_executor(), o);
   REQUIRE(run_until(io, [&] { return b.health().healthy; }));
@@ -706,11 +747,7 @@ TEST_CASE("a malformed reply drops the connection and counts a protocol error", 
     if (a[0] == "EXISTS") return "?what\r\n";
     return {};
   };
-  l2::redis_backend_options o;
-  o.nodes = {"127.0.0.1:" + std::to_string(fake.port())};
-  o.connections_per_node = 1;
-  o.info_interval_ms = std::chrono::hours(1);
-  l2::redis_backend b(io.get_executor(), o);
+  l2::redis_backend b(io.get_executor(), fake.options());
   REQUIRE(run_until(io, [&] { return b.health().healthy; }));
   const chunk_key k = key_of(9);
   auto [ec, found] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, bitmap>> {

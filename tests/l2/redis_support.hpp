@@ -9,7 +9,7 @@
 // next. Each server runs in its own temporary directory with persistence off and dies with
 // the test process (PR_SET_PDEATHSIG).
 
-#include <kvtier/l2/detail/redis_wire.hpp>
+#include <kvtier/l2/redis/detail/redis_wire.hpp>
 
 #include "support/asio.hpp"
 #include "support/process.hpp"

@@ -24,7 +24,7 @@ TEST_CASE("the disk backend's JSON options parse with clear errors", "[server][d
   CHECK(o.path == "/mnt/x");
   CHECK(o.capacity_bytes == (std::uint64_t{3} << 29));
   CHECK_FALSE(o.o_direct);
-  CHECK(o.io == io::engine_choice::pread);
+  CHECK(o.io == io::file_io_choice::pread);
   CHECK(o.eviction == l2::disk_eviction::fifo);
   CHECK(o.queue_depth == 32);
   CHECK(o.part_bytes == 512 * 1024);

@@ -1,14 +1,15 @@
 #pragma once
-// The contract of kvtier's file I/O engines: `file_io`, what the L2 disk backend is written
-// against. Satisfied by io::uring_context (io_uring), io::pread_pool (the thread-pool
-// fallback) and io::io_engine (whichever of the two the run-time probe chose), so the backend
-// never knows which one runs; io::file_io_archetype checks code against the contract alone.
+// The contract of kvtier's file I/O: `file_io`, what the L2 disk backend is written against.
+// Satisfied by io::uring_context (io_uring), io::pread_pool (the thread-pool fallback) and
+// io::any_file_io (whichever of the two the run-time probe chose), so the backend never
+// knows which one runs; io::file_io_archetype checks code against the contract alone. The
+// ten operations are written once, for all three (io/detail/file_io_operations.hpp).
 //
 // Every operation is Asio-shaped (`async_xxx(args..., Token&&)`, error_code first) and obeys
-// the same rules in every engine:
+// the same rules in every implementation:
 //   - completion: read/write ops complete with void(error_code, std::size_t bytes), openat
 //     with void(error_code, int fd), the others with void(error_code). The handler runs on
-//     its associated executor (the engine's executor when it has none), never inside the
+//     its associated executor (the implementation's executor when it has none), never inside the
 //     initiating call. Errors are the kernel's errno in the system category (EBADF, EINVAL
 //     for unaligned O_DIRECT, ENOSPC...); a cancelled op reports operation_aborted; an op
 //     started after shutdown() reports kvtier::errc::shutting_down.
@@ -16,7 +17,7 @@
 //     count is unspecified (ext4 O_DIRECT zero-fills the rest of the request, a hole past
 //     EOF; buffered reads leave it alone); reads and writes are
 //     capped at max_io_bytes per call (the kernel's MAX_RW_COUNT), so a longer span reads
-//     short. Use async_read_all / async_write_all (transfer.hpp) for objects.
+//     short. Use async_read_all / async_write_all (object_io.hpp) for objects.
 //   - on a file that cannot seek (pipe, socket) the offset is ignored, as io_uring does.
 //   - memory: the buffer (and the iovec array, and the path strings) must stay valid and
 //     untouched until the handler runs, even when the op was cancelled. The handler runs
@@ -37,16 +38,16 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::io {
 
-/// Which engine does the I/O.
-enum class engine_kind : std::uint8_t {
+/// Which implementation of file_io does the I/O.
+enum class file_io_kind : std::uint8_t {
   uring,  ///< io_uring (io::uring_context)
   pread,  ///< the pread/pwrite thread pool (io::pread_pool)
 };
 
-[[nodiscard]] constexpr std::string_view to_string(engine_kind k) noexcept {
+[[nodiscard]] constexpr std::string_view to_string(file_io_kind k) noexcept {
   switch (k) {
-    case engine_kind::uring: return "io_uring";
-    case engine_kind::pread: return "pread";
+    case file_io_kind::uring: return "io_uring";
+    case file_io_kind::pread: return "pread";
   }
   return "?";
 }
@@ -72,8 +73,8 @@ struct void_handler_archetype {
 }  // namespace detail
 
 // clang-format off
-/// A file I/O engine. `renameat` takes renameat2(2) flags (RENAME_NOREPLACE...), `unlinkat`
-/// unlinkat(2) flags (AT_REMOVEDIR). register_buffers() is a hint: engines that cannot use
+/// File I/O. `renameat` takes renameat2(2) flags (RENAME_NOREPLACE...), `unlinkat`
+/// unlinkat(2) flags (AT_REMOVEDIR). register_buffers() is a hint: implementations that cannot use
 /// registered memory, or whose kernel refuses it, return the reason and keep working with
 /// plain reads into the same memory.
 template <class T>
@@ -84,7 +85,7 @@ concept file_io = requires(T& io, const T& cio, int fd, std::span<std::byte> buf
                            detail::void_handler_archetype hv) {
   typename T::executor_type;
   { cio.get_executor() } -> std::same_as<typename T::executor_type>;
-  { cio.kind() } -> std::same_as<engine_kind>;
+  { cio.kind() } -> std::same_as<file_io_kind>;
   io.async_read(fd, buf, offset, hs);
   io.async_write(fd, cbuf, offset, hs);
   io.async_readv(fd, iov, offset, hs);
@@ -102,13 +103,13 @@ concept file_io = requires(T& io, const T& cio, int fd, std::span<std::byte> buf
 // clang-format on
 
 /// The smallest type that models file_io: declarations only, for checking generic code
-/// (the transfer helpers, the disk backend) against the contract without a real engine.
+/// (the object helpers, the disk backend) against the contract without a real implementation.
 struct file_io_archetype {
   struct executor_type {
     friend bool operator==(const executor_type&, const executor_type&) noexcept = default;
   };
   executor_type get_executor() const noexcept { return {}; }
-  engine_kind kind() const noexcept { return engine_kind::pread; }
+  file_io_kind kind() const noexcept { return file_io_kind::pread; }
   template <class Token> void async_read(int, std::span<std::byte>, std::uint64_t, Token&&);
   template <class Token> void async_write(int, std::span<const std::byte>, std::uint64_t, Token&&);
   template <class Token> void async_readv(int, std::span<const ::iovec>, std::uint64_t, Token&&);

@@ -1,5 +1,5 @@
 #pragma once
-// pread_pool: the fallback file I/O engine for kernels that refuse io_uring (ENOSYS, EPERM
+// pread_pool: the fallback file I/O for kernels that refuse io_uring (ENOSYS, EPERM
 // under seccomp or kernel.io_uring_disabled; see io/probe.hpp). A few threads (default 2,
 // the machine's cores) run blocking pread/pwrite/fdatasync/openat... and post each
 // completion to the caller's executor. Same operations, same completion signatures and same
@@ -24,6 +24,7 @@
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/io/concepts.hpp>
+#include <kvtier/io/detail/file_io_operations.hpp>
 #include <kvtier/io/detail/file_ops.hpp>
 #include <kvtier/io/stats.hpp>
 #include <kvtier/telemetry/logger.hpp>
@@ -32,7 +33,6 @@
 #include <boost/asio/associated_allocator.hpp>
 #include <boost/asio/associated_cancellation_slot.hpp>
 #include <boost/asio/associated_executor.hpp>
-#include <boost/asio/async_result.hpp>
 #include <boost/asio/cancellation_type.hpp>
 #include <boost/asio/executor_work_guard.hpp>
 #include <boost/asio/post.hpp>
@@ -66,6 +66,7 @@ struct pread_pool_options {
 };
 
 class pread_pool;
+class any_file_io;
 
 namespace detail {
 
@@ -191,7 +192,7 @@ class pool_handler_op final : public pool_op {
 
 }  // namespace detail
 
-class pread_pool {
+class pread_pool : public detail::file_io_operations<pread_pool> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
@@ -218,61 +219,11 @@ class pread_pool {
   ~pread_pool() { stop_and_join(); }
 
   [[nodiscard]] executor_type get_executor() const noexcept { return ex_; }
-  [[nodiscard]] static constexpr engine_kind kind() noexcept { return engine_kind::pread; }
+  [[nodiscard]] static constexpr file_io_kind kind() noexcept { return file_io_kind::pread; }
 
-  /// pread(2) (read(2) on a pipe or socket). Completes with (error, bytes read).
-  template <class Token>
-  auto async_read(int fd, std::span<std::byte> buffer, std::uint64_t offset, Token&& token) {
-    return initiate<detail::op_read>(token, fd, static_cast<void*>(buffer.data()), detail::clamp_len(buffer.size()),
-                                     offset);
-  }
-  /// pwrite(2). Completes with (error, bytes written).
-  template <class Token>
-  auto async_write(int fd, std::span<const std::byte> buffer, std::uint64_t offset, Token&& token) {
-    return initiate<detail::op_write>(token, fd, static_cast<const void*>(buffer.data()),
-                                      detail::clamp_len(buffer.size()), offset);
-  }
-  /// preadv(2); `iov` must stay valid until completion.
-  template <class Token>
-  auto async_readv(int fd, std::span<const ::iovec> iov, std::uint64_t offset, Token&& token) {
-    return initiate<detail::op_readv>(token, fd, iov.data(), static_cast<unsigned>(iov.size()), offset);
-  }
-  /// pwritev(2); `iov` must stay valid until completion.
-  template <class Token>
-  auto async_writev(int fd, std::span<const ::iovec> iov, std::uint64_t offset, Token&& token) {
-    return initiate<detail::op_writev>(token, fd, iov.data(), static_cast<unsigned>(iov.size()), offset);
-  }
-  /// fsync(2). Completes with (error).
-  template <class Token>
-  auto async_fsync(int fd, Token&& token) {
-    return initiate<detail::op_fsync>(token, fd, false);
-  }
-  /// fdatasync(2).
-  template <class Token>
-  auto async_fdatasync(int fd, Token&& token) {
-    return initiate<detail::op_fsync>(token, fd, true);
-  }
-  /// openat(2). Completes with (error, new fd).
-  template <class Token>
-  auto async_openat(int dirfd, const char* path, int flags, ::mode_t mode, Token&& token) {
-    return initiate<detail::op_openat>(token, dirfd, path, flags, mode);
-  }
-  /// close(2).
-  template <class Token>
-  auto async_close(int fd, Token&& token) {
-    return initiate<detail::op_close>(token, fd);
-  }
-  /// renameat2(2).
-  template <class Token>
-  auto async_renameat(int old_dirfd, const char* old_path, int new_dirfd, const char* new_path, unsigned flags,
-                      Token&& token) {
-    return initiate<detail::op_renameat>(token, old_dirfd, old_path, new_dirfd, new_path, flags);
-  }
-  /// unlinkat(2).
-  template <class Token>
-  auto async_unlinkat(int dirfd, const char* path, int flags, Token&& token) {
-    return initiate<detail::op_unlinkat>(token, dirfd, path, flags);
-  }
+  // --- operations: file_io, see concepts.hpp and detail/file_io_operations.hpp -------------
+  // async_read (read(2) on a pipe or socket), async_write, async_readv, async_writev,
+  // async_fsync, async_fdatasync, async_openat, async_close, async_renameat, async_unlinkat.
 
   /// Nothing to register: plain syscalls read straight into the caller's memory.
   error_code register_buffers(std::span<const buffer_region>) noexcept { return {}; }
@@ -311,23 +262,15 @@ class pread_pool {
  private:
   friend struct detail::pool_cancel_handler;
 
-  template <class Desc, class Token, class... Args>
-  auto initiate(Token& token, Args... args) {
-    return boost::asio::async_initiate<Token, typename Desc::signature>(initiate_op<Desc>{this}, token,
-                                                                        Desc{{}, args...});
-  }
+  friend class detail::file_io_operations<pread_pool>;
+  friend class any_file_io;
 
-  template <class Desc>
-  struct initiate_op {
-    pread_pool* self;
-    using executor_type = pread_pool::executor_type;
-    [[nodiscard]] executor_type get_executor() const noexcept { return self->get_executor(); }
-    template <class Handler>
-    void operator()(Handler&& handler, const Desc& desc) const {
-      using op_type = detail::pool_handler_op<Desc, std::decay_t<Handler>>;
-      self->start(op_type::create(std::forward<Handler>(handler), self, self->ex_, desc));
-    }
-  };
+  /// Queues the op `desc` describes for a worker.
+  template <class Handler, class Desc>
+  void submit(Handler&& handler, const Desc& desc) {
+    using op_type = detail::pool_handler_op<Desc, std::decay_t<Handler>>;
+    start(op_type::create(std::forward<Handler>(handler), this, ex_, desc));
+  }
 
   void start(detail::pool_op* op) {
     detail::bump_shared(stats_->ops_started);

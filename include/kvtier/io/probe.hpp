@@ -1,9 +1,9 @@
 #pragma once
-// The run-time choice of the file I/O engine. io_uring is checked, not assumed: a kernel may
-// lack it (ENOSYS), forbid it (kernel.io_uring_disabled, EPERM), or a seccomp filter (the
-// default one of Docker since 2023, gVisor) may refuse its syscalls. probe_uring() sets up a
+// The run-time choice of the file I/O: io_uring or the pread thread pool. io_uring is checked,
+// not assumed: a kernel may lack it (ENOSYS), forbid it (kernel.io_uring_disabled, EPERM), or
+// a seccomp filter (the default one of Docker since 2023, gVisor) may refuse its syscalls. probe_uring() sets up a
 // small ring, checks every opcode kvtier uses, registers an eventfd and runs one NOP through
-// it; select_engine() combines that with what the caller and the environment ask for.
+// it; select_file_io() combines that with what the caller and the environment ask for.
 //
 // KVTIER_IO_BACKEND=pread forces the thread-pool fallback (tests and benchmarks use it);
 // =uring forces io_uring (an error where the kernel refuses it); =auto, or unset, probes.
@@ -28,39 +28,39 @@
 namespace kvtier::inline KVTIER_ABI_TAG::io {
 
 /// What the configuration asks for.
-enum class engine_choice : std::uint8_t {
+enum class file_io_choice : std::uint8_t {
   automatic,  ///< io_uring where the probe says it works, else the pread pool
   uring,      ///< io_uring or an error
   pread,      ///< the pread pool, without probing
 };
 
-[[nodiscard]] constexpr std::string_view to_string(engine_choice c) noexcept {
+[[nodiscard]] constexpr std::string_view to_string(file_io_choice c) noexcept {
   switch (c) {
-    case engine_choice::automatic: return "auto";
-    case engine_choice::uring: return "uring";
-    case engine_choice::pread: return "pread";
+    case file_io_choice::automatic: return "auto";
+    case file_io_choice::uring: return "uring";
+    case file_io_choice::pread: return "pread";
   }
   return "?";
 }
 
 /// The environment variable that overrides an automatic choice.
-inline constexpr const char* engine_env_var = "KVTIER_IO_BACKEND";
+inline constexpr const char* file_io_env_var = "KVTIER_IO_BACKEND";
 
 /// Parses "auto", "uring" (or "io_uring"), "pread".
-[[nodiscard]] constexpr std::optional<engine_choice> parse_engine_choice(std::string_view s) noexcept {
-  if (s == "auto" || s.empty()) return engine_choice::automatic;
-  if (s == "uring" || s == "io_uring") return engine_choice::uring;
-  if (s == "pread") return engine_choice::pread;
+[[nodiscard]] constexpr std::optional<file_io_choice> parse_file_io_choice(std::string_view s) noexcept {
+  if (s == "auto" || s.empty()) return file_io_choice::automatic;
+  if (s == "uring" || s == "io_uring") return file_io_choice::uring;
+  if (s == "pread") return file_io_choice::pread;
   return std::nullopt;
 }
 
 /// The choice KVTIER_IO_BACKEND asks for (automatic when unset). Throws
 /// std::invalid_argument on another value.
-[[nodiscard]] inline engine_choice engine_choice_from_env() {
-  const char* v = std::getenv(engine_env_var);
-  if (v == nullptr) return engine_choice::automatic;
-  if (auto c = parse_engine_choice(v)) return *c;
-  throw std::invalid_argument(std::string(engine_env_var) + "='" + v + "': use auto, uring or pread");
+[[nodiscard]] inline file_io_choice file_io_choice_from_env() {
+  const char* v = std::getenv(file_io_env_var);
+  if (v == nullptr) return file_io_choice::automatic;
+  if (auto c = parse_file_io_choice(v)) return *c;
+  throw std::invalid_argument(std::string(file_io_env_var) + "='" + v + "': use auto, uring or pread");
 }
 
 /// What probe_uring() found.
@@ -146,38 +146,38 @@ namespace detail {
   return {{}, "io_uring works (setup, opcodes, eventfd, NOP round trip)"};
 }
 
-/// The engine to use, and why.
-struct engine_selection {
-  engine_kind kind = engine_kind::pread;
-  engine_choice requested = engine_choice::automatic;  ///< after the environment override
+/// The file I/O to use, and why.
+struct file_io_selection {
+  file_io_kind kind = file_io_kind::pread;
+  file_io_choice requested = file_io_choice::automatic;  ///< after the environment override
   std::optional<uring_probe_result> uring;           ///< nullopt when pread was forced (no probe)
   std::string reason;                                  ///< one line for the log
 };
 
-/// Picks the engine: `choice` when it is not automatic, else KVTIER_IO_BACKEND, else io_uring
+/// Picks the file I/O: `choice` when it is not automatic, else KVTIER_IO_BACKEND, else io_uring
 /// where probe_uring() says it works, else pread. Throws std::runtime_error when io_uring
 /// is required but refused, std::invalid_argument on a bad KVTIER_IO_BACKEND.
-[[nodiscard]] inline engine_selection select_engine(engine_choice choice = engine_choice::automatic) {
-  engine_selection s;
-  const bool from_env = choice == engine_choice::automatic;
-  s.requested = from_env ? engine_choice_from_env() : choice;
+[[nodiscard]] inline file_io_selection select_file_io(file_io_choice choice = file_io_choice::automatic) {
+  file_io_selection s;
+  const bool from_env = choice == file_io_choice::automatic;
+  s.requested = from_env ? file_io_choice_from_env() : choice;
   const std::string origin =
-      from_env ? std::string(engine_env_var) + "=" + std::string(to_string(s.requested)) : "the configuration";
-  if (s.requested == engine_choice::pread) {
-    s.kind = engine_kind::pread;
+      from_env ? std::string(file_io_env_var) + "=" + std::string(to_string(s.requested)) : "the configuration";
+  if (s.requested == file_io_choice::pread) {
+    s.kind = file_io_kind::pread;
     s.reason = "forced by " + origin;
     return s;
   }
   s.uring = probe_uring();
   if (s.uring->available()) {
-    s.kind = engine_kind::uring;
+    s.kind = file_io_kind::uring;
     s.reason = s.uring->detail;
     return s;
   }
-  if (s.requested == engine_choice::uring)
+  if (s.requested == file_io_choice::uring)
     throw std::runtime_error("kvtier::io: io_uring is required by " + origin + " but unavailable: " + s.uring->detail +
                              ". Use auto or pread to fall back to the thread pool.");
-  s.kind = engine_kind::pread;
+  s.kind = file_io_kind::pread;
   s.reason = "io_uring unavailable: " + s.uring->detail;
   return s;
 }

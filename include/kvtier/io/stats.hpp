@@ -1,7 +1,7 @@
 #pragma once
-// io_stats: what an I/O engine did, as relaxed atomics that a metrics scrape (another thread)
-// may read at any time. Each engine owns one through a shared_ptr, so a registry callback
-// that holds it stays valid after the engine is gone. They become the
+// io_stats: what a file I/O implementation did, as relaxed atomics that a metrics scrape
+// (another thread) may read at any time. uring_context and pread_pool each own one through a
+// shared_ptr, so a registry callback that holds it stays valid after they are gone. They become the
 // kvtier_io_* metrics (docs/io.md) through telemetry::collect_io.
 
 #include <kvtier/config.hpp>

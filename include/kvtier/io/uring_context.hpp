@@ -1,7 +1,7 @@
 #pragma once
 // uring_context: file I/O on a liburing ring whose completions resume Asio coroutines (and
-// run Asio handlers) on their executor. The L2 disk backend's engine where the kernel allows
-// io_uring (io/probe.hpp decides; io/io_engine.hpp holds whichever engine was chosen).
+// run Asio handlers) on their executor. The L2 disk backend's file I/O where the kernel allows
+// io_uring (io/probe.hpp decides; io/any_file_io.hpp holds whichever implementation was chosen).
 //
 // How it works (details in detail/uring_core.hpp):
 //   - one ring (default 256 SQ entries, COOP_TASKRUN; never IOPOLL or SQPOLL: IOPOLL reads
@@ -50,6 +50,7 @@
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/io/concepts.hpp>
+#include <kvtier/io/detail/file_io_operations.hpp>
 #include <kvtier/io/detail/file_ops.hpp>
 #include <kvtier/io/detail/uring_core.hpp>
 #include <kvtier/io/detail/uring_handler_op.hpp>
@@ -58,7 +59,6 @@
 #include <kvtier/telemetry/logger.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
-#include <boost/asio/async_result.hpp>
 
 #include <sys/types.h>
 #include <sys/uio.h>
@@ -72,13 +72,15 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::io {
 
-class uring_context {
+class any_file_io;
+
+class uring_context : public detail::file_io_operations<uring_context> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
   /// Sets up the ring on `ex` (see the threading rule). Throws boost::system::system_error
   /// with the kernel's errno when io_uring is refused (run io::probe_uring() first, or use
-  /// io_engine, which falls back), std::invalid_argument on bad options.
+  /// any_file_io, which falls back), std::invalid_argument on bad options.
   explicit uring_context(executor_type ex, uring_options opts = {}, telemetry::logger* log = nullptr)
       : core_(std::move(ex), opts, log) {}
 
@@ -89,76 +91,12 @@ class uring_context {
   ~uring_context() = default;
 
   [[nodiscard]] executor_type get_executor() const noexcept { return core_.get_executor(); }
-  [[nodiscard]] static constexpr engine_kind kind() noexcept { return engine_kind::uring; }
+  [[nodiscard]] static constexpr file_io_kind kind() noexcept { return file_io_kind::uring; }
 
-  // --- operations: each returns what its Token makes of the completion ----------------------
-
-  /// Reads up to buffer.size() bytes at `offset` (IORING_OP_READ, or READ_FIXED when the
-  /// buffer lies in a registered region). Completes with (error, bytes read); fewer bytes
-  /// than asked means end of file.
-  template <class Token>
-  auto async_read(int fd, std::span<std::byte> buffer, std::uint64_t offset, Token&& token) {
-    return boost::asio::async_initiate<Token, detail::returns_size::signature>(initiate_read{this}, token, fd, buffer,
-                                                                               offset);
-  }
-
-  /// Writes buffer at `offset` (IORING_OP_WRITE or WRITE_FIXED). Completes with
-  /// (error, bytes written).
-  template <class Token>
-  auto async_write(int fd, std::span<const std::byte> buffer, std::uint64_t offset, Token&& token) {
-    return boost::asio::async_initiate<Token, detail::returns_size::signature>(initiate_write{this}, token, fd,
-                                                                               buffer, offset);
-  }
-
-  /// preadv through the ring (IORING_OP_READV). `iov` must stay valid until completion.
-  template <class Token>
-  auto async_readv(int fd, std::span<const ::iovec> iov, std::uint64_t offset, Token&& token) {
-    return initiate<detail::op_readv>(token, fd, iov.data(), static_cast<unsigned>(iov.size()), offset);
-  }
-
-  /// pwritev through the ring (IORING_OP_WRITEV). `iov` must stay valid until completion.
-  template <class Token>
-  auto async_writev(int fd, std::span<const ::iovec> iov, std::uint64_t offset, Token&& token) {
-    return initiate<detail::op_writev>(token, fd, iov.data(), static_cast<unsigned>(iov.size()), offset);
-  }
-
-  /// fsync(2) through the ring (IORING_OP_FSYNC). Completes with (error).
-  template <class Token>
-  auto async_fsync(int fd, Token&& token) {
-    return initiate<detail::op_fsync>(token, fd, false);
-  }
-
-  /// fdatasync(2) through the ring (IORING_OP_FSYNC, IORING_FSYNC_DATASYNC).
-  template <class Token>
-  auto async_fdatasync(int fd, Token&& token) {
-    return initiate<detail::op_fsync>(token, fd, true);
-  }
-
-  /// openat(2) through the ring (IORING_OP_OPENAT; the kernel runs it on a worker, so a slow
-  /// directory lookup never blocks the I/O thread). Completes with (error, new fd).
-  template <class Token>
-  auto async_openat(int dirfd, const char* path, int flags, ::mode_t mode, Token&& token) {
-    return initiate<detail::op_openat>(token, dirfd, path, flags, mode);
-  }
-
-  /// close(2) through the ring (IORING_OP_CLOSE).
-  template <class Token>
-  auto async_close(int fd, Token&& token) {
-    return initiate<detail::op_close>(token, fd);
-  }
-
-  /// renameat2(2) through the ring (IORING_OP_RENAMEAT), e.g. RENAME_NOREPLACE.
-  template <class Token>
-  auto async_renameat(int old_dirfd, const char* old_path, int new_dirfd, const char* new_path, unsigned flags,
-                      Token&& token) {
-    return initiate<detail::op_renameat>(token, old_dirfd, old_path, new_dirfd, new_path, flags);
-  }
-
-  /// unlinkat(2) through the ring (IORING_OP_UNLINKAT).
-  template <class Token>
-  auto async_unlinkat(int dirfd, const char* path, int flags, Token&& token) {
-    return initiate<detail::op_unlinkat>(token, dirfd, path, flags);
-  }
+  // --- operations: file_io, see concepts.hpp and detail/file_io_operations.hpp -------------
+  // async_read, async_write, async_readv, async_writev, async_fsync, async_fdatasync,
+  // async_openat, async_close, async_renameat, async_unlinkat: each returns what its Token
+  // makes of the completion.
 
   // --- registered buffers ------------------------------------------------------------------
 
@@ -192,63 +130,30 @@ class uring_context {
   [[nodiscard]] unsigned cq_entries() const noexcept { return core_.cq_entries(); }
 
  private:
-  template <class Desc, class Handler>
+  friend class detail::file_io_operations<uring_context>;
+  friend class any_file_io;
+
+  /// Starts the op `desc` describes. A read or write whose buffer lies in a registered region
+  /// becomes its fixed variant (READ_FIXED / WRITE_FIXED with the buffer's index).
+  template <class Handler, class Desc>
+  void submit(Handler&& handler, const Desc& desc) {
+    if constexpr (std::is_same_v<Desc, detail::op_read> || std::is_same_v<Desc, detail::op_write>) {
+      if (const int idx = core_.fixed_index(desc.data, desc.len); idx >= 0) {
+        core_.count_fixed_op();
+        using fixed =
+            std::conditional_t<std::is_same_v<Desc, detail::op_read>, detail::op_read_fixed, detail::op_write_fixed>;
+        start(std::forward<Handler>(handler), fixed{{}, desc.fd, desc.data, desc.len, desc.offset, idx});
+        return;
+      }
+    }
+    start(std::forward<Handler>(handler), desc);
+  }
+
+  template <class Handler, class Desc>
   void start(Handler&& handler, const Desc& desc) {
     using op_type = detail::uring_handler_op<Desc, std::decay_t<Handler>>;
     core_.start(op_type::create(std::forward<Handler>(handler), core_, desc));
   }
-
-  /// The initiation of every op whose description does not depend on the ring's state.
-  template <class Desc>
-  struct initiate_op {
-    uring_context* self;
-    using executor_type = uring_context::executor_type;
-    [[nodiscard]] executor_type get_executor() const noexcept { return self->get_executor(); }
-    template <class Handler>
-    void operator()(Handler&& handler, const Desc& desc) const {
-      self->start(std::forward<Handler>(handler), desc);
-    }
-  };
-
-  template <class Desc, class Token, class... Args>
-  auto initiate(Token& token, Args... args) {
-    return boost::asio::async_initiate<Token, typename Desc::signature>(initiate_op<Desc>{this}, token,
-                                                                        Desc{{}, args...});
-  }
-
-  // Reads and writes pick the fixed variant when the op is launched, so a deferred op sees
-  // the registration of the time it runs.
-  struct initiate_read {
-    uring_context* self;
-    using executor_type = uring_context::executor_type;
-    [[nodiscard]] executor_type get_executor() const noexcept { return self->get_executor(); }
-    template <class Handler>
-    void operator()(Handler&& handler, int fd, std::span<std::byte> buf, std::uint64_t offset) const {
-      const unsigned len = detail::clamp_len(buf.size());
-      if (const int idx = self->core_.fixed_index(buf.data(), len); idx >= 0) {
-        self->core_.count_fixed_op();
-        self->start(std::forward<Handler>(handler), detail::op_read_fixed{{}, fd, buf.data(), len, offset, idx});
-      } else {
-        self->start(std::forward<Handler>(handler), detail::op_read{{}, fd, buf.data(), len, offset});
-      }
-    }
-  };
-
-  struct initiate_write {
-    uring_context* self;
-    using executor_type = uring_context::executor_type;
-    [[nodiscard]] executor_type get_executor() const noexcept { return self->get_executor(); }
-    template <class Handler>
-    void operator()(Handler&& handler, int fd, std::span<const std::byte> buf, std::uint64_t offset) const {
-      const unsigned len = detail::clamp_len(buf.size());
-      if (const int idx = self->core_.fixed_index(buf.data(), len); idx >= 0) {
-        self->core_.count_fixed_op();
-        self->start(std::forward<Handler>(handler), detail::op_write_fixed{{}, fd, buf.data(), len, offset, idx});
-      } else {
-        self->start(std::forward<Handler>(handler), detail::op_write{{}, fd, buf.data(), len, offset});
-      }
-    }
-  };
 
   detail::uring_core core_;
 };

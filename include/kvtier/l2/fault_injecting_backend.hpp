@@ -17,14 +17,20 @@
 //                        must survive.
 // A fault applies to the next `times` operations of its kind (-1: until clear()).
 // Call release_hung() before destroying the wrapper while operations hang.
+//
+// Cancellation (the handler's slot, terminal): the caller's cancellation reaches the inner
+// operation (which then completes with operation_aborted, or its real result when it had
+// finished); a delay fault's wait ends at once and the operation completes with the inner
+// result. Nothing touches the caller's buffers after the completion. A hang ignores it.
 
 #include <kvtier/config.hpp>
-#include <kvtier/detail/async.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/l2/concepts.hpp>
+#include <kvtier/l2/detail/coroutine_backend.hpp>
 #include <kvtier/l2/types.hpp>
 
 #include <boost/asio/as_tuple.hpp>
+#include <boost/asio/cancellation_type.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -56,7 +62,7 @@ struct fault {
 };
 
 template <l2_backend Backend>
-class fault_injecting_backend {
+class fault_injecting_backend : public detail::coroutine_backend<fault_injecting_backend<Backend>> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
@@ -91,32 +97,12 @@ class fault_injecting_backend {
     return hung_.size();
   }
 
-  template <class Token>
-  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, bitmap)>(get_executor(), lookup_impl(keys, d),
-                                                               std::forward<Token>(token));
-  }
+  // async_lookup_and_pin, async_load, async_store, async_remove: detail/coroutine_backend.hpp.
   void unpin(std::span<const chunk_key> keys) { inner_->unpin(keys); }
 
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(get_executor(), load_impl(keys, destinations, d),
-                                                                     std::forward<Token>(token));
-  }
-  template <class Token>
-  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
-                   Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(get_executor(), store_impl(keys, sources, d),
-                                                                     std::forward<Token>(token));
-  }
-  template <class Token>
-  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(get_executor(), remove_impl(keys, d),
-                                                                     std::forward<Token>(token));
-  }
-
  private:
+  friend class detail::coroutine_backend<fault_injecting_backend>;
+
   using lookup_tuple = std::tuple<error_code, bitmap>;
   using batch_tuple = std::tuple<error_code, batch_result>;
 
@@ -158,11 +144,14 @@ class fault_injecting_backend {
     hung_.remove(&t);
   }
 
+  /// A delay fault's wait; cut short (and skipped) once the caller cancelled the operation.
   boost::asio::awaitable<void> delay_if(const std::vector<fault>& fs) {
-    if (const fault* f = find(fs, fault_kind::delay)) {
-      boost::asio::steady_timer t(get_executor(), f->delay);
-      co_await t.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
-    }
+    const fault* f = find(fs, fault_kind::delay);
+    if (f == nullptr) co_return;
+    const boost::asio::cancellation_state cs = co_await boost::asio::this_coro::cancellation_state;
+    if (cs.cancelled() != boost::asio::cancellation_type::none) co_return;
+    boost::asio::steady_timer t(get_executor(), f->delay);
+    co_await t.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
   }
 
   void corrupt_if(const std::vector<fault>& fs, std::span<const chunk_key> keys) {
@@ -179,6 +168,21 @@ class fault_injecting_backend {
     const fault* fail = nullptr;
     bool whole = false;
     std::vector<std::size_t> passed;
+
+    /// The elements of a per-key span (the keys, or their buffers) that passed: what the
+    /// inner backend is given.
+    template <class T>
+    [[nodiscard]] std::vector<T> of(std::span<const T> all) const {
+      std::vector<T> v;
+      v.reserve(passed.size());
+      for (auto i : passed) v.push_back(all[i]);
+      return v;
+    }
+    /// Puts the inner backend's outcomes of the passed keys in their places of r.
+    void merge(const batch_result& sub, batch_result& r) const {
+      for (std::size_t j = 0; j < passed.size(); ++j)
+        r.outcomes[passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
+    }
   };
   static split split_keys(const std::vector<fault>& fs, std::span<const chunk_key> keys) {
     split s;
@@ -190,6 +194,7 @@ class fault_injecting_backend {
   }
 
   boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
     const auto fs = take(fault_op::lookup);
     co_await hang_if(fs);
     const split s = split_keys(fs, keys);
@@ -198,8 +203,7 @@ class fault_injecting_backend {
       co_await delay_if(fs);
       co_return lookup_tuple{s.fail->error, found};
     }
-    std::vector<chunk_key> sub;
-    for (auto i : s.passed) sub.push_back(keys[i]);
+    const auto sub = s.of(keys);
     auto [ec, sub_found] = co_await inner_->async_lookup_and_pin(sub, d, boost::asio::as_tuple(boost::asio::use_awaitable));
     for (std::size_t j = 0; j < s.passed.size(); ++j)
       if (sub_found.size() > j && sub_found.test(j)) found.set(s.passed[j]);
@@ -209,63 +213,52 @@ class fault_injecting_backend {
 
   boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
                                                 std::span<const std::span<std::byte>> destinations, deadline d) {
-    const auto fs = take(fault_op::load);
-    co_await hang_if(fs);
-    corrupt_if(fs, keys);
-    const split s = split_keys(fs, keys);
-    batch_result r(keys.size(), s.fail ? s.fail->outcome : key_outcome::timeout);
-    if (s.whole) {
-      co_await delay_if(fs);
-      co_return batch_tuple{s.fail->error, r};
-    }
-    std::vector<chunk_key> sub_keys;
-    std::vector<std::span<std::byte>> sub_dst;
-    for (auto i : s.passed) {
-      sub_keys.push_back(keys[i]);
-      sub_dst.push_back(destinations[i]);
-    }
-    auto [ec, sub] = co_await inner_->async_load(sub_keys, sub_dst, d, boost::asio::as_tuple(boost::asio::use_awaitable));
-    for (std::size_t j = 0; j < s.passed.size(); ++j)
-      r.outcomes[s.passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
-    co_await delay_if(fs);
-    co_return batch_tuple{ec, r};
+    return pass_batch(fault_op::load, keys, destinations, [this, d](const auto& sub_keys, const auto& sub_dst) {
+      return inner_->async_load(sub_keys, sub_dst, d, boost::asio::as_tuple(boost::asio::use_awaitable));
+    });
   }
 
   boost::asio::awaitable<batch_tuple> store_impl(std::span<const chunk_key> keys,
                                                  std::span<const std::span<const std::byte>> sources, deadline d) {
-    const auto fs = take(fault_op::store);
+    return pass_batch(fault_op::store, keys, sources, [this, d](const auto& sub_keys, const auto& sub_src) {
+      return inner_->async_store(sub_keys, sub_src, d, boost::asio::as_tuple(boost::asio::use_awaitable));
+    });
+  }
+
+  /// A load or store: the faults of its kind apply (a load's corruption before it reads, a
+  /// store's after it wrote), the keys they pass go to the inner backend with their buffers.
+  template <class Buffer, class Inner>
+  boost::asio::awaitable<batch_tuple> pass_batch(fault_op op, std::span<const chunk_key> keys,
+                                                 std::span<const Buffer> buffers, Inner inner) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
+    const auto fs = take(op);
     co_await hang_if(fs);
+    if (op == fault_op::load) corrupt_if(fs, keys);
     const split s = split_keys(fs, keys);
     batch_result r(keys.size(), s.fail ? s.fail->outcome : key_outcome::timeout);
     if (s.whole) {
       co_await delay_if(fs);
       co_return batch_tuple{s.fail->error, r};
     }
-    std::vector<chunk_key> sub_keys;
-    std::vector<std::span<const std::byte>> sub_src;
-    for (auto i : s.passed) {
-      sub_keys.push_back(keys[i]);
-      sub_src.push_back(sources[i]);
-    }
-    auto [ec, sub] = co_await inner_->async_store(sub_keys, sub_src, d, boost::asio::as_tuple(boost::asio::use_awaitable));
-    for (std::size_t j = 0; j < s.passed.size(); ++j)
-      r.outcomes[s.passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
-    corrupt_if(fs, sub_keys);
+    const auto sub_keys = s.of(keys);
+    const auto sub_buffers = s.of(buffers);
+    auto [ec, sub] = co_await inner(sub_keys, sub_buffers);
+    s.merge(sub, r);
+    if (op == fault_op::store) corrupt_if(fs, sub_keys);
     co_await delay_if(fs);
     co_return batch_tuple{ec, r};
   }
 
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
     const auto fs = take(fault_op::remove);
     co_await hang_if(fs);
     const split s = split_keys(fs, keys);
     batch_result r(keys.size(), s.fail ? s.fail->outcome : key_outcome::timeout);
     if (s.whole) co_return batch_tuple{s.fail->error, r};
-    std::vector<chunk_key> sub_keys;
-    for (auto i : s.passed) sub_keys.push_back(keys[i]);
+    const auto sub_keys = s.of(keys);
     auto [ec, sub] = co_await inner_->async_remove(sub_keys, d, boost::asio::as_tuple(boost::asio::use_awaitable));
-    for (std::size_t j = 0; j < s.passed.size(); ++j)
-      r.outcomes[s.passed[j]] = j < sub.size() ? sub.outcomes[j] : key_outcome::timeout;
+    s.merge(sub, r);
     co_await delay_if(fs);
     co_return batch_tuple{ec, r};
   }

@@ -8,21 +8,26 @@
 // other, so a deadline cuts a batch after the keys that fit. Data is copied when a key
 // "finishes", on the backend's executor: the buffer contract of l2_backend holds trivially.
 // Eviction: FIFO by insertion, skipping pinned objects, when a store needs room.
+// Cancellation (the handler's slot, terminal) ends the wait of the key in transfer: the
+// operation completes with operation_aborted (keys already done keep their outcome) and
+// copies nothing more.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/chunk_key.hpp>
-#include <kvtier/detail/async.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/l2/concepts.hpp>
+#include <kvtier/l2/detail/coroutine_backend.hpp>
 #include <kvtier/l2/object_format.hpp>
 #include <kvtier/l2/types.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/awaitable.hpp>
+#include <boost/asio/cancellation_type.hpp>
 #include <boost/asio/error.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/this_coro.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
@@ -50,7 +55,7 @@ struct memory_backend_options {
   std::chrono::nanoseconds latency{0};
 };
 
-class memory_backend {
+class memory_backend : public detail::coroutine_backend<memory_backend> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
@@ -88,42 +93,14 @@ class memory_backend {
     health_ = std::move(h);
   }
 
-  template <class Token>
-  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, bitmap)>(executor_, lookup_impl(keys, d), std::forward<Token>(token));
-  }
+  // async_lookup_and_pin, async_load (also with a load_observer: keys finish one after the
+  // other on the modelled channel), async_store, async_remove: detail/coroutine_backend.hpp.
+  static constexpr bool tells_landed_keys = true;
 
   void unpin(std::span<const chunk_key> keys) {
     std::lock_guard g(mutex_);
     for (const auto& k : keys)
       if (auto it = objects_.find(k); it != objects_.end() && it->second.pins > 0) --it->second.pins;
-  }
-
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, load_impl(keys, destinations, d),
-                                                             std::forward<Token>(token));
-  }
-  /// The same, telling each key as it lands (keys finish one after the other on the channel).
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  load_observer observer, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(
-        executor_, load_impl(keys, destinations, d, std::move(observer)), std::forward<Token>(token));
-  }
-
-  template <class Token>
-  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
-                   Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, store_impl(keys, sources, d),
-                                                             std::forward<Token>(token));
-  }
-
-  template <class Token>
-  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, remove_impl(keys, d),
-                                                             std::forward<Token>(token));
   }
 
   /// Flips a byte of the stored payload (the checksum is kept): the next load answers
@@ -144,6 +121,8 @@ class memory_backend {
   }
 
  private:
+  friend class detail::coroutine_backend<memory_backend>;
+
   using lookup_result = std::tuple<error_code, bitmap>;
   using batch_tuple = std::tuple<error_code, batch_result>;
 
@@ -163,7 +142,11 @@ class memory_backend {
   static error_code unavailable_error() { return make_error_code(errc::backend_unavailable); }
 
   // Waits until t (or returns at once when t has passed). False when cancelled.
+  /// Waits until t on the executor; false when the caller cancelled the operation (before or
+  /// during the wait).
   boost::asio::awaitable<bool> wait_until(clock::time_point t) {
+    const auto cs = co_await boost::asio::this_coro::cancellation_state;
+    if (cs.cancelled() != boost::asio::cancellation_type::none) co_return false;
     if (t <= clock::now()) co_return true;
     boost::asio::steady_timer timer(executor_, t);
     auto [ec] = co_await timer.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
@@ -185,11 +168,12 @@ class memory_backend {
   }
 
   boost::asio::awaitable<lookup_result> lookup_impl(std::span<const chunk_key> keys, deadline d) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancelled waits answer operation_aborted
     bitmap found(keys.size());
     if (!health().healthy) co_return lookup_result{unavailable_error(), found};
     const auto t = clock::now() + latency();
     if (t > d) {
-      co_await wait_until(d);
+      if (!co_await wait_until(d)) co_return lookup_result{boost::asio::error::operation_aborted, found};
       co_return lookup_result{make_error_code(errc::timeout), found};
     }
     if (!co_await wait_until(t)) co_return lookup_result{boost::asio::error::operation_aborted, found};
@@ -206,6 +190,7 @@ class memory_backend {
   boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
                                                 std::span<const std::span<std::byte>> destinations, deadline d,
                                                 load_observer observer = {}) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancelled waits answer operation_aborted
     batch_result r(keys.size(), key_outcome::timeout);
     if (keys.size() != destinations.size()) co_return batch_tuple{make_error_code(errc::invalid_argument), r};
     if (!health().healthy) {
@@ -215,7 +200,7 @@ class memory_backend {
     for (std::size_t i = 0; i < keys.size(); ++i) {
       const auto finish = reserve_channel(destinations[i].size(), i == 0, d);
       if (!finish) {
-        co_await wait_until(d);
+        if (!co_await wait_until(d)) co_return batch_tuple{boost::asio::error::operation_aborted, r};
         co_return batch_tuple{make_error_code(errc::timeout), r};
       }
       if (!co_await wait_until(*finish)) co_return batch_tuple{boost::asio::error::operation_aborted, r};
@@ -241,6 +226,7 @@ class memory_backend {
 
   boost::asio::awaitable<batch_tuple> store_impl(std::span<const chunk_key> keys,
                                                  std::span<const std::span<const std::byte>> sources, deadline d) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancelled waits answer operation_aborted
     batch_result r(keys.size(), key_outcome::timeout);
     if (keys.size() != sources.size()) co_return batch_tuple{make_error_code(errc::invalid_argument), r};
     if (!health().healthy) {
@@ -250,7 +236,7 @@ class memory_backend {
     for (std::size_t i = 0; i < keys.size(); ++i) {
       const auto finish = reserve_channel(sources[i].size(), i == 0, d);
       if (!finish) {
-        co_await wait_until(d);
+        if (!co_await wait_until(d)) co_return batch_tuple{boost::asio::error::operation_aborted, r};
         co_return batch_tuple{make_error_code(errc::timeout), r};
       }
       if (!co_await wait_until(*finish)) co_return batch_tuple{boost::asio::error::operation_aborted, r};
@@ -281,6 +267,7 @@ class memory_backend {
   }
 
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline) {
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancelled waits answer operation_aborted
     batch_result r(keys.size(), key_outcome::not_found);
     if (!health().healthy) {
       std::fill(r.outcomes.begin(), r.outcomes.end(), key_outcome::unavailable);

@@ -25,7 +25,7 @@
 
 #include <kvtier/config.hpp>
 #include <kvtier/io/probe.hpp>
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 
 #include <nlohmann/json.hpp>
 
@@ -141,7 +141,7 @@ inline double json_fraction(const nlohmann::json& v, const char* key) {
   if (const auto* v = detail::json_find(j, "o_direct")) out.o_direct = detail::json_bool(*v, "o_direct");
   if (const auto* v = detail::json_find(j, "io")) {
     const auto s = detail::json_string(*v, "io");
-    const auto c = io::parse_engine_choice(s);
+    const auto c = io::parse_file_io_choice(s);
     if (!c || s.empty()) json_fail("'io' is \"" + detail::json_excerpt(s) + "\": use \"auto\", \"uring\" or \"pread\"");
     out.io = *c;
   }

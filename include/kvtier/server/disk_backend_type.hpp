@@ -1,5 +1,5 @@
 #pragma once
-// Registers the "disk" L2 backend type (l2/disk_backend.hpp) with a backend_factory:
+// Registers the "disk" L2 backend type (l2/disk/disk_backend.hpp) with a backend_factory:
 //
 //   {"type": "disk", "name": "nvme0", "path": "/mnt/nvme/kvtier", "capacity_gb": 512}
 //
@@ -7,11 +7,11 @@
 // o_direct, io, eviction, watermarks, queue_depth, part_kib, pread_threads, sync,
 // preallocate, verify_on_start). Needs kvtier::uring (liburing). create() throws config_error
 // for a directory the backend does not trust (another user owns it, or group or others may
-// write it: l2/disk_backend.hpp, "TRUST"). The backend's own series
+// write it: l2/disk/disk_backend.hpp, "TRUST"). The backend's own series
 // (kvtier_l2_disk_*, kvtier_io_*: telemetry/collectors.hpp) go to the server's registry.
 
 #include <kvtier/config.hpp>
-#include <kvtier/l2/disk_backend.hpp>
+#include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/disk_backend_json.hpp>
 #include <kvtier/telemetry/collectors.hpp>
@@ -44,7 +44,7 @@ inline void add_disk_backend_type(backend_factory& f) {
                  try {
                    auto b = std::make_shared<l2::disk_backend>(ctx.executor, std::move(named), ctx.log);
                    if (ctx.metrics) {
-                     telemetry::collect_io(*ctx.metrics, b->engine_kind() == io::engine_kind::uring,
+                     telemetry::collect_io(*ctx.metrics, b->file_io_kind() == io::file_io_kind::uring,
                                            b->shared_io_stats());
                      telemetry::collect_disk_backend(*ctx.metrics, *b);
                    }

@@ -1,5 +1,5 @@
 #pragma once
-// Registers the "redis" L2 backend type (l2/redis_backend.hpp) with a backend_factory:
+// Registers the "redis" L2 backend type (l2/redis/redis_backend.hpp) with a backend_factory:
 //
 //   {"type": "redis", "nodes": ["10.0.0.5:6379"], "cluster": false, "ttl_seconds": 86400}
 //
@@ -9,7 +9,7 @@
 // the others stored.
 
 #include <kvtier/config.hpp>
-#include <kvtier/l2/redis_backend.hpp>
+#include <kvtier/l2/redis/redis_backend.hpp>
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/redis_options_json.hpp>
 #include <kvtier/telemetry/collectors.hpp>

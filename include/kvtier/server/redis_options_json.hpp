@@ -9,7 +9,7 @@
 // password comes from password_file or password_env, never from the configuration).
 
 #include <kvtier/config.hpp>
-#include <kvtier/l2/redis_options.hpp>
+#include <kvtier/l2/redis/redis_options.hpp>
 
 #include <nlohmann/json.hpp>
 

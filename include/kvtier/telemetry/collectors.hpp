@@ -1,7 +1,7 @@
 #pragma once
 // Collectors: the gauges (and counters a component keeps itself) that are read from a
 // component's plain snapshot at scrape time. Components know nothing of metrics: l1::tier has
-// usage(), the cache status(), the I/O engine, the disk and the Redis backends their shared
+// usage(), the cache status(), the file I/O, the disk and the Redis backends their shared
 // statistics (structs of relaxed atomics another thread may read at any time). A collector
 // registers callbacks in a registry that turn those numbers into the series of
 // docs/metrics.md; the counters that events move are metrics_subscriber's.
@@ -183,7 +183,7 @@ void collect_cache(registry& reg, const Cache& cache) {
 
 // --- file I/O -------------------------------------------------------------------------------
 
-/// What an I/O engine counts (io::io_stats): relaxed atomics.
+/// What file I/O counts (io::io_stats): relaxed atomics.
 template <class S>
 concept io_counter_set = requires(const S& s) {
   s.ops_completed.load();
@@ -198,9 +198,9 @@ concept io_counter_set = requires(const S& s) {
 };
 
 /// Registers the kvtier_io_* metrics of docs/io.md: kvtier_io_uring_enabled (1 when `uring`,
-/// 0 on the pread fallback) and the counters and gauges over `stats` (io::io_engine's
+/// 0 on the pread fallback) and the counters and gauges over `stats` (io::any_file_io's
 /// shared_stats(), a disk backend's shared_io_stats()). They hold `stats`: readable after
-/// the engine is gone. One engine per registry (a second one replaces the callbacks).
+/// the file I/O is gone. One file I/O per registry (a second one replaces the callbacks).
 template <io_counter_set Stats>
 void collect_io(registry& reg, bool uring, std::shared_ptr<const Stats> stats) {
   const double enabled = uring ? 1.0 : 0.0;

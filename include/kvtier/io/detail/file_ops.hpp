@@ -3,8 +3,9 @@
 // the ring (`prepare`, noexcept, what the io_uring_prep_xxx(3) man page describes) and how
 // to do the same thing with a blocking syscall for the thread-pool fallback (`perform`,
 // noexcept, returns the value or -errno exactly as the CQE's res would), plus its completion
-// signature. uring_context and pread_pool wrap them with a handler; the arguments are plain
-// values and pointers, so an op carries no allocation of its own.
+// signature. file_io_operations.hpp builds them for the ten async_ operations; uring_context
+// and pread_pool wrap them with a handler; the arguments are plain values and pointers, so
+// an op carries no allocation of its own.
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -27,7 +28,7 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
 
-/// A result value no kernel returns: the op was refused because its engine is shutting down.
+/// A result value no kernel returns: the op was refused because its file I/O is shutting down.
 inline constexpr int res_shutting_down = INT_MIN;
 
 /// The error_code of a CQE-style result (negative errno), or of res_shutting_down.

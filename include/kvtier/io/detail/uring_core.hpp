@@ -1,8 +1,9 @@
 #pragma once
 // uring_core: the untyped part of io::uring_context: the ring, its eventfd watched by the
-// Asio reactor, the queues of operations, batched submission, reaping, cancellation,
-// registered buffers and teardown. The typed part (handlers, allocation) is in
-// uring_handler_op.hpp; the public face and its contracts are in io/uring_context.hpp.
+// Asio reactor, the queues of operations, batched submission, reaping, cancellation and
+// teardown. Setting the ring up is in uring_setup.hpp, its registered buffers in
+// fixed_buffers.hpp, the typed part (handlers, allocation) in uring_handler_op.hpp; the
+// public face and its contracts are in io/uring_context.hpp.
 //
 // Life of an operation (all on the ring's executor):
 //   start():  prepare an SQE right away when there is room (no syscall), else queue it
@@ -21,8 +22,10 @@
 #include <kvtier/error.hpp>
 #include <kvtier/io/concepts.hpp>
 #include <kvtier/io/detail/file_ops.hpp>
+#include <kvtier/io/detail/fixed_buffers.hpp>
 #include <kvtier/io/detail/op_recycler.hpp>
 #include <kvtier/io/detail/uring_op.hpp>
+#include <kvtier/io/detail/uring_setup.hpp>
 #include <kvtier/io/stats.hpp>
 #include <kvtier/io/uring_options.hpp>
 #include <kvtier/telemetry/logger.hpp>
@@ -37,7 +40,6 @@
 
 #include <liburing.h>
 #include <sys/eventfd.h>
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -54,41 +56,6 @@
 #include <vector>
 
 namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
-
-/// The kernel's limit on one registered buffer (io_uring rejects a longer iovec with
-/// EFAULT, measured on 6.18): a larger region is registered as several buffers.
-inline constexpr std::size_t max_fixed_buffer_bytes = std::size_t{1} << 30;
-/// IORING_MAX_REG_BUFFERS.
-inline constexpr std::size_t max_fixed_buffers = 16384;
-
-/// Names of the setup flags that matter here, for the log.
-[[nodiscard]] inline std::string describe_setup_flags(unsigned f) {
-  std::string s;
-  auto add = [&](unsigned bit, const char* name) {
-    if ((f & bit) == 0) return;
-    if (!s.empty()) s += '|';
-    s += name;
-  };
-  add(IORING_SETUP_COOP_TASKRUN, "coop_taskrun");
-  add(IORING_SETUP_SINGLE_ISSUER, "single_issuer");
-  add(IORING_SETUP_DEFER_TASKRUN, "defer_taskrun");
-  add(IORING_SETUP_TASKRUN_FLAG, "taskrun_flag");
-  add(IORING_SETUP_SUBMIT_ALL, "submit_all");
-  add(IORING_SETUP_CLAMP, "clamp");
-  add(IORING_SETUP_R_DISABLED, "r_disabled");
-  return s.empty() ? std::string("none") : s;
-}
-
-[[nodiscard]] constexpr unsigned taskrun_flags(taskrun_mode m) noexcept {
-  switch (m) {
-    case taskrun_mode::coop: return IORING_SETUP_COOP_TASKRUN | IORING_SETUP_TASKRUN_FLAG;
-    case taskrun_mode::defer:
-      return IORING_SETUP_SINGLE_ISSUER | IORING_SETUP_DEFER_TASKRUN | IORING_SETUP_TASKRUN_FLAG |
-             IORING_SETUP_R_DISABLED;
-    case taskrun_mode::interrupt: return 0;
-  }
-  return 0;
-}
 
 class uring_core {
  public:
@@ -108,7 +75,8 @@ class uring_core {
     if (opts.entries == 0 || opts.entries > 32768)
       throw std::invalid_argument("kvtier::io::uring_context: entries must be in [1, 32768], got " +
                                   std::to_string(opts.entries));
-    setup_ring();
+    ring_.setup(opts.entries, opts.taskrun, log_);
+    enabled_ = (ring_.flags & IORING_SETUP_R_DISABLED) == 0;
     const int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (efd < 0) throw boost::system::system_error(errno, boost::system::system_category(), "eventfd");
     if (const int r = ::io_uring_register_eventfd(&ring_.ring, efd); r < 0) {
@@ -127,7 +95,7 @@ class uring_core {
     life_->self = this;
     if (log_ != nullptr)
       log_->info("io_uring ring ready: {} SQ / {} CQ entries, {} task running, flags {}", ring_.ring.sq.ring_entries,
-                 ring_.ring.cq.ring_entries, to_string(mode_), describe_setup_flags(flags_));
+                 ring_.ring.cq.ring_entries, to_string(ring_.mode), describe_setup_flags(ring_.flags));
   }
 
   uring_core(const uring_core&) = delete;
@@ -166,8 +134,8 @@ class uring_core {
   [[nodiscard]] const executor_type& get_executor() const noexcept { return ex_; }
   [[nodiscard]] op_recycler& recycler() noexcept { return recycler_; }
   [[nodiscard]] const std::shared_ptr<io_stats>& stats() const noexcept { return stats_; }
-  [[nodiscard]] unsigned setup_flags() const noexcept { return flags_; }
-  [[nodiscard]] taskrun_mode mode() const noexcept { return mode_; }
+  [[nodiscard]] unsigned setup_flags() const noexcept { return ring_.flags; }
+  [[nodiscard]] taskrun_mode mode() const noexcept { return ring_.mode; }
   [[nodiscard]] unsigned sq_entries() const noexcept { return ring_.ring.sq.ring_entries; }
   [[nodiscard]] unsigned cq_entries() const noexcept { return ring_.ring.cq.ring_entries; }
   [[nodiscard]] bool shutting_down() const noexcept { return shutting_down_; }
@@ -226,70 +194,16 @@ class uring_core {
 
   error_code register_buffers(std::span<const buffer_region> regions) {
     if (!opts_.fixed_buffers) return make_error_code(errc::unsupported);
-    unregister_buffers();
-    std::vector<::iovec> iov;
-    std::size_t total = 0;
-    for (const auto& r : regions) {
-      for (std::size_t off = 0; off < r.size(); off += max_fixed_buffer_bytes) {
-        const std::size_t n = std::min(max_fixed_buffer_bytes, r.size() - off);
-        iov.push_back(::iovec{r.data() + off, n});
-        total += n;
-      }
-    }
-    if (iov.empty()) return {};
-    if (iov.size() > max_fixed_buffers) return make_error_code(errc::invalid_argument);
-    const int r = ::io_uring_register_buffers(&ring_.ring, iov.data(), static_cast<unsigned>(iov.size()));
-    if (r < 0) {
-      const error_code ec(-r, boost::system::system_category());
-      bump_owned(stats_->fixed_buffer_registration_failures);
-      log_registration_failure(ec, total);
-      return ec;
-    }
-    fixed_.reserve(iov.size());
-    for (std::size_t i = 0; i < iov.size(); ++i) {
-      const auto b = reinterpret_cast<std::uintptr_t>(iov[i].iov_base);
-      fixed_.push_back(fixed_region{b, b + iov[i].iov_len, static_cast<int>(i)});
-    }
-    std::sort(fixed_.begin(), fixed_.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
-    stats_->fixed_buffer_bytes.store(total, std::memory_order_relaxed);
-    if (log_ != nullptr) log_->info("io_uring: registered {} bytes as {} fixed buffers", total, iov.size());
-    return {};
+    return fixed_.register_regions(ring_.ring, regions, *stats_, log_);
   }
-
-  void unregister_buffers() noexcept {
-    if (fixed_.empty()) return;
-    (void)::io_uring_unregister_buffers(&ring_.ring);
-    fixed_.clear();
-    stats_->fixed_buffer_bytes.store(0, std::memory_order_relaxed);
-  }
-
-  [[nodiscard]] bool fixed_buffers_active() const noexcept { return !fixed_.empty(); }
-
+  void unregister_buffers() noexcept { fixed_.unregister(ring_.ring, *stats_); }
+  [[nodiscard]] bool fixed_buffers_active() const noexcept { return fixed_.active(); }
   /// The index of the registered buffer that holds all of [p, p + n), or -1.
-  [[nodiscard]] int fixed_index(const void* p, std::size_t n) const noexcept {
-    if (fixed_.empty() || n == 0) return -1;
-    const auto a = reinterpret_cast<std::uintptr_t>(p);
-    auto it = std::upper_bound(fixed_.begin(), fixed_.end(), a,
-                               [](std::uintptr_t x, const fixed_region& r) { return x < r.begin; });
-    if (it == fixed_.begin()) return -1;
-    --it;
-    return (a >= it->begin && a < it->end && n <= it->end - a) ? it->index : -1;
-  }
+  [[nodiscard]] int fixed_index(const void* p, std::size_t n) const noexcept { return fixed_.index_of(p, n); }
 
   void count_fixed_op() noexcept { bump_owned(stats_->fixed_ops); }
 
  private:
-  struct ring_holder {
-    ::io_uring ring{};
-    bool live = false;
-    ring_holder() = default;
-    ring_holder(const ring_holder&) = delete;
-    ring_holder& operator=(const ring_holder&) = delete;
-    ~ring_holder() {
-      if (live) ::io_uring_queue_exit(&ring);
-    }
-  };
-
   /// Shared with the handlers the ring leaves in the executor's queue (turn, eventfd read),
   /// which may run after the ring is gone: they check `self` first.
   struct liveness {
@@ -317,44 +231,6 @@ class uring_core {
     uring_core* c;
     ~after_work_guard() { c->after_work(); }
   };
-
-  struct fixed_region {
-    std::uintptr_t begin;
-    std::uintptr_t end;
-    int index;
-  };
-
-  void setup_ring() {
-    const unsigned common = IORING_SETUP_CLAMP | IORING_SETUP_SUBMIT_ALL;
-    // Newer flags first; each step drops what an older kernel rejects with EINVAL.
-    struct attempt {
-      unsigned flags;
-      taskrun_mode mode;
-    };
-    const attempt attempts[] = {
-        {common | taskrun_flags(opts_.taskrun), opts_.taskrun},
-        {IORING_SETUP_CLAMP | taskrun_flags(opts_.taskrun), opts_.taskrun},
-        {IORING_SETUP_CLAMP, taskrun_mode::interrupt},
-    };
-    int r = -EINVAL;
-    for (const auto& a : attempts) {
-      ::io_uring_params p{};
-      p.flags = a.flags;
-      r = ::io_uring_queue_init_params(opts_.entries, &ring_.ring, &p);
-      if (r == 0) {
-        ring_.live = true;
-        flags_ = a.flags;
-        mode_ = a.mode;
-        enabled_ = (a.flags & IORING_SETUP_R_DISABLED) == 0;
-        if (mode_ != opts_.taskrun && log_ != nullptr)
-          log_->warn("io_uring: the kernel refused {} task running (EINVAL); running {}", to_string(opts_.taskrun),
-                     to_string(mode_));
-        return;
-      }
-      if (r != -EINVAL) break;
-    }
-    throw boost::system::system_error(-r, boost::system::system_category(), "io_uring_queue_init_params");
-  }
 
   /// A defer-mode ring is created disabled and bound to the first thread that enters it.
   void enable_if_needed() {
@@ -423,8 +299,8 @@ class uring_core {
     if (::io_uring_sq_ready(&ring_.ring) == 0) return;
     enable_if_needed();
     for (;;) {
-      const int r = mode_ == taskrun_mode::defer ? ::io_uring_submit_and_get_events(&ring_.ring)
-                                                 : ::io_uring_submit(&ring_.ring);
+      const int r = ring_.mode == taskrun_mode::defer ? ::io_uring_submit_and_get_events(&ring_.ring)
+                                                      : ::io_uring_submit(&ring_.ring);
       bump_owned(stats_->enter_calls);
       if (r >= 0) {
         bump_owned(stats_->sqes_submitted, static_cast<std::uint64_t>(r));
@@ -551,22 +427,6 @@ class uring_core {
     }
   }
 
-  void log_registration_failure(const error_code& ec, std::size_t bytes) {
-    if (log_ == nullptr) return;
-    if (registration_failure_logged_) {
-      log_->debug("io_uring: registering {} bytes of fixed buffers failed again: {}", bytes, ec.message());
-      return;
-    }
-    registration_failure_logged_ = true;
-    ::rlimit lim{};
-    ::getrlimit(RLIMIT_MEMLOCK, &lim);
-    log_->warn(
-        "io_uring: registering {} bytes as fixed buffers failed ({}); reads and writes use plain "
-        "READ/WRITE into the same memory. RLIMIT_MEMLOCK is {} bytes: raise it (ulimit -l, "
-        "LimitMEMLOCK=) or grant CAP_IPC_LOCK to use fixed buffers",
-        bytes, ec.message(), lim.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : std::to_string(lim.rlim_cur));
-  }
-
   ring_holder ring_;  // first member: closed last
   executor_type ex_;
   uring_options opts_;
@@ -575,21 +435,18 @@ class uring_core {
   op_recycler recycler_;
   std::shared_ptr<liveness> life_;
   boost::asio::posix::stream_descriptor eventfd_;
-  unsigned flags_ = 0;
-  taskrun_mode mode_ = taskrun_mode::coop;
   op_list pending_;    // waiting for room (state queued)
   op_list ready_;      // finished without a CQE (state ready)
   op_list in_flight_;  // have an SQE (state submitted)
   std::size_t outstanding_sqes_ = 0;  // SQEs prepared whose CQE is not reaped (ops and cancels)
   std::size_t op_limit_ = 0;          // most outstanding SQEs before ops queue in pending_
   std::size_t cancels_owed_ = 0;      // cancels asked for but not yet given an SQE
-  std::vector<fixed_region> fixed_;   // sorted by begin
+  fixed_buffers fixed_;
   telemetry::log_throttle submit_log_;
   bool enabled_ = true;
   bool turn_posted_ = false;
   bool wait_armed_ = false;
   bool shutting_down_ = false;
-  bool registration_failure_logged_ = false;
 };
 
 /// The handler bound into an op's cancellation slot.

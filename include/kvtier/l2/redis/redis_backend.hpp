@@ -72,12 +72,13 @@
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/chunk_key.hpp>
-#include <kvtier/detail/async.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/l2/concepts.hpp>
-#include <kvtier/l2/detail/redis_engine.hpp>
-#include <kvtier/l2/redis_options.hpp>
-#include <kvtier/l2/redis_stats.hpp>
+#include <kvtier/l2/detail/coroutine_backend.hpp>
+#include <kvtier/l2/redis/detail/redis_client.hpp>
+#include <kvtier/l2/redis/detail/redis_operations.hpp>
+#include <kvtier/l2/redis/redis_options.hpp>
+#include <kvtier/l2/redis/redis_stats.hpp>
 #include <kvtier/l2/types.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
@@ -98,7 +99,7 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::l2 {
 
-class redis_backend {
+class redis_backend : public detail::coroutine_backend<redis_backend> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
@@ -108,63 +109,57 @@ class redis_backend {
   redis_backend(executor_type executor, redis_backend_options options, telemetry::logger* log = nullptr) {
     options.validate();
     std::string password = read_password(options, log);
-    engine_ = std::make_shared<detail::redis_engine>(std::move(executor), std::move(options), std::move(password), log);
-    boost::asio::post(engine_->strand(), [e = engine_] { e->start(); });
+    client_ = std::make_shared<detail::redis_client>(std::move(executor), std::move(options), std::move(password), log);
+    boost::asio::post(client_->strand(), [c = client_] { c->start(); });
   }
 
   redis_backend(const redis_backend&) = delete;
   redis_backend& operator=(const redis_backend&) = delete;
 
   ~redis_backend() {
-    boost::asio::post(engine_->strand(), [e = engine_] { e->shutdown(); });
+    boost::asio::post(client_->strand(), [c = client_] { c->shutdown(); });
   }
 
-  [[nodiscard]] std::string_view name() const noexcept { return engine_->options().name; }
-  [[nodiscard]] executor_type get_executor() const noexcept { return engine_->strand(); }
-  [[nodiscard]] const redis_backend_options& options() const noexcept { return engine_->options(); }
+  [[nodiscard]] std::string_view name() const noexcept { return client_->options().name; }
+  [[nodiscard]] executor_type get_executor() const noexcept { return client_->strand(); }
+  [[nodiscard]] const redis_backend_options& options() const noexcept { return client_->options(); }
 
   /// The Redis key of a chunk key (see the header comment).
-  [[nodiscard]] std::string key_of(const chunk_key& k) const { return engine_->key_of(k); }
+  [[nodiscard]] std::string key_of(const chunk_key& k) const { return client_->key_of(k); }
 
-  template <class Token>
-  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, bitmap)>(
-        executor_type(engine_->strand()), detail::redis_engine::lookup(engine_, keys, d), std::forward<Token>(token));
-  }
+  // async_lookup_and_pin, async_load, async_store, async_remove: detail/coroutine_backend.hpp
+  // over detail/redis_operations.hpp.
+  void unpin(std::span<const chunk_key> keys) { client_->unpin(keys); }
 
-  void unpin(std::span<const chunk_key> keys) { engine_->unpin(keys); }
-
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(
-        executor_type(engine_->strand()), detail::redis_engine::load(engine_, keys, destinations, d),
-        std::forward<Token>(token));
-  }
-
-  template <class Token>
-  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
-                   Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(
-        executor_type(engine_->strand()), detail::redis_engine::store(engine_, keys, sources, d),
-        std::forward<Token>(token));
-  }
-
-  template <class Token>
-  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(
-        executor_type(engine_->strand()), detail::redis_engine::remove(engine_, keys, d), std::forward<Token>(token));
-  }
-
-  [[nodiscard]] usage_info usage() const { return engine_->usage(); }
-  [[nodiscard]] health_info health() const { return engine_->health(); }
-  [[nodiscard]] redis_backend_stats stats() const { return engine_->stats(); }
+  [[nodiscard]] usage_info usage() const { return client_->usage(); }
+  [[nodiscard]] health_info health() const { return client_->health(); }
+  [[nodiscard]] redis_backend_stats stats() const { return client_->stats(); }
   /// The live counters behind stats(), shared: they stay readable after the backend is gone.
-  [[nodiscard]] std::shared_ptr<const redis_counters> shared_stats() const noexcept { return engine_->counter_cells(); }
+  [[nodiscard]] std::shared_ptr<const redis_counters> shared_stats() const noexcept { return client_->counter_cells(); }
   /// Pins this backend holds on key (for tests).
-  [[nodiscard]] std::uint32_t pins(const chunk_key& key) const { return engine_->pins(key); }
+  [[nodiscard]] std::uint32_t pins(const chunk_key& key) const { return client_->pins(key); }
 
  private:
+  friend class detail::coroutine_backend<redis_backend>;
+
+  using lookup_tuple = detail::redis_lookup_tuple;
+  using batch_tuple = detail::redis_batch_tuple;
+
+  boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d) {
+    return detail::redis_lookup(client_, keys, d);
+  }
+  boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
+                                                std::span<const std::span<std::byte>> destinations, deadline d) {
+    return detail::redis_load(client_, keys, destinations, d);
+  }
+  boost::asio::awaitable<batch_tuple> store_impl(std::span<const chunk_key> keys,
+                                                 std::span<const std::span<const std::byte>> sources, deadline d) {
+    return detail::redis_store(client_, keys, sources, d);
+  }
+  boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d) {
+    return detail::redis_remove(client_, keys, d);
+  }
+
   static std::string read_password(const redis_backend_options& o, telemetry::logger* log) {
     if (!o.password_env.empty()) {
       const char* v = std::getenv(o.password_env.c_str());
@@ -193,7 +188,7 @@ class redis_backend {
     return {};
   }
 
-  std::shared_ptr<detail::redis_engine> engine_;
+  std::shared_ptr<detail::redis_client> client_;
 };
 
 static_assert(l2_backend<redis_backend>);

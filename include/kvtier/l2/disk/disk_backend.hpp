@@ -45,21 +45,22 @@
 // header block read into a buffer of ours and its payload straight into the caller's buffer
 // in part_bytes parts; the parts of all keys of a batch share queue_depth reads in flight,
 // issued in key order (the prefix the prefetch needs first lands first) and batched into one
-// io_uring_enter per executor turn. The payload checksum is computed in part-sized steps as
-// the parts land (stores: as they are issued), so the I/O thread never stalls for a whole
-// object's hash while the device queue drains; a key answers ok only once its digest
-// matches its header. A payload whose size is not a multiple of 4 KiB moves its last block
-// through a bounce block.
+// io_uring_enter per executor turn (io::async_run_parts, io/parts.hpp: the part runner of
+// io::async_read_all too; stores write their parts the same way). The payload checksum is
+// computed in part-sized steps as the parts land (stores: as they are issued), so the I/O
+// thread never stalls for a whole object's hash while the device queue drains; a key
+// answers ok only once its digest matches its header. A payload whose size is not a
+// multiple of 4 KiB moves its last block through a bounce block.
 //
 // DEADLINES AND THE BUFFER CONTRACT: at the deadline (or on the caller's cancellation) the
-// operation stops issuing and asks the engine to cancel what is in flight, then waits
+// operation stops issuing and asks the file I/O to cancel what is in flight, then waits
 // until every read of the caller's buffers has completed or been cancelled; only then does
 // it complete (errc::timeout, or operation_aborted when cancelled). Keys whose every part
 // had landed and verified are still ok; the others answer timeout. O_DIRECT reads at the
 // device cannot be cancelled: the completion waits for them (bounded by the device).
 //
 // THREADING: operations may be started from any thread; the backend runs its I/O on a
-// strand of the executor given (the io engine's threading rule). unpin, usage, health,
+// strand of the executor given (the threading rule of io::uring_context). unpin, usage, health,
 // corrupt_stored and pins take a mutex and may be called from any thread. Destroy the
 // backend when no operation is running, before its io_context.
 
@@ -67,13 +68,13 @@
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/core/chunk_key.hpp>
-#include <kvtier/detail/async.hpp>
 #include <kvtier/error.hpp>
-#include <kvtier/io/io_engine.hpp>
+#include <kvtier/io/any_file_io.hpp>
 #include <kvtier/io/probe.hpp>
 #include <kvtier/l2/concepts.hpp>
-#include <kvtier/l2/detail/disk_index.hpp>
-#include <kvtier/l2/detail/disk_layout.hpp>
+#include <kvtier/l2/detail/coroutine_backend.hpp>
+#include <kvtier/l2/disk/detail/disk_index.hpp>
+#include <kvtier/l2/disk/detail/disk_layout.hpp>
 #include <kvtier/l2/object_format.hpp>
 #include <kvtier/l2/types.hpp>
 #include <kvtier/telemetry/logger.hpp>
@@ -122,8 +123,8 @@ struct disk_backend_options {
   /// O_DIRECT for loads and stores whose buffers are 4 KiB aligned (L1 slots are). Falls
   /// back to buffered I/O, with a warning, on a file system that refuses it.
   bool o_direct = true;
-  /// The I/O engine: automatic (KVTIER_IO_BACKEND, else the probe), uring, pread.
-  io::engine_choice io = io::engine_choice::automatic;
+  /// The file I/O: automatic (KVTIER_IO_BACKEND, else the probe), uring, pread.
+  io::file_io_choice io = io::file_io_choice::automatic;
   /// Bytes per read/write (rounded up to 4 KiB). 1 MiB: >= 256 KiB keeps the submission cost
   /// under 1% and 1 MiB parts saturate the target disk (docs/io.md).
   std::size_t part_bytes = std::size_t{1} << 20;
@@ -188,12 +189,12 @@ struct disk_stats {
   std::atomic<bool> o_direct{false};
 };
 
-class disk_backend {
+class disk_backend : public detail::coroutine_backend<disk_backend> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
-  /// Opens (creates) the directory, rebuilds the index (see RECOVERY) and starts the I/O
-  /// engine on a strand of `executor`. `log` may be null (default: stderr at warn).
+  /// Opens (creates) the directory, rebuilds the index (see RECOVERY) and starts the
+  /// file I/O on a strand of `executor`. `log` may be null (default: stderr at warn).
   /// Throws std::invalid_argument for bad options, std::runtime_error when the directory
   /// cannot be used (not writable, another process holds it, foreign FORMAT file).
   disk_backend(executor_type executor, disk_backend_options options, telemetry::logger* log = nullptr);
@@ -207,42 +208,19 @@ class disk_backend {
   [[nodiscard]] usage_info usage() const;
   [[nodiscard]] health_info health() const;
 
-  /// void(error_code, bitmap found): found keys are pinned (never evicted) until unpin().
-  template <class Token>
-  auto async_lookup_and_pin(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, bitmap)>(executor_, lookup_impl(keys, d),
-                                                               std::forward<Token>(token));
-  }
+  // The operations (detail/coroutine_backend.hpp):
+  //   async_lookup_and_pin  void(error_code, bitmap found): found keys are pinned (never
+  //                         evicted) until unpin();
+  //   async_load            void(error_code, batch_result); see LOADS and DEADLINES above.
+  //                         With a load_observer, each key is told as soon as all its parts
+  //                         landed and its checksum matched, so the caller can use it while
+  //                         the rest of the batch is read;
+  //   async_store           void(error_code, batch_result): ok, exists, no_space, io_error,
+  //                         timeout per key;
+  //   async_remove          void(error_code, batch_result): ok, not_found, rejected (pinned,
+  //                         or a store in flight).
+  static constexpr bool tells_landed_keys = true;
   void unpin(std::span<const chunk_key> keys);
-
-  /// void(error_code, batch_result); see LOADS and DEADLINES above.
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, load_impl(keys, destinations, d),
-                                                                     std::forward<Token>(token));
-  }
-  /// The same, telling each key as soon as all its parts landed and its checksum matched
-  /// (load_observer), so the caller can use it while the rest of the batch is read.
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
-                  load_observer observer, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(
-        executor_, load_impl(keys, destinations, d, std::move(observer)), std::forward<Token>(token));
-  }
-  /// void(error_code, batch_result): ok, exists, no_space, io_error, timeout per key.
-  template <class Token>
-  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d,
-                   Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, store_impl(keys, sources, d),
-                                                                     std::forward<Token>(token));
-  }
-  /// void(error_code, batch_result): ok, not_found, rejected (pinned, or a store in flight).
-  template <class Token>
-  auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
-    return kvtier::detail::async_run<void(error_code, batch_result)>(executor_, remove_impl(keys, d),
-                                                                     std::forward<Token>(token));
-  }
 
   /// Flips the first payload byte of the stored object ON DISK (a buffered write through a
   /// separate descriptor): the next load answers corrupt and drops it. False when absent.
@@ -250,7 +228,7 @@ class disk_backend {
 
   /// Registers memory (the L1 arena: tier.arena()) as io_uring fixed buffers; reads into it
   /// then use READ_FIXED. Call before the first operation, or from the backend's executor.
-  /// Returns the engine's answer (the pread fallback accepts and ignores it).
+  /// Returns the file I/O's answer (the pread fallback accepts and ignores it).
   error_code register_buffers(std::span<std::byte> region);
 
   /// Pins currently held on key (for tests).
@@ -258,32 +236,42 @@ class disk_backend {
   [[nodiscard]] const disk_stats& stats() const noexcept { return *stats_; }
   /// The same counters, shared: they stay readable after the backend is gone.
   [[nodiscard]] std::shared_ptr<const disk_stats> shared_stats() const noexcept { return stats_; }
-  /// The I/O engine's counters (io::io_stats), shared likewise.
-  [[nodiscard]] std::shared_ptr<const io::io_stats> shared_io_stats() const noexcept { return engine_->shared_stats(); }
+  /// The file I/O's counters (io::io_stats), shared likewise.
+  [[nodiscard]] std::shared_ptr<const io::io_stats> shared_io_stats() const noexcept {
+    return file_io_->shared_stats();
+  }
   [[nodiscard]] const disk_recovery_report& recovery() const noexcept { return recovery_; }
   [[nodiscard]] const disk_backend_options& options() const noexcept { return options_; }
-  [[nodiscard]] io::engine_kind engine_kind() const noexcept { return engine_->kind(); }
+  [[nodiscard]] io::file_io_kind file_io_kind() const noexcept { return file_io_->kind(); }
   /// Whether O_DIRECT is in use (asked for, and accepted by the file system).
   [[nodiscard]] bool o_direct_active() const noexcept { return direct_; }
-  /// Engine operations in flight (0 whenever no backend operation runs).
-  [[nodiscard]] std::size_t io_in_flight() const noexcept { return engine_->in_flight(); }
+  /// File I/O operations in flight (0 whenever no backend operation runs).
+  [[nodiscard]] std::size_t io_in_flight() const noexcept { return file_io_->in_flight(); }
   /// Where the file of key lives (whether or not it exists), for tests and tools.
   [[nodiscard]] std::filesystem::path object_file(const chunk_key& key) const;
 
  private:
+  friend class detail::coroutine_backend<disk_backend>;
+
   using lookup_tuple = std::tuple<error_code, bitmap>;
   using batch_tuple = std::tuple<error_code, batch_result>;
 
   struct fan_state;
-  struct load_item;
-  struct store_item;
   struct part;
   struct hash_state;
+  struct object_item;
+  struct load_item;
+  struct load_plan;
+  struct store_item;
+  struct store_plan;
 
+  // The directory (impl/disk_directory.hpp).
   void open_directory();
   void recover();
   void close_fds() noexcept;
 
+  // The operations: lookup and load (impl/disk_load.hpp), store (impl/disk_store.hpp),
+  // remove (impl/disk_backend.hpp).
   boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d);
   boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
                                                 std::span<const std::span<std::byte>> destinations, deadline d,
@@ -292,16 +280,34 @@ class disk_backend {
                                                  std::span<const std::span<const std::byte>> sources, deadline d);
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d);
 
+  // What loads and stores share (impl/disk_backend.hpp).
+  /// The answer to a batch refused before it starts (buffers that do not match the keys, a
+  /// deadline already passed), or nullopt.
+  std::optional<batch_tuple> refuse_batch(std::size_t keys, std::size_t buffers, deadline d, disk_stats::op op);
+  /// The answer of a batch that ran: counts its timeouts.
+  batch_tuple finish_batch(const fan_state& fs, disk_stats::op op, std::size_t timeouts, batch_result r);
+  /// Sets up item j of a batch (checksum, path, O_DIRECT, its header and tail blocks) for a
+  /// payload of `bytes` at `data`.
+  void prepare_item(object_item& it, std::uint32_t j, const std::byte* data, std::size_t bytes, std::byte* blocks,
+                    hash_state& hash);
+  /// Appends the parts of item's payload: part_bytes parts, then its partial last block.
+  void add_payload_parts(std::vector<part>& parts, const object_item& it, std::uint32_t item, std::size_t bytes) const;
+  /// The outcome of a key whose I/O failed with ec (not ENOSPC): timeout when cancelled,
+  /// unavailable when shutting down, else io_error.
+  static key_outcome outcome_of_failure(const error_code& ec) noexcept;
+
   template <class Body>
   boost::asio::awaitable<void> fan_out(fan_state& fs, std::size_t n, unsigned width, deadline d, Body& body);
   template <class Body>
   boost::asio::awaitable<void> fan_worker(fan_state& fs, unsigned lane, std::size_t n, Body& body);
+  /// Runs a load_plan or store_plan through file_io, bounded by the deadline like fan_out.
+  template <class Plan>
+  boost::asio::awaitable<void> run_parts(fan_state& fs, deadline d, Plan plan);
 
-  boost::asio::awaitable<void> load_part(std::vector<load_item>& items, std::vector<part>& parts, std::size_t i,
-                                         fan_state& fs, unsigned lane);
+  void part_loaded(std::vector<load_item>& items, std::vector<part>& parts, std::size_t i, const error_code& ec,
+                   std::size_t got);
+  void fail_load(load_item& it, const error_code& ec);
   void verify_loaded(load_item& it);
-  boost::asio::awaitable<void> store_part(std::vector<store_item>& items, const part& p, fan_state& fs,
-                                          unsigned lane);
   boost::asio::awaitable<void> commit_stored(store_item& it, fan_state& fs, unsigned lane);
   void fail_store(store_item& it, const error_code& ec);
   /// Unlinks names relative to dirfd, not stoppable (cleanup always completes); the error of
@@ -342,11 +348,11 @@ class disk_backend {
   telemetry::log_throttle io_error_log_;
   telemetry::log_throttle corrupt_log_;
 
-  std::unique_ptr<io::io_engine> engine_;  // last: destroyed first (it waits for in-flight ops)
+  std::unique_ptr<io::any_file_io> file_io_;  // last: destroyed first (it waits for in-flight ops)
 };
 
 static_assert(corruptible_backend<disk_backend>);
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2
 
-#include <kvtier/l2/impl/disk_backend.hpp>
+#include <kvtier/l2/disk/impl/disk_backend.hpp>

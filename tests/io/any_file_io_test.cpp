@@ -1,6 +1,6 @@
-// The run-time choice of the engine: the probe, KVTIER_IO_BACKEND, and what io_engine says
+// The run-time choice of the file I/O: the probe, KVTIER_IO_BACKEND, and what any_file_io says
 // about its choice (log line, kvtier_io_* metrics).
-#include <kvtier/io/io_engine.hpp>
+#include <kvtier/io/any_file_io.hpp>
 
 #include "io_test_support.hpp"
 #include "support/captured_log.hpp"
@@ -49,15 +49,15 @@ class scoped_env {
 
 }  // namespace
 
-TEST_CASE("engine choices parse from their names", "[io][probe]") {
-  CHECK(io::parse_engine_choice("auto") == io::engine_choice::automatic);
-  CHECK(io::parse_engine_choice("") == io::engine_choice::automatic);
-  CHECK(io::parse_engine_choice("uring") == io::engine_choice::uring);
-  CHECK(io::parse_engine_choice("io_uring") == io::engine_choice::uring);
-  CHECK(io::parse_engine_choice("pread") == io::engine_choice::pread);
-  CHECK_FALSE(io::parse_engine_choice("threads").has_value());
-  CHECK(io::to_string(io::engine_kind::uring) == "io_uring");
-  CHECK(io::to_string(io::engine_kind::pread) == "pread");
+TEST_CASE("file I/O choices parse from their names", "[io][probe]") {
+  CHECK(io::parse_file_io_choice("auto") == io::file_io_choice::automatic);
+  CHECK(io::parse_file_io_choice("") == io::file_io_choice::automatic);
+  CHECK(io::parse_file_io_choice("uring") == io::file_io_choice::uring);
+  CHECK(io::parse_file_io_choice("io_uring") == io::file_io_choice::uring);
+  CHECK(io::parse_file_io_choice("pread") == io::file_io_choice::pread);
+  CHECK_FALSE(io::parse_file_io_choice("threads").has_value());
+  CHECK(io::to_string(io::file_io_kind::uring) == "io_uring");
+  CHECK(io::to_string(io::file_io_kind::pread) == "pread");
 }
 
 TEST_CASE("the probe says whether io_uring works here, and why", "[io][probe]") {
@@ -69,54 +69,55 @@ TEST_CASE("the probe says whether io_uring works here, and why", "[io][probe]") 
     return;
   }
   CHECK(p.detail.find("works") != std::string::npos);
-  const scoped_env env(io::engine_env_var, nullptr);
-  const auto s = io::select_engine();
-  CHECK(s.kind == io::engine_kind::uring);
-  CHECK(s.requested == io::engine_choice::automatic);
+  const scoped_env env(io::file_io_env_var, nullptr);
+  const auto s = io::select_file_io();
+  CHECK(s.kind == io::file_io_kind::uring);
+  CHECK(s.requested == io::file_io_choice::automatic);
   REQUIRE(s.uring.has_value());
   CHECK(s.uring->available());
 }
 
-TEST_CASE("KVTIER_IO_BACKEND forces the engine of an automatic choice, and only of an automatic one", "[io][probe]") {
+TEST_CASE("KVTIER_IO_BACKEND forces the file I/O of an automatic choice, and only of an automatic one", "[io][probe]") {
   {
-    const scoped_env env(io::engine_env_var, "pread");
-    const auto s = io::select_engine();
-    CHECK(s.kind == io::engine_kind::pread);
-    CHECK(s.requested == io::engine_choice::pread);
+    const scoped_env env(io::file_io_env_var, "pread");
+    const auto s = io::select_file_io();
+    CHECK(s.kind == io::file_io_kind::pread);
+    CHECK(s.requested == io::file_io_choice::pread);
     CHECK_FALSE(s.uring.has_value());  // forced: not even probed
     CHECK(s.reason.find("KVTIER_IO_BACKEND=pread") != std::string::npos);
     if (test::uring_probe().available()) {
-      const auto explicit_choice = io::select_engine(io::engine_choice::uring);
-      CHECK(explicit_choice.kind == io::engine_kind::uring);
+      const auto explicit_choice = io::select_file_io(io::file_io_choice::uring);
+      CHECK(explicit_choice.kind == io::file_io_kind::uring);
     }
   }
   {
-    const scoped_env env(io::engine_env_var, "bogus");
-    CHECK_THROWS_AS(io::select_engine(), std::invalid_argument);
-    CHECK(io::select_engine(io::engine_choice::pread).kind == io::engine_kind::pread);
+    const scoped_env env(io::file_io_env_var, "bogus");
+    CHECK_THROWS_AS(io::select_file_io(), std::invalid_argument);
+    CHECK(io::select_file_io(io::file_io_choice::pread).kind == io::file_io_kind::pread);
   }
   {
-    const scoped_env env(io::engine_env_var, "uring");
-    if (test::uring_probe().available()) CHECK(io::select_engine().kind == io::engine_kind::uring);
-    else CHECK_THROWS_AS(io::select_engine(), std::runtime_error);
+    const scoped_env env(io::file_io_env_var, "uring");
+    if (test::uring_probe().available()) CHECK(io::select_file_io().kind == io::file_io_kind::uring);
+    else CHECK_THROWS_AS(io::select_file_io(), std::runtime_error);
   }
 }
 
-TEST_CASE("io_engine says which engine it chose, in the log and in kvtier_io_uring_enabled", "[io][engine]") {
-  const scoped_env env(io::engine_env_var, nullptr);
+TEST_CASE("any_file_io says which implementation it chose, in the log and in kvtier_io_uring_enabled",
+          "[io][any_file_io]") {
+  const scoped_env env(io::file_io_env_var, nullptr);
   asio::io_context ctx;
   const bool force_pread = GENERATE(false, true);
   telemetry::registry reg;
   captured_log cap;
-  io::io_engine_options o;
-  if (force_pread) o.engine = io::engine_choice::pread;
-  io::io_engine engine(ctx.get_executor(), o, &cap.log);
-  telemetry::collect_io(reg, engine.kind() == io::engine_kind::uring, engine.shared_stats());
+  io::any_file_io_options o;
+  if (force_pread) o.choice = io::file_io_choice::pread;
+  io::any_file_io fio(ctx.get_executor(), o, &cap.log);
+  telemetry::collect_io(reg, fio.kind() == io::file_io_kind::uring, fio.shared_stats());
 
   const bool uring = !force_pread && test::uring_probe().available();
-  CHECK(engine.kind() == (uring ? io::engine_kind::uring : io::engine_kind::pread));
-  CHECK((engine.uring() != nullptr) == uring);
-  CHECK((engine.pool() != nullptr) == !uring);
+  CHECK(fio.kind() == (uring ? io::file_io_kind::uring : io::file_io_kind::pread));
+  CHECK((fio.uring() != nullptr) == uring);
+  CHECK((fio.pool() != nullptr) == !uring);
   CHECK(reg.value("kvtier_io_uring_enabled") == (uring ? 1.0 : 0.0));
   CHECK(reg.value("kvtier_io_fixed_buffer_registration_failures_total") == 0.0);
   CHECK(reg.value("kvtier_io_ops_total") == 0.0);
@@ -129,19 +130,19 @@ TEST_CASE("io_engine says which engine it chose, in the log and in kvtier_io_uri
   }
   CHECK(logged);
 
-  // The counters follow the engine.
+  // The counters follow the fio.
   test::temp_dir dir("kvtier-io");
   const std::string path = (dir.path() / "m").string();
   test::write_pattern_file(path, 4096, 3);
   test::unique_fd fd = test::open_or_throw(path, O_RDONLY);
   aligned_buffer in(4096);
   int calls = 0;
-  engine.async_read(fd.get(), in.span(), 0, [&](error_code ec, std::size_t n) {
+  fio.async_read(fd.get(), in.span(), 0, [&](error_code ec, std::size_t n) {
     CHECK_FALSE(ec);
     CHECK(n == 4096);
     ++calls;
   });
-  engine.async_read(-1, in.span(), 0, [&](error_code ec, std::size_t) {
+  fio.async_read(-1, in.span(), 0, [&](error_code ec, std::size_t) {
     CHECK(ec == boost::system::errc::bad_file_descriptor);
     ++calls;
   });
@@ -162,34 +163,34 @@ TEST_CASE("io_engine says which engine it chose, in the log and in kvtier_io_uri
   }
 }
 
-TEST_CASE("the metrics of an io_engine stay readable after it is gone", "[io][engine]") {
+TEST_CASE("the metrics of an any_file_io stay readable after it is gone", "[io][any_file_io]") {
   telemetry::registry reg;
   {
     asio::io_context ctx;
-    io::io_engine_options o;
-    o.engine = io::engine_choice::pread;
-    io::io_engine engine(ctx.get_executor(), o);
-    telemetry::collect_io(reg, engine.kind() == io::engine_kind::uring, engine.shared_stats());
+    io::any_file_io_options o;
+    o.choice = io::file_io_choice::pread;
+    io::any_file_io fio(ctx.get_executor(), o);
+    telemetry::collect_io(reg, fio.kind() == io::file_io_kind::uring, fio.shared_stats());
   }
   CHECK(reg.value("kvtier_io_uring_enabled") == 0.0);
   CHECK(reg.value("kvtier_io_ops_total") == 0.0);
 }
 
-TEST_CASE("io_engine counts a refused fixed-buffer registration in its metric", "[io][engine][fixed]") {
+TEST_CASE("any_file_io counts a refused fixed-buffer registration in its metric", "[io][any_file_io][fixed]") {
   KVTIER_REQUIRE_URING();
   asio::io_context ctx;
   telemetry::registry reg;
-  io::io_engine_options o;
-  o.engine = io::engine_choice::uring;
-  io::io_engine engine(ctx.get_executor(), o);
-  telemetry::collect_io(reg, true, engine.shared_stats());
+  io::any_file_io_options o;
+  o.choice = io::file_io_choice::uring;
+  io::any_file_io fio(ctx.get_executor(), o);
+  telemetry::collect_io(reg, true, fio.shared_stats());
   // Read-only memory cannot be pinned for the kernel to write into: EFAULT.
   void* ro = ::mmap(nullptr, 65536, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   REQUIRE(ro != MAP_FAILED);
   const io::buffer_region regions[] = {std::span<std::byte>(static_cast<std::byte*>(ro), 65536)};
-  const error_code ec = engine.register_buffers(regions);
+  const error_code ec = fio.register_buffers(regions);
   ::munmap(ro, 65536);
   CHECK(ec);
-  CHECK_FALSE(engine.fixed_buffers_active());
+  CHECK_FALSE(fio.fixed_buffers_active());
   CHECK(reg.value("kvtier_io_fixed_buffer_registration_failures_total") == 1.0);
 }

@@ -1,0 +1,117 @@
+#pragma once
+// fixed_buffers: the registered (fixed) buffers of io::uring_context. register_regions() hands
+// memory regions to the kernel (io_uring_register_buffers(3), each region split into 1 GiB
+// buffers, the kernel's limit) and index_of() tells whether a read or write lies in one, so
+// it can use READ_FIXED / WRITE_FIXED with that buffer's index. A refusal (ENOMEM under
+// RLIMIT_MEMLOCK without CAP_IPC_LOCK, EFAULT for memory the kernel cannot pin) is logged
+// once with what to change, and counted; the memory is then used with plain reads.
+
+#include <kvtier/config.hpp>
+#include <kvtier/error.hpp>
+#include <kvtier/io/concepts.hpp>
+#include <kvtier/io/stats.hpp>
+#include <kvtier/telemetry/logger.hpp>
+
+#include <liburing.h>
+#include <sys/resource.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
+
+/// The kernel's limit on one registered buffer (io_uring rejects a longer iovec with
+/// EFAULT, measured on 6.18): a larger region is registered as several buffers.
+inline constexpr std::size_t max_fixed_buffer_bytes = std::size_t{1} << 30;
+/// IORING_MAX_REG_BUFFERS.
+inline constexpr std::size_t max_fixed_buffers = 16384;
+
+class fixed_buffers {
+ public:
+  /// Registers `regions` with `ring` (after unregistering what was there). Returns the
+  /// kernel's refusal, errc::invalid_argument for more than max_fixed_buffers buffers.
+  error_code register_regions(::io_uring& ring, std::span<const buffer_region> regions, io_stats& stats,
+                              telemetry::logger* log) {
+    unregister(ring, stats);
+    std::vector<::iovec> iov;
+    std::size_t total = 0;
+    for (const auto& r : regions) {
+      for (std::size_t off = 0; off < r.size(); off += max_fixed_buffer_bytes) {
+        const std::size_t n = std::min(max_fixed_buffer_bytes, r.size() - off);
+        iov.push_back(::iovec{r.data() + off, n});
+        total += n;
+      }
+    }
+    if (iov.empty()) return {};
+    if (iov.size() > max_fixed_buffers) return make_error_code(errc::invalid_argument);
+    const int r = ::io_uring_register_buffers(&ring, iov.data(), static_cast<unsigned>(iov.size()));
+    if (r < 0) {
+      const error_code ec(-r, boost::system::system_category());
+      bump_owned(stats.fixed_buffer_registration_failures);
+      log_failure(log, ec, total);
+      return ec;
+    }
+    regions_.reserve(iov.size());
+    for (std::size_t i = 0; i < iov.size(); ++i) {
+      const auto b = reinterpret_cast<std::uintptr_t>(iov[i].iov_base);
+      regions_.push_back(region{b, b + iov[i].iov_len, static_cast<int>(i)});
+    }
+    std::sort(regions_.begin(), regions_.end(), [](const auto& a, const auto& b) { return a.begin < b.begin; });
+    stats.fixed_buffer_bytes.store(total, std::memory_order_relaxed);
+    if (log != nullptr) log->info("io_uring: registered {} bytes as {} fixed buffers", total, iov.size());
+    return {};
+  }
+
+  void unregister(::io_uring& ring, io_stats& stats) noexcept {
+    if (regions_.empty()) return;
+    (void)::io_uring_unregister_buffers(&ring);
+    regions_.clear();
+    stats.fixed_buffer_bytes.store(0, std::memory_order_relaxed);
+  }
+
+  [[nodiscard]] bool active() const noexcept { return !regions_.empty(); }
+
+  /// The index of the registered buffer that holds all of [p, p + n), or -1.
+  [[nodiscard]] int index_of(const void* p, std::size_t n) const noexcept {
+    if (regions_.empty() || n == 0) return -1;
+    const auto a = reinterpret_cast<std::uintptr_t>(p);
+    auto it = std::upper_bound(regions_.begin(), regions_.end(), a,
+                               [](std::uintptr_t x, const region& r) { return x < r.begin; });
+    if (it == regions_.begin()) return -1;
+    --it;
+    return (a >= it->begin && a < it->end && n <= it->end - a) ? it->index : -1;
+  }
+
+ private:
+  struct region {
+    std::uintptr_t begin;
+    std::uintptr_t end;
+    int index;
+  };
+
+  void log_failure(telemetry::logger* log, const error_code& ec, std::size_t bytes) {
+    if (log == nullptr) return;
+    if (failure_logged_) {
+      log->debug("io_uring: registering {} bytes of fixed buffers failed again: {}", bytes, ec.message());
+      return;
+    }
+    failure_logged_ = true;
+    ::rlimit lim{};
+    ::getrlimit(RLIMIT_MEMLOCK, &lim);
+    log->warn(
+        "io_uring: registering {} bytes as fixed buffers failed ({}); reads and writes use plain "
+        "READ/WRITE into the same memory. RLIMIT_MEMLOCK is {} bytes: raise it (ulimit -l, "
+        "LimitMEMLOCK=) or grant CAP_IPC_LOCK to use fixed buffers",
+        bytes, ec.message(), lim.rlim_cur == RLIM_INFINITY ? std::string("unlimited") : std::to_string(lim.rlim_cur));
+  }
+
+  std::vector<region> regions_;  // sorted by begin
+  bool failure_logged_ = false;
+};
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::io::detail

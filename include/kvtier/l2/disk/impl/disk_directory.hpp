@@ -1,0 +1,307 @@
+#pragma once
+// The directory of l2::disk_backend (declarations and documentation: kvtier/l2/disk/disk_backend.hpp):
+// opening it (TRUST: ownership and modes; the FORMAT marker; the LOCK; whether the file system
+// takes O_DIRECT) and the start-up scan that rebuilds the index from it (RECOVERY).
+
+#include <kvtier/l2/disk/disk_backend.hpp>
+#include <kvtier/l2/disk/impl/disk_backend.hpp>
+
+#include <fmt/format.h>
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+namespace detail {
+
+
+/// Names of the entries of a directory (but . and ..); the fd stays open and usable.
+[[nodiscard]] inline std::vector<std::string> list_directory(int dirfd) {
+  std::vector<std::string> names;
+  const int fd = ::dup(dirfd);
+  if (fd < 0) return names;
+  DIR* d = ::fdopendir(fd);
+  if (d == nullptr) {
+    ::close(fd);
+    return names;
+  }
+  ::rewinddir(d);
+  while (const dirent* e = ::readdir(d)) {
+    const std::string_view n = e->d_name;
+    if (n != "." && n != "..") names.emplace_back(n);
+  }
+  ::closedir(d);
+  return names;
+}
+
+[[nodiscard]] inline std::string shard_dir_name(unsigned s) {
+  return fmt::format("{:02x}", s);
+}
+
+/// Why a directory of the tier cannot be trusted (empty when it can): another user owns it,
+/// or group or others may write in it (they could then replace its objects, checksums and
+/// all). `st` describes `path`.
+[[nodiscard]] inline std::string untrusted_directory(const std::string& path, const struct ::stat& st) {
+  if (!S_ISDIR(st.st_mode)) return path + " is not a directory";
+  if (st.st_uid != ::geteuid())
+    return fmt::format(
+        "{} is owned by uid {}, not by this user (uid {}): another user could replace the objects "
+        "this server serves; give the tier a directory of its own user",
+        path, st.st_uid, ::geteuid());
+  if ((st.st_mode & 022) != 0)
+    return fmt::format(
+        "{} is writable by group or others (mode {:04o}): they could replace the objects this server "
+        "serves; chmod 700 {}",
+        path, st.st_mode & 07777, path);
+  return {};
+}
+
+/// Creates `dir` and its missing parents with mode 0700 (whatever the umask: mkdir only
+/// takes bits away from 0700). Returns the errno of the first failure, 0 on success.
+[[nodiscard]] inline int make_private_directories(const std::filesystem::path& dir) {
+  std::filesystem::path at;
+  for (const auto& part : dir) {
+    at /= part;
+    if (::mkdir(at.c_str(), 0700) != 0 && errno != EEXIST) return errno;
+  }
+  return 0;
+}
+
+}  // namespace detail
+
+inline void disk_backend::open_directory() {
+  const auto& root = options_.path;
+  const std::string where = "kvtier::l2::disk_backend '" + options_.name + "' at " + root.string();
+  auto fail = [&](const std::string& what, int err) {
+    throw std::runtime_error(where + ": " + what + (err != 0 ? std::string(": ") + std::strerror(err) : std::string()));
+  };
+  // Trust: the tier's files hold prompt-derived KV (private: 0600 files, 0700 directories),
+  // and whatever is in them is served (so only directories no other user may write).
+  auto untrusted = [&](const std::string& why) { throw std::invalid_argument(where + ": " + why); };
+  if (const int err = detail::make_private_directories(root); err != 0) fail("cannot create the directory", err);
+  {
+    struct ::stat st {};
+    if (::stat(root.c_str(), &st) != 0) fail("cannot inspect the directory", errno);
+    if (auto why = detail::untrusted_directory(root.string(), st); !why.empty()) untrusted(why);
+  }
+  // A directory of ours (objects/, tmp/, a shard): trusted as above, and tightened to 0700
+  // when an older version made it wider.
+  auto check_own_dir = [&](int fd, const std::string& path) {
+    struct ::stat st {};
+    if (::fstat(fd, &st) != 0) fail("cannot inspect " + path, errno);
+    if (auto why = detail::untrusted_directory(path, st); !why.empty()) untrusted(why);
+    if ((st.st_mode & 07777) != 0700) (void)::fchmod(fd, 0700);
+  };
+
+  // The format marker: refuse a directory written by another format (or something else).
+  const auto marker = root / "FORMAT";
+  if (std::FILE* f = std::fopen(marker.c_str(), "rb")) {
+    char buf[64] = {};
+    const std::size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+    std::fclose(f);
+    if (std::string_view(buf, n) != detail::format_marker)
+      fail("its FORMAT file says '" + std::string(buf, n) + "', not '" +
+               std::string(detail::format_marker.substr(0, detail::format_marker.size() - 1)) +
+               "': use an empty directory or one written by this version",
+           0);
+  } else {
+    const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    if (fd < 0) fail("cannot write " + marker.string(), errno);
+    const bool ok = ::write(fd, detail::format_marker.data(), detail::format_marker.size()) ==
+                    static_cast<ssize_t>(detail::format_marker.size());
+    ::fsync(fd);
+    ::close(fd);
+    if (!ok) fail("cannot write " + marker.string(), errno);
+  }
+
+  lock_fd_ = ::open((root / "LOCK").c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (lock_fd_ < 0) fail("cannot open LOCK", errno);
+  (void)::fchmod(lock_fd_, 0600);  // one an older version made 0644
+  if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK)
+      fail("the directory is in use by another disk backend (flock on LOCK): give each one its own directory", 0);
+    fail("cannot lock LOCK", errno);
+  }
+
+  for (const char* sub : {"objects", "tmp"})
+    if (::mkdir((root / sub).c_str(), 0700) != 0 && errno != EEXIST) fail(std::string("cannot create ") + sub, errno);
+  // O_NOFOLLOW: a symlink in place of a directory of ours is refused (ELOOP).
+  objects_fd_ = ::open((root / "objects").c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (objects_fd_ < 0) fail("cannot open objects/", errno);
+  check_own_dir(objects_fd_, (root / "objects").string());
+  tmp_fd_ = ::open((root / "tmp").c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (tmp_fd_ < 0) fail("cannot open tmp/", errno);
+  check_own_dir(tmp_fd_, (root / "tmp").string());
+  for (unsigned s = 0; s < detail::disk_shard_count; ++s) {
+    const std::string name = detail::shard_dir_name(s);
+    if (::mkdirat(objects_fd_, name.c_str(), 0700) != 0 && errno != EEXIST)
+      fail("cannot create objects/" + name, errno);
+    shard_fds_[s] = ::openat(objects_fd_, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (shard_fds_[s] < 0) fail("cannot open objects/" + name, errno);
+    check_own_dir(shard_fds_[s], (root / "objects" / name).string());
+  }
+
+  // Does this file system take O_DIRECT (tmpfs before 6.6, some FUSE file systems do not)?
+  direct_ = false;
+  if (options_.o_direct) {
+    const char* probe = "o_direct_probe.tmp";
+    const int fd = ::openat(tmp_fd_, probe, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
+    int err = fd < 0 ? errno : 0;
+    if (fd >= 0) {
+      aligned_buffer block(detail::disk_block_bytes);
+      std::memset(block.data(), 0, block.size());
+      if (::pwrite(fd, block.data(), block.size(), 0) != static_cast<ssize_t>(block.size())) err = errno;
+      ::close(fd);
+      ::unlinkat(tmp_fd_, probe, 0);
+    }
+    if (err == 0) direct_ = true;
+    else
+      log_->warn("disk backend '{}': the file system at {} refuses O_DIRECT ({}); using buffered I/O (the page "
+                 "cache will hold a copy of what the tier reads and writes)",
+                 options_.name, root.string(), std::strerror(err));
+  }
+  stats_->o_direct.store(direct_, std::memory_order_relaxed);
+}
+
+inline void disk_backend::recover() {
+  // 1. Interrupted stores: every temporary file goes (none can be complete AND visible).
+  for (const auto& n : detail::list_directory(tmp_fd_))
+    if (::unlinkat(tmp_fd_, n.c_str(), 0) == 0) ++recovery_.temp_files;
+
+  // 2. Objects: read and check each header block.
+  struct found {
+    chunk_key key;
+    std::uint64_t payload = 0;
+    std::uint64_t allocated = 0;
+    ::timespec mtime{};
+  };
+  std::vector<found> all;
+  aligned_buffer block(detail::disk_block_bytes);
+  aligned_buffer scratch(options_.verify_on_start ? std::size_t{8} << 20 : 0);
+  unsigned logged = 0;
+  unsigned untrusted_logged = 0;
+  const ::uid_t self = ::geteuid();
+  auto drop = [&](int dirfd, const std::string& name, std::string_view why) {
+    if (::unlinkat(dirfd, name.c_str(), 0) == 0 || errno == ENOENT) ++recovery_.dropped;
+    if (logged++ < 8)
+      log_->warn("disk backend '{}': dropped {} at start-up: {}", options_.name, name, why);
+  };
+  for (unsigned s = 0; s < detail::disk_shard_count; ++s) {
+    const int dirfd = shard_fds_[s];
+    for (const auto& name : detail::list_directory(dirfd)) {
+      struct ::stat st {};
+      if (::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
+      const auto key = detail::parse_object_name(name);
+      if (!S_ISREG(st.st_mode) || !key) {
+        ++recovery_.foreign_files;  // not ours: left alone
+        continue;
+      }
+      // An object file another user owns, or one others may write, is not trusted: its
+      // checksums prove nothing (whoever wrote it computed them). Left alone, never served.
+      if (st.st_uid != self || (st.st_mode & 022) != 0) {
+        ++recovery_.untrusted_files;
+        if (untrusted_logged++ < 8)
+          log_->warn(
+              "disk backend '{}': skipped {} at start-up: not owned by this user (uid {}, mode {:04o}); it is "
+              "left alone and never served",
+              options_.name, name, st.st_uid, st.st_mode & 07777);
+        continue;
+      }
+      if ((st.st_mode & 07777) != 0600) (void)::fchmodat(dirfd, name.c_str(), 0600, 0);  // an older version's 0644
+      if (detail::shard_of(*key) != s) {
+        drop(dirfd, name, "in the wrong shard directory");
+        continue;
+      }
+      const int fd = ::openat(dirfd, name.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) {
+        log_->warn("disk backend '{}': cannot open {} at start-up ({}): left alone, not served", options_.name, name,
+                   std::strerror(errno));
+        continue;
+      }
+      object_header h;
+      const ssize_t got = ::pread(fd, block.data(), block.size(), 0);
+      auto check = got == static_cast<ssize_t>(block.size())
+                       ? detail::check_object(block.span(), *key, static_cast<std::uint64_t>(st.st_size), h)
+                       : (got >= 0 ? detail::object_check::wrong_size : detail::object_check::bad_header);
+      std::string why(detail::to_string(check));
+      if (check == detail::object_check::ok && options_.verify_on_start) {
+        XXH3_state_t state;
+        XXH3_64bits_reset(&state);
+        std::uint64_t at = 0;
+        bool read_ok = true;
+        while (at < h.payload_bytes) {
+          const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(scratch.size(), h.payload_bytes - at));
+          const ssize_t n = ::pread(fd, scratch.data(), want, static_cast<off_t>(detail::disk_block_bytes + at));
+          if (n != static_cast<ssize_t>(want)) {
+            read_ok = false;
+            break;
+          }
+          XXH3_64bits_update(&state, scratch.data(), want);
+          at += want;
+        }
+        if (!read_ok || XXH3_64bits_digest(&state) != h.payload_checksum) {
+          check = detail::object_check::bad_header;
+          why = read_ok ? "payload checksum mismatch" : "payload unreadable";
+        }
+      }
+      ::close(fd);
+      if (check != detail::object_check::ok) {
+        drop(dirfd, name, why);
+        continue;
+      }
+      all.push_back({*key, h.payload_bytes, static_cast<std::uint64_t>(st.st_blocks) * 512, st.st_mtim});
+    }
+  }
+  if (logged > 8)
+    log_->warn("disk backend '{}': {} more objects dropped at start-up", options_.name, logged - 8);
+  if (untrusted_logged > 8)
+    log_->warn("disk backend '{}': {} more object files not owned by this user skipped at start-up", options_.name,
+               untrusted_logged - 8);
+
+  // 3. The eviction order: oldest first (modification time; the key breaks ties so the order
+  //    does not depend on readdir).
+  std::sort(all.begin(), all.end(), [](const found& a, const found& b) {
+    if (a.mtime.tv_sec != b.mtime.tv_sec) return a.mtime.tv_sec < b.mtime.tv_sec;
+    if (a.mtime.tv_nsec != b.mtime.tv_nsec) return a.mtime.tv_nsec < b.mtime.tv_nsec;
+    return a.key < b.key;
+  });
+  for (const auto& f : all) index_.add_ready(f.key, f.payload, f.allocated, next_generation_++);
+
+  // 4. A capacity lowered since the last run: evict down to the low watermark now.
+  if (static_cast<double>(index_.bytes_used()) >
+      options_.high_watermark * static_cast<double>(options_.capacity_bytes)) {
+    if (auto victims = index_.make_room(0, options_.capacity_bytes, options_.high_watermark, options_.low_watermark)) {
+      for (const auto& v : *victims) {
+        const auto p = detail::object_path_of(v.key);
+        ::unlinkat(objects_fd_, p.c_str(), 0);
+        index_.finish_remove(v.key, v.generation);
+        ++recovery_.evicted;
+        stats_->evicted_objects.fetch_add(1, std::memory_order_relaxed);
+        stats_->evicted_bytes.fetch_add(v.allocated_bytes, std::memory_order_relaxed);
+      }
+    }
+  }
+  recovery_.objects = index_.objects();
+  recovery_.bytes = index_.bytes_used();
+  stats_->recovered_objects.store(recovery_.objects, std::memory_order_relaxed);
+  stats_->recovered_bytes.store(recovery_.bytes, std::memory_order_relaxed);
+  stats_->recovery_dropped.store(recovery_.dropped, std::memory_order_relaxed);
+  stats_->recovery_temp_files.store(recovery_.temp_files, std::memory_order_relaxed);
+  stats_->recovery_untrusted.store(recovery_.untrusted_files, std::memory_order_relaxed);
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2

@@ -1,0 +1,268 @@
+#pragma once
+// The load path of l2::disk_backend (declarations and documentation: kvtier/l2/disk/disk_backend.hpp,
+// LOADS and DEADLINES): lookup_and_pin, then per batch: plan, open, read every part of every
+// key through one queue (io::async_run_parts), verify each key as its parts land, drop what
+// was found bad.
+
+#include <kvtier/l2/disk/disk_backend.hpp>
+#include <kvtier/l2/disk/impl/disk_backend.hpp>
+
+#include <kvtier/io/parts.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/bind_cancellation_slot.hpp>
+#include <boost/asio/error.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+struct disk_backend::load_item : object_item {
+  std::span<std::byte> dst;
+  std::size_t hash_next = 0;              ///< the next part (index into parts) to feed the checksum
+  std::size_t parts_end = 0;              ///< one past this key's last part
+  const load_observer* landed = nullptr;  ///< told when the key verified (the caller's observer)
+  bool drop = false;                      ///< the object is bad: remove it
+};
+
+/// The reads of a load: every part of every key, in key order (the prefix a prefetch needs
+/// first lands first), queue_depth at a time across keys (io::async_run_parts).
+struct disk_backend::load_plan {
+  static constexpr bool writes = false;
+  using signature = void(error_code);
+  disk_backend* self;
+  std::vector<load_item>* items;
+  std::vector<part>* parts;
+
+  [[nodiscard]] std::size_t part_count() const noexcept { return parts->size(); }
+
+  [[nodiscard]] std::optional<io::file_part> begin_part(std::size_t i) const noexcept {
+    const part& p = (*parts)[i];
+    const load_item& it = (*items)[p.item];
+    if (it.failed || it.fd < 0) return std::nullopt;  // its open, or another of its parts, failed
+    std::byte* buf = p.kind == part_kind::header ? it.header
+                     : p.kind == part_kind::tail ? it.tail
+                                                 : it.dst.data() + p.offset;
+    const std::uint64_t at = p.kind == part_kind::header ? 0 : detail::disk_block_bytes + p.offset;
+    return io::file_part{it.fd, buf, p.len, at};
+  }
+
+  bool end_part(std::size_t i, const error_code& ec, std::size_t n) {
+    self->part_loaded(*items, *parts, i, ec, n);
+    return false;  // a failed key does not stop the others
+  }
+
+  [[nodiscard]] std::tuple<error_code> result(const io::parts_outcome&) const noexcept { return {}; }
+};
+
+// --- lookup -----------------------------------------------------------------------------------
+
+inline boost::asio::awaitable<disk_backend::lookup_tuple> disk_backend::lookup_impl(std::span<const chunk_key> keys,
+                                                                                    deadline d) {
+  bitmap found(keys.size());
+  if (clock::now() >= d) co_return lookup_tuple{make_error_code(errc::timeout), found};
+  std::lock_guard g(mutex_);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (auto* e = index_.find_ready(keys[i])) {
+      ++e->pins;
+      index_.touch(*e);
+      found.set(i);
+    }
+  }
+  co_return lookup_tuple{error_code{}, found};
+}
+
+// --- load -------------------------------------------------------------------------------------
+
+inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl(
+    std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations, deadline d,
+    load_observer observer) {
+  namespace asio = boost::asio;
+  co_await asio::this_coro::throw_if_cancelled(false);
+  batch_result r(keys.size(), key_outcome::timeout);
+  if (keys.size() != destinations.size()) co_return batch_tuple{make_error_code(errc::invalid_argument), r};
+  if (clock::now() >= d) {
+    stats_->timeouts[disk_stats::load].fetch_add(keys.size(), std::memory_order_relaxed);
+    co_return batch_tuple{make_error_code(errc::timeout), r};
+  }
+
+  // 1. Plan: which keys are there, with the right size.
+  std::vector<load_item> items;
+  items.reserve(keys.size());
+  {
+    std::lock_guard g(mutex_);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      auto* e = index_.find_ready(keys[i]);
+      if (e == nullptr) {
+        r.outcomes[i] = key_outcome::not_found;
+        continue;
+      }
+      if (e->payload_bytes != destinations[i].size()) {
+        r.outcomes[i] = key_outcome::rejected;
+        continue;
+      }
+      index_.touch(*e);
+      load_item it;
+      it.key = keys[i];
+      it.dst = destinations[i];
+      it.generation = e->generation;
+      it.index = i;
+      it.landed = observer ? &observer : nullptr;
+      items.push_back(it);
+    }
+  }
+  if (items.empty()) co_return batch_tuple{error_code{}, r};
+
+  // 2. Parts, in key order: the header block, the payload in part_bytes parts, the tail.
+  aligned_buffer blocks(items.size() * 2 * detail::disk_block_bytes);
+  std::vector<hash_state> hashes(items.size());
+  std::vector<part> parts;
+  for (std::size_t j = 0; j < items.size(); ++j) {
+    load_item& it = items[j];
+    const auto item = static_cast<std::uint32_t>(j);
+    prepare_item(it, item, it.dst.data(), it.dst.size(), blocks.data(), hashes[j]);
+    it.hash_next = parts.size();
+    parts.push_back({item, part_kind::header, false, 0, detail::disk_block_bytes});
+    add_payload_parts(parts, it, item, it.dst.size());
+    it.parts_left = static_cast<unsigned>(parts.size() - it.hash_next);
+    it.parts_end = parts.size();
+  }
+
+  fan_state fs;
+  // 3. Open every file (through file_io: a slow directory lookup never blocks the thread).
+  auto open_body = [this, &items](std::size_t j, fan_state& f, unsigned lane) -> asio::awaitable<void> {
+    load_item& it = items[j];
+    const int flags = O_RDONLY | O_CLOEXEC | (it.direct ? O_DIRECT : 0);
+    auto [ec, fd] = co_await file_io_->async_openat(objects_fd_, it.path.c_str(), flags, 0, f.bind(lane));
+    if (!ec) {
+      it.fd = fd;
+      co_return;
+    }
+    if (detail::is_errno(ec, ENOENT)) {
+      it.failed = true;
+      it.outcome = key_outcome::not_found;  // removed behind our back: forget it
+      it.drop = true;
+      co_return;
+    }
+    fail_load(it, ec);
+  };
+  co_await fan_out(fs, items.size(), 64, d, open_body);
+
+  // 4. Read every part, queue_depth at a time across keys; verify each key when it landed.
+  co_await run_parts(fs, d, load_plan{this, &items, &parts});
+
+  // 5. Close, drop what was found bad, answer.
+  std::vector<std::pair<chunk_key, std::uint64_t>> bad;
+  std::size_t timeouts = 0;
+  for (auto& it : items) {
+    if (it.fd >= 0) ::close(it.fd);
+    if (it.drop) bad.emplace_back(it.key, it.generation);
+    if (it.outcome == key_outcome::timeout) ++timeouts;
+    r.outcomes[it.index] = it.outcome;
+  }
+  if (!bad.empty()) co_await drop(std::move(bad));
+  co_return finish_batch(fs, disk_stats::load, timeouts, std::move(r));
+}
+
+inline void disk_backend::fail_load(load_item& it, const error_code& ec) {
+  it.failed = true;
+  it.outcome = outcome_of_failure(ec);
+  if (it.outcome == key_outcome::io_error) {
+    it.drop = detail::is_media_error(ec);
+    count_io_error(disk_stats::load, ec, it.key);
+  }
+}
+
+inline void disk_backend::part_loaded(std::vector<load_item>& items, std::vector<part>& parts, std::size_t i,
+                                      const error_code& ec, std::size_t got) {
+  part& p = parts[i];
+  load_item& it = items[p.item];
+  if (it.failed) return;  // another part of this key failed meanwhile
+  if (ec) {
+    fail_load(it, ec);
+    return;
+  }
+  if (got < p.len) {  // end of file before the header's length: a truncated object
+    it.failed = true;
+    it.outcome = key_outcome::corrupt;
+    it.drop = true;
+    count_corrupt(it.key, "the file is shorter than its header says");
+    return;
+  }
+  if (p.kind == part_kind::tail)
+    std::memcpy(it.dst.data() + it.aligned_bytes, it.tail, it.dst.size() - it.aligned_bytes);
+  p.landed = true;
+  // Feed the checksum with the landed prefix of this key's payload, in order.
+  while (it.hash_next < it.parts_end && parts[it.hash_next].landed) {
+    const part& q = parts[it.hash_next++];
+    if (q.kind == part_kind::header) continue;
+    const std::size_t len = std::min<std::size_t>(q.len, it.dst.size() - q.offset);
+    XXH3_64bits_update(it.hash, it.dst.data() + q.offset, len);
+  }
+  if (--it.parts_left == 0) verify_loaded(it);
+}
+
+inline void disk_backend::verify_loaded(load_item& it) {
+  const auto h = decode_header(std::span<const std::byte>(it.header, detail::disk_block_bytes));
+  std::string_view why;
+  if (!h) why = "bad header";
+  else if (h->key != it.key) why = "the header names another key";
+  else if (h->flags != 0 || h->payload_bytes != it.dst.size()) why = "the header's length differs";
+  else if (XXH3_64bits_digest(it.hash) != h->payload_checksum) why = "payload checksum mismatch";
+  if (!why.empty()) {
+    it.failed = true;
+    it.outcome = key_outcome::corrupt;
+    it.drop = true;
+    count_corrupt(it.key, why);
+    return;
+  }
+  it.outcome = key_outcome::ok;
+  stats_->loaded_bytes.fetch_add(it.dst.size(), std::memory_order_relaxed);
+  count_success();
+  if (it.landed != nullptr) (*it.landed)(it.index);  // every part landed: nothing writes dst any more
+}
+
+inline boost::asio::awaitable<void> disk_backend::drop(std::vector<std::pair<chunk_key, std::uint64_t>> bad) {
+  std::vector<detail::object_path> paths;
+  std::vector<std::pair<chunk_key, std::uint64_t>> gone;
+  {
+    std::lock_guard g(mutex_);
+    for (const auto& [k, gen] : bad)
+      if (index_.start_remove(k, gen)) {
+        gone.emplace_back(k, gen);
+        paths.push_back(detail::object_path_of(k));
+      }
+  }
+  const auto errors = co_await unlink_all(objects_fd_, std::move(paths));
+  std::size_t dropped = 0;
+  {
+    std::lock_guard g(mutex_);
+    for (std::size_t i = 0; i < gone.size(); ++i) {
+      if (errors[i]) {
+        // The bad file is still there: never served, still counted, remove() retries.
+        index_.mark_stuck(gone[i].first, gone[i].second);
+        continue;
+      }
+      index_.finish_remove(gone[i].first, gone[i].second);
+      ++dropped;
+    }
+  }
+  for (std::size_t i = 0; i < gone.size(); ++i)
+    if (errors[i]) count_io_error(disk_stats::remove, errors[i], gone[i].first);
+  stats_->dropped_objects.fetch_add(dropped, std::memory_order_relaxed);
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2

@@ -1,0 +1,283 @@
+#pragma once
+// The store path of l2::disk_backend (declarations and documentation: kvtier/l2/disk/disk_backend.hpp,
+// FORMAT, CAPACITY, FAILURES): per batch: plan and reserve room (evicting), create the
+// temporary files, write every part of every key through one queue (io::async_run_parts),
+// commit (fdatasync, rename into place), clean up what did not commit, fsync the touched
+// directories, trim back under the watermark.
+
+#include <kvtier/l2/disk/disk_backend.hpp>
+#include <kvtier/l2/disk/impl/disk_backend.hpp>
+
+#include <kvtier/io/parts.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/error.hpp>
+#include <boost/asio/this_coro.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bitset>
+#include <cerrno>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+
+struct disk_backend::store_item : object_item {
+  std::span<const std::byte> src;
+  detail::temp_name temp;
+  bool created = false;  ///< the temporary file exists
+  bool committed = false;
+};
+
+/// The writes of a store: every part of every key (its payload parts, its partial last block
+/// through a bounce block, then its header block), queue_depth at a time across keys. Parts
+/// begin in order, so each key's checksum is fed in order as its parts are issued, and its
+/// header (written last) carries the digest.
+struct disk_backend::store_plan {
+  static constexpr bool writes = true;
+  using signature = void(error_code);
+  disk_backend* self;
+  std::vector<store_item>* items;
+  const std::vector<part>* parts;
+
+  [[nodiscard]] std::size_t part_count() const noexcept { return parts->size(); }
+
+  [[nodiscard]] std::optional<io::file_part> begin_part(std::size_t i) const noexcept {
+    const part& p = (*parts)[i];
+    store_item& it = (*items)[p.item];
+    if (it.failed || it.fd < 0) return std::nullopt;
+    if (p.kind == part_kind::header) {
+      object_header h;
+      h.key = it.key;
+      h.payload_bytes = it.src.size();
+      h.payload_checksum = XXH3_64bits_digest(it.hash);
+      detail::encode_header_block(h,
+                                  std::span<std::byte, detail::disk_block_bytes>(it.header, detail::disk_block_bytes));
+      return io::file_part{it.fd, it.header, p.len, 0};
+    }
+    XXH3_64bits_update(it.hash, it.src.data() + p.offset, std::min<std::size_t>(p.len, it.src.size() - p.offset));
+    // Written from, never into: the caller's bytes (payload) or our bounce block (tail).
+    std::byte* buf = p.kind == part_kind::tail ? it.tail : const_cast<std::byte*>(it.src.data() + p.offset);
+    return io::file_part{it.fd, buf, p.len, detail::disk_block_bytes + p.offset};
+  }
+
+  bool end_part(std::size_t i, const error_code& ec, std::size_t) {
+    store_item& it = (*items)[(*parts)[i].item];
+    if (it.failed) return false;
+    if (ec) self->fail_store(it, ec);  // (a write that stopped short ends with an error)
+    else --it.parts_left;
+    return false;  // a failed key does not stop the others
+  }
+
+  [[nodiscard]] std::tuple<error_code> result(const io::parts_outcome&) const noexcept { return {}; }
+};
+
+inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_impl(
+    std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d) {
+  namespace asio = boost::asio;
+  co_await asio::this_coro::throw_if_cancelled(false);
+  if (auto refused = refuse_batch(keys.size(), sources.size(), d, disk_stats::store)) co_return std::move(*refused);
+  batch_result r(keys.size(), key_outcome::timeout);
+
+  // 1. Plan: skip what exists, reserve room (choosing victims), mark the rest `writing`.
+  std::vector<store_item> items;
+  std::vector<detail::disk_victim> victims;
+  items.reserve(keys.size());
+  {
+    std::lock_guard g(mutex_);
+    for (std::size_t i = 0; i < keys.size(); ++i) {
+      if (const auto* e = index_.find(keys[i])) {
+        // Being removed, or a bad file that could not be deleted: refuse rather than race the
+        // unlink or claim an object we would never serve.
+        r.outcomes[i] = e->state == detail::entry_state::removing || e->state == detail::entry_state::stuck
+                            ? key_outcome::rejected
+                            : key_outcome::exists;
+        continue;
+      }
+      const std::uint64_t need = detail::object_file_bytes(sources[i].size());
+      auto room = index_.make_room(need, options_.capacity_bytes, options_.high_watermark, options_.low_watermark);
+      if (!room) {
+        r.outcomes[i] = key_outcome::no_space;
+        continue;
+      }
+      victims.insert(victims.end(), room->begin(), room->end());
+      store_item it;
+      it.key = keys[i];
+      it.src = sources[i];
+      it.generation = next_generation_++;
+      it.index = i;
+      it.temp = detail::temp_name_of(it.key, next_temp_++);
+      index_.begin_write(it.key, it.src.size(), need, it.generation);
+      items.push_back(it);
+    }
+  }
+  if (!victims.empty()) co_await evict(std::move(victims));
+  if (items.empty()) co_return batch_tuple{error_code{}, r};
+
+  // 2. Parts: the payload in part_bytes parts, its partial last block through a bounce block,
+  //    then the header block (written last: its checksum is computed while the payload's
+  //    writes are in flight).
+  aligned_buffer blocks(items.size() * 2 * detail::disk_block_bytes);
+  std::vector<hash_state> hashes(items.size());
+  std::vector<part> parts;
+  for (std::size_t j = 0; j < items.size(); ++j) {
+    store_item& it = items[j];
+    const auto item = static_cast<std::uint32_t>(j);
+    const std::size_t first = parts.size();
+    prepare_item(it, item, it.src.data(), it.src.size(), blocks.data(), hashes[j]);
+    if (const std::size_t rest = it.src.size() - it.aligned_bytes; rest > 0) {
+      std::memcpy(it.tail, it.src.data() + it.aligned_bytes, rest);
+      std::memset(it.tail + rest, 0, detail::disk_block_bytes - rest);
+    }
+    add_payload_parts(parts, it, item, it.src.size());
+    parts.push_back({item, part_kind::header, false, 0, detail::disk_block_bytes});
+    it.parts_left = static_cast<unsigned>(parts.size() - first);
+  }
+
+  fan_state fs;
+  // 3. Create the temporary files (and allocate their blocks).
+  auto open_body = [this, &items](std::size_t j, fan_state& f, unsigned lane) -> asio::awaitable<void> {
+    store_item& it = items[j];
+    const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (it.direct ? O_DIRECT : 0);
+    auto [ec, fd] = co_await file_io_->async_openat(tmp_fd_, it.temp.c_str(), flags, 0600, f.bind(lane));
+    if (ec) {
+      fail_store(it, ec);
+      co_return;
+    }
+    it.fd = fd;
+    it.created = true;
+    // No io_uring opcode here for fallocate in file_io; the syscall only reserves extents
+    // (tens of microseconds on ext4), and shows ENOSPC before any byte is written.
+    if (options_.preallocate &&
+        ::fallocate(fd, 0, 0, static_cast<off_t>(detail::object_file_bytes(it.src.size()))) != 0 &&
+        errno != EOPNOTSUPP && errno != ENOSYS)
+      fail_store(it, detail::last_errno());
+  };
+  co_await fan_out(fs, items.size(), 64, d, open_body);
+
+  // 4. Write every part, queue_depth at a time across keys.
+  co_await run_parts(fs, d, store_plan{this, &items, &parts});
+
+  // 5. Commit every written key at once: fdatasync, rename into objects/. In parallel, the
+  //    file system folds the syncs into a few journal commits.
+  auto commit_body = [this, &items](std::size_t j, fan_state& f, unsigned lane) -> asio::awaitable<void> {
+    store_item& it = items[j];
+    if (it.failed || it.fd < 0 || it.parts_left != 0) co_return;
+    co_await commit_stored(it, f, lane);
+  };
+  co_await fan_out(fs, items.size(), 64, d, commit_body);
+
+  // 6. Close; remove the temporary files of keys that did not commit; release their room.
+  std::vector<detail::temp_name> temps;
+  std::vector<std::uint64_t> temp_bytes;
+  std::bitset<detail::disk_shard_count> dirty;
+  std::size_t timeouts = 0;
+  for (auto& it : items) {
+    if (it.fd >= 0) ::close(it.fd);
+    if (it.committed) dirty.set(detail::shard_of(it.key));
+    else if (it.created) {
+      temps.push_back(it.temp);
+      temp_bytes.push_back(detail::object_file_bytes(it.src.size()));
+    }
+    if (it.outcome == key_outcome::timeout) ++timeouts;
+    r.outcomes[it.index] = it.outcome;
+  }
+  std::vector<error_code> temp_errors;
+  if (!temps.empty()) temp_errors = co_await unlink_all(tmp_fd_, std::move(temps));
+  {
+    std::lock_guard g(mutex_);
+    for (const auto& it : items)
+      if (!it.committed) index_.abort_write(it.key, it.generation);
+    // A temporary file that could not be deleted still takes room: counted until the next
+    // start-up's scan deletes it.
+    for (std::size_t i = 0; i < temp_errors.size(); ++i)
+      if (temp_errors[i]) index_.keep_stray(temp_bytes[i]);
+  }
+
+  // 7. Durability of the renames: one fsync per touched shard directory, for the batch.
+  if (options_.sync == disk_sync::data && dirty.any()) {
+    std::vector<int> dirs;
+    for (unsigned s = 0; s < detail::disk_shard_count; ++s)
+      if (dirty.test(s)) dirs.push_back(shard_fds_[s]);
+    fan_state sync_fs;
+    sync_fs.stoppable = false;
+    auto sync_body = [this, &dirs](std::size_t i, fan_state&, unsigned) -> asio::awaitable<void> {
+      auto [ec] = co_await file_io_->async_fsync(dirs[i], asio::as_tuple(asio::use_awaitable));
+      (void)ec;  // the objects are committed and verified on load; only durability is at stake
+    };
+    co_await fan_out(sync_fs, dirs.size(), 16, deadline::max(), sync_body);
+  }
+
+  // 8. st_blocks may exceed the estimate (extent blocks): trim back under the watermark.
+  std::optional<std::vector<detail::disk_victim>> trim;
+  {
+    std::lock_guard g(mutex_);
+    if (static_cast<double>(index_.bytes_used()) >
+        options_.high_watermark * static_cast<double>(options_.capacity_bytes))
+      trim = index_.make_room(0, options_.capacity_bytes, options_.high_watermark, options_.low_watermark);
+  }
+  if (trim && !trim->empty()) co_await evict(std::move(*trim));
+
+  co_return finish_batch(fs, disk_stats::store, timeouts, std::move(r));
+}
+
+inline void disk_backend::fail_store(store_item& it, const error_code& ec) {
+  it.failed = true;
+  if (detail::is_no_space(ec)) {
+    it.outcome = key_outcome::no_space;
+    count_enospc(it.key);
+    return;
+  }
+  it.outcome = outcome_of_failure(ec);
+  if (it.outcome == key_outcome::io_error) count_io_error(disk_stats::store, ec, it.key);
+}
+
+inline boost::asio::awaitable<void> disk_backend::commit_stored(store_item& it, fan_state& fs, unsigned lane) {
+  if (options_.sync == disk_sync::data) {
+    auto [ec] = co_await file_io_->async_fdatasync(it.fd, fs.bind(lane));
+    if (ec) {
+      fail_store(it, ec);
+      co_return;
+    }
+  }
+  struct ::stat st {};
+  const std::uint64_t allocated = ::fstat(it.fd, &st) == 0 ? static_cast<std::uint64_t>(st.st_blocks) * 512
+                                                           : detail::object_file_bytes(it.src.size());
+  auto [ec] = co_await file_io_->async_renameat(tmp_fd_, it.temp.c_str(), objects_fd_, it.path.c_str(),
+                                                detail::rename_noreplace, fs.bind(lane));
+  if (detail::is_errno(ec, EEXIST)) {
+    // A file at this path that the index does not know (put there behind our back, or left by
+    // a crash): nothing serves it, so ours (complete, just verified on write) replaces it once.
+    // Answering `exists` would claim an object that loads answer not_found for.
+    auto [uec] = co_await file_io_->async_unlinkat(objects_fd_, it.path.c_str(), 0, fs.bind(lane));
+    if (uec && !detail::is_errno(uec, ENOENT)) {
+      fail_store(it, uec);
+      co_return;
+    }
+    std::tie(ec) = co_await file_io_->async_renameat(tmp_fd_, it.temp.c_str(), objects_fd_, it.path.c_str(),
+                                                     detail::rename_noreplace, fs.bind(lane));
+  }
+  if (ec) {
+    fail_store(it, ec);
+    co_return;
+  }
+  {
+    std::lock_guard g(mutex_);
+    index_.commit(it.key, it.generation, allocated);
+  }
+  it.committed = true;
+  it.outcome = key_outcome::ok;
+  stats_->stored_bytes.fetch_add(it.src.size(), std::memory_order_relaxed);
+  count_success();
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
