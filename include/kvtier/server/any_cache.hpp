@@ -17,7 +17,7 @@
 #include <kvtier/l1/policy/noop.hpp>
 #include <kvtier/l1/policy/s3fifo.hpp>
 #include <kvtier/pipeline/policies.hpp>
-#include <kvtier/server/config.hpp>
+#include <kvtier/server/server_config.hpp>
 #include <kvtier/server/runtime_policies.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>

@@ -9,7 +9,7 @@
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/pipeline/concepts.hpp>
-#include <kvtier/server/config.hpp>
+#include <kvtier/server/server_config.hpp>
 
 #include <algorithm>
 #include <chrono>

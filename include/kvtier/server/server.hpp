@@ -49,7 +49,7 @@
 #include <kvtier/server/any_cache.hpp>
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/client_budget.hpp>
-#include <kvtier/server/config.hpp>
+#include <kvtier/server/server_config.hpp>
 #include <kvtier/server/http_exporter.hpp>
 #include <kvtier/server/region_registry.hpp>
 #include <kvtier/server/session.hpp>

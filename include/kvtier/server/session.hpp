@@ -59,7 +59,7 @@
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/server/any_cache.hpp>
 #include <kvtier/server/client_budget.hpp>
-#include <kvtier/server/config.hpp>
+#include <kvtier/server/server_config.hpp>
 #include <kvtier/server/region_registry.hpp>
 #include <kvtier/server/request_kinds.hpp>
 #include <kvtier/telemetry/logger.hpp>
