@@ -1,10 +1,13 @@
 #pragma once
 // region_registry: the registrations of the server's clients, one per connection that sent
 // register_kv_request, with its mapped kv_region and the layouts derived from the request.
-// register_client() enforces the contract's checks (chunk size, slot size, fd size and
-// seals) and answers with a request_error (request_error.hpp) that says what to change.
-// On the server's one I/O thread (no locks; size() alone may be read from anywhere). The
-// lookups of the clients are in lookup_table.hpp.
+// make_registration() enforces the contract's checks (chunk size, slot size, fd size and
+// seals), maps the region and prefaults it, and answers with a request_error
+// (request_error.hpp) that says what to change; it reads only the requirements, so it may
+// run on any thread (the server runs it on its copy pool). add() makes the result its
+// connection's registration, on the server's one I/O thread like every other member (no
+// locks; size() alone may be read from anywhere). The lookups of the clients are in
+// lookup_table.hpp.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
@@ -76,13 +79,15 @@ class region_registry {
 
   explicit region_registry(requirements req) : req_(req) {}
 
-  /// Validates `r`, maps its region (fd), and makes it connection `client_id`'s registration,
-  /// replacing a previous one only on success. The refusals follow the contract:
+  /// Validates `r` and maps its region (fd; kv_region::open prefaults its pages, as long as
+  /// allocating them): connection `client_id`'s registration, for add(). Any thread (it
+  /// reads only the requirements). The refusals follow the contract:
   /// invalid_argument (fd missing or unexpected, rank/world size, malformed shape),
   /// layout_mismatch (chunk size, chunk % block size, object larger than a slot, region
   /// size or seals), unsupported (a region kind or layout kind this build cannot copy).
-  request_result<const registration*> register_client(std::uint64_t client_id, const protocol::register_kv_request& r,
-                                                      protocol::unique_fd fd) {
+  [[nodiscard]] request_result<registration> make_registration(std::uint64_t client_id,
+                                                               const protocol::register_kv_request& r,
+                                                               protocol::unique_fd fd) const {
     using protocol::region_kind;
     if (r.world_size > max_world_size)
       return fail(errc::invalid_argument,
@@ -168,10 +173,16 @@ class region_registry {
     }
     reg.model_id = make_model_id(r.model_name, r.model, r.layout_kind, r.cache_salt);
     reg.registered_at = std::chrono::steady_clock::now();
-    auto [it, inserted] = regs_.insert_or_assign(client_id, std::move(reg));
+    return reg;
+  }
+
+  /// Makes `reg` (make_registration) its connection's registration, replacing a previous one.
+  const registration& add(registration reg) {
+    const std::uint64_t id = reg.client_id;
+    auto [it, inserted] = regs_.insert_or_assign(id, std::move(reg));
     (void)inserted;
     count_.store(regs_.size(), std::memory_order_relaxed);
-    return &it->second;
+    return it->second;
   }
 
   /// The registration of a connection, or null.

@@ -123,8 +123,8 @@ class server final : private session_host {
       backend_types_.push_back(spec.type);
     }
     cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), copy_pool_.get_executor());
-    ctx_.emplace(
-        server_context{config_, *cache_, clients_, lookups_, bus_, log_, boot_token_, options_.hooks, &budget_});
+    ctx_.emplace(server_context{config_, *cache_, clients_, lookups_, bus_, log_, boot_token_, options_.hooks, &budget_,
+                                copy_pool_.get_executor()});
     add_metrics();
   }
 
@@ -132,6 +132,10 @@ class server final : private session_host {
   server& operator=(const server&) = delete;
 
   ~server() {
+    // A task still on the copy pool (a registration's prefault that outlived the shutdown's
+    // wait for the sessions) refers to the registry and its session: it ends first. (The
+    // copies ended when the cache stopped.)
+    copy_pool_.join();
     // Sessions first (their sockets belong to io_), then the cache; io_ outlives both.
     sessions_.clear();
     signals_.reset();

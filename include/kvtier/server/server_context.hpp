@@ -21,6 +21,8 @@
 #include <kvtier/server/server_config.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
+#include <boost/asio/any_io_executor.hpp>
+
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -28,8 +30,8 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
-/// Hooks into request handling, run on the server's I/O thread (during_copy: on a copy
-/// thread). For tests and embedders.
+/// Hooks into request handling, run on the server's I/O thread (during_copy and
+/// during_prefault: on a copy thread). For tests and embedders.
 struct server_hooks {
   /// Called by a store after the chunks were copied out of the engine's region into L1 and
   /// before their block generations are re-read: a test bumps a generation here to play an
@@ -38,6 +40,10 @@ struct server_hooks {
   /// Called on a copy-pool thread before each chunk a retrieve or store copies: a test
   /// blocks a copy here to close its connection meanwhile.
   std::function<void(std::uint64_t client_id)> during_copy;
+  /// Called on a copy-pool thread before a registration maps the engine's region and
+  /// prefaults its pages (kv_region::open): a test blocks it here to see the server serve
+  /// meanwhile.
+  std::function<void(std::uint64_t client_id)> during_prefault;
 };
 
 /// What the sessions share: the server's state (owned by server::server).
@@ -51,6 +57,9 @@ struct server_context {
   std::uint64_t boot_token = 0;
   const server_hooks& hooks;
   client_budget* budget = nullptr;  ///< lookup key budgets (client_budget.hpp); null: none
+  /// The copy pool (copy_threads): what may take long and must not hold up the I/O thread
+  /// runs there (the copies run there through the cache; a registration's prefault).
+  boost::asio::any_io_executor copy_executor;
 };
 
 /// What a session needs from the server that owns it.

@@ -301,7 +301,13 @@ class session : public std::enable_shared_from_this<session> {
     std::string failure;
     errc failure_code = errc::invalid_argument;
     try {
-      // The requests that await the cache (copies): one cache call each.
+      // The requests that await the copy pool: a registration (its region's prefault), and
+      // the copies (one cache call each).
+      if (auto* m = std::get_if<protocol::register_kv_request>(&*decoded)) {
+        auto r = co_await on_register(*m, std::move(f.fd));
+        if (!r) co_return r.error().response();
+        co_return protocol::message(std::move(*r));
+      }
       if (auto* m = std::get_if<protocol::retrieve_request>(&*decoded)) {
         auto r = co_await on_retrieve(*m);
         if (!r) co_return r.error().response();
@@ -317,16 +323,12 @@ class session : public std::enable_shared_from_this<session> {
             using T = std::decay_t<decltype(m)>;
             if constexpr (!protocol::wire_request<T>) {
               return error(errc::protocol_error, "not a request");
-            } else if constexpr (std::is_same_v<T, protocol::retrieve_request> ||
+            } else if constexpr (std::is_same_v<T, protocol::register_kv_request> ||
+                                 std::is_same_v<T, protocol::retrieve_request> ||
                                  std::is_same_v<T, protocol::store_request>) {
-              return error(errc::protocol_error, "unreachable: copies are handled above");
+              return error(errc::protocol_error, "unreachable: handled above");
             } else {
-              request_result<typename T::response_type> r = [&] {
-                if constexpr (std::is_same_v<T, protocol::register_kv_request>)
-                  return on(m, std::move(f.fd));
-                else
-                  return on(m);
-              }();
+              request_result<typename T::response_type> r = on(m);
               if (!r) return r.error().response();
               return protocol::message(std::move(*r));
             }
@@ -351,7 +353,10 @@ class session : public std::enable_shared_from_this<session> {
   static std::uint64_t request_id_of(const std::string& request_key) noexcept;
 
   // --- registration (impl/registration_requests.hpp) ------------------------------------
-  request_result<protocol::register_kv_response> on(const protocol::register_kv_request& r, protocol::unique_fd fd);
+  boost::asio::awaitable<request_result<protocol::register_kv_response>> on_register(
+      const protocol::register_kv_request& r, protocol::unique_fd fd);
+  template <class F>
+  boost::asio::awaitable<std::invoke_result_t<F&>> on_copy_pool(F f);
   request_result<protocol::unregister_kv_response> on(const protocol::unregister_kv_request&);
 
   // --- lookups (impl/lookup_requests.hpp) ---------------------------------------------
