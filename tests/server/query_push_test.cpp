@@ -7,6 +7,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "server/in_process_server.hpp"
 #include "server/server_fixtures.hpp"
 
 #include <boost/asio/post.hpp>
@@ -98,31 +99,15 @@ class held_lookup_backend {
 TEST_CASE("query_prefetch is answered when the prefetch is decided, and the connection is served meanwhile",
           "[server]") {
   std::shared_ptr<held_lookup_backend> backend;
-  server::backend_factory f = server::backend_factory::builtin_copy();
-  f.add_type("held", "holds lookups (test)", [&](server::json_object_reader&) {
-    server::backend_spec s;
-    s.description = "held";
-    s.create = [&](const server::backend_context& ctx, const std::string&) {
-      backend = std::make_shared<held_lookup_backend>(ctx.executor);
-      return l2::any_backend(backend);
-    };
-    return s;
-  });
-  temp_dir dir{"kvtier-query-push"};
-  server::server_config cfg;
-  cfg.socket_path = (dir.path() / "kvtier.sock").string();
-  cfg.chunk_tokens = test_chunk_tokens;
-  cfg.l1_slot_bytes = 4096;
-  cfg.l1_size_bytes = 256 * 4096;
-  cfg.log_level = telemetry::log_level::error;
-  cfg.l2_backends = {json{{"type", "held"}}};
-  cfg.prefetch_policy = server::prefetch_wait_kind::wait_complete;
-  server::server srv(cfg, {}, f);
-  srv.start();
-  std::thread thread([&] { srv.run(); });
+  running_server s(
+      [](server::server_config& cfg) {
+        cfg.l2_backends = {json{{"type", "held"}}};
+        cfg.prefetch_policy = server::prefetch_wait_kind::wait_complete;
+      },
+      {}, factory_with("held", backend));
 
   {
-    raw_client c(cfg.socket_path);
+    raw_client c(s.path());
     engine_region r;
     const auto reg = c.register_region(r);
     const auto hashes = chunk_hashes(31, 3);
@@ -135,7 +120,7 @@ TEST_CASE("query_prefetch is answered when the prefetch is decided, and the conn
     // answered first (call() checks that the reply is the ping's).
     constexpr std::uint64_t query_call = 1'000'000;
     REQUIRE_FALSE(c.send(query_call, p::query_prefetch_request{"req-1"}));
-    CHECK(c.ping() == srv.boot_token());
+    CHECK(c.ping() == s.srv->boot_token());
     CHECK(c.ok(p::get_chunk_size_request{}).chunk_tokens == test_chunk_tokens);
 
     backend->release();  // decided now: nothing in L2
@@ -151,6 +136,4 @@ TEST_CASE("query_prefetch is answered when the prefetch is decided, and the conn
     // Decided: later queries answer at once.
     CHECK(c.ok(p::query_prefetch_request{"req-1"}) == q);
   }
-  srv.stop();
-  thread.join();
 }

@@ -75,6 +75,11 @@ class any_cache {
   virtual std::size_t clear(bool force) = 0;
   virtual std::size_t expire() = 0;
   [[nodiscard]] virtual cache::cache_status status() const = 0;
+  /// Stops the prefetches (pipeline::prefetch_controller::stop: every prefetch answered,
+  /// the keys still loading failed, so a copy waiting for them ends now; the loads in flight
+  /// end by their deadlines, and stop() waits for them). New lookups answer from L1 only.
+  /// At shutdown, once nothing reads what a prefetch loads.
+  virtual void stop_prefetches() = 0;
   /// Completes once no prefetch or store is running or queued.
   virtual boost::asio::awaitable<void> wait_idle() = 0;
   /// Stops the pipelines (tiered_cache::async_stop: every prefetch answered, queued stores

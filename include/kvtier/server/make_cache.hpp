@@ -72,6 +72,7 @@ class cache_model final : public any_cache {
   std::size_t clear(bool force) override { return cache_.clear(force); }
   std::size_t expire() override { return cache_.expire(); }
   cache::cache_status status() const override { return cache_.status(); }
+  void stop_prefetches() override { cache_.prefetch().stop(); }
   boost::asio::awaitable<void> wait_idle() override { return cache_.wait_idle(); }
   boost::asio::awaitable<void> stop() override {
     co_await cache_.async_stop(boost::asio::as_tuple(boost::asio::use_awaitable));

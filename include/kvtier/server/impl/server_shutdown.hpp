@@ -3,10 +3,12 @@
 // server_options::handle_signals), on the I/O thread, in this order:
 //   1. stop accepting (listener::close), the signal handler and the reaper;
 //   2. close every connection (session::close: each ends once its copies ended, and reaps
-//      its registration and lookups, impl/server_reaper.hpp); wait up to 2 s for them;
+//      its registration and lookups, impl/server_reaper.hpp) and stop the prefetches
+//      (nothing reads what they load any more, so a copy that waits for a load ends at
+//      once); wait up to 2 s for the connections to end;
 //   3. release the lookups that remain;
-//   4. wait for the cache's L2 work in flight (stores of written chunks, prefetch loads) up
-//      to shutdown_timeout;
+//   4. wait for the cache's L2 work in flight (stores of written chunks; prefetch loads
+//      already submitted end by their deadlines) up to shutdown_timeout;
 //   5. stop the cache (queued stores dropped; operations in flight waited for, every
 //      coroutine of the cache ended);
 //   6. stop the HTTP endpoint (/healthz answered 503 "stopping" until now), remove the
@@ -46,6 +48,9 @@ inline boost::asio::awaitable<void> server::shutdown() {
   for (const auto& [id, s] : sessions_) open.push_back(s);
   for (auto& s : open) s->close("server shutting down");
   open.clear();
+  // Nothing reads what a prefetch loads any more: a copy that waits for a load ends now
+  // (its connection is closing: it answers nothing), not when the load lands.
+  cache_->stop_prefetches();
   // Each closed session ends on its next turn of the loop (its pending read or write
   // completes with operation_aborted) and reaps itself.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
