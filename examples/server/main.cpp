@@ -11,7 +11,7 @@
 // directory or a device as --config, JSON nested deeper than 32, sizes beyond the machine,
 // a disk directory another user could write; never a signal. A failure to start (socket in
 // use, L1 not allocatable) exits 1; SIGTERM or SIGINT shut down in order and exit 0.
-#include <kvtier/server/config.hpp>
+#include <kvtier/server/server_config.hpp>
 #include <kvtier/server/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
 #if KVTIER_SERVER_WITH_REDIS
@@ -57,7 +57,7 @@ struct flag {
 
 // A value given on the command line as JSON: numbers become numbers; anything else stays
 // text, so that the configuration reader refuses it with its own message; text that is not
-// UTF-8 is refused (server/json_config.hpp).
+// UTF-8 is refused (server/server_config_json.hpp).
 json flag_value(const flag& f) { return kvtier::server::flag_value(f.name, f.value, f.type == kind::number); }
 
 json read_json_file(const std::string& path) {

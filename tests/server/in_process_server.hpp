@@ -2,7 +2,8 @@
 // The in-process server of the server tests: server::server on its own thread and
 // io_context, on a socket in a temporary directory, stopped and joined on destruction.
 // Small L1 by default: 256 slots of 4 KiB (one chunk of the test model each); `tweak`
-// changes the configuration before the server starts.
+// changes the configuration before the server starts. factory_with() adds a test's own L2
+// backend type.
 
 #include <kvtier/server/server.hpp>
 
@@ -12,8 +13,26 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 
 namespace kvtier::test {
+
+/// The built-in backend types and `type`, whose backend (made on the server's executor by
+/// Backend(executor)) is put in `out`: a test's own L2 backend ({"type": type}).
+template <class Backend>
+server::backend_factory factory_with(const std::string& type, std::shared_ptr<Backend>& out) {
+  server::backend_factory f = server::backend_factory::builtin_copy();
+  f.add_type(type, type + " (test)", [&out, type](server::json_object_reader&) {
+    server::backend_spec s;
+    s.description = type;
+    s.create = [&out](const server::backend_context& ctx, const std::string&) {
+      out = std::make_shared<Backend>(ctx.executor);
+      return l2::any_backend(out);
+    };
+    return s;
+  });
+  return f;
+}
 
 struct running_server {
   temp_dir dir{"kvtier-server"};
@@ -22,14 +41,15 @@ struct running_server {
   std::thread thread;
 
   explicit running_server(const std::function<void(server::server_config&)>& tweak = {},
-                          server::server_options opts = {}) {
+                          server::server_options opts = {},
+                          const server::backend_factory& factory = server::backend_factory::builtin()) {
     cfg.socket_path = (dir.path() / "kvtier.sock").string();
     cfg.chunk_tokens = test_chunk_tokens;
     cfg.l1_slot_bytes = 4096;
     cfg.l1_size_bytes = 256 * 4096;
     cfg.log_level = telemetry::log_level::error;
     if (tweak) tweak(cfg);
-    srv = std::make_unique<server::server>(cfg, std::move(opts));
+    srv = std::make_unique<server::server>(cfg, std::move(opts), factory);
     srv->start();
     thread = std::thread([s = srv.get()] { s->run(); });
   }

@@ -8,6 +8,7 @@
 
 #include <catch2/catch.hpp>
 
+#include "server/in_process_server.hpp"
 #include "server/server_fixtures.hpp"
 
 #include <boost/asio/post.hpp>
@@ -102,31 +103,25 @@ class held_lookup_backend {
   std::function<void()> on_held_;
 };
 
-/// A server whose L2 backend is a held_lookup_backend, running on its own thread, and a
-/// client registered with it (a region of its own).
+/// A server whose L2 backend is a held_lookup_backend (running_server), and a client
+/// registered with it (a region of its own).
 struct held_server {
   std::shared_ptr<held_lookup_backend> backend;
-  temp_dir dir{"kvtier-query-push"};
-  server::server_config cfg = config(dir);
-  server::backend_factory factory = factory_of(backend);
-  server::server srv{cfg, {}, factory};
-  std::thread thread;
-
+  running_server server{[](server::server_config& c) {
+                          c.l2_backends = {json{{"type", "held"}}};
+                          c.prefetch_policy = server::prefetch_wait_kind::wait_complete;
+                        },
+                        {}, factory_with("held", backend)};
+  server::server& srv = *server.srv;
   std::optional<raw_client> client;
   engine_region region;
   p::register_kv_response reg;
 
   held_server() {
-    srv.start();
-    thread = std::thread([this] { srv.run(); });
-    client.emplace(cfg.socket_path);
+    client.emplace(server.path());
     reg = client->register_region(region);
   }
-  ~held_server() {
-    client.reset();
-    srv.stop();
-    thread.join();
-  }
+  ~held_server() { client.reset(); }
 
   /// Waits until `n` lookups have reached the backend (the last one's prefetch is undecided
   /// until release()).
@@ -134,31 +129,6 @@ struct held_server {
     std::promise<void> held;
     backend->when_held(n, [&] { held.set_value(); });
     return held.get_future().wait_for(server_deadline) == std::future_status::ready;
-  }
-
-  static server::server_config config(const temp_dir& d) {
-    server::server_config c;
-    c.socket_path = (d.path() / "kvtier.sock").string();
-    c.chunk_tokens = test_chunk_tokens;
-    c.l1_slot_bytes = 4096;
-    c.l1_size_bytes = 256 * 4096;
-    c.log_level = telemetry::log_level::error;
-    c.l2_backends = {json{{"type", "held"}}};
-    c.prefetch_policy = server::prefetch_wait_kind::wait_complete;
-    return c;
-  }
-  static server::backend_factory factory_of(std::shared_ptr<held_lookup_backend>& backend) {
-    server::backend_factory f = server::backend_factory::builtin_copy();
-    f.add_type("held", "holds lookups (test)", [&backend](server::json_object_reader&) {
-      server::backend_spec s;
-      s.description = "held";
-      s.create = [&backend](const server::backend_context& ctx, const std::string&) {
-        backend = std::make_shared<held_lookup_backend>(ctx.executor);
-        return l2::any_backend(backend);
-      };
-      return s;
-    });
-    return f;
   }
 };
 

@@ -322,6 +322,60 @@ TEST_CASE("a ping is answered while a retrieve of the same connection is still c
   CHECK(std::get<p::retrieve_response>(*reply).retrieved_chunks == 2);
 }
 
+TEST_CASE("pings are answered while a registration's region is being prefaulted", "[server][concurrency]") {
+  // Mapping a region prefaults its pages (kv_region::open), which takes as long as
+  // allocating them: seconds for a large region. On the I/O thread it held up every
+  // connection's pings and lookups meanwhile. The prefault blocks in the hook until the
+  // pings of another connection and of the registering one were answered.
+  std::mutex m;
+  std::condition_variable cv;
+  bool in_prefault = false, go = false;
+  server::server_options opts;
+  opts.hooks.during_prefault = [&](std::uint64_t) {
+    std::unique_lock g(m);
+    in_prefault = true;
+    cv.notify_all();
+    cv.wait_for(g, server_deadline, [&] { return go; });
+    in_prefault = false;
+  };
+  running_server s({}, std::move(opts));
+  raw_client other(s.path());
+  raw_client c(s.path());
+  engine_region r;
+  REQUIRE_FALSE(c.send(7, r.registration(), r.region.fd()));
+  {
+    std::unique_lock g(m);
+    REQUIRE(cv.wait_for(g, server_deadline, [&] { return in_prefault; }));
+  }
+  CHECK(other.ping() == s.srv->boot_token());
+  REQUIRE_FALSE(c.send(8, p::ping_request{1}));
+  auto [pec, pf] = c.read_frame();
+  REQUIRE_FALSE(pec);
+  CHECK(pf.header.call_id == 8);
+  {
+    std::lock_guard g(m);
+    CHECK(in_prefault);  // answered while the prefault was blocked, not after the hook gave up
+    go = true;
+  }
+  cv.notify_all();
+  auto [ec, f] = c.read_frame();
+  REQUIRE_FALSE(ec);
+  CHECK(f.header.call_id == 7);
+  auto reply = p::decode_message(f);
+  REQUIRE(reply.has_value());
+  REQUIRE(std::holds_alternative<p::register_kv_response>(*reply));
+  CHECK(std::get<p::register_kv_response>(*reply).boot_token == s.srv->boot_token());
+  // Registered: a store and a retrieve through the prefaulted region.
+  const auto hashes = chunk_hashes(79, 1);
+  const auto src = block_range(0, blocks_per_chunk);
+  r.fill_blocks(src, 9);
+  REQUIRE(c.ok(store_req(r, hashes, src)).stored == 1);
+  const auto dst = block_range(30, blocks_per_chunk);
+  REQUIRE(c.ok(retrieve_req(hashes, dst)).retrieved_chunks == 1);
+  for (std::uint32_t i = 0; i < blocks_per_chunk; ++i)
+    for (std::uint32_t t = 0; t < test_block_size; ++t) CHECK(r.same_token(dst[i], src[i], t));
+}
+
 TEST_CASE("a connection closed while its copy runs on the copy pool closes only once the copy ended",
           "[server][concurrency]") {
   // The promise engines rely on (quarantine release): EOF on a connection proves that no

@@ -8,7 +8,7 @@
 // the whole description (unknown keys included) at configuration time and returns a
 // backend_spec whose create() builds the backend later, on the server's executor, so a bad
 // description stops the program before anything starts, with a message that says what to
-// change (json_config.hpp).
+// change (server_config_json.hpp).
 //
 // builtin() has "memory" (l2/memory_backend.hpp, with its bandwidth and latency model): it
 // needs nothing beyond kvtier::kvtier. The other shipped types live in their own headers,
@@ -20,7 +20,7 @@
 #include <kvtier/config.hpp>
 #include <kvtier/l2/any_backend.hpp>
 #include <kvtier/l2/memory_backend.hpp>
-#include <kvtier/server/json_config.hpp>
+#include <kvtier/server/server_config_json.hpp>
 #include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/registry.hpp>
 

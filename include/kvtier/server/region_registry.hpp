@@ -1,21 +1,13 @@
 #pragma once
-// The server's bookkeeping of its clients, all touched on the server's one I/O thread (no
-// locks; region_registry::size() alone may be read from anywhere):
-//
-//   region_registry   registrations: one per connection that sent register_kv_request,
-//                     with its mapped kv_region and the layouts derived from the request.
-//                     register_client() enforces the contract's checks (chunk size, slot
-//                     size, fd size and seals) and answers with a request_error that says
-//                     what to change.
-//   lookup_table      the lookups in flight, keyed by (connection, request_key): a lookup
-//                     belongs to the connection that issued it (for all ranks' keys), only
-//                     that connection queries, frees, ends or releases it, and it is
-//                     released when that connection goes. Two engines whose request ids
-//                     collide (vLLM's offline mode: "0", "1", ... in every process) never
-//                     touch each other's lookups.
-//
-// request_error is how a handler refuses a request: an errc and a message, sent back as
-// error_response.
+// region_registry: the registrations of the server's clients, one per connection that sent
+// register_kv_request, with its mapped kv_region and the layouts derived from the request.
+// make_registration() enforces the contract's checks (chunk size, slot size, fd size and
+// seals), maps the region and prefaults it, and answers with a request_error
+// (request_error.hpp) that says what to change; it reads only the requirements, so it may
+// run on any thread (the server runs it on its copy pool). add() makes the result its
+// connection's registration, on the server's one I/O thread like every other member (no
+// locks; size() alone may be read from anywhere). The lookups of the clients are in
+// lookup_table.hpp.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
@@ -25,39 +17,17 @@
 #include <kvtier/error.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/protocol/unique_fd.hpp>
-
-#include <boost/assert/source_location.hpp>
-#include <boost/system/result.hpp>
-#include <boost/system/system_error.hpp>
+#include <kvtier/server/request_error.hpp>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <map>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
 #include <utility>
-#include <vector>
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
-
-/// A refused request: the code and the reason sent back in error_response.
-struct request_error {
-  errc code = errc::invalid_argument;
-  std::string message;
-
-  [[nodiscard]] protocol::error_response response() const { return protocol::error_response::make(code, message); }
-};
-
-[[noreturn]] inline void throw_exception_from_error(const request_error& e, const boost::source_location&) {
-  throw boost::system::system_error(make_error_code(e.code), e.message);
-}
-
-/// A value or the request_error that refuses the request.
-template <class T>
-using request_result = boost::system::result<T, request_error>;
 
 /// One registered engine process (one connection): a worker with its KV region, or a
 /// scheduler without one (region_kind::none: lookups only).
@@ -109,13 +79,15 @@ class region_registry {
 
   explicit region_registry(requirements req) : req_(req) {}
 
-  /// Validates `r`, maps its region (fd), and makes it connection `client_id`'s registration,
-  /// replacing a previous one only on success. The refusals follow the contract:
+  /// Validates `r` and maps its region (fd; kv_region::open prefaults its pages, as long as
+  /// allocating them): connection `client_id`'s registration, for add(). Any thread (it
+  /// reads only the requirements). The refusals follow the contract:
   /// invalid_argument (fd missing or unexpected, rank/world size, malformed shape),
   /// layout_mismatch (chunk size, chunk % block size, object larger than a slot, region
   /// size or seals), unsupported (a region kind or layout kind this build cannot copy).
-  request_result<const registration*> register_client(std::uint64_t client_id, const protocol::register_kv_request& r,
-                                                      protocol::unique_fd fd) {
+  [[nodiscard]] request_result<registration> make_registration(std::uint64_t client_id,
+                                                               const protocol::register_kv_request& r,
+                                                               protocol::unique_fd fd) const {
     using protocol::region_kind;
     if (r.world_size > max_world_size)
       return fail(errc::invalid_argument,
@@ -201,10 +173,16 @@ class region_registry {
     }
     reg.model_id = make_model_id(r.model_name, r.model, r.layout_kind, r.cache_salt);
     reg.registered_at = std::chrono::steady_clock::now();
-    auto [it, inserted] = regs_.insert_or_assign(client_id, std::move(reg));
+    return reg;
+  }
+
+  /// Makes `reg` (make_registration) its connection's registration, replacing a previous one.
+  const registration& add(registration reg) {
+    const std::uint64_t id = reg.client_id;
+    auto [it, inserted] = regs_.insert_or_assign(id, std::move(reg));
     (void)inserted;
     count_.store(regs_.size(), std::memory_order_relaxed);
-    return &it->second;
+    return it->second;
   }
 
   /// The registration of a connection, or null.
@@ -230,122 +208,6 @@ class region_registry {
   requirements req_;
   std::unordered_map<std::uint64_t, registration> regs_;
   std::atomic<std::size_t> count_{0};
-};
-
-/// The lookups the server holds for engines, by (connection, request_key).
-class lookup_table {
- public:
-  struct entry {
-    std::uint64_t cache_id = 0;  ///< the tiered_cache lookup
-    std::uint64_t owner = 0;     ///< the connection that issued it (the first half of its key)
-    std::uint32_t chunks = 0;
-    std::uint16_t world_size = 1;
-  };
-  using key_type = std::pair<std::uint64_t, std::string>;  ///< (owner connection, request_key)
-
-  /// Puts `e` under (e.owner, request_key); returns the entry it replaced, if any (the same
-  /// connection's earlier lookup of that request: another connection's is another key).
-  std::optional<entry> put(const std::string& request_key, entry e) {
-    std::optional<entry> old;
-    auto [it, inserted] = entries_.try_emplace(key_type{e.owner, request_key}, e);
-    if (inserted) {
-      ++owned_[e.owner];
-    } else {
-      old = it->second;
-      forget_keys(*old);
-      it->second = e;
-    }
-    keys_ += keys_of(e);
-    owned_keys_[e.owner] += keys_of(e);
-    return old;
-  }
-
-  /// Connection `owner`'s lookup of `request_key`, or null.
-  [[nodiscard]] const entry* find(std::uint64_t owner, const std::string& request_key) const {
-    auto it = entries_.find(key_type{owner, request_key});
-    return it == entries_.end() ? nullptr : &it->second;
-  }
-
-  /// Removes and returns connection `owner`'s lookup of `request_key`.
-  std::optional<entry> take(std::uint64_t owner, const std::string& request_key) {
-    auto it = entries_.find(key_type{owner, request_key});
-    if (it == entries_.end()) return std::nullopt;
-    entry e = it->second;
-    erase(it);
-    return e;
-  }
-
-  /// Removes and returns every entry `owner` issued (its keys are one range of the map:
-  /// O(owned x log n), whatever the other connections hold).
-  std::vector<entry> take_owned_by(std::uint64_t owner) {
-    std::vector<entry> out;
-    if (owned(owner) == 0) return out;
-    auto it = entries_.lower_bound(key_type{owner, std::string()});
-    while (it != entries_.end() && it->first.first == owner) {
-      out.push_back(it->second);
-      it = erase(it);
-    }
-    return out;
-  }
-
-  /// Removes the entries for which pred(entry) is true (lookups the cache forgot).
-  template <class Pred>
-  std::size_t erase_if(Pred pred) {
-    std::size_t n = 0;
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      if (pred(it->second)) {
-        it = erase(it);
-        ++n;
-      } else {
-        ++it;
-      }
-    }
-    return n;
-  }
-
-  /// Every entry (for shutdown).
-  std::vector<entry> take_all() {
-    std::vector<entry> out;
-    for (const auto& [k, e] : entries_) out.push_back(e);
-    entries_.clear();
-    owned_.clear();
-    owned_keys_.clear();
-    keys_ = 0;
-    return out;
-  }
-
-  [[nodiscard]] std::size_t owned(std::uint64_t owner) const {
-    auto it = owned_.find(owner);
-    return it == owned_.end() ? 0 : it->second;
-  }
-  [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
-  /// Chunk keys (chunks x world size) the lookups of `owner` hold; of all lookups (budgets,
-  /// server/client_budget.hpp).
-  [[nodiscard]] std::uint64_t owned_keys(std::uint64_t owner) const {
-    auto it = owned_keys_.find(owner);
-    return it == owned_keys_.end() ? 0 : it->second;
-  }
-  [[nodiscard]] std::uint64_t keys() const noexcept { return keys_; }
-  [[nodiscard]] static std::uint64_t keys_of(const entry& e) noexcept { return std::uint64_t{e.chunks} * e.world_size; }
-
- private:
-  using map_type = std::map<key_type, entry>;
-  map_type::iterator erase(map_type::iterator it) {
-    auto o = owned_.find(it->second.owner);
-    if (o != owned_.end() && --o->second == 0) owned_.erase(o);
-    forget_keys(it->second);
-    return entries_.erase(it);
-  }
-  void forget_keys(const entry& e) {
-    keys_ -= keys_of(e);
-    if (auto k = owned_keys_.find(e.owner); k != owned_keys_.end() && (k->second -= keys_of(e)) == 0)
-      owned_keys_.erase(k);
-  }
-
-  map_type entries_;
-  std::unordered_map<std::uint64_t, std::size_t> owned_;
-  std::unordered_map<std::uint64_t, std::uint64_t> owned_keys_;
-  std::uint64_t keys_ = 0;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server

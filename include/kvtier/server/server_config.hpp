@@ -7,14 +7,14 @@
 //   server_config c = server_config::parse(json);   // from_json + validate, throws config_error
 //   nlohmann::json j = c.to_json();                  // every key, parse(to_json()) == c
 //
-// Every refusal is a config_error "<what> (<value>): <what to change>" (json_config.hpp).
+// Every refusal is a config_error "<what> (<value>): <what to change>" (server_config_json.hpp).
 // The defaults run without any flag: 1 GiB of L1 in 4 MiB slots (a 0.5B model's 256-token
 // chunk is 3 MiB; an 8B model's is 32 MiB: raise l1_slot_bytes), LRU eviction, no L2.
 
 #include <kvtier/config.hpp>
 #include <kvtier/protocol/unix_socket.hpp>
 #include <kvtier/server/backend_factory.hpp>
-#include <kvtier/server/json_config.hpp>
+#include <kvtier/server/server_config_json.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <nlohmann/json.hpp>

@@ -1,0 +1,188 @@
+#pragma once
+// session (server/session.hpp): retrieve and store, the requests that copy between the
+// engine's KV region and L1. Each is one cache call, whose copies run on the server's copy
+// pool while the I/O thread serves the other connections:
+//   retrieve  tiered_cache::async_copy_out: each chunk scattered into the engine's blocks as
+//             soon as L1 has it (an L2 load pipelined with the copies); answers the
+//             contiguous prefix copied;
+//   store     the generation fence before (chunks whose blocks the engine reused already are
+//             not copied) and after (async_copy_in's fence: a block reused while we copied
+//             is never stored under the old key), the copies gathered from the engine's
+//             blocks in between.
+// The close promise (session.hpp): copy_scope counts the copies in flight; no copy starts
+// once the connection is closing, and the socket closes only when the last one ended.
+
+#include <kvtier/server/session.hpp>
+
+#include <kvtier/core/kv_transfer.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <algorithm>
+#include <mutex>
+#include <span>
+#include <system_error>
+#include <utility>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::server {
+
+/// Copies of this session in flight: counted from the start of a copy operation until its
+/// completion ran; the last one to end closes the socket when close() came meanwhile.
+class session::copy_scope {
+ public:
+  explicit copy_scope(session& s) : s_(s) { ++s_.copies_; }
+  copy_scope(const copy_scope&) = delete;
+  copy_scope& operator=(const copy_scope&) = delete;
+  ~copy_scope() {
+    if (--s_.copies_ == 0 && s_.closing_) s_.conn_.close();
+  }
+
+ private:
+  session& s_;
+};
+
+/// The first error of the copies of one request (they run on several threads at once).
+class session::first_error {
+ public:
+  void set(std::error_code ec) {
+    std::lock_guard g(m_);
+    if (!ec_) ec_ = ec;
+  }
+  [[nodiscard]] std::error_code get() {
+    std::lock_guard g(m_);
+    return ec_;
+  }
+
+ private:
+  std::mutex m_;
+  std::error_code ec_;
+};
+
+inline request_error session::closing_error(std::string_view what) {
+  return request_error{errc::shutting_down, std::string(what) + ": the connection is closing"};
+}
+
+inline boost::asio::awaitable<request_result<protocol::retrieve_response>> session::on_retrieve(
+    const protocol::retrieve_request& r) {
+  using boost::asio::as_tuple;
+  using boost::asio::use_awaitable;
+  auto reg_r = registered_with_region("retrieve_request");
+  if (!reg_r) co_return reg_r.error();
+  registration& reg = **reg_r;
+  const std::size_t n = r.chunk_hashes.size();
+  if (auto e = check_blocks(reg, "retrieve_request", r.rank, n, r.block_ids)) co_return *e;
+  if (n == 0) co_return protocol::retrieve_response{0};
+  if (closing_) co_return closing_error("retrieve_request");  // no copy starts after the close
+
+  const std::uint64_t mid = reg.model_id_for(r.cache_salt);
+  std::vector<chunk_key> keys(n);
+  for (std::size_t i = 0; i < n; ++i) keys[i] = reg.key(mid, r.chunk_hashes[i]);
+  cache::copy_out_request cr;
+  // Only this connection's lookup: a worker retrieving what its scheduler looked up on
+  // another connection copies what L1 holds and leaves the scheduler's holds to the
+  // scheduler (end_request).
+  if (const lookup_table::entry* e = ctx_.lookups.find(id_, r.request_key)) cr.lookup = e->cache_id;
+  cr.keys = keys;
+  cr.object_bytes = reg.object_bytes;
+  // The sink runs on the copy pool; everything it reads stays alive until the completion
+  // (this coroutine's frame, the registration: this connection cannot unregister meanwhile).
+  const paged_kv_view view = reg.region.view();
+  const chunk_layout& chunk = reg.chunk;
+  const std::uint32_t ct = reg.chunk.chunk_tokens;
+  const std::size_t bpc = reg.blocks_per_chunk;
+  first_error refused;
+  cache::copy_out_sink sink = [&](std::size_t i, std::size_t, std::span<const std::byte> object) {
+    if (ctx_.hooks.during_copy) ctx_.hooks.during_copy(id_);
+    const std::uint64_t done = std::uint64_t{ct} * i;
+    const std::uint64_t skip = r.skip_tokens > done ? std::min<std::uint64_t>(r.skip_tokens - done, ct) : 0;
+    const scatter_item item{std::span(r.block_ids).subspan(i * bpc, bpc), object.data(),
+                            static_cast<std::uint32_t>(skip)};
+    if (const std::error_code ec = scatter_chunks(view, chunk, std::span(&item, 1))) {
+      refused.set(ec);
+      return false;
+    }
+    return true;
+  };
+  std::size_t copied = 0;
+  {
+    copy_scope scope(*this);
+    auto [ec, count] = co_await ctx_.cache.async_copy_out(std::move(cr), std::move(sink), as_tuple(use_awaitable));
+    copied = ec ? 0 : count;
+  }
+  if (const std::error_code e = refused.get()) ctx_.log.error("client {}: retrieve copy refused: {}", id_, e.message());
+  co_return protocol::retrieve_response{static_cast<std::uint32_t>(copied)};
+}
+
+inline boost::asio::awaitable<request_result<protocol::store_response>> session::on_store(
+    const protocol::store_request& r) {
+  using boost::asio::as_tuple;
+  using boost::asio::use_awaitable;
+  auto reg_r = registered_with_region("store_request");
+  if (!reg_r) co_return reg_r.error();
+  registration& reg = **reg_r;
+  const std::size_t n = r.chunk_hashes.size();
+  if (auto e = check_blocks(reg, "store_request", r.rank, n, r.block_ids)) co_return *e;
+  const std::uint64_t mid = reg.model_id_for(r.cache_salt);
+  const std::size_t bpc = reg.blocks_per_chunk;
+  auto blocks_of = [&](std::size_t i) { return std::span(r.block_ids).subspan(i * bpc, bpc); };
+  auto fenced = [&](std::size_t i) {
+    for (std::size_t b = i * bpc; b < (i + 1) * bpc; ++b)
+      if (reg.region.generation(r.block_ids[b]) != r.block_generations[b]) return true;
+    return false;
+  };
+
+  protocol::store_response out;
+  // Chunks whose blocks were reused before we even start are not copied at all.
+  std::vector<std::size_t> todo;
+  std::vector<chunk_key> keys;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (fenced(i)) {
+      ++out.failed;
+      continue;
+    }
+    todo.push_back(i);
+    keys.push_back(reg.key(mid, r.chunk_hashes[i]));
+  }
+  if (keys.empty()) co_return out;
+  if (closing_) co_return closing_error("store_request");  // no copy starts after the close
+
+  cache::copy_in_request cr;
+  cr.keys = keys;
+  cr.object_bytes = reg.object_bytes;
+  cr.context = pipeline::write_context{request_id_of(r.request_key), 0, r.first_chunk};
+  const paged_kv_view view = reg.region.view();
+  const chunk_layout& chunk = reg.chunk;
+  first_error refused;
+  cache::copy_in_source source = [&](std::size_t j, std::span<std::byte> object) {
+    if (ctx_.hooks.during_copy) ctx_.hooks.during_copy(id_);
+    const gather_item item{blocks_of(todo[j]), object.data(), 0};
+    if (const std::error_code ec = gather_chunks(view, chunk, std::span(&item, 1))) {
+      refused.set(ec);
+      return false;
+    }
+    return true;
+  };
+  // The fence: a block the engine reused while we copied is never stored under the old
+  // key. Runs on this thread after every copy ended.
+  bool hooked = false;
+  cache::copy_in_fence fence = [&](std::size_t j) {
+    if (!std::exchange(hooked, true) && ctx_.hooks.after_store_copy) ctx_.hooks.after_store_copy(id_, r.block_ids);
+    return !fenced(todo[j]);
+  };
+  cache::copy_in_result res;
+  {
+    copy_scope scope(*this);
+    auto [ec, x] =
+        co_await ctx_.cache.async_copy_in(std::move(cr), std::move(source), std::move(fence), as_tuple(use_awaitable));
+    res = ec ? cache::copy_in_result{0, 0, keys.size()} : x;
+  }
+  if (const std::error_code e = refused.get()) ctx_.log.error("client {}: store copy refused: {}", id_, e.message());
+  out.stored += static_cast<std::uint32_t>(res.stored);
+  out.already_present += static_cast<std::uint32_t>(res.already_present);
+  out.failed += static_cast<std::uint32_t>(res.failed);
+  co_return out;
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::server

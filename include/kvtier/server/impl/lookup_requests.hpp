@@ -1,0 +1,190 @@
+#pragma once
+// session (server/session.hpp): the lookups of one connection.
+//   lookup_request          checks it (model id, world size, max_lookups_per_client,
+//                           max_lookup_keys, the key budgets of client_budget.hpp), starts the
+//                           cache's lookup (its L1 prefix held at once, the rest prefetched in
+//                           the background) and answers at once when decided at once (an
+//                           L1 hit), else, when the request asks (answer_when_decided), once
+//                           the prefetch is decided (hold_lookup_answer: one round trip, no
+//                           polling), else `pending`;
+//   query_prefetch_request  answers the decided hit count; a lookup still deciding is not
+//                           answered `pending`: handle_frame() hands it to
+//                           answer_when_decided(), which answers once the prefetch decided;
+//   free_lookup_locks, end  release the lookup's holds.
+// Lookups are the connection's own (lookup_table, keyed by this session's id).
+
+#include <kvtier/server/session.hpp>
+
+#include <boost/asio/as_tuple.hpp>
+#include <boost/asio/bind_executor.hpp>
+#include <boost/asio/use_awaitable.hpp>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::server {
+
+inline request_result<protocol::lookup_response> session::on(const protocol::lookup_request& r) {
+  auto reg_r = registered("lookup_request");
+  if (!reg_r) return reg_r.error();
+  const registration& reg = **reg_r;
+  if (r.model_id != reg.model_id)
+    return request_error{errc::invalid_argument, "lookup_request.model_id " + std::to_string(r.model_id) +
+                                                     " is not this connection's model id " +
+                                                     std::to_string(reg.model_id) + " (from register_kv_response)"};
+  if (r.world_size != reg.world_size)
+    return request_error{errc::invalid_argument, "lookup_request.world_size " + std::to_string(r.world_size) +
+                                                     " differs from the registration's " +
+                                                     std::to_string(reg.world_size)};
+  // Lookups are this connection's own (lookup_table): another engine's request of the same
+  // id is another lookup.
+  const lookup_table::entry* existing = ctx_.lookups.find(id_, r.request_key);
+  const bool replaces_own = existing != nullptr;
+  if (!replaces_own && ctx_.lookups.owned(id_) >= ctx_.config.max_lookups_per_client)
+    return request_error{errc::out_of_memory,
+                         "this connection holds " + std::to_string(ctx_.lookups.owned(id_)) +
+                             " lookups (max_lookups_per_client): send end_request for finished requests"};
+  const std::size_t ws = reg.world_size;
+  if (r.chunk_hashes.size() * ws > max_lookup_keys)
+    return request_error{errc::invalid_argument, "lookup_request: " + std::to_string(r.chunk_hashes.size()) +
+                                                     " chunks x world size " + std::to_string(ws) + " is above " +
+                                                     std::to_string(max_lookup_keys) +
+                                                     " keys: look up fewer chunks at once"};
+  if (ctx_.budget)
+    if (auto refused =
+            ctx_.budget->check_lookup(ctx_.lookups, id_, std::uint64_t{r.chunk_hashes.size()} * ws,
+                                      replaces_own ? lookup_table::keys_of(*existing) : 0, ctx_.clients.size()))
+      return *refused;
+  const std::uint64_t mid = reg.model_id_for(r.cache_salt);
+  std::vector<chunk_key> keys;
+  keys.reserve(r.chunk_hashes.size() * ws);
+  for (const hash128& h : r.chunk_hashes)
+    for (std::size_t rank = 0; rank < ws; ++rank)
+      keys.push_back(chunk_key{mid, reg.world_size, static_cast<std::uint16_t>(rank), h});
+  cache::lookup_request lr;
+  lr.keys = keys;
+  lr.group = ws;
+  lr.object_bytes = reg.object_bytes;
+  lr.chunk_tokens = reg.chunk.chunk_tokens;
+  lr.request_id = request_id_of(r.request_key);
+  lr.prefill_tokens_per_second = reg.prefill_tokens_per_second;  // load or recompute
+  const auto id = ctx_.cache.start_lookup(lr);
+  lookup_table::entry e{id, id_, static_cast<std::uint32_t>(r.chunk_hashes.size()), reg.world_size};
+  // The new lookup holds its locks before the old one gives its back: nothing the two
+  // share can be evicted in between.
+  if (auto old = ctx_.lookups.put(r.request_key, e)) {
+    answer_held_lookup(r.request_key, {});  // the replaced lookup's answer, if held: unknown
+    ctx_.cache.release_all(old->cache_id);
+  }
+  if (auto st = ctx_.cache.poll(id)) return lookup_done(*st);             // decided at once (an L1 hit)
+  if (r.answer_when_decided) lookup_to_hold_.emplace(r.request_key, id);  // handle_frame holds it
+  return protocol::lookup_response{protocol::prefetch_state::pending, 0, 0};
+}
+
+inline request_result<protocol::query_prefetch_response> session::on(const protocol::query_prefetch_request& r) {
+  auto reg = registered("query_prefetch_request");
+  if (!reg) return reg.error();
+  const lookup_table::entry* e = ctx_.lookups.find(id_, r.request_key);
+  if (e == nullptr) return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
+  if (auto st = ctx_.cache.poll(e->cache_id)) return done_response(*st);
+  if (ctx_.cache.known(e->cache_id))  // not decided yet: dispatch() answers it when it is
+    return protocol::query_prefetch_response{protocol::prefetch_state::pending, 0, 0};
+  ctx_.lookups.take(id_, r.request_key);  // expired in the cache (lookup_ttl)
+  return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
+}
+
+inline protocol::query_prefetch_response session::done_response(const cache::lookup_status& st) {
+  return protocol::query_prefetch_response{protocol::prefetch_state::done, static_cast<std::uint32_t>(st.chunks),
+                                           static_cast<std::uint32_t>(st.l1_chunks)};
+}
+
+inline protocol::lookup_response session::lookup_done(const cache::lookup_status& st) {
+  const auto q = done_response(st);
+  return protocol::lookup_response{q.state, q.hit_chunks, q.l1_hit_chunks};
+}
+
+/// The answer to lookup `key` (call `call_id`), held until its prefetch (cache lookup
+/// `cache_id`) is decided: no polling on the wire, one round trip. Answered earlier, with
+/// `unknown`, when the lookup goes first (released, ended, replaced, unregistered:
+/// answer_held_lookup); dropped when the connection closes.
+inline void session::hold_lookup_answer(std::uint64_t call_id, std::string key, std::uint64_t cache_id,
+                                        clock::time_point t0) {
+  held_lookups_[key] = held_lookup{call_id, cache_id, t0};
+  ctx_.cache.async_wait(cache_id,
+                        boost::asio::bind_executor(conn_.get_executor(), [w = weak_from_this(), key, cache_id](
+                                                                             error_code ec, cache::lookup_status st) {
+                          if (auto self = w.lock())
+                            self->answer_held_lookup(key, ec ? protocol::lookup_response{} : lookup_done(st), cache_id);
+                        }));
+}
+
+/// Sends the held answer of lookup `key` (when it is lookup `cache_id`'s, if given).
+inline void session::answer_held_lookup(const std::string& key, protocol::lookup_response reply,
+                                        std::optional<std::uint64_t> cache_id) {
+  auto it = held_lookups_.find(key);
+  if (it == held_lookups_.end() || (cache_id && it->second.cache_id != *cache_id)) return;
+  const held_lookup h = it->second;
+  held_lookups_.erase(it);
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - h.t0).count();
+  ctx_.bus.publish(bus::server_request_finished{bus::request_kind::lookup, id_, true, static_cast<std::uint64_t>(ns)});
+  if (!closing_) conn_.async_send(h.call_id, protocol::message(reply), [](error_code) {});
+}
+
+/// A query of a lookup still deciding: answered once it is decided (tiered_cache::
+/// async_wait; the prefetch decides within its wait budget, prefetch_timeout_cap_ms at
+/// most), while this connection's next frames are read and answered (answers carry their
+/// call id). A lookup replaced meanwhile is waited for in its turn; one released or
+/// reaped meanwhile answers unknown.
+inline boost::asio::awaitable<void> session::answer_when_decided(std::shared_ptr<session> self, std::uint64_t call_id,
+                                                                 std::string request_key, std::uint64_t cache_id,
+                                                                 clock::time_point t0) {
+  using boost::asio::as_tuple;
+  using boost::asio::use_awaitable;
+  (void)self;  // keeps the session alive until the answer went out
+  protocol::query_prefetch_response reply{protocol::prefetch_state::unknown, 0, 0};
+  for (;;) {
+    auto [ec, st] = co_await ctx_.cache.async_wait(cache_id, as_tuple(use_awaitable));
+    const lookup_table::entry* e = closing_ ? nullptr : ctx_.lookups.find(id_, request_key);
+    if (e == nullptr) break;        // released, ended, reaped
+    if (e->cache_id != cache_id) {  // replaced by a newer lookup
+      cache_id = e->cache_id;
+      continue;
+    }
+    if (!ec) reply = done_response(st);
+    break;
+  }
+  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
+  ctx_.bus.publish(
+      bus::server_request_finished{bus::request_kind::query_prefetch, id_, true, static_cast<std::uint64_t>(ns)});
+  if (!closing_) co_await conn_.async_send(call_id, protocol::message(reply), as_tuple(use_awaitable));
+}
+
+inline request_result<protocol::free_lookup_locks_response> session::on(const protocol::free_lookup_locks_request& r) {
+  auto reg = registered("free_lookup_locks_request");
+  if (!reg) return reg.error();
+  forget_lookup(r.request_key);
+  return protocol::free_lookup_locks_response{};
+}
+
+inline request_result<protocol::end_request_response> session::on(const protocol::end_request_request& r) {
+  auto reg = registered("end_request_request");
+  if (!reg) return reg.error();
+  forget_lookup(r.request_key);
+  return protocol::end_request_response{};
+}
+
+/// Releases this connection's lookup of `request_key` (none: nothing to do).
+inline void session::forget_lookup(const std::string& request_key) {
+  answer_held_lookup(request_key, {});
+  if (auto e = ctx_.lookups.take(id_, request_key)) ctx_.cache.release_all(e->cache_id);
+}
+
+inline void session::release_owned_lookups() {
+  while (!held_lookups_.empty()) answer_held_lookup(held_lookups_.begin()->first, {});
+  for (const auto& e : ctx_.lookups.take_owned_by(id_)) ctx_.cache.release_all(e.cache_id);
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::server

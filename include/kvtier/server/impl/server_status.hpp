@@ -1,0 +1,230 @@
+#pragma once
+// server (server/server.hpp): what the server tells about itself.
+//   add_metrics()   the kvtier_server_* and kvtier_http_* series of the metrics registry, and
+//                   the collectors of the cache and the bus (docs/metrics.md);
+//   status_json()   the status document (status_request, GET /status; docs/server.md,
+//                   "Status JSON");
+//   health_json()   GET /healthz: "serving" with the boot token, or "stopping";
+//   the HTTP endpoint (http_exporter.hpp) that serves /metrics, /healthz and /status on the
+//   server's I/O thread when metrics_port is set;
+//   startup_line()  the one line kvtier-server prints when it is up.
+
+#include <kvtier/server/server.hpp>
+
+#include <kvtier/protocol/limits.hpp>
+#include <kvtier/telemetry/collectors.hpp>
+#include <kvtier/version.hpp>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvtier::inline KVTIER_ABI_TAG::server {
+
+/// The server's own series (kvtier_server_*, kvtier_http_*) and the collectors of the cache
+/// and the bus (docs/metrics.md); the events' counters come from the bus's
+/// metrics_subscriber. Called once, by the constructor.
+inline void server::add_metrics() {
+  telemetry::collect_cache(registry_, *cache_);
+  telemetry::collect_bus(registry_, bus_);
+  using telemetry::metric_type;
+  registry_.add_callback("kvtier_server_connections", "Open client connections", metric_type::gauge, {},
+                         [this] { return static_cast<double>(connections_.load(std::memory_order_relaxed)); });
+  registry_.add_callback("kvtier_server_registrations", "Registered KV regions (engine workers)", metric_type::gauge,
+                         {}, [this] { return static_cast<double>(clients_.size()); });
+  registry_.add_callback(
+      "kvtier_server_uptime_seconds", "Seconds since the server started", metric_type::gauge, {},
+      [this] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - started_at_).count(); });
+  registry_.add_callback("kvtier_server_info", "Always 1; the labels describe the server", metric_type::gauge,
+                         {{"version", std::string(version_string)},
+                          {"boot_token", fmt::format("{:016x}", boot_token_)},
+                          {"eviction_policy", std::string(cache_->eviction_policy())},
+                          {"store_policy", std::string(name(config_.store_policy))},
+                          {"prefetch_policy", std::string(name(config_.prefetch_policy))}},
+                         [] { return 1.0; });
+  registry_.add_callback("kvtier_server_clients_reaped_total",
+                         "Connections closed by the server: idle past client_reap_timeout, or a broken stream",
+                         metric_type::counter, {},
+                         [this] { return static_cast<double>(reaped_.load(std::memory_order_relaxed)); });
+  for (std::size_t r = 0; r < client_budget::refusal_count; ++r)
+    registry_.add_callback(
+        "kvtier_server_connections_refused_total",
+        "Connections refused at accept: a peer uid not allowed, or a connection cap (max_connections, "
+        "max_connections_per_uid)",
+        metric_type::counter, {{"reason", std::string(client_budget::refusal_names[r])}},
+        [this, r] { return static_cast<double>(budget_.refused(static_cast<client_budget::refusal>(r))); });
+  registry_.add_callback("kvtier_server_lookups_refused_total",
+                         "Lookups refused because a lookup key budget (max_lookup_keys, "
+                         "max_lookup_keys_per_client) was spent",
+                         metric_type::counter, {}, [this] { return static_cast<double>(budget_.lookups_refused()); });
+  static constexpr std::array<std::string_view, 4> http_reasons = {"cap", "header_timeout", "idle_timeout",
+                                                                   "bad_request"};
+  for (std::size_t r = 0; r < http_reasons.size(); ++r)
+    registry_.add_callback(
+        "kvtier_http_connections_dropped_total",
+        "HTTP endpoint connections closed by the server: to make room at the cap (idle first), "
+        "a request header not complete in time, idle past the timeout, a malformed request",
+        metric_type::counter, {{"reason", std::string(http_reasons[r])}}, [this, r] {
+          if (!http_) return 0.0;
+          const auto st = http_->stats();
+          const std::uint64_t v[] = {st.dropped_at_cap, st.header_timeouts, st.idle_timeouts, st.bad_requests};
+          return static_cast<double>(v[r]);
+        });
+}
+
+/// "http://127.0.0.1:9464" (the endpoint's base URL), or empty when it is off.
+inline std::string server::metrics_url() const {
+  if (metrics_port_ == 0) return {};
+  const bool v6 = config_.metrics_address.find(':') != std::string::npos;
+  return v6 ? fmt::format("http://[{}]:{}", config_.metrics_address, metrics_port_)
+            : fmt::format("http://{}:{}", config_.metrics_address, metrics_port_);
+}
+
+/// The /healthz document: {"status": "serving" | "stopping", "boot_token", "uptime_s", ...}.
+inline std::string server::health_json() const {
+  nlohmann::json j;
+  j["status"] = stopping_ ? "stopping" : "serving";
+  j["boot_token"] = boot_token_;
+  j["boot_token_hex"] = fmt::format("{:016x}", boot_token_);
+  j["version"] = version_string;
+  j["pid"] = ::getpid();
+  j["uptime_s"] = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_at_).count();
+  return j.dump();
+}
+
+/// The one line the program prints when it is up.
+inline std::string server::startup_line() const {
+  std::string backends;
+  for (const auto& b : backend_lines_) backends += (backends.empty() ? "" : ", ") + b;
+  return fmt::format(
+      "kvtier-server {} listening on {} (boot token {:016x}, pid {}): L1 {} MiB in {} slots of {} KiB, eviction {}, "
+      "chunk {} tokens, L2 backends: {}, store {}, prefetch {}, {} copy threads, metrics {}",
+      version_string, config_.socket_path, boot_token_, ::getpid(), (cache_->slot_count() * cache_->slot_bytes()) >> 20,
+      cache_->slot_count(), cache_->slot_bytes() >> 10, cache_->eviction_policy(), config_.chunk_tokens,
+      backends.empty() ? std::string("none") : backends, name(config_.store_policy), name(config_.prefetch_policy),
+      config_.copy_thread_count(), metrics_port_ ? metrics_url() + "/metrics" : std::string("off"));
+}
+
+/// The status document (status_request): I/O thread only.
+inline std::string server::status_json() {
+  using nlohmann::json;
+  const auto now = std::chrono::steady_clock::now();
+  auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
+  json j;
+  j["boot_token"] = boot_token_;
+  j["version"] = version_string;
+  j["protocol_version"] = protocol::protocol_version;
+  j["pid"] = ::getpid();
+  j["uptime_s"] = secs(now - started_at_);
+  j["socket"] = config_.socket_path;
+  j["metrics_url"] = metrics_url();
+  j["connections"] = sessions_.size();
+  j["chunk_tokens"] = config_.chunk_tokens;
+  j["eviction_policy"] = std::string(cache_->eviction_policy());
+  j["store_policy"] = std::string(name(config_.store_policy));
+  j["prefetch_policy"] = std::string(name(config_.prefetch_policy));
+  json clients = json::array();
+  std::vector<std::uint64_t> ids;
+  for (const auto& [id, s] : sessions_) ids.push_back(id);
+  std::sort(ids.begin(), ids.end());
+  for (std::uint64_t id : ids) {
+    const session& s = *sessions_.at(id);
+    json c;
+    c["client_id"] = id;
+    const registration* reg = clients_.find(id);
+    c["registered"] = reg != nullptr;
+    if (reg) {
+      c["instance_id"] = reg->instance_id;
+      c["rank"] = reg->rank;
+      c["world_size"] = reg->world_size;
+      c["model"] = reg->model_name;
+      c["model_id"] = reg->model_id;
+      c["region_kind"] = std::string(protocol::name(reg->kind));
+      c["dtype"] = std::string(name(reg->chunk.model.dtype));
+      c["layout_kind"] = std::string(name(reg->layout.kind()));
+      c["prefill_tokens_per_second"] = reg->prefill_tokens_per_second;
+      c["num_blocks"] = reg->layout.num_blocks;
+      c["block_size"] = reg->layout.block_size;
+      c["region_bytes"] = reg->region.bytes();
+    } else {
+      c["instance_id"] = nullptr;
+      c["rank"] = nullptr;
+      c["world_size"] = nullptr;
+      c["model"] = nullptr;
+      c["model_id"] = nullptr;
+    }
+    c["idle_s"] = secs(now - s.last_activity());
+    c["requests"] = s.requests();
+    c["lookups"] = lookups_.owned(id);
+    clients.push_back(std::move(c));
+  }
+  j["clients"] = std::move(clients);
+  j["lookups"] = lookups_.size();
+  const cache::cache_status cs = cache_->status();
+  j["l1"] = {{"bytes_used", cs.l1.bytes_used},     {"bytes_capacity", cs.l1.bytes_capacity},
+             {"objects", cs.l1.objects},           {"slots_used", cs.l1.slots_used},
+             {"slot_bytes", cache_->slot_bytes()}, {"slot_count", cache_->slot_count()},
+             {"evictable", cs.l1.evictable},       {"removing", cs.l1.removing},
+             {"object_bytes", cs.l1.object_bytes}, {"cache_lookups", cs.lookups}};
+  json backends = json::array();
+  for (std::size_t b = 0; b < cs.backends.size(); ++b) {
+    const auto& x = cs.backends[b];
+    backends.push_back({{"name", x.name},
+                        {"type", b < backend_types_.size() ? backend_types_[b] : std::string()},
+                        {"bytes_used", x.usage.bytes_used},
+                        {"bytes_capacity", x.usage.bytes_capacity},
+                        {"objects", x.usage.objects},
+                        {"healthy", x.health.healthy},
+                        {"reason", x.health.reason}});
+  }
+  j["backends"] = std::move(backends);
+  j["prefetch"] = {{"active", cs.prefetches_active}, {"inflight_bytes", cs.prefetch_inflight_bytes}};
+  j["store"] = {{"inflight_tasks", cs.store_inflight_tasks},
+                {"inflight_bytes", cs.store_inflight_bytes},
+                {"pending_keys", cs.store_pending_keys}};
+  std::string text = j.dump();
+  if (text.size() > protocol::max_status_json_bytes) {
+    // Thousands of connections: keep the totals, drop the per-client list.
+    j["clients"] = json::array();
+    j["clients_truncated"] = ids.size();
+    text = j.dump();
+  }
+  return text;
+}
+
+inline void server::start_http() {
+  http_exporter_options o;
+  o.address = config_.metrics_address;
+  o.port = config_.metrics_any_port ? 0 : config_.metrics_port;
+  http_.emplace(boost::asio::any_io_executor(io_.get_executor()), std::move(o));
+  http_->route("/metrics", [this] { return http_response::metrics(registry_); });
+  http_->route("/healthz", [this] { return http_response::json(stopping_ ? 503 : 200, health_json()); });
+  http_->route("/status", [this] { return http_response::json(200, status_json()); });
+  auto port = http_->start();
+  if (!port) {
+    const error_code ec = port.error();
+    http_.reset();
+    throw std::runtime_error(fmt::format(
+        "cannot serve metrics on {}:{} ({}): {}", config_.metrics_address, config_.metrics_port, ec.message(),
+        ec == boost::asio::error::address_in_use
+            ? "another program uses that port: choose another --metrics-port, \"auto\", or 0 to turn it off"
+            : "check --metrics-address (an address of this machine) and --metrics-port (ports below 1024 need "
+              "privileges)"));
+  }
+  metrics_port_ = *port;
+}
+
+inline void server::stop_http() {
+  if (http_) http_->stop();
+}
+
+}  // namespace kvtier::inline KVTIER_ABI_TAG::server
