@@ -1,5 +1,5 @@
-# Fails when a core/ header (token_hasher.hpp and kv_region.hpp excepted), a cuda/*.hpp
-# header or config.hpp includes anything but standard headers and other std-only kvtier
+# Fails when a core/ header (token_hasher.hpp, model_id.hpp and kv_region.hpp excepted), a
+# cuda/*.hpp header or config.hpp includes anything but standard headers and other std-only kvtier
 # headers, or when a cuda/*.cuh header includes anything but those, CUDA's own headers and
 # other cuda/ headers: the CUDA path must build with nvcc alone on a machine without Boost or
 # fmt (bench/cuda/check.sh), and cuda/*.hpp (the descriptor parser) without CUDA.
@@ -9,9 +9,9 @@ list(APPEND _headers ${KVTIER_INCLUDE_DIR}/kvtier/config.hpp)
 set(_bad "")
 foreach(h IN LISTS _headers)
   get_filename_component(_name ${h} NAME)
-  # token_hasher.hpp needs xxhash.h and OpenSSL; kv_region.hpp (the CPU memfd region) needs
-  # POSIX and error.hpp (Boost.System). The CUDA path uses neither.
-  if(_name STREQUAL "token_hasher.hpp" OR _name STREQUAL "kv_region.hpp")
+  # token_hasher.hpp needs xxhash.h and OpenSSL, model_id.hpp xxhash.h; kv_region.hpp (the CPU
+  # memfd region) needs POSIX and error.hpp (Boost.System). The CUDA path uses none of them.
+  if(_name MATCHES "^(token_hasher|model_id|kv_region)\\.hpp$")
     continue()
   endif()
   file(STRINGS ${h} _includes REGEX "^[ \t]*#[ \t]*include")
@@ -21,7 +21,7 @@ foreach(h IN LISTS _headers)
       continue()
     elseif(_inc STREQUAL "kvtier/config.hpp")
       continue()
-    elseif(_inc MATCHES "^kvtier/core/[a-z_]+\\.hpp$" AND NOT _inc MATCHES "^kvtier/core/(token_hasher|kv_region)\\.hpp$")
+    elseif(_inc MATCHES "^kvtier/core/[a-z_]+\\.hpp$" AND NOT _inc MATCHES "^kvtier/core/(token_hasher|model_id|kv_region)\\.hpp$")
       continue()
     elseif(_name MATCHES "\\.cuh$" AND _inc MATCHES "^(kvtier/cuda/[a-z_]+\\.(cuh|hpp)|cuda\\.h|cuda_runtime\\.h|cuda_runtime_api\\.h)$")
       continue()

@@ -1,5 +1,6 @@
 # The program both consumer projects build, chosen by KVTIER_CONSUMER_PROGRAM:
-#   full     main.cpp: hashes tokens into chunk keys, publishes on a bus, checks the exposition
+#   full     main.cpp: hashes tokens into chunk keys (kvtier::engine: the hasher needs OpenSSL),
+#            publishes on a bus, checks the exposition
 #   minimal  minimal.cpp: L1 + bus + telemetry against kvtier::kvtier alone; the configure
 #            fails when the link interface of kvtier::kvtier holds OpenSSL, liburing or hiredis
 #            (run_consumer.cmake also checks the binary's NEEDED entries)
@@ -17,6 +18,6 @@ function(kvtier_consumer_program)
     target_link_options(kvtier_consumer PRIVATE LINKER:--no-as-needed)
   else()
     add_executable(kvtier_consumer ${_kvtier_consumer_dir}/main.cpp)
-    target_link_libraries(kvtier_consumer PRIVATE kvtier::kvtier)
+    target_link_libraries(kvtier_consumer PRIVATE kvtier::engine)
   endif()
 endfunction()
