@@ -1,20 +1,33 @@
-# Finds what the kvtier headers need, REQUIRED so that a missing package stops with its name.
-# Used by our own build and, installed next to kvtierConfig.cmake, by consumers of an installed
-# kvtier, so the two can never disagree.
+# Finds what the kvtier headers need. Used by our own build and, installed next to
+# kvtierConfig.cmake, by consumers of an installed kvtier, so the two can never disagree.
+#
+# kvtier::kvtier (and kvtier::server) need only these, REQUIRED so that a missing package
+# stops with its name:
 find_package(Threads REQUIRED)
 find_package(Boost 1.81 REQUIRED CONFIG)          # Boost::headers (Asio, Beast, System)
 find_package(fmt REQUIRED)
 find_package(nlohmann_json 3 REQUIRED)
-find_package(OpenSSL REQUIRED COMPONENTS Crypto)    # SHA-256 in core/token_hasher.hpp
 find_package(PkgConfig REQUIRED)
 
+# Each of these is needed by one target only, whose headers use it; a consumer that does not
+# link that target never needs the package (tests/consumer: consumer.*.minimal):
+#   OpenSSL's libcrypto  kvtier::engine  SHA-256 in core/token_hasher.hpp (engine/ includes it)
+#   liburing             kvtier::uring   io/, l2/disk_backend.hpp
+#   hiredis              kvtier::redis   l2/redis_backend.hpp
+# Where one is missing its target is not defined (our build) or its component is not found
+# (an installed kvtier: find_package(kvtier COMPONENTS engine uring redis) names the package).
+# KVTIER_REQUIRE_ENGINE_AND_URING (our build, when it builds its own programs, which link
+# kvtier::engine and kvtier::uring) makes the first two REQUIRED; hiredis stays optional.
+if(KVTIER_REQUIRE_ENGINE_AND_URING)
+  set(_kvtier_optional REQUIRED)
+else()
+  set(_kvtier_optional QUIET)
+endif()
+find_package(OpenSSL ${_kvtier_optional} COMPONENTS Crypto)
 # liburing and hiredis ship no CMake config (Debian's hiredis one is broken): pkg-config.
 if(NOT TARGET PkgConfig::URING)
-  pkg_check_modules(URING REQUIRED IMPORTED_TARGET GLOBAL liburing)
+  pkg_check_modules(URING ${_kvtier_optional} IMPORTED_TARGET GLOBAL liburing)
 endif()
-# hiredis is optional: only kvtier::redis (l2/redis/redis_backend.hpp) needs it. Without it the
-# kvtier::redis target is not defined (our build) or not usable (an installed kvtier), and
-# everything else works; consumers that do not link kvtier::redis never need hiredis.
 if(NOT TARGET PkgConfig::HIREDIS)
   pkg_check_modules(HIREDIS QUIET IMPORTED_TARGET GLOBAL hiredis)
 endif()

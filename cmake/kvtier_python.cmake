@@ -4,8 +4,9 @@
 # interpreter's site-packages.
 #
 # KVTIER_BUILD_PYTHON is on when Python (interpreter + development headers) and pybind11's
-# CMake config are found and kvtier is the top-level project, and never in sanitizer builds (a sanitized extension needs a
-# sanitized interpreter, or the runtime preloaded into it).
+# CMake config are found, kvtier is the top-level project and kvtier::engine is built (the
+# extension binds the connector and the hasher: OpenSSL), and never in sanitizer builds (a
+# sanitized extension needs a sanitized interpreter, or the runtime preloaded into it).
 #
 # Which Python: Debian's python3-torch, python3-numpy and python3-pytest install for
 # /usr/bin/python3, and a different python3 earlier on PATH (a pyenv build, a venv) does not
@@ -16,7 +17,7 @@ if(NOT DEFINED Python_EXECUTABLE AND EXISTS /usr/bin/python3)
 endif()
 
 set(_kvtier_python_default OFF)
-if(NOT KVTIER_SANITIZE AND PROJECT_IS_TOP_LEVEL)
+if(NOT KVTIER_SANITIZE AND PROJECT_IS_TOP_LEVEL AND TARGET kvtier_engine)
   find_package(Python 3.8 QUIET COMPONENTS Interpreter Development.Module)
   if(Python_FOUND)
     find_package(pybind11 2.6 CONFIG QUIET)  # Debian: pybind11-dev (2.10)
@@ -30,6 +31,10 @@ option(KVTIER_BUILD_PYTHON "Build the kvtier Python package (pybind11 bindings, 
 if(NOT KVTIER_BUILD_PYTHON)
   if(KVTIER_SANITIZE)
     message(STATUS "kvtier: the Python package is not built in sanitizer builds")
+  elseif(NOT PROJECT_IS_TOP_LEVEL)
+    message(STATUS "kvtier: the Python package is not built (kvtier is not the top-level project)")
+  elseif(NOT TARGET kvtier_engine)
+    message(STATUS "kvtier: the Python package is not built (it needs kvtier::engine: OpenSSL)")
   else()
     message(STATUS "kvtier: the Python package is not built (needs Debian's python3-dev and pybind11-dev, "
                    "or -DKVTIER_BUILD_PYTHON=ON with -DPython_EXECUTABLE=...)")
@@ -62,7 +67,7 @@ set(KVTIER_PYTHON_BUILD_DIR "${PROJECT_BINARY_DIR}/python")
 # NO_EXTRAS: no LTO (it would redo the Asio code at link time) and no stripping; the hidden
 # visibility pybind11 wants is set below.
 pybind11_add_module(kvtier_python_ext MODULE NO_EXTRAS python/src/kvtier_module.cpp)
-target_link_libraries(kvtier_python_ext PRIVATE kvtier::kvtier)
+target_link_libraries(kvtier_python_ext PRIVATE kvtier::engine)
 kvtier_target_defaults(kvtier_python_ext)
 set_target_properties(kvtier_python_ext PROPERTIES
   OUTPUT_NAME _kvtier

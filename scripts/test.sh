@@ -1,10 +1,27 @@
 #!/usr/bin/env bash
-# Quick start, part 2: installs what is missing, builds into build/ and runs the whole ctest
-# suite and the Python suite (tests/python, with /usr/bin/python3), then an ASan+UBSan build
-# of the tests (all but the long-running ones), then a TSan build of the tests labelled
-# `concurrency`, then every libFuzzer target for a short fixed time (scripts/fuzz.sh,
-# clang; docs/fuzzing.md).
+# Quick start, part 2: installs what is missing, then
+#   1. main build (Release) into build/, and the whole ctest suite there;
+#   2. the Python suite (tests/python, with /usr/bin/python3) against that build;
+#   3. ASan+UBSan (Debug) build of the tests of the code that takes outside bytes or whose
+#      bugs are lifetimes, and those tests (all but label long);
+#   4. TSan (Debug) build of the [concurrency] tests, and those tests;
+#   5. every libFuzzer target for a short fixed time (scripts/fuzz.sh, clang; docs/fuzzing.md).
 #   ./scripts/test.sh
+#
+# What each stage builds and runs (CI runs this on a fresh 2-core machine; the budget is well
+# under 30 minutes, docs/architecture.md "Build" has the stage times):
+#   main      everything but the benchmarks, which no test runs: `all` only checks that their
+#             sources compile (-fsyntax-only, KVTIER_BENCH_IN_ALL=OFF; bench/run_all.sh and
+#             the bench scripts build them at -O3 when they run them). Every test runs here.
+#   ASan      kvtier_asan_tests (tests/CMakeLists.txt), ctest label asan or fuzz: core,
+#             protocol, engine, l2 (the disk backend's trust checks), cache (shutdown with work
+#             in flight), server_parts (HTTP and JSON parsers), server (with the kvtier-server
+#             and mini engine processes it runs) and the fuzz replays. Not here (they run in
+#             the main suite, and their [concurrency] tests under TSan): bus, telemetry, l1,
+#             io, pipeline and the examples: no outside bytes, and their memory is reached
+#             through the cache, L2 and server tests that do run here.
+#   TSan      kvtier_concurrency_tests, ctest label concurrency; each binary is built from the
+#             files that have a [concurrency] test only (tests/CMakeLists.txt).
 # KVTIER_SKIP_SANITIZERS=1 stops after the main suite (for quick local iterations);
 # KVTIER_SKIP_FUZZ=1 skips only the fuzz stage; KVTIER_FUZZ_SECONDS (default 10 here, 20 in
 # scripts/fuzz.sh run alone) is its time per target.
@@ -12,14 +29,60 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib/common.sh
 
-kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" "${KVTIER_TEST_PACKAGES[@]}" "${KVTIER_PYTHON_PACKAGES[@]}"
+sanitizers=1
+[ "${KVTIER_SKIP_SANITIZERS:-0}" = 1 ] && sanitizers=0
+fuzz=$sanitizers
+[ "${KVTIER_SKIP_FUZZ:-0}" = 1 ] && fuzz=0
+packages=("${KVTIER_BUILD_PACKAGES[@]}" "${KVTIER_TEST_PACKAGES[@]}" "${KVTIER_PYTHON_PACKAGES[@]}")
+[ "$fuzz" = 1 ] && packages+=("${KVTIER_FUZZ_PACKAGES[@]}")
+kvtier_ensure_packages "${packages[@]}"
 jobs=$(kvtier_jobs)
 start=$(date +%s)
 stage() { echo; echo "== [$(( $(date +%s) - start ))s] $*"; }
 
+# Background builds: each sanitizer (and the fuzz) build starts as soon as the previous build
+# is done and runs beside the previous stage's tests, at the lowest CPU priority (nice 19):
+# the tests keep all the CPU they ask for, and the build takes what they leave idle. Its
+# output goes to <log>; bg_wait waits for it, and stops the script with the log's tail when it
+# failed. At most one runs at a time; an exit kills it (its own process group).
+bg_pid=""
+bg_log=""
+bg_start() {  # bg_start <log> <command...>
+  bg_log=$1
+  shift
+  echo "   (building in the background at nice 19: ${*}; log: $bg_log)"
+  set -m
+  ( nice -n 19 "$@" && echo "== finished at [$(( $(date +%s) - start ))s]" ) >"$bg_log" 2>&1 &
+  bg_pid=$!
+  set +m
+}
+bg_wait() {
+  local rc=0
+  wait "$bg_pid" || rc=$?
+  bg_pid=""
+  if [ "$rc" != 0 ]; then
+    tail -n 80 "$bg_log"
+    echo "test.sh: the background build failed (exit $rc; log: $bg_log)" >&2
+    exit 1
+  fi
+  tail -n 2 "$bg_log"
+}
+trap '[ -n "$bg_pid" ] && kill -- "-$bg_pid" 2>/dev/null; true' EXIT
+
+# -O0 (Debug): the sanitizer builds are compile-bound (their suites run in about a minute).
+sanitizer_args=(-DCMAKE_BUILD_TYPE=Debug -DKVTIER_BUILD_BENCH=OFF -DKVTIER_WITH_CUDA=OFF)
+asan_env=(ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1)
+
 stage "main build (Release): build/"
-kvtier_configure build -DCMAKE_BUILD_TYPE=Release
+kvtier_configure build -DCMAKE_BUILD_TYPE=Release -DKVTIER_BENCH_IN_ALL=OFF
 cmake --build build -j"$jobs"
+
+if [ "$sanitizers" = 1 ]; then
+  stage "ASan+UBSan build: build-asan/ (kvtier_asan_tests)"
+  kvtier_configure build-asan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=address,undefined >/dev/null
+  bg_start build-asan/test-build.log cmake --build build-asan -j"$jobs" --target kvtier_asan_tests
+fi
+
 stage "main suite"
 ctest --test-dir build --output-on-failure --timeout 900 -j"$jobs"
 
@@ -29,35 +92,44 @@ ctest --test-dir build --output-on-failure --timeout 900 -j"$jobs"
 stage "Python suite: /usr/bin/python3 -m pytest tests/python"
 KVTIER_BUILD_DIR="$PWD/build" /usr/bin/python3 -m pytest tests/python -q -m "not long"
 
-if [ "${KVTIER_SKIP_SANITIZERS:-0}" = 1 ]; then
+if [ "$sanitizers" = 0 ]; then
   stage "sanitizer builds skipped (KVTIER_SKIP_SANITIZERS=1)"
   exit 0
 fi
 
-# -O0 (Debug): the sanitizer builds are compile-bound (their suites run in under a minute).
-sanitizer_args=(-DCMAKE_BUILD_TYPE=Debug -DKVTIER_BUILD_BENCH=OFF -DKVTIER_WITH_CUDA=OFF)
+stage "ASan+UBSan build: waiting for it"
+bg_wait
+stage "TSan build: build-tsan/ (kvtier_concurrency_tests)"
+kvtier_configure build-tsan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=thread >/dev/null
+bg_start build-tsan/test-build.log cmake --build build-tsan -j"$jobs" --target kvtier_concurrency_tests
 
-stage "ASan+UBSan build: build-asan/"
-kvtier_configure build-asan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=address,undefined
-cmake --build build-asan -j"$jobs" --target kvtier_all_tests
-stage "ASan+UBSan suite (without label long)"
-ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure --timeout 900 -j"$jobs" -LE 'long|consumer'
+stage "ASan+UBSan suite (label asan, without label long)"
+env "${asan_env[@]}" ctest --test-dir build-asan --output-on-failure --timeout 900 -j"$jobs" -L asan -LE long
 
-stage "TSan build: build-tsan/"
-kvtier_configure build-tsan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=thread
-cmake --build build-tsan -j"$jobs" --target kvtier_concurrency_tests
+stage "TSan build: waiting for it"
+bg_wait
+# Builds build-fuzz/ with clang (scripts/fuzz.sh --build-only) beside the TSan suite.
+if [ "$fuzz" = 1 ]; then
+  stage "fuzz build (clang, libFuzzer + ASan + UBSan): build-fuzz/"
+  mkdir -p build-fuzz
+  bg_start build-fuzz/test-build.log ./scripts/fuzz.sh --build-only
+fi
+
 stage "TSan suite (label concurrency)"
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   ctest --test-dir build-tsan --output-on-failure --timeout 900 -j"$jobs" -L concurrency
 
-if [ "${KVTIER_SKIP_FUZZ:-0}" = 1 ]; then
+if [ "$fuzz" = 0 ]; then
   stage "fuzz stage skipped (KVTIER_SKIP_FUZZ=1)"
 else
-  # Builds build-fuzz/ with clang and runs each target KVTIER_FUZZ_SECONDS s; fails on
-  # the first crash, leak or timeout (the input is saved under build-fuzz/artifacts/).
+  stage "fuzz build: waiting for it"
+  bg_wait
+  # Runs each target KVTIER_FUZZ_SECONDS s (one per core at a time), first on every seed and
+  # past crash (tests/fuzz/corpus, tests/fuzz/regressions): this is where those run under
+  # ASan+UBSan. Fails on a crash, leak or timeout (the input is saved under
+  # build-fuzz/artifacts/).
   export KVTIER_FUZZ_SECONDS=${KVTIER_FUZZ_SECONDS:-10}
-  stage "fuzz targets (clang, libFuzzer + ASan + UBSan): build-fuzz/, ${KVTIER_FUZZ_SECONDS} s each"
+  stage "fuzz targets: build-fuzz/, ${KVTIER_FUZZ_SECONDS} s each"
   ./scripts/fuzz.sh
 fi
 

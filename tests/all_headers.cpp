@@ -1,7 +1,15 @@
-// One translation unit that includes every header of kvtier::kvtier, linked into a test
-// binary beside others that include the same headers: a non-inline definition in a header
-// would fail the link (ODR).
+// One translation unit that includes every header of kvtier::kvtier and kvtier::engine, linked
+// into a test binary beside others that include the same headers: a non-inline definition in
+// a header would fail the link (ODR).
 #include <kvtier/kvtier.hpp>
+
+// kvtier::engine's headers (OpenSSL), which the umbrella leaves out.
+#include <kvtier/core/token_hasher.hpp>
+#include <kvtier/engine/connector.hpp>
+#include <kvtier/engine/finished_tracker.hpp>
+#include <kvtier/engine/health.hpp>
+#include <kvtier/engine/options.hpp>
+#include <kvtier/engine/quarantine.hpp>
 
 #include <catch2/catch.hpp>
 

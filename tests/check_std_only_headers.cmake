@@ -1,4 +1,4 @@
-# Fails when a core/ or core/detail/ header (token_hasher.hpp, kv_region.hpp and
+# Fails when a core/ or core/detail/ header (token_hasher.hpp, model_id.hpp, kv_region.hpp and
 # detail/xxhash.hpp excepted), a cuda/*.hpp header or config.hpp includes anything but
 # standard headers and other std-only kvtier headers, or when a cuda/*.cuh header includes
 # anything but those, CUDA's own headers and other cuda/ headers: the CUDA path must build
@@ -10,10 +10,10 @@ list(APPEND _headers ${KVTIER_INCLUDE_DIR}/kvtier/config.hpp)
 set(_bad "")
 foreach(h IN LISTS _headers)
   get_filename_component(_name ${h} NAME)
-  # token_hasher.hpp needs xxhash.h and OpenSSL; kv_region.hpp (the CPU memfd region) needs
-  # POSIX and error.hpp (Boost.System), detail/xxhash.hpp (token_hasher's) xxhash.h. The CUDA
+  # token_hasher.hpp needs xxhash.h and OpenSSL, model_id.hpp and detail/xxhash.hpp xxhash.h;
+  # kv_region.hpp (the CPU memfd region) needs POSIX and error.hpp (Boost.System). The CUDA
   # path uses none of them.
-  if(_name STREQUAL "token_hasher.hpp" OR _name STREQUAL "kv_region.hpp" OR _name STREQUAL "xxhash.hpp")
+  if(_name MATCHES "^(token_hasher|model_id|kv_region|xxhash)\\.hpp$")
     continue()
   endif()
   file(STRINGS ${h} _includes REGEX "^[ \t]*#[ \t]*include")
@@ -24,7 +24,7 @@ foreach(h IN LISTS _headers)
     elseif(_inc STREQUAL "kvtier/config.hpp")
       continue()
     elseif(_inc MATCHES "^kvtier/core/(detail/)?[a-z_]+\\.hpp$"
-           AND NOT _inc MATCHES "^kvtier/core/(token_hasher|kv_region|detail/xxhash)\\.hpp$")
+           AND NOT _inc MATCHES "^kvtier/core/(token_hasher|model_id|kv_region|detail/xxhash)\\.hpp$")
       continue()
     elseif(_name MATCHES "\\.cuh$" AND _inc MATCHES "^(kvtier/cuda/[a-z_]+\\.(cuh|hpp)|cuda\\.h|cuda_runtime\\.h|cuda_runtime_api\\.h)$")
       continue()

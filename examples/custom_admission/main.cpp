@@ -6,6 +6,7 @@
 //   kvtier_example_custom_admission        (exits non-zero if the policy did not apply)
 #include <kvtier/bus/null_bus.hpp>
 #include <kvtier/cache/tiered_cache.hpp>
+#include <kvtier/core/model_id.hpp>
 #include <kvtier/core/token_hasher.hpp>
 #include <kvtier/l2/memory_backend.hpp>
 

@@ -3,6 +3,8 @@
 // request produces as it flows through L1 and L2, and print the Prometheus exposition.
 //
 //   kvtier_example_in_process [--log-level debug]
+#include <kvtier/core/model_id.hpp>
+#include <kvtier/core/token_hasher.hpp>
 #include <kvtier/kvtier.hpp>
 
 #include <cstdio>

@@ -1,8 +1,9 @@
 #pragma once
 // Umbrella header: everything of kvtier::kvtier. Not here, because their targets add a
-// dependency: io/ and l2/disk/disk_backend.hpp (kvtier::uring, liburing), l2/redis/
-// (kvtier::redis, hiredis), cuda/ (kvtier::cuda, the CUDA runtime) and server/
-// (kvtier::server, nlohmann/json); include those on their own.
+// dependency: core/token_hasher.hpp and engine/ (kvtier::engine, OpenSSL's libcrypto), io/
+// and l2/disk/ (kvtier::uring, liburing), l2/redis/ (kvtier::redis, hiredis), cuda/
+// (kvtier::cuda, the CUDA runtime) and server/ (kvtier::server, nlohmann/json); include
+// those on their own.
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -15,20 +16,14 @@
 #include <kvtier/core/kv_layout.hpp>
 #include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/kv_transfer.hpp>
+#include <kvtier/core/model_id.hpp>
 #include <kvtier/core/slot_allocator.hpp>
-#include <kvtier/core/token_hasher.hpp>
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/event_bus.hpp>
 #include <kvtier/bus/event_type.hpp>
 #include <kvtier/bus/events.hpp>
 #include <kvtier/bus/null_bus.hpp>
-
-#include <kvtier/engine/connector.hpp>
-#include <kvtier/engine/finished_tracker.hpp>
-#include <kvtier/engine/health.hpp>
-#include <kvtier/engine/options.hpp>
-#include <kvtier/engine/quarantine.hpp>
 
 #include <kvtier/l1/concepts.hpp>
 #include <kvtier/l1/policy/arc.hpp>

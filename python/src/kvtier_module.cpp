@@ -3,7 +3,8 @@
 //   enums        DtypeKind, KvLayoutKind, AttentionKind, HashAlgorithm, HealthState
 //   layouts      ModelShape, ChunkLayout, PagedKvLayout (core/kv_layout.hpp)
 //   hashing      TokenHasher, make_model_id, salted_model_id, ChunkKey (core/token_hasher.hpp,
-//                core/chunk_key.hpp); a 128-bit chunk hash is a Python int (hi << 64 | lo)
+//                core/model_id.hpp, core/chunk_key.hpp); a 128-bit chunk hash is a Python int
+//                (hi << 64 | lo)
 //   memory       KvRegion (core/kv_region.hpp) and LayerBuffer: one writable buffer per
 //                layer (the buffer protocol, bytes), so torch.frombuffer / numpy.frombuffer
 //                view it without a copy; typed views are built in Python (kvtier.views)
@@ -28,6 +29,7 @@
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/core/kv_layout.hpp>
 #include <kvtier/core/kv_region.hpp>
+#include <kvtier/core/model_id.hpp>
 #include <kvtier/core/token_hasher.hpp>
 #include <kvtier/engine/connector.hpp>
 #include <kvtier/protocol/limits.hpp>

@@ -1,5 +1,7 @@
-// A minimal engine-side consumer: hashes tokens into chunk keys, publishes events on a bus
-// with the metrics subscriber and checks the exposition.
+// A minimal engine-side consumer (kvtier::engine): hashes tokens into chunk keys, publishes
+// events on a bus with the metrics subscriber and checks the exposition.
+#include <kvtier/core/model_id.hpp>
+#include <kvtier/core/token_hasher.hpp>
 #include <kvtier/kvtier.hpp>
 
 #include <cstdio>

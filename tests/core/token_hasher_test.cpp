@@ -1,5 +1,7 @@
 #include <kvtier/core/token_hasher.hpp>
 
+#include <kvtier/core/model_id.hpp>
+
 #include <catch2/catch.hpp>
 
 #include <numeric>

@@ -18,6 +18,7 @@
 #include <kvtier/core/kv_layout.hpp>
 #include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/kv_transfer.hpp>
+#include <kvtier/core/model_id.hpp>
 #include <kvtier/core/token_hasher.hpp>
 #include <kvtier/protocol/codec.hpp>
 #include <kvtier/protocol/connection.hpp>

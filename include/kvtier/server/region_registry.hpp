@@ -13,7 +13,7 @@
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/core/kv_layout.hpp>
 #include <kvtier/core/kv_region.hpp>
-#include <kvtier/core/token_hasher.hpp>
+#include <kvtier/core/model_id.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/protocol/unique_fd.hpp>
