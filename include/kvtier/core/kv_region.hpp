@@ -82,11 +82,12 @@ class kv_region {
     return map(fd, layout, bytes);
   }
 
-  /// Server side: maps an fd received from a client and prefaults it (prefault()), so the
-  /// first copies into or out of it take no page faults. Takes ownership of fd (closed on
-  /// failure too). Refuses (errc::layout_mismatch) an fd whose size is not bytes_for(layout)
-  /// or that lacks the seals that keep the client from resizing it.
-  [[nodiscard]] static result<kv_region> open(int fd, const paged_kv_layout& layout) {
+  /// Server side: maps an fd received from a client and, with `prefault_now`, prefaults it
+  /// (prefault()), so the first copies into or out of it take no page faults (the server
+  /// prefaults in the background instead where the kernel can: populate()). Takes ownership
+  /// of fd (closed on failure too). Refuses (errc::layout_mismatch) an fd whose size is not
+  /// bytes_for(layout) or that lacks the seals that keep the client from resizing it.
+  [[nodiscard]] static result<kv_region> open(int fd, const paged_kv_layout& layout, bool prefault_now = true) {
     if (!layout.validation_error().empty()) {
       ::close(fd);
       return make_error_code(errc::invalid_argument);
@@ -99,7 +100,7 @@ class kv_region {
       return make_error_code(errc::layout_mismatch);
     }
     auto r = map(fd, layout, bytes_for(layout));
-    if (r) prefault(r->base_, r->bytes_);
+    if (r && prefault_now) prefault(r->base_, r->bytes_);
     return r;
   }
 
@@ -110,13 +111,36 @@ class kv_region {
   /// whether the kernel populated it (false: the read loop did).
   static bool prefault(std::byte* base, std::size_t bytes) noexcept {
     if (base == nullptr || bytes == 0) return true;
-    constexpr int populate_write = 23;  // MADV_POPULATE_WRITE, absent from older headers
-    if (::madvise(base, bytes, populate_write) == 0) return true;
+    if (populate(base, bytes) == 0) return true;
     const long page = ::sysconf(_SC_PAGESIZE);
     const std::size_t step = page > 0 ? static_cast<std::size_t>(page) : 4096;
     const volatile std::byte* p = base;
     for (std::size_t off = 0; off < bytes; off += step) (void)p[off];
     return false;
+  }
+
+  /// madvise(MADV_POPULATE_WRITE) over [base, base + bytes): the kernel faults the pages in
+  /// without changing a byte. 0, or the errno: EINVAL where the kernel lacks it (before
+  /// Linux 5.14), ENOMEM where the range is not mapped (any more). Never touches memory
+  /// itself, so it is safe on a range another thread may unmap meanwhile (it fails, or
+  /// populates whatever is mapped there then, changing no byte).
+  static int populate(std::byte* base, std::size_t bytes) noexcept {
+    constexpr int populate_write = 23;  // MADV_POPULATE_WRITE, absent from older headers
+    return ::madvise(base, bytes, populate_write) == 0 ? 0 : errno;
+  }
+
+  /// Whether this kernel has MADV_POPULATE_WRITE (probed once, on a page of its own).
+  [[nodiscard]] static bool populate_supported() noexcept {
+    static const bool supported = [] {
+      const long page = ::sysconf(_SC_PAGESIZE);
+      const std::size_t n = page > 0 ? static_cast<std::size_t>(page) : 4096;
+      void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) return false;
+      const bool ok = populate(static_cast<std::byte*>(p), n) == 0;
+      ::munmap(p, n);
+      return ok;
+    }();
+    return supported;
   }
 
   /// Start of the mapping (tests: residency checks).

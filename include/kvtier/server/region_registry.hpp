@@ -2,7 +2,8 @@
 // region_registry: the registrations of the server's clients, one per connection that sent
 // register_kv_request, with its mapped kv_region and the layouts derived from the request.
 // make_registration() enforces the contract's checks (chunk size, slot size, fd size and
-// seals), maps the region and prefaults it, and answers with a request_error
+// seals), maps the region (prefaulted later, in the background: region_prefault.hpp; or
+// now where the kernel cannot), and answers with a request_error
 // (request_error.hpp) that says what to change; it reads only the requirements, so it may
 // run on any thread (the server runs it on its copy pool). add() makes the result its
 // connection's registration, on the server's one I/O thread like every other member (no
@@ -17,6 +18,7 @@
 #include <kvtier/error.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/protocol/unique_fd.hpp>
+#include <kvtier/server/region_prefault.hpp>
 #include <kvtier/server/request_error.hpp>
 
 #include <atomic>
@@ -47,6 +49,9 @@ struct registration {
   std::uint32_t blocks_per_chunk = 0;           ///< chunk_tokens / block_size (0 without a region)
   std::uint64_t prefill_tokens_per_second = 0;  ///< as the engine declared (0: not declared)
   kv_region region;                             ///< the worker's memory, mapped here (invalid without one)
+  /// Whether `region`'s pages are still to be faulted in (prefault_in_background).
+  bool prefault_pending = false;
+  prefault_token prefault;  ///< stops that background prefault when this registration goes
   std::chrono::steady_clock::time_point registered_at{};
 
   /// Whether the connection registered KV memory (retrieve and store need it).
@@ -79,8 +84,9 @@ class region_registry {
 
   explicit region_registry(requirements req) : req_(req) {}
 
-  /// Validates `r` and maps its region (fd; kv_region::open prefaults its pages, as long as
-  /// allocating them): connection `client_id`'s registration, for add(). Any thread (it
+  /// Validates `r` and maps its region (fd; its pages are left for prefault_in_background
+  /// where the kernel has MADV_POPULATE_WRITE, else prefaulted now, as long as allocating
+  /// them): connection `client_id`'s registration, for add(). Any thread (it
   /// reads only the requirements). The refusals follow the contract:
   /// invalid_argument (fd missing or unexpected, rank/world size, malformed shape),
   /// layout_mismatch (chunk size, chunk % block size, object larger than a slot, region
@@ -157,7 +163,8 @@ class region_registry {
                                                  std::to_string(bytes) + " bytes a region of this layout has");
         if (!r.region_descriptor.empty())
           return fail(errc::invalid_argument, "a cpu_memfd registration carries no region_descriptor");
-        auto region = kv_region::open(fd.release(), layout);
+        const bool background = kv_region::populate_supported();
+        auto region = kv_region::open(fd.release(), layout, !background);
         if (!region) {
           if (region.error() == errc::layout_mismatch)
             return fail(errc::layout_mismatch, "the fd is not a memfd of " + std::to_string(bytes) +
@@ -168,6 +175,7 @@ class region_registry {
         reg.layout = layout;
         reg.blocks_per_chunk = req_.chunk_tokens / r.block_size;
         reg.region = std::move(*region);
+        reg.prefault_pending = background;
         break;
       }
     }
@@ -177,7 +185,7 @@ class region_registry {
   }
 
   /// Makes `reg` (make_registration) its connection's registration, replacing a previous one.
-  const registration& add(registration reg) {
+  registration& add(registration reg) {
     const std::uint64_t id = reg.client_id;
     auto [it, inserted] = regs_.insert_or_assign(id, std::move(reg));
     (void)inserted;

@@ -40,9 +40,9 @@ struct server_hooks {
   /// Called on a copy-pool thread before each chunk a retrieve or store copies: a test
   /// blocks a copy here to close its connection meanwhile.
   std::function<void(std::uint64_t client_id)> during_copy;
-  /// Called on a copy-pool thread before a registration maps the engine's region and
-  /// prefaults its pages (kv_region::open): a test blocks it here to see the server serve
-  /// meanwhile.
+  /// Called on a copy-pool thread before a registered region's pages are faulted in
+  /// (region_prefault.hpp: after the registration was answered; before it, on a kernel
+  /// without MADV_POPULATE_WRITE): a test blocks it here to see the server serve meanwhile.
   std::function<void(std::uint64_t client_id)> during_prefault;
 };
 

@@ -364,6 +364,7 @@ class session : public std::enable_shared_from_this<session> {
   template <class F>
   boost::asio::awaitable<std::invoke_result_t<F&>> on_copy_pool(F f);
   request_result<protocol::unregister_kv_response> on(const protocol::unregister_kv_request&);
+  void prefault_region(registration& g);
 
   // --- lookups (impl/lookup_requests.hpp) ---------------------------------------------
   request_result<protocol::lookup_response> on(const protocol::lookup_request& r);
