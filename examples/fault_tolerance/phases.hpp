@@ -108,8 +108,13 @@ inline phase_result server_stopped(test_bed& bed) {
       },
       [&] { return e.run(specs); });
   ok = check_run(r, run.report, specs.size(), "run") && ok;
-  // The server woke up: whatever it holds must be right. Every hit is verified.
-  mini_engine::engine checker(bed.engine_config());
+  // The server woke up: whatever it holds must be right. Every hit is verified. The checker
+  // waits longer for its connection than an engine of the other phases: the server may still
+  // be working off what piled up while it was stopped, and this phase checks what it holds,
+  // not how fast it answers (the detection time above is that figure).
+  auto checker_cfg = bed.engine_config();
+  checker_cfg.connect_wait = std::chrono::seconds(20);
+  mini_engine::engine checker(checker_cfg);
   const auto again = docs_a_then_b(bed, "stop-verify", "stop-verify-b");
   const auto verify = checker.run(again);
   ok = check_run(r, verify, again.size(), "verification run") && ok;

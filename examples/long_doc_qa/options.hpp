@@ -30,6 +30,7 @@ struct driver_options {
   std::uint64_t seed = 42;
   std::uint32_t verify_every = 16;
   bool l2_mode = false;
+  bool declare_prefill_rate = false;
   double drain_timeout_s = 120;
   std::string io_bound_dir, result_suffix;
 };
@@ -70,6 +71,10 @@ inline void add_cli_options(CLI::App& app, driver_options& o) {
       ->capture_default_str()
       ->check(CLI::Range(1, 100));
   app.add_flag("--l2-mode", o.l2_mode, "Query round served from L2 only (server: noop eviction, skip_l1 store)");
+  app.add_flag("--declare-prefill-rate", o.declare_prefill_rate,
+               "The engine declares --tokens-per-second to the server: lookups offer from L2 only what loads faster "
+               "than it computes (the load-or-recompute gate); in --l2-mode the query round may then compute "
+               "chunks the gate declined");
   app.add_option("--drain-timeout", o.drain_timeout_s, "Seconds to wait for the server's stores to land")
       ->capture_default_str();
   app.add_option("--io-bound-dir", o.io_bound_dir,
@@ -135,6 +140,7 @@ inline mini_engine::engine_config engine_config_for(const driver_options& o) {
   if (o.head_dim) cfg.shape.head_dim = o.head_dim;
   cfg.world_size = o.world_size;
   cfg.tokens_per_second = o.tokens_per_second;
+  cfg.declare_prefill_rate = o.declare_prefill_rate;
   cfg.max_running = o.max_inflight;
   cfg.max_in_flight = o.max_inflight;
   cfg.verify_every = o.verify_every;

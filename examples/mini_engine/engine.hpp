@@ -57,6 +57,10 @@ struct engine_config {
   std::uint32_t chunk_tokens = 256;
   std::uint32_t world_size = 1;
   double tokens_per_second = 50'000;  ///< prefill compute cost
+  /// Declare tokens_per_second to the cache server (connector_options::
+  /// prefill_tokens_per_second): its lookups then offer from L2 only what loads faster than
+  /// this engine computes it (docs/performance.md, "Load or recompute").
+  bool declare_prefill_rate = false;
   std::uint32_t max_batch_tokens = 16384;
   std::uint32_t max_running = 4;
   /// Requests arrived (looked up, queued or running) at once; 0: no cap. A request past
@@ -136,6 +140,8 @@ class engine {
         o.chunk_tokens = cfg_.chunk_tokens;
         o.server_uid = cfg_.server_uid;
         o.timeouts = cfg_.timeouts;
+        if (cfg_.declare_prefill_rate && cfg_.tokens_per_second > 0)
+          o.prefill_tokens_per_second = static_cast<std::uint64_t>(cfg_.tokens_per_second);
         rs->conn = std::make_unique<connector_type>(o, rs->region, rs->events);
       }
       if (cfg_.connect_wait.count() > 0)
