@@ -12,8 +12,8 @@ find_package(PkgConfig REQUIRED)
 # Each of these is needed by one target only, whose headers use it; a consumer that does not
 # link that target never needs the package (tests/consumer: consumer.*.minimal):
 #   OpenSSL's libcrypto  kvtier::engine  SHA-256 in core/token_hasher.hpp (engine/ includes it)
-#   liburing             kvtier::uring   io/, l2/disk_backend.hpp
-#   hiredis              kvtier::redis   l2/redis_backend.hpp
+#   liburing             kvtier::uring   io/, l2/disk/
+#   hiredis              kvtier::redis   l2/redis/
 # Where one is missing its target is not defined (our build) or its component is not found
 # (an installed kvtier: find_package(kvtier COMPONENTS engine uring redis) names the package).
 # KVTIER_REQUIRE_ENGINE_AND_URING (our build, when it builds its own programs, which link
