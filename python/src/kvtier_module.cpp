@@ -191,6 +191,14 @@ std::string options_repr(const engine::connector_options& o) {
          "', chunk_tokens=" + std::to_string(o.chunk_tokens) + ")";
 }
 
+/// A wait's timeout in seconds as the connector takes it; None: no timeout (the connector's
+/// own deadlines end every retrieve, docs/python.md).
+std::chrono::milliseconds wait_timeout(std::optional<double> seconds) {
+  if (!seconds) return std::chrono::hours(24 * 366);
+  const double ms = std::max(0.0, *seconds * 1000.0);
+  return ms >= 1e12 ? std::chrono::milliseconds(std::chrono::hours(24 * 366)) : std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+}
+
 /// A millisecond property of connector_timeouts.
 template <auto Member>
 void timeout_property(py::class_<engine::connector_timeouts>& c, const char* name, const char* doc) {
@@ -494,6 +502,8 @@ PYBIND11_MODULE(_kvtier, m) {
              py::dict d;
              d["registrations"] = st.registrations;
              d["late_replies"] = st.late_replies;
+             d["progress_messages"] = st.progress_messages;
+             d["ignored_progress"] = st.ignored_progress;
              d["calls_issued"] = st.calls_issued;
              d["pending_calls"] = st.pending_calls;
              d["tracked_requests"] = st.tracked_requests;
@@ -543,21 +553,27 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "retrieve",
           [](const py_connector& s, const std::string& id, const token_array& tokens, std::uint32_t first_chunk,
-             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt) {
+             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt, bool layer_progress,
+             bool synchronous) {
             const auto tk = tokens_of(tokens);
-            without_gil(s, [&](auto& c) { c.retrieve(id, tk, first_chunk, blocks, skip, salt); });
+            const engine::retrieve_options how{layer_progress, synchronous};
+            without_gil(s, [&](auto& c) { c.retrieve(id, tk, first_chunk, blocks, skip, salt, how); });
           },
           py::arg("request_id"), py::arg("tokens"), py::arg("first_chunk"), py::arg("block_ids"),
-          py::arg("skip_tokens") = 0, py::arg("cache_salt") = "")
+          py::arg("skip_tokens") = 0, py::arg("cache_salt") = "", py::kw_only(), py::arg("layer_progress") = false,
+          py::arg("synchronous") = false)
       .def(
           "retrieve_hashes",
           [](const py_connector& s, const std::string& id, const py::iterable& hashes, std::uint32_t first_chunk,
-             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt) {
+             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt, bool layer_progress,
+             bool synchronous) {
             const auto hs = to_hashes(hashes);
-            without_gil(s, [&](auto& c) { c.retrieve_hashes(id, hs, first_chunk, blocks, skip, salt); });
+            const engine::retrieve_options how{layer_progress, synchronous};
+            without_gil(s, [&](auto& c) { c.retrieve_hashes(id, hs, first_chunk, blocks, skip, salt, how); });
           },
           py::arg("request_id"), py::arg("hashes"), py::arg("first_chunk"), py::arg("block_ids"),
-          py::arg("skip_tokens") = 0, py::arg("cache_salt") = "")
+          py::arg("skip_tokens") = 0, py::arg("cache_salt") = "", py::kw_only(), py::arg("layer_progress") = false,
+          py::arg("synchronous") = false)
       .def(
           "store",
           [](const py_connector& s, const std::string& id, const token_array& tokens, std::uint32_t first_chunk,
@@ -585,6 +601,39 @@ PYBIND11_MODULE(_kvtier, m) {
           py::arg("finished_by_engine"), "(finished sending, finished receiving) ids; each id once.")
       .def("take_load_error_blocks",
            [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.take_load_error_blocks(); }); })
+      // Layer-wise loading: the waits release the GIL while they block.
+      .def(
+          "layers_ready",
+          [](const py_connector& s, const std::string& id) {
+            return without_gil(s, [&](auto& c) { return c.layers_ready(id); });
+          },
+          py::arg("request_id"), "Leading layers usable in every block of the request's retrieves in flight.")
+      .def(
+          "wait_layers",
+          [](const py_connector& s, const std::vector<std::string>& ids, std::uint32_t layers,
+             std::optional<double> timeout_s) {
+            const auto ms = wait_timeout(timeout_s);
+            return without_gil(s, [&](auto& c) { return c.wait_layers(ids, layers, ms); });
+          },
+          py::arg("request_ids"), py::arg("layers"), py::arg("timeout_s") = py::none(),
+          "Blocks until every retrieve in flight of the requests has `layers` layers ready or completed (True), "
+          "or the timeout passes (False).")
+      .def(
+          "wait_retrieves",
+          [](const py_connector& s, const std::vector<std::string>& ids, std::optional<double> timeout_s) {
+            const auto ms = wait_timeout(timeout_s);
+            return without_gil(s, [&](auto& c) { return c.wait_retrieves(ids, ms); });
+          },
+          py::arg("request_ids"), py::arg("timeout_s") = py::none(),
+          "Blocks until no retrieve of the requests is in flight (True), or the timeout passes (False).")
+      .def(
+          "wait_released",
+          [](const py_connector& s, const std::vector<std::uint32_t>& blocks, std::optional<double> timeout_s) {
+            const auto ms = wait_timeout(timeout_s);
+            return without_gil(s, [&](auto& c) { return c.wait_released(blocks, ms); });
+          },
+          py::arg("blocks"), py::arg("timeout_s") = py::none(),
+          "Blocks until none of the blocks is quarantined (True), or the timeout passes (False).")
       .def(
           "block_is_quarantined",
           [](const py_connector& s, std::uint32_t b) {

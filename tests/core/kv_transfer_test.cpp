@@ -314,6 +314,67 @@ TEST_CASE("every copy kernel, segments side by side or one run at a time, matche
             }
 }
 
+TEST_CASE("a scatter layer by layer writes exactly what the whole-object scatter writes, one layer at a time",
+          "[core][kv_transfer]") {
+  std::uint64_t seed = 5000;
+  for (const auto& tc : transfer_cases())
+    for (id_order order : all_orders)
+      for (std::uint32_t skip : skips_for(tc.block_size * tc.blocks_per_chunk, tc.block_size))
+        for (transfer_write mode : {transfer_write::automatic, transfer_write::cached, transfer_write::streaming}) {
+          ++seed;
+          const bool contiguous = seed % 2 == 0;
+          const std::size_t misalign = seed % 3 == 0 ? 5 : 0;
+          INFO(tc.name << ", order " << static_cast<int>(order) << ", skip " << skip << ", mode " << mode_name(mode)
+                       << ", misalign " << misalign);
+          const paged_kv_layout layout{tc.model, tc.block_size, tc.num_blocks, tc.order};
+          const chunk_layout chunk{tc.model, tc.block_size * tc.blocks_per_chunk};
+          const auto ids = make_ids(tc.blocks_per_chunk, tc.num_blocks, order, seed);
+          offset_bytes src(chunk.object_bytes(), misalign);
+          fill_random(src.span(), seed * 13);
+          test_cache whole(layout, 0, contiguous, misalign);
+          test_cache layered(layout, 0, contiguous, misalign);
+          whole.fill_with(sentinel);
+          layered.fill_with(sentinel);
+          REQUIRE_FALSE(scatter_chunk(whole.view(), ids, chunk, src.data(), skip, {mode}));
+          // The last layer first: each call writes its own layer only, in any order.
+          const std::uint32_t layers = tc.model.num_layers;
+          const std::size_t lb = layout.layer_bytes();
+          auto layer_bytes = [&](std::uint32_t o) {
+            return std::vector<std::byte>(layered.layer(o), layered.layer(o) + lb);
+          };
+          for (std::uint32_t k = 0; k < layers; ++k) {
+            const std::uint32_t l = layers - 1 - k;
+            std::vector<std::vector<std::byte>> before;
+            for (std::uint32_t o = 0; o < layers; ++o) before.push_back(layer_bytes(o));
+            REQUIRE_FALSE(scatter_chunk_layer(layered.view(), ids, chunk, src.data(), l, skip, {mode}));
+            for (std::uint32_t o = 0; o < layers; ++o)
+              if (o != l) REQUIRE(layer_bytes(o) == before[o]);
+            // Layer l now holds what the whole-object scatter put there.
+            REQUIRE(std::memcmp(layered.layer(l), whole.layer(l), lb) == 0);
+          }
+          REQUIRE(layered.snapshot() == whole.snapshot());
+        }
+}
+
+TEST_CASE("a layer scatter refuses a layer past the model's and every argument a scatter refuses",
+          "[core][kv_transfer]") {
+  const model_shape m{3, 2, 8, dtype_kind::bf16, attention_kind::mha};
+  const paged_kv_layout layout{m, 4, 8};
+  const chunk_layout chunk{m, 8};
+  test_cache cache(layout, 9, true);
+  const auto before = cache.snapshot();
+  const std::vector<std::byte> object(chunk.object_bytes(), sentinel);
+  const std::vector<std::uint32_t> ids{1, 2};
+  CHECK(scatter_chunk_layer(cache.view(), ids, chunk, object.data(), 3) == transfer_errc::layer_out_of_range);
+  const std::vector<std::uint32_t> bad{1, 8};
+  CHECK(scatter_chunk_layer(cache.view(), bad, chunk, object.data(), 0) == transfer_errc::block_id_out_of_range);
+  CHECK(scatter_chunk_layer(cache.view(), ids, chunk, object.data(), 0, 9) == transfer_errc::skip_out_of_range);
+  CHECK(scatter_chunk_layer(cache.view(), ids, chunk, nullptr, 0) == transfer_errc::null_pointer);
+  CHECK(cache.snapshot() == before);
+  CHECK_FALSE(scatter_chunk_layer(cache.view(), ids, chunk, object.data(), 2));
+  CHECK(cache.snapshot() != before);
+}
+
 TEST_CASE("a gather then a scatter into other blocks reproduces the chunk's KV byte for byte", "[core][kv_transfer]") {
   for (attention_kind kind : {attention_kind::mha, attention_kind::mla}) {
     const model_shape m = kind == attention_kind::mha
@@ -511,7 +572,7 @@ TEST_CASE("a batch with one invalid item copies none of its items", "[core][kv_t
 }
 
 TEST_CASE("transfer errors describe themselves and map to invalid_argument only", "[core][kv_transfer]") {
-  for (int v = 1; v <= static_cast<int>(transfer_errc::skip_out_of_range); ++v) {
+  for (int v = 1; v <= static_cast<int>(transfer_errc::layer_out_of_range); ++v) {
     const std::error_code ec = static_cast<transfer_errc>(v);
     CHECK(ec);
     CHECK(ec == std::errc::invalid_argument);

@@ -15,6 +15,7 @@
 #include <memory>
 #include <numeric>
 #include <string>
+#include <thread>
 #include <vector>
 
 using namespace kvtier;
@@ -769,4 +770,134 @@ TEST_CASE("cache salts travel with lookups, retrieves and stores; other salts mi
   h.server->sync();
   for (std::uint32_t k = 0; k < 4; ++k) CHECK(block_is(h.region, 10 + k, static_cast<std::uint8_t>(1 + k)));
   CHECK_THROWS_AS(c.lookup("long", toks, std::string(300, 's')), std::invalid_argument);
+}
+
+// --- layer-wise loading --------------------------------------------------------------------
+
+namespace {
+
+constexpr engine::retrieve_options layerwise{true, true};  // layer progress, synchronous
+
+}  // namespace
+
+TEST_CASE("a layer-wise retrieve: wait_layers returns on progress and on completion, and times out between",
+          "[engine][connector][layerwise][concurrency]") {
+  harness h;
+  auto& c = h.connect();
+  const std::uint32_t layers = layout.model.num_layers;  // 2
+  const auto toks = tokens(2 * ct, 31);
+  h.store_prefix(c, "s", toks, 2);
+  (void)c.get_finished(ids{"s"});
+
+  h.server->hold(p::message_type::retrieve_request);
+  c.retrieve("w", toks, 0, range(8, 4), 0, {}, layerwise);
+  REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
+  const ids w{"w"};
+  CHECK(c.layers_ready("w") == 0);
+  CHECK(c.layers_ready("not-retrieving") == layers);  // nothing in flight: nothing to wait for
+  CHECK_FALSE(c.wait_layers(w, 1, 30ms));               // nothing arrived: the timeout
+  CHECK(c.wait_layers(ids{"other"}, layers, 0ms));     // another request waits for nothing
+
+  REQUIRE(h.server->send_progress_to_held(1) == 1);
+  REQUIRE(c.wait_layers(w, 1, 60s));
+  CHECK(c.layers_ready("w") == 1);
+  CHECK_FALSE(c.wait_layers(w, 2, 30ms));
+  CHECK_FALSE(c.wait_retrieves(w, 30ms));  // progress is no completion
+
+  // A progress for a call the connector never made is ignored; frames of one connection
+  // arrive in order, so once the retrieve completed the stray one was read.
+  h.server->send_progress(987654321, 2);
+  h.server->hold(p::message_type::retrieve_request, false);
+  h.server->release_held();
+  REQUIRE(c.wait_retrieves(w, 60s));
+  CHECK(c.wait_layers(w, layers, 0ms));
+  CHECK(c.layers_ready("w") == layers);
+  CHECK(c.stats().progress_messages == 1);
+  CHECK(c.stats().ignored_progress == 1);
+  CHECK(h.server->retrieves().at(0).layer_progress);
+  h.server->sync();
+  for (std::uint32_t k = 0; k < 4; ++k) CHECK(block_is(h.region, 8 + k, static_cast<std::uint8_t>(1 + k)));
+  CHECK(c.take_load_error_blocks().empty());
+  // A synchronous load is never reported finished receiving (vLLM asserts on it), but its
+  // request gets its finished_sending once the engine finishes it.
+  CHECK(c.get_finished(ids{}).recving.empty());
+  const auto f = c.get_finished(w);
+  CHECK(f.recving.empty());
+  CHECK(f.sending == w);
+  CHECK(c.stats().tracked_requests == 0);
+}
+
+TEST_CASE("wait_layers and wait_retrieves return when a layer-wise retrieve fails, and its blocks are load errors",
+          "[engine][connector][layerwise][concurrency]") {
+  harness h;
+  auto o = h.options();
+  o.timeouts.ping_timeout = 100ms;
+  o.timeouts.request_timeout = 200ms;
+  SECTION("a shorter prefix than asked for") {
+    auto& c = h.connect(o);
+    const auto toks = tokens(3 * ct, 32);
+    h.store_prefix(c, "s", toks, 2);
+    c.retrieve("p", toks, 0, range(8, 6), 0, {}, layerwise);
+    REQUIRE(c.wait_layers(ids{"p"}, layout.model.num_layers, 60s));
+    REQUIRE(c.wait_retrieves(ids{"p"}, 60s));
+    CHECK(sorted(c.take_load_error_blocks()) == blocks{12, 13});
+    CHECK(c.get_finished(ids{}).recving.empty());
+  }
+  SECTION("the server closes the connection while a waiter is blocked") {
+    auto& c = h.connect(o);
+    h.server->hold(p::message_type::retrieve_request);
+    c.retrieve("e", tokens(ct, 33), 0, blocks{8, 9}, 0, {}, layerwise);
+    REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
+    bool returned = false;
+    std::thread waiter([&] { returned = c.wait_layers(ids{"e"}, 1, 60s); });
+    h.server->close_connections();
+    waiter.join();
+    CHECK(returned);
+    CHECK(sorted(c.take_load_error_blocks()) == blocks{8, 9});
+    CHECK(c.quarantined_blocks().empty());  // the server's EOF: no copy can follow
+    CHECK(c.get_finished(ids{}).recving.empty());
+  }
+  SECTION("the deadline of the retrieve passes") {
+    o.timeouts.retrieve_timeout = 100ms;
+    auto& c = h.connect(o);
+    h.server->hold(p::message_type::retrieve_request);
+    c.retrieve("t", tokens(ct, 34), 0, blocks{8, 9}, 0, {}, layerwise);
+    REQUIRE(c.wait_retrieves(ids{"t"}, 60s));
+    CHECK(c.healthy());
+    CHECK(sorted(c.take_load_error_blocks()) == blocks{8, 9});
+    CHECK(c.quarantined_blocks() == blocks{8, 9});
+    // Progress for the call given up on is ignored; the late answer releases the blocks.
+    CHECK(h.server->send_progress_to_held(1) == 1);
+    CHECK_FALSE(c.wait_released(blocks{9}, 30ms));
+    h.server->release_held();
+    REQUIRE(c.wait_released(blocks{8, 9}, 60s));
+    CHECK(c.stats().ignored_progress == 1);
+    CHECK(c.stats().progress_messages == 0);
+    CHECK(c.get_finished(ids{}).recving.empty());
+  }
+  SECTION("the server hangs: the ping timeout's unhealthy edge releases the waiter") {
+    auto& c = h.connect(o);
+    h.server->hold(p::message_type::retrieve_request);
+    c.retrieve("u", tokens(ct, 35), 0, blocks{10, 11}, 0, {}, layerwise);
+    REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
+    h.server->hang();
+    REQUIRE(c.wait_layers(ids{"u"}, 1, 60s));
+    CHECK_FALSE(c.healthy());
+    CHECK(sorted(c.take_load_error_blocks()) == blocks{10, 11});
+    CHECK(c.quarantined_blocks() == blocks{10, 11});  // it may still wake up and write them
+    h.server->hang(false);
+    h.server->release_held();
+    REQUIRE(c.wait_released(blocks{10, 11}, 60s));
+    CHECK(c.get_finished(ids{}).recving.empty());
+  }
+}
+
+TEST_CASE("a scheduler's connector has no layers to wait for", "[engine][connector][layerwise]") {
+  harness h;
+  auto o = h.options();
+  o.model = layout.model;
+  connector<test_bus> c(o, h.bus);
+  CHECK_THROWS_AS((void)c.layers_ready("x"), std::logic_error);
+  CHECK_THROWS_AS(c.wait_layers(ids{"x"}, 1, 0ms), std::logic_error);
+  CHECK_THROWS_AS(c.wait_retrieves(ids{"x"}, 0ms), std::logic_error);
 }

@@ -5,7 +5,8 @@
 // own kv_region::open mapping of the registered memfd, like the real server, so retrieves
 // really write blocks and stores really read them (and check their generations after the
 // copy). It follows tests' scripts: delay nothing, hold requests of a type (a server stuck on
-// them) and answer them later (a hung server waking up), hang completely (pings too), close
+// them) and answer them later (a hung server waking up), send layer progress for held
+// retrieves (or for any call id: a late one), hang completely (pings too), close
 // every connection (EOF), restart (new boot token, everything forgotten), reject
 // registrations, answer lookups `pending` a number of times (a server that answers before the
 // prefetch is decided).
@@ -110,6 +111,30 @@ class fake_server {
         if (h.s->open) process(h.s, std::move(h.f));
     });
   }
+  /// Sends retrieve_progress{layers} for every held retrieve that asked for layer progress,
+  /// without answering it; returns how many were sent. Waits until queued.
+  std::size_t send_progress_to_held(std::uint32_t layers) {
+    std::size_t sent = 0;
+    on_io([&] {
+      std::lock_guard g(m_);
+      for (auto& h : held_) {
+        if (!h.s->open || h.f.header.type != protocol::message_type::retrieve_request) continue;
+        auto m = protocol::decode_message(h.f);
+        if (!m || !std::get<protocol::retrieve_request>(*m).layer_progress) continue;
+        reply(h.s, h.f.header.call_id, protocol::retrieve_progress{layers});
+        ++sent;
+      }
+    });
+    return sent;
+  }
+  /// Sends retrieve_progress{layers} under `call_id` on every open connection (a progress for
+  /// a call the connector does not know, or gave up on). Waits until queued.
+  void send_progress(std::uint64_t call_id, std::uint32_t layers) {
+    on_io([&] {
+      for (auto& s : sessions_)
+        if (s->open) reply(s, call_id, protocol::retrieve_progress{layers});
+    });
+  }
   /// Closes every client connection (the connector sees EOF). Held requests are dropped.
   void close_connections() {
     on_io([this] { close_all_io(); });
@@ -172,6 +197,11 @@ class fake_server {
   [[nodiscard]] std::vector<protocol::lookup_request> lookups() const {
     std::lock_guard g(m_);
     return lookup_requests_;
+  }
+  /// Every retrieve_request processed (answered), in order.
+  [[nodiscard]] std::vector<protocol::retrieve_request> retrieves() const {
+    std::lock_guard g(m_);
+    return retrieves_;
   }
   [[nodiscard]] std::vector<protocol::store_request> stores() const {
     std::lock_guard g(m_);
@@ -335,6 +365,7 @@ class fake_server {
             if (it == lookups_.end()) return p::query_prefetch_response{p::prefetch_state::unknown, 0, 0};
             return answer<p::query_prefetch_response>(it->second);
           } else if constexpr (std::is_same_v<T, p::retrieve_request>) {
+            retrieves_.push_back(msg);
             return do_retrieve(*s, msg);
           } else if constexpr (std::is_same_v<T, p::store_request>) {
             stores_.push_back(msg);
@@ -464,6 +495,7 @@ class fake_server {
   std::map<protocol::message_type, std::size_t> received_;
   std::vector<protocol::lookup_request> lookup_requests_;
   std::vector<protocol::store_request> stores_;
+  std::vector<protocol::retrieve_request> retrieves_;
   std::map<chunk_key, std::vector<std::byte>> chunks_;
   std::map<std::string, lookup_state> lookups_;
   std::vector<protocol::register_kv_request> registrations_;

@@ -42,6 +42,34 @@ TEST_CASE("a completed retrieve is reported finished receiving exactly once", "[
   CHECK(t.tracked() == 0);
 }
 
+TEST_CASE("a synchronous retrieve is never reported receiving but holds back its request's sending report",
+          "[engine][finished_tracker]") {
+  finished_tracker t;
+  t.retrieve_started("a", true);
+  CHECK(t.pending_retrieves("a") == 1);
+  CHECK(step(t).recving.empty());
+  t.retrieve_done("a");
+  CHECK(step(t).recving.empty());
+  CHECK(t.tracked() == 0);  // nothing owed: no entry kept
+  // Finished by the engine while a synchronous retrieve is pending: sending once it ended,
+  // never receiving.
+  t.retrieve_started("b", true);
+  auto r = step(t, {"b"});
+  CHECK(r.sending.empty());
+  CHECK(r.recving.empty());
+  t.retrieve_done("b");
+  r = step(t);
+  CHECK(r.sending == ids{"b"});
+  CHECK(r.recving.empty());
+  CHECK(t.tracked() == 0);
+  // An asynchronous retrieve of the same id still owes its report.
+  t.retrieve_started("c", true);
+  t.retrieve_started("c");
+  t.retrieve_done("c");
+  t.retrieve_done("c");
+  CHECK(step(t).recving == ids{"c"});
+}
+
 TEST_CASE("several retrieves of one request are reported once, when the last completes",
           "[engine][finished_tracker]") {
   finished_tracker t;

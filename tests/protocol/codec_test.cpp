@@ -95,6 +95,20 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     body.str("ab").u64(5).u16(2).u32(1).u64(1).u64(2).str("").u8(1);
     CHECK(*bytes == make_frame(p::message_type::lookup_request, 3, body.bytes));
   }
+  SECTION("a retrieve request with its layer_progress flag last") {
+    auto bytes = p::encode_frame(6, p::retrieve_request{"r", 1, 2, {hash128{3, 4}}, {5, 6}, 7, "s", true});
+    REQUIRE(bytes.has_value());
+    bytes_builder body;
+    body.str("r").u16(1).u32(2).u32(1).u64(3).u64(4).u32(2).u32(5).u32(6).u32(7).str("s").u8(1);
+    CHECK(*bytes == make_frame(p::message_type::retrieve_request, 6, body.bytes));
+  }
+  SECTION("a retrieve progress: type 0x4005, the retrieve's call id, the layers ready") {
+    auto bytes = p::encode_frame(0x99, p::retrieve_progress{12});
+    REQUIRE(bytes.has_value());
+    bytes_builder want;
+    want.raw("KVT1").u16(p::protocol_version).u16(0x4005).u64(0x99).u32(4).u32(12);
+    CHECK(*bytes == want.bytes);
+  }
   SECTION("a lookup response: the prefetch's state and counts, as a query's") {
     auto bytes = p::encode_frame(4, p::lookup_response{p::prefetch_state::done, 7, 3});
     REQUIRE(bytes.has_value());
@@ -151,6 +165,13 @@ TEST_CASE("every message type has a name and counts as known", "[protocol][messa
   }
   CHECK_FALSE(p::is_known(0x0777));
   CHECK(p::name(static_cast<p::message_type>(0x0777)) == "unknown");
+  CHECK(p::is_progress(p::message_type::retrieve_progress));
+  CHECK_FALSE(p::is_response(p::message_type::retrieve_progress));
+  CHECK_FALSE(p::is_progress(p::message_type::retrieve_response));
+  CHECK_FALSE(p::is_progress(p::message_type::retrieve_request));
+  CHECK(p::from_server(p::message_type::retrieve_progress));
+  CHECK(p::from_server(p::message_type::error_response));
+  CHECK_FALSE(p::from_server(p::message_type::retrieve_request));
   CHECK(p::carries_fd(p::message_type::register_kv_request));
   CHECK_FALSE(p::carries_fd(p::message_type::store_request));
   static_assert(std::is_same_v<p::lookup_request::response_type, p::lookup_response>);
@@ -300,6 +321,14 @@ TEST_CASE("malformed bodies are protocol errors with a reason", "[protocol][code
     REQUIRE_FALSE(r.has_value());
     CHECK(r.error().code == errc::protocol_error);
     CHECK(r.error().reason.find("lookup_request.answer_when_decided") != std::string::npos);
+  }
+  SECTION("a retrieve body of protocol version 3 (no layer_progress byte)") {
+    bytes_builder body;
+    body.str("r").u16(0).u32(0).u32(0).u32(0).u32(0).str("");
+    auto r = decode_whole(make_frame(p::message_type::retrieve_request, 8, body.bytes));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().reason.find("retrieve_request.layer_progress") != std::string::npos);
   }
   SECTION("an enumeration value past the last known one") {
     bytes_builder body;

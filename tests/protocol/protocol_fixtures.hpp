@@ -46,7 +46,7 @@ inline std::vector<protocol::message> sample_messages() {
       p::lookup_request{"cmpl-1234-0", 0xfeedULL, 4, {hash128{1, 2}, hash128{3, 4}, hash128{~0ULL, 0}}, "salt-l", true});
   m.emplace_back(p::query_prefetch_request{"cmpl-query"});
   m.emplace_back(
-      p::retrieve_request{"cmpl-r", 2, 5, {hash128{7, 8}, hash128{9, 10}}, {1, 2, 3, 4, 0xffffffffu, 6}, 17, "salt-r"});
+      p::retrieve_request{"cmpl-r", 2, 5, {hash128{7, 8}, hash128{9, 10}}, {1, 2, 3, 4, 0xffffffffu, 6}, 17, "salt-r", true});
   m.emplace_back(
       p::store_request{"cmpl-s", 1, 9, {hash128{11, 12}}, {100, 101}, {0x8000000000000001ULL, 42}, "salt-s"});
   m.emplace_back(p::free_lookup_locks_request{"cmpl-free"});
@@ -68,6 +68,7 @@ inline std::vector<protocol::message> sample_messages() {
   m.emplace_back(p::clear_response{});
   m.emplace_back(p::get_chunk_size_response{256});
   m.emplace_back(p::status_response{R"({"registrations":[],"l1":{"used_bytes":0}})"});
+  m.emplace_back(p::retrieve_progress{31});
   return m;
 }
 

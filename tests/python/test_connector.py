@@ -158,3 +158,49 @@ def test_a_second_retrieve_of_a_request_does_not_report_it_finished_receiving_ag
     wait_until(lambda: _answered(w), what="the second retrieve answered")
     reports += _drain_recving(w)
     assert reports.count("r") == 1
+
+
+def test_a_layerwise_retrieve_makes_its_layers_ready_and_is_never_reported_receiving(servers):
+    """retrieve(layer_progress=True, synchronous=True): the server copies layer by layer and
+    says so; wait_layers / wait_retrieves block (the GIL released) until then; the request
+    is never in finished_recving (vLLM asserts on a synchronous load there)."""
+    srv = servers.start(chunk_tokens=CT)
+    region, w = worker(srv.socket_path)
+    tokens = list(range(3 * CT))
+    layers = kvtier.torch_layers(region)
+    torch.manual_seed(3)
+    for t in layers:
+        t[:, :12] = torch.randn_like(t[:, :12])
+    w.store("s", tokens, 0, 3, list(range(12)))
+    finished(w, "s", "sending", ["s"])
+    w.retrieve("r", tokens, 0, list(range(12, 24)), layer_progress=True, synchronous=True)
+    assert w.wait_layers(["r"], 1, timeout_s=30)
+    assert w.wait_retrieves(["r"], timeout_s=30)
+    assert w.layers_ready("r") == region.num_layers
+    assert w.take_load_error_blocks() == []
+    for t in layers:
+        assert torch.equal(t[:, 12:24], t[:, :12])
+    # Two layers, every chunk in L1: the server reported layer 1 before its answer.
+    assert w.stats()["progress_messages"] == 1
+    assert _drain_recving(w, 3) == []
+    sending, recving = w.get_finished(["r"])
+    assert sending == ["r"] and recving == []
+
+
+def test_layer_waits_time_out_while_the_server_is_stopped_and_return_when_it_answers(servers):
+    srv = servers.start(chunk_tokens=CT)
+    _, w = worker(srv.socket_path)
+    tokens = list(range(2 * CT))
+    w.store("s", tokens, 0, 2, list(range(8)))
+    finished(w, "s", "sending", ["s"])
+    srv.pause()  # for much less than the ping timeout
+    try:
+        w.retrieve_hashes("r", w.chunk_hashes(tokens), 0, list(range(8, 16)), layer_progress=True, synchronous=True)
+        assert w.layers_ready("r") == 0
+        assert w.wait_layers(["r"], 1, timeout_s=0.2) is False
+        assert w.wait_retrieves(["r"], timeout_s=0.0) is False
+        assert w.wait_layers(["someone-else"], 2, timeout_s=0.0) is True
+    finally:
+        srv.resume()
+    assert w.wait_retrieves(["r"])
+    assert w.take_load_error_blocks() == []

@@ -3,7 +3,9 @@ rotary positions, paged attention over the kvtier region) runs under the replay 
 through KVTierConnector, and the logits and greedy tokens of a run that takes its prefix KV
 from kvtier equal, bit for bit, those of a run that computes everything with the same chunk
 split; the same with the server killed mid-run (the engine recomputes), and with vLLM's own
-prefix cache serving part of the prefix. NHD and HND.
+prefix cache serving part of the prefix. NHD and HND; loads between steps (the default) and
+layer by layer within the step (load_mode="layerwise": each layer computes once it landed; a
+load that fails has its step's output discarded and recomputed, never a wrong token).
 
 Prints ``RESULT model_max_abs_logit_diff_<layout>=0`` and the mean time to first token of the
 requests that share a cached prefix, with and without kvtier
@@ -43,8 +45,16 @@ ROUND2 = {
 }
 
 
-def run(socket_path, layout: str, *, kill_at_load: bool = False, prefix_caching: bool = False, server=None) -> Dict:
-    extra = dict(FAST_TIMEOUTS_MS)
+def run(
+    socket_path,
+    layout: str,
+    *,
+    kill_at_load: bool = False,
+    prefix_caching: bool = False,
+    server=None,
+    load_mode: str = "async",
+) -> Dict:
+    extra = dict(FAST_TIMEOUTS_MS, load_mode=load_mode)
     with ReplayEngine(
         socket_path=socket_path,
         layout=layout,
@@ -74,8 +84,11 @@ def run(socket_path, layout: str, *, kill_at_load: bool = False, prefix_caching:
         assert e.violations == []
         if kill_at_load:
             assert killed, "the server was to be killed with loads in flight"
+        if load_mode == "layerwise":
+            assert e.sched.reports["recving"] == []  # synchronous loads are never reported
         f = e.sched.finished
         return {
+            "discarded": e.discarded,
             "logits": dict(e.logits),
             "tokens": {rid: list(r.output_token_ids) for rid, r in f.items()},
             "ext": {rid: r.num_external_computed_tokens for rid, r in f.items()},
@@ -125,3 +138,23 @@ def test_logits_with_the_prefix_from_kvtier_equal_a_full_recompute_bit_for_bit(s
         print(f"RESULT model_ttft_cached_ms_{name}={with_cache:.3f}")
         print(f"RESULT model_ttft_uncached_ms_{name}={without:.3f}")
         print(f"RESULT model_ttft_cached_vs_uncached_{name}={with_cache / without:.4f}")
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_layerwise_loading_gives_the_same_logits_bit_for_bit(servers, layout):
+    baseline = run(None, layout)
+    srv = servers.start(chunk_tokens=CT, name="layerwise")
+    cached = run(srv.socket_path, layout, load_mode="layerwise")
+    assert cached["ext"] == {"a": 0, "b": 160, "c": 96, "whole": 159}  # hits and a partial hit
+    assert cached["discarded"] == 0
+    assert_bit_equal(cached, baseline)
+
+    mixed = run(srv.socket_path, layout, prefix_caching=True, load_mode="layerwise")
+    assert_bit_equal(mixed, baseline)
+
+    # The server killed as the loads go out: the steps that ran on blocks that never landed
+    # are discarded (vLLM's load-error path) and recomputed.
+    srv2 = servers.start(chunk_tokens=CT, name="layerwise-killed")
+    killed = run(srv2.socket_path, layout, kill_at_load=True, server=srv2, load_mode="layerwise")
+    assert killed["discarded"] >= 1
+    assert_bit_equal(killed, baseline)

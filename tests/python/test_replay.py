@@ -265,3 +265,103 @@ def test_without_a_server_the_engine_runs_degraded_and_exact(servers, tmp_path):
         e.run()
         assert all(r.num_external_computed_tokens == 0 for r in e.sched.finished.values())
         assert_clean(e)
+
+
+# --- load_mode="layerwise": synchronous loads, each layer computed once it landed -----------
+
+LAYERWISE = {"load_mode": "layerwise"}
+
+
+def assert_never_receiving(e: ReplayEngine) -> None:
+    """A synchronous load is never reported finished receiving (vLLM asserts: the request is
+    running, not waiting for remote KV)."""
+    assert e.sched.reports["recving"] == []
+
+
+@pytest.mark.parametrize("world_size,layout", [(1, "NHD"), (1, "HND"), (2, "NHD")])
+def test_layerwise_prefix_hits_load_exact_kv_in_the_step_that_runs_them(servers, world_size, layout):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, world_size=world_size, layout=layout, num_layers=3, extra=LAYERWISE) as e:
+        e.keep_records = True
+        d = doc(64, 21)
+        e.add("a", d + [5, 6, 7], 2)
+        e.run()
+        e.add("b", d + [8, 9], 2)
+        e.add("c", d[:40] + [10] * 20, 2)
+        e.add("whole", list(d), 2)
+        e.run()
+        f = e.sched.finished
+        assert f["b"].num_external_computed_tokens == 64
+        assert f["c"].num_external_computed_tokens == 32
+        assert f["whole"].num_external_computed_tokens == 63
+        assert all(len(r.output_token_ids) == 2 for r in f.values())
+        # Each load ran in the step that planned it: the request computed in that step.
+        for rec in e.steps:
+            for op in rec.output.kv_connector_metadata.plan.loads:
+                assert rec.output.num_scheduled_tokens.get(op.request_id, 0) > 0
+        assert e.discarded == 0
+        assert_never_receiving(e)
+        assert_clean(e, srv)
+
+
+def test_layerwise_a_preempted_request_loads_again_when_resumed(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, token_budget=16, extra=LAYERWISE) as e:
+        d = doc(80, 23)
+        e.add("warm", d[:48] + [1], 1)
+        e.run()
+        e.add("a", list(d), 2)
+        e.run(until=lambda: e.sched.requests["a"].num_computed_tokens >= 64)
+        assert e.sched.requests["a"].num_external_computed_tokens == 48
+        e.sched.preempt("a")
+        e.run()
+        a = e.sched.finished["a"]
+        # Resumed, it loaded again what the server has now: the 4 chunks it stored before.
+        assert a.num_preemptions == 1 and a.num_external_computed_tokens == 64
+        assert len(a.output_token_ids) == 2
+        assert_never_receiving(e)
+        assert_clean(e, srv)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_layerwise_the_server_killed_with_loads_in_flight_rolls_back_and_recomputes(servers, world_size):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, world_size=world_size, extra=LAYERWISE) as e:
+        d = doc(64, 26)
+        e.add("warm", d + [1], 1)
+        e.run()
+        kill_at_load, killed = at_first_load(lambda so: srv.kill())
+        e.add("b", d + [2], 3)
+        e.add("c", d + [3, 4], 3)
+        e.run(before_workers=kill_at_load)
+        assert killed
+        # The step that loaded ran on blocks that never landed: vLLM discarded its output of
+        # those requests and they recomputed (a wrong KV row in what it kept is a violation).
+        assert e.discarded >= 1
+        assert all(len(e.sched.finished[r].output_token_ids) == 3 for r in ("b", "c"))
+        assert_never_receiving(e)
+        assert_clean(e)
+
+
+def test_layerwise_a_stopped_server_costs_a_recomputation_and_no_block_goes_free_while_quarantined(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, extra=LAYERWISE) as e:
+        d = doc(64, 27)
+        e.add("warm", d + [1], 1)
+        e.run()
+        stop_at_load, stopped = at_first_load(lambda so: srv.pause())
+        e.add("b", d + [2], 2)
+        try:
+            # The step waits in wait_for_layer_load until the connector gives up on the
+            # retrieve (the ping timeout); b's output of that step is discarded, and b
+            # recomputes in place while its blocks stay quarantined.
+            e.run(before_workers=stop_at_load, until=lambda: bool(stopped) and e.discarded >= 1)
+            outs = e.step().worker_outputs
+            assert any(o["quarantined"] for o in outs)
+        finally:
+            srv.resume()
+        e.run()
+        assert len(e.sched.finished["b"].output_token_ids) == 2
+        assert e.violations == []  # never a quarantined block in the free pool, never a wrong row
+        assert_never_receiving(e)
+        assert_clean(e, srv)

@@ -161,6 +161,55 @@ def test_options_come_from_kv_connector_extra_config(servers):
         kv_vllm.config_from_vllm(bad, kv_vllm.KVConnectorRole.SCHEDULER)
     bad.kv_transfer_config.kv_connector_extra_config.update(chunk_tokens=16, bogus_timeout_ms=1, ping_timeout_ms=5)
     assert kv_vllm.config_from_vllm(bad, kv_vllm.KVConnectorRole.SCHEDULER).timeouts_ms == {"ping_timeout_ms": 5}
+    assert kv_vllm.config_from_vllm(bad, kv_vllm.KVConnectorRole.SCHEDULER).load_mode == "async"
+    bad.kv_transfer_config.kv_connector_extra_config["load_mode"] = "layerwise"
+    assert kv_vllm.config_from_vllm(bad, kv_vllm.KVConnectorRole.SCHEDULER).layerwise
+    bad.kv_transfer_config.kv_connector_extra_config["load_mode"] = "sometimes"
+    with pytest.raises(ValueError, match="load_mode"):
+        kv_vllm.config_from_vllm(bad, kv_vllm.KVConnectorRole.SCHEDULER)
+
+
+def test_layerwise_loads_are_synchronous_and_a_resumed_request_may_load_again(warm):
+    """load_mode="layerwise": (n, False), the plan as for an asynchronous load; a request
+    rolled back by a failed load stores what it recomputes; a resumed one loads again."""
+    import kvtier
+    from kvtier.integrations.core import KVTierConfig, ScheduledRequest, SchedulerSide, StepInput
+
+    srv, _ = warm
+    cfg = KVTierConfig(
+        socket_path=str(srv.socket_path),
+        model_name="replay/tiny",
+        block_size=BS,
+        chunk_tokens=CT,
+        layout="NHD",
+        model=kvtier.ModelShape(2, 2, 8, kvtier.DtypeKind.FP32),
+        load_mode="layerwise",
+    )
+    side = SchedulerSide(cfg)
+    try:
+        prompt = DOC + [5, 6, 7]
+        wait_until(lambda: side.num_new_matched_tokens("q", prompt, 0)[0] is not None, what="the lookup decided")
+        assert side.num_new_matched_tokens("q", prompt, 0) == (48, False)
+        blocks = list(range(40, 53))
+        side.after_alloc("q", blocks, 48)
+        plan = side.build_step(StepInput(scheduled=[ScheduledRequest("q", blocks, 48, 3, replace_blocks=True)]))
+        (load,) = plan.loads
+        assert load.block_ids == blocks[:12] and load.skip_tokens == 0
+        assert plan.stores == []  # the loaded chunks are not stored again
+        # The load's block 5 failed: vLLM rolls q back to token 20 and recomputes; the chunks it
+        # recomputes are stored.
+        side.on_load_errors({blocks[5]})
+        plan = side.build_step(StepInput(scheduled=[ScheduledRequest("q", [], 20, 31)]))
+        (store,) = plan.stores
+        assert store.first_chunk == 1 and len(store.hashes) == 2
+        # Preempted and resumed: looked up afresh, and loaded again (nothing was reported).
+        side.build_step(StepInput(preempted=["q"]))
+        wait_until(lambda: side.num_new_matched_tokens("q", prompt, 0)[0] is not None, what="the new lookup decided")
+        assert side.num_new_matched_tokens("q", prompt, 0) == (48, False)
+        side.request_finished("q")
+        assert side.tracked() == 0
+    finally:
+        side.shutdown()
 
 
 def _worker_side(srv, layout="NHD", num_blocks=32):

@@ -220,6 +220,71 @@ TEST_CASE("store, lookup and retrieve move the exact bytes into the right blocks
   CHECK(c.ok(p::query_prefetch_request{"never-looked-up"}).state == p::prefetch_state::unknown);
 }
 
+TEST_CASE("a layer-wise retrieve of an L1 hit sends non-decreasing layer progress before its answer, none after",
+          "[server][layerwise]") {
+  // 4 layers: an 8 KiB chunk object.
+  const model_shape m{4, 2, 16, dtype_kind::bf16, attention_kind::mha};
+  running_server s([](server::server_config& c) {
+    c.l1_slot_bytes = 8192;
+    c.l1_size_bytes = 64 * 8192;
+  });
+  raw_client c(s.path());
+  engine_region r(m);
+  const auto reg = c.register_region(r);
+  const auto hashes = chunk_hashes(21, 3);
+  const auto src = block_range(0, 3 * blocks_per_chunk);
+  r.fill_blocks(src, 300);
+  REQUIRE(c.ok(store_req(r, hashes, src)).stored == 3);
+  REQUIRE(lookup_done(c, reg.model_id, hashes).l1_hit_chunks == 3);
+
+  const auto dst = block_range(30, 3 * blocks_per_chunk);
+  for (auto b : dst) r.zero_block(b, 0xee);
+  auto req = retrieve_req(hashes, dst, 6);
+  req.layer_progress = true;
+  constexpr std::uint64_t call = 1000;
+  REQUIRE_FALSE(c.send(call, req));
+  std::vector<std::uint32_t> progress;
+  std::optional<p::retrieve_response> answer;
+  while (!answer) {
+    auto [ec, f] = c.read_frame();
+    REQUIRE_FALSE(ec);
+    CHECK(f.header.call_id == call);
+    auto msg = p::decode_message(f);
+    REQUIRE(msg.has_value());
+    if (auto* pr = std::get_if<p::retrieve_progress>(&*msg)) {
+      progress.push_back(pr->layers_ready);
+    } else {
+      REQUIRE(std::holds_alternative<p::retrieve_response>(*msg));
+      answer = std::get<p::retrieve_response>(*msg);
+    }
+  }
+  CHECK(answer->retrieved_chunks == 3);
+  // Every chunk was in L1: the copy went layer by layer, and at least the first layer was
+  // reported (a progress is queued before the copy's completion is).
+  REQUIRE_FALSE(progress.empty());
+  CHECK(std::is_sorted(progress.begin(), progress.end()));
+  CHECK(progress.front() >= 1);
+  CHECK(progress.back() < m.num_layers);  // the answer itself means every layer
+  // The bytes: the same as a whole-chunk retrieve writes (tokens 0-5 skipped).
+  for (std::uint32_t t = 0; t < test_block_size; ++t) CHECK(r.token_is(dst[0], t, 0xee));
+  CHECK(r.token_is(dst[1], 1, 0xee));
+  CHECK(r.same_token(dst[1], src[1], 2));
+  for (std::size_t i = 2; i < dst.size(); ++i)
+    for (std::uint32_t t = 0; t < test_block_size; ++t) {
+      INFO("block " << dst[i] << " token " << t);
+      CHECK(r.same_token(dst[i], src[i], t));
+    }
+  // Nothing follows the answer: the next frame is the next request's.
+  CHECK(c.ping() == s.srv->boot_token());
+  // Without the flag, a retrieve is answered without progress (ok() takes the first frame).
+  c.ok(p::lookup_request{"req-2", reg.model_id, 1, hashes});
+  CHECK(c.ok(retrieve_req(hashes, block_range(50, 3 * blocks_per_chunk), 0, 0, "req-2")).retrieved_chunks == 3);
+  // A client may not send what only the server sends.
+  const auto e = c.refused(p::retrieve_progress{1});
+  CHECK(e.code == static_cast<std::uint32_t>(errc::protocol_error));
+  CHECK_THAT(e.message, Catch::Contains("server"));
+}
+
 TEST_CASE("a retrieve answers the contiguous prefix that is in L1 and writes nothing past it", "[server]") {
   running_server s;
   raw_client c(s.path());

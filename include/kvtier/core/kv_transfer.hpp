@@ -4,6 +4,8 @@
 //
 //   gather_chunk  / gather_chunks    paged KV -> chunk object(s)   (store: engine -> L1)
 //   scatter_chunk / scatter_chunks   chunk object(s) -> paged KV   (retrieve: L1 -> engine)
+//   scatter_chunk_layer              one layer of a chunk object -> paged KV (a layer-wise
+//                                    retrieve: layer l of every chunk, then layer l + 1)
 //
 // Layouts (core/kv_layout.hpp): the paged cache is one tensor per layer,
 //   NHD [2][num_blocks][block_size][kv_heads][head_dim], HND [2][num_blocks][kv_heads]
@@ -88,6 +90,7 @@ enum class transfer_errc : int {
   block_count,            ///< block_ids.size() != chunk_tokens / block_size
   block_id_out_of_range,  ///< a block id >= num_blocks
   skip_out_of_range,      ///< skip_tokens > chunk_tokens
+  layer_out_of_range,     ///< a layer index >= num_layers
 };
 
 namespace detail {
@@ -106,12 +109,13 @@ class transfer_category_impl final : public std::error_category {
       case transfer_errc::block_count: return "the number of block ids differs from chunk_tokens / block_size";
       case transfer_errc::block_id_out_of_range: return "a block id is not below num_blocks";
       case transfer_errc::skip_out_of_range: return "skip_tokens exceeds chunk_tokens";
+      case transfer_errc::layer_out_of_range: return "a layer index is not below num_layers";
     }
     return "unknown kv transfer error";
   }
   /// Every transfer error is a malformed argument.
   [[nodiscard]] std::error_condition default_error_condition(int ev) const noexcept override {
-    if (ev >= 1 && ev <= static_cast<int>(transfer_errc::skip_out_of_range))
+    if (ev >= 1 && ev <= static_cast<int>(transfer_errc::layer_out_of_range))
       return std::make_error_condition(std::errc::invalid_argument);
     return {ev, *this};
   }
@@ -472,6 +476,31 @@ template <bool Gather, class Item>
                                                    transfer_options options = {}) noexcept {
   const scatter_item item{block_ids, object, skip_tokens};
   return detail::transfer_chunks<false>(cache, chunk, std::span(&item, 1), options);
+}
+
+/// Copies layer `layer` of `object` (its (layer, plane) slabs: one contiguous slice of a
+/// layer-major object) into that layer of the blocks `block_ids`, but its first skip_tokens
+/// tokens: the bytes scatter_chunk writes into that layer, and nothing else. A layer-wise
+/// retrieve calls it for layer 0 of every chunk, then layer 1, ..., so the engine can use
+/// the first layers while the rest is copied. The kernels are scatter_chunk's, run on a
+/// one-layer view; `options.write` chooses them by this layer's bytes (pass `streaming` to
+/// choose by the whole transfer's). Complete on return.
+[[nodiscard]] inline std::error_code scatter_chunk_layer(const paged_kv_view& cache,
+                                                         std::span<const std::uint32_t> block_ids,
+                                                         const chunk_layout& chunk, const std::byte* object,
+                                                         std::uint32_t layer, std::uint32_t skip_tokens = 0,
+                                                         transfer_options options = {}) noexcept {
+  if (auto ec = check_transfer(cache, block_ids, chunk, object, skip_tokens)) return ec;
+  if (layer >= cache.layout.model.num_layers) return transfer_errc::layer_out_of_range;
+  paged_kv_layout one = cache.layout;
+  one.model.num_layers = 1;
+  chunk_layout one_chunk = chunk;
+  one_chunk.model.num_layers = 1;
+  const paged_kv_view view{one, cache.layers.subspan(layer, 1)};
+  const detail::copy_plan plan = detail::plan_for<false>(options.write, detail::item_bytes(one_chunk, skip_tokens));
+  detail::copy_chunk<false>(view, block_ids, one_chunk, object + chunk.offset(layer, 0), skip_tokens, plan);
+  detail::store_fence();
+  return {};
 }
 
 /// gather_chunk for several chunks of the same layout (one retrieve or store request): all

@@ -10,7 +10,11 @@
 //                    store(id, tokens, first_chunk, chunk_count, block_ids) async save
 //                    get_finished(finished_by_engine) -> {finished sending, finished recving}
 //                    take_load_error_blocks()  blocks the engine must recompute
-//   fencing          block_is_quarantined(b), quarantined_blocks(), block_reused(b)
+//   layer-wise       layers_ready(id), wait_layers(ids, layers, timeout): the leading layers
+//                    of a request's retrieves in flight that are usable (retrieve_options::
+//                    layer_progress); wait_retrieves(ids, timeout): its retrieves completed
+//   fencing          block_is_quarantined(b), quarantined_blocks(), block_reused(b),
+//                    wait_released(blocks, timeout)
 //   tenants          cache_salt: the options' (per connector) and each call's (per request,
 //                    vLLM's cache_salt) are folded into the chunks' model id
 //   health           healthy(), state(), wait_ready(timeout), last_error()
@@ -18,8 +22,13 @@
 // The engine is synchronous, so the connector runs its own io_context on one background
 // thread: its transport (engine/detail/server_link.hpp: connection, calls in flight, ping,
 // reconnect, the pidfd watch) lives there; this class keeps what the calls mean (lookup
-// answers, finished reporting, load errors, quarantine). Every public function is thread-safe and returns without
-// waiting for the server (wait_ready aside, which the engine may call once at start-up). docs/fault-tolerance.md
+// answers, finished reporting, load errors, quarantine, layer progress). Every public
+// function is thread-safe and returns without waiting for the server, but the waits: wait_ready
+// (once at start-up), and for a synchronous engine wait_layers, wait_retrieves and
+// wait_released, which block on a condition variable under the connector's one mutex (never
+// polling) until the connector's own thread records what they wait for: a retrieve's
+// progress or completion (a reply, its deadline, the unhealthy edge: every retrieve
+// completes by its deadline at the latest), a quarantine release. docs/fault-tolerance.md
 // describes the behaviour and every knob (engine/options.hpp); in short:
 //
 //   health     EOF or a socket error: unhealthy at once; an unanswered ping (ping_timeout)
@@ -68,8 +77,10 @@
 
 #include <boost/asio/awaitable.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <concepts>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -88,6 +99,8 @@ namespace kvtier::inline KVTIER_ABI_TAG::engine {
 struct connector_stats {
   std::uint64_t registrations = 0;   ///< successful registrations (first connect + reconnects)
   std::uint64_t late_replies = 0;    ///< replies to calls the connector had given up on
+  std::uint64_t progress_messages = 0;  ///< retrieve progress messages for retrieves in flight
+  std::uint64_t ignored_progress = 0;   ///< progress for calls not in flight (late: ignored)
   std::uint64_t calls_issued = 0;    ///< requests handed to a connection
   std::size_t pending_calls = 0;     ///< calls waiting for their reply now
   std::size_t tracked_requests = 0;  ///< finished_tracker::tracked()
@@ -177,15 +190,16 @@ class connector : private detail::link_owner {
   /// completed (finished_tracker.hpp: a retrieve issued after that report is not reported
   /// again, but holds back finished_sending); blocks of chunks that did not land (failure,
   /// timeout, unhealthy, a shorter prefix) go to take_load_error_blocks(). `tokens` holds at
-  /// least (first_chunk + n) * chunk_tokens tokens. Throws std::invalid_argument on
-  /// malformed arguments.
+  /// least (first_chunk + n) * chunk_tokens tokens. `how`: layer progress, and a synchronous
+  /// load (never reported in finished_recving; engine/options.hpp). Throws
+  /// std::invalid_argument on malformed arguments.
   void retrieve(std::string_view request_id, std::span<const token_id> tokens, std::uint32_t first_chunk,
                 std::span<const std::uint32_t> block_ids, std::uint32_t skip_tokens = 0,
-                std::string_view cache_salt = {});
+                std::string_view cache_salt = {}, retrieve_options how = {});
   /// The same with the hashes of the n chunks retrieved.
   void retrieve_hashes(std::string_view request_id, std::span<const hash128> hashes, std::uint32_t first_chunk,
                        std::span<const std::uint32_t> block_ids, std::uint32_t skip_tokens = 0,
-                       std::string_view cache_salt = {});
+                       std::string_view cache_salt = {}, retrieve_options how = {});
   /// Saves chunks [first_chunk, first_chunk + chunk_count) of the request from `block_ids`
   /// (chunk_count * chunk_tokens / block_size ids). The blocks' generations are read now,
   /// so call it after the forward pass wrote them and before any block_reused of them.
@@ -201,6 +215,24 @@ class connector : private detail::link_owner {
   /// Blocks whose KV did not land (each once; the set is cleared).
   std::vector<std::uint32_t> take_load_error_blocks();
 
+  // --- layer-wise loading (a synchronous engine: vLLM's wait_for_layer_load) -----------
+  /// The leading layers usable in every block of the request's retrieves in flight: what
+  /// their progress said (retrieve_options::layer_progress), 0 before any; the model's layer
+  /// count when none is in flight (completed ones, failed or not, wait for nothing: their
+  /// failed blocks are load errors). A retrieve's final answer may still count fewer chunks
+  /// than progress covered: the blocks of the chunks it does not count are load errors
+  /// whatever progress said, so take_load_error_blocks() after wait_retrieves() decides
+  /// what the step computed with (docs/protocol.md, "Layer-wise retrieves").
+  [[nodiscard]] std::uint32_t layers_ready(std::string_view request_id) const;
+  /// Blocks until every retrieve in flight of the listed requests has at least `layers`
+  /// layers ready or completed (ok, failed, timed out, released by the unhealthy edge):
+  /// true; false when `timeout` passed first.
+  bool wait_layers(std::span<const std::string> request_ids, std::uint32_t layers, std::chrono::milliseconds timeout);
+  /// Blocks until no retrieve of the listed requests is in flight (true), or `timeout`
+  /// passes (false). Then take_load_error_blocks() holds every block of theirs that did not
+  /// land.
+  bool wait_retrieves(std::span<const std::string> request_ids, std::chrono::milliseconds timeout);
+
   // --- fencing -------------------------------------------------------------------------
   /// The engine must not write into (allocate) a quarantined block.
   [[nodiscard]] bool block_is_quarantined(std::uint32_t block) const;
@@ -209,6 +241,11 @@ class connector : private detail::link_owner {
   /// that read the block earlier can no longer be stored. Returns false, and does nothing,
   /// when the block is quarantined (pick another block).
   [[nodiscard]] bool block_reused(std::uint32_t block);
+  /// Blocks until none of `blocks` is quarantined (true), or `timeout` passes (false). For an
+  /// engine that must hand blocks back that a synchronous load it gave up on may still be
+  /// written into (vLLM frees a preempted request's blocks at once). Bounded by
+  /// quarantine_limit, when it is not 0.
+  bool wait_released(std::span<const std::uint32_t> blocks, std::chrono::milliseconds timeout);
 
  private:
   using call_kind = detail::call_kind;
@@ -230,6 +267,11 @@ class connector : private detail::link_owner {
     std::uint32_t chunks = 0;
     std::uint32_t skip_tokens = 0;
     clock::time_point started{};
+  };
+  /// A retrieve in flight, for the layer-wise waits.
+  struct load_in_flight {
+    std::string request_id;
+    std::uint32_t layers_ready = 0;  ///< from its progress messages, at most the layer count
   };
   struct store_info {
     std::string request_id;
@@ -263,6 +305,7 @@ class connector : private detail::link_owner {
   void on_peer_refused_locked(std::uint32_t uid, std::uint32_t pid, std::uint32_t expected) override;
   void on_copies_over_locked(std::uint64_t epoch) override;
   void on_late_reply_locked(std::uint64_t id) override;
+  void on_retrieve_progress_locked(std::uint64_t id, std::uint32_t layers_ready) override;
   [[nodiscard]] bool awaits_late_replies_locked(std::uint64_t epoch) const override;
 
   // Everything below runs with the mutex held; the *_io functions on the link's thread.
@@ -276,6 +319,13 @@ class connector : private detail::link_owner {
   template <class Msg>
   void send_notify_locked(const Msg& m);
   void publish_quarantine_locked(std::size_t held, std::size_t released);
+  /// Waits on waits_cv_ until done() holds (true) or `timeout` passes (false).
+  template <class Done>
+  bool wait_for_locked(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout, Done done);
+  /// Whether a retrieve in flight belongs to one of `ids`.
+  static bool listed(std::span<const std::string> ids, const std::string& id) noexcept {
+    return std::find(ids.begin(), ids.end(), id) != ids.end();
+  }
   [[nodiscard]] static bus::connector_outcome outcome_of(call_status s) noexcept;
   [[nodiscard]] std::uint32_t blocks_per_chunk() const noexcept {
     return options_.chunk_tokens / region_->layout().block_size;
@@ -299,6 +349,10 @@ class connector : private detail::link_owner {
   std::vector<bool> is_load_error_;
   std::unordered_map<std::string, lookup_entry> lookups_;
   std::deque<std::pair<std::string, std::uint64_t>> answered_order_;  ///< (id, serial), oldest first
+  std::unordered_map<std::uint64_t, load_in_flight> loads_;  ///< retrieves in flight, by call id
+  /// Notified (mutex held) when a retrieve progresses or completes and when quarantined
+  /// blocks are released: wait_layers, wait_retrieves, wait_released.
+  std::condition_variable waits_cv_;
   // The transport last: it starts after everything above exists and stops (~connector)
   // before any of it goes.
   detail::server_link link_;

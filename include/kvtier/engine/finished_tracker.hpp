@@ -16,6 +16,11 @@
 //             finished_recving of a running request, and the engine learns of that
 //             retrieve's failures through the load-error blocks. A retrieve that fails is
 //             still "finished receiving" (its failed blocks are load errors, reported apart).
+//             A synchronous retrieve (the engine waits for it within the step: vLLM's
+//             load_kv_async = False) never makes its id owe a receiving report: vLLM asserts
+//             that an id finished receiving is waiting for remote KV (or finished, and then
+//             frees its blocks), which a request loaded synchronously never is. It is still
+//             tracked: it holds back the id's sending report while pending.
 //   sending   an id the engine reported finished, once every store and retrieve it has is
 //             over (at once when it has none); reported once.
 //   last      an id the engine finished before its receiving report gets that report as its
@@ -76,11 +81,12 @@ class finished_tracker {
     if (window == 0) throw std::invalid_argument("kvtier::engine::finished_tracker: window must be >= 1");
   }
 
-  /// A retrieve of `id` was issued.
-  void retrieve_started(std::string_view id) {
+  /// A retrieve of `id` was issued; `synchronous`: the engine waits for it within its step,
+  /// and `id` does not owe a receiving report for it (see the rules above).
+  void retrieve_started(std::string_view id, bool synchronous = false) {
     entry& e = tracked_entry(id);
     ++e.retrieves;
-    if (!e.retired && !e.recv_reported) e.owes_recv = true;
+    if (!synchronous && !e.retired && !e.recv_reported) e.owes_recv = true;
   }
 
   /// A retrieve of `id` completed (data landed, or load error). When it was the last pending

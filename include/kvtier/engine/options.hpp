@@ -65,6 +65,22 @@ struct connector_timeouts {
   duration quarantine_limit{std::chrono::minutes(10)};
 };
 
+/// How one retrieve loads (connector::retrieve, retrieve_hashes).
+struct retrieve_options {
+  /// Ask the server for layer progress (protocol::retrieve_progress): layers_ready() and
+  /// wait_layers() then see the layers of an L1 hit land one by one, so the engine can
+  /// compute layer l while the server copies layer l + 1 (vLLM's wait_for_layer_load). Without
+  /// it, or when the server cannot copy layer by layer (chunks still loading from L2), the
+  /// layers are ready all at once when the retrieve completes.
+  bool layer_progress = false;
+  /// The engine waits for this load within its step (vLLM's synchronous load:
+  /// get_num_new_matched_tokens answered `(n, False)`): the request is never reported in
+  /// finished_recving, which vLLM expects only of asynchronous loads (finished_tracker.hpp).
+  /// Its failed blocks still come from take_load_error_blocks(); the engine must take them
+  /// after wait_retrieves() and before it accepts the step's output.
+  bool synchronous = false;
+};
+
 /// The connector's configuration. Construct, fill in, pass to engine::connector.
 struct connector_options {
   /// The server's Unix socket (protocol::default_socket_path() is the servers' default).

@@ -33,6 +33,8 @@ namespace kvtier::inline KVTIER_ABI_TAG::protocol {
 
 /// The message type in the frame header. Values are stable: append, never renumber.
 /// A response is its request's value | 0x8000; error_response (0x8000) answers any request.
+/// A progress message is its request's value | 0x4000: the server sends it, with the
+/// request's call id, zero or more times before the request's response (never after it).
 enum class message_type : std::uint16_t {
   register_kv_request = 0x0001,
   unregister_kv_request = 0x0002,
@@ -46,6 +48,8 @@ enum class message_type : std::uint16_t {
   clear_request = 0x000a,
   get_chunk_size_request = 0x000b,
   status_request = 0x000c,
+
+  retrieve_progress = 0x4005,
 
   error_response = 0x8000,
   register_kv_response = 0x8001,
@@ -64,10 +68,17 @@ enum class message_type : std::uint16_t {
 
 /// Bit set in every response type.
 inline constexpr std::uint16_t response_bit = 0x8000;
+/// Bit set in every progress type (a server -> engine message about a request in flight).
+inline constexpr std::uint16_t progress_bit = 0x4000;
 
 [[nodiscard]] constexpr bool is_response(message_type t) noexcept {
   return (static_cast<std::uint16_t>(t) & response_bit) != 0;
 }
+[[nodiscard]] constexpr bool is_progress(message_type t) noexcept {
+  return (static_cast<std::uint16_t>(t) & (response_bit | progress_bit)) == progress_bit;
+}
+/// True for what only the server sends: responses and progress messages.
+[[nodiscard]] constexpr bool from_server(message_type t) noexcept { return is_response(t) || is_progress(t); }
 
 // ---------------------------------------------------------------------------------------
 // Responses (declared first: requests name theirs).
@@ -170,6 +181,22 @@ struct retrieve_response {
   static constexpr auto fields(auto& self) noexcept {
     return std::tuple{field("retrieved_chunks", self.retrieved_chunks)};
   }
+};
+
+/// Progress of a retrieve that asked for it (retrieve_request::layer_progress), sent with the
+/// retrieve's call id before its retrieve_response, never after it. `layers_ready` leading
+/// layers of every chunk the response will count as retrieved are in the engine's blocks
+/// and final: the engine may compute those layers. Non-decreasing over one retrieve;
+/// always below the model's layer count (the response itself means every layer). The
+/// response may still count fewer chunks than were requested: the blocks of the chunks it
+/// does not count are load errors, whatever progress said (docs/protocol.md, "Layer-wise
+/// retrieves").
+struct retrieve_progress {
+  static constexpr message_type type = message_type::retrieve_progress;
+  std::uint32_t layers_ready = 0;
+
+  friend bool operator==(const retrieve_progress&, const retrieve_progress&) = default;
+  static constexpr auto fields(auto& self) noexcept { return std::tuple{field("layers_ready", self.layers_ready)}; }
 };
 
 struct store_response {
@@ -339,6 +366,9 @@ struct retrieve_request {
   std::vector<std::uint32_t> block_ids;  ///< destination blocks, chunk by chunk, <= max_block_ids
   std::uint32_t skip_tokens = 0;         ///< leading tokens the engine already has (not overwritten)
   std::string cache_salt;                ///< the request's salt, as in its lookup_request
+  /// Copy layer by layer and send retrieve_progress as layers become usable (when every
+  /// chunk is readable at once, an L1 hit); the response alone otherwise.
+  bool layer_progress = false;
 
   friend bool operator==(const retrieve_request&, const retrieve_request&) = default;
   static constexpr auto fields(auto& self) noexcept {
@@ -348,7 +378,8 @@ struct retrieve_request {
                       bounded("chunk_hashes", self.chunk_hashes, max_chunk_hashes),
                       bounded("block_ids", self.block_ids, max_block_ids),
                       field("skip_tokens", self.skip_tokens),
-                      bounded("cache_salt", self.cache_salt, max_cache_salt_bytes)};
+                      bounded("cache_salt", self.cache_salt, max_cache_salt_bytes),
+                      field("layer_progress", self.layer_progress)};
   }
 };
 
@@ -451,7 +482,8 @@ using message = std::variant<register_kv_request, unregister_kv_request, lookup_
                              ping_request, clear_request, get_chunk_size_request, status_request, error_response,
                              register_kv_response, unregister_kv_response, lookup_response, query_prefetch_response,
                              retrieve_response, store_response, free_lookup_locks_response, end_request_response,
-                             ping_response, clear_response, get_chunk_size_response, status_response>;
+                             ping_response, clear_response, get_chunk_size_response, status_response,
+                             retrieve_progress>;
 
 /// A type that travels in a frame: an alternative of `message`.
 template <class T>
@@ -509,6 +541,8 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
       return "get_chunk_size_request";
     case message_type::status_request:
       return "status_request";
+    case message_type::retrieve_progress:
+      return "retrieve_progress";
     case message_type::error_response:
       return "error_response";
     case message_type::register_kv_response:

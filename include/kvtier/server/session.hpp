@@ -301,9 +301,9 @@ class session : public std::enable_shared_from_this<session> {
           e.code.category() == kvtier_category() ? static_cast<errc>(e.code.value()) : errc::protocol_error;
       co_return error(code, e.reason);
     }
-    if (protocol::is_response(f.header.type))
-      co_return error(errc::protocol_error,
-                      std::string(protocol::name(f.header.type)) + " is a response: a client sends requests only");
+    if (protocol::from_server(f.header.type))
+      co_return error(errc::protocol_error, std::string(protocol::name(f.header.type)) +
+                                                " is the server's to send: a client sends requests only");
     std::string failure;
     errc failure_code = errc::invalid_argument;
     try {
@@ -315,7 +315,7 @@ class session : public std::enable_shared_from_this<session> {
         co_return protocol::message(std::move(*r));
       }
       if (auto* m = std::get_if<protocol::retrieve_request>(&*decoded)) {
-        auto r = co_await on_retrieve(*m);
+        auto r = co_await on_retrieve(*m, f.header.call_id);
         if (!r) co_return r.error().response();
         co_return protocol::message(std::move(*r));
       }
@@ -385,8 +385,11 @@ class session : public std::enable_shared_from_this<session> {
   // --- copies between the engine's region and L1 (impl/copy_requests.hpp) ---------------
   class copy_scope;
   class first_error;
+  class progress_sender;
   static request_error closing_error(std::string_view what);
-  boost::asio::awaitable<request_result<protocol::retrieve_response>> on_retrieve(const protocol::retrieve_request& r);
+  /// `call_id`: the frame's, which a layer-wise retrieve's progress frames carry.
+  boost::asio::awaitable<request_result<protocol::retrieve_response>> on_retrieve(const protocol::retrieve_request& r,
+                                                                                  std::uint64_t call_id);
   boost::asio::awaitable<request_result<protocol::store_response>> on_store(const protocol::store_request& r);
 
   // --- ping, clear, get_chunk_size, status (impl/control_requests.hpp) --------------------

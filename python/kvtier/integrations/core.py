@@ -21,9 +21,19 @@ Semantics the engine relies on (docs/integration.md, "vLLM"):
   effect but starting that lookup once; the hit excludes what the engine's own prefix cache
   holds, and is one token less when the whole prompt hits (the engine computes the last
   token). 0 means ``(0, False)``.
-* A request's KV loads asynchronously between steps (``True``); its id comes back in
-  ``finished_recving`` once, after its retrieve completed. Blocks that did not land are load
-  errors, reported no later than that step.
+* ``load_mode="async"`` (the default): a request's KV loads asynchronously between steps
+  (``(n, True)``); its id comes back in ``finished_recving`` once, after its retrieve
+  completed. Blocks that did not land are load errors, reported no later than that step.
+* ``load_mode="layerwise"``: the load is synchronous (``(n, False)``: the request runs in the
+  step that loads it); the retrieve asks the server for layer progress, and the engine's
+  ``wait_for_layer_load(layer)`` waits until that layer of every chunk of the step's retrieves
+  is in its blocks, so layer 0 computes while the server copies the next layers. The id is
+  never reported in ``finished_recving`` (vLLM expects only asynchronous loads there). At
+  ``wait_for_save`` the worker waits for the step's retrieves to end and takes their load
+  errors, which ``get_block_ids_with_load_errors`` reports in that same step: vLLM then
+  discards the step's output of the requests concerned and recomputes from their first
+  failed block (so a layer computed from blocks that did not land never reaches a token),
+  and the worker does not store what those requests computed in that step.
 * Fencing: before the engine writes a block (this step's tokens, a retrieve's destination) the
   worker bumps the block's generation (``block_reused``), so a store still reading a block that
   a preempted request left behind is dropped by the server instead of storing the new bytes.
@@ -37,9 +47,13 @@ Semantics the engine relies on (docs/integration.md, "vLLM"):
   ``finished_recving`` of a request finished while its load was in flight.
 * Preemption and abort release everything: the scheduler ends the lookup (the server drops
   its locks) and forgets the request; a resumed request is looked up afresh, and loads if it
-  never loaded before: a request loads at most once in its life, since its one
+  never loaded before: in async mode a request loads at most once in its life, since its one
   ``finished_recving`` report is how the engine learns that its load is over (a request that
-  already loaded, or whose load failed whole, is recomputed).
+  already loaded, or whose load failed whole, is recomputed). In layerwise mode a resumed
+  request may load again (nothing is reported for a synchronous load). vLLM frees a
+  preempted request's blocks at once: in layerwise mode ``handle_preemptions`` first waits
+  until none of them is quarantined (a load the connector gave up on, which a hung server
+  could still write), bounded by ``quarantine_limit_ms``.
 """
 
 from __future__ import annotations
@@ -75,6 +89,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("kvtier")
+
+#: ``KVTierConfig.load_mode`` values: loads between steps, or synchronous and layer by layer.
+_LOAD_MODES = ("async", "layerwise")
 
 _TIMEOUT_KEYS = (
     "ping_interval_ms",
@@ -112,6 +129,9 @@ class KVTierConfig:
             degraded (no hits, no stores) and keeps reconnecting.
         timeouts_ms: connector deadlines by name (``retrieve_timeout_ms``, ...; docs/
             fault-tolerance.md); missing ones keep their defaults.
+        load_mode: ``"async"`` (loads complete between steps; the default) or ``"layerwise"``
+            (synchronous loads, each layer usable as soon as the server copied it; module
+            docstring).
     """
 
     socket_path: str
@@ -127,6 +147,12 @@ class KVTierConfig:
     prefill_tokens_per_second: int = 0
     ready_timeout_s: float = 5.0
     timeouts_ms: Dict[str, int] = field(default_factory=dict)
+    load_mode: str = "async"
+
+    @property
+    def layerwise(self) -> bool:
+        """Whether loads are synchronous and layer by layer (``load_mode="layerwise"``)."""
+        return self.load_mode == "layerwise"
 
     def validate(self) -> None:
         """Raises ValueError naming the first field that is wrong."""
@@ -148,6 +174,8 @@ class KVTierConfig:
         for key in self.timeouts_ms:
             if key not in _TIMEOUT_KEYS:
                 raise ValueError(f"kvtier: unknown timeout '{key}': use one of {', '.join(_TIMEOUT_KEYS)}")
+        if self.load_mode not in _LOAD_MODES:
+            raise ValueError(f"kvtier: load_mode '{self.load_mode}': use {' or '.join(_LOAD_MODES)}")
 
     def connector_options(self, scheduler: bool) -> ConnectorOptions:
         """The C++ connector's options for one side."""
@@ -289,6 +317,7 @@ class SchedulerSide:
                     connector.last_error,
                 )
         self.connector = connector
+        self._async = not config.layerwise
         self._requests: Dict[str, _Request] = {}
         self._planned: List[str] = []  # ids with a load planned, in order
         self._loaded: Set[str] = set()  # ids that had a load (until request_finished)
@@ -303,7 +332,8 @@ class SchedulerSide:
         cache_salt: str = "",
     ) -> Tuple[Optional[int], bool]:
         """Tokens beyond ``num_computed_tokens`` that kvtier can load, and whether the load is
-        asynchronous: ``(None, True)`` while pending, ``(n, True)`` for a hit, ``(0, False)``.
+        asynchronous: ``(None, True)`` while pending, ``(n, True)`` for a hit, ``(0, False)``;
+        in layerwise mode ``(None, False)`` and ``(n, False)`` (a synchronous load).
 
         Repeated calls answer the same and change nothing (the first one starts the lookup,
         which the server runs in the background)."""
@@ -324,10 +354,11 @@ class SchedulerSide:
                 cache_salt=cache_salt or "",
             )
             self._requests[request_id] = st
-        if st.load_issued or request_id in self._loaded:
-            # A request loads at most once: vLLM learns that a load is over from the id's one
-            # finished_recving report, so a second load (after a preemption, or a retry after
-            # a load that failed whole) is recomputed instead.
+        if st.load_issued or (self._async and request_id in self._loaded):
+            # An asynchronous load happens at most once per request: vLLM learns that it is
+            # over from the id's one finished_recving report, so a second load (after a
+            # preemption, or a retry after a load that failed whole) is recomputed instead.
+            # A synchronous load reports nothing: a resumed request may load again.
             return 0, False
         if st.hit is None:
             if not st.lookup_sent:
@@ -335,13 +366,13 @@ class SchedulerSide:
                 st.lookup_sent = True
             answer = self.connector.lookup_result(request_id)
             if answer is None:
-                return None, True
+                return None, self._async
             st.hit = min(int(answer), len(st.hashes) * self._ct)
         usable = min(st.hit, st.num_tokens - 1)  # the engine computes at least the last token
         new = usable - num_computed_tokens
         if new <= 0:
             return 0, False
-        return new, True
+        return new, self._async
 
     # -- vLLM: update_state_after_alloc ----------------------------------------------------
     def after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
@@ -429,6 +460,19 @@ class SchedulerSide:
                 st.stored_chunks = done
         return plan
 
+    # -- vLLM: update_connector_output -----------------------------------------------------
+    def on_load_errors(self, invalid_block_ids: Iterable[int]) -> None:
+        """The workers' load errors of a step (vLLM's ``invalid_block_ids``): a request that
+        ran a step on blocks that did not land (a synchronous load) recomputes from its first
+        failed block, and what it computes then is stored afresh (the worker dropped that
+        step's stores of it)."""
+        bad = set(invalid_block_ids)
+        if not bad:
+            return
+        for st in self._requests.values():
+            if st.stored_chunks is not None and bad.intersection(st.blocks):
+                st.stored_chunks = None  # set again from the step that recomputes
+
     # -- vLLM: request_finished ------------------------------------------------------------
     def request_finished(self, request_id: str) -> bool:
         """The request is over (finished or aborted): the server forgets its lookup. Returns
@@ -510,13 +554,19 @@ class _WorkerState:
     unissued: List[str] = field(default_factory=list)  # loads not sent: finished receiving at once
     extra_errors: Set[int] = field(default_factory=set)
     stored_plan: Optional["StepPlan"] = None  # the plan whose stores were issued
+    step_loads: List[str] = field(default_factory=list)  # layerwise: this step's retrieves in flight
+    step_failed: Set[str] = field(default_factory=set)  # layerwise: ids whose load of this step failed
 
 
 class WorkerSide:
     """One worker's half: its region, its connector, the execution of each step's plan.
 
     Counters (attributes, for tests and logs): ``fence_refusals`` (blocks the engine was about
-    to write while quarantined: never expected), ``loads_issued``, ``stores_issued``."""
+    to write while quarantined: never expected, but in layerwise mode a request's own blocks
+    after its load failed with the server hung, which it recomputes in place),
+    ``loads_issued``, ``stores_issued``, ``stores_dropped`` (layerwise: stores of a request
+    whose load of the step failed), ``preemption_waits`` (layerwise: preemptions that waited
+    for quarantined blocks)."""
 
     def __init__(self, config: KVTierConfig) -> None:
         config.validate()
@@ -527,6 +577,10 @@ class WorkerSide:
         self.fence_refusals = 0
         self.loads_issued = 0
         self.stores_issued = 0
+        self.stores_dropped = 0
+        self.preemption_waits = 0
+        self._layerwise = config.layerwise
+        self._layer_index: Dict[str, int] = {}
         self._st = _WorkerState()
 
     # -- vLLM: register_kv_caches ----------------------------------------------------------
@@ -581,6 +635,7 @@ class WorkerSide:
                 t.set_(logical)
         self.region = region
         self.layer_names = names
+        self._layer_index = {n: i for i, n in enumerate(names)}
         self.connector = Connector(self.config.connector_options(scheduler=False), region)
         if not self.connector.wait_ready(self.config.ready_timeout_s):
             log.warning(
@@ -590,12 +645,15 @@ class WorkerSide:
                 self.connector.last_error,
             )
 
-    def register_region(self, region: KvRegion) -> None:
+    def register_region(self, region: KvRegion, layer_names: Optional[Sequence[str]] = None) -> None:
         """Registers a region the engine allocated itself (its tensors are views of it,
-        :func:`kvtier.torch_layers`)."""
+        :func:`kvtier.torch_layers`). ``layer_names``: the names ``wait_layer`` is given, in the
+        region's layer order (else it takes layer indices)."""
         if self.region is not None:
             raise RuntimeError("kvtier: a region is registered already")
         self.region = region
+        self.layer_names = list(layer_names or [])
+        self._layer_index = {n: i for i, n in enumerate(self.layer_names)}
         self.connector = Connector(self.config.connector_options(scheduler=False), region)
         self.connector.wait_ready(self.config.ready_timeout_s)
 
@@ -606,33 +664,110 @@ class WorkerSide:
 
     # -- vLLM: handle_preemptions ----------------------------------------------------------
     def handle_preemptions(self, plan: StepPlan) -> None:
-        """Preempted requests' blocks go back to the engine now. Nothing to wait for: their
-        stores read the blocks' generations when issued, and the fence before the next write of
-        each block makes the server drop a store that had not copied it yet."""
+        """Preempted requests' blocks go back to the engine now. Their stores need nothing: they
+        read the blocks' generations when issued, and the fence before the next write of each
+        block makes the server drop a store that had not copied it yet. In layerwise mode a
+        preempted request that was running may hold blocks of a load the connector gave up on
+        (the server hung): wait until none is quarantined, since vLLM hands them out at once."""
+        if not self._layerwise or not plan.preempted:
+            return None
+        conn = self._conn()
+        quarantined = set(conn.quarantined_blocks())
+        if not quarantined:
+            return None
+        held: Set[int] = set()
+        for rid in plan.preempted:
+            held |= self._st.load_blocks.get(rid, set()) & quarantined
+        if held:
+            self.preemption_waits += 1
+            log.warning(
+                "kvtier: rank %d: a preempted request holds %d blocks a hung server may still write: waiting for "
+                "their release (the server's answer or death, or quarantine_limit_ms)",
+                self.config.rank,
+                len(held),
+            )
+            conn.wait_released(sorted(held))
         return None
 
     # -- vLLM: start_load_kv ---------------------------------------------------------------
     def start_step(self, plan: StepPlan) -> None:
         """Before the forward pass: fence the blocks the step writes, issue the loads."""
         conn = self._conn()
+        st = self._st
         refused = set(conn.blocks_reused(plan.fence_blocks)) if plan.fence_blocks else set()
         if refused:
             # The engine was handed a block the server may still write: never expected (the
-            # requests owning quarantined blocks are held); load nothing into them.
-            self.fence_refusals += len(refused)
-            log.error("kvtier: rank %d: %d quarantined blocks were scheduled for writing", self.config.rank, len(refused))
+            # requests owning quarantined blocks are held); load nothing into them. In
+            # layerwise mode a running request whose load failed with the server hung
+            # recomputes into its own quarantined blocks: expected, and harmless (a late copy
+            # writes the same chunk's KV into the same positions).
+            own = set().union(*st.load_blocks.values()) if self._layerwise and st.load_blocks else set()
+            unexpected = refused - own
+            if unexpected:
+                self.fence_refusals += len(unexpected)
+                log.error(
+                    "kvtier: rank %d: %d quarantined blocks were scheduled for writing", self.config.rank, len(unexpected)
+                )
+        st.step_loads = []
+        st.step_failed = set()
         for op in plan.loads:
-            self._st.extra_errors.update(op.error_blocks)
+            st.extra_errors.update(op.error_blocks)
+            if op.error_blocks:
+                st.step_failed.add(op.request_id)
             if not op.hashes or refused.intersection(op.block_ids):
-                # Nothing to send (or nowhere safe to put it): every block is a load error and
-                # the request is finished receiving at the next report, as for a failed load.
+                # Nothing to send (or nowhere safe to put it): every block is a load error and,
+                # for an asynchronous load, the request is finished receiving at the next
+                # report, as for a failed load.
                 if op.hashes:
-                    self._st.extra_errors.update(op.block_ids)
-                self._st.unissued.append(op.request_id)
+                    st.extra_errors.update(op.block_ids)
+                    st.step_failed.add(op.request_id)
+                if not self._layerwise:
+                    st.unissued.append(op.request_id)
                 continue
-            self._st.load_blocks[op.request_id] = set(op.block_ids)
-            conn.retrieve_hashes(op.request_id, op.hashes, op.first_chunk, op.block_ids, op.skip_tokens, op.cache_salt)
+            st.load_blocks[op.request_id] = set(op.block_ids)
+            conn.retrieve_hashes(
+                op.request_id,
+                op.hashes,
+                op.first_chunk,
+                op.block_ids,
+                op.skip_tokens,
+                op.cache_salt,
+                layer_progress=self._layerwise,
+                synchronous=self._layerwise,
+            )
+            if self._layerwise:
+                st.step_loads.append(op.request_id)
             self.loads_issued += 1
+
+    # -- vLLM: wait_for_layer_load -------------------------------------------------------
+    def wait_layer(self, layer: Any) -> None:
+        """Layerwise mode: blocks (the GIL released) until layer ``layer`` (a registered layer
+        name, or an index) of every retrieve of this step is in the blocks, or the retrieve
+        ended (its failures are load errors, taken at ``end_step``). Asynchronous mode: nothing
+        (loads complete between steps)."""
+        st = self._st
+        if not self._layerwise or not st.step_loads:
+            return
+        index = layer if isinstance(layer, int) else self._layer_index.get(layer)
+        if index is None:  # a name kvtier was not given: wait for every layer
+            index = self.region.num_layers - 1 if self.region is not None else 0
+        self._conn().wait_layers(st.step_loads, int(index) + 1)
+
+    def _finish_step_loads(self) -> None:
+        """Layerwise mode: waits for the end of this step's retrieves and takes their load
+        errors (for this step's report), marking the requests whose blocks did not land."""
+        st = self._st
+        if not st.step_loads:
+            return
+        conn = self._conn()
+        conn.wait_retrieves(st.step_loads)
+        errors = set(conn.take_load_error_blocks())
+        st.extra_errors |= errors
+        if errors:
+            for rid in st.step_loads:
+                if st.load_blocks.get(rid, set()) & errors:
+                    st.step_failed.add(rid)
+        st.step_loads = []
 
     # -- vLLM: wait_for_save ---------------------------------------------------------------
     def end_step(self, plan: StepPlan) -> None:
@@ -641,8 +776,14 @@ class WorkerSide:
         if self._st.stored_plan is plan:
             return
         self._st.stored_plan = plan
+        self._finish_step_loads()
         conn = self._conn()
         for op in plan.stores:
+            if op.request_id in self._st.step_failed:
+                # Computed this step from blocks that did not land: vLLM discards it and
+                # recomputes; never stored.
+                self.stores_dropped += 1
+                continue
             conn.store_hashes(op.request_id, op.hashes, op.first_chunk, op.block_ids, op.cache_salt)
             self.stores_issued += 1
 
@@ -672,7 +813,9 @@ class WorkerSide:
 
     # -- vLLM: get_block_ids_with_load_errors ----------------------------------------------
     def load_error_blocks(self) -> Set[int]:
-        """Blocks whose KV did not land since the last call (each reported once)."""
+        """Blocks whose KV did not land since the last call (each reported once); in layerwise
+        mode every block of this step's loads that did not land."""
+        self._finish_step_loads()
         out = set(self._conn().take_load_error_blocks())
         out |= self._st.extra_errors
         self._st.extra_errors = set()

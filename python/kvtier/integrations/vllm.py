@@ -25,6 +25,8 @@ Options (``kv_connector_extra_config``; docs/integration.md has the table):
 ``hash``                     ``xxh3_128`` (default) or ``sha256``
 ``prefill_tokens_per_second`` the engine's prefill rate (0: not declared)
 ``ready_timeout_s``          how long start-up waits for the server (default 5)
+``load_mode``                ``async`` (default: loads complete between steps) or ``layerwise``
+                             (synchronous loads; each layer computes as soon as it landed)
 ``*_timeout_ms`` ...         connector deadlines (``retrieve_timeout_ms``, ``ping_timeout_ms``,
                              ``quarantine_limit_ms``, ...: docs/fault-tolerance.md)
 ``rank``                     this worker's TP rank when vLLM cannot tell (stand-in runs)
@@ -144,6 +146,7 @@ def config_from_vllm(vllm_config: Any, role: Any) -> KVTierConfig:
         prefill_tokens_per_second=int(extra.get("prefill_tokens_per_second", 0)),
         ready_timeout_s=float(extra.get("ready_timeout_s", 5.0)),
         timeouts_ms={k: int(extra[k]) for k in _TIMEOUT_KEYS if k in extra},
+        load_mode=str(extra.get("load_mode", "async")),
     )
     cfg.validate()
     return cfg
@@ -239,7 +242,11 @@ class KVTierConnector(KVConnectorBase_V1):
         return KVTierConnectorMetadata(self.scheduler_side.build_step(step_input_from(scheduler_output)))
 
     def update_connector_output(self, connector_output: Any) -> None:
-        return None
+        # A synchronous (layerwise) load's failed blocks: the request recomputes them, and its
+        # chunks are stored from the recomputation.
+        invalid = getattr(connector_output, "invalid_block_ids", None)
+        if invalid:
+            self.scheduler_side.on_load_errors(invalid)
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         return self.scheduler_side.request_finished(request.request_id), None
@@ -259,10 +266,15 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker_side.start_step(self._get_connector_metadata().plan)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads complete between steps (asynchronous loading)
+        # Layerwise: until this layer of the step's retrieves landed; async: nothing (the
+        # loads completed between steps).
+        self.worker_side.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return None  # the KV already lives in the shared region; wait_for_save stores it
+        # The KV already lives in the shared region and wait_for_save's stores never block the
+        # engine: a store per layer would only send L times the messages (docs/performance.md,
+        # "Layer-wise loading").
+        return None
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():

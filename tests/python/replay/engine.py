@@ -125,6 +125,7 @@ class ReplayEngine:
             chunk_align=chunk_tokens if chunk_align else None,
         )
         self.violations: List[str] = []
+        self.discarded = 0  # request outputs vLLM discarded (rolled back after a failed synchronous load)
         self.logits: Dict[Tuple[str, int], Any] = {}
         self.ttft: Dict[str, float] = {}
         self._arrival: Dict[str, float] = {}
@@ -156,8 +157,6 @@ class ReplayEngine:
         outs = [self._recv(pipe)[1] for pipe in self._pipes]
         kv = KVConnectorOutput(finished_sending=set(), finished_recving=set(), invalid_block_ids=set())
         for out in outs:
-            if out.get("bad_rows"):
-                self.violations.append(f"step {self.sched.step_count}: {out['bad_rows']} KV rows are not their token's")
             if out.get("fence_refusals"):
                 self.violations.append(f"step {self.sched.step_count}: {out['fence_refusals']} fences refused")
             q = set(out.get("quarantined", ()))
@@ -172,14 +171,22 @@ class ReplayEngine:
                         getattr(kv, key).add(rid)
                         del self._agg[which][rid]
         sampled = outs[0]["sampled"]
-        for rid, logits in outs[0].get("logits", {}).items():
-            self.logits[(rid, len(so.token_ids[rid]))] = logits
         had = {rid: len(r.output_token_ids) for rid, r in self.sched.requests.items()}
         try:
-            self.sched.update_from_output(so, sampled, kv if self.kvtier else None)
+            discarded = self.sched.update_from_output(so, sampled, kv if self.kvtier else None)
         except AssertionError as e:
             self.violations.append(f"step {self.sched.step_count}: {e}")
             raise
+        # What vLLM keeps of the step: not the output of a request it rolled back (a synchronous
+        # load with failed blocks); anything wrong in what it keeps is a violation.
+        for out in outs:
+            bad = {rid: n for rid, n in (out.get("bad_rows") or {}).items() if rid not in discarded}
+            if bad:
+                self.violations.append(f"step {self.sched.step_count}: KV rows not their token's: {bad}")
+        self.discarded += len(discarded)
+        for rid, logits in outs[0].get("logits", {}).items():
+            if rid not in discarded:
+                self.logits[(rid, len(so.token_ids[rid]))] = logits
         now = time.perf_counter()
         for rid, n in had.items():
             req = self.sched.requests.get(rid) or self.sched.finished.get(rid)

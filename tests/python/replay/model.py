@@ -21,9 +21,13 @@
 from __future__ import annotations
 
 import math
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
+
+
+#: One request of a step: (tokens, start, end, block table).
+Batched = Tuple[List[int], int, int, List[int]]
 
 
 def _kv_cache_shape(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int) -> Tuple[int, ...]:
@@ -128,37 +132,48 @@ class TinyDecoder:
     ) -> torch.Tensor:
         """Computes positions start..end-1 of `tokens` (K/V of 0..start-1 are in the cache),
         writes their K/V and returns the logits of the last one (vocab,)."""
-        n = end - start
-        xs = [self.embed[tokens[p]].clone() for p in range(start, end)]
+        return self.forward_batch([(tokens, start, end, table)], caches)[0]
+
+    def forward_batch(
+        self, batch: List[Batched], caches: List[PagedKV], before_layer: Optional[Callable[[int], None]] = None
+    ) -> List[torch.Tensor]:
+        """forward() for every (tokens, start, end, table) of a step, layer by layer as an
+        engine runs a batch: ``before_layer(layer)`` runs before the layer reads any K/V
+        (vLLM's wait_for_layer_load). Each request's result is the same as alone."""
         group = self.q_heads // self.kv_heads
         scale = 1.0 / math.sqrt(self.head_dim)
+        states = [[self.embed[tokens[p]].clone() for p in range(start, end)] for tokens, start, end, _ in batch]
         for layer, (p, cache) in enumerate(zip(self.params, caches)):
-            qs, ks, vs = [], [], []
-            for i in range(n):
-                h = self._rms(xs[i], p["norm1"])
-                q = (h[None, :] @ p["wq"]).view(self.q_heads, self.head_dim)
-                k = (h[None, :] @ p["wk"]).view(self.kv_heads, self.head_dim)
-                v = (h[None, :] @ p["wv"]).view(self.kv_heads, self.head_dim)
-                qs.append(self._rope(q, start + i))
-                ks.append(self._rope(k, start + i))
-                vs.append(v)
-            cache.write(table, torch.arange(start, end), torch.stack(ks), torch.stack(vs))
-            K, V = cache.read(table, end)  # (end, kv_heads, head_dim)
-            Kh = [K[:, h, :].contiguous() for h in range(self.kv_heads)]
-            Vh = [V[:, h, :].contiguous() for h in range(self.kv_heads)]
-            for i in range(n):
-                t = start + i + 1  # keys 0..start+i
-                heads = []
-                for hq in range(self.q_heads):
-                    kh = hq // group
-                    scores = (qs[i][hq][None, :] @ Kh[kh][:t].t()) * scale
-                    probs = torch.softmax(scores, dim=-1)
-                    heads.append((probs @ Vh[kh][:t])[0])
-                o = torch.cat(heads)[None, :] @ p["wo"]
-                x = xs[i] + o[0]
-                h2 = self._rms(x, p["norm2"])
-                xs[i] = x + (torch.nn.functional.silu(h2[None, :] @ p["w1"]) @ p["w2"])[0]
-        return (self._rms(xs[-1], self.norm)[None, :] @ self.lm_head)[0]
+            if before_layer is not None:
+                before_layer(layer)
+            for (tokens, start, end, table), xs in zip(batch, states):
+                n = end - start
+                qs, ks, vs = [], [], []
+                for i in range(n):
+                    h = self._rms(xs[i], p["norm1"])
+                    q = (h[None, :] @ p["wq"]).view(self.q_heads, self.head_dim)
+                    k = (h[None, :] @ p["wk"]).view(self.kv_heads, self.head_dim)
+                    v = (h[None, :] @ p["wv"]).view(self.kv_heads, self.head_dim)
+                    qs.append(self._rope(q, start + i))
+                    ks.append(self._rope(k, start + i))
+                    vs.append(v)
+                cache.write(table, torch.arange(start, end), torch.stack(ks), torch.stack(vs))
+                K, V = cache.read(table, end)  # (end, kv_heads, head_dim)
+                Kh = [K[:, h, :].contiguous() for h in range(self.kv_heads)]
+                Vh = [V[:, h, :].contiguous() for h in range(self.kv_heads)]
+                for i in range(n):
+                    t = start + i + 1  # keys 0..start+i
+                    heads = []
+                    for hq in range(self.q_heads):
+                        kh = hq // group
+                        scores = (qs[i][hq][None, :] @ Kh[kh][:t].t()) * scale
+                        probs = torch.softmax(scores, dim=-1)
+                        heads.append((probs @ Vh[kh][:t])[0])
+                    o = torch.cat(heads)[None, :] @ p["wo"]
+                    x = xs[i] + o[0]
+                    h2 = self._rms(x, p["norm2"])
+                    xs[i] = x + (torch.nn.functional.silu(h2[None, :] @ p["w1"]) @ p["w2"])[0]
+        return [(self._rms(xs[-1], self.norm)[None, :] @ self.lm_head)[0] for xs in states]
 
 
 class SyntheticRunner:
@@ -179,13 +194,22 @@ class SyntheticRunner:
     def forward(self, tokens: List[int], start: int, end: int, table: List[int], caches: List[PagedKV]) -> Tuple[int, int]:
         """Writes positions start..end-1, then checks 0..end-1. Returns (mismatched rows,
         sampled token)."""
-        new = torch.arange(start, end)
+        return self.forward_batch([(tokens, start, end, table)], caches)[0]
+
+    def forward_batch(
+        self, batch: List[Batched], caches: List[PagedKV], before_layer: Optional[Callable[[int], None]] = None
+    ) -> List[Tuple[int, int]]:
+        """forward() for every request of a step, layer by layer (``before_layer(layer)``
+        first, as vLLM's wait_for_layer_load): (mismatched rows, sampled token) each."""
+        bad = [0] * len(batch)
         for layer, cache in enumerate(caches):
-            cache.write(table, new, self.pattern(tokens, new, layer, 0), self.pattern(tokens, new, layer, 1))
-        bad = 0
-        every = torch.arange(end)
-        for layer, cache in enumerate(caches):
-            k, v = cache.read(table, end)
-            bad += int((k != self.pattern(tokens, every, layer, 0)).flatten(1).any(dim=1).sum())
-            bad += int((v != self.pattern(tokens, every, layer, 1)).flatten(1).any(dim=1).sum())
-        return bad, (sum(tokens[-3:]) * 31 + end) % 101
+            if before_layer is not None:
+                before_layer(layer)
+            for j, (tokens, start, end, table) in enumerate(batch):
+                new = torch.arange(start, end)
+                cache.write(table, new, self.pattern(tokens, new, layer, 0), self.pattern(tokens, new, layer, 1))
+                every = torch.arange(end)
+                k, v = cache.read(table, end)
+                bad[j] += int((k != self.pattern(tokens, every, layer, 0)).flatten(1).any(dim=1).sum())
+                bad[j] += int((v != self.pattern(tokens, every, layer, 1)).flatten(1).any(dim=1).sum())
+        return [(bad[j], (sum(tokens[-3:]) * 31 + end) % 101) for j, (tokens, _, end, _) in enumerate(batch)]

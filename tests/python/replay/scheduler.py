@@ -8,9 +8,12 @@ connector can tell: the same calls, in the same order, with the same consequence
   boundaries);
 * the connector: ``get_num_new_matched_tokens`` for a request with no computed tokens (None:
   skip it this step), ``update_state_after_alloc`` after allocation, asynchronous loads in
-  WAITING_FOR_REMOTE_KVS until the id comes back finished receiving, ``build_connector_meta``
-  once per step, ``request_finished`` once per request (delayed freeing until finished
-  sending), invalid (load error) blocks truncating a waiting request's computed tokens.
+  WAITING_FOR_REMOTE_KVS until the id comes back finished receiving, synchronous loads
+  (``(n, False)``: the request runs in the step that loads it), ``build_connector_meta`` once
+  per step, ``request_finished`` once per request (delayed freeing until finished sending),
+  invalid (load error) blocks truncating a waiting request's computed tokens, and a running
+  request's (a synchronous load): its output of the step is discarded and it recomputes from
+  the first failed block (vLLM's ``kv_load_failure_policy="recompute"``).
 
 It also checks what vLLM asserts: a finished_sending id must be a request it still holds, an id
 finished receiving must be waiting for it (or finished), and records each report so that tests
@@ -369,7 +372,9 @@ class MiniScheduler:
         self.finished_recving_ids.discard(rid)
         return True
 
-    def _handle_invalid_blocks(self, invalid: Set[int]) -> None:
+    def _handle_invalid_blocks(self, invalid: Set[int], num_scheduled: Dict[str, int]) -> Set[str]:
+        """vLLM's _handle_invalid_blocks under the recompute policy. Returns the running
+        requests (synchronous loads) whose output of this step is discarded."""
         for req in self.waiting:
             if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
@@ -382,12 +387,45 @@ class MiniScheduler:
                     req.num_external_computed_tokens -= computed - req.num_computed_tokens
                     self.failed_recving_ids.add(rid)
                     break
+        # Synchronous loads: the running requests, over the tokens computed before this step.
+        # A block shared with a request before it (vLLM's prefix cache) is recomputed by that
+        # one; this one only goes back to what it had before the step.
+        failed: Set[str] = set()
+        marked: Set[int] = set()
+        for req in self.running:
+            rid = req.request_id
+            table = self.tables.get(rid, [])
+            before = req.num_computed_tokens - num_scheduled.get(rid, 0)
+            affected = marked_here = False
+            for idx, b in enumerate(table[: -(-before // self.bs)]):
+                if b not in invalid:
+                    continue
+                affected = True
+                if b in marked:
+                    continue
+                marked.add(b)
+                if marked_here:
+                    continue
+                marked_here = True
+                req.num_computed_tokens = idx * self.bs
+                req.num_external_computed_tokens -= before - req.num_computed_tokens
+            if affected:
+                if not marked_here:
+                    req.num_computed_tokens = before
+                failed.add(rid)
+        return failed
 
-    def update_from_output(self, out: SchedulerOutput, sampled: Dict[str, int], kv: Optional[KVConnectorOutput]) -> None:
-        """vLLM's update_from_output: new tokens, stops, then the connector's reports."""
+    def update_from_output(
+        self, out: SchedulerOutput, sampled: Dict[str, int], kv: Optional[KVConnectorOutput]
+    ) -> Set[str]:
+        """vLLM's update_from_output: new tokens, stops, then the connector's reports. Returns
+        the requests whose output of the step was discarded (failed synchronous loads)."""
+        discarded: Set[str] = set()
         if kv is not None and kv.invalid_block_ids:
-            self._handle_invalid_blocks(set(kv.invalid_block_ids))
+            discarded = self._handle_invalid_blocks(set(kv.invalid_block_ids), out.num_scheduled_tokens)
         for rid in out.num_scheduled_tokens:
+            if rid in discarded:
+                continue  # vLLM skips the requests it rolled back
             req = self.requests.get(rid)
             if req is None or req.is_finished() or req.status != RequestStatus.RUNNING:
                 continue
@@ -398,7 +436,7 @@ class MiniScheduler:
                     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
                     self._free_request(req)
         if kv is None:
-            return
+            return discarded
         if self.connector is not None:
             self.connector.update_connector_output(kv)
         for rid in sorted(kv.finished_recving or ()):
@@ -415,3 +453,4 @@ class MiniScheduler:
             assert rid in self.requests, f"{rid} reported finished sending but vLLM no longer holds it"
             assert self.requests[rid].is_finished(), f"{rid} finished sending while not finished"
             self._free_blocks(self.requests[rid])
+        return discarded

@@ -2,7 +2,8 @@
 its KV connector (vllm/v1/worker/kv_connector_model_runner_mixin.py), per step:
 
     bind_connector_metadata(meta); handle_preemptions(meta); start_load_kv(ctx)
-    forward: per layer wait_for_layer_load(name) ... save_kv_layer(name, kv, attn_md)
+    forward: per layer wait_for_layer_load(name), then that layer for every scheduled
+             request ... save_kv_layer(name, kv, attn_md)
     wait_for_save(); get_finished(finished_req_ids); get_block_ids_with_load_errors()
     clear_connector_metadata()
 
@@ -94,22 +95,22 @@ class Worker:
                 self.tables.setdefault(rid, []).extend(ids)
         computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-        out: Dict[str, Any] = {"sampled": {}, "logits": {}, "bad_rows": 0}
-        if c is not None:
-            for name in _layer_names(self.spec.num_layers):
-                c.wait_for_layer_load(name)  # the forward pass's per-layer hooks (no-ops here)
-        for rid, n in so.num_scheduled_tokens.items():
-            tokens = so.token_ids[rid]
-            start = computed[rid]
-            end = start + n
+        out: Dict[str, Any] = {"sampled": {}, "logits": {}, "bad_rows": {}}
+        names = _layer_names(self.spec.num_layers)
+        # The forward pass: every scheduled request, layer by layer; each attention layer waits
+        # for its KV first (vLLM's wait_for_layer_load: a no-op for asynchronous loads).
+        batch = [(so.token_ids[rid], computed[rid], computed[rid] + n, self.tables[rid]) for rid, n in so.num_scheduled_tokens.items()]
+        before_layer = (lambda layer: c.wait_for_layer_load(names[layer])) if c is not None else None
+        results = self.model.forward_batch(batch, self.pages, before_layer) if batch else []
+        for (rid, _), (tokens, _, end, _), result in zip(so.num_scheduled_tokens.items(), batch, results):
             if self.spec.runner == "model":
-                logits = self.model.forward(tokens, start, end, self.tables[rid], self.pages)
                 if end == len(tokens):
-                    out["logits"][rid] = logits.clone()
-                    out["sampled"][rid] = int(torch.argmax(logits))
+                    out["logits"][rid] = result.clone()
+                    out["sampled"][rid] = int(torch.argmax(result))
             else:
-                bad, token = self.model.forward(tokens, start, end, self.tables[rid], self.pages)
-                out["bad_rows"] += bad
+                bad, token = result
+                if bad:
+                    out["bad_rows"][rid] = bad
                 if end == len(tokens):
                     out["sampled"][rid] = token
         if c is not None:

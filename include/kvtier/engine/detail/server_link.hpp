@@ -10,7 +10,10 @@
 //   calls       the table of calls in flight (call_table.hpp): each gets its deadline when
 //               it is written, completes exactly once (reply, error reply, deadline,
 //               unhealthy edge, connection lost) with the mutex held; replies are matched by
-//               call id, and replies to calls given up on are late replies
+//               call id, and replies to calls given up on are late replies. A progress
+//               message (protocol::retrieve_progress) names a retrieve in flight by its call
+//               id and goes to the owner without completing it; progress for a call that is
+//               not in flight on that connection (given up on, or never made) is ignored
 //   connections one reader per connection (server_connection.hpp); the current one carries
 //               the calls, older ones stay open while the owner awaits late replies on them
 //   health      starting -> healthy <-> unhealthy: EOF or socket error at once, an unanswered
@@ -78,6 +81,9 @@ class link_owner {
   virtual void on_copies_over_locked(std::uint64_t epoch) = 0;
   /// The answer to call `id`, which had completed already (deadline, unhealthy edge).
   virtual void on_late_reply_locked(std::uint64_t id) = 0;
+  /// Progress of retrieve `id`, which is in flight: `layers_ready` leading layers of its
+  /// chunks are in the engine's blocks (protocol::retrieve_progress).
+  virtual void on_retrieve_progress_locked(std::uint64_t id, std::uint32_t layers_ready) = 0;
   /// Whether connection `epoch` must stay open for late replies.
   [[nodiscard]] virtual bool awaits_late_replies_locked(std::uint64_t epoch) const = 0;
 
@@ -89,6 +95,8 @@ class link_owner {
 struct link_stats {
   std::uint64_t registrations = 0;   ///< successful registrations (first connect + reconnects)
   std::uint64_t late_replies = 0;    ///< replies to calls given up on
+  std::uint64_t progress_messages = 0;  ///< progress messages for calls in flight
+  std::uint64_t ignored_progress = 0;   ///< progress messages for calls not in flight (ignored)
   std::uint64_t calls_issued = 0;    ///< requests handed to a connection
   std::size_t pending_calls = 0;     ///< calls waiting for their reply now
   std::size_t open_connections = 0;  ///< the current one plus those kept for late replies

@@ -137,6 +137,8 @@ connector_stats connector<Bus>::stats() const {
   connector_stats s;
   s.registrations = l.registrations;
   s.late_replies = l.late_replies;
+  s.progress_messages = l.progress_messages;
+  s.ignored_progress = l.ignored_progress;
   s.calls_issued = l.calls_issued;
   s.pending_calls = l.pending_calls;
   s.tracked_requests = tracker_.tracked();
@@ -190,6 +192,18 @@ void connector<Bus>::on_late_reply_locked(std::uint64_t id) {
   if (quarantine_.holds_call(id))
     if (const std::size_t released = quarantine_.release_call(id); released != 0)
       publish_quarantine_locked(0, released);
+}
+
+template <class Bus>
+void connector<Bus>::on_retrieve_progress_locked(std::uint64_t id, std::uint32_t layers_ready) {
+  auto it = loads_.find(id);
+  if (it == loads_.end()) return;
+  // A server saying more than the model has means every layer (the answer still decides
+  // which chunks landed).
+  const std::uint32_t layers = std::min(layers_ready, region_->layout().model.num_layers);
+  if (layers <= it->second.layers_ready) return;
+  it->second.layers_ready = layers;
+  waits_cv_.notify_all();
 }
 
 template <class Bus>

@@ -22,19 +22,19 @@ namespace kvtier::inline KVTIER_ABI_TAG::engine {
 template <class Bus>
 void connector<Bus>::retrieve(std::string_view request_id, std::span<const token_id> tokens, std::uint32_t first_chunk,
                               std::span<const std::uint32_t> block_ids, std::uint32_t skip_tokens,
-                              std::string_view cache_salt) {
+                              std::string_view cache_salt, retrieve_options how) {
   region_for("retrieve");
   if (block_ids.size() % blocks_per_chunk() != 0)
     throw std::invalid_argument("kvtier::engine::connector::retrieve: block ids are not whole chunks");
   const std::size_t chunks = block_ids.size() / blocks_per_chunk();
   const std::vector<hash128> hashes = hashes_of(tokens, first_chunk, chunks);
-  retrieve_hashes(request_id, hashes, first_chunk, block_ids, skip_tokens, cache_salt);
+  retrieve_hashes(request_id, hashes, first_chunk, block_ids, skip_tokens, cache_salt, how);
 }
 
 template <class Bus>
 void connector<Bus>::retrieve_hashes(std::string_view request_id, std::span<const hash128> hashes,
                                      std::uint32_t first_chunk, std::span<const std::uint32_t> block_ids,
-                                     std::uint32_t skip_tokens, std::string_view cache_salt) {
+                                     std::uint32_t skip_tokens, std::string_view cache_salt, retrieve_options how) {
   region_for("retrieve");
   check_request_id(request_id);
   check_salt(cache_salt);
@@ -51,14 +51,20 @@ void connector<Bus>::retrieve_hashes(std::string_view request_id, std::span<cons
   std::vector<std::byte> bytes;
   if (info->chunks != 0)
     bytes = detail::server_link::encode(
-        cid, protocol::retrieve_request{info->request_id, options_.rank, first_chunk,
-                                        std::vector<hash128>(hashes.begin(), hashes.end()), info->block_ids,
-                                        skip_tokens, std::string(cache_salt)});
+        cid, protocol::retrieve_request{info->request_id,
+                                        options_.rank,
+                                        first_chunk,
+                                        std::vector<hash128>(hashes.begin(), hashes.end()),
+                                        info->block_ids,
+                                        skip_tokens,
+                                        std::string(cache_salt),
+                                        how.layer_progress});
   std::lock_guard g(mu());
-  tracker_.retrieve_started(info->request_id);
+  tracker_.retrieve_started(info->request_id, how.synchronous);
   if (info->chunks == 0) return finish_retrieve_locked(*info, 0, bus::connector_outcome::ok, nullptr);
   if (link_.state_locked() != health_state::healthy)
     return finish_retrieve_locked(*info, 0, bus::connector_outcome::unhealthy, nullptr);
+  loads_.emplace(cid, load_in_flight{info->request_id, 0});
   link_.issue_locked(cid, call_kind::retrieve, protocol::retrieve_response::type, std::move(bytes),
                      scaled(options_.timeouts.retrieve_timeout), [this, info](pending_call& c, call_result& r) {
                        std::uint32_t got = 0;
@@ -97,6 +103,7 @@ void connector<Bus>::finish_retrieve_locked(const retrieve_info& info, std::uint
       load_errors_.push_back(b);
     }
   tracker_.retrieve_done(info.request_id);
+  if (call != nullptr && loads_.erase(call->id) != 0) waits_cv_.notify_all();
   // The completion comes last: whoever waits for it sees the retrieve's other events.
   if (!affected.empty())
     bus_.publish(bus::connector_load_error{options_.rank, outcome, static_cast<std::uint32_t>(affected.size())});
@@ -104,6 +111,54 @@ void connector<Bus>::finish_retrieve_locked(const retrieve_info& info, std::uint
   bus_.publish(bus::connector_retrieve_completed{options_.rank, outcome, info.chunks, retrieved,
                                                  static_cast<std::uint32_t>(affected.size()),
                                                  detail::elapsed_ns(info.started)});
+}
+
+// ---------------------------------------------------------------------------------------
+// Layer-wise loading
+// ---------------------------------------------------------------------------------------
+
+template <class Bus>
+template <class Done>
+bool connector<Bus>::wait_for_locked(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
+                                     Done done) {
+  // A timeout beyond a year is "no timeout" (and keeps the deadline from overflowing).
+  if (timeout >= std::chrono::hours(24 * 365)) {
+    waits_cv_.wait(lock, done);
+    return true;
+  }
+  return waits_cv_.wait_until(lock, clock::now() + timeout, done);
+}
+
+template <class Bus>
+std::uint32_t connector<Bus>::layers_ready(std::string_view request_id) const {
+  const kv_region& region = region_for("layers_ready");
+  std::uint32_t out = region.layout().model.num_layers;
+  std::lock_guard g(mu());
+  for (const auto& [cid, load] : loads_)
+    if (load.request_id == request_id) out = std::min(out, load.layers_ready);
+  return out;
+}
+
+template <class Bus>
+bool connector<Bus>::wait_layers(std::span<const std::string> request_ids, std::uint32_t layers,
+                                 std::chrono::milliseconds timeout) {
+  region_for("wait_layers");
+  std::unique_lock lock(mu());
+  return wait_for_locked(lock, timeout, [&] {
+    return std::none_of(loads_.begin(), loads_.end(), [&](const auto& kv) {
+      return kv.second.layers_ready < layers && listed(request_ids, kv.second.request_id);
+    });
+  });
+}
+
+template <class Bus>
+bool connector<Bus>::wait_retrieves(std::span<const std::string> request_ids, std::chrono::milliseconds timeout) {
+  region_for("wait_retrieves");
+  std::unique_lock lock(mu());
+  return wait_for_locked(lock, timeout, [&] {
+    return std::none_of(loads_.begin(), loads_.end(),
+                        [&](const auto& kv) { return listed(request_ids, kv.second.request_id); });
+  });
 }
 
 template <class Bus>
@@ -211,7 +266,17 @@ bool connector<Bus>::block_reused(std::uint32_t block) {
 }
 
 template <class Bus>
+bool connector<Bus>::wait_released(std::span<const std::uint32_t> blocks, std::chrono::milliseconds timeout) {
+  region_for("wait_released");
+  std::unique_lock lock(mu());
+  return wait_for_locked(lock, timeout, [&] {
+    return std::none_of(blocks.begin(), blocks.end(), [&](std::uint32_t b) { return quarantine_.contains(b); });
+  });
+}
+
+template <class Bus>
 void connector<Bus>::publish_quarantine_locked(std::size_t held, std::size_t released) {
+  if (released != 0) waits_cv_.notify_all();
   bus_.publish(bus::connector_quarantine_changed{options_.rank, static_cast<std::uint32_t>(held),
                                                  static_cast<std::uint32_t>(released),
                                                  static_cast<std::uint32_t>(quarantine_.size())});

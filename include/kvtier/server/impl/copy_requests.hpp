@@ -4,7 +4,12 @@
 // pool while the I/O thread serves the other connections:
 //   retrieve  tiered_cache::async_copy_out: each chunk scattered into the engine's blocks as
 //             soon as L1 has it (an L2 load pipelined with the copies); answers the
-//             contiguous prefix copied;
+//             contiguous prefix copied. Layer-wise (retrieve_request::layer_progress, a
+//             model of several layers): the copy has one part per layer, so when every
+//             chunk is readable at once (an L1 hit) it goes part-major, layer 0 of every
+//             chunk first, and each time more leading layers are done for every chunk a
+//             retrieve_progress frame goes out before the response (at most one queued per
+//             retrieve; none after the response);
 //   store     the generation fence before (chunks whose blocks the engine reused already are
 //             not copied) and after (async_copy_in's fence: a block reused while we copied
 //             is never stored under the old key), the copies gathered from the engine's
@@ -17,9 +22,11 @@
 #include <kvtier/core/kv_transfer.hpp>
 
 #include <boost/asio/as_tuple.hpp>
+#include <boost/asio/post.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <algorithm>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <system_error>
@@ -60,12 +67,57 @@ class session::first_error {
   std::error_code ec_;
 };
 
+/// The progress of one layer-wise retrieve: what the copy threads report (on_progress), what
+/// the I/O thread sent. Coalescing: one send is posted at a time; it sends the latest count.
+class session::progress_sender : public std::enable_shared_from_this<progress_sender> {
+ public:
+  progress_sender(std::shared_ptr<session> s, std::uint64_t call_id) : s_(std::move(s)), call_id_(call_id) {}
+
+  /// On a copy thread: `layers` leading layers are done for every chunk.
+  void report(std::size_t layers) {
+    {
+      std::lock_guard g(m_);
+      latest_ = std::max(latest_, layers);
+      if (std::exchange(posted_, true)) return;  // the send already posted takes the latest
+    }
+    boost::asio::post(s_->conn_.get_executor(), [self = shared_from_this()] { self->send(); });
+  }
+
+  /// On the I/O thread, when the copy completed: nothing is sent any more (the response
+  /// follows, and the engine must never see progress after it).
+  void finish() noexcept { over_ = true; }
+
+ private:
+  // On the I/O thread.
+  void send() {
+    std::size_t layers = 0;
+    {
+      std::lock_guard g(m_);
+      posted_ = false;
+      layers = latest_;
+    }
+    if (over_ || s_->closing_ || layers <= sent_) return;
+    sent_ = layers;
+    s_->conn_.async_send(call_id_, protocol::retrieve_progress{static_cast<std::uint32_t>(layers)}, [](error_code) {
+      // A failed write fails the response's too: the lane handles it.
+    });
+  }
+
+  std::shared_ptr<session> s_;
+  std::uint64_t call_id_;
+  std::mutex m_;
+  std::size_t latest_ = 0;  ///< under m_
+  bool posted_ = false;     ///< under m_: a send() is queued on the I/O thread
+  std::size_t sent_ = 0;    ///< I/O thread
+  bool over_ = false;       ///< I/O thread
+};
+
 inline request_error session::closing_error(std::string_view what) {
   return request_error{errc::shutting_down, std::string(what) + ": the connection is closing"};
 }
 
 inline boost::asio::awaitable<request_result<protocol::retrieve_response>> session::on_retrieve(
-    const protocol::retrieve_request& r) {
+    const protocol::retrieve_request& r, std::uint64_t call_id) {
   using boost::asio::as_tuple;
   using boost::asio::use_awaitable;
   auto reg_r = registered_with_region("retrieve_request");
@@ -92,14 +144,33 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
   const chunk_layout& chunk = reg.chunk;
   const std::uint32_t ct = reg.chunk.chunk_tokens;
   const std::size_t bpc = reg.blocks_per_chunk;
+  // Layer-wise: one part per layer. The layer copies write around the cache as the whole
+  // chunk's would (chosen by the object's size, not the layer's).
+  const std::uint32_t layers = chunk.model.num_layers;
+  const bool by_layer = r.layer_progress && layers > 1;
+  const transfer_options layer_write{reg.object_bytes >= transfer_streaming_threshold_bytes ? transfer_write::streaming
+                                                                                             : transfer_write::cached};
+  std::shared_ptr<progress_sender> progress;
+  if (by_layer) {
+    progress = std::make_shared<progress_sender>(shared_from_this(), call_id);
+    cr.parts = layers;
+    cr.on_progress = [progress](std::size_t done) { progress->report(done); };
+  }
   first_error refused;
-  cache::copy_out_sink sink = [&](std::size_t i, std::size_t, std::span<const std::byte> object) {
-    if (ctx_.hooks.during_copy) ctx_.hooks.during_copy(id_);
+  cache::copy_out_sink sink = [&](std::size_t i, std::size_t part, std::span<const std::byte> object) {
+    if (part == 0 && ctx_.hooks.during_copy) ctx_.hooks.during_copy(id_);
     const std::uint64_t done = std::uint64_t{ct} * i;
     const std::uint64_t skip = r.skip_tokens > done ? std::min<std::uint64_t>(r.skip_tokens - done, ct) : 0;
-    const scatter_item item{std::span(r.block_ids).subspan(i * bpc, bpc), object.data(),
-                            static_cast<std::uint32_t>(skip)};
-    if (const std::error_code ec = scatter_chunks(view, chunk, std::span(&item, 1))) {
+    const auto ids = std::span(r.block_ids).subspan(i * bpc, bpc);
+    std::error_code ec;
+    if (by_layer) {
+      ec = scatter_chunk_layer(view, ids, chunk, object.data(), static_cast<std::uint32_t>(part),
+                               static_cast<std::uint32_t>(skip), layer_write);
+    } else {
+      const scatter_item item{ids, object.data(), static_cast<std::uint32_t>(skip)};
+      ec = scatter_chunks(view, chunk, std::span(&item, 1));
+    }
+    if (ec) {
       refused.set(ec);
       return false;
     }
@@ -111,6 +182,7 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
     auto [ec, count] = co_await ctx_.cache.async_copy_out(std::move(cr), std::move(sink), as_tuple(use_awaitable));
     copied = ec ? 0 : count;
   }
+  if (progress) progress->finish();  // on the I/O thread, before the response is queued
   if (const std::error_code e = refused.get()) ctx_.log.error("client {}: retrieve copy refused: {}", id_, e.message());
   co_return protocol::retrieve_response{static_cast<std::uint32_t>(copied)};
 }

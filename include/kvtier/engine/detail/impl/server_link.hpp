@@ -228,6 +228,19 @@ inline bool server_link::on_frame_io(server_connection& s, protocol::frame f) {
     last_error_ = "the server refused the connection: " + s.refusal;
     return true;
   }
+  if (const protocol::message_type t = protocol::type_of(*decoded); protocol::is_progress(t)) {
+    // Progress completes nothing. A call not in flight on this connection (given up on: its
+    // blocks are load errors already) or not a retrieve: ignored.
+    const std::shared_ptr<pending_call> c = calls_.find(id);
+    const auto* p = std::get_if<protocol::retrieve_progress>(&*decoded);
+    if (c && c->epoch == s.epoch && c->kind == call_kind::retrieve && p != nullptr) {
+      ++stats_.progress_messages;
+      owner_.on_retrieve_progress_locked(id, p->layers_ready);
+    } else {
+      ++stats_.ignored_progress;
+    }
+    return true;
+  }
   if (std::shared_ptr<pending_call> c = calls_.take(id, s.epoch)) {
     const protocol::message_type t = protocol::type_of(*decoded);
     call_result r;

@@ -1,0 +1,264 @@
+#!/usr/bin/python3
+"""Time to first token of an L1 hit with layer-wise loading against whole-request loading.
+
+A kvtier-server and one engine worker (a kvtier.Connector on a KvRegion, as
+kvtier.integrations' WorkerSide drives it in ``load_mode="layerwise"``) run a small torch
+decoder whose layers do real work on the CPU: per layer, attention of the new tokens over the
+whole context, reading the context's K/V from the paged blocks the retrieve filled, then an
+MLP. A long prompt is stored once; each repeat then retrieves its prefix (an L1 hit) into the
+engine's blocks and computes the suffix, timed from the retrieve's issue to the logits:
+
+  whole       the retrieve without layer progress (whole chunks, today's copy); all of it
+              waited for before layer 0 computes
+  layerwise   the retrieve with layer progress; layer l computes once layer l of every chunk
+              landed (Connector.wait_layers: vLLM's wait_for_layer_load), so layer 0 computes
+              while the server copies layer 1 and on
+
+Both orders alternate repeat by repeat (whole, layerwise, layerwise, whole, ...); the figures
+are medians. The MLP's width is calibrated at start so that one layer's compute of the new
+tokens takes about one layer's copy (the whole retrieve's time over the layer count), the
+case the issue asks about; --compute-ratio changes the balance. Both modes must produce the
+same logits bit for bit (checked every repeat).
+
+  KVTIER_BUILD_DIR=build bench/layerwise_ttft.py [--repeats 9] [--layers 16] ...
+
+Prints RESULT lines: layerwise_ttft_s, whole_ttft_s, layerwise_ttft_vs_whole (the median of
+the per-repeat ratios), whole_load_s (the whole retrieve alone), layer_compute_s (one layer's
+compute), layerwise_bound_vs_whole (what perfect overlap would give:
+(max(load, compute) + min(load, compute) / layers) / (load + compute)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = Path(os.environ.get("KVTIER_BUILD_DIR", REPO / "build")).resolve()
+sys.path.insert(0, str(BUILD / "python"))
+
+import torch  # noqa: E402
+
+import kvtier  # noqa: E402
+
+
+def start_server(binary: Path, sock: Path, chunk_tokens: int, slot_bytes: int, l1_mb: int, copy_threads: int):
+    proc = subprocess.Popen(
+        [
+            str(binary),
+            "--socket",
+            str(sock),
+            "--chunk-size",
+            str(chunk_tokens),
+            "--l1-slot-bytes",
+            str(slot_bytes),
+            "--l1-size-mb",
+            str(l1_mb),
+            "--copy-threads",
+            str(copy_threads),
+            "--log-level",
+            "warn",
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )
+    ready, _, _ = select.select([proc.stdout], [], [], 30)
+    if not ready or not proc.stdout.readline():
+        proc.kill()
+        raise SystemExit("layerwise_ttft: kvtier-server did not start")
+    return proc
+
+
+class Model:
+    """Per layer: Q of the new tokens, attention over the whole context (its K/V read from the
+    paged blocks), an output projection and a SiLU MLP of width `mlp`."""
+
+    def __init__(self, layers: int, heads: int, head_dim: int, mlp: int, seed: int = 7) -> None:
+        g = torch.Generator().manual_seed(seed)
+        hidden = heads * head_dim
+        self.layers, self.heads, self.head_dim, self.hidden = layers, heads, head_dim, hidden
+        s = hidden**-0.5
+        self.wq = [torch.randn(hidden, hidden, generator=g) * s for _ in range(layers)]
+        self.wo = [torch.randn(hidden, hidden, generator=g) * s for _ in range(layers)]
+        self.w1 = [torch.randn(hidden, mlp, generator=g) * s for _ in range(layers)]
+        self.w2 = [torch.randn(mlp, hidden, generator=g) * mlp**-0.5 for _ in range(layers)]
+
+    def layer(self, layer: int, x: torch.Tensor, kv: torch.Tensor, table: torch.Tensor, context: int) -> torch.Tensor:
+        """x: (new, hidden); kv: the layer's (2, blocks, block_size, heads, head_dim) tensor."""
+        k = kv[0, table].reshape(-1, self.heads, self.head_dim)[:context].transpose(0, 1)  # (heads, ctx, hd)
+        v = kv[1, table].reshape(-1, self.heads, self.head_dim)[:context].transpose(0, 1)
+        q = (x @ self.wq[layer]).view(-1, self.heads, self.head_dim).transpose(0, 1)  # (heads, new, hd)
+        att = torch.softmax((q @ k.transpose(1, 2)) * self.head_dim**-0.5, dim=-1) @ v
+        x = x + att.transpose(0, 1).reshape(-1, self.hidden) @ self.wo[layer]
+        return x + torch.nn.functional.silu(x @ self.w1[layer]) @ self.w2[layer]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=9, help="pairs of (whole, layerwise) runs (>= 5)")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--chunk-tokens", type=int, default=256)
+    ap.add_argument("--prompt-chunks", type=int, default=8, help="chunks of the cached prefix")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens computed after the prefix")
+    ap.add_argument("--copy-threads", type=int, default=1, help="the server's copy threads")
+    ap.add_argument("--compute-ratio", type=float, default=1.0, help="one layer's compute / one layer's copy")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    args = ap.parse_args()
+    if args.repeats < 5:
+        raise SystemExit("layerwise_ttft: --repeats must be >= 5")
+    torch.set_num_threads(args.threads)
+
+    L, H, D, BS, CT = args.layers, args.kv_heads, args.head_dim, args.block_size, args.chunk_tokens
+    shape = kvtier.ModelShape(L, H, D, kvtier.DtypeKind.FP32, kvtier.AttentionKind.MHA)
+    chunk = kvtier.ChunkLayout(shape, CT)
+    bpc = CT // BS
+    nchunks = args.prompt_chunks
+    context = nchunks * CT + args.new_tokens
+    blocks_per_copy = -(-context // BS)
+    layout = kvtier.PagedKvLayout(shape, BS, 2 * blocks_per_copy + 2, kvtier.KvLayoutKind.NHD)
+    region = kvtier.KvRegion.create(layout, "kvtier-bench-layerwise")
+    kv = kvtier.torch_layers(region)
+    src = list(range(blocks_per_copy))
+    dst = list(range(blocks_per_copy, 2 * blocks_per_copy))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for t in kv:
+            t[:, src] = torch.randn(t[:, src].shape, generator=g) * 0.5
+
+    server_bin = Path(os.environ.get("KVTIER_SERVER", BUILD / "examples" / "kvtier-server"))
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-layerwise-"))
+    sock = tmp / "kvtier.sock"
+    l1_mb = max(64, (nchunks * chunk.object_bytes * 2) >> 20)
+    proc = start_server(server_bin, sock, CT, chunk.object_bytes, l1_mb, args.copy_threads)
+    try:
+        o = kvtier.ConnectorOptions()
+        o.socket_path = str(sock)
+        o.model_name = "bench/layerwise"
+        o.chunk_tokens = CT
+        o.scheduler = False
+        conn = kvtier.Connector(o, region)
+        if not conn.wait_ready(30):
+            raise SystemExit(f"layerwise_ttft: the connector did not register: {conn.last_error}")
+        tokens = [(i * 7919) % 50000 + 1 for i in range(context)]
+        hashes = conn.chunk_hashes(tokens)[:nchunks]
+        conn.store_hashes("store", hashes, 0, src[: nchunks * bpc])
+        deadline = time.monotonic() + 60
+        while "store" not in conn.get_finished(["store"])[0]:
+            if time.monotonic() > deadline:
+                raise SystemExit("layerwise_ttft: the store did not finish")
+            time.sleep(0.01)
+        # The suffix's K/V (as the engine's earlier work would have them) sits after the
+        # prefix in both block lists.
+        with torch.no_grad():
+            for t in kv:
+                flat_src = t[:, src].reshape(2, -1, H, D)
+                flat_dst = t[:, dst].reshape(2, -1, H, D)
+                flat_dst[:, nchunks * CT : context] = flat_src[:, nchunks * CT : context]
+                t[:, dst] = flat_dst.reshape(t[:, dst].shape)
+        table = torch.tensor(dst, dtype=torch.long)
+        x0 = torch.randn(args.new_tokens, H * D, generator=g)
+
+        def load(rid: str, layerwise: bool) -> None:
+            conn.retrieve_hashes(rid, hashes, 0, dst[: nchunks * bpc], 0, "", layer_progress=layerwise, synchronous=True)
+
+        # Calibration: the whole retrieve's time, then an MLP width whose layer compute takes
+        # that time over the layer count (times --compute-ratio).
+        loads = []
+        for i in range(5):
+            t0 = time.perf_counter()
+            load(f"cal-{i}", False)
+            conn.wait_retrieves([f"cal-{i}"])
+            loads.append(time.perf_counter() - t0)
+            assert not conn.take_load_error_blocks(), "a calibration retrieve failed"
+        load_s = statistics.median(loads)
+        target = load_s / L * args.compute_ratio
+
+        def layer_time(mlp: int) -> float:
+            m = Model(1, H, D, mlp)
+            times = []
+            with torch.no_grad():
+                for _ in range(5):
+                    t0 = time.perf_counter()
+                    m.layer(0, x0, kv[0], table, context)
+                    times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+
+        mlp, lo, hi = 64, 64, 64
+        while layer_time(hi) < target and hi < (1 << 16):
+            lo, hi = hi, hi * 2
+        for _ in range(6):
+            mid = (lo + hi) // 2
+            if layer_time(mid) < target:
+                lo = mid
+            else:
+                hi = mid
+        mlp = hi
+        model = Model(L, H, D, mlp)
+        compute_s = layer_time(mlp)
+
+        def run(rid: str, layerwise: bool):
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                load(rid, layerwise)
+                if not layerwise:
+                    conn.wait_retrieves([rid])
+                x = x0
+                for layer in range(L):
+                    if layerwise:
+                        conn.wait_layers([rid], layer + 1)
+                    x = model.layer(layer, x, kv[layer], table, context)
+                conn.wait_retrieves([rid])  # the step's end: its load errors are known
+                elapsed = time.perf_counter() - t0
+            assert not conn.take_load_error_blocks(), f"retrieve {rid} failed"
+            return elapsed, x
+
+        run("warm-w", False)
+        run("warm-l", True)
+        whole, layer, ratios = [], [], []
+        for r in range(args.repeats):
+            order = (False, True) if r % 2 == 0 else (True, False)
+            got = {}
+            for lw in order:
+                got[lw] = run(f"r{r}-{'l' if lw else 'w'}", lw)
+            if not torch.equal(got[False][1], got[True][1]):
+                raise SystemExit("layerwise_ttft: the two modes computed different outputs")
+            whole.append(got[False][0])
+            layer.append(got[True][0])
+            ratios.append(got[True][0] / got[False][0])
+        stats = conn.stats()
+        conn.close()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+    w, lw, ratio = statistics.median(whole), statistics.median(layer), statistics.median(ratios)
+    bound = (max(load_s, compute_s * L) + min(load_s, compute_s * L) / L) / (load_s + compute_s * L)
+    print(
+        f"# {L} layers, {H} KV heads x {D} fp32, {nchunks} chunks of {CT} tokens cached "
+        f"({nchunks * chunk.object_bytes / 2**20:.0f} MiB), {args.new_tokens} new tokens, MLP {mlp}, "
+        f"server copy threads {args.copy_threads}, torch threads {args.threads}, {args.repeats} repeats; "
+        f"progress messages {stats['progress_messages']}"
+    )
+    print(f"# whole ttft per repeat (ms): {' '.join(f'{v * 1e3:.1f}' for v in whole)}")
+    print(f"# layerwise ttft per repeat (ms): {' '.join(f'{v * 1e3:.1f}' for v in layer)}")
+    print(f"RESULT whole_load_s={load_s:.6f}")
+    print(f"RESULT layer_compute_s={compute_s:.6f}")
+    print(f"RESULT whole_ttft_s={w:.6f}")
+    print(f"RESULT layerwise_ttft_s={lw:.6f}")
+    print(f"RESULT layerwise_ttft_vs_whole={ratio:.4f}")
+    print(f"RESULT layerwise_bound_vs_whole={bound:.4f}")
+
+
+if __name__ == "__main__":
+    main()
