@@ -178,7 +178,6 @@ class ConnectorOptions:
     instance_id: int
     timeouts: ConnectorTimeouts
     timeout_scale: int
-    lookup_poll_interval_us: int  # unused: the server answers query_prefetch when decided
     breaker_threshold: int
     finished_window: int
     max_lookups: int

@@ -462,9 +462,6 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_readwrite("instance_id", &O::instance_id)
       .def_readwrite("timeouts", &O::timeouts)
       .def_readwrite("timeout_scale", &O::timeout_scale)
-      .def_property(
-          "lookup_poll_interval_us", [](const O& o) { return o.lookup_poll_interval.count(); },
-          [](O& o, std::int64_t us) { o.lookup_poll_interval = std::chrono::microseconds(us); })
       .def_readwrite("breaker_threshold", &O::breaker_threshold)
       .def_readwrite("finished_window", &O::finished_window)
       .def_readwrite("max_lookups", &O::max_lookups)

@@ -122,10 +122,6 @@ struct connector_options {
   connector_timeouts timeouts;
   /// Multiplies every timeout and period of `timeouts`.
   int timeout_scale = config::timeout_scale;
-  /// Unused since a lookup is one call that the server answers when the prefetch is decided
-  /// (no polling on the wire, docs/protocol.md): kept so that code setting it still compiles.
-  /// Must be > 0.
-  std::chrono::microseconds lookup_poll_interval{2000};
   /// Consecutive call timeouts (pings aside) that trip the breaker: the server is declared
   /// unhealthy even though pings still pass (it answers pings but not work).
   std::uint32_t breaker_threshold = 3;
@@ -158,7 +154,6 @@ struct connector_options {
       if (d.count() <= 0) return "every timeout, period and backoff must be > 0 (quarantine_limit may be 0)";
     if (t.quarantine_limit.count() < 0) return "quarantine_limit must be >= 0";
     if (t.reconnect_initial > t.reconnect_max) return "reconnect_initial must not exceed reconnect_max";
-    if (lookup_poll_interval.count() <= 0) return "lookup_poll_interval must be > 0";
     if (breaker_threshold == 0) return "breaker_threshold must be >= 1";
     if (finished_window == 0) return "finished_window must be >= 1";
     if (max_lookups == 0) return "max_lookups must be >= 1";
