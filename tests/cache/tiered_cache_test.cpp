@@ -21,6 +21,7 @@
 
 #include <cstring>
 #include <functional>
+#include <atomic>
 #include <vector>
 
 using namespace kvtier;
@@ -139,9 +140,10 @@ struct manual_clock {
 /// LRU that counts the reads the tier reports to its policy.
 struct counting_lru : l1::lru {
   static constexpr std::string_view name = "counting_lru";
-  std::size_t accesses = 0;
+  // Every counting_lru's accesses (the tier calls on_access under its mutex; one test uses it).
+  static inline std::atomic<std::size_t> accesses{0};
   void on_access(hook& h) noexcept {
-    ++accesses;
+    accesses.fetch_add(1, std::memory_order_relaxed);
     l1::lru::on_access(h);
   }
 };
@@ -474,14 +476,14 @@ TEST_CASE("a lookup read-locks only the L1 prefix: reads after the first miss ar
   const auto k = keys(410, 3);
   f.put_l1(std::vector<chunk_key>{k[0], k[2]});  // k[1] nowhere
   // The store pipeline's own reads of k[0] and k[2] (write-through) happened; count from here.
-  const auto before = f.cache->l1().with_policy([](const counting_lru& p) { return p.accesses; });
+  const std::size_t before = counting_lru::accesses.load();
   const double reserved0 = f.metric("kvtier_l1_read_reserved_keys_total");
   const double read0 = f.metric("kvtier_l1_read_keys_total");
   const auto st = f.lookup(k);
   CHECK(st.chunks == 1);
   CHECK(f.metric("kvtier_l1_read_reserved_keys_total") - reserved0 == 1);
   CHECK(f.metric("kvtier_l1_read_keys_total") - read0 == 0);  // nothing locked and given back
-  CHECK(f.cache->l1().with_policy([](const counting_lru& p) { return p.accesses; }) == before + 1);
+  CHECK(counting_lru::accesses.load() == before + 1);
   CHECK(f.cache->l1().state(k[2]) == l1::object_state::ready);
   f.cache->release_all(f.last_id);
   CHECK(f.metric("kvtier_l1_read_keys_total") - read0 == 1);

@@ -324,13 +324,6 @@ class tier {
   [[nodiscard]] std::optional<object_info> info(const chunk_key& key);
   [[nodiscard]] usage_info usage() const;
 
-  /// Runs f(policy) under the tier's mutex (introspection for tests and benchmarks).
-  template <class F>
-  decltype(auto) with_policy(F&& f) {
-    std::lock_guard g(mutex_);
-    return std::forward<F>(f)(policy_);
-  }
-
   /// The arena, for one-time registration (io_uring fixed buffers, cudaHostRegister).
   [[nodiscard]] std::span<std::byte> arena() noexcept { return slots_.arena(); }
   [[nodiscard]] std::size_t slot_bytes() const noexcept { return slots_.slot_bytes(); }
