@@ -11,7 +11,7 @@
 # $KVTIER_BUILD_DIR when set, else configures and builds build/ (Release). Installs missing
 # Debian packages (gnuplot-nox, fio, redis-server, redis-tools, python3) as the quick-start
 # scripts do (as root). Benchmarks: event_bus l1_policies gather server_copy copy_pool io l2_fio
-# l2_redis rpc degraded longdoc scaling (--only picks some; the docs are regenerated from whatever results.json holds).
+# l2_redis rpc degraded longdoc layerwise scaling (--only picks some; the docs are regenerated from whatever results.json holds).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -40,10 +40,10 @@ kvtier_ensure_packages gnuplot-nox fio redis-server redis-tools python3
 
 targets=(kvtier-server kvtier_mini_engine kvtier_long_doc_qa kvtier_fault_tolerance kvtier_bench_event_bus
   kvtier_bench_l1_policies kvtier_bench_gather kvtier_bench_server kvtier_bench_copy_pool kvtier_bench_io
-  kvtier_bench_l2_disk kvtier_bench_l2_redis kvtier_bench_rpc)
+  kvtier_bench_l2_disk kvtier_bench_l2_redis kvtier_bench_rpc kvtier_python)
 build="${KVTIER_BUILD_DIR:-}"
 if [ -z "$build" ]; then
-  kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}"
+  kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" "${KVTIER_PYTHON_PACKAGES[@]}"
   build="$root/build"
   [ -f "$build/CMakeCache.txt" ] || cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
   echo "run_all: building ${#targets[@]} targets in $build (not counted in the time below)"
@@ -170,7 +170,9 @@ stop_server() {
   wait "$server_pid" 2>/dev/null || true
 }
 
-# One long-document QA run: SHAPE(0.5b|8b) MODE(l1|l2) TOKENS DOCS TRIALS [SUFFIX for the io-bound RESULT].
+# One long-document QA run: SHAPE(0.5b|8b) MODE(l1|l2|l2gated) TOKENS DOCS TRIALS [SUFFIX for the io-bound RESULT].
+# l2gated: L2 mode with the engine's prefill rate declared (--declare-prefill-rate): the
+# lookup offers from L2 only what loads faster than the engine computes it.
 # --max-inflight 1: a TTFT is one request's own service time, no queueing; --verify-every 256:
 # one checked token per chunk (the engine's check is not kvtier's time).
 longdoc_run() {
@@ -179,10 +181,11 @@ longdoc_run() {
   if [ "$shape" = 8b ]; then slot=33554432; else slot=3145728; fi
   local tag="${shape/./}_${mode}_${tokens}"
   local d="$work/ld-$tag"
-  start_server "$d" "$slot" 2 "$mode"
+  start_server "$d" "$slot" 2 "${mode%gated}"
   local args=(--socket "$d/s.sock" --model "$shape" --documents "$docs" --tokens "$tokens" --max-inflight 1
     --trials "$trials" --verify-every 256 --json "$results/longdoc/$tag.json")
-  [ "$mode" = l2 ] && args+=(--l2-mode --io-bound-dir "$d/disk" --result-suffix "$suffix")
+  [ "$mode" != l1 ] && args+=(--l2-mode --io-bound-dir "$d/disk" --result-suffix "$suffix")
+  [ "$mode" = l2gated ] && args+=(--declare-prefill-rate)
   local rc=0
   "$build/examples/kvtier_long_doc_qa" "${args[@]}" >> "$logs/longdoc.log" 2>&1 || rc=$?
   stop_server
@@ -207,6 +210,10 @@ bench_longdoc() {
       longdoc_one 8b $m "$t" 2 "$trials" "$([ "$t" = 4112 ] && echo "" || echo "_8b_$t")"
     done
   done
+  # The 8B shape loads slower from this disk than the mini engine computes (50,000 tokens/s):
+  # with its prefill rate declared, the gate recomputes instead (l2_hit_vs_recompute_gated).
+  echo "== 8b l2gated 4112 tokens" >> "$logs/longdoc.log"
+  longdoc_one 8b l2gated 4112 2 "$trials" "_gated"
 }
 # longdoc_one: longdoc_run with its own log slice gathered.
 longdoc_one() {
@@ -230,6 +237,13 @@ longdoc_one() {
   return $rc
 }
 
+bench_layerwise() {
+  # The torch model (bench/layerwise_ttft.py): an L1 hit loaded layer by layer against whole.
+  local repeats=$((quick ? 5 : 9))
+  KVTIER_BUILD_DIR="$build" /usr/bin/python3 bench/layerwise_ttft.py --repeats "$repeats" > "$logs/layerwise.log" 2>&1
+  gather layerwise "$logs/layerwise.log"
+}
+
 bench_scaling() {
   bench/scaling.sh "$build" "$work/scaling" "$results" "${qflag[@]}" > "$logs/scaling.log" 2>&1
   gather scaling "$logs/scaling.log"
@@ -239,7 +253,7 @@ bench_scaling() {
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
 stages=(event_bus:50:50 l1_policies:15:5 gather:25:10 server_copy:20:2 copy_pool:25:10 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 degraded:85:35
-  longdoc:220:90 scaling:20:10)
+  longdoc:240:100 layerwise:40:25 scaling:20:10)
 selected=()
 for s in "${stages[@]}"; do
   n=${s%%:*}

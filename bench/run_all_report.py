@@ -95,6 +95,9 @@ def longdoc_table(results_dir):
         if mode == "l1":
             row["recompute"] = warm
             row["l1"] = query
+        elif mode == "l2gated":  # L2 mode with the prefill rate declared: the gate chose
+            row["l2_gated"] = query
+            row["recompute_l2_gated_run"] = warm
         else:
             row.setdefault("recompute", warm)
             row["recompute_l2_run"] = warm  # the same documents, computed in the L2 run's warmup
@@ -371,6 +374,12 @@ def summary(res, meta, table, made):
     for pl, what in (("same_cpu", "client and server on one CPU"), ("cross_cpu", "client and server on two CPUs")):
         row(f"**lookup round trip, {what}** (`lookup_rtt_vs_raw_{pl}`)", g(f"lookup_rtt_{pl}_us"), "us",
             g(f"raw_rtt_{pl}_us"), "us", "raw ping-pong, pinned alike", g(f"lookup_rtt_vs_raw_{pl}"), "<= 1.5")
+    row("connector lookup, prompt all in L1 (`lookup_rtt_l1_hit_us`: lookup() to its answer, one round trip)",
+        g("lookup_rtt_l1_hit_us"), "us", g("lookup_rtt_us"), "us", "a lookup on the raw protocol, unpinned",
+        None, "")
+    row("connector L2 hit: lookup + retrieve into the engine's blocks (`l2_hit_added_latency_us` over disk time)",
+        g("l2_hit_latency_us"), "us", g("l2_hit_disk_time_us"), "us",
+        "O_DIRECT read of the same object files, depth 16, after the hit", None, "")
     row("degraded mode (no server) throughput", None, "", None, "", "no connector at all", g("degraded_vs_nocache"),
         ">= 0.95")
     row("degraded mode throughput, free compute (`degraded_vs_nocache_free_compute`)", None, "", None, "",
@@ -387,6 +396,12 @@ def summary(res, meta, table, made):
         row(f"long-doc QA {label}, {tok} tokens: TTFT, L2 (disk) hit (`l2_hit_vs_recompute{sfx}`)", r.get("l2"), "s",
             rc, "s", "recompute of the same documents, same run",
             g(f"l2_hit_vs_recompute{sfx}") or ((r["l2"] / rc) if "l2" in r and rc else None), "<= 1")
+        if shape == "8b" and "l2_gated" in r:
+            rg = r.get("recompute_l2_gated_run")
+            row(f"**long-doc QA 8B, {tok} tokens: TTFT, L2 on with the prefill rate declared** "
+                "(`l2_hit_vs_recompute_gated`: the lookup offers from L2 only what loads faster than it computes)",
+                r["l2_gated"], "s", rg, "s", "recompute of the same documents, same run",
+                g("l2_hit_vs_recompute_gated") or ((r["l2_gated"] / rg) if rg else None), "<= 1")
         mib = fmt((g(f"l2_hit_bytes_per_request{sfx}") or 0) / 2**20)
         disk = f"disk read probe, {fmt(g(f'l2_hit_disk_read_gbps{sfx}'))} GB/s, freshly written files, host may cache"
         row(f"**L2-hit time in kvtier, {label}** (`l2_hit_ttft_vs_overlap_bound{sfx}`)", g(f"l2_hit_kvtier_s{sfx}"),
@@ -399,6 +414,10 @@ def summary(res, meta, table, made):
         row(f"L2-hit time in kvtier, {label}, vs the serial sum (`l2_hit_ttft_vs_io_bound{sfx}`, old)",
             g(f"l2_hit_kvtier_s{sfx}"), "s", g(f"l2_hit_io_bound_s{sfx}"), "s",
             "bytes / disk read + bytes / memcpy, as if nothing overlapped", g(f"l2_hit_ttft_vs_io_bound{sfx}"), "")
+    row("**layer-wise loading, torch model, L1 hit** (`layerwise_ttft_vs_whole`, bench/layerwise_ttft.py)",
+        g("layerwise_ttft_s"), "s", g("whole_ttft_s"), "s",
+        f"the same retrieve waited for whole before layer 0; perfect overlap would give "
+        f"{fmt(g('layerwise_bound_vs_whole'))}", g("layerwise_ttft_vs_whole"), "< 1")
     for c in (1, 2, 4, 8):
         tp, tp1 = g(f"clients_{c}_tokens_per_s"), g("clients_1_tokens_per_s")
         if tp is not None:
