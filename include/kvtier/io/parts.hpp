@@ -136,6 +136,9 @@ class parts_op {
   };
 
   struct outer_cancel {
+    // A constructor, not an aggregate: Asio constructs it with parentheses, which clang 14
+    // does not take for an aggregate (P0960).
+    explicit outer_cancel(parts_op* s) noexcept : self(s) {}
     parts_op* self;
     void operator()(boost::asio::cancellation_type_t type) const { self->cancel(type); }
   };
