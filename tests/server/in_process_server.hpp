@@ -9,8 +9,10 @@
 
 #include "server/server_fixtures.hpp"
 
+#include <condition_variable>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <utility>
@@ -60,6 +62,53 @@ struct running_server {
     thread.join();
   }
   [[nodiscard]] const std::string& path() const { return cfg.socket_path; }
+};
+
+/// Blocks a server hook (server_hooks::during_copy, during_prefault, ...) on the server's
+/// thread until the test opens it: the test acts while the server is inside. Armed, the next
+/// pass() blocks (once: it disarms); disarmed, pass() returns at once. A blocked pass() gives
+/// up after server_deadline, so a failing test ends instead of hanging the server.
+class hook_gate {
+ public:
+  explicit hook_gate(bool armed) : armed_(armed) {}
+
+  void arm() {
+    std::lock_guard g(m_);
+    armed_ = true;
+  }
+  /// In the hook.
+  void pass() {
+    std::unique_lock g(m_);
+    if (!armed_) return;
+    armed_ = false;
+    inside_ = entered_ = true;
+    cv_.notify_all();
+    cv_.wait_for(g, server_deadline, [&] { return open_; });
+    inside_ = false;
+  }
+  /// Waits (up to server_deadline) until a pass() entered; false if none did.
+  [[nodiscard]] bool wait_entered() {
+    std::unique_lock g(m_);
+    return cv_.wait_for(g, server_deadline, [&] { return entered_; });
+  }
+  /// Whether a pass() is blocked in the gate now.
+  [[nodiscard]] bool inside() {
+    std::lock_guard g(m_);
+    return inside_;
+  }
+  void open() {
+    {
+      std::lock_guard g(m_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+
+ private:
+  std::mutex m_;
+  std::condition_variable cv_;
+  bool armed_;
+  bool entered_ = false, inside_ = false, open_ = false;
 };
 
 }  // namespace kvtier::test

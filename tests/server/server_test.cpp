@@ -339,18 +339,9 @@ TEST_CASE("a ping is answered while a retrieve of the same connection is still c
   // Issue 13 item 10: the connector judges the server's health by its pings, on the same
   // connection as its retrieves and stores; a ping must never wait behind a copy. The copy
   // of chunk 0 blocks in the hook until the ping's answer has arrived.
-  std::mutex m;
-  std::condition_variable cv;
-  bool armed = false, in_copy = false, go = false;
+  hook_gate copy(false);
   server::server_options opts;
-  opts.hooks.during_copy = [&](std::uint64_t) {
-    std::unique_lock g(m);
-    if (!armed) return;
-    armed = false;
-    in_copy = true;
-    cv.notify_all();
-    cv.wait_for(g, server_deadline, [&] { return go; });
-  };
+  opts.hooks.during_copy = [&](std::uint64_t) { copy.pass(); };
   running_server s({}, std::move(opts));
   raw_client c(s.path());
   engine_region r;
@@ -359,25 +350,15 @@ TEST_CASE("a ping is answered while a retrieve of the same connection is still c
   const auto src = block_range(0, 2 * blocks_per_chunk);
   r.fill_blocks(src, 6);
   REQUIRE(c.ok(store_req(r, hashes, src)).stored == 2);
-  {
-    std::lock_guard g(m);
-    armed = true;
-  }
+  copy.arm();
   REQUIRE_FALSE(c.send(101, retrieve_req(hashes, block_range(20, 2 * blocks_per_chunk), 0)));
-  {
-    std::unique_lock g(m);
-    REQUIRE(cv.wait_for(g, server_deadline, [&] { return in_copy; }));
-  }
+  REQUIRE(copy.wait_entered());
   REQUIRE_FALSE(c.send(102, p::ping_request{42}));
   auto [ec, f] = c.read_frame();  // the copy is still blocked: only the ping can be answered
   REQUIRE_FALSE(ec);
   CHECK(f.header.call_id == 102);
   CHECK(f.header.type == p::message_type::ping_response);
-  {
-    std::lock_guard g(m);
-    go = true;
-  }
-  cv.notify_all();
+  copy.open();
   auto [ec2, f2] = c.read_frame();
   REQUIRE_FALSE(ec2);
   CHECK(f2.header.call_id == 101);
@@ -399,26 +380,15 @@ TEST_CASE("a registration is answered before its region's pages are faulted in, 
     SUCCEED();
     return;
   }
-  std::mutex m;
-  std::condition_variable cv;
-  bool in_prefault = false, go = false;
+  hook_gate prefault(true);
   server::server_options opts;
-  opts.hooks.during_prefault = [&](std::uint64_t) {
-    std::unique_lock g(m);
-    in_prefault = true;
-    cv.notify_all();
-    cv.wait_for(g, server_deadline, [&] { return go; });
-    in_prefault = false;
-  };
+  opts.hooks.during_prefault = [&](std::uint64_t) { prefault.pass(); };
   running_server s({}, std::move(opts));
   raw_client other(s.path());
   raw_client c(s.path());
   engine_region r;
   REQUIRE_FALSE(c.send(7, r.registration(), r.region.fd()));
-  {
-    std::unique_lock g(m);
-    REQUIRE(cv.wait_for(g, server_deadline, [&] { return in_prefault; }));
-  }
+  REQUIRE(prefault.wait_entered());
   auto [ec, f] = c.read_frame();
   REQUIRE_FALSE(ec);
   CHECK(f.header.call_id == 7);
@@ -428,12 +398,8 @@ TEST_CASE("a registration is answered before its region's pages are faulted in, 
   CHECK(std::get<p::register_kv_response>(*reply).boot_token == s.srv->boot_token());
   CHECK(other.ping() == s.srv->boot_token());
   CHECK(c.ping() == s.srv->boot_token());
-  {
-    std::lock_guard g(m);
-    CHECK(in_prefault);  // answered while the prefault was blocked, not after the hook gave up
-    go = true;
-  }
-  cv.notify_all();
+  CHECK(prefault.inside());  // answered while the prefault was blocked, not after the hook gave up
+  prefault.open();
   // Registered: a store and a retrieve through the region (behind the prefault's slices).
   const auto hashes = chunk_hashes(79, 1);
   const auto src = block_range(0, blocks_per_chunk);
@@ -452,31 +418,19 @@ TEST_CASE("a region unregistered while its pages are being faulted in stops the 
     SUCCEED();
     return;
   }
-  std::mutex m;
-  std::condition_variable cv;
-  bool in_prefault = false, go = false;
+  hook_gate prefault(true);
   server::server_options opts;
-  opts.hooks.during_prefault = [&](std::uint64_t) {
-    std::unique_lock g(m);
-    in_prefault = true;
-    cv.notify_all();
-    cv.wait_for(g, server_deadline, [&] { return go; });
-  };
+  opts.hooks.during_prefault = [&](std::uint64_t) { prefault.pass(); };
   running_server s({}, std::move(opts));
   {
     raw_client c(s.path());
     engine_region r;
     c.register_region(r);
-    std::unique_lock g(m);
-    REQUIRE(cv.wait_for(g, server_deadline, [&] { return in_prefault; }));
+    REQUIRE(prefault.wait_entered());
   }  // the connection closes: the server reaps the registration and unmaps the region
   raw_client other(s.path());
   wait_for_status(other, [](const nlohmann::json& st) { return st["clients"].size() == 1; });  // `other` only
-  {
-    std::lock_guard g(m);
-    go = true;
-  }
-  cv.notify_all();
+  prefault.open();
   // The prefault went on to an unmapped range (it stops, it does not crash); a new engine
   // registers and copies as usual.
   engine_region r2;
