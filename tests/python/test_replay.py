@@ -116,18 +116,24 @@ def test_a_preempted_request_releases_its_lookup_and_resumes_exactly(servers):
         assert_clean(e, srv, loaded=["a"])
 
 
+def preempt_after_its_load(e, seed):
+    """Request "a" (80 tokens) hits the 3 chunks a warm-up stored, loads them, computes past
+    the 4th chunk and is preempted; returns it finished."""
+    d = doc(80, seed)
+    e.add("warm", d[:48] + [1], 1)
+    e.run()
+    e.add("a", list(d), 2)
+    e.run(until=lambda: e.sched.requests["a"].num_computed_tokens >= 64)
+    assert e.sched.requests["a"].num_external_computed_tokens == 48
+    e.sched.preempt("a")
+    e.run()
+    return e.sched.finished["a"]
+
+
 def test_a_request_that_loaded_before_its_preemption_recomputes_after_it(servers):
     srv = servers.start(chunk_tokens=CT)
     with engine(srv, token_budget=16) as e:
-        d = doc(80, 13)
-        e.add("warm", d[:48] + [1], 1)
-        e.run()
-        e.add("a", list(d), 2)
-        e.run(until=lambda: e.sched.requests["a"].num_computed_tokens >= 64)
-        assert e.sched.requests["a"].num_external_computed_tokens == 48
-        e.sched.preempt("a")
-        e.run()
-        a = e.sched.finished["a"]
+        a = preempt_after_its_load(e, 13)
         assert a.num_preemptions == 1 and a.num_external_computed_tokens == 0
         assert_clean(e, srv, loaded=["a"])
 
@@ -307,15 +313,7 @@ def test_layerwise_prefix_hits_load_exact_kv_in_the_step_that_runs_them(servers,
 def test_layerwise_a_preempted_request_loads_again_when_resumed(servers):
     srv = servers.start(chunk_tokens=CT)
     with engine(srv, token_budget=16, extra=LAYERWISE) as e:
-        d = doc(80, 23)
-        e.add("warm", d[:48] + [1], 1)
-        e.run()
-        e.add("a", list(d), 2)
-        e.run(until=lambda: e.sched.requests["a"].num_computed_tokens >= 64)
-        assert e.sched.requests["a"].num_external_computed_tokens == 48
-        e.sched.preempt("a")
-        e.run()
-        a = e.sched.finished["a"]
+        a = preempt_after_its_load(e, 23)
         # Resumed, it loaded again what the server has now: the 4 chunks it stored before.
         assert a.num_preemptions == 1 and a.num_external_computed_tokens == 64
         assert len(a.output_token_ids) == 2
