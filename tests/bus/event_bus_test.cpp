@@ -60,6 +60,12 @@ struct deferred_recorder {
   }
 };
 
+// A deferred subscriber that wants only the writes of more than one key (bus::filters).
+struct filtering_recorder : deferred_recorder {
+  bool wants(const l1_write_finished& e) const noexcept { return e.key_count > 1; }
+};
+static_assert(filters<filtering_recorder, l1_write_finished> && !filters<deferred_recorder, l1_write_finished>);
+
 struct throwing_deferred {
   static constexpr delivery delivery_mode = delivery::deferred;
   void on(const l1_read_finished&) { throw std::runtime_error("subscriber bug"); }
@@ -116,6 +122,27 @@ TEST_CASE("deferred subscribers run only when the bus drains", "[bus]") {
   REQUIRE(d.size() == 1);
   CHECK(d.s->keys[0] == 3);
   CHECK(bus.delivered() == 1);
+}
+
+TEST_CASE("an event no deferred subscriber wants is not queued; one that another wants reaches only its handlers",
+          "[bus]") {
+  filtering_recorder f;
+  basic_event_bus<filtering_recorder> only_filtering(f);
+  only_filtering.publish(l1_write_finished{1});  // unwanted: not queued
+  only_filtering.publish(l1_write_finished{4});
+  CHECK(only_filtering.drain() == 1);
+  REQUIRE(f.size() == 1);
+  CHECK(f.s->keys[0] == 4);
+  CHECK(only_filtering.dropped() == 0);
+
+  // Beside a subscriber without a filter the event is queued, and each subscriber's on() is
+  // called: the filter decides what is queued, not who is called.
+  filtering_recorder g;
+  deferred_recorder all;
+  basic_event_bus<filtering_recorder, deferred_recorder> both(g, all);
+  both.publish(l1_write_finished{1});
+  CHECK(both.drain() == 1);
+  CHECK(all.size() == 1);
 }
 
 TEST_CASE("a full deferred queue drops and counts, immediate delivery is unaffected", "[bus]") {

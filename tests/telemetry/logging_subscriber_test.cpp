@@ -25,9 +25,9 @@ TEST_CASE("logging subscriber writes events at their level after a drain", "[tel
   bus::basic_event_bus<logging_subscriber> b{logging_subscriber{log}};
   b.publish(bus::l2_store_completed{0, "disk", 3, 0, 100, 1'500'000});
   b.publish(bus::l2_prefetch_failed{7, bus::prefetch_failure::timeout, 2});
-  b.publish(bus::l1_read_finished{1});  // trace: below the level
+  b.publish(bus::l1_read_finished{1});  // trace: below the level, so not even queued
   CHECK(c.lines.empty());                // deferred
-  CHECK(b.drain() == 3);
+  CHECK(b.drain() == 2);
   REQUIRE(c.lines.size() == 2);
   CHECK(c.lines[0].first == log_level::debug);
   CHECK(c.lines[0].second.find("L2 store completed: backend 0 (disk), 3 succeeded, 0 failed, 1.500 ms") !=
@@ -35,6 +35,34 @@ TEST_CASE("logging subscriber writes events at their level after a drain", "[tel
   CHECK(c.lines[1].first == log_level::warn);
   CHECK(c.lines[1].second.find("L2 prefetch 7 could not deliver 2 keys: timeout") != std::string::npos);
   CHECK(c.lines[1].second.find(" warn  test: ") != std::string::npos);
+}
+
+static_assert(bus::filters<logging_subscriber, bus::server_request_finished> &&
+              bus::filters<logging_subscriber, bus::l1_read_finished>);
+
+TEST_CASE("the bus queues for the logging subscriber only what the logger's level writes", "[telemetry][logging]") {
+  captured c;
+  logger log = capturing_logger(log_level::info, c);
+  bus::basic_event_bus<logging_subscriber> b{logging_subscriber{log}};
+  // A served request at info: nothing queued, so nothing wakes a drain thread.
+  b.publish(bus::server_request_started{bus::request_kind::lookup, 1});
+  b.publish(bus::server_request_finished{bus::request_kind::lookup, 1, true, 20'000});
+  b.publish(bus::cache_lookup{});
+  CHECK(b.drain() == 0);
+  // The same event type at a level the logger writes (a failed request: warn) is queued.
+  b.publish(bus::server_request_finished{bus::request_kind::lookup, 1, false, 20'000});
+  b.publish(bus::l2_store_completed{0, "disk", 3, 0, 100, 1'000});  // debug: not queued
+  b.publish(bus::l2_store_completed{0, "disk", 2, 1, 100, 1'000});  // a failure: warn, queued
+  CHECK(b.drain() == 2);
+  REQUIRE(c.lines.size() == 2);
+  CHECK(c.lines[0].second.find("request lookup from client 1 failed") != std::string::npos);
+  CHECK(c.lines[1].second.find("2 succeeded, 1 failed") != std::string::npos);
+  // Lowering the level applies to the events published after it.
+  log.set_level(log_level::trace);
+  b.publish(bus::server_request_started{bus::request_kind::lookup, 1});
+  CHECK(b.drain() == 1);
+  CHECK(c.lines.size() == 3);
+  CHECK(b.dropped() == 0);  // skipped events are not drops
 }
 
 TEST_CASE("log levels parse and filter", "[telemetry][logging]") {

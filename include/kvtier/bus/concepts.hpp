@@ -19,6 +19,15 @@ enum class delivery {
 template <class S, class E>
 concept handles = event<E> && requires(S& s, const E& e) { s.on(e); };
 
+/// A deferred subscriber S may filter what the bus queues for it with
+/// `bool wants(const E&) const noexcept`, asked on the publishing thread (cheap: a level check,
+/// say): an event no deferred subscriber wants is not queued, costs no queue slot and does not
+/// wake the drain thread. Without wants(), S wants every event it handles.
+template <class S, class E>
+concept filters = handles<S, E> && requires(const S& s, const E& e) {
+  { s.wants(e) } noexcept -> std::convertible_to<bool>;
+};
+
 /// A subscriber's delivery: `static constexpr bus::delivery delivery_mode = ...;`, immediate
 /// when it does not say.
 template <class S>

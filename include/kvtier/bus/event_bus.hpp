@@ -3,8 +3,9 @@
 //
 // publish(e) calls, inline, exactly the subscribers that declare `on(const E&)` with
 // immediate delivery (the metrics subscriber: relaxed atomics on the publishing thread, so
-// its counts are exact), and queues e for the deferred ones (loggers), which run when
-// drain() is called: from the bus's own drain thread (start_drain_thread) or from any
+// its counts are exact), and queues e for the deferred ones (loggers) when one of them wants
+// it (an optional wants(e) filter, concepts.hpp: a logger wants only what its level writes),
+// which run when drain() is called: from the bus's own drain thread (start_drain_thread) or from any
 // executor the host chooses. The queue is bounded; when it is full the event is dropped for
 // the deferred subscribers only, and dropped() counts it. An event type nobody handles costs
 // nothing: publish<E> is an empty inline function.
@@ -94,10 +95,11 @@ class basic_event_bus {
   }
 
   /// Queues e for the deferred subscribers. Returns false, and counts a drop, when the queue
-  /// is full. A no-op returning true when no deferred subscriber handles E.
+  /// is full. A no-op returning true when no deferred subscriber handles E or wants e.
   template <event E>
   bool enqueue(const E& e) {
     if constexpr (defers_event<E>) {
+      if (!deferred_wants(e)) return true;  // no deferred subscriber would use it: not queued
       if (!queue_.try_push(queued_event{e})) {
         dropped_.fetch_add(1, std::memory_order_relaxed);
         return false;
@@ -174,6 +176,21 @@ class basic_event_bus {
   struct is_deferred : std::bool_constant<defers_event<E>> {};
   using queued_event = typename detail::filter_variant<all_events, is_deferred>::type;
   static constexpr bool has_deferred = std::variant_size_v<queued_event> > 1;
+
+  /// Whether some deferred subscriber that handles e wants it (filters<S, E>).
+  template <class E>
+  bool deferred_wants(const E& e) const noexcept {
+    return std::apply([&e](const auto&... s) { return (wants_one(s, e) || ...); }, subscribers_);
+  }
+  template <class S, class E>
+  static bool wants_one(const S& s, const E& e) noexcept {
+    if constexpr (handles<S, E> && delivery_of<S>() == delivery::deferred) {
+      if constexpr (filters<S, E>) return s.wants(e);
+      else return true;
+    } else {
+      return false;
+    }
+  }
 
   template <class S, class E>
   static void deliver_immediate(S& s, const E& e) {
