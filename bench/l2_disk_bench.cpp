@@ -2,13 +2,14 @@
 // (the backend's part size, 1 MiB) and same queue depth (the backend's parts in flight, 16).
 //
 // Loads: N objects stored once by the backend; each repeat runs, interleaved,
-//   fio   ioengine=io_uring, direct=1, rw=read, bs=1M, iodepth=16 over THE SAME object files
-//         (file_service_type=sequential: one file after the other, like our key order);
+//   fio   ioengine=io_uring, fixedbufs=1, direct=1, rw=read, bs=1M, iodepth=16 over THE SAME
+//         object files (file_service_type=sequential: one file after the other, like our key
+//         order); fixedbufs: registered buffers, as ours (L1 registered, READ_FIXED);
 //   ours  tiered_cache lookups of `batch` keys at a time (the prefetch_controller loads them
 //         from the disk backend into L1 slots, checksums verified), one lookup after the
 //         other, each released once answered; bytes loaded / wall time of the phase;
 //   ours through the pread fallback (io = pread, pread_threads = the queue depth).
-// Stores: each repeat, fio rw=write (new files, fsync_on_close=1) and our backend storing N
+// Stores: each repeat, fio rw=write (new files, fsync_on_close=1, fixedbufs=1) and our backend storing N
 //   objects in batches of `batch` (temporary file, O_DIRECT writes, fdatasync, rename,
 //   directory fsync per batch) into a fresh directory. Our backend writes the parts of a
 //   batch 16 at a time across its keys, then fdatasyncs every key of the batch at once (up
@@ -229,7 +230,7 @@ double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t objec
 /// whole (the 4 KiB header block included, 0.01% of a 32 MiB object).
 fs::path write_read_job(const bench_config& cfg, const fs::path& at, const fs::path& set) {
   std::ofstream j(at);
-  j << "[global]\nioengine=io_uring\ndirect=1\nrw=read\nbs=" << cfg.part << "\niodepth=" << cfg.depth
+  j << "[global]\nioengine=io_uring\nfixedbufs=1\ndirect=1\nrw=read\nbs=" << cfg.part << "\niodepth=" << cfg.depth
     << "\nnumjobs=1\nfile_service_type=sequential\n[read]\nopendir=" << (set / "objects").string() << "\n";
   return at;
 }
@@ -243,7 +244,7 @@ fs::path write_write_job(const bench_config& cfg, const fs::path& at, const fs::
   const unsigned depth = std::max(1u, cfg.depth / jobs);
   const std::size_t per_job = std::max<std::size_t>(1, (n + jobs - 1) / jobs);
   std::ofstream j(at);
-  j << "[global]\nioengine=io_uring\ndirect=1\nrw=write\nbs=" << cfg.part << "\niodepth=" << depth
+  j << "[global]\nioengine=io_uring\nfixedbufs=1\ndirect=1\nrw=write\nbs=" << cfg.part << "\niodepth=" << depth
     << "\nnumjobs=" << jobs
     << "\ngroup_reporting=1\nfile_service_type=sequential\nfsync_on_close=1\ndirectory=" << dir.string()
     << "\nnrfiles=" << per_job << "\nfilesize=" << object_bytes << "\nsize=" << per_job * object_bytes << "\n[write]\n";

@@ -28,7 +28,8 @@
 // request moves, copied in chunk-sized memcpy calls over a working set of up to 2 x 256 MiB,
 // pre-touched); after it, the disk's read bandwidth over the object files the query round
 // loaded (the newest files under DIR/objects, as many bytes as the round moved; O_DIRECT,
-// 1 MiB reads, 16 in flight on 16 threads: the depth the disk backend uses). Per trial:
+// 1 MiB reads, 16 in flight: the depth the disk backend uses; one io_uring reading into a
+// registered buffer, as the server reads into its registered L1, else 16 threads). Per trial:
 //   kvtier_s  = mean over query requests of (TTFT - computed tokens / --tokens-per-second)
 //   bytes     = mean over query requests of retrieved tokens x bytes per token
 //   io_bound  = bytes / disk read bandwidth + bytes / memcpy bandwidth

@@ -11,9 +11,9 @@
 // directory or a device as --config, JSON nested deeper than 32, sizes beyond the machine,
 // a disk directory another user could write; never a signal. A failure to start (socket in
 // use, L1 not allocatable) exits 1; SIGTERM or SIGINT shut down in order and exit 0.
-#include <kvtier/server/server_config.hpp>
 #include <kvtier/server/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
+#include <kvtier/server/server_config.hpp>
 #if KVTIER_SERVER_WITH_REDIS
 #include <kvtier/server/redis_backend_type.hpp>
 #endif
@@ -151,6 +151,11 @@ int main(int argc, char** argv) {
       {"--eviction-target", "eviction_target", kind::number, "share of L1 slots eviction frees down to", {}},
       {"--l1-write-ttl-seconds", "l1_write_ttl_seconds", kind::number, "TTL of expiring L1 write locks", {}},
       {"--l1-read-ttl-seconds", "l1_read_ttl_seconds", kind::number, "TTL of a lookup's L1 read locks", {}},
+      {"--l1-prefault",
+       "l1_prefault",
+       kind::text,
+       "true (default): fault L1 in at start and register it for io_uring fixed-buffer reads; false: on first use",
+       {}},
       {"--lookup-ttl-seconds", "lookup_ttl_seconds", kind::number, "forget lookups never released after this long", {}},
       {"--l2-store-policy", "l2_store_policy", kind::text, "write_through or skip_l1", {}},
       {"--prefetch-policy", "prefetch_policy", kind::text, "best_effort, wait_complete or timeout", {}},

@@ -44,6 +44,7 @@ TEST_CASE("the embedded defaults are valid and match the documented values", "[s
   CHECK(c.prefetch_max_in_flight == 8);
   CHECK(c.client_reap_timeout_s == 30.0 * config::timeout_scale);
   CHECK(c.l2_backends.empty());
+  CHECK(c.l1_prefault);
   CHECK((c.socket_path.ends_with("/kvtier.sock")));
   CHECK(server_config::parse(json::object()) == c);
 }
@@ -63,7 +64,8 @@ TEST_CASE("a configuration survives to_json and parse unchanged", "[server][conf
                    {"prefetch_max_in_flight", 4},
                    {"log_level", "debug"},
                    {"client_reap_timeout", 2.5},
-                   {"metrics_port", 9100}};
+                   {"metrics_port", 9100},
+                   {"l1_prefault", false}};
   const server_config c = server_config::parse(in);
   CHECK(c.l1_size_bytes == std::uint64_t{2} << 30);
   CHECK(c.l1_slot_count() == 64);
@@ -72,7 +74,11 @@ TEST_CASE("a configuration survives to_json and parse unchanged", "[server][conf
   CHECK(c.log_level == telemetry::log_level::debug);
   CHECK(c.client_reap_timeout_s == 2.5);
   CHECK(c.metrics_port == 9100);
+  CHECK_FALSE(c.l1_prefault);
   CHECK(server_config::parse(c.to_json()) == c);
+  // A flag's text (--l1-prefault off) reads as the boolean.
+  CHECK_FALSE(server_config::parse(json{{"l1_prefault", "off"}}).l1_prefault);
+  CHECK(server_config::parse(json{{"l1_prefault", "true"}}).l1_prefault);
   CHECK(server_config::parse(json{{"l1_size_mb", 1.5}, {"l1_slot_bytes", 4096}}).l1_size_bytes == 3 << 19);
 }
 
@@ -112,6 +118,8 @@ TEST_CASE("a bad configuration is refused naming the key, the value and what to 
   CHECK(refusal({{"l1_size_mb", 64}, {"l1_size_gb", 1}}).starts_with("l1_size (given more than once)"));
   CHECK(refusal({{"l2_backends", json::object()}}).starts_with("l2_backends ({}): must be an array"));
   CHECK(refusal({{"log_level", "verbose"}}).starts_with("log_level (\"verbose\"): must be one of trace"));
+  CHECK(refusal({{"l1_prefault", "maybe"}}) == "l1_prefault (\"maybe\"): must be true or false");
+  CHECK(refusal({{"l1_prefault", 1}}) == "l1_prefault (1): must be true or false");
   CHECK(refusal({{"socket", std::string(120, 'x')}}).find("shorter than 108 bytes") != std::string::npos);
   CHECK(refusal(json::array()).starts_with("configuration ([]): must be a JSON object"));
 }

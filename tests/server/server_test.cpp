@@ -2,6 +2,7 @@
 // protocol clients with engine regions: registration, every request's semantics (the
 // engine <-> server contract in docs/server.md), fencing, world size 2, lock release,
 // reaping, and hostile clients that must never disturb another client.
+#include <kvtier/server/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
 
 #include <catch2/catch.hpp>
@@ -806,6 +807,48 @@ TEST_CASE("clear drops unlocked L1 objects, and with force the locked ones too",
   CHECK(c.status()["l1"]["objects"] == 0);
   c.ok(p::end_request_request{"req-1"});
   CHECK(c.status()["l1"]["slots_used"] == 0);
+}
+
+namespace {
+/// The value of an unlabelled series in a /metrics page (-1 when absent).
+double series_value(const std::string& page, const std::string& name) {
+  const std::string at = "\n" + name + " ";
+  const auto i = page.find(at);
+  return i == std::string::npos ? -1 : std::stod(page.substr(i + at.size()));
+}
+}  // namespace
+
+TEST_CASE("at start the server registers L1 with a disk backend (fixed buffers), unless l1_prefault is off",
+          "[server][disk]") {
+  for (const bool prefault : {true, false}) {
+    CAPTURE(prefault);
+    temp_dir disk{"kvtier-disk"};
+    server::backend_factory factory = server::backend_factory::builtin_copy();
+    server::add_disk_backend_type(factory);
+    running_server s(
+        [&](server::server_config& c) {
+          c.l2_backends = {
+              json{{"type", "disk"}, {"path", (disk.path() / "l2").string()}, {"capacity_bytes", 64 << 20}}};
+          c.l1_prefault = prefault;
+        },
+        {}, factory);
+    const std::string page = "\n" + s.srv->metrics_text();
+    if (series_value(page, "kvtier_io_uring_enabled") != 1) {
+      WARN("io_uring refused here: the disk backend reads with pread, nothing to register");
+      continue;
+    }
+    const double bytes = series_value(page, "kvtier_io_fixed_buffer_bytes");
+    const double refused = series_value(page, "kvtier_io_fixed_buffer_registration_failures_total");
+    if (!prefault) {
+      CHECK(bytes == 0);
+      CHECK(refused == 0);
+    } else if (refused > 0) {
+      WARN("the kernel refused the fixed buffers here (RLIMIT_MEMLOCK?): counted, reads go on without them");
+      CHECK(bytes == 0);
+    } else {
+      CHECK(bytes == static_cast<double>(s.cfg.l1_size_bytes));  // the whole arena
+    }
+  }
 }
 
 TEST_CASE("an L2 backend serves chunks L1 dropped, through the prefetch", "[server]") {

@@ -63,6 +63,10 @@ class any_backend {
         },
         token, std::move(observer));
   }
+  /// Registers `region` (the L1 arena) for faster reads into it where the backend can
+  /// (buffer_registering_backend: the disk backend's io_uring fixed buffers); call before the
+  /// first operation. errc::unsupported from a backend that has nothing to register.
+  error_code register_buffers(std::span<std::byte> region) { return impl_->register_buffers(region); }
   /// Whether async_load with an observer tells keys as they land.
   [[nodiscard]] bool observes_loads() const noexcept { return impl_->observes_loads(); }
   template <class Token>
@@ -100,6 +104,7 @@ class any_backend {
     virtual void load_observed(std::span<const chunk_key>, std::span<const std::span<std::byte>>, deadline,
                                load_observer, batch_handler) = 0;
     [[nodiscard]] virtual bool observes_loads() const noexcept = 0;
+    virtual error_code register_buffers(std::span<std::byte>) = 0;
     virtual void store(std::span<const chunk_key>, std::span<const std::span<const std::byte>>, deadline,
                        batch_handler) = 0;
     virtual void remove(std::span<const chunk_key>, deadline, batch_handler) = 0;
@@ -128,6 +133,12 @@ class any_backend {
         backend->async_load(keys, dst, d, std::move(h));
     }
     bool observes_loads() const noexcept override { return observable_load_backend<B>; }
+    error_code register_buffers(std::span<std::byte> region) override {
+      if constexpr (buffer_registering_backend<B>)
+        return backend->register_buffers(region);
+      else
+        return make_error_code(errc::unsupported);
+    }
     void store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> src, deadline d,
                batch_handler h) override {
       backend->async_store(keys, src, d, std::move(h));

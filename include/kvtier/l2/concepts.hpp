@@ -81,6 +81,14 @@ concept observable_load_backend =
       b.async_load(keys, dst, d, o, detail::batch_handler_archetype{});
     };
 
+/// Backends that read into registered memory faster (the disk backend: io_uring fixed
+/// buffers, READ_FIXED, no page pinning per read): the host hands them the L1 arena once,
+/// before the first operation (any_backend::register_buffers; the server does it at start).
+template <class B>
+concept buffer_registering_backend = l2_backend<B> && requires(B& b, std::span<std::byte> region) {
+  { b.register_buffers(region) } -> std::same_as<error_code>;
+};
+
 /// Backends that can damage their own stored copy of a key on command (for tests and the
 /// fault injector): the next load of that key must answer `corrupt`, never serve the bytes.
 template <class B>

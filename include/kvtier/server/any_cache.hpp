@@ -10,6 +10,7 @@
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
+#include <kvtier/l2/any_backend.hpp>
 
 #include <boost/asio/any_completion_handler.hpp>
 #include <boost/asio/async_result.hpp>
@@ -18,6 +19,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string_view>
 #include <utility>
 
@@ -89,6 +91,9 @@ class any_cache {
   [[nodiscard]] virtual std::size_t slot_bytes() const noexcept = 0;
   [[nodiscard]] virtual std::size_t slot_count() const noexcept = 0;
   [[nodiscard]] virtual std::string_view eviction_policy() const noexcept = 0;
+  /// The L1 arena and the L2 backends, for the one-time set-up at start (l1_residency.hpp).
+  [[nodiscard]] virtual std::span<std::byte> l1_arena() noexcept = 0;
+  [[nodiscard]] virtual std::span<l2::any_backend> backends() noexcept = 0;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server

@@ -80,6 +80,8 @@ class cache_model final : public any_cache {
   std::size_t slot_bytes() const noexcept override { return l1().slot_bytes(); }
   std::size_t slot_count() const noexcept override { return l1().slot_count(); }
   std::string_view eviction_policy() const noexcept override { return Eviction::name; }
+  std::span<std::byte> l1_arena() noexcept override { return cache_.l1().arena(); }
+  std::span<l2::any_backend> backends() noexcept override { return cache_.backends(); }
 
  private:
   const typename cache_type::tier_type& l1() const noexcept {

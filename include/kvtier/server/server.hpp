@@ -46,6 +46,7 @@
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/client_budget.hpp>
 #include <kvtier/server/http_exporter.hpp>
+#include <kvtier/server/l1_residency.hpp>
 #include <kvtier/server/listener.hpp>
 #include <kvtier/server/lookup_table.hpp>
 #include <kvtier/server/make_cache.hpp>
@@ -123,6 +124,7 @@ class server final : private session_host {
       backend_types_.push_back(spec.type);
     }
     cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), copy_pool_.get_executor());
+    if (config_.l1_prefault) log_l1_residency(make_l1_resident(cache_->l1_arena(), cache_->backends()));
     ctx_.emplace(server_context{config_, *cache_, clients_, lookups_, bus_, log_, boot_token_, options_.hooks, &budget_,
                                 copy_pool_.get_executor()});
     add_metrics();
@@ -224,6 +226,7 @@ class server final : private session_host {
 
   // --- what the server tells about itself (impl/server_status.hpp) ----------------------
   void add_metrics();
+  void log_l1_residency(const l1_residency_report& r);
   void start_http();
   void stop_http();
 

@@ -133,6 +133,19 @@ class json_object_reader {
     return d;
   }
 
+  /// true or false; from a flag (text) also "true", "false", "on" or "off".
+  std::optional<bool> boolean(std::string_view key) {
+    const nlohmann::json* v = raw(key);
+    if (!v) return std::nullopt;
+    if (v->is_boolean()) return v->get<bool>();
+    if (v->is_string()) {
+      const auto& s = v->get_ref<const std::string&>();
+      if (s == "true" || s == "on") return true;
+      if (s == "false" || s == "off") return false;
+    }
+    throw error(key, *v, "must be true or false");
+  }
+
   /// A string; when `choices` is not empty, one of them.
   std::optional<std::string> string(std::string_view key, const std::vector<std::string_view>& choices = {},
                                     std::string_view hint = {}) {
@@ -236,8 +249,7 @@ class json_object_reader {
   try {
     (void)s.dump();
   } catch (const nlohmann::json::type_error&) {
-    throw config_error(std::string(flag),
-                       excerpt(s.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)),
+    throw config_error(std::string(flag), excerpt(s.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)),
                        "must be UTF-8 text");
   }
   return s;

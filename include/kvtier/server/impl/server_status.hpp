@@ -33,6 +33,18 @@ namespace kvtier::inline KVTIER_ABI_TAG::server {
 /// The server's own series (kvtier_server_*, kvtier_http_*) and the collectors of the cache
 /// and the bus (docs/metrics.md); the events' counters come from the bus's
 /// metrics_subscriber. Called once, by the constructor.
+/// The start-up line of l1_prefault (make_l1_resident): how long, and which backends read
+/// into registered memory.
+inline void server::log_l1_residency(const l1_residency_report& r) {
+  log_.info("L1 prefaulted: {} MiB in {:.0f} ms ({}){}{}", r.bytes >> 20, r.prefault_ms,
+            r.populated ? "MADV_POPULATE_WRITE" : "a write per page",
+            r.registered.empty() ? std::string()
+                                 : fmt::format("; registered with L2 backend(s) {}", fmt::join(r.registered, ", ")),
+            r.refused.empty()
+                ? std::string()
+                : fmt::format("; refused by {}: reads into L1 pin pages per read", fmt::join(r.refused, "; ")));
+}
+
 inline void server::add_metrics() {
   telemetry::collect_cache(registry_, *cache_);
   telemetry::collect_bus(registry_, bus_);
