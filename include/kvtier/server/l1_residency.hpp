@@ -18,6 +18,9 @@
 
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
+
 #include <chrono>
 #include <cstddef>
 #include <span>
@@ -30,7 +33,8 @@ namespace kvtier::inline KVTIER_ABI_TAG::server {
 struct l1_residency_report {
   std::size_t bytes = 0;
   double prefault_ms = 0;
-  bool populated = false;               ///< the kernel populated it (false: the write loop did)
+  bool populated = false;               ///< the kernel populated it (false: the write loop did, or error)
+  std::string error;                    ///< why the pages were left to first use (empty: they were not)
   std::vector<std::string> registered;  ///< backends that took the arena
   std::vector<std::string> refused;     ///< "name: reason" of backends that refused it
 };
@@ -41,12 +45,17 @@ inline l1_residency_report make_l1_resident(std::span<std::byte> arena, std::spa
   r.bytes = arena.size();
   const auto t0 = std::chrono::steady_clock::now();
   if (!arena.empty()) {
-    r.populated = kv_region::populate(arena.data(), arena.size()) == 0;
-    if (!r.populated) {
+    const int err = kv_region::populate(arena.data(), arena.size());
+    r.populated = err == 0;
+    if (err == EINVAL) {  // a kernel before 5.14: a write per page (nothing is in L1 yet)
       const long page = ::sysconf(_SC_PAGESIZE);
       const std::size_t step = page > 0 ? static_cast<std::size_t>(page) : 4096;
       volatile std::byte* p = arena.data();
       for (std::size_t off = 0; off < arena.size(); off += step) p[off] = std::byte{0};
+    } else if (err != 0) {
+      // The kernel has it and could not (out of memory under a cgroup limit, say): writing
+      // every page would only call the OOM killer. The pages come on first use.
+      r.error = std::strerror(err);
     }
   }
   r.prefault_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();

@@ -36,13 +36,16 @@ namespace kvtier::inline KVTIER_ABI_TAG::server {
 /// The start-up line of l1_prefault (make_l1_resident): how long, and which backends read
 /// into registered memory.
 inline void server::log_l1_residency(const l1_residency_report& r) {
-  log_.info("L1 prefaulted: {} MiB in {:.0f} ms ({}){}{}", r.bytes >> 20, r.prefault_ms,
-            r.populated ? "MADV_POPULATE_WRITE" : "a write per page",
-            r.registered.empty() ? std::string()
-                                 : fmt::format("; registered with L2 backend(s) {}", fmt::join(r.registered, ", ")),
-            r.refused.empty()
-                ? std::string()
-                : fmt::format("; refused by {}: reads into L1 pin pages per read", fmt::join(r.refused, "; ")));
+  if (!r.error.empty())
+    log_.warn("L1 not prefaulted ({}): its pages come on first use, each first load into a slot faults them in",
+              r.error);
+  else
+    log_.info("L1 prefaulted: {} MiB in {:.0f} ms ({})", r.bytes >> 20, r.prefault_ms,
+              r.populated ? "MADV_POPULATE_WRITE" : "a write per page");
+  if (!r.registered.empty())
+    log_.info("L1 registered with L2 backend(s) {} (io_uring fixed buffers)", fmt::join(r.registered, ", "));
+  if (!r.refused.empty())
+    log_.warn("L1 refused by {}: reads into L1 pin their pages per read", fmt::join(r.refused, "; "));
 }
 
 inline void server::add_metrics() {
