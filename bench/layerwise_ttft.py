@@ -25,7 +25,11 @@ same logits bit for bit (checked every repeat).
 Prints RESULT lines: layerwise_ttft_s, whole_ttft_s, layerwise_ttft_vs_whole (the median of
 the per-repeat ratios), whole_load_s (the whole retrieve alone), layer_compute_s (one layer's
 compute), layerwise_bound_vs_whole (what perfect overlap would give:
-(max(load, compute) + min(load, compute) / layers) / (load + compute)).
+(max(load, compute) + min(load, compute) / layers) / (load + compute)); then, for
+save_kv_layer, store_issue_us (what the engine's step pays to issue one prompt's store:
+vLLM's wait_for_save), store_complete_s (until the server finished it; the engine does not
+wait) and store_issue_vs_step (the issue over the whole-mode step): a store issued per layer
+could save the step at most that share.
 """
 
 from __future__ import annotations
@@ -239,6 +243,22 @@ def main() -> None:
             whole.append(got[False][0])
             layer.append(got[True][0])
             ratios.append(got[True][0] / got[False][0])
+        # Stores, for save_kv_layer: what the engine's step pays to issue a prompt's store
+        # (wait_for_save -> WorkerSide.end_step -> store_hashes; the server copies afterwards,
+        # the engine does not wait) and how long the server takes to finish it.
+        issue, complete = [], []
+        for r in range(args.repeats):
+            fresh = [(i * 7919 + 31 * (r + 1)) % 50000 + 1 for i in range(context)]
+            rid = f"store-{r}"
+            t0 = time.perf_counter()
+            conn.store_hashes(rid, conn.chunk_hashes(fresh)[:nchunks], 0, src[: nchunks * bpc])
+            issue.append(time.perf_counter() - t0)
+            deadline = time.monotonic() + 60
+            while rid not in conn.get_finished([rid])[0]:
+                if time.monotonic() > deadline:
+                    raise SystemExit("layerwise_ttft: a store did not finish")
+                time.sleep(0.0005)
+            complete.append(time.perf_counter() - t0)
         stats = conn.stats()
         conn.close()
     finally:
@@ -261,6 +281,9 @@ def main() -> None:
     print(f"RESULT layerwise_ttft_s={lw:.6f}")
     print(f"RESULT layerwise_ttft_vs_whole={ratio:.4f}")
     print(f"RESULT layerwise_bound_vs_whole={bound:.4f}")
+    print(f"RESULT store_issue_us={statistics.median(issue) * 1e6:.1f}")
+    print(f"RESULT store_complete_s={statistics.median(complete):.6f}")
+    print(f"RESULT store_issue_vs_step={statistics.median(issue) / w:.6f}")
 
 
 if __name__ == "__main__":
