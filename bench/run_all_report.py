@@ -346,6 +346,10 @@ def summary(res, meta, table, made):
     row("**server copy pool, 2 threads vs 1** (`copy_pool_2_vs_1`, 4 clients retrieving 10k tokens, 05b)",
         g("copy_pool_gbps_2"), "GB/s", g("copy_pool_gbps_1"), "GB/s", "the same with 1 copy thread, interleaved",
         g("copy_pool_2_vs_1"), ">= 1.5")
+    row("server copy pool's 2-vs-1 against the machine's (`copy_pool_2_vs_1_vs_stream_copy`)", None, "", None, "",
+        "a streaming copy on 2 threads over 1, same run: "
+        + (f"{g('stream_copy_2_vs_1'):.2f}x (memory bandwidth caps it)" if g("stream_copy_2_vs_1") else "not measured"),
+        g("copy_pool_2_vs_1_vs_stream_copy"), "")
     row("**ping p99 while the copy pool is saturated** (`ping_p99_under_copy_load_ms`, worse of 1 and 2 threads)",
         g("ping_p99_under_copy_load_ms"), "ms", g("ping_p99_idle_ms"), "ms", "ping p99 of the same server, idle",
         None, "<= 5 ms")
@@ -354,9 +358,10 @@ def summary(res, meta, table, made):
     for trace in ("zipf_10", "scan_zipf", "long_doc_qa"):
         s3, lru = g(f"s3fifo_{trace}_hit_ratio"), g(f"lru_{trace}_hit_ratio")
         row(f"L1 hit ratio, S3-FIFO, trace {trace}", s3, "", lru, "", "LRU", s3 / lru if s3 and lru else None, "")
-    row("L2 disk load, 32 MiB objects", g("l2_load_gbps"), "GB/s", g("fio_read_gbps"), "GB/s", "fio read, same files",
+    row("L2 disk load, 32 MiB objects", g("l2_load_gbps"), "GB/s", g("fio_read_gbps"), "GB/s",
+        "fio read, same files, registered buffers (fixedbufs)",
         g("l2_load_vs_fio"), ">= 0.9")
-    row("L2 disk load, 3 MiB objects", g("l2_load_3m_gbps"), "GB/s", g("fio_read_3m_gbps"), "GB/s", "fio read",
+    row("L2 disk load, 3 MiB objects", g("l2_load_3m_gbps"), "GB/s", g("fio_read_3m_gbps"), "GB/s", "fio read, fixedbufs",
         g("l2_load_vs_fio_3m"), ">= 0.9")
     jobs = g("fio_store_jobs")
     fio_w = f"fio write, {jobs:.0f} jobs: {jobs:.0f} fsyncs in flight, depth 16 in all" if jobs else "fio write"
