@@ -19,7 +19,7 @@
 //   stream_copy_2_vs_1                       the machine's ceiling for that ratio: a plain
 //                                            streaming copy on 2 threads over 1 (each repeat,
 //                                            after its pair; memory bandwidth, not cores, may
-//                                            cap it: 1.3-1.7 on the dev VM)
+//                                            cap it: 1.45-1.8 on the dev VM)
 //   copy_pool_2_vs_1_vs_stream_copy          median of per-repeat copy_pool / stream ratios
 //   ping_p99_under_copy_load_ms_1, _2        p99 of the ping round trips in those runs (all
 //                                            repeats pooled), and its median p50 beside it
@@ -27,8 +27,8 @@
 //   ping_p99_idle_ms                         the same pings with no copy load, same server
 #include <kvtier/server/server.hpp>
 
-#include <kvtier/core/kv_region.hpp>
 #include <kvtier/core/token_hasher.hpp>
+#include <kvtier/core/kv_region.hpp>
 #include <kvtier/protocol/codec.hpp>
 
 #include <common/protocol_client.hpp>
@@ -73,7 +73,7 @@ struct run_result {
 };
 
 p::register_kv_request registration(std::uint64_t instance, const kv_region& region) {
-  return p::register_kv_request{instance,      0, 1, "bench/copy-pool", shape, block_size, num_blocks, chunk_tokens,
+  return p::register_kv_request{instance, 0, 1, "bench/copy-pool", shape, block_size, num_blocks, chunk_tokens,
                                 region.bytes()};
 }
 
@@ -140,8 +140,7 @@ run_result run_once(std::uint32_t workers, int clients, double seconds, std::uin
     }
 
     std::vector<kv_region> regions;
-    for (int i = 0; i < clients; ++i)
-      regions.push_back(filled_region(layout, seed + 1 + static_cast<std::uint64_t>(i)));
+    for (int i = 0; i < clients; ++i) regions.push_back(filled_region(layout, seed + 1 + static_cast<std::uint64_t>(i)));
     std::atomic<bool> stop{false};
     std::atomic<int> ready{0};
     std::vector<std::size_t> copied(static_cast<std::size_t>(clients), 0);
@@ -194,6 +193,7 @@ run_result run_once(std::uint32_t workers, int clients, double seconds, std::uin
   std::filesystem::remove_all(dir);
   return res;
 }
+
 /// The machine's own 2-vs-1 ceiling: a plain streaming copy (common/stream_copy.hpp) of 64 MiB
 /// buffers, 8 times over, on one thread and then on two at once, each thread its own pair.
 /// Returns (GB/s on 1 thread, GB/s on 2 threads together).
@@ -291,8 +291,7 @@ int main(int argc, char** argv) {
   bench::print_result("ping_p50_under_copy_load_ms_2", bench::percentile(ping2, 0.5));
   bench::print_result("ping_p99_under_copy_load_ms_1", bench::percentile(ping1, 0.99));
   bench::print_result("ping_p99_under_copy_load_ms_2", bench::percentile(ping2, 0.99));
-  bench::print_result("ping_p99_under_copy_load_ms",
-                      std::max(bench::percentile(ping1, 0.99), bench::percentile(ping2, 0.99)));
+  bench::print_result("ping_p99_under_copy_load_ms", std::max(bench::percentile(ping1, 0.99), bench::percentile(ping2, 0.99)));
   bench::print_result("ping_p99_idle_ms", bench::percentile(idle, 0.99));
   return 0;
 }

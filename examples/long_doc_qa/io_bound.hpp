@@ -87,6 +87,10 @@ inline double uring_read_bandwidth(const probe_files& f, unsigned depth) {
   if (::io_uring_queue_init(depth, &ring, 0) != 0) return 0;
   const std::size_t part = probe_files::part;
   void* buf = std::aligned_alloc(4096, part * depth);
+  if (buf == nullptr) {
+    ::io_uring_queue_exit(&ring);
+    return 0;
+  }
   std::memset(buf, 0, part * depth);  // resident before it is registered and timed
   const iovec iov{buf, part * depth};
   const bool fixed = ::io_uring_register_buffers(&ring, &iov, 1) == 0;

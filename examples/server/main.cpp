@@ -11,9 +11,9 @@
 // directory or a device as --config, JSON nested deeper than 32, sizes beyond the machine,
 // a disk directory another user could write; never a signal. A failure to start (socket in
 // use, L1 not allocatable) exits 1; SIGTERM or SIGINT shut down in order and exit 0.
+#include <kvtier/server/server_config.hpp>
 #include <kvtier/server/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
-#include <kvtier/server/server_config.hpp>
 #if KVTIER_SERVER_WITH_REDIS
 #include <kvtier/server/redis_backend_type.hpp>
 #endif

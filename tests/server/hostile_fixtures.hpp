@@ -117,16 +117,6 @@ inline http_reply http_get(std::uint16_t port, const std::string& path) {
   return http_exchange(port, "GET " + path + " HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n");
 }
 
-/// The value of the series `name` (with its labels, exactly as exposed) in a Prometheus
-/// exposition; nullopt when absent.
-inline std::optional<double> metric_value(const std::string& exposition, const std::string& series) {
-  std::istringstream in(exposition);
-  std::string line;
-  while (std::getline(in, line))
-    if (line.starts_with(series + " ")) return std::stod(line.substr(series.size() + 1));
-  return std::nullopt;
-}
-
 /// The port of the HTTP endpoint from the server's startup line ("metrics http://a:PORT/metrics").
 inline std::uint16_t wait_metrics_port(server_process& proc) {
   const auto deadline = std::chrono::steady_clock::now() + server_deadline;

@@ -428,6 +428,16 @@ inline void retrieve_and_compare(raw_client& c, const engine_region& r, const st
     for (std::uint32_t t = 0; t < test_block_size; ++t) REQUIRE(r.same_token(blocks[i], i, t, &source));
 }
 
+/// The value of the series `name` (with its labels, exactly as exposed) in a Prometheus
+/// exposition; nullopt when absent.
+inline std::optional<double> metric_value(const std::string& exposition, const std::string& series) {
+  std::istringstream in(exposition);
+  std::string line;
+  while (std::getline(in, line))
+    if (line.starts_with(series + " ")) return std::stod(line.substr(series.size() + 1));
+  return std::nullopt;
+}
+
 /// The permission bits of `p` itself (lstat: a symlink is not followed).
 inline ::mode_t mode_of(const std::filesystem::path& p) {
   struct ::stat st {};

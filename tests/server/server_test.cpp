@@ -809,15 +809,6 @@ TEST_CASE("clear drops unlocked L1 objects, and with force the locked ones too",
   CHECK(c.status()["l1"]["slots_used"] == 0);
 }
 
-namespace {
-/// The value of an unlabelled series in a /metrics page (-1 when absent).
-double series_value(const std::string& page, const std::string& name) {
-  const std::string at = "\n" + name + " ";
-  const auto i = page.find(at);
-  return i == std::string::npos ? -1 : std::stod(page.substr(i + at.size()));
-}
-}  // namespace
-
 TEST_CASE("at start the server registers L1 with a disk backend (fixed buffers), unless l1_prefault is off",
           "[server][disk]") {
   for (const bool prefault : {true, false}) {
@@ -832,13 +823,18 @@ TEST_CASE("at start the server registers L1 with a disk backend (fixed buffers),
           c.l1_prefault = prefault;
         },
         {}, factory);
-    const std::string page = "\n" + s.srv->metrics_text();
-    if (series_value(page, "kvtier_io_uring_enabled") != 1) {
+    const std::string page = s.srv->metrics_text();
+    const auto uring = metric_value(page, "kvtier_io_uring_enabled");
+    REQUIRE(uring.has_value());
+    if (*uring != 1.0) {
       WARN("io_uring refused here: the disk backend reads with pread, nothing to register");
       continue;
     }
-    const double bytes = series_value(page, "kvtier_io_fixed_buffer_bytes");
-    const double refused = series_value(page, "kvtier_io_fixed_buffer_registration_failures_total");
+    const auto bytes_v = metric_value(page, "kvtier_io_fixed_buffer_bytes");
+    const auto refused_v = metric_value(page, "kvtier_io_fixed_buffer_registration_failures_total");
+    REQUIRE(bytes_v.has_value());
+    REQUIRE(refused_v.has_value());
+    const double bytes = *bytes_v, refused = *refused_v;
     if (!prefault) {
       CHECK(bytes == 0);
       CHECK(refused == 0);

@@ -5,10 +5,10 @@
 // immediate delivery (the metrics subscriber: relaxed atomics on the publishing thread, so
 // its counts are exact), and queues e for the deferred ones (loggers) when one of them wants
 // it (an optional wants(e) filter, concepts.hpp: a logger wants only what its level writes),
-// which run when drain() is called: from the bus's own drain thread (start_drain_thread) or from any
-// executor the host chooses. The queue is bounded; when it is full the event is dropped for
-// the deferred subscribers only, and dropped() counts it. An event type nobody handles costs
-// nothing: publish<E> is an empty inline function.
+// which run when drain() is called: from the bus's own drain thread (start_drain_thread) or
+// from any executor the host chooses. The queue is bounded; when it is full the event is
+// dropped for the deferred subscribers only, and dropped() counts it. An event type nobody
+// handles costs nothing: publish<E> is an empty inline function.
 //
 // Thread safety: publish and enqueue from any thread; drain from any thread (one drainer at
 // a time, others return 0 at once); subscribers of deferred delivery are never called

@@ -19,10 +19,9 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
-
 #include <chrono>
 #include <cstddef>
+#include <cstring>
 #include <span>
 #include <string>
 #include <vector>

@@ -102,7 +102,7 @@ struct server_config {
   double lookup_ttl_s = 300;                             ///< "lookup_ttl_seconds": forget unreleased lookups
   /// "l1_prefault": at start, fault every page of L1 in and register L1 with the L2 backends
   /// that read into it faster so (the disk backend's io_uring fixed buffers): no page fault
-  /// or page pinning on a load. Costs start-up time (about 0.25 s per GiB here) and makes all
+  /// or page pinning on a load. Costs start-up time (about 0.4 s per GiB on the dev VM) and makes all
   /// of L1 resident at once.
   bool l1_prefault = true;
 

@@ -249,7 +249,8 @@ class json_object_reader {
   try {
     (void)s.dump();
   } catch (const nlohmann::json::type_error&) {
-    throw config_error(std::string(flag), excerpt(s.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)),
+    throw config_error(std::string(flag),
+                       excerpt(s.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)),
                        "must be UTF-8 text");
   }
   return s;

@@ -133,15 +133,15 @@ class logging_subscriber {
   }
   void on(const bus::server_request_finished& e) {
     if (e.ok) {
-      log_->trace("request {} from client {} succeeded in {:.3f} ms", bus::name(e.kind), e.client_id,
-                  static_cast<double>(e.duration_ns) * 1e-6);
+      log_->log(level_of(e), "request {} from client {} succeeded in {:.3f} ms", bus::name(e.kind), e.client_id,
+                static_cast<double>(e.duration_ns) * 1e-6);
       return;
     }
     // Failures are a client's misbehaviour as often as the server's: throttled per request
     // kind (a client that sends 20,000 bad frames makes a few lines, not 20,000).
     if (auto hidden = request_failures_->by_kind[static_cast<std::size_t>(e.kind)].allow())
-      log_->warn(
-          "request {} from client {} failed in {:.3f} ms{}", bus::name(e.kind), e.client_id,
+      log_->log(
+          level_of(e), "request {} from client {} failed in {:.3f} ms{}", bus::name(e.kind), e.client_id,
           static_cast<double>(e.duration_ns) * 1e-6,
           *hidden ? fmt::format(" ({} more {} requests failed since)", *hidden, bus::name(e.kind)) : std::string());
   }

@@ -30,9 +30,6 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
-/// The server's own series (kvtier_server_*, kvtier_http_*) and the collectors of the cache
-/// and the bus (docs/metrics.md); the events' counters come from the bus's
-/// metrics_subscriber. Called once, by the constructor.
 /// The start-up line of l1_prefault (make_l1_resident): how long, and which backends read
 /// into registered memory.
 inline void server::log_l1_residency(const l1_residency_report& r) {
@@ -48,6 +45,9 @@ inline void server::log_l1_residency(const l1_residency_report& r) {
     log_.warn("L1 refused by {}: reads into L1 pin their pages per read", fmt::join(r.refused, "; "));
 }
 
+/// The server's own series (kvtier_server_*, kvtier_http_*) and the collectors of the cache
+/// and the bus (docs/metrics.md); the events' counters come from the bus's
+/// metrics_subscriber. Called once, by the constructor.
 inline void server::add_metrics() {
   telemetry::collect_cache(registry_, *cache_);
   telemetry::collect_bus(registry_, bus_);
