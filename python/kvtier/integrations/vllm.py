@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 from .._kvtier import AttentionKind, DtypeKind, ModelShape
 from ..views import dtype_kind_of
 from .core import (
-    _TIMEOUT_KEYS,
+    TIMEOUT_KEYS,
     KVTierConfig,
     ScheduledRequest,
     SchedulerSide,
@@ -145,7 +145,7 @@ def config_from_vllm(vllm_config: Any, role: Any) -> KVTierConfig:
         hash=str(extra.get("hash", "xxh3_128")),
         prefill_tokens_per_second=int(extra.get("prefill_tokens_per_second", 0)),
         ready_timeout_s=float(extra.get("ready_timeout_s", 5.0)),
-        timeouts_ms={k: int(extra[k]) for k in _TIMEOUT_KEYS if k in extra},
+        timeouts_ms={k: int(extra[k]) for k in TIMEOUT_KEYS if k in extra},
         load_mode=str(extra.get("load_mode", "async")),
     )
     cfg.validate()

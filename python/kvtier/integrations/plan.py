@@ -1,0 +1,74 @@
+"""The per-step plan: what travels from the scheduler side to every worker each step (vLLM's
+connector metadata). Plain ints, strings and lists, so it pickles."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List
+
+__all__ = ["LoadOp", "StoreOp", "StepPlan", "ScheduledRequest", "StepInput"]
+
+
+@dataclass
+class LoadOp:
+    """Retrieve chunks ``[first_chunk, first_chunk + len(hashes))`` of a request into
+    ``block_ids`` (chunk-major), but its first ``skip_tokens`` tokens (the engine's own
+    prefix cache holds them). ``error_blocks``: blocks the engine counts as loaded that no
+    chunk covers (reported as load errors at once)."""
+
+    request_id: str
+    first_chunk: int
+    hashes: List[int]
+    block_ids: List[int]
+    skip_tokens: int
+    cache_salt: str = ""
+    error_blocks: List[int] = field(default_factory=list)
+
+
+@dataclass
+class StoreOp:
+    """Store chunks ``[first_chunk, first_chunk + len(hashes))`` of a request from
+    ``block_ids`` (chunk-major), after this step's forward pass wrote them."""
+
+    request_id: str
+    first_chunk: int
+    hashes: List[int]
+    block_ids: List[int]
+    cache_salt: str = ""
+
+
+@dataclass
+class StepPlan:
+    """What every worker does in one step (vLLM's KV connector metadata).
+
+    ``fence_blocks``: blocks this step writes (tokens computed, retrieve destinations); the
+    worker fences each before the forward pass. ``preempted``: ids preempted this step."""
+
+    loads: List[LoadOp] = field(default_factory=list)
+    stores: List[StoreOp] = field(default_factory=list)
+    fence_blocks: List[int] = field(default_factory=list)
+    preempted: List[str] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledRequest:
+    """One request the engine runs this step.
+
+    ``block_ids``: blocks given to it this step (appended to its table), or its whole table
+    when ``replace_blocks`` (a new or resumed request). ``num_computed_tokens``: tokens whose
+    KV is in its blocks before this step; ``num_scheduled_tokens``: tokens this step computes.
+    """
+
+    request_id: str
+    block_ids: List[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    replace_blocks: bool = False
+
+
+@dataclass
+class StepInput:
+    """The engine's schedule of one step, as :meth:`SchedulerSide.build_step` needs it."""
+
+    scheduled: List[ScheduledRequest] = field(default_factory=list)
+    preempted: List[str] = field(default_factory=list)

@@ -1,0 +1,247 @@
+"""The scheduler's half of the adapter (:class:`SchedulerSide`): lookups, hit counts and the
+per-step plan. The semantics are in :mod:`kvtier.integrations.core`'s docstring."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+from .._kvtier import AttentionKind, Connector, HashAlgorithm, KvLayoutKind, TokenHasher
+from .config import KVTierConfig
+from .plan import LoadOp, StepInput, StepPlan, StoreOp
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("kvtier")
+
+
+@dataclass
+class _Request:
+    num_tokens: int  # tokens of the sequence the lookup names (prompt, plus outputs after a preemption)
+    num_prompt_tokens: int
+    hashes: List[int]
+    cache_salt: str
+    lookup_sent: bool = False
+    hit: Optional[int] = None  # hit tokens, once answered
+    blocks: List[int] = field(default_factory=list)
+    load: Optional[LoadOp] = None  # planned, not yet in a StepPlan
+    load_issued: bool = False
+    locks_freed: bool = False
+    scheduled: bool = False  # ran at least one step (a later lookup means a resumption)
+    stored_chunks: Optional[int] = None  # leading chunks stored or not to store
+
+
+class SchedulerSide:
+    """The scheduler's half: lookups, hit counts and the per-step plan.
+
+    Not thread-safe (vLLM's scheduler is single-threaded); the connector it owns is.
+    """
+
+    def __init__(self, config: KVTierConfig, connector: Optional[Connector] = None) -> None:
+        config.validate()
+        self.config = config
+        self._bs = config.block_size
+        self._ct = config.chunk_tokens
+        self._bpc = config.chunk_tokens // config.block_size
+        self._hasher = TokenHasher(config.chunk_tokens, HashAlgorithm.SHA256 if config.hash == "sha256" else HashAlgorithm.XXH3_128)
+        if connector is None:
+            if config.model is None:
+                raise ValueError("kvtier: the scheduler needs config.model, one rank's KV shape")
+            opts = config.connector_options(scheduler=True)
+            opts.model = config.model
+            kind = config.layout_kind()
+            if config.model.attention == AttentionKind.MLA:
+                kind = KvLayoutKind.MLA
+            opts.layout_kind = kind if kind is not None else KvLayoutKind.NHD
+            connector = Connector(opts)
+            if not connector.wait_ready(config.ready_timeout_s):
+                log.warning(
+                    "kvtier: no kvtier-server at %s yet (%s): running without hits until it comes",
+                    config.socket_path,
+                    connector.last_error,
+                )
+        self.connector = connector
+        self._async = not config.layerwise
+        self._requests: Dict[str, _Request] = {}
+        self._planned: List[str] = []  # ids with a load planned, in order
+        self._loaded: Set[str] = set()  # ids that had a load (until request_finished)
+
+    # -- vLLM: get_num_new_matched_tokens --------------------------------------------------
+    def num_new_matched_tokens(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        num_computed_tokens: int,
+        num_prompt_tokens: Optional[int] = None,
+        cache_salt: str = "",
+    ) -> Tuple[Optional[int], bool]:
+        """Tokens beyond ``num_computed_tokens`` that kvtier can load, and whether the load is
+        asynchronous: ``(None, True)`` while pending, ``(n, True)`` for a hit, ``(0, False)``;
+        in layerwise mode ``(None, False)`` and ``(n, False)`` (a synchronous load).
+
+        Repeated calls answer the same and change nothing (the first one starts the lookup,
+        which the server runs in the background)."""
+        st = self._requests.get(request_id)
+        if st is not None and st.scheduled:
+            # The engine asks again for a request it already ran: a preemption it resumes. The
+            # old lookup is over; look the longer sequence up afresh.
+            self._forget(request_id, st)
+            st = None
+        if st is None:
+            n = len(tokens)
+            if n < self._ct:
+                return 0, False  # no full chunk: nothing to look up (or ever to store)
+            st = _Request(
+                num_tokens=n,
+                num_prompt_tokens=n if num_prompt_tokens is None else int(num_prompt_tokens),
+                hashes=self._hasher.chunk_hashes(tokens),
+                cache_salt=cache_salt or "",
+            )
+            self._requests[request_id] = st
+        if st.load_issued or (self._async and request_id in self._loaded):
+            # An asynchronous load happens at most once per request: vLLM learns that it is
+            # over from the id's one finished_recving report, so a second load (after a
+            # preemption, or a retry after a load that failed whole) is recomputed instead.
+            # A synchronous load reports nothing: a resumed request may load again.
+            return 0, False
+        if st.hit is None:
+            if not st.lookup_sent:
+                self.connector.lookup_hashes(request_id, st.hashes, st.cache_salt)
+                st.lookup_sent = True
+            answer = self.connector.lookup_result(request_id)
+            if answer is None:
+                return None, self._async
+            st.hit = min(int(answer), len(st.hashes) * self._ct)
+        usable = min(st.hit, st.num_tokens - 1)  # the engine computes at least the last token
+        new = usable - num_computed_tokens
+        if new <= 0:
+            return 0, False
+        return new, self._async
+
+    # -- vLLM: update_state_after_alloc ----------------------------------------------------
+    def after_alloc(self, request_id: str, block_ids: Sequence[int], num_external_tokens: int) -> None:
+        """The engine allocated ``block_ids`` (its whole table) for the request; load
+        ``num_external_tokens`` into them when > 0. May be called again (0: no new load)."""
+        st = self._requests.get(request_id)
+        if st is None:
+            return
+        st.blocks = list(block_ids)
+        if num_external_tokens > 0 and st.load is None and not st.load_issued and st.hit is not None:
+            usable = min(st.hit, st.num_tokens - 1)
+            start = usable - num_external_tokens  # the engine's own prefix
+            end = usable
+            first = start // self._ct
+            last = -(-end // self._ct)
+            have = len(st.blocks) // self._bpc
+            errors: List[int] = []
+            if last > have:  # block_size 1 and a whole hit: the last chunk has no room
+                covered = max(first, have)
+                errors = st.blocks[max(covered * self._bpc, start // self._bs) : -(-end // self._bs)]
+                last = covered
+            if last <= first:
+                op = LoadOp(request_id, first, [], [], 0, st.cache_salt, errors)
+            else:
+                op = LoadOp(
+                    request_id,
+                    first,
+                    st.hashes[first:last],
+                    st.blocks[first * self._bpc : last * self._bpc],
+                    start - first * self._ct,
+                    st.cache_salt,
+                    errors,
+                )
+            st.load = op
+            self._planned.append(request_id)
+        elif num_external_tokens == 0 and not st.load_issued and st.load is None and st.hit and not st.locks_freed:
+            # Nothing will be retrieved: the server may let the prefetched chunks go.
+            self.connector.free_lookup_locks(request_id)
+            st.locks_freed = True
+
+    # -- vLLM: build_connector_meta --------------------------------------------------------
+    def build_step(self, step: StepInput) -> StepPlan:
+        """This step's plan (consumes the loads planned since the last call)."""
+        plan = StepPlan(preempted=list(step.preempted))
+        for rid in step.preempted:
+            st = self._requests.get(rid)
+            if st is not None:
+                self._forget(rid, st)
+        for rid in self._planned:
+            st = self._requests.get(rid)
+            if st is None or st.load is None:
+                continue
+            plan.loads.append(st.load)
+            plan.fence_blocks.extend(st.load.block_ids)
+            st.load = None
+            st.load_issued = True
+            self._loaded.add(rid)
+        self._planned.clear()
+        for sr in step.scheduled:
+            st = self._requests.get(sr.request_id)
+            if st is None:
+                continue  # no full chunk in its prompt: nothing to store
+            if sr.replace_blocks:
+                st.blocks = list(sr.block_ids)
+            else:
+                st.blocks.extend(sr.block_ids)
+            st.scheduled = True
+            start = sr.num_computed_tokens
+            end = start + sr.num_scheduled_tokens
+            plan.fence_blocks.extend(st.blocks[start // self._bs : -(-end // self._bs)])
+            if st.stored_chunks is None:
+                st.stored_chunks = start // self._ct
+            done = min(min(end, st.num_prompt_tokens) // self._ct, len(st.hashes), len(st.blocks) // self._bpc)
+            if done > st.stored_chunks:
+                first = st.stored_chunks
+                plan.stores.append(
+                    StoreOp(
+                        sr.request_id,
+                        first,
+                        st.hashes[first:done],
+                        st.blocks[first * self._bpc : done * self._bpc],
+                        st.cache_salt,
+                    )
+                )
+                st.stored_chunks = done
+        return plan
+
+    # -- vLLM: update_connector_output -----------------------------------------------------
+    def on_load_errors(self, invalid_block_ids: Iterable[int]) -> None:
+        """The workers' load errors of a step (vLLM's ``invalid_block_ids``): a request that
+        ran a step on blocks that did not land (a synchronous load) recomputes from its first
+        failed block, and what it computes then is stored afresh (the worker dropped that
+        step's stores of it)."""
+        bad = set(invalid_block_ids)
+        if not bad:
+            return
+        for st in self._requests.values():
+            if st.stored_chunks is not None and bad.intersection(st.blocks):
+                st.stored_chunks = None  # set again from the step that recomputes
+
+    # -- vLLM: request_finished ------------------------------------------------------------
+    def request_finished(self, request_id: str) -> bool:
+        """The request is over (finished or aborted): the server forgets its lookup. Returns
+        whether the engine must keep its blocks until a worker reports the id (always True:
+        see the module docstring)."""
+        st = self._requests.pop(request_id, None)
+        if st is not None and st.lookup_sent:
+            self.connector.end_request(request_id)
+        if request_id in self._planned:
+            self._planned.remove(request_id)
+        self._loaded.discard(request_id)
+        return True
+
+    def tracked(self) -> int:
+        """Requests with state here (for tests: 0 once every request finished)."""
+        return len(self._requests) + len(self._loaded)
+
+    def shutdown(self) -> None:
+        self.connector.close()
+
+    def _forget(self, request_id: str, st: _Request) -> None:
+        if st.lookup_sent:
+            self.connector.end_request(request_id)
+        if request_id in self._planned:
+            self._planned.remove(request_id)
+        del self._requests[request_id]
+
