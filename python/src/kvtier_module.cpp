@@ -349,15 +349,35 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("root", [](const token_hasher& h) { return to_int(h.root()); })
       .def(
           "chunk_hashes",
-          [](const token_hasher& h, const token_array& tokens) {
+          [](const token_hasher& h, const token_array& tokens, const py::object& extras) {
+            // extras: None, or one bytes object per full chunk (b"": that chunk's tokens alone).
+            std::vector<py::bytes> held;  // keeps the buffers alive while the GIL is released
+            std::vector<std::span<const std::byte>> spans;
+            if (!extras.is_none()) {
+              for (const py::handle item : extras) {
+                if (!PyBytes_Check(item.ptr()))
+                  throw py::type_error("kvtier: TokenHasher.chunk_hashes: each extra is bytes (b\"\" for none), not " +
+                                       std::string(py::str(py::type::of(item).attr("__name__"))));
+                held.push_back(py::reinterpret_borrow<py::bytes>(item));
+                spans.emplace_back(reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(item.ptr())),
+                                   static_cast<std::size_t>(PyBytes_GET_SIZE(item.ptr())));
+              }
+              if (spans.size() != h.full_chunks(static_cast<std::size_t>(tokens.size())))
+                throw std::invalid_argument("kvtier: TokenHasher.chunk_hashes: " + std::to_string(spans.size()) +
+                                            " extras for " +
+                                            std::to_string(h.full_chunks(static_cast<std::size_t>(tokens.size()))) +
+                                            " full chunks: give one bytes object per full chunk (b\"\" for none)");
+            }
             std::vector<hash128> out;
             {
               py::gil_scoped_release nogil;
-              out = h.chunk_hashes(tokens_of(tokens));
+              out = h.chunk_hashes(tokens_of(tokens), spans);
             }
             return to_list(out);
           },
-          py::arg("tokens"), "The hashes of every full chunk of a sequence that starts at token 0.");
+          py::arg("tokens"), py::arg("extras") = py::none(),
+          "The hashes of every full chunk of a sequence that starts at token 0; extras (one bytes per "
+          "full chunk, b\"\" = none) are folded into their chunk's hash after its tokens.");
   m.def(
       "make_model_id",
       [](const std::string& model_name, const model_shape& shape, kv_layout_kind layout, const std::string& salt) {

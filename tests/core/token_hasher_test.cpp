@@ -5,6 +5,9 @@
 #include <catch2/catch.hpp>
 
 #include <numeric>
+#include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 using namespace kvtier;
@@ -75,6 +78,82 @@ TEST_CASE("hashing can continue from a stored prefix hash", "[core][token_hasher
   CHECK(parts == whole);
   CHECK_THROWS_AS(h.next(h.root(), std::span(all).first(3)), std::invalid_argument);
   CHECK_THROWS_AS(token_hasher(0), std::invalid_argument);
+}
+
+namespace {
+std::span<const std::byte> bytes_of(std::string_view s) { return std::as_bytes(std::span(s.data(), s.size())); }
+}  // namespace
+
+TEST_CASE("an empty extra leaves every chunk hash as it was", "[core][token_hasher]") {
+  // The keys of plain token prompts (C++ engines, the mini engine, requests without adapters,
+  // images or embeddings) must not move: caches stored before extras existed stay valid.
+  for (const auto algorithm : {hash_algorithm::xxh3_128, hash_algorithm::sha256}) {
+    const token_hasher h(4, algorithm);
+    const auto t = iota_tokens(8, 1);
+    const auto plain = h.chunk_hashes(t);
+    const std::vector<std::span<const std::byte>> none(2);
+    CHECK(h.chunk_hashes(t, none) == plain);
+    CHECK(h.next(h.root(), std::span(t).first(4), {}) == plain[0]);
+  }
+  // The pinned values of the first test, through the extras path.
+  const std::vector<std::span<const std::byte>> none(2);
+  const auto s = token_hasher(4).chunk_hashes(iota_tokens(9, 1), none);
+  CHECK(s[0].to_hex() == "b2747f92442d1de6a116da93a5f46f04");
+  CHECK(s[1].to_hex() == "ae68132fb20f392f36a0a116d05eb1db");
+}
+
+TEST_CASE("chunk extras match the fixed vectors", "[core][token_hasher]") {
+  // Computed independently with Python's xxhash / hashlib over the documented encoding:
+  // 16-byte LE prefix || u32 LE tokens || (u64 LE len(extra) || extra, when extra is non-empty).
+  const auto t = iota_tokens(8, 1);
+  const std::vector<std::span<const std::byte>> first_only{bytes_of("lora:a"), {}};
+  const auto x = token_hasher(4).chunk_hashes(t, first_only);
+  REQUIRE(x.size() == 2);
+  CHECK(x[0].to_hex() == "4f30b5c9335e62ac53e9cb72e9c6865e");
+  CHECK(x[1].to_hex() == "bac1c5701a901b6b76224c9c5b2fe029");  // the extra reaches later chunks by the chain
+  const std::string zero(1, '\0');
+  const std::vector<std::span<const std::byte>> both{bytes_of("lora:a"), bytes_of(zero)};
+  const auto y = token_hasher(4).chunk_hashes(t, both);
+  CHECK(y[0] == x[0]);
+  CHECK(y[1].to_hex() == "95ddd4d7664db37bec84bda2f3cf48bc");  // one NUL byte is an extra, not "none"
+  const auto s = token_hasher(4, hash_algorithm::sha256).chunk_hashes(t, first_only);
+  CHECK(s[0].to_hex() == "66e061714464b4d2199f1e6772c15ddf");
+  CHECK(s[1].to_hex() == "3e857a91d74fb5824f5369f19c0fca35");
+}
+
+TEST_CASE("different extras or a different split of tokens and extra never share a hash", "[core][token_hasher]") {
+  const token_hasher h(2);
+  const std::vector<token_id> t{1, 2};
+  const hash128 plain = h.next(h.root(), t);
+  const hash128 a = h.next(h.root(), t, bytes_of("a"));
+  const hash128 b = h.next(h.root(), t, bytes_of("b"));
+  const hash128 ab = h.next(h.root(), t, bytes_of("ab"));
+  CHECK(a != plain);
+  CHECK(a != b);
+  CHECK(ab != a);
+  // Without the length prefix, tokens {1, 2} + extra "" and tokens {1, 2} + the extra holding
+  // the LE bytes of a third token would be one message with a different split; the fixed
+  // token width and the length prefix keep them apart.
+  const std::string le3("\x03\0\0\0", 4);
+  CHECK(h.next(h.root(), t, bytes_of(le3)) != plain);
+  const std::string len_then("\x01\0\0\0\0\0\0\0a", 9);
+  CHECK(h.next(h.root(), t, bytes_of(len_then)) != a);  // an extra that looks like a framed one
+}
+
+TEST_CASE("extras must name every full chunk or none", "[core][token_hasher]") {
+  const token_hasher h(4);
+  const auto t = iota_tokens(10);  // 2 full chunks
+  const std::vector<std::span<const std::byte>> one{bytes_of("x")};
+  const std::vector<std::span<const std::byte>> three(3);
+  CHECK_THROWS_AS(h.chunk_hashes(t, one), std::invalid_argument);
+  CHECK_THROWS_AS(h.chunk_hashes(t, three), std::invalid_argument);
+  // Continuing from a prefix with extras equals hashing the whole sequence with them.
+  const std::vector<std::span<const std::byte>> two{bytes_of("x"), bytes_of("y")};
+  const auto whole = h.chunk_hashes(t, two);
+  std::vector<hash128> parts;
+  const hash128 last = h.append_chunk_hashes(std::span(t).first(4), parts, std::nullopt, std::span(two).first(1));
+  h.append_chunk_hashes(std::span(t).subspan(4), parts, last, std::span(two).subspan(1));
+  CHECK(parts == whole);
 }
 
 TEST_CASE("hash algorithms parse from their names", "[core][token_hasher]") {

@@ -2,7 +2,19 @@
 // token_hasher: the rolling prefix hash that names chunks of tokens.
 //
 //   h(-1) = root (a constant, see root())
-//   h(i)  = H( h(i-1) as 16 bytes little-endian (lo, hi) || tokens of chunk i as u32 LE )
+//   h(i)  = H( h(i-1) as 16 bytes little-endian (lo, hi) || tokens of chunk i as u32 LE
+//              || extra(i) )
+//   extra(i) = nothing                                  when chunk i has no extra bytes
+//            = len(e) as u64 LE || e                    when it has the bytes e (non-empty)
+//
+// The extra bytes are what else the chunk's KV depends on besides its tokens and its prefix
+// (a LoRA adapter, multimodal inputs at its positions, prompt embeddings: vLLM's block hash
+// covers them; python/kvtier/integrations/request_keys.py builds them, docs/integration.md
+// "vLLM" documents their encoding). A chunk without extra bytes hashes exactly as before
+// extras existed, so the keys of plain token prompts (every C++ engine, the mini engine) never
+// change. The prefix (16 bytes) and the tokens (4 * chunk_size bytes) have a fixed length, so
+// the hashed message's length tells "no extra" from every extra, and the length prefix keeps
+// two different (tokens, extra) pairs from ever framing to the same message.
 //
 // Only full chunks of chunk_size tokens are hashed; a trailing partial chunk is never cached.
 // The encoding is fixed and little-endian, so the same tokens give the same hashes in every
@@ -82,67 +94,86 @@ class token_hasher {
   /// h(-1): the hash of the ASCII string "kvtier.root.v1" under the selected algorithm.
   [[nodiscard]] hash128 root() const {
     static constexpr std::string_view seed = "kvtier.root.v1";
-    return digest(std::as_bytes(std::span(seed.data(), seed.size())), {});
+    return digest(std::as_bytes(std::span(seed.data(), seed.size())), {}, {}, {});
   }
 
-  /// h(i) from h(i-1) and the chunk's tokens (chunk.size() must equal chunk_size()).
-  [[nodiscard]] hash128 next(hash128 prefix, std::span<const token_id> chunk) const {
+  /// h(i) from h(i-1), the chunk's tokens (chunk.size() must equal chunk_size()) and its
+  /// extra bytes (empty: the hash of the tokens alone, as before extras existed).
+  [[nodiscard]] hash128 next(hash128 prefix, std::span<const token_id> chunk,
+                             std::span<const std::byte> extra = {}) const {
     if (chunk.size() != chunk_size_)
       throw std::invalid_argument("kvtier::token_hasher::next: a chunk has exactly chunk_size tokens");
     std::array<std::byte, 16> p{};
     detail::put_le64(p.data(), prefix.lo);
     detail::put_le64(p.data() + 8, prefix.hi);
+    std::array<std::byte, 8> extra_len{};
+    detail::put_le64(extra_len.data(), extra.size());
+    const std::span<const std::byte> tail_len = extra.empty() ? std::span<const std::byte>{} : extra_len;
     if constexpr (std::endian::native == std::endian::little) {
-      return digest(p, std::as_bytes(chunk));
+      return digest(p, std::as_bytes(chunk), tail_len, extra);
     } else {
       std::vector<std::byte> le(chunk.size() * 4);
       for (std::size_t i = 0; i < chunk.size(); ++i)
         for (int b = 0; b < 4; ++b)
           le[i * 4 + static_cast<std::size_t>(b)] = static_cast<std::byte>((chunk[i] >> (8 * b)) & 0xff);
-      return digest(p, le);
+      return digest(p, le, tail_len, extra);
     }
   }
 
   /// Appends the hashes of the full chunks of `tokens` to `out`, continuing from `prefix`
   /// (root() for a sequence that starts at token 0). Returns the last hash (or prefix).
+  /// `extras`: none (every chunk hashes its tokens alone) or one byte string per full chunk
+  /// of `tokens` (extras[i] goes with the i-th chunk; an empty one = no extra); any other
+  /// count is refused (std::invalid_argument), since a shifted extra would name the wrong KV.
   hash128 append_chunk_hashes(std::span<const token_id> tokens, std::vector<hash128>& out,
-                              std::optional<hash128> prefix = std::nullopt) const {
+                              std::optional<hash128> prefix = std::nullopt,
+                              std::span<const std::span<const std::byte>> extras = {}) const {
     hash128 h = prefix ? *prefix : root();
     const std::size_t n = full_chunks(tokens.size());
+    if (!extras.empty() && extras.size() != n)
+      throw std::invalid_argument("kvtier::token_hasher: " + std::to_string(extras.size()) + " extras for " +
+                                  std::to_string(n) +
+                                  " full chunks: give one extra (possibly empty) per full chunk, or none");
     out.reserve(out.size() + n);
     for (std::size_t i = 0; i < n; ++i) {
-      h = next(h, tokens.subspan(i * chunk_size_, chunk_size_));
+      h = next(h, tokens.subspan(i * chunk_size_, chunk_size_),
+               extras.empty() ? std::span<const std::byte>{} : extras[i]);
       out.push_back(h);
     }
     return h;
   }
 
-  /// The hashes of every full chunk of a sequence starting at token 0.
-  [[nodiscard]] std::vector<hash128> chunk_hashes(std::span<const token_id> tokens) const {
+  /// The hashes of every full chunk of a sequence starting at token 0 (`extras` as in
+  /// append_chunk_hashes).
+  [[nodiscard]] std::vector<hash128> chunk_hashes(std::span<const token_id> tokens,
+                                                  std::span<const std::span<const std::byte>> extras = {}) const {
     std::vector<hash128> out;
-    append_chunk_hashes(tokens, out);
+    append_chunk_hashes(tokens, out, std::nullopt, extras);
     return out;
   }
 
  private:
-  [[nodiscard]] hash128 digest(std::span<const std::byte> a, std::span<const std::byte> b) const {
+  /// H(a || b || c || d): the parts are hashed as one message (streamed, never concatenated).
+  [[nodiscard]] hash128 digest(std::span<const std::byte> a, std::span<const std::byte> b, std::span<const std::byte> c,
+                               std::span<const std::byte> d) const {
+    const std::array<std::span<const std::byte>, 4> parts{a, b, c, d};
     if (algorithm_ == hash_algorithm::xxh3_128) {
       XXH3_state_t state;
       XXH3_INITSTATE(&state);
       XXH3_128bits_reset(&state);
-      XXH3_128bits_update(&state, a.data(), a.size());
-      if (!b.empty()) XXH3_128bits_update(&state, b.data(), b.size());
+      for (const auto& part : parts)
+        if (!part.empty()) XXH3_128bits_update(&state, part.data(), part.size());
       const XXH128_hash_t h = XXH3_128bits_digest(&state);
       return {h.low64, h.high64};
     }
-    // SHA-256 over a || b; the first 16 digest bytes, big-endian, become (hi, lo).
+    // SHA-256 over a || b || c || d; the first 16 digest bytes, big-endian, become (hi, lo).
     EVP_MD_CTX* ctx = EVP_MD_CTX_new();
     if (ctx == nullptr) throw std::bad_alloc();
     unsigned char md[EVP_MAX_MD_SIZE];
     unsigned int len = 0;
-    const bool ok =
-        EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) == 1 && EVP_DigestUpdate(ctx, a.data(), a.size()) == 1 &&
-        (b.empty() || EVP_DigestUpdate(ctx, b.data(), b.size()) == 1) && EVP_DigestFinal_ex(ctx, md, &len) == 1;
+    bool ok = EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) == 1;
+    for (const auto& part : parts) ok = ok && (part.empty() || EVP_DigestUpdate(ctx, part.data(), part.size()) == 1);
+    ok = ok && EVP_DigestFinal_ex(ctx, md, &len) == 1;
     EVP_MD_CTX_free(ctx);
     if (!ok || len < 16) throw std::runtime_error("kvtier::token_hasher: OpenSSL SHA-256 failed");
     return {detail::get_be64(md + 8), detail::get_be64(md)};
