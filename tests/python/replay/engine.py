@@ -14,6 +14,9 @@ about to write a quarantined block), a report vLLM would reject.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import shutil
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -80,6 +83,9 @@ class ReplayEngine:
             extra.setdefault("ready_timeout_s", 30)
         self._procs = []
         self._pipes = []
+        self._dist_dir: Optional[str] = None
+        if runner == "model" and world_size > 1:  # the ranks' gloo group (TinyDecoder's all-reduce)
+            self._dist_dir = tempfile.mkdtemp(prefix="kvtier-replay-dist-")
         ctx = _mp()
         for rank in range(world_size):
             spec = WorkerSpec(
@@ -94,6 +100,7 @@ class ReplayEngine:
                 num_blocks=num_blocks,
                 kvtier=self.kvtier,
                 extra=dict(extra, rank=rank),
+                dist_init=os.path.join(self._dist_dir, "group") if self._dist_dir else None,
             )
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, args=(child, spec), daemon=True)
@@ -142,8 +149,12 @@ class ReplayEngine:
             raise AssertionError(f"a replay worker failed:\n{payload}")
         return kind, payload
 
-    def add(self, request_id: str, prompt: List[int], max_tokens: int = 2, cache_salt: Optional[str] = None) -> Request:
-        req = Request(request_id, prompt, max_tokens, cache_salt)
+    def add(
+        self, request_id: str, prompt: Optional[List[int]], max_tokens: int = 2, cache_salt: Optional[str] = None, **inputs: Any
+    ) -> Request:
+        """Adds a request; ``inputs``: vLLM's lora_request, mm_features, prompt_embeds
+        (``prompt=None`` with prompt_embeds: an embeddings-only prompt)."""
+        req = Request(request_id, prompt, max_tokens, cache_salt, **inputs)
         self._arrival[request_id] = time.perf_counter()
         self.sched.add_request(req)
         return req
@@ -238,6 +249,8 @@ class ReplayEngine:
                 p.kill()
         if self.connector is not None:
             self.connector.shutdown()
+        if self._dist_dir is not None:
+            shutil.rmtree(self._dist_dir, ignore_errors=True)
 
     def __enter__(self) -> "ReplayEngine":
         return self

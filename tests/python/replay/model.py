@@ -13,6 +13,19 @@
   step in which the earlier K/V were computed (or loaded). Logits of a run that loads its
   prefix equal those of a run that computes it, bit for bit, iff the loaded K/V are exact.
 
+  Beyond token ids it takes what vLLM's block hash covers (:class:`RequestInputs`): a LoRA-like
+  adapter (a low-rank delta on the V projection, its weights drawn from the adapter's name),
+  an "image" (embedding rows put in place of the token embeddings at its placeholder
+  positions) and prompt embeddings (an embeddings-only prompt). Each changes the K/V of the
+  positions it touches, so KV served to the wrong request shows in the logits.
+
+  Tensor parallelism: with ``world_size`` > 1 each rank holds its share of the query and KV
+  heads (the columns of wq, wk, wv and the adapter's delta, the rows of wo), computes their
+  attention, and ``all_reduce`` sums the ranks' attention outputs (a torch.distributed gloo
+  group across the replay's worker processes), as vLLM's row-parallel output projection does;
+  the rest is replicated. The sum of two partials is the same on both ranks (IEEE addition
+  commutes), so every rank holds the same residual stream.
+
 * :class:`SyntheticRunner`: no model: each token's KV is a pattern of (token, position,
   layer, plane, rank, head, dim); every step checks that every position of every scheduled
   request holds its pattern (what was loaded, computed, or kept by vLLM's prefix cache).
@@ -20,14 +33,25 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
-from typing import Callable, List, Optional, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 
-#: One request of a step: (tokens, start, end, block table).
-Batched = Tuple[List[int], int, int, List[int]]
+@dataclass
+class RequestInputs:
+    """A request's model inputs beyond its token ids (vLLM's NewRequestData carries them)."""
+
+    lora_name: Optional[str] = None
+    mm: List[Tuple[int, torch.Tensor]] = field(default_factory=list)  # (placeholder offset, (length, hidden) rows)
+    prompt_embeds: Optional[torch.Tensor] = None  # (num_prompt_tokens, hidden): an embeddings-only prompt
+
+
+#: One request of a step: (tokens, start, end, block table, inputs or None).
+Batched = Tuple[List[int], int, int, List[int], Optional[RequestInputs]]
 
 
 def _kv_cache_shape(layout: str, num_blocks: int, block_size: int, heads: int, head_dim: int) -> Tuple[int, ...]:
@@ -84,7 +108,12 @@ class TinyDecoder:
         mlp: int = 64,
         seed: int = 1234,
         max_positions: int = 4096,
+        rank: int = 0,
+        world_size: int = 1,
+        all_reduce: Optional[Callable[[torch.Tensor], None]] = None,
     ) -> None:
+        assert q_heads % world_size == 0 and kv_heads % world_size == 0, "heads split evenly over the ranks"
+        assert world_size == 1 or all_reduce is not None, "tensor parallelism sums the ranks' attention outputs"
         g = torch.Generator().manual_seed(seed)
 
         def w(*shape, scale=None):
@@ -110,9 +139,50 @@ class TinyDecoder:
             )
         self.norm = 1.0 + 0.1 * w(hidden, scale=1.0)
         self.lm_head = w(hidden, vocab)
+        self.adapter_rank = 4
+        self._adapters: Dict[str, Tuple[torch.Tensor, torch.Tensor]] = {}
+        # This rank's heads: query heads [qh0, qh0 + q_heads/ws), KV heads [kh0, kh0 + kv_heads/ws).
+        self.rank, self.world_size, self.all_reduce = rank, world_size, all_reduce
+        self.local_q, self.local_kv = q_heads // world_size, kv_heads // world_size
+        if world_size > 1:
+            q_cols = slice(rank * self.local_q * head_dim, (rank + 1) * self.local_q * head_dim)
+            self._kv_cols = slice(rank * self.local_kv * head_dim, (rank + 1) * self.local_kv * head_dim)
+            for p in self.params:
+                p["wq"] = p["wq"][:, q_cols].contiguous()
+                p["wk"] = p["wk"][:, self._kv_cols].contiguous()
+                p["wv"] = p["wv"][:, self._kv_cols].contiguous()
+                p["wo"] = p["wo"][q_cols, :].contiguous()
+        else:
+            self._kv_cols = slice(None)
         inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         ang = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv[None, :]
         self.cos, self.sin = torch.cos(ang), torch.sin(ang)
+
+    def adapter(self, name: str) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The LoRA-like delta (A: hidden x r, B: r x this rank's V columns) of adapter `name`,
+        drawn from a generator seeded by the name's SHA-256 (the same in every process)."""
+        if name not in self._adapters:
+            seed = int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "little") & ((1 << 63) - 1)
+            g = torch.Generator().manual_seed(seed)
+            a = torch.randn(self.hidden, self.adapter_rank, generator=g, dtype=torch.float32) / math.sqrt(self.hidden)
+            b = torch.randn(self.adapter_rank, self.kv_heads * self.head_dim, generator=g, dtype=torch.float32) * 0.5
+            self._adapters[name] = (a, b[:, self._kv_cols].contiguous())
+        return self._adapters[name]
+
+    def _input_rows(self, tokens: List[int], start: int, end: int, inputs: Optional[RequestInputs]) -> List[torch.Tensor]:
+        """The input embedding of each position start..end-1: the prompt embeddings, an image's
+        rows at its placeholder positions, else the token's embedding."""
+        rows = []
+        for p in range(start, end):
+            row = None
+            if inputs is not None:
+                if inputs.prompt_embeds is not None and p < inputs.prompt_embeds.shape[0]:
+                    row = inputs.prompt_embeds[p]
+                for offset, mm_rows in inputs.mm:
+                    if offset <= p < offset + mm_rows.shape[0]:
+                        row = mm_rows[p - offset]
+            rows.append((self.embed[tokens[p]] if row is None else row).clone())
+        return rows
 
     @staticmethod
     def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -132,45 +202,59 @@ class TinyDecoder:
     ) -> torch.Tensor:
         """Computes positions start..end-1 of `tokens` (K/V of 0..start-1 are in the cache),
         writes their K/V and returns the logits of the last one (vocab,)."""
-        return self.forward_batch([(tokens, start, end, table)], caches)[0]
+        return self.forward_batch([(tokens, start, end, table, None)], caches)[0]
 
     def forward_batch(
         self, batch: List[Batched], caches: List[PagedKV], before_layer: Optional[Callable[[int], None]] = None
     ) -> List[torch.Tensor]:
-        """forward() for every (tokens, start, end, table) of a step, layer by layer as an
-        engine runs a batch: ``before_layer(layer)`` runs before the layer reads any K/V
+        """forward() for every (tokens, start, end, table, inputs) of a step, layer by layer as
+        an engine runs a batch: ``before_layer(layer)`` runs before the layer reads any K/V
         (vLLM's wait_for_layer_load). Each request's result is the same as alone."""
         group = self.q_heads // self.kv_heads
         scale = 1.0 / math.sqrt(self.head_dim)
-        states = [[self.embed[tokens[p]].clone() for p in range(start, end)] for tokens, start, end, _ in batch]
+        nq, nkv = self.local_q, self.local_kv
+        states = [self._input_rows(tokens, start, end, inputs) for tokens, start, end, _, inputs in batch]
         for layer, (p, cache) in enumerate(zip(self.params, caches)):
             if before_layer is not None:
                 before_layer(layer)
-            for (tokens, start, end, table), xs in zip(batch, states):
+            attn: List[List[torch.Tensor]] = []  # per request, per token: this rank's attention output
+            for (tokens, start, end, table, inputs), xs in zip(batch, states):
                 n = end - start
+                delta = self.adapter(inputs.lora_name) if inputs is not None and inputs.lora_name is not None else None
                 qs, ks, vs = [], [], []
                 for i in range(n):
                     h = self._rms(xs[i], p["norm1"])
-                    q = (h[None, :] @ p["wq"]).view(self.q_heads, self.head_dim)
-                    k = (h[None, :] @ p["wk"]).view(self.kv_heads, self.head_dim)
-                    v = (h[None, :] @ p["wv"]).view(self.kv_heads, self.head_dim)
+                    q = (h[None, :] @ p["wq"]).view(nq, self.head_dim)
+                    k = (h[None, :] @ p["wk"]).view(nkv, self.head_dim)
+                    v = h[None, :] @ p["wv"]
+                    if delta is not None:
+                        v = v + (h[None, :] @ delta[0]) @ delta[1]
                     qs.append(self._rope(q, start + i))
                     ks.append(self._rope(k, start + i))
-                    vs.append(v)
+                    vs.append(v.view(nkv, self.head_dim))
                 cache.write(table, torch.arange(start, end), torch.stack(ks), torch.stack(vs))
-                K, V = cache.read(table, end)  # (end, kv_heads, head_dim)
-                Kh = [K[:, h, :].contiguous() for h in range(self.kv_heads)]
-                Vh = [V[:, h, :].contiguous() for h in range(self.kv_heads)]
+                K, V = cache.read(table, end)  # (end, local kv heads, head_dim)
+                Kh = [K[:, h, :].contiguous() for h in range(nkv)]
+                Vh = [V[:, h, :].contiguous() for h in range(nkv)]
+                outs = []
                 for i in range(n):
                     t = start + i + 1  # keys 0..start+i
                     heads = []
-                    for hq in range(self.q_heads):
+                    for hq in range(nq):
                         kh = hq // group
                         scores = (qs[i][hq][None, :] @ Kh[kh][:t].t()) * scale
                         probs = torch.softmax(scores, dim=-1)
                         heads.append((probs @ Vh[kh][:t])[0])
-                    o = torch.cat(heads)[None, :] @ p["wo"]
-                    x = xs[i] + o[0]
+                    outs.append((torch.cat(heads)[None, :] @ p["wo"])[0])
+                attn.append(outs)
+            if self.world_size > 1:  # the row-parallel output projection: sum the ranks' partials
+                flat = torch.stack([o for outs in attn for o in outs])
+                self.all_reduce(flat)
+                it = iter(flat)
+                attn = [[next(it) for _ in outs] for outs in attn]
+            for xs, outs in zip(states, attn):
+                for i, o in enumerate(outs):
+                    x = xs[i] + o
                     h2 = self._rms(x, p["norm2"])
                     xs[i] = x + (torch.nn.functional.silu(h2[None, :] @ p["w1"]) @ p["w2"])[0]
         return [(self._rms(xs[-1], self.norm)[None, :] @ self.lm_head)[0] for xs in states]
@@ -194,7 +278,7 @@ class SyntheticRunner:
     def forward(self, tokens: List[int], start: int, end: int, table: List[int], caches: List[PagedKV]) -> Tuple[int, int]:
         """Writes positions start..end-1, then checks 0..end-1. Returns (mismatched rows,
         sampled token)."""
-        return self.forward_batch([(tokens, start, end, table)], caches)[0]
+        return self.forward_batch([(tokens, start, end, table, None)], caches)[0]
 
     def forward_batch(
         self, batch: List[Batched], caches: List[PagedKV], before_layer: Optional[Callable[[int], None]] = None
@@ -205,11 +289,11 @@ class SyntheticRunner:
         for layer, cache in enumerate(caches):
             if before_layer is not None:
                 before_layer(layer)
-            for j, (tokens, start, end, table) in enumerate(batch):
+            for j, (tokens, start, end, table, _) in enumerate(batch):
                 new = torch.arange(start, end)
                 cache.write(table, new, self.pattern(tokens, new, layer, 0), self.pattern(tokens, new, layer, 1))
                 every = torch.arange(end)
                 k, v = cache.read(table, end)
                 bad[j] += int((k != self.pattern(tokens, every, layer, 0)).flatten(1).any(dim=1).sum())
                 bad[j] += int((v != self.pattern(tokens, every, layer, 1)).flatten(1).any(dim=1).sum())
-        return [(bad[j], (sum(tokens[-3:]) * 31 + end) % 101) for j, (tokens, _, end, _) in enumerate(batch)]
+        return [(bad[j], (sum(tokens[-3:]) * 31 + end) % 101) for j, (tokens, _, end, _, _) in enumerate(batch)]

@@ -158,7 +158,7 @@ class MiniScheduler:
         out, prev = [], req.cache_salt
         toks = req.all_token_ids
         for i in range(n_blocks):
-            prev = hash((prev, tuple(toks[i * self.bs : (i + 1) * self.bs])))
+            prev = hash((prev, tuple(toks[i * self.bs : (i + 1) * self.bs]), req.block_extra_keys(i * self.bs, (i + 1) * self.bs)))
             out.append(prev)
         return out
 
@@ -334,7 +334,15 @@ class MiniScheduler:
             cached.new_token_ids.append([])
         out = SchedulerOutput(
             scheduled_new_reqs=[
-                NewRequestData(r.request_id, list(r.prompt_token_ids), (list(self.tables[r.request_id]),), r.num_computed_tokens)
+                NewRequestData(
+                    r.request_id,
+                    None if r.prompt_token_ids is None else list(r.prompt_token_ids),
+                    (list(self.tables[r.request_id]),),
+                    r.num_computed_tokens,
+                    list(r.mm_features),
+                    r.lora_request,
+                    r.prompt_embeds,
+                )
                 for r in new_reqs
             ],
             scheduled_cached_reqs=cached,

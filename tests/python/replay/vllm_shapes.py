@@ -8,9 +8,12 @@ builds these and hands them to ``KVTierConnector`` exactly where vLLM would.
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Set, Tuple
+
+import torch
 
 
 class RequestStatus(enum.Enum):
@@ -27,13 +30,66 @@ class RequestStatus(enum.Enum):
         return self.name.startswith("FINISHED")
 
 
-class Request:
-    """vllm.v1.request.Request: the fields the connector and the scheduler use."""
+@dataclass
+class LoRARequest:
+    """vllm.lora.request.LoRARequest (vLLM's block hash uses lora_name only)."""
 
-    def __init__(self, request_id: str, prompt_token_ids: List[int], max_tokens: int, cache_salt: Optional[str] = None):
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+
+@dataclass
+class PlaceholderRange:
+    """vllm.multimodal.inputs.PlaceholderRange: where an input's embeddings go."""
+
+    offset: int
+    length: int
+    is_embed: Any = None
+
+
+@dataclass
+class MultiModalFeatureSpec:
+    """vllm.multimodal.inputs.MultiModalFeatureSpec. ``data``: here the input's embeddings
+    ((length, hidden) rows the TinyDecoder puts at the placeholder positions; vLLM's is the
+    processed input its encoder turns into them); ``identifier``: the content's hash."""
+
+    data: Any
+    modality: str
+    identifier: str
+    mm_position: PlaceholderRange
+    mm_hash: Optional[str] = None
+
+
+class Request:
+    """vllm.v1.request.Request: the fields the connector and the scheduler use.
+
+    ``prompt_token_ids=None`` with ``prompt_embeds`` is an embeddings-only prompt: its token
+    ids are zeros (``[0] * num_prompt_tokens``), as vLLM has them."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Optional[List[int]],
+        max_tokens: int,
+        cache_salt: Optional[str] = None,
+        *,
+        lora_request: Optional[LoRARequest] = None,
+        mm_features: Optional[List[MultiModalFeatureSpec]] = None,
+        prompt_embeds: Any = None,
+    ):
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self._all_token_ids = list(prompt_token_ids)
+        self.prompt_token_ids = None if prompt_token_ids is None else list(prompt_token_ids)
+        self.prompt_embeds = prompt_embeds
+        if prompt_token_ids is None:
+            assert prompt_embeds is not None, "a request has token ids, prompt embeddings or both"
+            self._num_prompt_tokens = int(prompt_embeds.shape[0])
+            self._all_token_ids = [0] * self._num_prompt_tokens
+        else:
+            self._num_prompt_tokens = len(prompt_token_ids)
+            self._all_token_ids = list(prompt_token_ids)
+        self.lora_request = lora_request
+        self.mm_features: List[MultiModalFeatureSpec] = list(mm_features or [])
         self.output_token_ids: List[int] = []
         self.max_tokens = max_tokens
         self.cache_salt = cache_salt
@@ -55,7 +111,24 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return self._num_prompt_tokens
+
+    def block_extra_keys(self, start: int, end: int) -> Optional[Tuple[Any, ...]]:
+        """vLLM's generate_block_hash_extra_keys for the block [start, end) (the replay's own
+        prefix cache keys blocks with them, as vLLM's does): the adapter's name, each
+        multimodal input overlapping the block as (identifier, offset - start), the prompt
+        embeddings' SHA-256 (the salt is chained from the first block by the caller)."""
+        keys: List[Any] = []
+        if self.lora_request is not None:
+            keys.append(self.lora_request.lora_name)
+        for f in self.mm_features:
+            off, n = f.mm_position.offset, f.mm_position.length
+            if end > off and start < off + n:
+                keys.append((f.identifier, off - start))
+        if self.prompt_embeds is not None:
+            rows = self.prompt_embeds[start:end].flatten().contiguous()
+            keys.append(hashlib.sha256(rows.view(torch.uint8).numpy().tobytes()).digest())
+        return tuple(keys) if keys else None
 
     def append_output_token(self, token: int) -> None:
         self.output_token_ids.append(token)
@@ -78,9 +151,12 @@ class KVCacheBlocks:
 @dataclass
 class NewRequestData:
     req_id: str
-    prompt_token_ids: List[int]
+    prompt_token_ids: Optional[List[int]]
     block_ids: Tuple[List[int], ...]
     num_computed_tokens: int
+    mm_features: List[MultiModalFeatureSpec] = field(default_factory=list)
+    lora_request: Optional[LoRARequest] = None
+    prompt_embeds: Any = None
 
 
 @dataclass

@@ -35,6 +35,7 @@ class WorkerSpec:
     kvtier: bool  # False: no connector at all (the baseline)
     extra: Dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config
     model_seed: int = 1234
+    dist_init: Optional[str] = None  # the model at world_size > 1: the gloo group's rendezvous file
 
 
 def _layer_names(n: int) -> List[str]:
@@ -45,7 +46,7 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector
 
-        from .model import PagedKV, SyntheticRunner, TinyDecoder, make_kv_caches
+        from .model import PagedKV, RequestInputs, SyntheticRunner, TinyDecoder, make_kv_caches
         from .vllm_shapes import vllm_config
 
         torch.set_num_threads(1)
@@ -68,10 +69,35 @@ class Worker:
             self.connector.register_kv_caches(self.kv_caches)
         self.pages = [PagedKV(t, spec.layout, spec.block_size) for t in self.kv_caches.values()]
         if spec.runner == "model":
-            self.model: Any = TinyDecoder(layers=spec.num_layers, kv_heads=spec.kv_heads, head_dim=spec.head_dim, seed=spec.model_seed)
+            all_reduce = None
+            if spec.world_size > 1:  # the ranks' attention outputs are summed (vLLM's TP all-reduce)
+                import datetime
+
+                import torch.distributed as dist
+
+                dist.init_process_group(
+                    "gloo",
+                    init_method=f"file://{spec.dist_init}",
+                    rank=spec.rank,
+                    world_size=spec.world_size,
+                    timeout=datetime.timedelta(seconds=60),
+                )
+                all_reduce = dist.all_reduce
+            self.model: Any = TinyDecoder(
+                layers=spec.num_layers,
+                kv_heads=spec.kv_heads,
+                head_dim=spec.head_dim,
+                seed=spec.model_seed,
+                rank=spec.rank,
+                world_size=spec.world_size,
+                all_reduce=all_reduce,
+            )
         else:
             self.model = SyntheticRunner(spec.layout, spec.rank, spec.block_size, heads, spec.head_dim)
         self.tables: Dict[str, List[int]] = {}
+        # What vLLM's worker keeps of each request from its NewRequestData until it finishes.
+        self._inputs_of = RequestInputs
+        self.inputs: Dict[str, Any] = {}
 
     def step(self, so: Any) -> Dict[str, Any]:
         c = self.connector
@@ -82,10 +108,15 @@ class Worker:
             c.start_load_kv(None)
         for rid in so.finished_req_ids:
             self.tables.pop(rid, None)
+            self.inputs.pop(rid, None)
         for rid in so.preempted_req_ids or ():
             self.tables.pop(rid, None)
         for new in so.scheduled_new_reqs:
             self.tables[new.req_id] = list(new.block_ids[0])
+            lora = new.lora_request.lora_name if new.lora_request is not None else None
+            mm = [(f.mm_position.offset, f.data) for f in new.mm_features]
+            if lora is not None or mm or new.prompt_embeds is not None:
+                self.inputs[new.req_id] = self._inputs_of(lora, mm, new.prompt_embeds)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             ids = list(cached.new_block_ids[i][0]) if cached.new_block_ids[i] else []
@@ -99,10 +130,13 @@ class Worker:
         names = _layer_names(self.spec.num_layers)
         # The forward pass: every scheduled request, layer by layer; each attention layer waits
         # for its KV first (vLLM's wait_for_layer_load: a no-op for asynchronous loads).
-        batch = [(so.token_ids[rid], computed[rid], computed[rid] + n, self.tables[rid]) for rid, n in so.num_scheduled_tokens.items()]
+        batch = [
+            (so.token_ids[rid], computed[rid], computed[rid] + n, self.tables[rid], self.inputs.get(rid))
+            for rid, n in so.num_scheduled_tokens.items()
+        ]
         before_layer = (lambda layer: c.wait_for_layer_load(names[layer])) if c is not None else None
         results = self.model.forward_batch(batch, self.pages, before_layer) if batch else []
-        for (rid, _), (tokens, _, end, _), result in zip(so.num_scheduled_tokens.items(), batch, results):
+        for (rid, _), (tokens, _, end, _, _), result in zip(so.num_scheduled_tokens.items(), batch, results):
             if self.spec.runner == "model":
                 if end == len(tokens):
                     out["logits"][rid] = result.clone()
