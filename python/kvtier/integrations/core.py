@@ -18,10 +18,14 @@ connector metadata); it holds plain ints, strings and lists, so it pickles.
 This module is the package's front door and its contract; each part lives in a module of its
 own: :mod:`.config` (:class:`KVTierConfig`), :mod:`.plan` (the step plan),
 :mod:`.scheduler_side`, :mod:`.worker_side`, :mod:`.kv_layouts` (a layer tensor's layout, read
-from the tensor).
+from the tensor), :mod:`.request_keys` (what names a request's chunks besides its tokens).
 
 Semantics the engine relies on (docs/integration.md, "vLLM"):
 
+* Chunk keys: ``num_new_matched_tokens`` takes the request's key material
+  (:mod:`.request_keys`: its tokens and, per chunk, the LoRA adapter, multimodal inputs and
+  prompt embeddings at its positions; the cache salt goes into the model id), so requests
+  whose KV differs never share a chunk; its stores and loads use the hashes named there.
 * ``num_new_matched_tokens`` answers ``(None, True)`` while the lookup is pending and has no
   effect but starting that lookup once; the hit excludes what the engine's own prefix cache
   holds, and is one token less when the whole prompt hits (the engine computes the last

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .._kvtier import AttentionKind, Connector, HashAlgorithm, KvLayoutKind, TokenHasher
 from .config import KVTierConfig
 from .plan import LoadOp, StepInput, StepPlan, StoreOp
+from .request_keys import RequestKeys
 
 __all__ = ["SchedulerSide"]
 
@@ -66,12 +67,13 @@ class SchedulerSide:
         self._requests: Dict[str, _Request] = {}
         self._planned: List[str] = []  # ids with a load planned, in order
         self._loaded: Set[str] = set()  # ids that had a load (until request_finished)
+        self._warned: Set[str] = set()  # reasons of uncacheable requests already logged
 
     # -- vLLM: get_num_new_matched_tokens --------------------------------------------------
     def num_new_matched_tokens(
         self,
         request_id: str,
-        tokens: Sequence[int],
+        tokens: Union[RequestKeys, Sequence[int]],
         num_computed_tokens: int,
         num_prompt_tokens: Optional[int] = None,
         cache_salt: str = "",
@@ -79,6 +81,12 @@ class SchedulerSide:
         """Tokens beyond ``num_computed_tokens`` that kvtier can load, and whether the load is
         asynchronous: ``(None, True)`` while pending, ``(n, True)`` for a hit, ``(0, False)``;
         in layerwise mode ``(None, False)`` and ``(n, False)`` (a synchronous load).
+
+        ``tokens``: the request's key material (:class:`~kvtier.integrations.request_keys.
+        RequestKeys`: tokens, per-chunk extras, prompt length and salt; ``num_prompt_tokens``
+        and ``cache_salt`` are then taken from it), or its bare token ids for a caller whose
+        requests depend on nothing else (no adapter, multimodal input or prompt embeddings).
+        The chunk hashes named here are the ones its stores and loads use.
 
         Repeated calls answer the same and change nothing (the first one starts the lookup,
         which the server runs in the background)."""
@@ -89,13 +97,23 @@ class SchedulerSide:
             self._forget(request_id, st)
             st = None
         if st is None:
-            n = len(tokens)
+            if isinstance(tokens, RequestKeys):
+                if num_prompt_tokens is not None or cache_salt:
+                    raise ValueError("kvtier: give num_prompt_tokens and cache_salt in the RequestKeys, not beside them")
+                if tokens.uncacheable is not None:
+                    self._warn_uncacheable(tokens.uncacheable)
+                    return 0, False  # never looked up, never stored (no state: build_step skips it)
+                seq, extras = tokens.tokens, tokens.extras
+                num_prompt_tokens, cache_salt = tokens.num_prompt_tokens, tokens.cache_salt
+            else:
+                seq, extras = tokens, None
+            n = len(seq)
             if n < self._ct:
                 return 0, False  # no full chunk: nothing to look up (or ever to store)
             st = _Request(
                 num_tokens=n,
                 num_prompt_tokens=n if num_prompt_tokens is None else int(num_prompt_tokens),
-                hashes=self._hasher.chunk_hashes(tokens),
+                hashes=self._hasher.chunk_hashes(seq, extras),
                 cache_salt=cache_salt or "",
             )
             self._requests[request_id] = st
@@ -230,6 +248,11 @@ class SchedulerSide:
             self._planned.remove(request_id)
         self._loaded.discard(request_id)
         return True
+
+    def _warn_uncacheable(self, why: str) -> None:
+        if why not in self._warned:
+            self._warned.add(why)
+            log.warning("kvtier: a request is neither looked up nor stored: %s (further ones are not logged)", why)
 
     def tracked(self) -> int:
         """Requests with state here (for tests: 0 once every request finished)."""

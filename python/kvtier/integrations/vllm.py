@@ -49,6 +49,7 @@ from .core import (
     StepPlan,
     WorkerSide,
 )
+from .request_keys import request_keys
 
 try:  # pragma: no cover - vLLM is not installable in kvtier's CI
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -226,13 +227,11 @@ class KVTierConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
-        tokens = request.all_token_ids
+        # The chunk keys cover what vLLM's block hash covers (tokens, salt, LoRA adapter,
+        # multimodal inputs, prompt embeddings: request_keys.py), computed the same in every
+        # process; stores and loads of the request use the hashes named here.
         return self.scheduler_side.num_new_matched_tokens(
-            request.request_id,
-            list(tokens),
-            int(num_computed_tokens),
-            num_prompt_tokens=int(getattr(request, "num_prompt_tokens", len(tokens))),
-            cache_salt=getattr(request, "cache_salt", None) or "",
+            request.request_id, request_keys(request, self._config.chunk_tokens), int(num_computed_tokens)
         )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
