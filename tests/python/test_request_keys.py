@@ -277,6 +277,41 @@ def test_a_request_that_cannot_be_keyed_is_neither_looked_up_nor_stored(caplog):
         side.num_new_matched_tokens("v", request_keys(Request("v", PROMPT, 2), CT), 0, cache_salt="s")
 
 
+def test_the_key_material_is_built_once_per_lookup():
+    # While a lookup is pending vLLM asks every step; a digest of prompt embeddings (hundreds
+    # of MiB for a long prompt) must not be recomputed each time.
+    class Pending:
+        def __init__(self) -> None:
+            self.asked = []
+            self.polls = 0
+
+        def lookup_hashes(self, rid, hashes, salt):
+            self.asked.append((rid, list(hashes)))
+
+        def lookup_result(self, rid):
+            self.polls += 1
+            return None if self.polls < 3 else 32
+
+    conn = Pending()
+    side = SchedulerSide(KVTierConfig(socket_path="/nonexistent", model_name="m", chunk_tokens=CT, block_size=BS), connector=conn)
+    built = []
+    req = Request("w", None, 2, prompt_embeds=rows(40, 3))
+
+    def keys_of_w():
+        built.append(1)
+        return request_keys(req, CT)
+
+    assert side.num_new_matched_tokens("w", keys_of_w, 0) == (None, True)
+    assert side.num_new_matched_tokens("w", keys_of_w, 0) == (None, True)
+    assert side.num_new_matched_tokens("w", keys_of_w, 0) == (32, True)
+    assert len(built) == 1
+    # One lookup, of the hashes with the embeddings' extras (not the zeros' plain hashes).
+    h = kvtier.TokenHasher(CT)
+    keys = request_keys(req, CT)
+    assert conn.asked == [("w", h.chunk_hashes(keys.tokens, keys.extras))]
+    assert conn.asked[0][1] != h.chunk_hashes([0] * 40)
+
+
 _KEYS_SCRIPT = r"""
 import json, sys, torch
 sys.path[:0] = json.loads(sys.argv[1])

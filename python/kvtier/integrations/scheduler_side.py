@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 from .._kvtier import AttentionKind, Connector, HashAlgorithm, KvLayoutKind, TokenHasher
 from .config import KVTierConfig
@@ -73,7 +73,7 @@ class SchedulerSide:
     def num_new_matched_tokens(
         self,
         request_id: str,
-        tokens: Union[RequestKeys, Sequence[int]],
+        tokens: Union[RequestKeys, Callable[[], RequestKeys], Sequence[int]],
         num_computed_tokens: int,
         num_prompt_tokens: Optional[int] = None,
         cache_salt: str = "",
@@ -84,9 +84,11 @@ class SchedulerSide:
 
         ``tokens``: the request's key material (:class:`~kvtier.integrations.request_keys.
         RequestKeys`: tokens, per-chunk extras, prompt length and salt; ``num_prompt_tokens``
-        and ``cache_salt`` are then taken from it), or its bare token ids for a caller whose
-        requests depend on nothing else (no adapter, multimodal input or prompt embeddings).
-        The chunk hashes named here are the ones its stores and loads use.
+        and ``cache_salt`` are then taken from it), a callable returning it (called only when
+        the request is looked up afresh: vLLM asks again every step while a lookup is pending,
+        and a digest of prompt embeddings is worth computing once), or its bare token ids for
+        a caller whose requests depend on nothing else (no adapter, multimodal input or
+        prompt embeddings). The chunk hashes named here are the ones its stores and loads use.
 
         Repeated calls answer the same and change nothing (the first one starts the lookup,
         which the server runs in the background)."""
@@ -97,6 +99,8 @@ class SchedulerSide:
             self._forget(request_id, st)
             st = None
         if st is None:
+            if callable(tokens):
+                tokens = tokens()
             if isinstance(tokens, RequestKeys):
                 if num_prompt_tokens is not None or cache_salt:
                     raise ValueError("kvtier: give num_prompt_tokens and cache_salt in the RequestKeys, not beside them")

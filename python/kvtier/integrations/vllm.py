@@ -229,9 +229,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         # The chunk keys cover what vLLM's block hash covers (tokens, salt, LoRA adapter,
         # multimodal inputs, prompt embeddings: request_keys.py), computed the same in every
-        # process; stores and loads of the request use the hashes named here.
+        # process, once per lookup (vLLM asks every step while one is pending); stores and
+        # loads of the request use the hashes named here.
+        chunk_tokens = self._config.chunk_tokens
         return self.scheduler_side.num_new_matched_tokens(
-            request.request_id, request_keys(request, self._config.chunk_tokens), int(num_computed_tokens)
+            request.request_id, lambda: request_keys(request, chunk_tokens), int(num_computed_tokens)
         )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
