@@ -323,3 +323,49 @@ def test_a_quarantined_block_is_never_fenced_for_writing_nor_loaded_into(servers
     got = wait_until(lambda: side.finished([])[1], what="r finished receiving")
     assert got == {"r"}
     side.shutdown()
+
+
+def _engine(srv, **kw) -> ReplayEngine:
+    from kvtier_testing import FAST_TIMEOUTS_MS
+
+    kw.setdefault("chunk_tokens", CT)
+    kw.setdefault("block_size", BS)
+    extra = dict(FAST_TIMEOUTS_MS)
+    extra.update(kw.pop("extra", {}))
+    return ReplayEngine(socket_path=srv.socket_path, extra=extra, **kw)
+
+
+def _doc(n: int, seed: int) -> list:
+    return [(seed * 131 + i * 7) % 97 + 1 for i in range(n)]
+
+def test_a_short_request_writing_a_preempted_requests_blocks_fences_them_so_its_late_store_is_dropped(servers):
+    """vLLM frees a preempted request's blocks at once, while its store may still wait for the
+    server. A request with no full chunk (nothing to look up or store) that is handed those
+    blocks must fence them before writing, or the late store copies its rows under the
+    preempted request's chunk key: wrong KV for every later hit."""
+    srv = servers.start(chunk_tokens=CT)
+    slow = {k: 60000 for k in ("ping_timeout_ms", "request_timeout_ms", "lookup_timeout_ms", "store_timeout_ms")}
+    with _engine(srv, num_blocks=5, token_budget=16, extra=slow) as e:
+        d = _doc(20, 31)
+        e.add("a", list(d), 1)
+        paused = []
+
+        def pause_at_store(so):
+            if so.kv_connector_metadata.plan.stores and not paused:
+                paused.append(srv.pause())  # a's chunk 0 store waits in the socket
+
+        try:
+            e.run(before_workers=pause_at_store, until=lambda: bool(paused))
+            e.sched.preempt("a")  # its 4 blocks go back to the pool at once
+            freed = list(e.sched.pool.free)[-4:]  # a's blocks 0-3, behind the one a never used
+            e.add("s", _doc(8, 32), 1)  # shorter than a chunk
+            e.step()  # reports the preemption (vLLM admits nothing in that step)
+            e.step()  # a's new lookup waits; s is handed a's freed blocks and writes them
+            assert e.sched.requests["s"].num_computed_tokens == 8
+            assert set(e.sched.tables["s"]) & set(freed)  # one of chunk 0's blocks
+        finally:
+            srv.resume()
+        e.run()
+        e.add("c", d[:16] + [3], 1)  # hits a's chunk 0 if it was stored
+        e.run()
+        assert e.violations == []

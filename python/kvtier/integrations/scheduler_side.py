@@ -179,7 +179,14 @@ class SchedulerSide:
         for sr in step.scheduled:
             st = self._requests.get(sr.request_id)
             if st is None:
-                continue  # no full chunk in its prompt: nothing to store
+                # No full chunk in its prompt: nothing to store, but its writes are fenced like
+                # any other's (it may be handed a preempted request's blocks that a store still
+                # reads). Its new blocks, or those of the tokens it computes when the table is
+                # whole (a new or resumed request).
+                first = sr.num_computed_tokens // self._bs if sr.replace_blocks else 0
+                last = -(-(sr.num_computed_tokens + sr.num_scheduled_tokens) // self._bs) if sr.replace_blocks else None
+                plan.fence_blocks.extend(sr.block_ids[first:last])
+                continue
             if sr.replace_blocks:
                 st.blocks = list(sr.block_ids)
             else:
