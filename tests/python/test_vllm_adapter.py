@@ -338,6 +338,76 @@ def _engine(srv, **kw) -> ReplayEngine:
 def _doc(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % 97 + 1 for i in range(n)]
 
+
+def _doc(n: int, seed: int) -> list:
+    return [(seed * 131 + i * 7) % 97 + 1 for i in range(n)]
+
+
+def _l1_objects(srv) -> int:
+    return srv.status()["l1"]["objects"]
+
+
+def test_a_kv_consumer_loads_hits_but_never_stores(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv) as warm:
+        warm.add("warm", DOC + [90, 91], 1)
+        warm.run()
+    wait_until(lambda: _l1_objects(srv) == 3, what="the warm-up's 3 chunks stored")
+    with _engine(srv, kv_role="kv_consumer") as e:
+        e.add("hit", DOC + [5, 6, 7], 2)
+        e.add("new", _doc(64, 9), 2)  # 4 chunks computed here
+        e.run()
+        assert e.violations == []
+        assert e.sched.finished["hit"].num_external_computed_tokens == 48
+        # Every request finished sending (its stores, if any, answered): nothing was stored.
+        assert _l1_objects(srv) == 3
+
+
+def test_a_kv_producer_stores_but_never_looks_up_nor_loads(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv) as warm:
+        warm.add("warm", DOC + [90, 91], 1)
+        warm.run()
+    with _engine(srv, kv_role="kv_producer") as e:
+        conn = e.connector
+        calls = conn.scheduler_side.connector.stats()["calls_issued"]
+        srv.pause()  # a lookup could not be answered: a producer answers at once
+        try:
+            assert conn.get_num_new_matched_tokens(Request("q", DOC + [5], 1), 0) == (0, False)
+        finally:
+            srv.resume()
+        conn.request_finished(Request("q", DOC + [5], 1), [])
+        assert conn.scheduler_side.connector.stats()["calls_issued"] == calls
+        e.add("hit", DOC + [5, 6, 7], 2)
+        e.add("new", _doc(64, 10), 2)
+        e.run()
+        assert e.violations == []
+        assert e.sched.finished["hit"].num_external_computed_tokens == 0
+        assert e.sched.reports["recving"] == []
+        # A producer does not know what the server holds: it stores the hit's 3 chunks again
+        # (the server keeps one copy) and the new document's 4.
+    assert _l1_objects(srv) == 7
+
+
+def test_kv_role_is_read_and_checked():
+    from replay.vllm_shapes import vllm_config
+
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        cfg = vllm_config(model="m", num_layers=2, num_kv_heads=2, head_size=8, block_size=BS, kv_role=role,
+                          extra={"socket_path": "/x", "chunk_tokens": CT})
+        assert kv_vllm.config_from_vllm(cfg, kv_vllm.KVConnectorRole.SCHEDULER).kv_role == role
+    cfg.kv_transfer_config.kv_role = "kv_sometimes"
+    with pytest.raises(ValueError, match="kv_role"):
+        kv_vllm.config_from_vllm(cfg, kv_vllm.KVConnectorRole.SCHEDULER)
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_kv_delivery_is_never_required_a_dropped_save_is_a_future_miss(servers, role):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv, kv_role=role) as e:
+        assert e.connector.requires_kv_delivery is False
+        assert e.sched.requires_kv_delivery is False  # what vLLM's scheduler read at start
+
 def test_a_short_request_writing_a_preempted_requests_blocks_fences_them_so_its_late_store_is_dropped(servers):
     """vLLM frees a preempted request's blocks at once, while its store may still wait for the
     server. A request with no full chunk (nothing to look up or store) that is handed those

@@ -99,6 +99,8 @@ class SchedulerSide:
                 cache_salt=cache_salt or "",
             )
             self._requests[request_id] = st
+        if not self.config.loads:
+            return 0, False  # kv_producer: stores only, never looks up
         if st.load_issued or (self._async and request_id in self._loaded):
             # An asynchronous load happens at most once per request: vLLM learns that it is
             # over from the id's one finished_recving report, so a second load (after a
@@ -195,6 +197,8 @@ class SchedulerSide:
             start = sr.num_computed_tokens
             end = start + sr.num_scheduled_tokens
             plan.fence_blocks.extend(st.blocks[start // self._bs : -(-end // self._bs)])
+            if not self.config.stores:
+                continue  # kv_consumer: loads only, never stores
             if st.stored_chunks is None:
                 st.stored_chunks = start // self._ct
             done = min(min(end, st.num_prompt_tokens) // self._ct, len(st.hashes), len(st.blocks) // self._bpc)

@@ -147,6 +147,7 @@ def config_from_vllm(vllm_config: Any, role: Any) -> KVTierConfig:
         ready_timeout_s=float(extra.get("ready_timeout_s", 5.0)),
         timeouts_ms={k: int(extra[k]) for k in TIMEOUT_KEYS if k in extra},
         load_mode=str(extra.get("load_mode", "async")),
+        kv_role=str(getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"),
     )
     cfg.validate()
     return cfg
@@ -196,7 +197,9 @@ def step_input_from(scheduler_output: Any) -> StepInput:
 
 class KVTierConnector(KVConnectorBase_V1):
     """vLLM's KV connector for kvtier: loads prefix KV from a kvtier-server and stores every
-    prompt chunk the engine computes (module docstring for the options)."""
+    prompt chunk the engine computes (module docstring for the options). ``kv_role``:
+    ``kv_producer`` stores and never looks up, ``kv_consumer`` looks up and loads and never
+    stores, ``kv_both`` does both."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -217,6 +220,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def worker_side(self) -> WorkerSide:
         assert self._worker is not None, "the scheduler's KVTierConnector has no worker side"
         return self._worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a store lost to a preemption is a future miss, never wrong KV
+        # (the fence drops it), so vLLM need not recompute the preempted request for it.
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
