@@ -325,6 +325,7 @@ def test_a_quarantined_block_is_never_fenced_for_writing_nor_loaded_into(servers
     side.shutdown()
 
 
+# --------------------------------------------------------------------------- roles, stats, the optional interface
 def _engine(srv, **kw) -> ReplayEngine:
     from kvtier_testing import FAST_TIMEOUTS_MS
 
@@ -339,12 +340,17 @@ def _doc(n: int, seed: int) -> list:
     return [(seed * 131 + i * 7) % 97 + 1 for i in range(n)]
 
 
-def _doc(n: int, seed: int) -> list:
-    return [(seed * 131 + i * 7) % 97 + 1 for i in range(n)]
-
-
 def _l1_objects(srv) -> int:
     return srv.status()["l1"]["objects"]
+
+
+def _folded(e: ReplayEngine) -> dict:
+    """Every step's stats data, folded as vLLM's logger does (in this process)."""
+    acc = None
+    for data in e.sched.kv_connector_stats:
+        s = kv_vllm.KVTierConnector.build_kv_connector_stats(data)
+        acc = s if acc is None else acc.aggregate(s)
+    return dict(acc.data) if acc is not None else {}
 
 
 def test_a_kv_consumer_loads_hits_but_never_stores(servers):
@@ -361,6 +367,9 @@ def test_a_kv_consumer_loads_hits_but_never_stores(servers):
         assert e.sched.finished["hit"].num_external_computed_tokens == 48
         # Every request finished sending (its stores, if any, answered): nothing was stored.
         assert _l1_objects(srv) == 3
+        st = _folded(e)
+        assert st.get("store_requests", 0) == 0 and st.get("store_chunks_planned", 0) == 0
+        assert st["loaded_chunks"] == 3
 
 
 def test_a_kv_producer_stores_but_never_looks_up_nor_loads(servers):
@@ -384,8 +393,11 @@ def test_a_kv_producer_stores_but_never_looks_up_nor_loads(servers):
         assert e.violations == []
         assert e.sched.finished["hit"].num_external_computed_tokens == 0
         assert e.sched.reports["recving"] == []
+        st = _folded(e)
+        assert st.get("lookups", 0) == 0 and st.get("load_chunks", 0) == 0
         # A producer does not know what the server holds: it stores the hit's 3 chunks again
         # (the server keeps one copy) and the new document's 4.
+        assert st["store_chunks_planned"] == 7
     assert _l1_objects(srv) == 7
 
 
@@ -407,6 +419,209 @@ def test_kv_delivery_is_never_required_a_dropped_save_is_a_future_miss(servers, 
     with _engine(srv, kv_role=role) as e:
         assert e.connector.requires_kv_delivery is False
         assert e.sched.requires_kv_delivery is False  # what vLLM's scheduler read at start
+
+
+STATS_SCRIPT = r"""
+import json, pickle, sys
+from kvtier.integrations.vllm import KVTierConnector
+acc = None
+for data in pickle.load(sys.stdin.buffer):
+    s = KVTierConnector.build_kv_connector_stats(data)
+    acc = s if acc is None else acc.aggregate(s)
+print(json.dumps({"data": acc.data, "reduced": acc.reduce(), "empty": acc.is_empty(), "type": type(acc).__name__}))
+"""
+
+
+def _stats_elsewhere(datas) -> dict:
+    """The logger process: rebuilds each step's data with build_kv_connector_stats and folds."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import kvtier
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(kvtier.__file__)))
+    out = subprocess.run([sys.executable, "-c", STATS_SCRIPT], input=pickle.dumps(list(datas)), env=env,
+                         capture_output=True, check=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_stats_travel_as_vllm_carries_them_and_count_what_happened(servers, world_size):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv, world_size=world_size, kv_heads=2 * world_size) as e:
+        e.add("warm", DOC + [90, 91], 1)
+        e.run()
+        e.add("b", DOC + [5, 6, 7], 2)
+        e.run()
+        assert e.violations == []
+        datas = e.sched.kv_connector_stats
+        assert datas and all(type(d) is dict for d in datas)  # only the dict travels on
+        got = _stats_elsewhere(datas)
+    assert got["type"] == "KVTierConnectorStats" and not got["empty"]
+    d = got["data"]
+    assert set(d) <= set(kv_vllm.STATS_KEYS)
+    # scheduler: two lookups of 3 chunks (the warm-up missed), one hit of 48 tokens
+    assert d["lookups"] == 2 and d["lookup_tokens"] == 96 and d["lookup_hit_tokens"] == 48
+    assert d["hit_requests"] == 1 and d["hit_tokens"] == 48
+    assert d["load_chunks_planned"] == 3 and d["store_chunks_planned"] == 3
+    # workers, summed over the ranks: the 3 chunks retrieved and landed on each rank, the
+    # warm-up's 3 chunks stored by each (one store request per chunk under chunked prefill)
+    assert d["load_chunks"] == 3 * world_size and d["loaded_chunks"] == 3 * world_size
+    assert d["store_requests"] == 3 * world_size
+    assert d.get("load_error_blocks", 0) == 0
+    assert got["reduced"]["lookup_hit_rate"] == 0.5
+
+
+def test_stats_aggregate_sums_counts_and_keeps_maxima():
+    S = kv_vllm.KVTierConnectorStats
+    a = S({"lookups": 2, "quarantined_blocks_max": 5, "degraded_s": 0.5})
+    b = S({"lookups": 1, "quarantined_blocks_max": 3, "future_key": 7, "degraded_s": 0.25})
+    assert a.aggregate(b) is a
+    assert a.data == {"lookups": 3, "quarantined_blocks_max": 5, "degraded_s": 0.75, "future_key": 7}
+    assert pickle.loads(pickle.dumps(a)).data == a.data
+    assert not a.is_empty() and S().is_empty() and S({"lookups": 0}).is_empty()
+    a.reset()
+    assert a.is_empty() and a.data == {}
+    assert kv_vllm.KVTierConnector.build_kv_connector_stats(None).is_empty()
+    if not kv_vllm.VLLM_AVAILABLE:
+        from kvtier.integrations._vllm_standin import KVConnectorStats
+
+        assert isinstance(a, KVConnectorStats)
+
+
+def test_a_failed_load_is_counted_in_the_stats(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv) as e:
+        e.add("warm", DOC + [90, 91], 1)
+        e.run()
+        fired = []
+
+        def kill_at_load(so):
+            if so.kv_connector_metadata.plan.loads and not fired:
+                fired.append(srv.kill())
+
+        e.add("b", DOC + [5, 6, 7], 2)
+        e.run(before_workers=kill_at_load)
+        assert fired and e.violations == []
+        d = _folded(e)
+    assert d["load_chunks"] == 3
+    assert d.get("loaded_chunks", 0) + d["load_error_blocks"] // (CT // BS) == 3 and d["load_error_blocks"] > 0
+
+
+# --------------------------------------------------------------------------- a request's life, as vLLM drives it
+def test_a_request_retrieves_again_after_a_preemption_in_layerwise_mode_and_every_row_is_exact(servers):
+    """Chunked prefill after a hit, a preemption, the resumption: the id's second retrieve (5
+    chunks: the 3 it loaded and the 2 it stored meanwhile) is exact, and each store and load
+    happened where the stats say."""
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv, token_budget=16, extra={"load_mode": "layerwise"}) as e:
+        d = _doc(96, 11)
+        e.add("warm", d[:48] + [1], 1)
+        e.run()
+        e.add("a", list(d), 2)
+        e.run(until=lambda: e.sched.requests["a"].num_computed_tokens >= 80)
+        e.sched.preempt("a")
+        e.run()
+        assert e.violations == []
+        a = e.sched.finished["a"]
+        assert a.num_preemptions == 1 and a.num_external_computed_tokens == 80
+        assert len(e.sched.request_finished_calls["a"]) == 1
+        st = _folded(e)
+    assert st["load_chunks"] == 3 + 5 and st["loaded_chunks"] == 8
+    assert st["lookups"] == 3  # warm, a, a again after its preemption
+
+
+def test_the_same_request_ids_in_two_engines_stay_apart(servers):
+    """vLLM's offline engines number their requests "0", "1", ...: two engines on one server
+    with the same ids and different documents each load their own chunks."""
+    srv = servers.start(chunk_tokens=CT)
+    d1, d2 = _doc(64, 21), _doc(64, 22)
+    with _engine(srv) as e1, _engine(srv) as e2:
+        assert e1.engine_id != e2.engine_id
+        e1.add("0", d1 + [1], 1)
+        e2.add("0", d2 + [1], 1)
+        while e1.sched.has_requests() or e2.sched.has_requests():
+            e1.step()
+            e2.step()
+        for e, d in ((e1, d1), (e2, d2)):
+            e.add("1", d + [2, 3], 2)
+        while e1.sched.has_requests() or e2.sched.has_requests():
+            e1.step()
+            e2.step()
+        for e in (e1, e2):
+            assert e.violations == []  # every KV row its own token's
+            assert e.sched.finished["1"].num_external_computed_tokens == 64
+            assert e.connector.scheduler_side.tracked() == 0
+    wait_until(lambda: srv.status()["lookups"] == 0, what="every lookup released")
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_an_abort_while_the_load_is_in_flight_is_finished_once_and_frees_its_blocks_after_the_load(servers, policy):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv, kv_load_failure_policy=policy) as e:
+        e.add("warm", DOC + [90, 91], 1)
+        e.run()
+        noted = []
+
+        def pause_at_load(so):
+            if so.kv_connector_metadata.plan.loads and not noted:
+                srv.pause()
+                noted.append(so.kv_connector_metadata.plan.loads[0].block_ids)
+
+        e.add("b", DOC + [5, 6, 7], 2)
+        try:
+            e.run(before_workers=pause_at_load, until=lambda: bool(noted))
+            req = e.sched.requests["b"]
+            assert req.status.name == "WAITING_FOR_REMOTE_KVS" and req.num_computed_tokens == 48
+            e.sched.abort("b")
+            # request_finished once, with the blocks of the 48 tokens counted as computed
+            assert e.sched.request_finished_calls["b"] == [e.sched.tables["b"][:12]]
+            e.step()
+            assert not set(noted[0]) & set(e.sched.pool.free)  # held while the load may still land
+        finally:
+            srv.resume()
+        e.run()
+        assert e.violations == [] and e.sched.holds() == 0
+        assert len(e.sched.request_finished_calls["b"]) == 1
+        assert e.sched.reports["recving"].count("b") == 1 and "b" not in e.sched.reports["sending"]
+        assert e.connector.scheduler_side.tracked() == 0
+
+
+def test_an_aborted_waiting_request_is_finished_once_with_no_blocks(warm):
+    srv, e = warm
+    srv.pause()
+    try:
+        e.add("lookup", DOC + [2], 2)
+        e.step()
+        e.sched.abort("lookup")
+    finally:
+        srv.resume()
+    e.run()
+    assert e.sched.request_finished_calls["lookup"] == [[]]
+    assert e.connector.scheduler_side.tracked() == 0
+
+
+def test_under_the_fail_policy_a_failed_load_finishes_the_request_with_an_error_and_leaks_nothing(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv, kv_load_failure_policy="fail") as e:
+        e.add("warm", DOC + [90, 91], 1)
+        e.run()
+        fired = []
+
+        def kill_at_load(so):
+            if so.kv_connector_metadata.plan.loads and not fired:
+                fired.append(srv.kill())
+
+        e.add("b", DOC + [5, 6, 7], 2)
+        e.run(before_workers=kill_at_load)
+        assert fired and e.violations == []
+        assert e.sched.finished["b"].status.name == "FINISHED_ERROR"
+        assert len(e.sched.request_finished_calls["b"]) == 1
+        assert len(e.sched.pool.free) == e.sched.pool.num_blocks
+        assert e.connector.scheduler_side.tracked() == 0
+
 
 def test_a_short_request_writing_a_preempted_requests_blocks_fences_them_so_its_late_store_is_dropped(servers):
     """vLLM frees a preempted request's blocks at once, while its store may still wait for the

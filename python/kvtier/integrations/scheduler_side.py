@@ -66,6 +66,11 @@ class SchedulerSide:
         self._requests: Dict[str, _Request] = {}
         self._planned: List[str] = []  # ids with a load planned, in order
         self._loaded: Set[str] = set()  # ids that had a load (until request_finished)
+        # Counters (for the connector's stats): lookups sent, the tokens they asked for, the
+        # tokens the server answered as present.
+        self.lookups_sent = 0
+        self.lookup_tokens = 0
+        self.lookup_hit_tokens = 0
 
     # -- vLLM: get_num_new_matched_tokens --------------------------------------------------
     def num_new_matched_tokens(
@@ -111,10 +116,13 @@ class SchedulerSide:
             if not st.lookup_sent:
                 self.connector.lookup_hashes(request_id, st.hashes, st.cache_salt)
                 st.lookup_sent = True
+                self.lookups_sent += 1
+                self.lookup_tokens += len(st.hashes) * self._ct
             answer = self.connector.lookup_result(request_id)
             if answer is None:
                 return None, self._async
             st.hit = min(int(answer), len(st.hashes) * self._ct)
+            self.lookup_hit_tokens += st.hit
         usable = min(st.hit, st.num_tokens - 1)  # the engine computes at least the last token
         new = usable - num_computed_tokens
         if new <= 0:

@@ -35,7 +35,9 @@ Options (``kv_connector_extra_config``; docs/integration.md has the table):
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .._kvtier import AttentionKind, DtypeKind, ModelShape
@@ -49,6 +51,8 @@ from .core import (
     StepPlan,
     WorkerSide,
 )
+
+from .connector_stats import STATS_KEYS, KVTierConnectorStats
 
 try:  # pragma: no cover - vLLM is not installable in kvtier's CI
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -66,11 +70,16 @@ except ImportError:
 __all__ = [
     "VLLM_AVAILABLE",
     "VLLM_COMMIT",
+    "KV_ROLES",
     "KVTierConnector",
     "KVTierConnectorMetadata",
+    "KVTierConnectorStats",
+    "STATS_KEYS",
     "config_from_vllm",
     "step_input_from",
 ]
+
+log = logging.getLogger("kvtier")
 
 #: The vLLM commit whose KV connector interface this adapter implements.
 VLLM_COMMIT = "003df2961dd8830c317a61f9745ccd557da9fa06"
@@ -206,6 +215,12 @@ class KVTierConnector(KVConnectorBase_V1):
         self._config = config_from_vllm(vllm_config, role)
         self._scheduler: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
+        self._stats = KVTierConnectorStats()
+        self._sampled: Dict[str, float] = {}  # connector counters at the last stats report
+        self._sampled_at: Optional[float] = None
+        # worker: chunk block sets of each retrieve not over yet, and whether each failed
+        self._loads: Dict[str, List[List[Any]]] = {}
+        self._recved: Set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self._config)
         else:
@@ -233,6 +248,10 @@ class KVTierConnector(KVConnectorBase_V1):
         layout = str(extra.get("kv_layout", "auto")).upper()
         return layout if layout in ("NHD", "HND") else None
 
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KVTierConnectorStats:
+        return KVTierConnectorStats(data)
+
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
         tokens = request.all_token_ids
@@ -245,10 +264,16 @@ class KVTierConnector(KVConnectorBase_V1):
         )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._stats.add("hit_requests", 1)
+            self._stats.add("hit_tokens", int(num_external_tokens))
         self.scheduler_side.after_alloc(request.request_id, _first_group(blocks), int(num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
-        return KVTierConnectorMetadata(self.scheduler_side.build_step(step_input_from(scheduler_output)))
+        plan = self.scheduler_side.build_step(step_input_from(scheduler_output))
+        self._stats.add("load_chunks_planned", sum(len(op.hashes) for op in plan.loads))
+        self._stats.add("store_chunks_planned", sum(len(op.hashes) for op in plan.stores))
+        return KVTierConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         # A synchronous (layerwise) load's failed blocks: the request recomputes them, and its
@@ -258,6 +283,11 @@ class KVTierConnector(KVConnectorBase_V1):
             self.scheduler_side.on_load_errors(invalid)
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        # block_ids (the computed prefix, a partial tail included) are not what kvtier stores:
+        # it stored each full prompt chunk, keyed by its own hash of the tokens, at the
+        # wait_for_save of the step that computed it, so request.num_publishable_block_hashes
+        # (vLLM's fence on ITS block hashes, for EAGLE) has nothing to gate. Freeing is
+        # delayed until a worker reports the id (its stores and loads are over).
         return self.scheduler_side.request_finished(request.request_id), None
 
     # ------------------------------------------------------------------ worker side
@@ -272,7 +302,14 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker_side.handle_preemptions(kv_connector_metadata.plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker_side.start_step(self._get_connector_metadata().plan)
+        plan = self._get_connector_metadata().plan
+        self.worker_side.start_step(plan)
+        bpc = self._config.chunk_tokens // self._config.block_size
+        for op in plan.loads:
+            if op.hashes:
+                self._stats.add("load_chunks", len(op.hashes))
+                chunks = [set(op.block_ids[i * bpc : (i + 1) * bpc]) for i in range(len(op.hashes))]
+                self._loads[op.request_id] = [[c, False] for c in chunks]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Layerwise: until this layer of the step's retrieves landed; async: nothing (the
@@ -287,13 +324,60 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self.worker_side.end_step(self._get_connector_metadata().plan)
+            ws = self.worker_side
+            issued, dropped = ws.stores_issued, ws.stores_dropped
+            ws.end_step(self._get_connector_metadata().plan)
+            self._stats.add("store_requests", ws.stores_issued - issued)
+            self._stats.add("stores_dropped", ws.stores_dropped - dropped)
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        return self.worker_side.finished(finished_req_ids)
+        sending, recving = self.worker_side.finished(finished_req_ids)
+        self._recved |= recving or set()
+        return sending, recving
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        return self.worker_side.load_error_blocks()
+        errors = self.worker_side.load_error_blocks()
+        self._stats.add("load_error_blocks", len(errors))
+        # A retrieve is over once its id is reported finished receiving (asynchronous loads;
+        # its errors come no later than that step, here) or, layerwise, at the end of its step.
+        over = set(self._loads) if self._config.layerwise else self._recved & set(self._loads)
+        for rid, chunks in self._loads.items():
+            for c in chunks:
+                c[1] = c[1] or bool(c[0] & errors)
+        for rid in over:
+            self._stats.add("loaded_chunks", sum(1 for _, failed in self._loads.pop(rid) if not failed))
+        self._recved.clear()
+        return errors
+
+    # ------------------------------------------------------------------ both
+    def get_kv_connector_stats(self) -> Optional[KVTierConnectorStats]:
+        """What happened since the last call (:data:`STATS_KEYS`; None when nothing did).
+        vLLM calls it on every worker after each step and on the scheduler after each
+        update_from_output, folds them with ``aggregate`` and hands ``data`` to its loggers."""
+        if self._scheduler is not None:
+            conn = self._scheduler.connector
+            s = self._scheduler
+            counters = {"lookups": s.lookups_sent, "lookup_tokens": s.lookup_tokens, "lookup_hit_tokens": s.lookup_hit_tokens}
+        else:
+            conn = self.worker_side.connector
+            counters = {"fence_refusals": self.worker_side.fence_refusals}
+            if conn is not None:
+                self._stats.add("quarantined_blocks_max", len(conn.quarantined_blocks()))
+        now = time.monotonic()
+        if conn is not None:
+            c = conn.stats()
+            counters["reconnects"] = max(int(c["registrations"]) - 1, 0)
+            counters["late_replies"] = int(c["late_replies"])
+            if self._sampled_at is not None and not conn.healthy:
+                self._stats.add("degraded_s", now - self._sampled_at)
+        self._sampled_at = now
+        for key, value in counters.items():
+            self._stats.add(key, value - self._sampled.get(key, 0))
+            self._sampled[key] = value
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, KVTierConnectorStats()
+        return out
 
     def shutdown(self) -> None:
         if self._scheduler is not None:
