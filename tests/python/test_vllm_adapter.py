@@ -510,6 +510,65 @@ def test_a_failed_load_is_counted_in_the_stats(servers):
     assert d.get("loaded_chunks", 0) + d["load_error_blocks"] // (CT // BS) == 3 and d["load_error_blocks"] > 0
 
 
+def _kv_cache_config(*specs):
+    from replay import vllm_configs as vc
+
+    return vc.KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[vc.KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)],
+    )
+
+
+def test_kvtier_is_not_hma_capable_and_refuses_kv_cache_groups_it_cannot_serve(servers):
+    """Not SupportsHMA: vLLM then runs with its hybrid allocator off (sliding-window layers as
+    full attention), or refuses to start when it is forced on. A KV cache config kvtier cannot
+    serve whole is refused at construction, on both sides."""
+    from replay import vllm_configs as vc
+    from replay.vllm_shapes import vllm_config
+
+    from kvtier.integrations._vllm_standin import supports_hma
+
+    assert not supports_hma(kv_vllm.KVTierConnector)
+    srv = servers.start(chunk_tokens=CT)
+    cfg = vllm_config(model="m", num_layers=2, num_kv_heads=2, head_size=8, block_size=BS,
+                      extra={"socket_path": str(srv.socket_path), "chunk_tokens": CT, "kv_layout": "NHD"})
+    full = vc.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8)
+    for ok in (
+        None,  # vLLM did not say (runs without vLLM)
+        _kv_cache_config(full),
+        _kv_cache_config(vc.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, sliding_window=32)),
+        _kv_cache_config(vc.MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)),
+    ):
+        kv_vllm.KVTierConnector(cfg, kv_vllm.KVConnectorRole.SCHEDULER, ok).shutdown()
+    bad = {
+        "2 KV cache groups": _kv_cache_config(full, full),
+        "SlidingWindowSpec": _kv_cache_config(vc.SlidingWindowSpec(block_size=BS, sliding_window=32)),
+        "MambaSpec": _kv_cache_config(vc.MambaSpec(block_size=BS)),
+        "head_size_v": _kv_cache_config(vc.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, head_size_v=4)),
+        "OtherSpec": _kv_cache_config(type("OtherSpec", (vc.AttentionSpec,), {})(block_size=BS)),
+    }
+    for what, kcc in bad.items():
+        for role in (kv_vllm.KVConnectorRole.SCHEDULER, kv_vllm.KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match=what) as info:
+                kv_vllm.KVTierConnector(cfg, role, kcc)
+            assert ("disable-hybrid-kv-cache-manager" in str(info.value)) == (what not in ("head_size_v", "OtherSpec"))
+
+
+def test_the_optional_interface_answers_what_a_best_effort_shared_cache_should(warm):
+    _, e = warm
+    conn = e.connector
+    assert conn.reset_cache() is False  # the server's cache is shared: not this engine's to clear
+    assert tuple(conn.take_events()) == ()
+    assert conn.get_finished_count() is None  # every rank reports each id
+    assert conn.has_pending_push_work() is False
+    assert conn.prefer_cross_layer_blocks is False and conn.supports_eagle_prefix_cache_hashing is False
+    assert conn.on_new_request(Request("n", DOC, 1)) is None
+    assert kv_vllm.KVTierConnector.requires_piecewise_for_cudagraph({"load_mode": "layerwise"}) is True
+    assert kv_vllm.KVTierConnector.requires_piecewise_for_cudagraph({}) is False
+    assert kv_vllm.KVTierConnector.build_prom_metrics(None, {}, [], {}) is None
+
+
 # --------------------------------------------------------------------------- a request's life, as vLLM drives it
 def test_a_request_retrieves_again_after_a_preemption_in_layerwise_mode_and_every_row_is_exact(servers):
     """Chunked prefill after a hit, a preemption, the resumption: the id's second retrieve (5

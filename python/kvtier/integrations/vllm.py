@@ -31,6 +31,13 @@ Options (``kv_connector_extra_config``; docs/integration.md has the table):
                              ``quarantine_limit_ms``, ...: docs/fault-tolerance.md)
 ``rank``                     this worker's TP rank when vLLM cannot tell (stand-in runs)
 ===========================  ===============================================================
+
+vLLM's own settings it reads: ``kv_role`` (``kv_producer`` stores and never looks up,
+``kv_consumer`` looks up and loads and never stores, ``kv_both``), the KV cache config (one
+group of full-attention layers, else refused: :func:`check_kv_cache_config`; the connector is
+not ``SupportsHMA``). Statistics travel through vLLM's ``KVConnectorStats`` path
+(:class:`~kvtier.integrations.connector_stats.KVTierConnectorStats`, :data:`STATS_KEYS`).
+docs/integration.md ("vLLM") says what each optional method of the interface does here.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from .core import (
     WorkerSide,
 )
 
+from .config import KV_ROLES
 from .connector_stats import STATS_KEYS, KVTierConnectorStats
 
 try:  # pragma: no cover - vLLM is not installable in kvtier's CI
@@ -70,6 +78,8 @@ except ImportError:
 __all__ = [
     "VLLM_AVAILABLE",
     "VLLM_COMMIT",
+    "SERVED_KV_CACHE_SPECS",
+    "check_kv_cache_config",
     "KV_ROLES",
     "KVTierConnector",
     "KVTierConnectorMetadata",
@@ -162,6 +172,51 @@ def config_from_vllm(vllm_config: Any, role: Any) -> KVTierConfig:
     return cfg
 
 
+#: The KV cache spec classes (vllm/v1/kv_cache_interface.py) whose layers kvtier serves:
+#: full attention, MLA included. A sliding-window or chunked-local layer that vLLM runs as
+#: full attention (hybrid allocator off) is a FullAttentionSpec with ``sliding_window`` /
+#: ``attention_chunk_size`` set: every token's KV is kept, so it is served too.
+SERVED_KV_CACHE_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+#: Specs of the layers vLLM's hybrid allocator keeps apart (sliding window, chunked local
+#: attention, Mamba state).
+_HYBRID_SPECS = ("SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec")
+
+_HMA_HINT = (
+    "kvtier serves one group of full-attention layers: run vLLM with its hybrid KV cache manager off "
+    "(--disable-hybrid-kv-cache-manager; vLLM turns it off by itself for a connector without SupportsHMA "
+    "unless it was forced on), which runs sliding-window layers as full attention; models with Mamba or "
+    "other non-attention state cannot use kvtier"
+)
+
+
+def check_kv_cache_config(kv_cache_config: Any) -> None:
+    """Raises ValueError unless vLLM's ``KVCacheConfig`` is one group of layers kvtier serves
+    whole (:data:`SERVED_KV_CACHE_SPECS`, K and V of one head size). None (vLLM did not say:
+    runs without vLLM) passes."""
+    if kv_cache_config is None:
+        return
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ValueError(f"kvtier: vLLM's KV cache config has {len(groups)} KV cache groups: {_HMA_HINT}")
+    spec = groups[0].kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+    for one in specs.values() if isinstance(specs, dict) else [spec]:
+        name = type(one).__name__
+        if name not in SERVED_KV_CACHE_SPECS:
+            hybrid = any(k.__name__ in _HYBRID_SPECS for k in type(one).__mro__)
+            raise ValueError(
+                f"kvtier: a KV cache group of {name} layers: "
+                + (_HMA_HINT if hybrid else f"kvtier serves {' and '.join(SERVED_KV_CACHE_SPECS)} layers only")
+            )
+        head_size_v = getattr(one, "head_size_v", None)
+        if name == "FullAttentionSpec" and head_size_v not in (None, getattr(one, "head_size", None)):
+            raise ValueError(
+                f"kvtier: K and V of different head sizes (head_size {one.head_size}, head_size_v {head_size_v}): "
+                "kvtier's chunks hold one head size for both"
+            )
+
+
 def _first_group(block_ids: Any) -> List[int]:
     """vLLM's block ids per KV cache group (a tuple of lists), or a plain list: group 0."""
     if block_ids is None:
@@ -206,12 +261,18 @@ def step_input_from(scheduler_output: Any) -> StepInput:
 
 class KVTierConnector(KVConnectorBase_V1):
     """vLLM's KV connector for kvtier: loads prefix KV from a kvtier-server and stores every
-    prompt chunk the engine computes (module docstring for the options). ``kv_role``:
-    ``kv_producer`` stores and never looks up, ``kv_consumer`` looks up and loads and never
-    stores, ``kv_both`` does both."""
+    prompt chunk the engine computes (module docstring for the options).
+
+    Not :class:`SupportsHMA` (vLLM's hybrid memory allocator): kvtier serves one group of
+    full-attention layers, so vLLM runs it with the hybrid allocator off (and refuses to start
+    when it is forced on); a ``kv_cache_config`` with anything else is refused here
+    (:func:`check_kv_cache_config`). ``kv_role``: ``kv_producer`` stores and never looks up,
+    ``kv_consumer`` looks up and loads and never stores, ``kv_both`` does both.
+    """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_kv_cache_config(kv_cache_config)
         self._config = config_from_vllm(vllm_config, role)
         self._scheduler: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
@@ -247,6 +308,11 @@ class KVTierConnector(KVConnectorBase_V1):
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
         layout = str(extra.get("kv_layout", "auto")).upper()
         return layout if layout in ("NHD", "HND") else None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        # Layerwise loads wait in wait_for_layer_load, which a captured CUDA graph skips.
+        return str((extra_config or {}).get("load_mode", "async")) == "layerwise"
 
     @classmethod
     def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KVTierConnectorStats:
@@ -289,6 +355,17 @@ class KVTierConnector(KVConnectorBase_V1):
         # (vLLM's fence on ITS block hashes, for EAGLE) has nothing to gate. Freeing is
         # delayed until a worker reports the id (its stores and loads are over).
         return self.scheduler_side.request_finished(request.request_id), None
+
+    def reset_cache(self) -> Optional[bool]:
+        # vLLM's reset_prefix_cache(reset_connector=True): the kvtier-server's cache is shared
+        # by every engine that uses it, so one engine does not clear it. False tells vLLM (and
+        # its caller) that the connector's cache was NOT reset.
+        log.warning(
+            "kvtier: reset_cache: the kvtier-server's cache is shared by every engine connected to it and is "
+            "not cleared by one engine's prefix-cache reset; restart the server (or use a new cache_salt) to "
+            "drop what it holds"
+        )
+        return False
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
