@@ -662,9 +662,10 @@ def test_an_aborted_waiting_request_is_finished_once_with_no_blocks(warm):
     assert e.connector.scheduler_side.tracked() == 0
 
 
-def test_under_the_fail_policy_a_failed_load_finishes_the_request_with_an_error_and_leaks_nothing(servers):
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+def test_under_the_fail_policy_a_failed_load_finishes_the_request_with_an_error_and_leaks_nothing(servers, load_mode):
     srv = servers.start(chunk_tokens=CT)
-    with _engine(srv, kv_load_failure_policy="fail") as e:
+    with _engine(srv, kv_load_failure_policy="fail", extra={"load_mode": load_mode}) as e:
         e.add("warm", DOC + [90, 91], 1)
         e.run()
         fired = []
@@ -677,6 +678,7 @@ def test_under_the_fail_policy_a_failed_load_finishes_the_request_with_an_error_
         e.run(before_workers=kill_at_load)
         assert fired and e.violations == []
         assert e.sched.finished["b"].status.name == "FINISHED_ERROR"
+        assert e.sched.finished["b"].output_token_ids == []  # no token from KV that did not land
         assert len(e.sched.request_finished_calls["b"]) == 1
         assert len(e.sched.pool.free) == e.sched.pool.num_blocks
         assert e.connector.scheduler_side.tracked() == 0
