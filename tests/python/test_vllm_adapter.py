@@ -504,9 +504,16 @@ def test_a_failed_load_is_counted_in_the_stats(servers):
         e.add("b", DOC + [5, 6, 7], 2)
         e.run(before_workers=kill_at_load)
         assert fired and e.violations == []
+        # Steps without a server count as degraded time; a new server as a reconnection.
+        wait_until(lambda: not any(o["healthy"] for o in e.worker_state()), what="the worker saw the server gone")
+        e.step()
+        e.step()
+        srv.start()
+        wait_until(lambda: all(o["healthy"] for o in e.worker_state()), what="the worker registered again")
         d = _folded(e)
     assert d["load_chunks"] == 3
     assert d.get("loaded_chunks", 0) + d["load_error_blocks"] // (CT // BS) == 3 and d["load_error_blocks"] > 0
+    assert d["degraded_s"] > 0 and d["reconnects"] >= 1
 
 
 def _kv_cache_config(*specs):
