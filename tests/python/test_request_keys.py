@@ -16,14 +16,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict
 
 import pytest
 import torch
 
 import kvtier
 from kvtier.integrations.config import KVTierConfig
-from kvtier.integrations.request_keys import EXTRA_VERSION, MultiModalSpan, RequestKeys, chunk_extras, request_keys
+from kvtier.integrations.request_keys import EXTRA_VERSION, MultiModalSpan, chunk_extras, request_keys
 from kvtier.integrations.scheduler_side import SchedulerSide
 from kvtier_testing import FAST_TIMEOUTS_MS
 from replay.engine import ReplayEngine

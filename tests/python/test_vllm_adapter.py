@@ -323,3 +323,401 @@ def test_a_quarantined_block_is_never_fenced_for_writing_nor_loaded_into(servers
     got = wait_until(lambda: side.finished([])[1], what="r finished receiving")
     assert got == {"r"}
     side.shutdown()
+
+
+# --------------------------------------------------------------------------- roles, stats, the optional interface
+def _engine(srv, **kw) -> ReplayEngine:
+    from kvtier_testing import FAST_TIMEOUTS_MS
+
+    kw.setdefault("chunk_tokens", CT)
+    kw.setdefault("block_size", BS)
+    extra = dict(FAST_TIMEOUTS_MS)
+    extra.update(kw.pop("extra", {}))
+    return ReplayEngine(socket_path=srv.socket_path, extra=extra, **kw)
+
+
+def _doc(n: int, seed: int) -> list:
+    return [(seed * 131 + i * 7) % 97 + 1 for i in range(n)]
+
+
+def _l1_objects(srv) -> int:
+    return srv.status()["l1"]["objects"]
+
+
+def _folded(e: ReplayEngine) -> dict:
+    """Every step's stats data, folded as vLLM's logger does (in this process)."""
+    acc = None
+    for data in e.sched.kv_connector_stats:
+        s = kv_vllm.KVTierConnector.build_kv_connector_stats(data)
+        acc = s if acc is None else acc.aggregate(s)
+    return dict(acc.data) if acc is not None else {}
+
+
+def test_a_kv_consumer_loads_hits_but_never_stores(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv) as warm:
+        warm.add("warm", DOC + [90, 91], 1)
+        warm.run()
+    wait_until(lambda: _l1_objects(srv) == 3, what="the warm-up's 3 chunks stored")
+    with _engine(srv, kv_role="kv_consumer") as e:
+        e.add("hit", DOC + [5, 6, 7], 2)
+        e.add("new", _doc(64, 9), 2)  # 4 chunks computed here
+        e.run()
+        assert e.violations == []
+        assert e.sched.finished["hit"].num_external_computed_tokens == 48
+        # Every request finished sending (its stores, if any, answered): nothing was stored.
+        assert _l1_objects(srv) == 3
+        st = _folded(e)
+        assert st.get("store_requests", 0) == 0 and st.get("store_chunks_planned", 0) == 0
+        assert st["loaded_chunks"] == 3
+
+
+def test_a_kv_producer_stores_but_never_looks_up_nor_loads(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv) as warm:
+        warm.add("warm", DOC + [90, 91], 1)
+        warm.run()
+    with _engine(srv, kv_role="kv_producer") as e:
+        conn = e.connector
+        srv.pause()  # a lookup could not be answered: a producer answers at once
+        try:
+            assert conn.get_num_new_matched_tokens(Request("q", DOC + [5], 1), 0) == (0, False)
+        finally:
+            srv.resume()
+        conn.request_finished(Request("q", DOC + [5], 1), [])
+        assert conn.scheduler_side.lookups_sent == 0
+        e.add("hit", DOC + [5, 6, 7], 2)
+        e.add("new", _doc(64, 10), 2)
+        e.run()
+        assert e.violations == []
+        assert e.sched.finished["hit"].num_external_computed_tokens == 0
+        assert e.sched.reports["recving"] == []
+        st = _folded(e)
+        assert st.get("lookups", 0) == 0 and st.get("load_chunks", 0) == 0
+        # A producer does not know what the server holds: it stores the hit's 3 chunks again
+        # (the server keeps one copy) and the new document's 4.
+        assert st["store_chunks_planned"] == 7
+    assert _l1_objects(srv) == 7
+
+
+def test_kv_role_is_read_and_checked():
+    from replay.vllm_shapes import vllm_config
+
+    for role in ("kv_producer", "kv_consumer", "kv_both"):
+        cfg = vllm_config(model="m", num_layers=2, num_kv_heads=2, head_size=8, block_size=BS, kv_role=role,
+                          extra={"socket_path": "/x", "chunk_tokens": CT})
+        assert kv_vllm.config_from_vllm(cfg, kv_vllm.KVConnectorRole.SCHEDULER).kv_role == role
+    cfg.kv_transfer_config.kv_role = "kv_sometimes"
+    with pytest.raises(ValueError, match="kv_role"):
+        kv_vllm.config_from_vllm(cfg, kv_vllm.KVConnectorRole.SCHEDULER)
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_kv_delivery_is_never_required_a_dropped_save_is_a_future_miss(servers, role):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv, kv_role=role) as e:
+        assert e.connector.requires_kv_delivery is False
+        assert e.sched.requires_kv_delivery is False  # what vLLM's scheduler read at start
+
+
+STATS_SCRIPT = r"""
+import json, pickle, sys
+from kvtier.integrations.vllm import KVTierConnector
+acc = None
+for data in pickle.load(sys.stdin.buffer):
+    s = KVTierConnector.build_kv_connector_stats(data)
+    acc = s if acc is None else acc.aggregate(s)
+print(json.dumps({"data": acc.data, "reduced": acc.reduce(), "empty": acc.is_empty(), "type": type(acc).__name__}))
+"""
+
+
+def _stats_elsewhere(datas) -> dict:
+    """The logger process: rebuilds each step's data with build_kv_connector_stats and folds."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import kvtier
+
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(kvtier.__file__)))
+    out = subprocess.run([sys.executable, "-c", STATS_SCRIPT], input=pickle.dumps(list(datas)), env=env,
+                         capture_output=True, check=True, timeout=120)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_stats_travel_as_vllm_carries_them_and_count_what_happened(servers, world_size):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv, world_size=world_size, kv_heads=2 * world_size) as e:
+        e.add("warm", DOC + [90, 91], 1)
+        e.run()
+        e.add("b", DOC + [5, 6, 7], 2)
+        e.run()
+        assert e.violations == []
+        datas = e.sched.kv_connector_stats
+        assert datas and all(type(d) is dict for d in datas)  # only the dict travels on
+        got = _stats_elsewhere(datas)
+    assert got["type"] == "KVTierConnectorStats" and not got["empty"]
+    d = got["data"]
+    assert set(d) <= set(kv_vllm.STATS_KEYS)
+    # scheduler: two lookups of 3 chunks (the warm-up missed), one hit of 48 tokens
+    assert d["lookups"] == 2 and d["lookup_tokens"] == 96 and d["lookup_hit_tokens"] == 48
+    assert d["hit_requests"] == 1 and d["hit_tokens"] == 48
+    assert d["load_chunks_planned"] == 3 and d["store_chunks_planned"] == 3
+    # workers, summed over the ranks: the 3 chunks retrieved and landed on each rank, the
+    # warm-up's 3 chunks stored by each (one store request per chunk under chunked prefill)
+    assert d["load_chunks"] == 3 * world_size and d["loaded_chunks"] == 3 * world_size
+    assert d["store_requests"] == 3 * world_size
+    assert d.get("load_error_blocks", 0) == 0
+    assert got["reduced"]["lookup_hit_rate"] == 0.5
+
+
+def test_stats_aggregate_sums_counts_and_keeps_maxima():
+    S = kv_vllm.KVTierConnectorStats
+    a = S({"lookups": 2, "quarantined_blocks_max": 5, "degraded_s": 0.5})
+    b = S({"lookups": 1, "quarantined_blocks_max": 3, "future_key": 7, "degraded_s": 0.25})
+    assert a.aggregate(b) is a
+    assert a.data == {"lookups": 3, "quarantined_blocks_max": 5, "degraded_s": 0.75, "future_key": 7}
+    assert pickle.loads(pickle.dumps(a)).data == a.data
+    assert not a.is_empty() and S().is_empty() and S({"lookups": 0}).is_empty()
+    a.reset()
+    assert a.is_empty() and a.data == {}
+    assert kv_vllm.KVTierConnector.build_kv_connector_stats(None).is_empty()
+    if not kv_vllm.VLLM_AVAILABLE:
+        from kvtier.integrations._vllm_standin import KVConnectorStats
+
+        assert isinstance(a, KVConnectorStats)
+
+
+def test_a_failed_load_is_counted_in_the_stats(servers):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv) as e:
+        e.add("warm", DOC + [90, 91], 1)
+        e.run()
+        fired = []
+
+        def kill_at_load(so):
+            if so.kv_connector_metadata.plan.loads and not fired:
+                fired.append(srv.kill())
+
+        e.add("b", DOC + [5, 6, 7], 2)
+        e.run(before_workers=kill_at_load)
+        assert fired and e.violations == []
+        # Steps without a server count as degraded time; a new server as a reconnection.
+        wait_until(lambda: not any(o["healthy"] for o in e.worker_state()), what="the worker saw the server gone")
+        e.step()
+        e.step()
+        srv.start()
+        wait_until(lambda: all(o["healthy"] for o in e.worker_state()), what="the worker registered again")
+        d = _folded(e)
+    assert d["load_chunks"] == 3
+    assert d.get("loaded_chunks", 0) + d["load_error_blocks"] // (CT // BS) == 3 and d["load_error_blocks"] > 0
+    assert d["degraded_s"] > 0 and d["reconnects"] >= 1
+
+
+def _kv_cache_config(*specs):
+    from replay import vllm_configs as vc
+
+    return vc.KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[vc.KVCacheGroupSpec([f"layer.{i}"], s) for i, s in enumerate(specs)],
+    )
+
+
+def test_kvtier_is_not_hma_capable_and_refuses_kv_cache_groups_it_cannot_serve(servers):
+    """Not SupportsHMA: vLLM then runs with its hybrid allocator off (sliding-window layers as
+    full attention), or refuses to start when it is forced on. A KV cache config kvtier cannot
+    serve whole is refused at construction, on both sides."""
+    from replay import vllm_configs as vc
+    from replay.vllm_shapes import vllm_config
+
+    from kvtier.integrations._vllm_standin import supports_hma
+
+    assert not supports_hma(kv_vllm.KVTierConnector)
+    srv = servers.start(chunk_tokens=CT)
+    cfg = vllm_config(model="m", num_layers=2, num_kv_heads=2, head_size=8, block_size=BS,
+                      extra={"socket_path": str(srv.socket_path), "chunk_tokens": CT, "kv_layout": "NHD"})
+    full = vc.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8)
+    for ok in (
+        None,  # vLLM did not say (runs without vLLM)
+        _kv_cache_config(full),
+        _kv_cache_config(vc.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, sliding_window=32)),
+        _kv_cache_config(vc.MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=8)),
+    ):
+        kv_vllm.KVTierConnector(cfg, kv_vllm.KVConnectorRole.SCHEDULER, ok).shutdown()
+    bad = {
+        "2 KV cache groups": _kv_cache_config(full, full),
+        "SlidingWindowSpec": _kv_cache_config(vc.SlidingWindowSpec(block_size=BS, sliding_window=32)),
+        "MambaSpec": _kv_cache_config(vc.MambaSpec(block_size=BS)),
+        "head_size_v": _kv_cache_config(vc.FullAttentionSpec(block_size=BS, num_kv_heads=2, head_size=8, head_size_v=4)),
+        "OtherSpec": _kv_cache_config(type("OtherSpec", (vc.AttentionSpec,), {})(block_size=BS)),
+    }
+    for what, kcc in bad.items():
+        for role in (kv_vllm.KVConnectorRole.SCHEDULER, kv_vllm.KVConnectorRole.WORKER):
+            with pytest.raises(ValueError, match=what) as info:
+                kv_vllm.KVTierConnector(cfg, role, kcc)
+            assert ("disable-hybrid-kv-cache-manager" in str(info.value)) == (what not in ("head_size_v", "OtherSpec"))
+
+
+def test_the_optional_interface_answers_what_a_best_effort_shared_cache_should(warm):
+    _, e = warm
+    conn = e.connector
+    assert conn.reset_cache() is False  # the server's cache is shared: not this engine's to clear
+    assert tuple(conn.take_events()) == ()
+    assert conn.get_finished_count() is None  # every rank reports each id
+    assert conn.has_pending_push_work() is False
+    assert conn.prefer_cross_layer_blocks is False and conn.supports_eagle_prefix_cache_hashing is False
+    assert conn.on_new_request(Request("n", DOC, 1)) is None
+    assert kv_vllm.KVTierConnector.requires_piecewise_for_cudagraph({"load_mode": "layerwise"}) is True
+    assert kv_vllm.KVTierConnector.requires_piecewise_for_cudagraph({}) is False
+    assert kv_vllm.KVTierConnector.build_prom_metrics(None, {}, [], {}) is None
+
+
+# --------------------------------------------------------------------------- a request's life, as vLLM drives it
+def test_a_request_retrieves_again_after_a_preemption_in_layerwise_mode_and_every_row_is_exact(servers):
+    """Chunked prefill after a hit, a preemption, the resumption: the id's second retrieve (5
+    chunks: the 3 it loaded and the 2 it stored meanwhile) is exact, and each store and load
+    happened where the stats say."""
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv, token_budget=16, extra={"load_mode": "layerwise"}) as e:
+        d = _doc(96, 11)
+        e.add("warm", d[:48] + [1], 1)
+        e.run()
+        e.add("a", list(d), 2)
+        e.run(until=lambda: e.sched.requests["a"].num_computed_tokens >= 80)
+        e.sched.preempt("a")
+        e.run()
+        assert e.violations == []
+        a = e.sched.finished["a"]
+        assert a.num_preemptions == 1 and a.num_external_computed_tokens == 80
+        assert len(e.sched.request_finished_calls["a"]) == 1
+        st = _folded(e)
+    assert st["load_chunks"] == 3 + 5 and st["loaded_chunks"] == 8
+    assert st["lookups"] == 3  # warm, a, a again after its preemption
+
+
+def test_the_same_request_ids_in_two_engines_stay_apart(servers):
+    """vLLM's offline engines number their requests "0", "1", ...: two engines on one server
+    with the same ids and different documents each load their own chunks."""
+    srv = servers.start(chunk_tokens=CT)
+    d1, d2 = _doc(64, 21), _doc(64, 22)
+    with _engine(srv) as e1, _engine(srv) as e2:
+        assert e1.engine_id != e2.engine_id
+        e1.add("0", d1 + [1], 1)
+        e2.add("0", d2 + [1], 1)
+        while e1.sched.has_requests() or e2.sched.has_requests():
+            e1.step()
+            e2.step()
+        for e, d in ((e1, d1), (e2, d2)):
+            e.add("1", d + [2, 3], 2)
+        while e1.sched.has_requests() or e2.sched.has_requests():
+            e1.step()
+            e2.step()
+        for e in (e1, e2):
+            assert e.violations == []  # every KV row its own token's
+            assert e.sched.finished["1"].num_external_computed_tokens == 64
+            assert e.connector.scheduler_side.tracked() == 0
+    wait_until(lambda: srv.status()["lookups"] == 0, what="every lookup released")
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_an_abort_while_the_load_is_in_flight_is_finished_once_and_frees_its_blocks_after_the_load(servers, policy):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv, kv_load_failure_policy=policy) as e:
+        e.add("warm", DOC + [90, 91], 1)
+        e.run()
+        noted = []
+
+        def pause_at_load(so):
+            if so.kv_connector_metadata.plan.loads and not noted:
+                srv.pause()
+                noted.append(so.kv_connector_metadata.plan.loads[0].block_ids)
+
+        e.add("b", DOC + [5, 6, 7], 2)
+        try:
+            e.run(before_workers=pause_at_load, until=lambda: bool(noted))
+            req = e.sched.requests["b"]
+            assert req.status.name == "WAITING_FOR_REMOTE_KVS" and req.num_computed_tokens == 48
+            e.sched.abort("b")
+            # request_finished once, with the blocks of the 48 tokens counted as computed
+            assert e.sched.request_finished_calls["b"] == [e.sched.tables["b"][:12]]
+            e.step()
+            assert not set(noted[0]) & set(e.sched.pool.free)  # held while the load may still land
+        finally:
+            srv.resume()
+        e.run()
+        assert e.violations == [] and e.sched.holds() == 0
+        assert len(e.sched.request_finished_calls["b"]) == 1
+        assert e.sched.reports["recving"].count("b") == 1 and "b" not in e.sched.reports["sending"]
+        assert e.connector.scheduler_side.tracked() == 0
+
+
+def test_an_aborted_waiting_request_is_finished_once_with_no_blocks(warm):
+    srv, e = warm
+    srv.pause()
+    try:
+        e.add("lookup", DOC + [2], 2)
+        e.step()
+        e.sched.abort("lookup")
+    finally:
+        srv.resume()
+    e.run()
+    assert e.sched.request_finished_calls["lookup"] == [[]]
+    assert e.connector.scheduler_side.tracked() == 0
+
+
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+def test_under_the_fail_policy_a_failed_load_finishes_the_request_with_an_error_and_leaks_nothing(servers, load_mode):
+    srv = servers.start(chunk_tokens=CT)
+    with _engine(srv, kv_load_failure_policy="fail", extra={"load_mode": load_mode}) as e:
+        e.add("warm", DOC + [90, 91], 1)
+        e.run()
+        fired = []
+
+        def kill_at_load(so):
+            if so.kv_connector_metadata.plan.loads and not fired:
+                fired.append(srv.kill())
+
+        e.add("b", DOC + [5, 6, 7], 2)
+        e.run(before_workers=kill_at_load)
+        assert fired and e.violations == []
+        assert e.sched.finished["b"].status.name == "FINISHED_ERROR"
+        assert e.sched.finished["b"].output_token_ids == []  # no token from KV that did not land
+        assert len(e.sched.request_finished_calls["b"]) == 1
+        assert len(e.sched.pool.free) == e.sched.pool.num_blocks
+        assert e.connector.scheduler_side.tracked() == 0
+
+
+def test_a_short_request_writing_a_preempted_requests_blocks_fences_them_so_its_late_store_is_dropped(servers):
+    """vLLM frees a preempted request's blocks at once, while its store may still wait for the
+    server. A request with no full chunk (nothing to look up or store) that is handed those
+    blocks must fence them before writing, or the late store copies its rows under the
+    preempted request's chunk key: wrong KV for every later hit."""
+    srv = servers.start(chunk_tokens=CT)
+    slow = {k: 60000 for k in ("ping_timeout_ms", "request_timeout_ms", "lookup_timeout_ms", "store_timeout_ms")}
+    with _engine(srv, num_blocks=5, token_budget=16, extra=slow) as e:
+        d = _doc(20, 31)
+        e.add("a", list(d), 1)
+        paused = []
+
+        def pause_at_store(so):
+            if so.kv_connector_metadata.plan.stores and not paused:
+                paused.append(srv.pause())  # a's chunk 0 store waits in the socket
+
+        try:
+            e.run(before_workers=pause_at_store, until=lambda: bool(paused))
+            e.sched.preempt("a")  # its 4 blocks go back to the pool at once
+            freed = list(e.sched.pool.free)[-4:]  # a's blocks 0-3, behind the one a never used
+            e.add("s", _doc(8, 32), 1)  # shorter than a chunk
+            e.step()  # reports the preemption (vLLM admits nothing in that step)
+            e.step()  # a's new lookup waits; s is handed a's freed blocks and writes them
+            assert e.sched.requests["s"].num_computed_tokens == 8
+            assert set(e.sched.tables["s"]) & set(freed)  # one of chunk 0's blocks
+        finally:
+            srv.resume()
+        e.run()
+        e.add("c", d[:16] + [3], 1)  # hits a's chunk 0 if it was stored
+        e.run()
+        assert e.violations == []

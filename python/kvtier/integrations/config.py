@@ -10,12 +10,15 @@ from typing import Dict, Optional
 
 from .._kvtier import ConnectorOptions, HashAlgorithm, KvLayoutKind, ModelShape, parse_kv_layout_kind
 
-__all__ = ["KVTierConfig", "TIMEOUT_KEYS", "LOAD_MODES"]
+__all__ = ["KVTierConfig", "TIMEOUT_KEYS", "LOAD_MODES", "KV_ROLES"]
 
 log = logging.getLogger("kvtier")
 
 #: ``KVTierConfig.load_mode`` values: loads between steps, or synchronous and layer by layer.
 LOAD_MODES = ("async", "layerwise")
+
+#: ``KVTierConfig.kv_role`` values (vLLM's ``kv_role``): stores only, loads only, or both.
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 TIMEOUT_KEYS = (
     "ping_interval_ms",
@@ -56,6 +59,8 @@ class KVTierConfig:
         load_mode: ``"async"`` (loads complete between steps; the default) or ``"layerwise"``
             (synchronous loads, each layer usable as soon as the server copied it; module
             docstring).
+        kv_role: vLLM's ``kv_role``: ``"kv_producer"`` stores and never looks up nor loads,
+            ``"kv_consumer"`` looks up and loads and never stores, ``"kv_both"`` does both.
     """
 
     socket_path: str
@@ -72,6 +77,17 @@ class KVTierConfig:
     ready_timeout_s: float = 5.0
     timeouts_ms: Dict[str, int] = field(default_factory=dict)
     load_mode: str = "async"
+    kv_role: str = "kv_both"
+
+    @property
+    def loads(self) -> bool:
+        """Whether this engine looks chunks up and loads them (``kv_consumer``, ``kv_both``)."""
+        return self.kv_role != "kv_producer"
+
+    @property
+    def stores(self) -> bool:
+        """Whether this engine stores the chunks it computes (``kv_producer``, ``kv_both``)."""
+        return self.kv_role != "kv_consumer"
 
     @property
     def layerwise(self) -> bool:
@@ -100,6 +116,8 @@ class KVTierConfig:
                 raise ValueError(f"kvtier: unknown timeout '{key}': use one of {', '.join(TIMEOUT_KEYS)}")
         if self.load_mode not in LOAD_MODES:
             raise ValueError(f"kvtier: load_mode '{self.load_mode}': use {' or '.join(LOAD_MODES)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kvtier: kv_role '{self.kv_role}': use {', '.join(KV_ROLES)}")
 
     def connector_options(self, scheduler: bool) -> ConnectorOptions:
         """The C++ connector's options for one side."""

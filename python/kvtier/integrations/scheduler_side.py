@@ -68,6 +68,11 @@ class SchedulerSide:
         self._planned: List[str] = []  # ids with a load planned, in order
         self._loaded: Set[str] = set()  # ids that had a load (until request_finished)
         self._warned: Set[str] = set()  # reasons of uncacheable requests already logged
+        # Counters (for the connector's stats): lookups sent, the tokens they asked for, the
+        # tokens the server answered as present.
+        self.lookups_sent = 0
+        self.lookup_tokens = 0
+        self.lookup_hit_tokens = 0
 
     # -- vLLM: get_num_new_matched_tokens --------------------------------------------------
     def num_new_matched_tokens(
@@ -121,6 +126,8 @@ class SchedulerSide:
                 cache_salt=cache_salt or "",
             )
             self._requests[request_id] = st
+        if not self.config.loads:
+            return 0, False  # kv_producer: stores only, never looks up
         if st.load_issued or (self._async and request_id in self._loaded):
             # An asynchronous load happens at most once per request: vLLM learns that it is
             # over from the id's one finished_recving report, so a second load (after a
@@ -131,10 +138,13 @@ class SchedulerSide:
             if not st.lookup_sent:
                 self.connector.lookup_hashes(request_id, st.hashes, st.cache_salt)
                 st.lookup_sent = True
+                self.lookups_sent += 1
+                self.lookup_tokens += len(st.hashes) * self._ct
             answer = self.connector.lookup_result(request_id)
             if answer is None:
                 return None, self._async
             st.hit = min(int(answer), len(st.hashes) * self._ct)
+            self.lookup_hit_tokens += st.hit
         usable = min(st.hit, st.num_tokens - 1)  # the engine computes at least the last token
         new = usable - num_computed_tokens
         if new <= 0:
@@ -201,7 +211,14 @@ class SchedulerSide:
         for sr in step.scheduled:
             st = self._requests.get(sr.request_id)
             if st is None:
-                continue  # no full chunk in its prompt: nothing to store
+                # No full chunk in its prompt: nothing to store, but its writes are fenced like
+                # any other's (it may be handed a preempted request's blocks that a store still
+                # reads). Its new blocks, or those of the tokens it computes when the table is
+                # whole (a new or resumed request).
+                first = sr.num_computed_tokens // self._bs if sr.replace_blocks else 0
+                last = -(-(sr.num_computed_tokens + sr.num_scheduled_tokens) // self._bs) if sr.replace_blocks else None
+                plan.fence_blocks.extend(sr.block_ids[first:last])
+                continue
             if sr.replace_blocks:
                 st.blocks = list(sr.block_ids)
             else:
@@ -210,6 +227,8 @@ class SchedulerSide:
             start = sr.num_computed_tokens
             end = start + sr.num_scheduled_tokens
             plan.fence_blocks.extend(st.blocks[start // self._bs : -(-end // self._bs)])
+            if not self.config.stores:
+                continue  # kv_consumer: loads only, never stores
             if st.stored_chunks is None:
                 st.stored_chunks = start // self._ct
             done = min(min(end, st.num_prompt_tokens) // self._ct, len(st.hashes), len(st.blocks) // self._bpc)

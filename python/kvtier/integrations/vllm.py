@@ -31,11 +31,20 @@ Options (``kv_connector_extra_config``; docs/integration.md has the table):
                              ``quarantine_limit_ms``, ...: docs/fault-tolerance.md)
 ``rank``                     this worker's TP rank when vLLM cannot tell (stand-in runs)
 ===========================  ===============================================================
+
+vLLM's own settings it reads: ``kv_role`` (``kv_producer`` stores and never looks up,
+``kv_consumer`` looks up and loads and never stores, ``kv_both``), the KV cache config (one
+group of full-attention layers, else refused: :func:`check_kv_cache_config`; the connector is
+not ``SupportsHMA``). Statistics travel through vLLM's ``KVConnectorStats`` path
+(:class:`~kvtier.integrations.connector_stats.KVTierConnectorStats`, :data:`STATS_KEYS`).
+docs/integration.md ("vLLM") says what each optional method of the interface does here.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .._kvtier import AttentionKind, DtypeKind, ModelShape
@@ -50,6 +59,9 @@ from .core import (
     WorkerSide,
 )
 from .request_keys import request_keys
+
+from .config import KV_ROLES
+from .connector_stats import STATS_KEYS, KVTierConnectorStats
 
 try:  # pragma: no cover - vLLM is not installable in kvtier's CI
     from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -67,11 +79,18 @@ except ImportError:
 __all__ = [
     "VLLM_AVAILABLE",
     "VLLM_COMMIT",
+    "SERVED_KV_CACHE_SPECS",
+    "check_kv_cache_config",
+    "KV_ROLES",
     "KVTierConnector",
     "KVTierConnectorMetadata",
+    "KVTierConnectorStats",
+    "STATS_KEYS",
     "config_from_vllm",
     "step_input_from",
 ]
+
+log = logging.getLogger("kvtier")
 
 #: The vLLM commit whose KV connector interface this adapter implements.
 VLLM_COMMIT = "003df2961dd8830c317a61f9745ccd557da9fa06"
@@ -148,9 +167,55 @@ def config_from_vllm(vllm_config: Any, role: Any) -> KVTierConfig:
         ready_timeout_s=float(extra.get("ready_timeout_s", 5.0)),
         timeouts_ms={k: int(extra[k]) for k in TIMEOUT_KEYS if k in extra},
         load_mode=str(extra.get("load_mode", "async")),
+        kv_role=str(getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"),
     )
     cfg.validate()
     return cfg
+
+
+#: The KV cache spec classes (vllm/v1/kv_cache_interface.py) whose layers kvtier serves:
+#: full attention, MLA included. A sliding-window or chunked-local layer that vLLM runs as
+#: full attention (hybrid allocator off) is a FullAttentionSpec with ``sliding_window`` /
+#: ``attention_chunk_size`` set: every token's KV is kept, so it is served too.
+SERVED_KV_CACHE_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+
+#: Specs of the layers vLLM's hybrid allocator keeps apart (sliding window, chunked local
+#: attention, Mamba state).
+_HYBRID_SPECS = ("SlidingWindowSpec", "ChunkedLocalAttentionSpec", "MambaSpec")
+
+_HMA_HINT = (
+    "kvtier serves one group of full-attention layers: run vLLM with its hybrid KV cache manager off "
+    "(--disable-hybrid-kv-cache-manager; vLLM turns it off by itself for a connector without SupportsHMA "
+    "unless it was forced on), which runs sliding-window layers as full attention; models with Mamba or "
+    "other non-attention state cannot use kvtier"
+)
+
+
+def check_kv_cache_config(kv_cache_config: Any) -> None:
+    """Raises ValueError unless vLLM's ``KVCacheConfig`` is one group of layers kvtier serves
+    whole (:data:`SERVED_KV_CACHE_SPECS`, K and V of one head size). None (vLLM did not say:
+    runs without vLLM) passes."""
+    if kv_cache_config is None:
+        return
+    groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or [])
+    if len(groups) != 1:
+        raise ValueError(f"kvtier: vLLM's KV cache config has {len(groups)} KV cache groups: {_HMA_HINT}")
+    spec = groups[0].kv_cache_spec
+    specs = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs: one spec per layer
+    for one in specs.values() if isinstance(specs, dict) else [spec]:
+        name = type(one).__name__
+        if name not in SERVED_KV_CACHE_SPECS:
+            hybrid = any(k.__name__ in _HYBRID_SPECS for k in type(one).__mro__)
+            raise ValueError(
+                f"kvtier: a KV cache group of {name} layers: "
+                + (_HMA_HINT if hybrid else f"kvtier serves {' and '.join(SERVED_KV_CACHE_SPECS)} layers only")
+            )
+        head_size_v = getattr(one, "head_size_v", None)
+        if name == "FullAttentionSpec" and head_size_v not in (None, getattr(one, "head_size", None)):
+            raise ValueError(
+                f"kvtier: K and V of different head sizes (head_size {one.head_size}, head_size_v {head_size_v}): "
+                "kvtier's chunks hold one head size for both"
+            )
 
 
 def _first_group(block_ids: Any) -> List[int]:
@@ -197,13 +262,27 @@ def step_input_from(scheduler_output: Any) -> StepInput:
 
 class KVTierConnector(KVConnectorBase_V1):
     """vLLM's KV connector for kvtier: loads prefix KV from a kvtier-server and stores every
-    prompt chunk the engine computes (module docstring for the options)."""
+    prompt chunk the engine computes (module docstring for the options).
+
+    Not :class:`SupportsHMA` (vLLM's hybrid memory allocator): kvtier serves one group of
+    full-attention layers, so vLLM runs it with the hybrid allocator off (and refuses to start
+    when it is forced on); a ``kv_cache_config`` with anything else is refused here
+    (:func:`check_kv_cache_config`). ``kv_role``: ``kv_producer`` stores and never looks up,
+    ``kv_consumer`` looks up and loads and never stores, ``kv_both`` does both.
+    """
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        check_kv_cache_config(kv_cache_config)
         self._config = config_from_vllm(vllm_config, role)
         self._scheduler: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
+        self._stats = KVTierConnectorStats()
+        self._sampled: Dict[str, float] = {}  # connector counters at the last stats report
+        self._sampled_at: Optional[float] = None
+        # worker: chunk block sets of each retrieve not over yet, and whether each failed
+        self._loads: Dict[str, List[List[Any]]] = {}
+        self._recved: Set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self._config)
         else:
@@ -219,11 +298,26 @@ class KVTierConnector(KVConnectorBase_V1):
         assert self._worker is not None, "the scheduler's KVTierConnector has no worker side"
         return self._worker
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A best-effort cache: a store lost to a preemption is a future miss, never wrong KV
+        # (the fence drops it), so vLLM need not recompute the preempted request for it.
+        return False
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> Optional[str]:
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
         layout = str(extra.get("kv_layout", "auto")).upper()
         return layout if layout in ("NHD", "HND") else None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: Dict[str, Any]) -> bool:
+        # Layerwise loads wait in wait_for_layer_load, which a captured CUDA graph skips.
+        return str((extra_config or {}).get("load_mode", "async")) == "layerwise"
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[Dict[str, Any]] = None) -> KVTierConnectorStats:
+        return KVTierConnectorStats(data)
 
     # ------------------------------------------------------------------ scheduler side
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> Tuple[Optional[int], bool]:
@@ -237,10 +331,16 @@ class KVTierConnector(KVConnectorBase_V1):
         )
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:
+            self._stats.add("hit_requests", 1)
+            self._stats.add("hit_tokens", int(num_external_tokens))
         self.scheduler_side.after_alloc(request.request_id, _first_group(blocks), int(num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
-        return KVTierConnectorMetadata(self.scheduler_side.build_step(step_input_from(scheduler_output)))
+        plan = self.scheduler_side.build_step(step_input_from(scheduler_output))
+        self._stats.add("load_chunks_planned", sum(len(op.hashes) for op in plan.loads))
+        self._stats.add("store_chunks_planned", sum(len(op.hashes) for op in plan.stores))
+        return KVTierConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
         # A synchronous (layerwise) load's failed blocks: the request recomputes them, and its
@@ -250,7 +350,23 @@ class KVTierConnector(KVConnectorBase_V1):
             self.scheduler_side.on_load_errors(invalid)
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        # block_ids (the computed prefix, a partial tail included) are not what kvtier stores:
+        # it stored each full prompt chunk, keyed by its own hash of the tokens, at the
+        # wait_for_save of the step that computed it, so request.num_publishable_block_hashes
+        # (vLLM's fence on ITS block hashes, for EAGLE) has nothing to gate. Freeing is
+        # delayed until a worker reports the id (its stores and loads are over).
         return self.scheduler_side.request_finished(request.request_id), None
+
+    def reset_cache(self) -> Optional[bool]:
+        # vLLM's reset_prefix_cache(reset_connector=True): the kvtier-server's cache is shared
+        # by every engine that uses it, so one engine does not clear it. False tells vLLM (and
+        # its caller) that the connector's cache was NOT reset.
+        log.warning(
+            "kvtier: reset_cache: the kvtier-server's cache is shared by every engine connected to it and is "
+            "not cleared by one engine's prefix-cache reset; restart the server (or use a new cache_salt) to "
+            "drop what it holds"
+        )
+        return False
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: Dict[str, Any]) -> None:
@@ -264,7 +380,14 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker_side.handle_preemptions(kv_connector_metadata.plan)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self.worker_side.start_step(self._get_connector_metadata().plan)
+        plan = self._get_connector_metadata().plan
+        self.worker_side.start_step(plan)
+        bpc = self._config.chunk_tokens // self._config.block_size
+        for op in plan.loads:
+            if op.hashes:
+                self._stats.add("load_chunks", len(op.hashes))
+                chunks = [set(op.block_ids[i * bpc : (i + 1) * bpc]) for i in range(len(op.hashes))]
+                self._loads[op.request_id] = [[c, False] for c in chunks]
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Layerwise: until this layer of the step's retrieves landed; async: nothing (the
@@ -279,13 +402,60 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         if self.has_connector_metadata():
-            self.worker_side.end_step(self._get_connector_metadata().plan)
+            ws = self.worker_side
+            issued, dropped = ws.stores_issued, ws.stores_dropped
+            ws.end_step(self._get_connector_metadata().plan)
+            self._stats.add("store_requests", ws.stores_issued - issued)
+            self._stats.add("stores_dropped", ws.stores_dropped - dropped)
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        return self.worker_side.finished(finished_req_ids)
+        sending, recving = self.worker_side.finished(finished_req_ids)
+        self._recved |= recving or set()
+        return sending, recving
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
-        return self.worker_side.load_error_blocks()
+        errors = self.worker_side.load_error_blocks()
+        self._stats.add("load_error_blocks", len(errors))
+        # A retrieve is over once its id is reported finished receiving (asynchronous loads;
+        # its errors come no later than that step, here) or, layerwise, at the end of its step.
+        over = set(self._loads) if self._config.layerwise else self._recved & set(self._loads)
+        for rid, chunks in self._loads.items():
+            for c in chunks:
+                c[1] = c[1] or bool(c[0] & errors)
+        for rid in over:
+            self._stats.add("loaded_chunks", sum(1 for _, failed in self._loads.pop(rid) if not failed))
+        self._recved.clear()
+        return errors
+
+    # ------------------------------------------------------------------ both
+    def get_kv_connector_stats(self) -> Optional[KVTierConnectorStats]:
+        """What happened since the last call (:data:`STATS_KEYS`; None when nothing did).
+        vLLM calls it on every worker after each step and on the scheduler after each
+        update_from_output, folds them with ``aggregate`` and hands ``data`` to its loggers."""
+        if self._scheduler is not None:
+            conn = self._scheduler.connector
+            s = self._scheduler
+            counters = {"lookups": s.lookups_sent, "lookup_tokens": s.lookup_tokens, "lookup_hit_tokens": s.lookup_hit_tokens}
+        else:
+            conn = self.worker_side.connector
+            counters = {"fence_refusals": self.worker_side.fence_refusals}
+            if conn is not None:
+                self._stats.add("quarantined_blocks_max", len(conn.quarantined_blocks()))
+        now = time.monotonic()
+        if conn is not None:
+            c = conn.stats()
+            counters["reconnects"] = max(int(c["registrations"]) - 1, 0)
+            counters["late_replies"] = int(c["late_replies"])
+            if self._sampled_at is not None and not conn.healthy:
+                self._stats.add("degraded_s", now - self._sampled_at)
+        self._sampled_at = now
+        for key, value in counters.items():
+            self._stats.add(key, value - self._sampled.get(key, 0))
+            self._sampled[key] = value
+        if self._stats.is_empty():
+            return None
+        out, self._stats = self._stats, KVTierConnectorStats()
+        return out
 
     def shutdown(self) -> None:
         if self._scheduler is not None:

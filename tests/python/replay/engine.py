@@ -4,8 +4,10 @@ its worker-side KVTierConnector), connected by pipes that carry the pickled
 SchedulerOutput (the connector metadata in it) and the workers' outputs.
 
 Per step: schedule -> every worker executes -> the outputs are aggregated as vLLM's
-KVOutputAggregator does (an id is finished sending / receiving once every rank reported it;
-load-error blocks are the union) -> update_from_output. Checks on the way, collected in
+KVOutputAggregator does (an id is finished sending / receiving once every rank reported it,
+or ``get_finished_count()`` ranks when the connector names a count; load-error blocks are the
+union; the workers' stats folded with ``aggregate``, the first one the accumulator) ->
+update_from_output. Checks on the way, collected in
 ``violations``: a synthetic worker finding a KV row that is not its token's (a wrong load,
 a block overwritten), a quarantined block in the free block pool, a fence refused (the engine
 about to write a quarantined block), a report vLLM would reject.
@@ -18,6 +20,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -25,8 +28,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector
 
 from .scheduler import MiniScheduler
+from .vllm_configs import full_attention_config
 from .vllm_shapes import KVConnectorOutput, Request, SchedulerOutput, vllm_config
-from .worker import WorkerSpec, worker_main
+from .worker import WorkerSpec, _layer_names, worker_main
 
 _CONTEXT = None
 
@@ -72,9 +76,16 @@ class ReplayEngine:
         prefix_caching: bool = False,
         chunk_align: bool = True,
         extra: Optional[Dict[str, Any]] = None,
+        kv_role: str = "kv_both",
+        kv_load_failure_policy: str = "recompute",
+        engine_id: Optional[str] = None,
     ) -> None:
+        """``kv_load_failure_policy``: vLLM's default is "fail"; the replay runs "recompute"
+        unless a test asks for "fail". ``engine_id``: vLLM's kv_transfer_config.engine_id (a
+        fresh uuid when None), the same in the scheduler and every worker of this engine."""
         self.world_size = world_size
         self.kvtier = socket_path is not None
+        self.engine_id = engine_id or str(uuid.uuid4())
         extra = dict(extra or {})
         if self.kvtier:
             extra.setdefault("socket_path", str(socket_path))
@@ -101,6 +112,9 @@ class ReplayEngine:
                 kvtier=self.kvtier,
                 extra=dict(extra, rank=rank),
                 dist_init=os.path.join(self._dist_dir, "group") if self._dist_dir else None,
+                kv_role=kv_role,
+                kv_load_failure_policy=kv_load_failure_policy,
+                engine_id=self.engine_id,
             )
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, args=(child, spec), daemon=True)
@@ -121,8 +135,14 @@ class ReplayEngine:
                 block_size=block_size,
                 tp=world_size,
                 extra=extra,
+                kv_role=kv_role,
+                kv_load_failure_policy=kv_load_failure_policy,
+                engine_id=self.engine_id,
             )
-            self.connector = KVTierConnector(cfg, KVConnectorRole.SCHEDULER)
+            kv_cache_config = full_attention_config(
+                _layer_names(num_layers), num_blocks, block_size, kv_heads // world_size, head_dim
+            )
+            self.connector = KVTierConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config)
         self.sched = MiniScheduler(
             self.connector,
             num_blocks=num_blocks,
@@ -130,7 +150,11 @@ class ReplayEngine:
             token_budget=token_budget,
             prefix_caching=prefix_caching,
             chunk_align=chunk_tokens if chunk_align else None,
+            kv_load_failure_policy=kv_load_failure_policy,
         )
+        # KVOutputAggregator.from_connector: the connector's count, else every worker.
+        count = self.connector.get_finished_count() if self.connector is not None else None
+        self.expected_finished_count = count or world_size
         self.violations: List[str] = []
         self.discarded = 0  # request outputs vLLM discarded (rolled back after a failed synchronous load)
         self.logits: Dict[Tuple[str, int], Any] = {}
@@ -168,6 +192,9 @@ class ReplayEngine:
         outs = [self._recv(pipe)[1] for pipe in self._pipes]
         kv = KVConnectorOutput(finished_sending=set(), finished_recving=set(), invalid_block_ids=set())
         for out in outs:
+            stats = out.get("kv_connector_stats")
+            if stats is not None:
+                kv.kv_connector_stats = stats if kv.kv_connector_stats is None else kv.kv_connector_stats.aggregate(stats)
             if out.get("fence_refusals"):
                 self.violations.append(f"step {self.sched.step_count}: {out['fence_refusals']} fences refused")
             q = set(out.get("quarantined", ()))
@@ -178,7 +205,7 @@ class ReplayEngine:
             for which, key in (("sending", "finished_sending"), ("recving", "finished_recving")):
                 for rid in out.get(key) or ():
                     self._agg[which][rid] += 1
-                    if self._agg[which][rid] == self.world_size:
+                    if self._agg[which][rid] == self.expected_finished_count:
                         getattr(kv, key).add(rid)
                         del self._agg[which][rid]
         sampled = outs[0]["sampled"]
@@ -219,7 +246,7 @@ class ReplayEngine:
     ) -> int:
         """Steps until `until()` (default: every request finished and released). Returns the
         number of steps."""
-        done = until or (lambda: not self.sched.has_unfinished() and self.sched.holds() == 0)
+        done = until or (lambda: not self.sched.has_requests())
         deadline = time.monotonic() + timeout_s
         n = 0
         while not done():

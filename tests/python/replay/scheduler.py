@@ -1,19 +1,30 @@
-"""A small replica of vLLM's V1 scheduler (vllm/v1/core/sched/scheduler.py), as far as a KV
-connector can tell: the same calls, in the same order, with the same consequences.
+"""A small replica of vLLM's V1 scheduler (vllm/v1/core/sched/scheduler.py at the pinned commit,
+kvtier.integrations.vllm.VLLM_COMMIT), as far as a KV connector can tell: the same calls, in the
+same order, with the same arguments and consequences.
 
 * requests wait, run, are preempted (blocks freed, computed tokens reset) and finish;
 * a block pool with vLLM's prefix caching (full blocks by hash, freed blocks stay cached
   until reused, LRU);
 * chunked prefill with a token budget per step (and, optionally, steps cut at chunk
   boundaries);
-* the connector: ``get_num_new_matched_tokens`` for a request with no computed tokens (None:
-  skip it this step), ``update_state_after_alloc`` after allocation, asynchronous loads in
-  WAITING_FOR_REMOTE_KVS until the id comes back finished receiving, synchronous loads
-  (``(n, False)``: the request runs in the step that loads it), ``build_connector_meta`` once
-  per step, ``request_finished`` once per request (delayed freeing until finished sending),
-  invalid (load error) blocks truncating a waiting request's computed tokens, and a running
-  request's (a synchronous load): its output of the step is discarded and it recomputes from
-  the first failed block (vLLM's ``kv_load_failure_policy="recompute"``).
+* the connector: ``bind_gpu_block_pool`` at start, ``on_new_request`` when a request arrives,
+  ``get_num_new_matched_tokens`` for a request with no computed tokens, given the BLOCK-ALIGNED
+  local prefix-cache hit (None: skip it this step), the partial-tail rule (a local hit that
+  ends mid-block keeps its tail unless the connector offers more than the tail),
+  ``update_state_after_alloc`` for EVERY admitted waiting request (also with 0 external
+  tokens, and a second time once an asynchronous load completed), asynchronous loads in
+  WAITING_FOR_REMOTE_KVS (their computed tokens counted at admission) until the id comes back
+  finished receiving (a whole-prompt hit then computes its last token again), synchronous
+  loads (``(n, False)``: the request runs in the step that loads it), ``build_connector_meta``
+  once per step (empty steps too), preemption without any connector call,
+  ``request_finished`` exactly once per request with the blocks of its computed tokens (an
+  aborted waiting request: none; delayed freeing until finished sending),
+  ``update_connector_output`` before the finished ids are processed, the workers' stats
+  merged with ``get_kv_connector_stats()`` of the scheduler's connector, ``take_events``, and
+  load errors under both ``kv_load_failure_policy`` values: ``"recompute"`` truncates a
+  waiting request's computed tokens, and rolls a running one (a synchronous load) back to its
+  first failed block with its output of the step discarded; ``"fail"`` finishes every request
+  concerned with FINISHED_ERROR (and evicts the failed blocks from the prefix cache).
 
 It also checks what vLLM asserts: a finished_sending id must be a request it still holds, an id
 finished receiving must be waiting for it (or finished), and records each report so that tests
@@ -23,7 +34,7 @@ can check that every id is reported once.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple, Union
 
 from .vllm_shapes import (
     CachedRequestData,
@@ -81,6 +92,13 @@ class BlockPool:
             self.block_of[h] = block
             self.hash_of[block] = h
 
+    def evict(self, blocks: Iterable[int]) -> None:
+        """vLLM's evict_blocks: the blocks leave the prefix cache (their KV is not trusted)."""
+        for b in blocks:
+            h = self.hash_of.pop(b, None)
+            if h is not None and self.block_of.get(h) == b:
+                del self.block_of[h]
+
 
 class MiniScheduler:
     def __init__(
@@ -93,6 +111,7 @@ class MiniScheduler:
         max_running: int = 16,
         prefix_caching: bool = False,
         chunk_align: Optional[int] = None,
+        kv_load_failure_policy: str = "recompute",
     ) -> None:
         self.connector = connector
         self.bs = block_size
@@ -100,6 +119,11 @@ class MiniScheduler:
         self.token_budget = token_budget
         self.max_running = max_running
         self.chunk_align = chunk_align
+        assert kv_load_failure_policy in ("recompute", "fail"), kv_load_failure_policy
+        self.recompute_kv_load_failures = kv_load_failure_policy == "recompute"
+        # vLLM reads it once, at start (it decides whether a preempted request's in-flight
+        # output is dropped; this replay has no output in flight at a preemption).
+        self.requires_kv_delivery = bool(connector.requires_kv_delivery) if connector is not None else False
         self.requests: Dict[str, Request] = {}
         self.waiting: "deque[Request]" = deque()
         self.running: List[Request] = []
@@ -110,31 +134,49 @@ class MiniScheduler:
         self.failed_recving_ids: Set[str] = set()
         self.finished: Dict[str, Request] = {}  # every finished request, for the tests
         self.reports: Dict[str, List[str]] = {"sending": [], "recving": []}
+        # What vLLM hands its stats loggers each step (SchedulerStats.kv_connector_stats: the
+        # merged stats' `data` dict only) and the KV events it publishes.
+        self.kv_connector_stats: List[Dict[str, Any]] = []
+        self.events: List[Any] = []
+        self.request_finished_calls: Dict[str, List[List[int]]] = {}  # id -> block ids of each call
         self.step_count = 0
         self._forced_preemptions: List[Request] = []
+        if connector is not None:
+            connector.bind_gpu_block_pool(self.pool)
 
     # --- requests ---------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         assert req.request_id not in self.requests
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if self.connector is not None:
+            self.connector.on_new_request(req)
+
+    def finish_requests(self, request_ids: Union[str, Iterable[str]], status: RequestStatus) -> List[Request]:
+        """vLLM's finish_requests: from outside the scheduler (an abort) or for failed loads."""
+        ids = (request_ids,) if isinstance(request_ids, str) else list(request_ids)
+        done = []
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished():
+                continue
+            if req in self.running:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            delay = False
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                delay = rid not in self.finished_recving_ids
+                self.finished_recving_ids.discard(rid)
+                self.failed_recving_ids.discard(rid)
+            req.status = status
+            self._free_request(req, delay)
+            done.append(req)
+        return done
 
     def abort(self, request_id: str) -> None:
         """vLLM's finish_requests(..., FINISHED_ABORTED)."""
-        req = self.requests.get(request_id)
-        if req is None or req.is_finished():
-            return
-        delay = False
-        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            delay = request_id not in self.finished_recving_ids
-            self.finished_recving_ids.discard(request_id)
-            self.failed_recving_ids.discard(request_id)
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        req.status = RequestStatus.FINISHED_ABORTED
-        self._free_request(req, delay)
+        self.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     def preempt(self, request_id: str) -> None:
         """Preempt a running request now (the tests' way to force a preemption; vLLM does it
@@ -147,6 +189,15 @@ class MiniScheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_requests(self) -> bool:
+        """vLLM's has_requests: unfinished requests, finished ones whose blocks it still holds,
+        or the connector's push work keep the engine stepping."""
+        return (
+            self.has_unfinished()
+            or self.holds() > 0
+            or (self.connector is not None and self.connector.has_pending_push_work())
+        )
 
     def holds(self) -> int:
         """Requests whose blocks the scheduler still holds (finished ones waiting for their
@@ -213,7 +264,12 @@ class MiniScheduler:
     def _free_request(self, req: Request, delay: bool = False) -> None:
         assert req.is_finished()
         if self.connector is not None:
-            connector_delay, _ = self.connector.request_finished(req, list(self.tables.get(req.request_id, [])))
+            # vLLM: get_block_ids_for_computed_tokens (the blocks of the computed prefix, a
+            # partial tail included; none for a request that never got blocks).
+            table = self.tables.get(req.request_id, [])
+            block_ids = list(table[: -(-req.num_computed_tokens // self.bs)])
+            self.request_finished_calls.setdefault(req.request_id, []).append(block_ids)
+            connector_delay, _ = self.connector.request_finished(req, block_ids)
             delay = delay or connector_delay
         self.finished_req_ids.add(req.request_id)
         self.finished[req.request_id] = req
@@ -221,6 +277,8 @@ class MiniScheduler:
             self._free_blocks(req)
 
     def _preempt(self, req: Request) -> None:
+        # No connector call: vLLM frees the blocks at once; the workers learn of it from
+        # SchedulerOutput.preempted_req_ids (handle_preemptions).
         table = self.tables.pop(req.request_id, [])
         self.cached_blocks.pop(req.request_id, None)
         self.pool.release(table)
@@ -278,33 +336,51 @@ class MiniScheduler:
                     if not self._update_waiting_for_remote_kv(req):
                         skipped.append(self.waiting.popleft())
                         continue
-                    req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
-                ext, load_async = 0, False
+                num_external, load_async = 0, False
                 local_blocks: List[int] = []
                 if req.num_computed_tokens == 0:
                     local_blocks, local = self._computed_blocks(req)
                     if self.connector is not None:
-                        ext, load_async = self.connector.get_num_new_matched_tokens(req, local)
+                        # vLLM hands the connector the block-aligned local hit; a local hit that
+                        # ends mid-block keeps its tail unless the connector offers more.
+                        partial_tail = local % self.bs
+                        aligned = local - partial_tail
+                        ext, load_async = self.connector.get_num_new_matched_tokens(req, aligned)
                         if ext is None:
                             skipped.append(self.waiting.popleft())
                             continue
-                        req.num_external_computed_tokens = ext
-                    computed = local + ext
+                        if partial_tail and ext > partial_tail:
+                            local_blocks, local = local_blocks[: aligned // self.bs], aligned
+                            num_external = ext
+                        elif partial_tail:
+                            num_external, load_async = 0, False
+                        else:
+                            num_external = ext
+                        req.num_external_computed_tokens = num_external
+                    computed = local + num_external
+                    assert computed <= req.num_tokens, (req.request_id, computed, req.num_tokens)
                 else:
-                    computed = req.num_computed_tokens
-                n = 0 if load_async else self._num_new(req, computed, budget)
-                if not load_async and n == 0:
-                    break
+                    computed = req.num_computed_tokens  # an asynchronous load completed
+                if load_async:
+                    assert num_external > 0
+                    n = 0
+                else:
+                    n = self._num_new(req, computed, budget)
+                    if n == 0:
+                        break
                 new = self._allocate(req, computed + n, local_blocks)
                 if new is None:
                     break
                 if not load_async:
                     self._cache_blocks(req, computed + n)
                 if self.connector is not None:
-                    self.connector.update_state_after_alloc(req, KVCacheBlocks(self.tables[req.request_id]), ext)
+                    # Every admitted waiting request, also with 0 external tokens; the blocks
+                    # are all of its blocks (vLLM's kv_cache_manager.get_blocks).
+                    self.connector.update_state_after_alloc(req, KVCacheBlocks(self.tables[req.request_id]), num_external)
                 self.waiting.popleft()
                 if load_async:
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    req.num_computed_tokens = computed  # counted now, loaded later
                     skipped.append(req)
                     continue
                 self.running.append(req)
@@ -354,16 +430,19 @@ class MiniScheduler:
         )
         self.finished_req_ids = set()
         if self.connector is not None:
+            # Every step, empty ones too, before the scheduled tokens are counted as computed.
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         for rid, n in num_scheduled.items():
             self.requests[rid].num_computed_tokens += n
         return out
 
     def _update_waiting_for_remote_kv(self, req: Request) -> bool:
+        """vLLM's _try_promote_blocked_waiting_request + _update_waiting_for_remote_kv."""
         rid = req.request_id
         if rid not in self.finished_recving_ids:
             return False
         if rid in self.failed_recving_ids:
+            # num_computed_tokens was truncated at the first failed block.
             if req.num_computed_tokens:
                 self._cache_blocks(req, req.num_computed_tokens)
             else:
@@ -371,44 +450,31 @@ class MiniScheduler:
                 self.cached_blocks.pop(rid, None)
             self.failed_recving_ids.discard(rid)
         else:
-            table = self.tables[rid]
-            n = min(len(table) * self.bs, req.num_tokens)
-            if n == req.num_tokens:
-                n -= 1
-            self._cache_blocks(req, n)
-            req.num_computed_tokens = n
+            self._cache_blocks(req, req.num_computed_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                req.num_computed_tokens = req.num_tokens - 1  # recompute the last token to sample
         self.finished_recving_ids.discard(rid)
+        req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
         return True
 
-    def _handle_invalid_blocks(self, invalid: Set[int], num_scheduled: Dict[str, int]) -> Set[str]:
-        """vLLM's _handle_invalid_blocks under the recompute policy. Returns the running
-        requests (synchronous loads) whose output of this step is discarded."""
-        for req in self.waiting:
-            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                continue
-            rid = req.request_id
-            table = self.tables.get(rid, [])
-            computed = req.num_computed_tokens if rid in self.failed_recving_ids else len(table) * self.bs
-            for idx, b in enumerate(table[: -(-computed // self.bs)]):
-                if b in invalid:
-                    req.num_computed_tokens = idx * self.bs
-                    req.num_external_computed_tokens -= computed - req.num_computed_tokens
-                    self.failed_recving_ids.add(rid)
-                    break
-        # Synchronous loads: the running requests, over the tokens computed before this step.
-        # A block shared with a request before it (vLLM's prefix cache) is recomputed by that
-        # one; this one only goes back to what it had before the step.
-        failed: Set[str] = set()
+    def _update_requests_with_invalid_blocks(
+        self, requests: Iterable[Request], invalid: Set[int], num_scheduled: Dict[str, int], evict_blocks: bool
+    ) -> Tuple[Set[str], Set[int]]:
+        """vLLM's: each request using an invalid block among its computed ones (before this
+        step) goes back to its first failed block; a block shared with a request before it is
+        recomputed by that one, and this one only goes back to what it had before the step."""
+        affected: Set[str] = set()
+        to_evict: Set[int] = set()
         marked: Set[int] = set()
-        for req in self.running:
+        for req in requests:
             rid = req.request_id
             table = self.tables.get(rid, [])
             before = req.num_computed_tokens - num_scheduled.get(rid, 0)
-            affected = marked_here = False
-            for idx, b in enumerate(table[: -(-before // self.bs)]):
+            is_affected = marked_here = False
+            for idx, b in zip(range(-(-before // self.bs)), table):
                 if b not in invalid:
                     continue
-                affected = True
+                is_affected = True
                 if b in marked:
                     continue
                 marked.add(b)
@@ -416,24 +482,43 @@ class MiniScheduler:
                     continue
                 marked_here = True
                 req.num_computed_tokens = idx * self.bs
-                req.num_external_computed_tokens -= before - req.num_computed_tokens
-            if affected:
+                if evict_blocks:
+                    to_evict.update(table[idx:])
+            if is_affected:
                 if not marked_here:
                     req.num_computed_tokens = before
-                failed.add(rid)
-        return failed
+                affected.add(rid)
+        return affected, to_evict
+
+    def _handle_invalid_blocks(self, invalid: Set[int], num_scheduled: Dict[str, int]) -> Set[str]:
+        """vLLM's _handle_invalid_blocks. Returns the requests whose output of the step is not
+        used: under "recompute" the running ones rolled back (synchronous loads; the waiting
+        ones retry once their load is reported over), under "fail" every request concerned
+        (finished with FINISHED_ERROR by the caller)."""
+        async_reqs = [r for r in self.waiting if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS]
+        async_failed, _ = self._update_requests_with_invalid_blocks(async_reqs, invalid, num_scheduled, False)
+        sync_failed, to_evict = self._update_requests_with_invalid_blocks(self.running, invalid, num_scheduled, True)
+        if not async_failed and not sync_failed:
+            return set()
+        if to_evict and not self.recompute_kv_load_failures:
+            self.pool.evict(to_evict)
+        if not self.recompute_kv_load_failures:
+            return async_failed | sync_failed
+        self.failed_recving_ids |= async_failed
+        return sync_failed
 
     def update_from_output(
         self, out: SchedulerOutput, sampled: Dict[str, int], kv: Optional[KVConnectorOutput]
     ) -> Set[str]:
-        """vLLM's update_from_output: new tokens, stops, then the connector's reports. Returns
-        the requests whose output of the step was discarded (failed synchronous loads)."""
-        discarded: Set[str] = set()
+        """vLLM's update_from_output: load errors, new tokens and stops, requests failed by
+        their load (policy "fail"), the connector's reports, then the stats and events.
+        Returns the requests whose output of the step was not used."""
+        failed: Set[str] = set()
         if kv is not None and kv.invalid_block_ids:
-            discarded = self._handle_invalid_blocks(set(kv.invalid_block_ids), out.num_scheduled_tokens)
+            failed = self._handle_invalid_blocks(set(kv.invalid_block_ids), out.num_scheduled_tokens)
         for rid in out.num_scheduled_tokens:
-            if rid in discarded:
-                continue  # vLLM skips the requests it rolled back
+            if rid in failed:
+                continue  # vLLM skips the requests whose load failed
             req = self.requests.get(rid)
             if req is None or req.is_finished() or req.status != RequestStatus.RUNNING:
                 continue
@@ -443,8 +528,21 @@ class MiniScheduler:
                     self.running.remove(req)
                     req.status = RequestStatus.FINISHED_LENGTH_CAPPED
                     self._free_request(req)
-        if kv is None:
-            return discarded
+        if failed and not self.recompute_kv_load_failures:
+            self.finish_requests(failed, RequestStatus.FINISHED_ERROR)
+        if kv is not None:
+            self._update_from_kv_xfer_finished(kv)
+        stats = kv.kv_connector_stats if kv is not None else None
+        if self.connector is not None:
+            sched_stats = self.connector.get_kv_connector_stats()
+            if sched_stats is not None and not sched_stats.is_empty():
+                stats = stats.aggregate(sched_stats) if stats is not None else sched_stats
+            self.events.extend(self.connector.take_events() or ())
+        if stats is not None:
+            self.kv_connector_stats.append(stats.data)  # make_stats: only the dict travels on
+        return failed
+
+    def _update_from_kv_xfer_finished(self, kv: KVConnectorOutput) -> None:
         if self.connector is not None:
             self.connector.update_connector_output(kv)
         for rid in sorted(kv.finished_recving or ()):
@@ -461,4 +559,3 @@ class MiniScheduler:
             assert rid in self.requests, f"{rid} reported finished sending but vLLM no longer holds it"
             assert self.requests[rid].is_finished(), f"{rid} finished sending while not finished"
             self._free_blocks(self.requests[rid])
-        return discarded

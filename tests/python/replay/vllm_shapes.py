@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
+from .vllm_configs import KVTransferConfig
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -24,6 +26,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
@@ -98,6 +101,7 @@ class Request:
         self.num_external_computed_tokens = 0
         self.num_cached_tokens = -1
         self.num_preemptions = 0
+        self.num_publishable_block_hashes = 0  # advances only under EAGLE prefix hashing (never here)
         self.arrival_time = 0.0
         self.first_token_time: Optional[float] = None
 
@@ -187,7 +191,11 @@ class SchedulerOutput:
 class KVConnectorOutput:
     finished_sending: Optional[Set[str]] = None
     finished_recving: Optional[Set[str]] = None
+    kv_connector_stats: Any = None
+    kv_cache_events: Any = None
+    kv_connector_worker_meta: Any = None
     invalid_block_ids: Set[int] = field(default_factory=set)
+    expected_finished_count: int = 0
 
 
 class _ModelConfig:
@@ -219,6 +227,9 @@ def vllm_config(
     dtype: str = "float32",
     extra: Optional[Dict[str, Any]] = None,
     device: str = "cpu",
+    kv_role: str = "kv_both",
+    kv_load_failure_policy: str = "fail",
+    engine_id: Optional[str] = None,
 ) -> SimpleNamespace:
     """A VllmConfig with the attributes KVTierConnector reads (vllm/config)."""
     return SimpleNamespace(
@@ -226,10 +237,12 @@ def vllm_config(
         cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto", enable_prefix_caching=True),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1, rank=rank),
         device_config=SimpleNamespace(device_type=device),
-        kv_transfer_config=SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(
             kv_connector="KVTierConnector",
-            kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both",
+            engine_id=engine_id,
+            kv_role=kv_role,
             kv_connector_extra_config=dict(extra or {}),
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_load_failure_policy=kv_load_failure_policy,
         ),
     )

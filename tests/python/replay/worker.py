@@ -4,8 +4,12 @@ its KV connector (vllm/v1/worker/kv_connector_model_runner_mixin.py), per step:
     bind_connector_metadata(meta); handle_preemptions(meta); start_load_kv(ctx)
     forward: per layer wait_for_layer_load(name), then that layer for every scheduled
              request ... save_kv_layer(name, kv, attn_md)
-    wait_for_save(); get_finished(finished_req_ids); get_block_ids_with_load_errors()
-    clear_connector_metadata()
+    wait_for_save(); get_finished(finished_req_ids); get_block_ids_with_load_errors();
+    get_kv_connector_stats(); get_kv_connector_kv_cache_events();
+    build_connector_worker_meta(); clear_connector_metadata()
+
+A step with no scheduled token takes vLLM's ``kv_connector_no_forward`` path: the same calls
+without the forward pass and without ``wait_for_save``.
 
 The model is the synthetic KV pattern or the TinyDecoder (replay/model.py); the KV cache
 tensors are made the way vLLM makes them (zeros, per layer) and handed to
@@ -36,6 +40,9 @@ class WorkerSpec:
     extra: Dict[str, Any] = field(default_factory=dict)  # kv_connector_extra_config
     model_seed: int = 1234
     dist_init: Optional[str] = None  # the model at world_size > 1: the gloo group's rendezvous file
+    kv_role: str = "kv_both"
+    kv_load_failure_policy: str = "recompute"
+    engine_id: Optional[str] = None
 
 
 def _layer_names(n: int) -> List[str]:
@@ -47,6 +54,7 @@ class Worker:
         from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector
 
         from .model import PagedKV, RequestInputs, SyntheticRunner, TinyDecoder, make_kv_caches
+        from .vllm_configs import full_attention_config
         from .vllm_shapes import vllm_config
 
         torch.set_num_threads(1)
@@ -64,8 +72,14 @@ class Worker:
                 tp=spec.world_size,
                 rank=spec.rank,
                 extra=spec.extra,
+                kv_role=spec.kv_role,
+                kv_load_failure_policy=spec.kv_load_failure_policy,
+                engine_id=spec.engine_id,
             )
-            self.connector = KVTierConnector(cfg, KVConnectorRole.WORKER)
+            kv_cache_config = full_attention_config(
+                list(self.kv_caches), spec.num_blocks, spec.block_size, heads, spec.head_dim
+            )
+            self.connector = KVTierConnector(cfg, KVConnectorRole.WORKER, kv_cache_config)
             self.connector.register_kv_caches(self.kv_caches)
         self.pages = [PagedKV(t, spec.layout, spec.block_size) for t in self.kv_caches.values()]
         if spec.runner == "model":
@@ -134,6 +148,7 @@ class Worker:
             (so.token_ids[rid], computed[rid], computed[rid] + n, self.tables[rid], self.inputs.get(rid))
             for rid, n in so.num_scheduled_tokens.items()
         ]
+        forward = so.total_num_scheduled_tokens > 0  # else vLLM's kv_connector_no_forward
         before_layer = (lambda layer: c.wait_for_layer_load(names[layer])) if c is not None else None
         results = self.model.forward_batch(batch, self.pages, before_layer) if batch else []
         for (rid, _), (tokens, _, end, _, _), result in zip(so.num_scheduled_tokens.items(), batch, results):
@@ -148,13 +163,17 @@ class Worker:
                 if end == len(tokens):
                     out["sampled"][rid] = token
         if c is not None:
-            for name, t in self.kv_caches.items():
-                c.save_kv_layer(name, t, None)
-            c.wait_for_save()
+            if forward:
+                for name, t in self.kv_caches.items():
+                    c.save_kv_layer(name, t, None)
+                c.wait_for_save()
             sending, recving = c.get_finished(set(so.finished_req_ids))
             out["finished_sending"] = sending
             out["finished_recving"] = recving
             out["invalid_block_ids"] = c.get_block_ids_with_load_errors()
+            out["kv_connector_stats"] = c.get_kv_connector_stats()
+            out["kv_cache_events"] = c.get_kv_connector_kv_cache_events()
+            out["kv_connector_worker_meta"] = c.build_connector_worker_meta()
             c.clear_connector_metadata()
             ws = c.worker_side
             out["quarantined"] = sorted(ws.connector.quarantined_blocks())
