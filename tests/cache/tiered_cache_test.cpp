@@ -217,6 +217,42 @@ TEST_CASE("L1 out of memory trims the prefetch to the longest prefix that fits, 
   for (std::size_t i = 0; i < 2; ++i) CHECK(f.serves_right_bytes(k[i]));
 }
 
+TEST_CASE("a document longer than L1 gets the front that fits every round, even when L1 holds its back half",
+          "[cache][prefix]") {
+  // 48 chunks on L2, a 24-slot L1 holding chunks 24..47 unlocked (what the engine stored last
+  // round). Reserving 0..23 needs the slots 24..47 sit in: they lie past what fits, so they
+  // give way, and each round is served the 24 chunks that fit (not 0, nor 0 and 24 in turn).
+  fixture f(24);
+  const auto doc = keys(600, 48);
+  f.put_l2(doc);
+  f.put_l1(std::span(doc).subspan(24));
+  for (int round = 0; round < 4; ++round) {
+    INFO("round " << round);
+    const auto st = f.lookup(doc);
+    CHECK(st.chunks == 24);
+    CHECK(st.l1_chunks == 0);
+    for (std::size_t i = 0; i < st.chunks; ++i) CHECK(f.serves_right_bytes(doc[i]));
+    f.cache->release_all(f.last_id);
+    // The engine computes the rest and stores it (L1 takes what fits, L2 has it already).
+    const auto computed = std::span(doc).subspan(st.chunks);
+    std::vector<l1::status> ws(computed.size());
+    std::vector<std::span<std::byte>> buf(computed.size());
+    f.cache->reserve_write(computed, object_bytes, ws, buf);
+    for (std::size_t i = 0; i < computed.size(); ++i)
+      if (ws[i] == l1::status::success) {
+        const auto p = payload(computed[i]);
+        std::memcpy(buf[i].data(), p.data(), p.size());
+      }
+    f.cache->finish_write(computed, {}, ws);
+    f.settle();
+  }
+  CHECK(f.metric("kvtier_lookup_hit_chunks_total", {{"tier", "l2"}}) == 4 * 24);
+  CHECK(f.metric("kvtier_l1_allocation_failures_total", {{"purpose", "prefetch"}}) == 0);
+  CHECK(f.metric("kvtier_l2_prefetch_failure_keys_total", {{"reason", "l1_out_of_memory"}}) == 0);
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 4 * 24);
+  CHECK(f.metric("kvtier_l2_prefetch_trimmed_keys_total") == 4 * 24);  // the back half, given way each round
+}
+
 TEST_CASE("a failed load counts only submitted keys; loaded keys after the hole are released", "[cache]") {
   fixture f;
   const auto k = keys(30, 3);
