@@ -107,12 +107,14 @@ struct fixture {
     run_sync(io, [&]() -> asio::awaitable<void> { co_await cache->wait_idle(); }());
   }
 
-  cache::lookup_status lookup(std::span<const chunk_key> keys, std::size_t group = 1) {
+  /// `rate`: the engine's declared prefill rate (tokens/s; 0: the load-or-recompute gate is off).
+  cache::lookup_status lookup(std::span<const chunk_key> keys, std::size_t group = 1, std::uint64_t rate = 0) {
     cache::lookup_request r;
     r.keys = keys;
     r.group = group;
     r.object_bytes = object_bytes;
     r.chunk_tokens = 256;
+    r.prefill_tokens_per_second = rate;
     const auto id = cache->start_lookup(r);
     last_id = id;
     auto [ec, st] = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, cache::lookup_status>> {
@@ -215,6 +217,116 @@ TEST_CASE("L1 out of memory trims the prefetch to the longest prefix that fits, 
   CHECK(f.metric("kvtier_l1_allocation_failures_total", {{"purpose", "prefetch"}}) == 1);
   CHECK(f.metric("kvtier_l1_allocation_failed_keys_total", {{"purpose", "prefetch"}}) == 2);
   for (std::size_t i = 0; i < 2; ++i) CHECK(f.serves_right_bytes(k[i]));
+}
+
+TEST_CASE("a document longer than L1 gets the front that fits every round, even when L1 holds its back half",
+          "[cache][prefix]") {
+  // 48 chunks on L2, a 24-slot L1 holding chunks 24..47 unlocked (what the engine stored last
+  // round). Reserving 0..23 needs the slots 24..47 sit in: they lie past what fits, so they
+  // give way, and each round is served the 24 chunks that fit (not 0, nor 0 and 24 in turn).
+  fixture f(24);
+  const auto doc = keys(600, 48);
+  f.put_l2(doc);
+  f.put_l1(std::span(doc).subspan(24));
+  for (int round = 0; round < 4; ++round) {
+    INFO("round " << round);
+    const auto st = f.lookup(doc);
+    CHECK(st.chunks == 24);
+    CHECK(st.l1_chunks == 0);
+    for (std::size_t i = 0; i < st.chunks; ++i) CHECK(f.serves_right_bytes(doc[i]));
+    f.cache->release_all(f.last_id);
+    // The engine computes the rest and stores it (L1 takes what fits, L2 has it already).
+    const auto computed = std::span(doc).subspan(st.chunks);
+    std::vector<l1::status> ws(computed.size());
+    std::vector<std::span<std::byte>> buf(computed.size());
+    f.cache->reserve_write(computed, object_bytes, ws, buf);
+    for (std::size_t i = 0; i < computed.size(); ++i)
+      if (ws[i] == l1::status::success) {
+        const auto p = payload(computed[i]);
+        std::memcpy(buf[i].data(), p.data(), p.size());
+      }
+    f.cache->finish_write(computed, {}, ws);
+    f.settle();
+  }
+  CHECK(f.metric("kvtier_lookup_hit_chunks_total", {{"tier", "l2"}}) == 4 * 24);
+  CHECK(f.metric("kvtier_l1_allocation_failures_total", {{"purpose", "prefetch"}}) == 0);
+  CHECK(f.metric("kvtier_l2_prefetch_failure_keys_total", {{"reason", "l1_out_of_memory"}}) == 0);
+  CHECK(f.metric("kvtier_l2_prefetch_load_keys_total") == 4 * 24);
+  CHECK(f.metric("kvtier_l2_prefetch_trimmed_keys_total") == 4 * 24);  // the back half, given way each round
+}
+
+TEST_CASE("the load-or-recompute gate recovers after one slow sample: its probes measure the backend again",
+          "[cache][gate]") {
+  // At 3,200 tokens/s a 256-token chunk computes in 80 ms. The backend's first load is slow
+  // (2 objects of 8 KiB in >= 0.5 s: >= 250 ms a chunk), then it is fast again (memory).
+  constexpr std::uint64_t rate = 3'200;
+  fixture f;
+  const auto k = keys(700, 2);
+  f.put_l2(k);
+  f.faulty->inject({.op = l2::fault_op::load, .kind = l2::fault_kind::delay, .delay = std::chrono::milliseconds(500),
+                    .times = 1});
+  CHECK(f.lookup(k, 1, rate).chunks == 2);  // no estimate yet: offered, and measured
+  f.cache->release_all(f.last_id);
+  CHECK(f.cache->status().backends[0].read_bytes_per_second < 40'000);
+  // Every L2 chunk now looks slower than recompute. The gate declines, but one declining
+  // lookup in probe_every still loads a chunk, and the samples bring the estimate back.
+  const std::size_t probe_every = f.cache->options().prefetch.probe_every;
+  REQUIRE(probe_every > 1);
+  std::size_t declined = 0;
+  std::size_t probed = 0;
+  bool resumed = false;
+  for (std::size_t i = 0; i < 20 * probe_every && !resumed; ++i) {
+    const auto st = f.lookup(k, 1, rate);
+    f.cache->release_all(f.last_id);
+    resumed = st.chunks == 2;
+    if (resumed) break;
+    ++declined;
+    CHECK(st.chunks <= 1);  // declined, or a probe of one chunk
+    probed += st.chunks;
+  }
+  CHECK(resumed);
+  CHECK(probed >= 1);
+  CHECK(declined >= probe_every - 1);  // the first declining lookups do not probe
+  CHECK(probed <= declined / probe_every + 1);  // a bounded share
+  CHECK(f.metric("kvtier_lookup_l2_probe_tokens_total") == static_cast<double>(probed * 256));
+  CHECK(f.metric("kvtier_lookup_l2_declined_tokens_total", {{"reason", "slower_than_recompute"}}) ==
+        static_cast<double>((2 * declined - probed) * 256));
+  CHECK(f.lookup(k, 1, rate).chunks == 2);  // and it stays open
+  f.cache->release_all(f.last_id);
+}
+
+TEST_CASE("a backend that stalls lowers the estimate: the gate stops offering it", "[cache][gate]") {
+  fixture f;
+  const auto k = keys(720, 4);
+  f.put_l2(k);
+  // Measured fast (no rate declared: the gate is off, the loads are measured all the same).
+  for (int i = 0; i < 2; ++i) {
+    REQUIRE(f.lookup(k).chunks == 4);
+    f.cache->release_all(f.last_id);
+  }
+  const double fast = f.cache->status().backends[0].read_bytes_per_second;
+  REQUIRE(fast > 0);
+  // The disk stalls: the next load lands nothing and gives up after 0.5 s.
+  f.faulty->inject({.op = l2::fault_op::load,
+                    .kind = l2::fault_kind::fail,
+                    .outcome = l2::key_outcome::timeout,
+                    .error = make_error_code(errc::timeout),
+                    .times = 1});
+  f.faulty->inject({.op = l2::fault_op::load, .kind = l2::fault_kind::delay, .delay = std::chrono::milliseconds(500),
+                    .times = 1});
+  CHECK(f.lookup(k).chunks == 0);
+  f.cache->release_all(f.last_id);
+  CHECK(f.cache->status().backends[0].read_bytes_per_second < fast / 10);
+  // At 32,000 tokens/s a chunk computes in 8 ms; the backend's last half second delivered
+  // nothing, so it now loses: nothing is offered, every token is declined.
+  const std::size_t probe_every = f.cache->options().prefetch.probe_every;
+  REQUIRE(probe_every > 3);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(f.lookup(k, 1, 32'000).chunks == 0);
+    f.cache->release_all(f.last_id);
+  }
+  CHECK(f.metric("kvtier_lookup_l2_declined_tokens_total", {{"reason", "slower_than_recompute"}}) == 3 * 4 * 256);
+  CHECK(f.metric("kvtier_lookup_l2_probe_tokens_total") == 0);
 }
 
 TEST_CASE("a failed load counts only submitted keys; loaded keys after the hole are released", "[cache]") {

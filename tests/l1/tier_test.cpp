@@ -778,12 +778,75 @@ TEST_CASE("reserve_prefix takes the longest prefix that fits and gives back, unc
 TEST_CASE("reserve_prefix cut by room releases the reads it took past the cut", "[l1][tier][prefix]") {
   fixture f(3, 1.0, 0.5);
   make_ready(f, keys({2, 4}));  // one slot left
+  REQUIRE(f.read(keys({4})) == all(1, status::success));  // another reader: 4 cannot be evicted
+  const std::uint64_t reads_before = f.counts->read_reserved;
   const auto c = prefix(f, keys({1, 2, 3, 4}), {true, false, true, false});
   CHECK(c.r.length == 2);  // 1 write, 2 read; 3 has no slot
+  CHECK(c.r.end == prefix_end::no_room);
   CHECK(c.takes[3] == prefix_take::none);
-  CHECK(f.l1->state(key(4)) == object_state::ready);  // the walk's hold on 4 went back
-  CHECK(f.counts->read_reserved == 1);
+  CHECK(f.l1->info(key(4))->expiring_readers == 1);  // the walk's hold on 4 went back, the other stays
+  CHECK(f.l1->info(key(4))->pinned_readers == 0);
+  CHECK(f.counts->read_reserved - reads_before == 1);
   CHECK(f.counts->read_finished == 0);
+}
+
+TEST_CASE("reserve_prefix evicts its own unlocked reads past the longest prefix whose new keys fit",
+          "[l1][tier][prefix]") {
+  // The long document: 48 chunks on L2, a 24-slot L1 full of its back half (24..47), unlocked.
+  // Holding 24..47 leaves no room for 0..23; giving them up makes room for 0..23: the prefix
+  // is the front half, every round, instead of nothing.
+  fixture f(24, 0.8, 0.7);
+  std::vector<chunk_key> doc;
+  for (std::uint64_t i = 0; i < 48; ++i) doc.push_back(key(1000 + i));
+  const std::vector<chunk_key> front(doc.begin(), doc.begin() + 24);
+  const std::vector<chunk_key> back(doc.begin() + 24, doc.end());
+  for (int round = 0; round < 3; ++round) {
+    INFO("round " << round);
+    make_ready(f, back);  // what the engine recomputed and stored last round
+    const std::uint64_t evicted_before = f.counts->removed_as(bus::removal_reason::evicted);
+    const std::uint64_t failed_before = f.counts->allocation_failures;
+    prefix_options o;
+    o.temporary = true;  // a prefetch somebody waits for
+    const auto c = prefix(f, doc, std::vector<bool>(48, true), {}, o);
+    CHECK(c.r.length == 24);
+    CHECK(c.r.writes == 24);
+    CHECK(c.r.reads == 0);
+    CHECK(c.r.short_of_room == 0);  // no key of the prefix lacked a slot
+    CHECK(c.r.end == prefix_end::no_room);
+    CHECK(f.counts->allocation_failures == failed_before);
+    CHECK(f.counts->removed_as(bus::removal_reason::evicted) - evicted_before == 24);
+    for (std::size_t i = 0; i < 48; ++i) {
+      INFO("key " << i);
+      CHECK(c.takes[i] == (i < 24 ? prefix_take::write : prefix_take::none));
+      CHECK(f.l1->state(doc[i]) == (i < 24 ? object_state::write_locked : object_state::absent));
+    }
+    // The loads land and the reader is done with them: temporary, they go.
+    std::vector<status> out(24);
+    const std::vector<std::uint32_t> holds(24, 1);
+    REQUIRE(f.l1->finish_write_and_reserve_read(front, holds, lock_lifetime::pinned, out) == 24);
+    REQUIRE(f.unread(front, 0, lock_lifetime::pinned) == all(24, status::success));
+    CHECK(f.l1->usage().slots_used == 0);
+  }
+}
+
+TEST_CASE("reserve_prefix keeps the reads inside the prefix it returns and never evicts another holder's",
+          "[l1][tier][prefix]") {
+  fixture f(4, 1.0, 0.5);
+  make_ready(f, keys({2, 4, 5, 6}));  // full
+  REQUIRE(f.read(keys({5})) == all(1, status::success));  // held by someone else
+  // 1 write, 2 read, 3 write, 4 read, 5 read, 6 read. Giving up 4 and 6 (5 is held elsewhere)
+  // makes room for 1 and 3: the prefix is 1, 2, 3.
+  const auto c = prefix(f, keys({1, 2, 3, 4, 5, 6}), {true, false, true, false, false, false});
+  CHECK(c.r.length == 3);
+  CHECK(c.r.end == prefix_end::no_room);
+  CHECK(c.r.writes == 2);
+  CHECK(c.r.reads == 1);
+  CHECK(f.l1->state(key(2)) == object_state::read_locked);  // inside the prefix: held, not evicted
+  CHECK(f.l1->info(key(2))->pinned_readers == 1);
+  CHECK(f.l1->state(key(4)) == object_state::absent);
+  CHECK(f.l1->state(key(6)) == object_state::absent);
+  CHECK(f.l1->info(key(5))->expiring_readers == 1);  // the other holder's object stays
+  CHECK(f.l1->info(key(5))->pinned_readers == 0);
 }
 
 TEST_CASE("reserve_prefix misused with a loadable key and no object size throws and holds nothing",

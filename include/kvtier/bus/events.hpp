@@ -374,12 +374,16 @@ struct connector_peer_refused {
 
 /// A lookup's prefetch offered a shorter prefix than L1 and L2 could serve (load or recompute,
 /// pipeline/load_or_recompute.hpp): the declined chunks' tokens are the engine's to compute.
+/// A probe (one declining request in prefetch_options::probe_every) still loads the first
+/// declined chunks, so the backend's estimate keeps learning: they are offered, not declined.
 struct l2_prefetch_declined {
   static constexpr event_type type = event_type::l2_prefetch_declined;
   std::uint64_t request_id = 0;
   decline_reason reason = decline_reason::slower_than_recompute;
-  std::uint32_t key_count = 0;  ///< keys not offered
-  std::uint64_t tokens = 0;     ///< their chunks' tokens
+  std::uint32_t key_count = 0;        ///< keys not offered
+  std::uint64_t tokens = 0;           ///< their chunks' tokens
+  std::uint32_t probe_key_count = 0;  ///< keys the gate judged slower but loads as a probe
+  std::uint64_t probe_tokens = 0;     ///< their chunks' tokens
 };
 
 /// The cache took an L2 backend (published once per backend by tiered_cache's constructor,

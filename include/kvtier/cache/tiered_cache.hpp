@@ -135,8 +135,9 @@ struct backend_status {
   std::string name;
   l2::usage_info usage;
   l2::health_info health;
-  /// Achieved L2 load bandwidth (moving mean over its load tasks; 0 before the first): what
-  /// the load-or-recompute gate compares with the engine's prefill rate.
+  /// Achieved L2 load bandwidth (bytes landed per second of loading over its recent load
+  /// tasks, pipeline/load_or_recompute.hpp; 0 before the first): what the load-or-recompute
+  /// gate compares with the engine's prefill rate.
   double read_bytes_per_second = 0;
 };
 

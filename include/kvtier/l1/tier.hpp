@@ -254,10 +254,14 @@ class tier {
   ///     (o.write_lock), temporary per o -> prefix_take::write, its memory in buffers[i];
   ///   - anything else ends the prefix (prefix_result::end says why).
   /// New objects are allocated for as many of the prefix's loadable keys as fit after
-  /// evicting unlocked objects (never the prefix's own read keys): the prefix ends at the
-  /// first loadable key that got no slot (end = no_room), and the holds the walk took past
-  /// that point are given back (uncounted, unseen by the policy). Keys from `length` on are
-  /// untouched and answer prefix_take::none.
+  /// evicting unlocked objects (never a read key of the prefix returned). Short of room, the
+  /// prefix is the longest one whose new keys fit once the walk gives back its holds past
+  /// it: those read keys are worth less than the prefix's front, and unlocked they may be
+  /// evicted for it (a 48-key document whose keys 24..47 fill a 24-slot tier gets keys
+  /// 0..23, not nothing). The prefix then ends (end = no_room) at that length or at the
+  /// first loadable key that got no slot, and the holds the walk took from there on are
+  /// given back (uncounted, unseen by the policy). Keys from `length` on are untouched
+  /// (but for those evicted) and answer prefix_take::none.
   /// `loadable(i)` and `waitable(i)` (i: the key's index) run under the tier's mutex and must
   /// not call into the tier. `out` (size keys.size()) gets each key's take; `buffers`, when
   /// not empty (size keys.size()), the memory of each write key (empty spans for the rest).

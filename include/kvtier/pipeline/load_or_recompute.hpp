@@ -3,16 +3,30 @@
 // tokens faster (issue: an 8B model's L2 hit on a 1-1.5 GB/s disk is slower than a 50,000
 // tokens/s prefill).
 //
-//   bandwidth_meter   each backend's achieved load bandwidth, an exponentially weighted mean
-//                     over its completed load tasks (bytes that landed / task duration), as
-//                     the prefetch measures it while it runs; 0 until the first sample.
-//   best_prefix       the prefix of a lookup that saves the engine the most time: a chunk L1
-//                     holds saves its compute time, a chunk L2 must load saves its compute
-//                     time minus its load time (negative when the backend is slower than the
-//                     prefill); the best prefix maximises the sum, over whole chunks.
+//   bandwidth_meter   what each backend's loads delivered lately, as the prefetch measures
+//                     them: per completed load task the bytes asked for, the bytes that
+//                     landed and the seconds it took, each summed with a weight that decays
+//                     by (1 - alpha) per task. Bandwidth = landed / seconds (bytes delivered
+//                     per second of loading); a task in which nothing landed (a stalled disk
+//                     timing out, a failing backend) adds its seconds and no bytes, so it
+//                     lowers the estimate at once, by as much time as it wasted. Unknown
+//                     until the first task.
+//   best_prefix       the prefix of a lookup that saves the engine the most time: a chunk
+//                     saves its compute time only if it and every chunk before it land (a
+//                     failed load ends the prefix), so each chunk counts its compute time
+//                     times that chance (the landed shares of the L2 chunks so far,
+//                     multiplied; 1 for L1), and a chunk L2 must load pays its load time
+//                     (its gain is negative when the backend is slower than the prefill, or
+//                     fails); the best prefix maximises the sum, over whole chunks.
 //
-// Pure and thread-safe (the meter's values are relaxed atomics): the prefetch controller
-// calls these on its executor and the metrics read the meter at scrape time.
+// The gate keeps learning while it declines: the prefetch controller loads a chunk the gate
+// declined as a probe in one declining request out of prefetch_options::probe_every (8), so
+// a backend judged slow on one bad sample is measured again (docs/pipelines.md, "Load or
+// recompute").
+//
+// Pure and thread-safe: the meter is written on the prefetch controller's executor only, its
+// values are relaxed atomics that the metrics read at scrape time (a concurrent reader may
+// combine the sums of two consecutive tasks: harmless for a gauge).
 
 #include <kvtier/config.hpp>
 
@@ -25,34 +39,75 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
 
+/// What the gate knows of one backend's loads.
+struct load_estimate {
+  bool known = false;            ///< false before its first load task: counted as free
+  double seconds_per_byte = 0;   ///< seconds of loading per byte asked for
+  double landed_share = 1;       ///< share of the bytes asked for that landed
+};
+
 class bandwidth_meter {
  public:
-  /// Weight of the newest sample.
+  /// Weight of the newest task (the sums of the older ones decay by 1 - alpha per task).
   static constexpr double alpha = 0.3;
 
-  explicit bandwidth_meter(std::size_t backends)
-      : n_(backends), rates_(std::make_unique<std::atomic<double>[]>(backends)) {
-    for (std::size_t b = 0; b < n_; ++b) rates_[b].store(0, std::memory_order_relaxed);
+  explicit bandwidth_meter(std::size_t backends) : n_(backends), b_(std::make_unique<sums[]>(backends)) {}
+
+  /// One completed load task of backend b: `asked` bytes were submitted, `landed` of them
+  /// landed, in `elapsed`. A task that landed nothing counts (with its time); a task that
+  /// asked nothing or took no time is ignored.
+  void record(std::size_t b, std::uint64_t asked, std::uint64_t landed, std::chrono::nanoseconds elapsed) noexcept {
+    if (b >= n_ || asked == 0 || elapsed.count() <= 0) return;
+    sums& s = b_[b];
+    const auto decay = [](std::atomic<double>& v, double add) {
+      v.store(v.load(std::memory_order_relaxed) * (1 - alpha) + add, std::memory_order_relaxed);
+    };
+    decay(s.asked, static_cast<double>(asked));
+    decay(s.landed, static_cast<double>(landed < asked ? landed : asked));
+    decay(s.seconds, std::chrono::duration<double>(elapsed).count());
   }
 
-  /// One completed load task of backend b: `bytes` landed in `elapsed`.
-  void record(std::size_t b, std::uint64_t bytes, std::chrono::nanoseconds elapsed) noexcept {
-    if (b >= n_ || bytes == 0 || elapsed.count() <= 0) return;
-    const double sample = static_cast<double>(bytes) / std::chrono::duration<double>(elapsed).count();
-    const double old = rates_[b].load(std::memory_order_relaxed);
-    rates_[b].store(old == 0 ? sample : old + alpha * (sample - old), std::memory_order_relaxed);
-  }
-
-  /// Bytes per second backend b delivered lately; 0 before its first load.
+  /// Bytes backend b delivered per second of loading lately; 0 before its first load task
+  /// (and, near 0, for a backend whose recent tasks landed nothing).
   [[nodiscard]] double bytes_per_second(std::size_t b) const noexcept {
-    return b < n_ ? rates_[b].load(std::memory_order_relaxed) : 0.0;
+    if (b >= n_) return 0;
+    const double sec = b_[b].seconds.load(std::memory_order_relaxed);
+    return sec > 0 ? b_[b].landed.load(std::memory_order_relaxed) / sec : 0.0;
   }
+
+  /// What the gate uses: time per asked byte and the share that landed.
+  [[nodiscard]] load_estimate estimate(std::size_t b) const noexcept {
+    load_estimate e;
+    if (b >= n_) return e;
+    const double asked = b_[b].asked.load(std::memory_order_relaxed);
+    if (asked <= 0) return e;
+    e.known = true;
+    e.seconds_per_byte = b_[b].seconds.load(std::memory_order_relaxed) / asked;
+    e.landed_share = b_[b].landed.load(std::memory_order_relaxed) / asked;
+    return e;
+  }
+
   [[nodiscard]] std::size_t size() const noexcept { return n_; }
 
  private:
+  struct sums {
+    std::atomic<double> asked{0};    ///< decayed bytes asked for
+    std::atomic<double> landed{0};   ///< decayed bytes landed (<= asked)
+    std::atomic<double> seconds{0};  ///< decayed seconds the tasks took
+  };
   std::size_t n_;
-  std::unique_ptr<std::atomic<double>[]> rates_;
+  std::unique_ptr<sums[]> b_;
 };
+
+/// Seconds saved (positive) or lost (negative) by loading one key of `object_bytes` from a
+/// backend of estimate `e` instead of computing it in `compute_seconds`, when the keys before
+/// it land with probability `reach`: reach times the key's landed share times the compute
+/// time, minus the load time (paid whether it lands or not). An unknown backend is free.
+[[nodiscard]] inline double load_gain(const load_estimate& e, double compute_seconds, std::size_t object_bytes,
+                                      double reach = 1) noexcept {
+  if (!e.known) return reach * compute_seconds;
+  return reach * e.landed_share * compute_seconds - static_cast<double>(object_bytes) * e.seconds_per_byte;
+}
 
 /// Where the walk would take a key from: L1, a backend (its index), or nowhere (the end).
 inline constexpr int source_l1 = -1;
@@ -74,9 +129,9 @@ struct prefix_choice {
 
 /// The prefix (in keys, whole groups) that saves the most time; ties keep the longer prefix.
 /// `sources[i]` is where key i comes from (source_l1, a backend index, source_none: ends the
-/// prefix); `bandwidth[b]` the backend's bytes per second (0: unknown, counted as free).
+/// prefix); `estimates[b]` what the meter knows of backend b (unknown: counted as free).
 [[nodiscard]] inline prefix_choice best_prefix(std::span<const int> sources, const recompute_rate& r,
-                                               std::span<const double> bandwidth) noexcept {
+                                               std::span<const load_estimate> estimates) noexcept {
   prefix_choice c;
   const std::size_t g = r.group == 0 ? 1 : r.group;
   std::size_t end = 0;
@@ -91,12 +146,14 @@ struct prefix_choice {
       static_cast<double>(r.chunk_tokens) / (r.prefill_tokens_per_second * static_cast<double>(g));
   double sum = 0;
   double best = 0;
+  double reach = 1;  // the chance that every key before this one lands
   for (std::size_t i = 0; i < end; ++i) {
-    double gain = compute_key;
+    double gain = reach * compute_key;
     const int s = sources[i];
-    if (s >= 0) {
-      const double bw = static_cast<std::size_t>(s) < bandwidth.size() ? bandwidth[static_cast<std::size_t>(s)] : 0;
-      if (bw > 0) gain -= static_cast<double>(r.object_bytes) / bw;
+    if (s >= 0 && static_cast<std::size_t>(s) < estimates.size()) {
+      const load_estimate& e = estimates[static_cast<std::size_t>(s)];
+      gain = load_gain(e, compute_key, r.object_bytes, reach);
+      if (e.known) reach *= e.landed_share;
     }
     sum += gain;
     if ((i + 1) % g == 0 && sum >= best) {

@@ -6,16 +6,20 @@
 //   2. plan (the plan policy picks a backend per key); the contiguous prefix of keys some
 //      backend has is the pure L2 hit count (l2.prefetch.lookup.completed). With a declared
 //      prefill rate the load-or-recompute gate (load_or_recompute.hpp) keeps only the prefix
-//      that loads faster than the engine computes it (l2.prefetch.declined for the rest);
+//      that loads faster than the engine computes it (l2.prefetch.declined for the rest),
+//      but for one declining request in probe_every, which loads probe_chunks more as a
+//      probe (l2.prefetch.declined's probe fields): the estimate keeps learning;
 //   3. take the longest prefix L1 and L2 can serve together, in one step under the tier's
 //      mutex (l1::tier::reserve_prefix), walking the keys in order: a key L1 holds is
 //      read-locked for the caller (a prefix split between L2 and L1 is served whole); a key
 //      another request of this controller is loading is joined (this request waits for
 //      that load and is handed the object with its own holds: two lookups of one document
 //      share the load); a key only L2 has gets a new L1 slot (pinned write lock: the kernel
-//      writes into it), as many as fit after eviction: the prefix ends at the first key
-//      without a slot (l2.prefetch.failed{l1_out_of_memory} counts the keys that lacked
-//      one), at a key neither tier has, or at a key being written by someone else;
+//      writes into it), as many as fit after eviction (this request's own L1 keys past a
+//      shorter prefix give way to its front when that lets more of it fit): the prefix ends
+//      at the first key without a slot (l2.prefetch.failed{l1_out_of_memory} counts the
+//      keys that lacked one), at a key neither tier has, or at a key being written by
+//      someone else;
 //      what will not be loaded is unpinned;
 //   4. submit one load task per backend (l2.prefetch.load.submitted counts the keys actually
 //      submitted, and separately the found keys neither submitted nor served from L1 or a
@@ -107,6 +111,12 @@ struct prefetch_options {
   std::size_t max_in_flight = 8;  ///< requests past their lookup at once (LMCache's default)
   std::chrono::nanoseconds lookup_timeout = std::chrono::seconds(5);  ///< deadline of the lookups
   std::chrono::nanoseconds load_timeout = std::chrono::seconds(30);   ///< deadline of each load task
+  /// The load-or-recompute gate's probes (docs/pipelines.md, "Load or recompute"): one
+  /// request in `probe_every` whose L2 chunks the gate declines still loads `probe_chunks`
+  /// of them (the first declined ones), so the backend's estimate keeps learning while the
+  /// gate declines. 0 (either): never probe; a gate judged slow once then stays shut.
+  std::size_t probe_every = 8;
+  std::size_t probe_chunks = 1;
 };
 
 struct prefetch_request {
@@ -208,7 +218,8 @@ class prefetch_controller {
     return inflight_bytes_.load(std::memory_order_relaxed);
   }
 
-  /// Each backend's achieved load bandwidth (bytes per second, 0 before its first load).
+  /// Each backend's achieved load bandwidth (bytes landed per second of loading, 0 before
+  /// its first load) and what the gate estimates from it.
   [[nodiscard]] const bandwidth_meter& bandwidth() const noexcept { return bandwidth_; }
 
   /// Completes once no request is active (every load task completed): tests, shutdown.
@@ -456,9 +467,8 @@ class prefetch_controller {
     if (!u.empty()) backends_[b].unpin(u);
   }
 
-  // Step 2's load-or-recompute gate: loadable keys must be below the returned index. Only
-  // when a rate is declared and some planned backend loads a key slower than the engine
-  // computes it (else every prefix gains and nothing is probed); L1 is probed per key then.
+  // Step 2's load-or-recompute gate: loadable keys must be below the returned index (see
+  // impl/prefetch_controller.hpp); one declining request in probe_every probes.
   std::size_t gate(state& s, const prefetch_plan& plan);
 
   // Step 3: the walk over L1 and the plan (l1::tier::reserve_prefix); keys from `limit` on
@@ -488,6 +498,7 @@ class prefetch_controller {
   PlanPolicy plan_;
   prefetch_options options_;
   bandwidth_meter bandwidth_;
+  std::size_t declining_ = 0;  ///< requests whose L2 chunks the gate declined (on the executor): probe pacing
   std::atomic<bool> stopping_{false};
   std::atomic<std::size_t> active_{0};
   std::atomic<std::size_t> in_flight_{0};

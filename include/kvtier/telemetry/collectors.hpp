@@ -176,7 +176,8 @@ void collect_cache(registry& reg, const Cache& cache) {
         [](const auto& s) { return s.lookups; });
   for (std::size_t b = 0; b < backends; ++b)
     backend_gauge("kvtier_l2_read_bandwidth_bytes_per_second",
-                  "Achieved L2 load bandwidth of the backend (moving mean over its load tasks; 0 before the first); "
+                  "Achieved L2 load bandwidth of the backend (bytes landed per second of loading over its recent load "
+                  "tasks, a task that landed nothing counting its time; 0 before the first); "
                   "the load-or-recompute gate compares it with the engine's prefill rate",
                   b, [](const auto& e) { return static_cast<double>(e.read_bytes_per_second); });
 }

@@ -115,8 +115,8 @@ class logging_subscriber {
   }
   static log_level level_of(const bus::l2_prefetch_declined&) noexcept { return log_level::debug; }
   void on(const bus::l2_prefetch_declined& e) {
-    log_->log(level_of(e), "L2 prefetch {} declined {} keys ({} tokens): {}", e.request_id, e.key_count, e.tokens,
-              bus::name(e.reason));
+    log_->log(level_of(e), "L2 prefetch {} declined {} keys ({} tokens): {}; {} keys loaded as a probe",
+              e.request_id, e.key_count, e.tokens, bus::name(e.reason), e.probe_key_count);
   }
   static log_level level_of(const bus::l2_backend_load_completed&) noexcept { return log_level::debug; }
   void on(const bus::l2_backend_load_completed& e) {

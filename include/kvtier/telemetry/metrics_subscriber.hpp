@@ -124,6 +124,7 @@ class metrics_subscriber {
   }
   void on(const bus::l2_prefetch_declined& e) noexcept {
     s_->l2_declined_tokens[static_cast<std::size_t>(e.reason)]->inc(e.tokens);
+    s_->l2_probe_tokens.inc(e.probe_tokens);
   }
   void on(const bus::l2_backend_load_completed& e) {
     auto& b = s_->backend(e.backend_index, e.backend);
@@ -302,6 +303,9 @@ class metrics_subscriber {
               "Tokens L2 could have served that lookups did not offer, by reason (slower_than_recompute: the "
               "backend loads them slower than the engine's declared prefill rate computes them)",
               "reason", [](bus::decline_reason x) { return bus::name(x); })),
+          l2_probe_tokens(r.add_counter("kvtier_lookup_l2_probe_tokens_total",
+                                        "Tokens of chunks the load-or-recompute gate judged slower than recompute "
+                                        "but loaded as probes, so that the backend's estimate keeps learning")),
           prefetch_duration(r.add_histogram("kvtier_l2_prefetch_duration_seconds",
                                             "Time from L2 lookup submission to prefetch completion",
                                             latency_buckets_seconds())),
@@ -419,6 +423,7 @@ class metrics_subscriber {
     counter& prefetch_loaded_bytes;
     std::array<counter*, bus::prefetch_failure_count> prefetch_failure_keys;
     std::array<counter*, bus::decline_reason_count> l2_declined_tokens;
+    counter& l2_probe_tokens;
     histogram& prefetch_duration;
     std::array<counter*, bus::request_kind_count> requests{};
     std::array<counter*, bus::request_kind_count> request_errors{};

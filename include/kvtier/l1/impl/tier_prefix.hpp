@@ -98,10 +98,25 @@ prefix_result tier<Policy, Bus>::reserve_prefix(std::span<const chunk_key> keys,
     }
 
     const std::size_t need = new_positions_.size();
-    const std::size_t got = need > 0 ? room_for(need, now, t) : 0;
+    std::size_t got = need > 0 ? room_for(need, now, t) : 0;
     if (got < need) {
-      // Cut the prefix at the first loadable key without a slot; give back what lies past it.
-      const std::size_t cut = new_positions_[got];
+      // Short of room (room_for evicted every unlocked object it could). The walk's own reads
+      // are worth less than the prefix's front: find the longest prefix whose new keys fit in
+      // the free slots plus what giving back the reads after it frees or makes evictable
+      // (a 48-chunk document, 24 slots holding its chunks 24..47: the prefix is 0..23, never
+      // nothing). Shorter prefixes need fewer slots and give back more, so the first length
+      // that fits, walking down from the walk's end, is the longest; it is at least the first
+      // new key without a slot (the old cut).
+      std::size_t length = r.length;
+      std::size_t news = need;  // new keys before `length`
+      while (news > slots_.free_count() + evictable_) {
+        --length;
+        if (new_positions_[news - 1] == length) --news;
+        give_back_reads(length);
+      }
+      if (news > got) got = room_for(news, now, t);  // evicts the reads given back (or less, if the policy refuses)
+      // The prefix ends at `length`, or earlier at the first new key still without a slot.
+      const std::size_t cut = got < news ? new_positions_[got] : length;
       r.short_of_room = need - got;
       r.length = cut;
       r.end = prefix_end::no_room;

@@ -97,8 +97,9 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::run(std
 }
 
 // Step 2's load-or-recompute gate: loadable keys must be below the returned index. Only
-// when a rate is declared and some planned backend loads a key slower than the engine
-// computes it (else every prefix gains and nothing is probed); L1 is probed per key then.
+// when a rate is declared and some planned backend loses time on a key or fails some loads
+// (else every prefix gains and nothing is looked up); L1 is looked up per key then. One
+// declining request in probe_every loads probe_chunks of the declined chunks as a probe.
 template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
 std::size_t prefetch_controller<Tier, PlanPolicy, Bus>::gate(state& s, const prefetch_plan& plan) {
   const std::size_t n = s.req.keys.size();
@@ -107,15 +108,15 @@ std::size_t prefetch_controller<Tier, PlanPolicy, Bus>::gate(state& s, const pre
   recompute_rate rate{static_cast<double>(s.req.prefill_tokens_per_second), s.req.chunk_tokens, g, s.req.object_bytes};
   const double compute_key =
       static_cast<double>(s.req.chunk_tokens) / (rate.prefill_tokens_per_second * static_cast<double>(g));
-  std::vector<double> bw(backends_.size());
-  bool slower = false;
+  std::vector<load_estimate> est(backends_.size());
+  bool loses = false;
   for (std::size_t b = 0; b < backends_.size(); ++b) {
-    bw[b] = bandwidth_.bytes_per_second(b);
-    if (bw[b] > 0 && b < plan.per_backend.size() && plan.per_backend[b].any() &&
-        static_cast<double>(s.req.object_bytes) / bw[b] > compute_key)
-      slower = true;
+    est[b] = bandwidth_.estimate(b);
+    if (b < plan.per_backend.size() && plan.per_backend[b].any() &&
+        (load_gain(est[b], compute_key, s.req.object_bytes) < 0 || est[b].landed_share < 1))
+      loses = true;
   }
-  if (!slower) return n;
+  if (!loses) return n;
   std::vector<int> src(n, source_none);
   for (std::size_t i = 0; i < n; ++i) {
     if (l1_.contains(s.req.keys[i])) {
@@ -126,12 +127,20 @@ std::size_t prefetch_controller<Tier, PlanPolicy, Bus>::gate(state& s, const pre
       if (plan.per_backend[b].size() > i && plan.per_backend[b].test(i)) src[i] = static_cast<int>(b);
     if (src[i] == source_none) break;
   }
-  const prefix_choice c = best_prefix(src, rate, bw);
-  if (c.keys < c.available)
-    bus_.publish(bus::l2_prefetch_declined{s.req.id, bus::decline_reason::slower_than_recompute,
-                                           static_cast<std::uint32_t>(c.available - c.keys),
-                                           std::uint64_t{(c.available - c.keys) / g} * s.req.chunk_tokens});
-  return c.keys;
+  const prefix_choice c = best_prefix(src, rate, est);
+  if (c.keys >= c.available) return c.keys;
+  // Declined. The chunk right after the best prefix loses time (else the best prefix would
+  // take it), so a probe loads from a backend the gate judges slow: its sample corrects the
+  // estimate either way.
+  std::size_t offer = c.keys;
+  if (options_.probe_every > 0 && ++declining_ % options_.probe_every == 0)
+    offer = std::min(c.available, c.keys + options_.probe_chunks * g);
+  const std::size_t probe = offer - c.keys;
+  bus_.publish(bus::l2_prefetch_declined{s.req.id, bus::decline_reason::slower_than_recompute,
+                                         static_cast<std::uint32_t>(c.available - offer),
+                                         std::uint64_t{(c.available - offer) / g} * s.req.chunk_tokens,
+                                         static_cast<std::uint32_t>(probe), std::uint64_t{probe / g} * s.req.chunk_tokens});
+  return offer;
 }
 
 // Step 3: the walk over L1 and the plan (l1::tier::reserve_prefix); keys from `limit` on
@@ -220,7 +229,9 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::load_ta
     rest.push_back(idx[j]);
   }
   const auto elapsed = l2::clock::now() - t0;
-  bandwidth_.record(b, std::uint64_t{ok} * s.req.object_bytes, elapsed);
+  // Every task is a sample, one that landed nothing too (it cost its time): a stalled or
+  // failing backend lowers the estimate.
+  bandwidth_.record(b, bytes, std::uint64_t{ok} * s.req.object_bytes, elapsed);
   bus_.publish(bus::l2_backend_load_completed{static_cast<std::uint8_t>(b), backends_[b].name(),
                                               static_cast<std::uint32_t>(keys.size()), ok, ok * s.req.object_bytes,
                                               ns(elapsed)});
