@@ -56,6 +56,12 @@ class KVTierConfig:
         load_mode: ``"async"`` (loads complete between steps; the default) or ``"layerwise"``
             (synchronous loads, each layer usable as soon as the server copied it; module
             docstring).
+        kv_cache_backend: ``"auto"`` (vLLM's attention backend when it can be asked, else by
+            the tensors' device and rank) or the name of the attention backend whose layout
+            the KV tensors have (:data:`kvtier.integrations.kv_layouts.BACKENDS`:
+            ``FLASH_ATTN``, ``CPU_ATTN``, ``FLASHMLA``, ...).
+        cache_dtype: vLLM's ``cache_config.cache_dtype`` (``"auto"``, ``"fp8"``, ...): asked
+            of the attention backend with its KV shape.
     """
 
     socket_path: str
@@ -72,6 +78,8 @@ class KVTierConfig:
     ready_timeout_s: float = 5.0
     timeouts_ms: Dict[str, int] = field(default_factory=dict)
     load_mode: str = "async"
+    kv_cache_backend: str = "auto"
+    cache_dtype: str = "auto"
 
     @property
     def layerwise(self) -> bool:
