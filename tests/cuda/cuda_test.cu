@@ -771,7 +771,10 @@ void check_copy_engine(const batch_case& c, kc::copy_mode mode, std::uint32_t ri
 void test_copy_engine() {
   section("copy_engine (staged and zero-copy) == CPU gather/scatter");
   const auto all = shapes();
-  for (std::size_t i : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{5}}) {
+  // 8: HND (a skip inside a block leads each head's run: the DMA is not one slab prefix);
+  // 11, 13: strided (K|V packed per token, vLLM's CPU layout).
+  for (std::size_t i : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{5}, std::size_t{8}, std::size_t{11},
+                        std::size_t{13}}) {
     check_copy_engine(all[i], kc::copy_mode::staged, 2);
     check_copy_engine(all[i], kc::copy_mode::zero_copy, 0);
   }
