@@ -3,8 +3,10 @@
 //
 //   dtype_kind       the element type of the KV (fp32, fp16, bf16, fp8 e4m3/e5m2, int8): two
 //                    kinds of one size (fp16/bf16, e4m3/e5m2) never share objects.
-//   kv_layout_kind   how an engine orders one paged block: NHD (token-major, FlashAttention),
-//                    HND (head-major, vLLM's CPU backend and FlashInfer), MLA (one latent).
+//   kv_layout_kind   how an engine orders one paged block of one plane: NHD (token-major,
+//                    vLLM's default stride order), HND (head-major: vLLM's HND stride order,
+//                    which its CPU backend requires), MLA (one latent). The order of the
+//                    rows in a chunk object; where they are in memory is kv_strides'.
 //   model_shape      a model's KV geometry: layers, KV heads, head dim, dtype kind, MHA/MLA.
 //   chunk_layout     one chunk object (the unit stored in L1 and L2):
 //                      [layer][plane][token][kv_heads * head_dim] elements,
@@ -119,8 +121,8 @@ inline constexpr dtype_kind last_dtype_kind = dtype_kind::int8;
 
 /// How an engine orders the tokens and heads of one paged block. Values are stable.
 enum class kv_layout_kind : std::uint8_t {
-  nhd = 0,  ///< [block_size][kv_heads][head_dim] per block: FlashAttention, vLLM's default
-  hnd = 1,  ///< [kv_heads][block_size][head_dim] per block: vLLM's CPU backend, FlashInfer
+  nhd = 0,  ///< [block_size][kv_heads][head_dim] per block and plane: vLLM's default (NHD) order
+  hnd = 1,  ///< [kv_heads][block_size][head_dim] per block and plane: vLLM's HND order (CPU backend)
   mla = 2,  ///< [block_size][latent_dim] per block (attention_kind::mla)
 };
 inline constexpr kv_layout_kind last_kv_layout_kind = kv_layout_kind::mla;
