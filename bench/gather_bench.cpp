@@ -36,8 +36,12 @@
 //                   copy of the same direction just before it: the stream copy with 1-8
 //                   parts, memcpy, rep movsb; gather and scatter one copy per segment (the
 //                   first version), one streaming copy per run of consecutive ids, 1-8
-//                   segments side by side, 0-8 prefetched lines, AVX2, memcpy, and chunks
-//                   whose block ids are consecutive
+//                   segments side by side, 0-8 prefetched lines, AVX2, memcpy, chunks
+//                   whose block ids are consecutive, and the row path of layouts whose
+//                   block segments are not contiguous (kv_strides): K|V packed per (token,
+//                   head) as vLLM's GPU backends allocate (blocks, block_size, heads, 2 *
+//                   head_dim), one copy per row; vLLM's CPU layout (blocks, heads, 2,
+//                   block_size, head_dim), one copy per head's run of rows
 //
 // Ends with RESULT lines: <op>_<shape>_gbps (medians, op = memcpy, stream_copy, gather,
 // scatter), <op>_vs_memcpy_<shape>, <op>_vs_stream_copy_<shape> and
@@ -59,6 +63,7 @@
 #include <fstream>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -114,16 +119,39 @@ std::size_t anon_huge_mib() {
   return 0;
 }
 
+/// How a fixture's paged region lays out its blocks.
+enum class region_layout {
+  dense,       ///< NHD [2][blocks][block_size][heads][head_dim]: whole segments
+  gpu_packed,  ///< (blocks, block_size, heads, 2 * head_dim): K|V per (token, head), the row path
+  cpu_packed,  ///< (blocks, heads, 2, block_size, head_dim), HND: the row path, a head's rows at once
+};
+
+/// The strides of `kind` for layout `l` (dense: none).
+kv_strides strides_of(region_layout kind, const paged_kv_layout& l) {
+  const std::uint64_t row = l.head_row_bytes(), heads = l.model.num_kv_heads, bs = l.block_size;
+  kv_strides s{};
+  if (kind == region_layout::gpu_packed) s = {0, row, bs * heads * 2 * row, heads * 2 * row, 2 * row};
+  if (kind == region_layout::cpu_packed) s = {0, bs * row, heads * 2 * bs * row, row, 2 * bs * row};
+  if (kind != region_layout::dense) s.layer = s.block * l.num_blocks;
+  return s;
+}
+
 /// One shape's working set: paged region, object pool, block lists.
 class fixture {
  public:
   fixture(const model_shape& m, std::size_t ws_bytes, std::uint32_t block_size, std::uint32_t chunk_tokens,
-          bool consecutive_ids, bool huge_pages)
+          bool consecutive_ids, bool huge_pages, region_layout kind = region_layout::dense)
       : chunk_{m, chunk_tokens} {
     const std::size_t obj = chunk_.object_bytes();
     num_chunks_ = (ws_bytes + obj - 1) / obj;
     const std::uint32_t per_chunk = chunk_tokens / block_size;
-    layout_ = paged_kv_layout{m, block_size, static_cast<std::uint32_t>(num_chunks_ * per_chunk)};
+    layout_ = paged_kv_layout{m, block_size, static_cast<std::uint32_t>(num_chunks_ * per_chunk),
+                              kind == region_layout::cpu_packed ? kv_layout_kind::hnd : kv_layout_kind::nhd};
+    layout_.strides = strides_of(kind, layout_);
+    if (const std::string e = layout_.validation_error(); !e.empty()) {
+      std::fprintf(stderr, "bad layout: %s\n", e.c_str());
+      std::exit(1);
+    }
     region_ = aligned_buffer(layout_.total_bytes());
     objects_ = aligned_buffer(num_chunks_ * obj);
     if (huge_pages) {
@@ -133,7 +161,8 @@ class fixture {
     // Touch everything before timing (page faults are not what we measure).
     std::memset(region_.data(), 0x5a, region_.size());
     std::memset(objects_.data(), 0xa5, objects_.size());
-    for (std::uint32_t l = 0; l < m.num_layers; ++l) layers_.push_back(region_.data() + l * layout_.layer_bytes());
+    const std::size_t layer_stride = layout_.effective_strides().layer;
+    for (std::uint32_t l = 0; l < m.num_layers; ++l) layers_.push_back(region_.data() + l * layer_stride);
     std::vector<std::uint32_t> all(layout_.num_blocks);
     std::iota(all.begin(), all.end(), 0u);
     if (!consecutive_ids) std::shuffle(all.begin(), all.end(), std::mt19937_64{42});
@@ -272,6 +301,7 @@ struct variant {
   chunk_op op;
   bool gather;               ///< compared with the stream copy region -> object, else object -> region
   bool consecutive = false;  ///< run on a fixture whose chunks have consecutive block ids
+  region_layout layout = region_layout::dense;  ///< the fixture's region layout
 };
 
 std::vector<variant> explore_variants() {
@@ -308,6 +338,8 @@ std::vector<variant> explore_variants() {
       }
     }
     vars.push_back({d + "_consecutive_ids", gather ? op_gather : op_scatter, gather, true});
+    vars.push_back({d + "_gpu_packed_rows", gather ? op_gather : op_scatter, gather, false, region_layout::gpu_packed});
+    vars.push_back({d + "_cpu_packed_rows", gather ? op_gather : op_scatter, gather, false, region_layout::cpu_packed});
   }
   return vars;
 }
@@ -363,11 +395,21 @@ void run_shape(const shape_case& sc, std::size_t ws, int repeats, bool explore, 
       b = e + 1;
     }
   });
-  fixture fc(sc.model, ws, 16, 256, true, huge_pages);
+  // The other fixtures only when a variant runs on them (each is another working set).
+  auto wanted = [&](auto pred) { return std::any_of(vars.begin(), vars.end(), pred); };
+  std::optional<fixture> fc, fg, fcpu;
+  if (wanted([](const variant& v) { return v.consecutive; })) fc.emplace(sc.model, ws, 16, 256, true, huge_pages);
+  if (wanted([](const variant& v) { return v.layout == region_layout::gpu_packed; }))
+    fg.emplace(sc.model, ws, 16, 256, false, huge_pages, region_layout::gpu_packed);
+  if (wanted([](const variant& v) { return v.layout == region_layout::cpu_packed; }))
+    fcpu.emplace(sc.model, ws, 16, 256, false, huge_pages, region_layout::cpu_packed);
   std::vector<series> vr(vars.size()), vb(vars.size());
   for (int r = 0; r < repeats; ++r)
     for (std::size_t k = 0; k < vars.size(); ++k) {
-      fixture& ff = vars[k].consecutive ? fc : f;
+      fixture& ff = vars[k].consecutive                         ? *fc
+                    : vars[k].layout == region_layout::gpu_packed ? *fg
+                    : vars[k].layout == region_layout::cpu_packed ? *fcpu
+                                                                  : f;
       vb[k].add(run_sweep(ff, sweep, vars[k].gather ? op_stream_in : op_stream_out));
       vr[k].add(run_sweep(ff, sweep, vars[k].op));
     }

@@ -3,8 +3,9 @@
 The C++ core (``kvtier._kvtier``, pybind11) gives the pieces an engine needs to talk to a
 ``kvtier-server``:
 
-* layouts: :class:`ModelShape`, :class:`PagedKvLayout`, :class:`ChunkLayout` and the kinds
-  :class:`DtypeKind`, :class:`KvLayoutKind` (NHD, HND, MLA), :class:`AttentionKind`;
+* layouts: :class:`ModelShape`, :class:`PagedKvLayout` (dense, or at :class:`KvStrides`),
+  :class:`ChunkLayout` and the kinds :class:`DtypeKind`, :class:`KvLayoutKind` (NHD, HND,
+  MLA), :class:`AttentionKind`;
 * hashing: :class:`TokenHasher` (chunk hashes are ints), :func:`make_model_id`,
   :func:`salted_model_id`, :class:`ChunkKey`;
 * memory: :class:`KvRegion`, the engine's paged KV cache in shared memory, whose layers
@@ -29,6 +30,7 @@ from ._kvtier import (
     HealthState,
     KvLayoutKind,
     KvRegion,
+    KvStrides,
     KvtierError,
     LayerBuffer,
     ModelShape,
@@ -42,7 +44,7 @@ from ._kvtier import (
     parse_kv_layout_kind,
     salted_model_id,
 )
-from .views import dtype_kind_of, layer_shape, numpy_layers, torch_dtype, torch_layers
+from .views import dtype_kind_of, layer_shape, layer_strides, numpy_layers, torch_dtype, torch_layers
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -57,6 +59,7 @@ __all__ = [
     "HealthState",
     "KvLayoutKind",
     "KvRegion",
+    "KvStrides",
     "KvtierError",
     "LayerBuffer",
     "ModelShape",
@@ -67,6 +70,7 @@ __all__ = [
     "dtype_bytes",
     "dtype_kind_of",
     "layer_shape",
+    "layer_strides",
     "make_model_id",
     "numpy_layers",
     "parse_dtype_kind",

@@ -80,14 +80,36 @@ class ChunkLayout:
     def object_bytes(self) -> int: ...
     def validation_error(self) -> str: ...
 
+class KvStrides:
+    layer: int
+    plane: int
+    block: int
+    token: int
+    head: int
+    def __init__(self, layer: int = 0, plane: int = 0, block: int = 0, token: int = 0, head: int = 0) -> None: ...
+    @property
+    def dense(self) -> bool: ...
+    def __eq__(self, other: object) -> bool: ...
+
 class PagedKvLayout:
     model: ModelShape
     block_size: int
     num_blocks: int
     order: KvLayoutKind
+    strides: KvStrides
     def __init__(
-        self, model: ModelShape, block_size: int = 16, num_blocks: int = 0, order: KvLayoutKind = KvLayoutKind.NHD
+        self,
+        model: ModelShape,
+        block_size: int = 16,
+        num_blocks: int = 0,
+        order: KvLayoutKind = KvLayoutKind.NHD,
+        strides: KvStrides = ...,
     ) -> None: ...
+    @property
+    def effective_strides(self) -> KvStrides: ...
+    @property
+    def segment_contiguous(self) -> bool: ...
+    def describe(self) -> str: ...
     @property
     def kind(self) -> KvLayoutKind: ...
     @property

@@ -1,7 +1,7 @@
 // kvtier._kvtier: the pybind11 bindings behind the `kvtier` Python package (python/kvtier/).
 //
 //   enums        DtypeKind, KvLayoutKind, AttentionKind, HashAlgorithm, HealthState
-//   layouts      ModelShape, ChunkLayout, PagedKvLayout (core/kv_layout.hpp)
+//   layouts      ModelShape, ChunkLayout, KvStrides, PagedKvLayout (core/kv_layout.hpp)
 //   hashing      TokenHasher, make_model_id, salted_model_id, ChunkKey (core/token_hasher.hpp,
 //                core/model_id.hpp, core/chunk_key.hpp); a 128-bit chunk hash is a Python int
 //                (hi << 64 | lo)
@@ -314,17 +314,44 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_property_readonly("object_bytes", &chunk_layout::object_bytes)
       .def("validation_error", &chunk_layout::validation_error);
 
-  py::class_<paged_kv_layout>(m, "PagedKvLayout", "An engine's paged KV cache: per layer NHD, HND or MLA blocks.")
-      .def(py::init(
-               [](const model_shape& model, std::uint32_t block_size, std::uint32_t num_blocks, kv_layout_kind order) {
-                 return paged_kv_layout{model, block_size, num_blocks, order};
-               }),
+  py::class_<kv_strides>(m, "KvStrides",
+                         "Byte strides of a paged KV cache: from one layer, plane (K, V), block, token and KV "
+                         "head to the next. All zero: the dense layout of the order.")
+      .def(py::init([](std::uint64_t layer, std::uint64_t plane, std::uint64_t block, std::uint64_t token,
+                       std::uint64_t head) { return kv_strides{layer, plane, block, token, head}; }),
+           py::arg("layer") = 0, py::arg("plane") = 0, py::arg("block") = 0, py::arg("token") = 0, py::arg("head") = 0)
+      .def_readwrite("layer", &kv_strides::layer)
+      .def_readwrite("plane", &kv_strides::plane)
+      .def_readwrite("block", &kv_strides::block)
+      .def_readwrite("token", &kv_strides::token)
+      .def_readwrite("head", &kv_strides::head)
+      .def_property_readonly("dense", &kv_strides::dense)
+      .def(py::self == py::self)
+      .def("__repr__", [](const kv_strides& s) {
+        return "KvStrides(layer=" + std::to_string(s.layer) + ", plane=" + std::to_string(s.plane) +
+               ", block=" + std::to_string(s.block) + ", token=" + std::to_string(s.token) +
+               ", head=" + std::to_string(s.head) + ")";
+      });
+
+  py::class_<paged_kv_layout>(m, "PagedKvLayout",
+                              "An engine's paged KV cache: per layer NHD, HND or MLA blocks, dense or at explicit "
+                              "byte strides (the engine's own tensor layout).")
+      .def(py::init([](const model_shape& model, std::uint32_t block_size, std::uint32_t num_blocks,
+                       kv_layout_kind order, const kv_strides& strides) {
+             return paged_kv_layout{model, block_size, num_blocks, order, strides};
+           }),
            py::arg("model"), py::arg("block_size") = 16, py::arg("num_blocks") = 0,
-           py::arg("order") = kv_layout_kind::nhd)
+           py::arg("order") = kv_layout_kind::nhd, py::arg("strides") = kv_strides{})
       .def_readwrite("model", &paged_kv_layout::model)
       .def_readwrite("block_size", &paged_kv_layout::block_size)
       .def_readwrite("num_blocks", &paged_kv_layout::num_blocks)
       .def_readwrite("order", &paged_kv_layout::order)
+      .def_readwrite("strides", &paged_kv_layout::strides)
+      .def_property_readonly("effective_strides", &paged_kv_layout::effective_strides,
+                             "The strides in force (the dense ones when `strides` is all zero).")
+      .def_property_readonly("segment_contiguous", &paged_kv_layout::segment_contiguous,
+                             "Whether a block's rows of one plane are contiguous in object order.")
+      .def("describe", &paged_kv_layout::describe, "The shape and strides in words.")
       .def_property_readonly("kind", &paged_kv_layout::kind)
       .def_property_readonly("segment_bytes", &paged_kv_layout::segment_bytes)
       .def_property_readonly("head_row_bytes", &paged_kv_layout::head_row_bytes)
@@ -336,8 +363,14 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("compatibility_error", &paged_kv_layout::compatibility_error, py::arg("chunk"))
       .def(py::self == py::self)
       .def("__repr__", [](const paged_kv_layout& l) {
+        const kv_strides& s = l.strides;
         return "PagedKvLayout(block_size=" + std::to_string(l.block_size) +
-               ", num_blocks=" + std::to_string(l.num_blocks) + ", order=" + std::string(name(l.kind())) + ")";
+               ", num_blocks=" + std::to_string(l.num_blocks) + ", order=" + std::string(name(l.kind())) +
+               (s.dense() ? std::string()
+                          : ", strides=(" + std::to_string(s.layer) + ", " + std::to_string(s.plane) + ", " +
+                                std::to_string(s.block) + ", " + std::to_string(s.token) + ", " +
+                                std::to_string(s.head) + ")") +
+               ")";
       });
 
   // Hashing and keys.

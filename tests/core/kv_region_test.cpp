@@ -76,3 +76,35 @@ TEST_CASE("the server refuses a region of the wrong size or without seals", "[co
   // The seals hold: the engine itself cannot shrink its region any more.
   CHECK(::ftruncate(engine->fd(), 4096) != 0);
 }
+
+TEST_CASE("a region with explicit strides sizes its data by the last row and places layers at the layer stride",
+          "[core][kv_region]") {
+  // One tensor for all layers, vLLM's cross-layer NHD (blocks, layers, block_size, heads,
+  // 2 * head_dim): 4 layers, 2 heads of 64 bf16 (128-byte rows), blocks of 16, 8 blocks.
+  paged_kv_layout cross{{4, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 8};
+  const std::uint64_t row = 128, token = 2 * 2 * row, layer = 16 * token;
+  cross.strides = {layer, row, 4 * layer, token, 2 * row};
+  REQUIRE(cross.validation_error() == "");
+  CHECK(cross.total_bytes() == 8 * 4 * layer);  // dense in memory: the end of the last row
+  CHECK(cross.layer_bytes() == 7 * 4 * layer + layer);
+  auto engine = kv_region::create(cross);
+  REQUIRE(engine.has_value());
+  CHECK(engine->bytes() == kv_region::bytes_for(cross));
+  CHECK(kv_region::bytes_for(cross) == cross.total_bytes() + 4096);  // + 8 generations, 4 KiB aligned
+  for (std::uint32_t l = 0; l < 4; ++l) CHECK(engine->layers()[l] == engine->data() + l * layer);
+  // The last row of the last layer is the region's last data byte; the server sees it.
+  std::byte* last = engine->layers()[3] + cross.offset_in_layer(1, 7, 15, 1);
+  CHECK(last + row == engine->data() + cross.total_bytes());
+  last[row - 1] = std::byte{0x7e};
+  auto server = kv_region::open(::dup(engine->fd()), cross);
+  REQUIRE(server.has_value());
+  CHECK(server->layers()[3][cross.offset_in_layer(1, 7, 15, 1) + row - 1] == std::byte{0x7e});
+  // Padded blocks make another size: the server refuses this fd for that layout.
+  paged_kv_layout padded = cross;
+  padded.strides.block += 4096;
+  CHECK(kv_region::open(::dup(engine->fd()), padded).error() == errc::layout_mismatch);
+  // Overlapping strides: no region.
+  paged_kv_layout overlapping = cross;
+  overlapping.strides.token = row;
+  CHECK(kv_region::create(overlapping).error() == errc::invalid_argument);
+}

@@ -1,9 +1,13 @@
 #include <kvtier/core/kv_transfer.hpp>
 
+#include <kvtier/core/model_id.hpp>
+
 #include <catch2/catch.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <functional>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -63,15 +67,17 @@ class offset_bytes {
 };
 
 /// An engine's paged KV cache in test memory: one allocation per layer (not contiguous,
-/// 64-byte aligned or at an odd offset), or all layers back to back like a kv region.
+/// 64-byte aligned or at an odd offset), or all layers in one allocation like a kv region
+/// (at the layout's layer stride: back to back when dense).
 class test_cache {
  public:
   test_cache(const paged_kv_layout& layout, std::uint64_t seed, bool contiguous, std::size_t misalign = 0)
       : layout_(layout) {
     const std::size_t lb = layout.layer_bytes();
     if (contiguous) {
-      storage_.emplace_back(lb * layout.model.num_layers, misalign);
-      for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) layers_.push_back(storage_[0].data() + l * lb);
+      storage_.emplace_back(layout.total_bytes(), misalign);
+      const std::size_t stride = layout.effective_strides().layer;
+      for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) layers_.push_back(storage_[0].data() + l * stride);
     } else {
       for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) {
         storage_.emplace_back(lb, misalign);
@@ -105,12 +111,24 @@ class test_cache {
   std::vector<std::byte*> layers_;
 };
 
+/// Where the row of (plane, block, token, head) starts in a layer's memory, in bytes from the
+/// layer's base.
+using row_address = std::function<std::size_t(std::uint32_t plane, std::uint32_t block, std::uint32_t token,
+                                              std::uint32_t head)>;
+
+/// The layout's own answer (offset_in_layer), for the dense layouts.
+row_address layout_address(const paged_kv_layout& L) {
+  return [L](std::uint32_t p, std::uint32_t b, std::uint32_t t, std::uint32_t h) {
+    return L.offset_in_layer(p, b, t, h);
+  };
+}
+
 /// The trivially correct gather (Gather) or scatter: byte by byte, one (token, head) row at a
-/// time, straight from the layout definitions (offset_in_layer and object_offset, which know
-/// NHD and HND).
+/// time, the object side from object_offset (which knows NHD and HND) and the paged side from
+/// `address` (offset_in_layer, or the tensor's own description: strided_tensor).
 template <bool Gather, class ObjectByte>
 void reference_copy(const test_cache& cache, const std::vector<std::uint32_t>& ids, const chunk_layout& chunk,
-                    ObjectByte* object, std::uint32_t skip) {
+                    ObjectByte* object, std::uint32_t skip, const row_address& address) {
   const auto& L = cache.layout();
   const std::size_t row = L.head_row_bytes();
   for (std::uint32_t l = 0; l < L.model.num_layers; ++l)
@@ -121,7 +139,7 @@ void reference_copy(const test_cache& cache, const std::vector<std::uint32_t>& i
           if (token < skip) continue;
           for (std::uint32_t h = 0; h < L.model.num_kv_heads; ++h) {
             ObjectByte* obj = object + L.object_offset(chunk, l, p, token, h);
-            std::byte* paged = cache.layer(l) + L.offset_in_layer(p, ids[i], t, h);
+            std::byte* paged = cache.layer(l) + address(p, ids[i], t, h);
             if constexpr (Gather)
               std::copy(paged, paged + row, obj);
             else
@@ -158,6 +176,69 @@ std::vector<std::uint32_t> make_ids(std::size_t n, std::uint32_t num_blocks, id_
   return ids;
 }
 
+/// The dimensions of an engine's KV tensor, as its memory holds them.
+enum class dim_role { layer, plane, block, token, head, dim };
+
+/// One dimension of a tensor in memory order (outermost first): its role and the elements
+/// of padding its stride has beyond the dimensions inside it (a gap after each entry).
+struct memory_dim {
+  dim_role role;
+  std::uint32_t pad = 0;
+};
+
+/// A tensor as vLLM allocates it: the dimensions in memory order, contiguous but for the
+/// padding. Computes, independently of kvtier, each row's address and the kv_strides that
+/// describe it. Without a layer dimension it is one layer's tensor (the layers then lie
+/// layer_bytes() rounded up to 64 bytes apart, in a region).
+struct strided_tensor {
+  std::vector<memory_dim> dims;
+
+  /// Elements between consecutive entries of each role (0: not a dimension of the tensor).
+  [[nodiscard]] std::array<std::uint64_t, 6> element_strides(const paged_kv_layout& L) const {
+    std::array<std::uint64_t, 6> st{};
+    std::uint64_t inner = 1;
+    for (auto it = dims.rbegin(); it != dims.rend(); ++it) {
+      st[static_cast<std::size_t>(it->role)] = inner + it->pad;
+      inner = (inner + it->pad) * size(L, it->role);
+    }
+    return st;
+  }
+  [[nodiscard]] static std::uint64_t size(const paged_kv_layout& L, dim_role r) {
+    switch (r) {
+      case dim_role::layer: return L.model.num_layers;
+      case dim_role::plane: return L.model.planes();
+      case dim_role::block: return L.num_blocks;
+      case dim_role::token: return L.block_size;
+      case dim_role::head: return L.model.num_kv_heads;
+      case dim_role::dim: return L.model.head_dim;
+    }
+    return 0;
+  }
+  [[nodiscard]] bool has(dim_role r) const {
+    return std::any_of(dims.begin(), dims.end(), [r](const memory_dim& d) { return d.role == r; });
+  }
+  /// The strides in bytes that kvtier is told.
+  [[nodiscard]] kv_strides strides(const paged_kv_layout& L) const {
+    const auto st = element_strides(L);
+    const std::uint64_t e = L.model.dtype_bytes();
+    kv_strides s{st[0] * e, st[1] * e, st[2] * e, st[3] * e, st[4] * e};
+    if (!has(dim_role::layer)) {  // one tensor per layer: a region puts them 64-aligned apart
+      paged_kv_layout one = L;
+      one.strides = s;
+      one.strides.layer = 1;  // any non-zero value: layer_bytes() ignores it
+      s.layer = (one.layer_bytes() + 63) / 64 * 64;
+    }
+    return s;
+  }
+  [[nodiscard]] row_address address(const paged_kv_layout& L) const {
+    const auto st = element_strides(L);
+    const std::uint64_t e = L.model.dtype_bytes();
+    return [st, e](std::uint32_t p, std::uint32_t b, std::uint32_t t, std::uint32_t h) {
+      return static_cast<std::size_t>((p * st[1] + b * st[2] + t * st[3] + h * st[4]) * e);
+    };
+  }
+};
+
 struct transfer_case {
   std::string name;
   model_shape model;
@@ -165,7 +246,24 @@ struct transfer_case {
   std::uint32_t blocks_per_chunk;
   std::uint32_t num_blocks;
   kv_layout_kind order = kv_layout_kind::nhd;
+  /// Empty: the dense layout of `order`; else the engine's tensor, told as kv_strides.
+  std::vector<memory_dim> memory{};
+
+  [[nodiscard]] paged_kv_layout layout() const {
+    paged_kv_layout L{model, block_size, num_blocks, order};
+    if (!memory.empty()) L.strides = strided_tensor{memory}.strides(L);
+    return L;
+  }
+  /// Where each row is, from the tensor's description (not from kvtier) when there is one.
+  [[nodiscard]] row_address address() const {
+    const paged_kv_layout L = layout();
+    return memory.empty() ? layout_address(L) : strided_tensor{memory}.address(L);
+  }
+  /// Whether the layers must share one allocation (one tensor for all layers).
+  [[nodiscard]] bool cross_layer() const { return strided_tensor{memory}.has(dim_role::layer); }
 };
+
+using R = dim_role;
 
 std::vector<transfer_case> transfer_cases() {
   return {
@@ -190,6 +288,53 @@ std::vector<transfer_case> transfer_cases() {
       {"HND, one KV head", {2, 1, 16, dtype_kind::fp16, attention_kind::mha}, 8, 4, 9, kv_layout_kind::hnd},
       {"HND, fp8, 3 x 5", {2, 3, 5, dtype_kind::fp8_e4m3, attention_kind::mha}, 16, 5, 11, kv_layout_kind::hnd},
       {"HND, 8B-like segments", {2, 8, 128, dtype_kind::bf16, attention_kind::mha}, 16, 4, 6, kv_layout_kind::hnd},
+      // Explicit strides: the layouts vLLM's backends allocate (docs/integration.md, "vLLM").
+      // The dense NHD tensor told as strides: the segment path, as without strides.
+      {"strides: dense NHD", {3, 2, 8, dtype_kind::bf16, attention_kind::mha}, 4, 4, 9, kv_layout_kind::nhd,
+       {{R::plane}, {R::block}, {R::token}, {R::head}, {R::dim}}},
+      // FlashInfer's blocks-first (num_blocks, 2, N, H, D) and its HND twin: whole
+      // segments, a block stride of two segments.
+      {"strides: blocks-first NHD (FlashInfer)", {3, 2, 8, dtype_kind::bf16, attention_kind::mha}, 4, 4, 9,
+       kv_layout_kind::nhd, {{R::block}, {R::plane}, {R::token}, {R::head}, {R::dim}}},
+      {"strides: blocks-first HND (FlashInfer)", {3, 2, 8, dtype_kind::fp16, attention_kind::mha}, 4, 4, 9,
+       kv_layout_kind::hnd, {{R::block}, {R::plane}, {R::head}, {R::token}, {R::dim}}},
+      // K|V packed in the last dim, NHD stride order: memory (num_blocks, N, H, 2 * D).
+      {"strides: GPU packed NHD (B, N, H, 2D)", {3, 2, 8, dtype_kind::bf16, attention_kind::mha}, 4, 4, 9,
+       kv_layout_kind::nhd, {{R::block}, {R::token}, {R::head}, {R::plane}, {R::dim}}},
+      {"strides: GPU packed NHD, 8B-like", {2, 8, 128, dtype_kind::bf16, attention_kind::mha}, 16, 2, 5,
+       kv_layout_kind::nhd, {{R::block}, {R::token}, {R::head}, {R::plane}, {R::dim}}},
+      // The same in HND stride order: memory (num_blocks, H, N, 2 * D).
+      {"strides: GPU packed HND (B, H, N, 2D)", {2, 3, 8, dtype_kind::bf16, attention_kind::mha}, 4, 3, 8,
+       kv_layout_kind::hnd, {{R::block}, {R::head}, {R::token}, {R::plane}, {R::dim}}},
+      // vLLM's CPU backend: shape (B, H, N, 2D), memory (B, H, 2, N, D).
+      {"strides: CPU packed (B, H, 2, N, D)", {3, 2, 8, dtype_kind::bf16, attention_kind::mha}, 4, 4, 9,
+       kv_layout_kind::hnd, {{R::block}, {R::head}, {R::plane}, {R::token}, {R::dim}}},
+      {"strides: CPU packed, one KV head", {2, 1, 16, dtype_kind::fp32, attention_kind::mha}, 8, 2, 6,
+       kv_layout_kind::hnd, {{R::block}, {R::head}, {R::plane}, {R::token}, {R::dim}}},
+      // fp8 (1-byte elements, odd widths), packed.
+      {"strides: fp8 GPU packed NHD, 3 x 5", {2, 3, 5, dtype_kind::fp8_e4m3, attention_kind::mha}, 4, 3, 8,
+       kv_layout_kind::nhd, {{R::block}, {R::token}, {R::head}, {R::plane}, {R::dim}}},
+      {"strides: fp8 CPU packed, 3 x 5", {2, 3, 5, dtype_kind::fp8_e5m2, attention_kind::mha}, 4, 3, 8,
+       kv_layout_kind::hnd, {{R::block}, {R::head}, {R::plane}, {R::token}, {R::dim}}},
+      // MLA with padded blocks (vLLM's as_strided page padding): whole segments.
+      {"strides: MLA, padded blocks", {3, 1, 24, dtype_kind::bf16, attention_kind::mla}, 4, 4, 9,
+       kv_layout_kind::nhd, {{R::block, 40}, {R::token}, {R::dim}}},
+      // Gaps inside blocks: padded tokens (NHD: rows of a token adjacent), padded heads (HND:
+      // rows of a head adjacent), block size 1.
+      {"strides: NHD, padded tokens", {2, 3, 4, dtype_kind::fp16, attention_kind::mha}, 4, 3, 8, kv_layout_kind::nhd,
+       {{R::plane}, {R::block}, {R::token, 5}, {R::head}, {R::dim}}},
+      {"strides: HND, padded heads", {2, 3, 4, dtype_kind::fp16, attention_kind::mha}, 4, 3, 8, kv_layout_kind::hnd,
+       {{R::plane}, {R::block}, {R::head, 3}, {R::token}, {R::dim}}},
+      {"strides: GPU packed NHD, block size 1", {2, 2, 8, dtype_kind::bf16, attention_kind::mha}, 1, 9, 20,
+       kv_layout_kind::nhd, {{R::block}, {R::token}, {R::head}, {R::plane}, {R::dim}}},
+      // One tensor for all layers (register_cross_layers_kv_cache): FlashAttention's NHD
+      // (num_blocks, L, N, H, 2D) and HND (num_blocks, H, L, N, 2D).
+      {"strides: cross-layer NHD (B, L, N, H, 2D)", {3, 2, 8, dtype_kind::bf16, attention_kind::mha}, 4, 4, 9,
+       kv_layout_kind::nhd, {{R::block}, {R::layer}, {R::token}, {R::head}, {R::plane}, {R::dim}}},
+      {"strides: cross-layer HND (B, H, L, N, 2D)", {3, 2, 8, dtype_kind::bf16, attention_kind::mha}, 4, 4, 9,
+       kv_layout_kind::hnd, {{R::block}, {R::head}, {R::layer}, {R::token}, {R::plane}, {R::dim}}},
+      {"strides: cross-layer MLA (B, L, N, D)", {3, 1, 24, dtype_kind::bf16, attention_kind::mla}, 4, 4, 9,
+       kv_layout_kind::nhd, {{R::block}, {R::layer}, {R::token}, {R::dim}}},
   };
 }
 
@@ -221,31 +366,33 @@ const char* mode_name(transfer_write m) {
 template <class Gather, class Scatter>
 void check_against_reference(const transfer_case& tc, id_order order, std::uint32_t skip, std::uint64_t seed,
                              bool contiguous, std::size_t misalign, Gather&& gather, Scatter&& scatter) {
-  const paged_kv_layout layout{tc.model, tc.block_size, tc.num_blocks, tc.order};
+  const paged_kv_layout layout = tc.layout();
   const chunk_layout chunk{tc.model, tc.block_size * tc.blocks_per_chunk};
-  REQUIRE(layout.validation_error().empty());
+  REQUIRE(layout.validation_error() == "");
   REQUIRE(layout.compatibility_error(chunk).empty());
   const auto ids = make_ids(tc.blocks_per_chunk, tc.num_blocks, order, seed);
+  contiguous = contiguous || tc.cross_layer();
+  const row_address address = tc.address();
   test_cache cache(layout, seed, contiguous, misalign);
 
   // Gather: the skipped prefix of the object keeps its sentinel.
   offset_bytes obj(chunk.object_bytes(), misalign, sentinel);
   offset_bytes expected(chunk.object_bytes(), misalign, sentinel);
   REQUIRE(gather(cache.view(), ids, chunk, obj.data(), skip) == std::error_code{});
-  reference_copy<true>(cache, ids, chunk, expected.data(), skip);
+  reference_copy<true>(cache, ids, chunk, expected.data(), skip, address);
   REQUIRE(obj.all() == expected.all());
 
   // Scatter into a cache filled with a sentinel (tokens that are skipped stay so), and into
   // a copy with the reference.
-  test_cache dst(layout, 0, !contiguous, misalign);
-  test_cache ref(layout, 0, !contiguous, misalign);
+  test_cache dst(layout, 0, !contiguous || tc.cross_layer(), misalign);
+  test_cache ref(layout, 0, !contiguous || tc.cross_layer(), misalign);
   dst.fill_with(sentinel);
   ref.fill_with(sentinel);
   // A distinct object, so repeated ids are not trivially the same bytes.
   offset_bytes src(chunk.object_bytes(), misalign);
   fill_random(src.span(), seed * 7);
   REQUIRE(scatter(dst.view(), ids, chunk, src.data(), skip) == std::error_code{});
-  reference_copy<false>(ref, ids, chunk, static_cast<const std::byte*>(src.data()), skip);
+  reference_copy<false>(ref, ids, chunk, static_cast<const std::byte*>(src.data()), skip, address);
   REQUIRE(dst.snapshot() == ref.snapshot());
 }
 
@@ -326,31 +473,40 @@ TEST_CASE("a scatter layer by layer writes exactly what the whole-object scatter
           const std::size_t misalign = seed % 3 == 0 ? 5 : 0;
           INFO(tc.name << ", order " << static_cast<int>(order) << ", skip " << skip << ", mode " << mode_name(mode)
                        << ", misalign " << misalign);
-          const paged_kv_layout layout{tc.model, tc.block_size, tc.num_blocks, tc.order};
+          const paged_kv_layout layout = tc.layout();
           const chunk_layout chunk{tc.model, tc.block_size * tc.blocks_per_chunk};
           const auto ids = make_ids(tc.blocks_per_chunk, tc.num_blocks, order, seed);
           offset_bytes src(chunk.object_bytes(), misalign);
           fill_random(src.span(), seed * 13);
-          test_cache whole(layout, 0, contiguous, misalign);
-          test_cache layered(layout, 0, contiguous, misalign);
+          test_cache whole(layout, 0, contiguous || tc.cross_layer(), misalign);
+          test_cache layered(layout, 0, contiguous || tc.cross_layer(), misalign);
           whole.fill_with(sentinel);
           layered.fill_with(sentinel);
           REQUIRE_FALSE(scatter_chunk(whole.view(), ids, chunk, src.data(), skip, {mode}));
-          // The last layer first: each call writes its own layer only, in any order.
+          // The last layer first: each call writes its own layer only, in any order. A
+          // layer's bytes are its rows (the layers of one cross-layer tensor interleave).
           const std::uint32_t layers = tc.model.num_layers;
-          const std::size_t lb = layout.layer_bytes();
-          auto layer_bytes = [&](std::uint32_t o) {
-            return std::vector<std::byte>(layered.layer(o), layered.layer(o) + lb);
+          const row_address address = tc.address();
+          auto layer_rows = [&](const test_cache& c, std::uint32_t o) {
+            std::vector<std::byte> v;
+            for (std::uint32_t p = 0; p < tc.model.planes(); ++p)
+              for (std::uint32_t b = 0; b < tc.num_blocks; ++b)
+                for (std::uint32_t t = 0; t < tc.block_size; ++t)
+                  for (std::uint32_t h = 0; h < tc.model.num_kv_heads; ++h) {
+                    const std::byte* at = c.layer(o) + address(p, b, t, h);
+                    v.insert(v.end(), at, at + layout.head_row_bytes());
+                  }
+            return v;
           };
           for (std::uint32_t k = 0; k < layers; ++k) {
             const std::uint32_t l = layers - 1 - k;
             std::vector<std::vector<std::byte>> before;
-            for (std::uint32_t o = 0; o < layers; ++o) before.push_back(layer_bytes(o));
+            for (std::uint32_t o = 0; o < layers; ++o) before.push_back(layer_rows(layered, o));
             REQUIRE_FALSE(scatter_chunk_layer(layered.view(), ids, chunk, src.data(), l, skip, {mode}));
             for (std::uint32_t o = 0; o < layers; ++o)
-              if (o != l) REQUIRE(layer_bytes(o) == before[o]);
+              if (o != l) REQUIRE(layer_rows(layered, o) == before[o]);
             // Layer l now holds what the whole-object scatter put there.
-            REQUIRE(std::memcmp(layered.layer(l), whole.layer(l), lb) == 0);
+            REQUIRE(layer_rows(layered, l) == layer_rows(whole, l));
           }
           REQUIRE(layered.snapshot() == whole.snapshot());
         }
@@ -636,4 +792,86 @@ TEST_CASE("every kernel copies up to max_copy_streams runs side by side, a later
         CHECK(dst.all() == expected);
       }
   }
+}
+
+TEST_CASE("engines of one order gather byte-identical objects whatever their strides; NHD and HND differ",
+          "[core][kv_transfer]") {
+  // The same logical KV (a byte per (layer, plane, block, token, head, byte of the row)) in
+  // tensors strided as vLLM's backends allocate them: every NHD engine gathers the same
+  // object, every HND engine another one, and the order is in the model id, so an NHD and an
+  // HND engine never exchange chunks while two NHD engines do.
+  const model_shape m{2, 3, 8, dtype_kind::bf16, attention_kind::mha};
+  const std::uint32_t bs = 4, blocks = 10, per_chunk = 4;
+  const chunk_layout chunk{m, bs * per_chunk};
+  struct engine {
+    const char* name;
+    kv_layout_kind order;
+    std::vector<memory_dim> memory;
+  };
+  const std::vector<engine> engines{
+      {"dense NHD", kv_layout_kind::nhd, {}},
+      {"GPU packed NHD", kv_layout_kind::nhd, {{R::block}, {R::token}, {R::head}, {R::plane}, {R::dim}}},
+      {"blocks-first NHD", kv_layout_kind::nhd, {{R::block}, {R::plane}, {R::token}, {R::head}, {R::dim}}},
+      {"cross-layer NHD", kv_layout_kind::nhd, {{R::block}, {R::layer}, {R::token}, {R::head}, {R::plane}, {R::dim}}},
+      {"dense HND", kv_layout_kind::hnd, {}},
+      {"CPU packed HND", kv_layout_kind::hnd, {{R::block}, {R::head}, {R::plane}, {R::token}, {R::dim}}},
+      {"GPU packed HND", kv_layout_kind::hnd, {{R::block}, {R::head}, {R::token}, {R::plane}, {R::dim}}},
+  };
+  auto value = [](std::uint32_t l, std::uint32_t p, std::uint32_t b, std::uint32_t t, std::uint32_t h,
+                  std::size_t i) { return static_cast<std::byte>((l * 71 + p * 37 + b * 29 + t * 13 + h * 7 + i) * 151); };
+  const std::vector<std::uint32_t> ids{7, 2, 3, 9};  // the chunk's blocks, the same in every engine
+  std::vector<std::vector<std::byte>> objects;
+  for (const engine& e : engines) {
+    INFO(e.name);
+    const transfer_case tc{e.name, m, bs, per_chunk, blocks, e.order, e.memory};
+    const paged_kv_layout L = tc.layout();
+    REQUIRE(L.validation_error() == "");
+    test_cache cache(L, 1, true);
+    const row_address address = tc.address();
+    const std::size_t row = L.head_row_bytes();
+    for (std::uint32_t l = 0; l < m.num_layers; ++l)
+      for (std::uint32_t p = 0; p < 2; ++p)
+        for (std::uint32_t b = 0; b < blocks; ++b)
+          for (std::uint32_t t = 0; t < bs; ++t)
+            for (std::uint32_t h = 0; h < m.num_kv_heads; ++h)
+              for (std::size_t i = 0; i < row; ++i) cache.layer(l)[address(p, b, t, h) + i] = value(l, p, b, t, h, i);
+    std::vector<std::byte> object(chunk.object_bytes());
+    REQUIRE_FALSE(gather_chunk(cache.view(), ids, chunk, object.data()));
+    objects.push_back(std::move(object));
+
+    // The object scattered into other blocks of a fresh engine of this layout puts every
+    // row where the engine's tensor has it.
+    test_cache back(L, 2, true);
+    const std::vector<std::uint32_t> dst{0, 5, 1, 8};
+    REQUIRE_FALSE(scatter_chunk(back.view(), dst, chunk, objects.back().data()));
+    for (std::uint32_t l = 0; l < m.num_layers; ++l)
+      for (std::uint32_t p = 0; p < 2; ++p)
+        for (std::uint32_t k = 0; k < per_chunk; ++k)
+          for (std::uint32_t t = 0; t < bs; ++t)
+            for (std::uint32_t h = 0; h < m.num_kv_heads; ++h)
+              for (std::size_t i = 0; i < row; ++i)
+                REQUIRE(back.layer(l)[address(p, dst[k], t, h) + i] == value(l, p, ids[k], t, h, i));
+  }
+  for (std::size_t i = 1; i < 4; ++i) CHECK(objects[i] == objects[0]);  // NHD: one object
+  for (std::size_t i = 5; i < 7; ++i) CHECK(objects[i] == objects[4]);  // HND: another
+  CHECK(objects[4] != objects[0]);
+  CHECK(make_model_id("m", m, kv_layout_kind::nhd) != make_model_id("m", m, kv_layout_kind::hnd));
+}
+
+TEST_CASE("a layout with strides the rows overlap in is refused before anything is copied", "[core][kv_transfer]") {
+  const model_shape m{2, 2, 8, dtype_kind::bf16, attention_kind::mha};
+  paged_kv_layout layout{m, 4, 8};
+  test_cache cache(layout, 3, true);
+  const auto before = cache.snapshot();
+  layout.strides = layout.dense_strides();
+  layout.strides.token = 16;  // the rows of two tokens overlap (a row is 16 bytes, 2 heads)
+  const paged_kv_view view{layout, cache.view().layers};
+  const chunk_layout chunk{m, 8};
+  std::vector<std::byte> object(chunk.object_bytes(), sentinel);
+  const std::vector<std::uint32_t> ids{1, 2};
+  CHECK(gather_chunk(view, ids, chunk, object.data()) == transfer_errc::invalid_layout);
+  CHECK(scatter_chunk(view, ids, chunk, object.data()) == transfer_errc::invalid_layout);
+  CHECK(scatter_chunk_layer(view, ids, chunk, object.data(), 1) == transfer_errc::invalid_layout);
+  CHECK(cache.snapshot() == before);
+  CHECK(std::all_of(object.begin(), object.end(), [](std::byte b) { return b == sentinel; }));
 }

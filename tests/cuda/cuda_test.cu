@@ -95,7 +95,41 @@ std::string describe(const paged_kv_layout& l, const chunk_layout& c) {
   return std::string(l.model.attention == attention_kind::mha ? "MHA " : "MLA ") + std::string(name(l.kind())) +
          " layers=" + std::to_string(l.model.num_layers) + " heads=" + std::to_string(l.model.num_kv_heads) +
          " dim=" + std::to_string(l.model.head_dim) + " dtype=" + std::string(name(l.model.dtype)) +
-         " block=" + std::to_string(l.block_size) + " chunk=" + std::to_string(c.chunk_tokens);
+         " block=" + std::to_string(l.block_size) + " chunk=" + std::to_string(c.chunk_tokens) +
+         (l.strides.dense() ? std::string() : "; " + l.describe());
+}
+
+/// The dimensions of an engine's KV tensor as its memory holds them (outermost first).
+enum class dim_role { layer, plane, block, token, head, dim };
+
+/// `l` with the strides of a contiguous tensor whose memory holds `memory`'s dimensions in
+/// that order (each with the elements of padding its stride has beyond the dimensions
+/// inside it). Without a layer dimension the layers lie apart, the layer extent rounded up
+/// to 64 bytes from one another.
+paged_kv_layout strided(paged_kv_layout l, const std::vector<std::pair<dim_role, std::uint32_t>>& memory) {
+  auto size = [&](dim_role r) -> std::uint64_t {
+    switch (r) {
+      case dim_role::layer: return l.model.num_layers;
+      case dim_role::plane: return l.model.planes();
+      case dim_role::block: return l.num_blocks;
+      case dim_role::token: return l.block_size;
+      case dim_role::head: return l.model.num_kv_heads;
+      case dim_role::dim: return l.model.head_dim;
+    }
+    return 0;
+  };
+  std::uint64_t st[6] = {};
+  std::uint64_t inner = 1;
+  bool has_layer = false;
+  for (auto it = memory.rbegin(); it != memory.rend(); ++it) {
+    st[static_cast<int>(it->first)] = inner + it->second;
+    inner = (inner + it->second) * size(it->first);
+    has_layer = has_layer || it->first == dim_role::layer;
+  }
+  const std::uint64_t e = l.model.dtype_bytes();
+  l.strides = {has_layer ? st[0] * e : 1, st[1] * e, st[2] * e, st[3] * e, st[4] * e};
+  if (!has_layer) l.strides.layer = (l.layer_bytes() + 63) / 64 * 64;
+  return l;
 }
 
 /// One test case: a layout, a chunk size, a batch of items (block ids + skip).
@@ -290,14 +324,12 @@ struct replay {
     for (std::uint64_t cta = 0; cta < grid; ++cta) {
       const kc::detail::segment_copy s = kc::detail::locate_segment<Gather>(p, static_cast<std::uint32_t>(cta));
       if (!s.active) continue;
-      for (std::uint32_t run = 0; run < s.runs; ++run) {
-        std::byte* dst = s.dst + run * s.stride;
-        const std::byte* src = s.src + run * s.stride;
-        if ((reinterpret_cast<std::uintptr_t>(dst) | reinterpret_cast<std::uintptr_t>(src) | s.len) % vec)
+      s.for_each_piece([&](std::byte* dst, const std::byte* src, std::uint64_t len) {
+        if ((reinterpret_cast<std::uintptr_t>(dst) | reinterpret_cast<std::uintptr_t>(src) | len) % vec)
           misaligned = true;
-        std::memcpy(dst, src, s.len);
-        writes.emplace_back(reinterpret_cast<std::uintptr_t>(dst), reinterpret_cast<std::uintptr_t>(dst) + s.len);
-      }
+        std::memcpy(dst, src, len);
+        writes.emplace_back(reinterpret_cast<std::uintptr_t>(dst), reinterpret_cast<std::uintptr_t>(dst) + len);
+      });
     }
     std::sort(writes.begin(), writes.end());
     for (std::size_t i = 1; i < writes.size(); ++i)
@@ -373,6 +405,44 @@ std::vector<batch_case> shapes() {
                         "hnd fp8 odd width"));
   v.push_back(make_case({{2, 4, 2, dtype_kind::fp32, attention_kind::mha}, 8, 30, kv_layout_kind::hnd}, 16, 6, 13,
                         "hnd repeated ids", true));
+  // Explicit strides: the layouts vLLM's backends allocate. R = memory order, outer first.
+  using R = dim_role;
+  const model_shape bf16_8x128{2, 8, 128, dtype_kind::bf16, attention_kind::mha};
+  // K|V packed in the last dim, NHD (FlashAttention's (B, N, H, 2D)): 256-byte rows.
+  v.push_back(make_case(strided({bf16_8x128, 16, 24, kv_layout_kind::nhd},
+                                {{R::block, 0}, {R::token, 0}, {R::head, 0}, {R::plane, 0}, {R::dim, 0}}),
+                        32, 5, 14, "gpu packed nhd"));
+  v.push_back(make_case(strided({{2, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 24, kv_layout_kind::hnd},
+                                {{R::block, 0}, {R::head, 0}, {R::token, 0}, {R::plane, 0}, {R::dim, 0}}),
+                        32, 5, 15, "gpu packed hnd"));
+  // vLLM's CPU backend (B, H, 2, N, D): a head's rows adjacent.
+  v.push_back(make_case(strided({{2, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 24, kv_layout_kind::hnd},
+                                {{R::block, 0}, {R::head, 0}, {R::plane, 0}, {R::token, 0}, {R::dim, 0}}),
+                        32, 5, 16, "cpu packed"));
+  // FlashInfer's blocks-first (B, 2, N, H, D): whole segments, block stride of two.
+  v.push_back(make_case(strided({{2, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 24, kv_layout_kind::nhd},
+                                {{R::block, 0}, {R::plane, 0}, {R::token, 0}, {R::head, 0}, {R::dim, 0}}),
+                        32, 5, 17, "blocks-first nhd"));
+  // fp8 packed with an odd width: 1-byte accesses through the row path.
+  v.push_back(make_case(strided({{2, 3, 5, dtype_kind::fp8_e4m3, attention_kind::mha}, 4, 60, kv_layout_kind::nhd},
+                                {{R::block, 0}, {R::token, 0}, {R::head, 0}, {R::plane, 0}, {R::dim, 0}}),
+                        12, 7, 18, "fp8 gpu packed odd width", true));
+  // One tensor for all layers, (B, L, N, H, 2D) and (B, H, L, N, 2D).
+  v.push_back(make_case(
+      strided({{3, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 24, kv_layout_kind::nhd},
+              {{R::block, 0}, {R::layer, 0}, {R::token, 0}, {R::head, 0}, {R::plane, 0}, {R::dim, 0}}),
+      32, 5, 19, "cross-layer nhd"));
+  v.push_back(make_case(
+      strided({{3, 2, 64, dtype_kind::bf16, attention_kind::mha}, 16, 24, kv_layout_kind::hnd},
+              {{R::block, 0}, {R::head, 0}, {R::layer, 0}, {R::token, 0}, {R::plane, 0}, {R::dim, 0}}),
+      32, 5, 20, "cross-layer hnd"));
+  // MLA with padded pages; NHD with padded tokens (rows path, runs of heads).
+  v.push_back(make_case(strided({{2, 1, 576, dtype_kind::bf16, attention_kind::mla}, 16, 40, kv_layout_kind::nhd},
+                                {{R::block, 64}, {R::token, 0}, {R::dim, 0}}),
+                        32, 5, 21, "mla padded blocks"));
+  v.push_back(make_case(strided({{2, 4, 8, dtype_kind::fp16, attention_kind::mha}, 8, 30, kv_layout_kind::nhd},
+                                {{R::plane, 0}, {R::block, 0}, {R::token, 3}, {R::head, 0}, {R::dim, 0}}),
+                        16, 6, 22, "nhd padded tokens", true));
   return v;
 }
 
@@ -410,7 +480,7 @@ void test_descriptor_wire_format() {
   d.layers = {{0, 0, 0}, {0, 0, d.layout.layer_bytes() + 4096}, {1, 0, 0}};
   CHECK(!d.validate());
   const std::vector<std::byte> bytes = d.serialize();
-  CHECK(bytes.size() == 64 + 2 * 72 + 3 * 16);
+  CHECK(bytes.size() == 104 + 2 * 72 + 3 * 16);
   CHECK(bytes.size() <= kc::region_descriptor::max_bytes);
   kc::region_descriptor back;
   CHECK(!kc::region_descriptor::parse(bytes, back));
@@ -434,6 +504,19 @@ void test_descriptor_wire_format() {
   bad[4] = std::byte{kc::region_descriptor_version + 1};  // another version
   CHECK(parse_code(bad) == kc::region_errc::unsupported_version);
   CHECK(parse_code(bad) == std::errc::protocol_not_supported);
+
+  // A layout with explicit strides (K|V packed per token) travels whole; its layers are
+  // sized by their last row, and strides that overlap rows make the layout invalid.
+  kc::region_descriptor packed = d;
+  packed.layout = strided(d.layout, {{dim_role::block, 0}, {dim_role::token, 0}, {dim_role::head, 0},
+                                     {dim_role::plane, 0}, {dim_role::dim, 0}});
+  CHECK(!packed.validate());
+  kc::region_descriptor packed_back;
+  CHECK(!kc::region_descriptor::parse(packed.serialize(), packed_back));
+  CHECK(packed_back.layout == packed.layout && packed_back.layout.strides.plane == 128 * 2);
+  packed.layout.strides.token = packed.layout.strides.head;
+  CHECK(packed.validate() == transfer_errc::invalid_layout);
+  CHECK(parse_code(packed.serialize()) == transfer_errc::invalid_layout);
 
   kc::region_descriptor e = d;
   e.layers[2].allocation = 2;
@@ -688,7 +771,10 @@ void check_copy_engine(const batch_case& c, kc::copy_mode mode, std::uint32_t ri
 void test_copy_engine() {
   section("copy_engine (staged and zero-copy) == CPU gather/scatter");
   const auto all = shapes();
-  for (std::size_t i : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{5}}) {
+  // 8: HND (a skip inside a block leads each head's run: the DMA is not one slab prefix);
+  // 11, 13: strided (K|V packed per token, vLLM's CPU layout).
+  for (std::size_t i : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{5}, std::size_t{8}, std::size_t{11},
+                        std::size_t{13}}) {
     check_copy_engine(all[i], kc::copy_mode::staged, 2);
     check_copy_engine(all[i], kc::copy_mode::zero_copy, 0);
   }

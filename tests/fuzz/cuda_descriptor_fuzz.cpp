@@ -26,10 +26,15 @@ namespace {
 namespace kc = kvtier::cuda;
 __extension__ typedef unsigned __int128 u128;  // exact sizes (g++ -Wpedantic wants __extension__)
 
-// Bytes of one layer's tensor, exactly.
+// Bytes of one layer's tensor, exactly: dense, or the end of its last row under explicit
+// strides (kv_strides: each dimension's (entries - 1) * stride, plus a row).
 u128 exact_layer_bytes(const kvtier::paged_kv_layout& l) {
-  return u128{l.block_size} * l.model.num_kv_heads * l.model.head_dim * l.model.dtype_bytes() * l.num_blocks *
-         l.model.planes();
+  const u128 row = u128{l.model.head_dim} * l.model.dtype_bytes();
+  if (l.strides.dense())
+    return u128{l.block_size} * l.model.num_kv_heads * row * l.num_blocks * l.model.planes();
+  auto span = [](std::uint64_t n, std::uint64_t stride) { return n > 1 ? u128{n - 1} * stride : u128{0}; };
+  return span(l.model.planes(), l.strides.plane) + span(l.num_blocks, l.strides.block) +
+         span(l.block_size, l.strides.token) + span(l.model.num_kv_heads, l.strides.head) + row;
 }
 
 bool same(const kc::region_descriptor& a, const kc::region_descriptor& b) {

@@ -190,9 +190,18 @@ void add_descriptors(std::vector<seed>& out) {
   whole.bytes = big.layout.layer_bytes();
   big.allocations = {whole};
   big.layers = {{0, 0, 0}};
+  // K|V packed per (token, head), NHD stride order: memory (blocks, block_size, heads, 2 * head_dim).
+  kc::region_descriptor packed;
+  packed.layout = {{2, 8, 128, kvtier::dtype_kind::bf16, kvtier::attention_kind::mha}, 16, 64};
+  packed.layout.strides = {0, 256, 16 * 8 * 512, 8 * 512, 512};
+  packed.layout.strides.layer = packed.layout.layer_bytes();
+  kc::ipc_allocation both;
+  both.bytes = packed.layout.total_bytes();
+  packed.allocations = {both};
+  packed.layers = {{0, 0, 0}, {0, 0, packed.layout.strides.layer}};
   using named = std::pair<const char*, const kc::region_descriptor*>;
   for (const auto& [name, d] : {named{"mha-3-layers-2-allocations", &mha}, named{"mla-one-allocation", &mla},
-                                named{"largest-dimensions", &big}}) {
+                                named{"largest-dimensions", &big}, named{"packed-kv-strides", &packed}}) {
     if (d->validate()) {
       std::fprintf(stderr, "make_seeds: the %s descriptor is invalid\n", name);
       std::exit(2);

@@ -131,11 +131,21 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     REQUIRE(bytes.has_value());
     bytes_builder body;
     // model shape: u32 layers, heads, head dim, u8 dtype kind (bf16 = 2), u8 attention (MLA = 1);
-    // then u8 layout kind (NHD = 0), u8 region kind (cpu_memfd = 1), descriptor, salt, rate.
+    // then u8 layout kind (NHD = 0), u8 region kind (cpu_memfd = 1), descriptor, salt, rate,
+    // the five u64 strides (0: dense).
     body.u64(1).u16(2).u16(4).str("m").u32(32).u32(1).u32(576).u8(2).u8(1).u32(64).u32(10).u32(256).u64(1 << 20);
-    body.u8(0).u8(1).str("").str("").u64(0);
+    body.u8(0).u8(1).str("").str("").u64(0).u64(0).u64(0).u64(0).u64(0).u64(0);
     CHECK(*bytes == make_frame(p::message_type::register_kv_request, 1, body.bytes));
     CHECK(r.layout().total_bytes() == std::size_t{32} * 10 * 64 * 576 * 2);
+    // Explicit strides travel in order layer, plane, block, token, head; layout() has them.
+    r.strides = {0x10000000, 0, 1152 * 64 + 128, 1152, 0};
+    auto strided = p::encode_frame(1, r);
+    REQUIRE(strided.has_value());
+    bytes_builder sbody;
+    sbody.u64(1).u16(2).u16(4).str("m").u32(32).u32(1).u32(576).u8(2).u8(1).u32(64).u32(10).u32(256).u64(1 << 20);
+    sbody.u8(0).u8(1).str("").str("").u64(0).u64(0x10000000).u64(0).u64(1152 * 64 + 128).u64(1152).u64(0);
+    CHECK(*strided == make_frame(p::message_type::register_kv_request, 1, sbody.bytes));
+    CHECK(r.layout().strides == r.strides);
   }
   SECTION("a scheduler's register request: region none, salt and prefill rate") {
     p::register_kv_request r;
@@ -152,7 +162,7 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     REQUIRE(bytes.has_value());
     bytes_builder body;
     body.u64(9).u16(0).u16(8).str("q").u32(24).u32(1).u32(64).u8(1).u8(0).u32(0).u32(0).u32(256).u64(0);
-    body.u8(1).u8(0).str("").str("t").u64(50000);
+    body.u8(1).u8(0).str("").str("t").u64(50000).u64(0).u64(0).u64(0).u64(0).u64(0);
     CHECK(*bytes == make_frame(p::message_type::register_kv_request, 2, body.bytes));
   }
 }
@@ -341,7 +351,7 @@ TEST_CASE("malformed bodies are protocol errors with a reason", "[protocol][code
   SECTION("an attention kind that is neither MHA nor MLA") {
     bytes_builder body;
     body.u64(1).u16(0).u16(1).str("m").u32(1).u32(1).u32(1).u8(2).u8(2).u32(16).u32(1).u32(256).u64(4096);
-    body.u8(0).u8(1).str("").str("").u64(0);
+    body.u8(0).u8(1).str("").str("").u64(0).u64(0).u64(0).u64(0).u64(0).u64(0);
     auto r = decode_whole(make_frame(p::message_type::register_kv_request, 8, body.bytes));
     REQUIRE_FALSE(r.has_value());
     CHECK(r.error().code == errc::protocol_error);
@@ -351,7 +361,7 @@ TEST_CASE("malformed bodies are protocol errors with a reason", "[protocol][code
     auto reg = [](std::uint8_t dtype, std::uint8_t layout, std::uint8_t region) {
       bytes_builder body;
       body.u64(1).u16(0).u16(1).str("m").u32(1).u32(1).u32(1).u8(dtype).u8(0).u32(16).u32(1).u32(256).u64(4096);
-      body.u8(layout).u8(region).str("").str("").u64(0);
+      body.u8(layout).u8(region).str("").str("").u64(0).u64(0).u64(0).u64(0).u64(0).u64(0);
       return decode_whole(make_frame(p::message_type::register_kv_request, 8, body.bytes));
     };
     CHECK(reg(5, 2, 2).has_value());  // int8, MLA, cuda_ipc: the last known values decode

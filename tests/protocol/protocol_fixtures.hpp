@@ -40,6 +40,7 @@ inline std::vector<protocol::message> sample_messages() {
       22);
   reg.cache_salt = "tenant-7";
   reg.prefill_tokens_per_second = 50000;
+  reg.strides = {0x1'0000'0000ULL, 128, 16 * 8 * 256, 8 * 256, 256};  // K|V packed per (token, head)
   m.emplace_back(reg);
   m.emplace_back(p::unregister_kv_request{});
   m.emplace_back(

@@ -236,3 +236,137 @@ TEST_CASE("NHD and HND engines of one model never share chunks, and an HND engin
             CHECK(std::memcmp(got, want, L.head_row_bytes()) == 0);
         }
 }
+
+namespace {
+/// The CPU-packed layout of vLLM's CPU backend for small_model(): memory (blocks, heads, 2,
+/// block_size, head_dim), head-major; 64 blocks.
+paged_kv_layout cpu_packed_layout() {
+  paged_kv_layout l{small_model(), test_block_size, 64, kv_layout_kind::hnd};
+  const std::uint64_t row = l.head_row_bytes();
+  const std::uint64_t heads = l.model.num_kv_heads;
+  l.strides = {0, test_block_size * row, heads * 2 * test_block_size * row, row, 2 * test_block_size * row};
+  l.strides.layer = l.layer_bytes();
+  return l;
+}
+
+/// K|V packed per (token, head), NHD (FlashAttention's (blocks, block_size, heads, 2 * head_dim)).
+paged_kv_layout gpu_packed_layout() {
+  paged_kv_layout l{small_model(), test_block_size, 64, kv_layout_kind::nhd};
+  const std::uint64_t row = l.head_row_bytes();
+  const std::uint64_t heads = l.model.num_kv_heads;
+  l.strides = {0, row, test_block_size * heads * 2 * row, heads * 2 * row, 2 * row};
+  l.strides.layer = l.layer_bytes();
+  return l;
+}
+
+/// Fills every row of block b of `r` with a pattern of (seed, layer, plane, token, head).
+void fill_rows(const engine_region& r, std::uint32_t b, std::uint32_t seed) {
+  const auto& L = r.layout;
+  for (std::uint32_t l = 0; l < L.model.num_layers; ++l)
+    for (std::uint32_t pl = 0; pl < L.model.planes(); ++pl)
+      for (std::uint32_t t = 0; t < L.block_size; ++t)
+        for (std::uint32_t h = 0; h < L.model.num_kv_heads; ++h) {
+          std::byte* row = r.region.layers()[l] + L.offset_in_layer(pl, b, t, h);
+          for (std::size_t i = 0; i < L.head_row_bytes(); ++i)
+            row[i] = static_cast<std::byte>((seed * 131 + l * 31 + pl * 17 + t * 7 + h * 3 + i) & 0xff);
+        }
+}
+
+/// Every row of block a of `ra` equals the same row of block b of `rb` (any strides).
+bool same_rows(const engine_region& ra, std::uint32_t a, const engine_region& rb, std::uint32_t b) {
+  const auto& L = ra.layout;
+  for (std::uint32_t l = 0; l < L.model.num_layers; ++l)
+    for (std::uint32_t pl = 0; pl < L.model.planes(); ++pl)
+      for (std::uint32_t t = 0; t < L.block_size; ++t)
+        for (std::uint32_t h = 0; h < L.model.num_kv_heads; ++h)
+          if (std::memcmp(ra.region.layers()[l] + L.offset_in_layer(pl, a, t, h),
+                          rb.region.layers()[l] + rb.layout.offset_in_layer(pl, b, t, h), L.head_row_bytes()) != 0)
+            return false;
+  return true;
+}
+}  // namespace
+
+TEST_CASE("regions with the engine's own strides share chunks with dense regions of their order, and only those",
+          "[server]") {
+  running_server s;
+  raw_client packed_c(s.path()), dense_c(s.path()), cpu_c(s.path()), hnd_c(s.path());
+  engine_region packed(gpu_packed_layout());
+  engine_region dense;  // NHD
+  engine_region cpu(cpu_packed_layout());
+  engine_region hnd(small_model(), test_block_size, 64, kv_layout_kind::hnd);
+  CHECK(packed.region.bytes() == kv_region::bytes_for(packed.layout));
+  const auto reg_packed = packed_c.register_region(packed);
+  const auto reg_dense = dense_c.register_region(dense);
+  const auto reg_cpu = cpu_c.register_region(cpu);
+  const auto reg_hnd = hnd_c.register_region(hnd);
+  // The model id folds in the order, not the strides.
+  CHECK(reg_packed.model_id == reg_dense.model_id);
+  CHECK(reg_cpu.model_id == reg_hnd.model_id);
+  CHECK(reg_packed.model_id != reg_cpu.model_id);
+
+  // Stored from the packed engine, retrieved by the dense one (skip 3: a partial block).
+  const auto hashes = chunk_hashes(61, 2);
+  const auto blocks = block_range(5, 2 * blocks_per_chunk);
+  for (std::size_t i = 0; i < blocks.size(); ++i) fill_rows(packed, blocks[i], 40 + static_cast<std::uint32_t>(i));
+  REQUIRE(packed_c.ok(store_req(packed, hashes, blocks)).stored == 2);
+  CHECK(lookup_done(dense_c, reg_dense.model_id, hashes).hit_chunks == 2);
+  const auto dst = block_range(30, 2 * blocks_per_chunk);
+  REQUIRE(dense_c.ok(retrieve_req(hashes, dst)).retrieved_chunks == 2);
+  for (std::size_t i = 0; i < dst.size(); ++i) CHECK(same_rows(dense, dst[i], packed, blocks[i]));
+  // The HND engines miss them; the CPU-packed engine's own chunks reach the dense HND one.
+  CHECK(lookup_done(cpu_c, reg_cpu.model_id, hashes, 1, "cpu-miss").hit_chunks == 0);
+  const auto hashes2 = chunk_hashes(62, 1);
+  const auto cblocks = block_range(40, blocks_per_chunk);
+  for (std::size_t i = 0; i < cblocks.size(); ++i) fill_rows(cpu, cblocks[i], 90 + static_cast<std::uint32_t>(i));
+  REQUIRE(cpu_c.ok(store_req(cpu, hashes2, cblocks, 0, "cpu-store")).stored == 1);
+  CHECK(lookup_done(hnd_c, reg_hnd.model_id, hashes2, 1, "h").hit_chunks == 1);
+  const auto hdst = block_range(2, blocks_per_chunk);
+  REQUIRE(hnd_c.ok(retrieve_req(hashes2, hdst, 0, 0, "h")).retrieved_chunks == 1);
+  for (std::size_t i = 0; i < hdst.size(); ++i) CHECK(same_rows(hnd, hdst[i], cpu, cblocks[i]));
+}
+
+TEST_CASE("a registration whose strides overlap rows, leave the bounds, overflow or disagree with its order is "
+          "refused with a message naming the shape and the strides",
+          "[server]") {
+  running_server s;
+  raw_client c(s.path());
+  engine_region r(gpu_packed_layout());
+  struct bad {
+    const char* what;
+    kv_strides strides;
+    kv_layout_kind order;
+    const char* says;
+  };
+  const kv_strides ok = r.layout.strides;
+  kv_strides overlap = ok;
+  overlap.token = ok.head;  // two tokens' rows on top of each other
+  kv_strides beyond = ok;
+  beyond.block = std::uint64_t{1} << 46;  // 63 blocks of 2^46: beyond 1 PiB
+  kv_strides wraps = ok;
+  wraps.head = ~std::uint64_t{0} / 2 + 2;  // 2^63 + 1: three heads' span would wrap around 64 bits
+  kv_strides layers_overlap = ok;
+  layers_overlap.layer = r.layout.layer_bytes() / 2;
+  const std::vector<bad> cases{
+      {"overlapping rows", overlap, kv_layout_kind::nhd, "overlap"},
+      {"beyond 1 PiB", beyond, kv_layout_kind::nhd, "1 PiB"},
+      {"a stride that would wrap", wraps, kv_layout_kind::nhd, "1 PiB"},
+      {"overlapping layers", layers_overlap, kv_layout_kind::nhd, "layer stride"},
+      {"order disagreeing", ok, kv_layout_kind::hnd, "order HND disagrees"},
+  };
+  for (const bad& b : cases) {
+    INFO(b.what);
+    auto req = r.registration();
+    req.strides = b.strides;
+    req.layout_kind = b.order;
+    const auto e = c.refused(req, r.region.fd());
+    CHECK(e.code == static_cast<std::uint32_t>(errc::invalid_argument));
+    CHECK_THAT(e.message, Catch::Contains(b.says) && Catch::Contains("strides (bytes)") &&
+                              Catch::Contains("kv_heads 2") && Catch::Contains("block_size 4"));
+  }
+  // A scheduler sends no strides.
+  auto sched = scheduler_registration(small_model());
+  sched.strides = ok;
+  CHECK_THAT(c.refused(sched).message, Catch::Contains("strides 0"));
+  // The connection still registers its region with the right strides.
+  CHECK(c.register_region(r).model_id == make_model_id("test/model", small_model()));
+}

@@ -84,6 +84,13 @@ struct engine_region {
     if (!r) throw std::runtime_error("kv_region::create: " + r.error().message());
     region = std::move(*r);
   }
+  /// A region of any layout (explicit kv_strides included). The token-wise helpers below
+  /// assume a token's rows are adjacent (dense layouts); strided ones are read by row.
+  explicit engine_region(const paged_kv_layout& l) : layout(l) {
+    auto r = kv_region::create(layout);
+    if (!r) throw std::runtime_error("kv_region::create: " + r.error().message());
+    region = std::move(*r);
+  }
 
   /// The bytes of token `t` of block `b`, over every layer and plane.
   std::byte* token(std::uint32_t layer, std::uint32_t plane, std::uint32_t b, std::uint32_t t) const {
@@ -148,6 +155,7 @@ struct engine_region {
     r.chunk_tokens = chunk_tokens;
     r.region_bytes = region.bytes();
     r.layout_kind = layout.kind();
+    r.strides = layout.strides;
     return r;
   }
 };

@@ -3,33 +3,50 @@
 //
 //   dtype_kind       the element type of the KV (fp32, fp16, bf16, fp8 e4m3/e5m2, int8): two
 //                    kinds of one size (fp16/bf16, e4m3/e5m2) never share objects.
-//   kv_layout_kind   how an engine orders one paged block: NHD (token-major, FlashAttention),
-//                    HND (head-major, vLLM's CPU backend and FlashInfer), MLA (one latent).
+//   kv_layout_kind   how an engine orders one paged block of one plane: NHD (token-major,
+//                    vLLM's default stride order), HND (head-major: vLLM's HND stride order,
+//                    which its CPU backend requires), MLA (one latent). The order of the
+//                    rows in a chunk object; where they are in memory is kv_strides'.
 //   model_shape      a model's KV geometry: layers, KV heads, head dim, dtype kind, MHA/MLA.
 //   chunk_layout     one chunk object (the unit stored in L1 and L2):
 //                      [layer][plane][token][kv_heads * head_dim] elements,
 //                    plane = K then V for MHA, the single latent for MLA. Layer-major, so a
 //                    layer's KV is one contiguous run (layer-wise loading stays possible).
-//   paged_kv_layout  an engine's paged KV cache, per layer vLLM's
+//   paged_kv_layout  an engine's paged KV cache: per layer, plane (K, V; one for MLA), block,
+//                    token and KV head, one row of head_dim elements. By default (kv_strides
+//                    all zero) vLLM's classic dense tensors, per layer
 //                      NHD: [2][num_blocks][block_size][kv_heads][head_dim]
 //                      HND: [2][num_blocks][kv_heads][block_size][head_dim]
 //                      MLA:    [num_blocks][block_size][latent_dim]
 //                    so one (layer, plane, block) is a contiguous "block segment" (token-major
-//                    inside it for NHD and MLA, head-major for HND).
+//                    inside it for NHD and MLA, head-major for HND). With explicit kv_strides
+//                    (bytes from one layer, plane, block, token, head to the next) any layout
+//                    whose rows are head_dim contiguous elements and never overlap: vLLM's K|V
+//                    packed in the last dim (num_blocks, block_size, kv_heads, 2 * head_dim),
+//                    its CPU backend's (num_blocks, kv_heads, 2, block_size, head_dim),
+//                    FlashInfer's (num_blocks, 2, ...), stride-order permutations, one tensor
+//                    for all layers (num_blocks, num_layers, ...).
 //
 // A chunk object holds the chunk's block segments back to back per (layer, plane), in chunk
-// order, exactly as the engine's blocks hold them. For NHD and MLA that is the token-major
+// order, each in the order `order` names. For NHD and MLA that is the token-major
 // [layer][plane][token][kv_heads * head_dim] of chunk_layout::offset; for HND each block's
 // segment stays head-major: [layer][plane][block of the chunk][kv_head][token in block]
-// [head_dim] (paged_kv_layout::object_offset gives a row's place in either). A copy therefore
-// moves whole segments in both orders and never transposes; HND objects are only ever read
-// back into HND caches, since the layout kind is part of the model id (make_model_id).
+// [head_dim] (paged_kv_layout::object_offset gives a row's place in either). The object
+// depends on `order` only, never on the strides: two engines of one model and order whose
+// tensors are strided differently gather byte-identical objects (and share keys), while NHD
+// and HND objects differ and never meet, since the order is part of the model id
+// (make_model_id). A layout with explicit strides must agree with its order (HND iff the head
+// stride exceeds the token stride); validation_error() refuses a disagreement.
+// Where a block segment is contiguous in object order (every dense layout) a copy moves
+// whole segments and never transposes; otherwise it moves rows (kv_transfer.hpp).
 // Skipping the first t tokens of a block is one leading run of t token rows for NHD and MLA,
 // and for HND the first t rows of each of the kv_heads runs of block_size rows
 // (segment_runs(), run_bytes(), run_offset()).
 
 #include <kvtier/config.hpp>
 
+#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -104,8 +121,8 @@ inline constexpr dtype_kind last_dtype_kind = dtype_kind::int8;
 
 /// How an engine orders the tokens and heads of one paged block. Values are stable.
 enum class kv_layout_kind : std::uint8_t {
-  nhd = 0,  ///< [block_size][kv_heads][head_dim] per block: FlashAttention, vLLM's default
-  hnd = 1,  ///< [kv_heads][block_size][head_dim] per block: vLLM's CPU backend, FlashInfer
+  nhd = 0,  ///< [block_size][kv_heads][head_dim] per block and plane: vLLM's default (NHD) order
+  hnd = 1,  ///< [kv_heads][block_size][head_dim] per block and plane: vLLM's HND order (CPU backend)
   mla = 2,  ///< [block_size][latent_dim] per block (attention_kind::mla)
 };
 inline constexpr kv_layout_kind last_kv_layout_kind = kv_layout_kind::mla;
@@ -195,14 +212,42 @@ struct chunk_layout {
   }
 };
 
-/// An engine's paged KV cache (one kv region holds num_layers such layers back to back).
+/// Byte strides of an engine's paged KV cache: from one layer, plane (K to V), block, token
+/// and KV head to the next. A row (head_dim elements of one (layer, plane, block, token,
+/// head)) is always contiguous. All zero (the default) means the dense layout of the
+/// paged_kv_layout's `order` (paged_kv_layout::dense_strides()). The stride of a dimension
+/// of size 1 (MLA's plane and head, one layer) is never used.
+///
+/// The layer stride places the layers in a kv_region (and cuda::kv_region::allocate); a
+/// copy reads each layer's base from the view's pointer table instead, so a view of layers
+/// that live apart (one tensor each) ignores it, but it must still describe layers that do
+/// not overlap (pass the layer extent, paged_kv_layout::layer_bytes(), or more).
+struct kv_strides {
+  std::uint64_t layer = 0;
+  std::uint64_t plane = 0;
+  std::uint64_t block = 0;
+  std::uint64_t token = 0;
+  std::uint64_t head = 0;
+
+  friend constexpr bool operator==(const kv_strides&, const kv_strides&) = default;
+
+  /// All zero: the dense layout of the order.
+  [[nodiscard]] constexpr bool dense() const noexcept {
+    return layer == 0 && plane == 0 && block == 0 && token == 0 && head == 0;
+  }
+};
+
+/// An engine's paged KV cache (one kv region holds num_layers such layers, at
+/// effective_strides().layer from one another).
 struct paged_kv_layout {
   model_shape model;
   std::uint32_t block_size = 16;  ///< tokens per block
   std::uint32_t num_blocks = 0;
   /// nhd or hnd for MHA models; an MLA model's blocks have one order whatever is set here
-  /// (kind() answers mla).
+  /// (kind() answers mla). The order of the rows in a chunk object, and part of the model id.
   kv_layout_kind order = kv_layout_kind::nhd;
+  /// Where the rows are in memory: all zero for the dense layout of `order`.
+  kv_strides strides{};
 
   /// The largest total_bytes() of a valid layout: 1 PiB, beyond any machine's memory, and
   /// small enough that no size or offset computed from a valid layout wraps around 64 bits
@@ -216,7 +261,7 @@ struct paged_kv_layout {
     return model.attention == attention_kind::mla ? kv_layout_kind::mla : order;
   }
 
-  /// Bytes of one (layer, plane, block): block_size tokens, contiguous.
+  /// Bytes of one (layer, plane, block) of KV: block_size tokens, the unit of a chunk object.
   [[nodiscard]] constexpr std::size_t segment_bytes() const noexcept {
     return std::size_t{block_size} * model.token_plane_bytes();
   }
@@ -224,9 +269,10 @@ struct paged_kv_layout {
   [[nodiscard]] constexpr std::size_t head_row_bytes() const noexcept {
     return std::size_t{model.head_dim} * model.dtype_bytes();
   }
-  /// The runs of rows one block segment is made of, in which a skip inside the block takes
-  /// the leading rows: 1 for NHD and MLA (token-major: the segment is one run of block_size
-  /// token rows), num_kv_heads for HND (one run of block_size rows per head).
+  /// The runs of rows one block segment of a chunk object is made of, in which a skip
+  /// inside the block takes the leading rows: 1 for NHD and MLA (token-major: the segment is
+  /// one run of block_size token rows), num_kv_heads for HND (one run of block_size rows per
+  /// head).
   [[nodiscard]] constexpr std::uint32_t segment_runs() const noexcept {
     return kind() == kv_layout_kind::hnd ? model.num_kv_heads : 1;
   }
@@ -238,24 +284,66 @@ struct paged_kv_layout {
   [[nodiscard]] constexpr std::size_t run_offset(std::uint32_t tokens) const noexcept {
     return std::size_t{tokens} * (kind() == kv_layout_kind::hnd ? head_row_bytes() : model.token_plane_bytes());
   }
-  /// Offset of (token, head)'s row inside one block segment.
+  /// Offset of (token, head)'s row inside one block segment of a chunk object (and of a
+  /// dense layout's block).
   [[nodiscard]] constexpr std::size_t offset_in_segment(std::uint32_t token, std::uint32_t head = 0) const noexcept {
     if (kind() == kv_layout_kind::hnd) return head * run_bytes() + std::size_t{token} * head_row_bytes();
     return std::size_t{token} * model.token_plane_bytes() + std::size_t{head} * head_row_bytes();
   }
-  /// Bytes of one layer's tensor.
-  [[nodiscard]] constexpr std::size_t layer_bytes() const noexcept {
-    return segment_bytes() * num_blocks * model.planes();
+
+  /// The strides of the dense layout of `order` (what all-zero strides mean): layer =
+  /// layer_bytes(), plane = num_blocks segments, block = one segment, and inside a block
+  /// token = kv_heads rows, head = one row (NHD, MLA) or head = block_size rows, token = one
+  /// row (HND).
+  [[nodiscard]] constexpr kv_strides dense_strides() const noexcept {
+    const std::uint64_t row = head_row_bytes();
+    const std::uint64_t seg = segment_bytes();
+    const std::uint64_t plane = seg * num_blocks;
+    kv_strides s{plane * model.planes(), plane, seg, std::uint64_t{model.num_kv_heads} * row, row};
+    if (kind() == kv_layout_kind::hnd) {
+      s.token = row;
+      s.head = std::uint64_t{block_size} * row;
+    }
+    return s;
   }
-  /// Bytes of all layers (the size of a CPU kv region).
-  [[nodiscard]] constexpr std::size_t total_bytes() const noexcept { return layer_bytes() * model.num_layers; }
-  /// Offset of the row of (token, head) of (plane, block) inside one layer's tensor; with
-  /// the defaults, the segment's start. In the NHD and MLA orders a token's heads are one
+  /// The strides in force: `strides`, or dense_strides() when they are all zero.
+  [[nodiscard]] constexpr kv_strides effective_strides() const noexcept {
+    return strides.dense() ? dense_strides() : strides;
+  }
+  /// Whether one (layer, plane, block) is one contiguous run of segment_bytes() in the
+  /// order of a chunk object's segment (then a copy moves whole segments; else rows).
+  /// Always true for dense layouts.
+  [[nodiscard]] constexpr bool segment_contiguous() const noexcept {
+    if (strides.dense()) return true;
+    const std::uint64_t row = head_row_bytes();
+    const std::uint64_t heads = model.num_kv_heads;
+    if (kind() == kv_layout_kind::hnd)
+      return (block_size == 1 || strides.token == row) && (heads == 1 || strides.head == block_size * row);
+    return (heads == 1 || strides.head == row) && (block_size == 1 || strides.token == heads * row);
+  }
+
+  /// Bytes from a layer's base to the end of its last row (the size of one layer's tensor):
+  /// num_blocks * planes segments for a dense layout.
+  [[nodiscard]] constexpr std::size_t layer_bytes() const noexcept {
+    if (strides.dense()) return segment_bytes() * num_blocks * model.planes();
+    const kv_strides& s = strides;
+    return span(model.planes(), s.plane) + span(num_blocks, s.block) + span(block_size, s.token) +
+           span(model.num_kv_heads, s.head) + head_row_bytes();
+  }
+  /// Bytes from the first layer's base to the end of the last layer's last row (the data of
+  /// a CPU kv region): layer_bytes() * num_layers for a dense layout.
+  [[nodiscard]] constexpr std::size_t total_bytes() const noexcept {
+    if (strides.dense()) return layer_bytes() * model.num_layers;
+    return span(model.num_layers, strides.layer) + layer_bytes();
+  }
+  /// Offset of the row of (token, head) of (plane, block) from its layer's base; with the
+  /// defaults, the block's first row. In a dense NHD or MLA layout a token's heads are one
   /// contiguous run of token_plane_bytes() (head 0 starts it); in HND each head's row is
-  /// apart (head_row_bytes()).
+  /// apart (head_row_bytes()); with explicit strides wherever they say.
   [[nodiscard]] constexpr std::size_t offset_in_layer(std::uint32_t plane, std::uint32_t block, std::uint32_t token = 0,
                                                       std::uint32_t head = 0) const noexcept {
-    return (std::size_t{plane} * num_blocks + block) * segment_bytes() + offset_in_segment(token, head);
+    const kv_strides s = effective_strides();
+    return plane * s.plane + block * s.block + token * s.token + head * s.head;
   }
   /// Offset of the row of (token, head) of (layer, plane) inside a chunk object gathered
   /// from this cache (`token` counts from the chunk's start). NHD and MLA: chunk.offset(
@@ -264,6 +352,19 @@ struct paged_kv_layout {
                                                     std::uint32_t token, std::uint32_t head = 0) const noexcept {
     return chunk.offset(layer, plane) + std::size_t{token / block_size} * segment_bytes() +
            offset_in_segment(token % block_size, head);
+  }
+
+  /// The shape and strides in words, for messages: "layers 2, planes 2, blocks 8, block_size
+  /// 4, kv_heads 2, row 32 bytes; strides (bytes) layer 4096, plane 2048, block 256, token
+  /// 64, head 32" (the effective strides; "dense NHD" when they are all zero).
+  [[nodiscard]] std::string describe() const {
+    const kv_strides s = effective_strides();
+    return "layers " + std::to_string(model.num_layers) + ", planes " + std::to_string(model.planes()) + ", blocks " +
+           std::to_string(num_blocks) + ", block_size " + std::to_string(block_size) + ", kv_heads " +
+           std::to_string(model.num_kv_heads) + ", row " + std::to_string(head_row_bytes()) +
+           " bytes; strides (bytes) layer " + std::to_string(s.layer) + ", plane " + std::to_string(s.plane) +
+           ", block " + std::to_string(s.block) + ", token " + std::to_string(s.token) + ", head " +
+           std::to_string(s.head) + (strides.dense() ? " (dense " + std::string(name(kind())) + ")" : "");
   }
 
   [[nodiscard]] std::string validation_error() const {
@@ -281,6 +382,7 @@ struct paged_kv_layout {
     if (num_blocks > max_total_bytes / per_block)
       return "num_blocks " + std::to_string(num_blocks) + " is too many: the KV cache of this model and block_size "
              "would exceed 1 PiB";
+    if (!strides.dense()) return strides_error();
     return {};
   }
 
@@ -291,6 +393,69 @@ struct paged_kv_layout {
     if (chunk.chunk_tokens % block_size != 0)
       return "chunk_tokens (" + std::to_string(chunk.chunk_tokens) + ") must be a multiple of block_size (" +
              std::to_string(block_size) + ")";
+    return {};
+  }
+
+ private:
+  /// Bytes a dimension of n entries `stride` apart spans before its last entry.
+  [[nodiscard]] static constexpr std::uint64_t span(std::uint64_t n, std::uint64_t stride) noexcept {
+    return n > 1 ? (n - 1) * stride : 0;
+  }
+
+  /// The checks of explicit strides (validation_error, after the shape's): every row of
+  /// every (layer, plane, block, token, head) ends within max_total_bytes of the first
+  /// layer's base, computed without overflow; no two rows overlap; `order` agrees with the
+  /// strides. Injectivity is checked on the sorted strides: taking the dimensions of more
+  /// than one entry from the smallest stride up, each stride must reach past everything
+  /// the smaller ones span (a row to begin with), i.e. the layout nests. Every layout vLLM
+  /// allocates does; one that interleaves dimensions without overlapping is refused too
+  /// (rare, and never produced by a permutation of a contiguous tensor).
+  [[nodiscard]] std::string strides_error() const {
+    struct dim {
+      const char* name;
+      std::uint64_t n;
+      std::uint64_t stride;
+    };
+    const kv_strides& s = strides;
+    std::array<dim, 5> dims{{{"layer", model.num_layers, s.layer},
+                             {"plane", model.planes(), s.plane},
+                             {"block", num_blocks, s.block},
+                             {"token", block_size, s.token},
+                             {"head", model.num_kv_heads, s.head}}};
+    const std::uint64_t row = head_row_bytes();
+    std::uint64_t end = row;  // of the last row: sum of (n - 1) * stride, plus a row
+    for (const dim& d : dims) {
+      if (d.n <= 1) continue;
+      // Each term at most 2^50 and five of them: the sum cannot wrap.
+      if (d.stride > max_total_bytes / (d.n - 1))
+        return "the " + std::string(d.name) + " stride " + std::to_string(d.stride) + " times " +
+               std::to_string(d.n - 1) + " reaches beyond 1 PiB (" + describe() + ")";
+      end += (d.n - 1) * d.stride;
+    }
+    if (end > max_total_bytes) return "the KV rows reach beyond 1 PiB (" + describe() + ")";
+    std::stable_sort(dims.begin(), dims.end(), [](const dim& a, const dim& b) { return a.stride < b.stride; });
+    std::uint64_t spanned = row;  // bytes the dimensions below the current one cover
+    std::string inside = "a row";
+    for (const dim& d : dims) {
+      if (d.n <= 1) continue;
+      if (d.stride < spanned)
+        return "KV rows overlap: the " + std::string(d.name) + " stride " + std::to_string(d.stride) +
+               " is below the " + std::to_string(spanned) + " bytes that " + inside + " span" +
+               (inside == "a row" ? "s" : "") + " (" + describe() + ")";
+      spanned += (d.n - 1) * d.stride;
+      inside = inside == "a row" ? std::string("a row and the ") + d.name + " dimension"
+                                 : inside + " and the " + d.name + " dimension";
+    }
+    // The order objects are made in must be the strides' own: HND iff heads are outer.
+    if (model.attention == attention_kind::mha && model.num_kv_heads > 1 && block_size > 1) {
+      const bool head_major = s.head > s.token;
+      if (head_major != (order == kv_layout_kind::hnd))
+        return "order " + std::string(name(order)) + " disagrees with the strides: the head stride " +
+               std::to_string(s.head) + (head_major ? " exceeds" : " is below") + " the token stride " +
+               std::to_string(s.token) + ", so the blocks are " + (head_major ? "head-major: register HND" :
+                                                                      "token-major: register NHD") +
+               " (" + describe() + ")";
+    }
     return {};
   }
 };

@@ -7,10 +7,14 @@
 // the rest of core/ it needs POSIX and error.hpp, and the CUDA path does not use it (its
 // device-memory counterpart is cuda::kv_region in cuda/ipc_region.cuh).
 //
-// Layout of the memory (all offsets 4 KiB-aligned):
-//   [layer 0][layer 1]...[layer L-1]   each paged_kv_layout::layer_bytes(), vLLM's per-layer
-//                                      [plane][num_blocks][block_size][heads*head_dim]
-//   [generations]                      num_blocks std::atomic<uint64_t>
+// Layout of the memory:
+//   [data]          paged_kv_layout::total_bytes(): layer l at l * effective_strides().layer.
+//                   Dense layouts (kv_strides all zero): the layers back to back, each
+//                   layer_bytes(), vLLM's per-layer [plane][num_blocks][block_size][heads*
+//                   head_dim] (NHD; HND swaps tokens and heads). Explicit strides: wherever
+//                   they put the rows (an engine's own tensor layout, or one tensor for all
+//                   layers), validated by paged_kv_layout::validation_error.
+//   [generations]   at the data's end rounded up to 4 KiB: num_blocks std::atomic<uint64_t>
 //
 // Sealing: the engine seals the memfd against shrinking and growing (F_SEAL_SHRINK |
 // F_SEAL_GROW | F_SEAL_SEAL) before it sends it, and the server refuses an fd without those
@@ -63,7 +67,8 @@ class kv_region {
   kv_region& operator=(const kv_region&) = delete;
   ~kv_region() { close(); }
 
-  /// Bytes of the memory of a region for `layout`.
+  /// Bytes of the memory of a region for `layout`: its data (total_bytes(), the end of the
+  /// last row, 4 KiB aligned), then the generations.
   [[nodiscard]] static std::size_t bytes_for(const paged_kv_layout& layout) noexcept {
     return align_up(layout.total_bytes()) + align_up(std::size_t{layout.num_blocks} * sizeof(std::uint64_t));
   }
@@ -189,7 +194,8 @@ class kv_region {
     r.base_ = static_cast<std::byte*>(p);
     r.bytes_ = bytes;
     r.layout_ = layout;
-    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) r.layers_.push_back(r.base_ + l * layout.layer_bytes());
+    const std::uint64_t layer_stride = layout.effective_strides().layer;
+    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) r.layers_.push_back(r.base_ + l * layer_stride);
     static_assert(std::atomic<std::uint64_t>::is_always_lock_free, "generations live in shared memory");
     r.generations_ = reinterpret_cast<std::atomic<std::uint64_t>*>(r.base_ + align_up(layout.total_bytes()));
     return r;

@@ -7,17 +7,29 @@
 //   scatter_chunk_layer              one layer of a chunk object -> paged KV (a layer-wise
 //                                    retrieve: layer l of every chunk, then layer l + 1)
 //
-// Layouts (core/kv_layout.hpp): the paged cache is one tensor per layer,
-//   NHD [2][num_blocks][block_size][kv_heads][head_dim], HND [2][num_blocks][kv_heads]
-//   [block_size][head_dim], MLA [num_blocks][block_size][latent],
-// so one (layer, plane, block) is a contiguous "block segment" of block_size * token_plane
-// bytes in every kind; a chunk object holds the chunk's segments back to back per (layer,
-// plane) as the blocks hold them (NHD and MLA: [layer][plane][token][kv_heads * head_dim];
-// HND: the same with each block's segment head-major). A chunk of chunk_tokens tokens is
-// chunk_tokens / block_size blocks, named by block ids in chunk order. Every (layer, plane)
-// of the object is therefore the concatenation of the chunk's block segments of that
-// (layer, plane): the copy is num_layers * planes * blocks copies of one segment each,
-// whatever the layout kind.
+// Layouts (core/kv_layout.hpp): the paged cache is one tensor per layer; one (layer, plane,
+// block) of KV is block_size tokens of kv_heads rows of head_dim elements, at
+//   layer base + plane * strides.plane + block * strides.block
+// (paged_kv_layout::effective_strides(): dense NHD [2][num_blocks][block_size][kv_heads]
+// [head_dim], HND [2][num_blocks][kv_heads][block_size][head_dim], MLA [num_blocks]
+// [block_size][latent] by default; any non-overlapping strides otherwise). A chunk object
+// holds the chunk's block segments back to back per (layer, plane), each in the order
+// `order` names (NHD and MLA: [layer][plane][token][kv_heads * head_dim]; HND: the same with
+// each block's segment head-major), whatever the strides. A chunk of chunk_tokens tokens is
+// chunk_tokens / block_size blocks, named by block ids in chunk order.
+//
+// Two paths, chosen per call by paged_kv_layout::segment_contiguous():
+//   segments  where one (layer, plane, block) is one contiguous run in object order (every
+//             dense layout, and explicit strides that happen to be dense inside a block):
+//             num_layers * planes * blocks copies of one segment each, the fast kernels
+//             below (runs of consecutive block ids coalesced when the block stride is one
+//             segment);
+//   rows      otherwise (K|V packed per token, vLLM's CPU layout, ...): per block, one copy
+//             per row, coalescing the rows that are adjacent on both sides (the kv_heads
+//             rows of a token where the head stride is one row, the block_size rows of a
+//             head in HND where the token stride is one row).
+// Both give the same object byte for byte; tests/core/kv_transfer_test.cpp checks both
+// against a row-by-row reference for every layout vLLM allocates.
 //
 // skip_tokens: the first skip_tokens tokens of the chunk are neither read nor written, in
 // either direction (any value in [0, chunk_tokens], not only block multiples). Scatter uses
@@ -30,9 +42,10 @@
 // std::error_code: {} on success, else a transfer_errc (category "kvtier.transfer") that
 // compares equal to std::errc::invalid_argument. Nothing throws and nothing allocates; a
 // batch copies nothing when any of its items is invalid. Memory is not checked: the object
-// must hold chunk.object_bytes() bytes, each layer pointer layout.layer_bytes() bytes, and
-// the object must not overlap the paged cache. Calls share no state: concurrent gathers may
-// read the same blocks; concurrent writes to the same bytes are the caller's data race.
+// must hold chunk.object_bytes() bytes, each layer pointer layout.layer_bytes() bytes (its
+// rows' extent), and the object must not overlap the paged cache. Calls share no state:
+// concurrent gathers may read the same blocks; concurrent writes to the same bytes are the
+// caller's data race.
 //
 // Speed (docs/performance.md, "Gather/scatter"): the copy is memory-bound, so what counts is
 // how the memory is touched. Large transfers write with non-temporal (streaming) stores
@@ -285,13 +298,15 @@ struct chunk_walk {
   std::span<const std::uint32_t> ids;
   ObjectByte* object;
   std::size_t seg;           ///< bytes of one block segment
-  std::size_t plane_stride;  ///< bytes of one plane of one layer's tensor
+  std::size_t plane_stride;  ///< from one plane of a layer's tensor to the next
+  std::size_t block_stride;  ///< from one block of a plane to the next
   std::size_t slab;          ///< bytes of one (layer, plane) of the object
   std::uint32_t planes;
   std::size_t start;  ///< the first block copied whole
 
-  /// Calls f(paged, object, bytes) for each run of consecutive block ids from `start`, in
-  /// chunk order per (layer, plane), and prefetch(next paged run) before each run.
+  /// Calls f(paged, object, bytes) for each run of consecutive block ids from `start` (one
+  /// block per run unless the block stride is one segment), in chunk order per (layer,
+  /// plane), and prefetch(next paged run) before each run.
   template <class F, class P>
   void for_each_run(F&& f, P&& prefetch) const noexcept {
     const std::size_t n = ids.size();
@@ -301,16 +316,17 @@ struct chunk_walk {
       for (std::uint32_t p = 0; p < planes; ++p, paged_plane += plane_stride, obj_slab += slab) {
         for (std::size_t i = start; i < n;) {
           std::size_t j = i + 1;
-          while (j < n && ids[j] == ids[j - 1] + 1) ++j;
+          if (block_stride == seg)
+            while (j < n && ids[j] == ids[j - 1] + 1) ++j;
           // The source of the next run: the next block of this plane, else the first block
           // of the next plane (of this layer or the next one).
           if (j < n)
-            prefetch(paged_plane + ids[j] * seg);
+            prefetch(paged_plane + ids[j] * block_stride);
           else if (p + 1 < planes)
-            prefetch(paged_plane + plane_stride + ids[start] * seg);
+            prefetch(paged_plane + plane_stride + ids[start] * block_stride);
           else if (l + 1 < layers.size())
-            prefetch(layers[l + 1] + ids[start] * seg);
-          f(paged_plane + ids[i] * seg, obj_slab + i * seg, (j - i) * seg);
+            prefetch(layers[l + 1] + ids[start] * block_stride);
+          f(paged_plane + ids[i] * block_stride, obj_slab + i * seg, (j - i) * seg);
           i = j;
         }
       }
@@ -331,7 +347,7 @@ struct chunk_walk {
   std::size_t next_group(cursor& c, std::size_t width, std::byte** paged, ObjectByte** obj) const noexcept {
     std::size_t k = 0;
     for (; k < width && c.l < layers.size(); ++k) {
-      paged[k] = c.paged_plane + ids[c.i] * seg;
+      paged[k] = c.paged_plane + ids[c.i] * block_stride;
       obj[k] = c.obj_slab + c.i * seg;
       if (++c.i < ids.size()) continue;
       c.i = start;
@@ -345,8 +361,107 @@ struct chunk_walk {
   }
 };
 
+/// Copies one validated chunk whose block segments are not contiguous in object order
+/// (paged_kv_layout::segment_contiguous() is false): per (layer, plane, block of the chunk),
+/// the rows in object order, one copy per run of rows adjacent on both sides. The object
+/// side of a segment is `outer` runs of `inner` rows (NHD, MLA: tokens of heads; HND: heads
+/// of tokens); a run is one copy where the paged stride of its inner dimension is one row,
+/// else one copy per row. A skip that ends inside a block drops that block's leading token
+/// rows (NHD, MLA: the first outer runs; HND: the first rows of each head's run).
+///
+/// Where the planes lie inside a block (K|V packed per token, vLLM's CPU layout: plane
+/// stride below block stride) a block's planes are copied one after the other, so the
+/// block's memory comes from DRAM once (the second plane finds it in cache), and the first
+/// lines of the next block are prefetched (random blocks: each starts with a miss the
+/// hardware prefetcher cannot foresee). Measured on the dev VM against a streaming copy of
+/// the same bytes (bench/gather_bench.cpp --explore=packed, 5 repeats, a machine shared
+/// with other jobs): vLLM's CPU layout gathers at 0.7-1.0x and scatters at 0.8-1.4x (a
+/// head's rows are one copy); K|V packed per (token, head) copies one row at a time:
+/// 0.8-0.9x (gather) and 1.1x (scatter) with 256-byte rows (8B shape), but 0.3x and 0.6x
+/// with 128-byte rows (0.5B shape; plane by plane over all blocks, before this reordering,
+/// the gather ran at 0.2x). That layout is what vLLM's GPU backends allocate; on a GPU the
+/// CUDA kernels copy it (cuda/kv_transfer.cuh). For
+/// every (layer, plane, row), blocks are copied in chunk order: a scatter's later occurrence
+/// of a block wins, as in copy_chunk.
+template <bool Gather, class ObjectByte>
+inline void copy_chunk_rows(const paged_kv_view& cache, std::span<const std::uint32_t> ids, const chunk_layout& chunk,
+                            ObjectByte* object, std::uint32_t skip_tokens, const copy_plan& plan) noexcept {
+  const paged_kv_layout& layout = cache.layout;
+  const kv_strides s = layout.effective_strides();
+  const std::size_t nblocks = ids.size();
+  const std::size_t first = skip_tokens / layout.block_size;
+  if (first >= nblocks) return;
+  const std::uint32_t first_tokens = skip_tokens % layout.block_size;  // skipped in block `first`
+  const std::size_t row = layout.head_row_bytes();
+  const std::size_t seg = layout.segment_bytes();
+  const std::size_t slab = chunk.slab_bytes();
+  const std::uint32_t planes = layout.model.planes();
+  const bool hnd = layout.kind() == kv_layout_kind::hnd;
+  const std::uint32_t tokens = layout.block_size;
+  const std::uint32_t heads = layout.model.num_kv_heads;
+  const std::uint32_t inner = hnd ? tokens : heads;
+  const std::size_t outer_paged = hnd ? s.head : s.token;
+  const std::size_t inner_paged = hnd ? s.token : s.head;
+  const std::size_t outer_obj = std::size_t{inner} * row;
+  const bool inner_run = inner == 1 || inner_paged == row;  // a run's rows are adjacent both sides
+  const bool planes_inside_blocks = planes > 1 && s.plane < s.block;
+  const copy_kernel& k = *plan.kernel;
+  auto copy = [&k](std::byte* paged, ObjectByte* obj, std::size_t n) noexcept {
+    if constexpr (Gather)
+      k.copy(obj, paged, n);
+    else
+      k.copy(paged, obj, n);
+  };
+  // `count` rows from `paged` / `obj`, inner_paged / row apart.
+  auto rows = [&](std::byte* paged, ObjectByte* obj, std::uint32_t count) noexcept {
+    if (inner_run) {
+      copy(paged, obj, count * row);
+      return;
+    }
+    for (std::uint32_t r = 0; r < count; ++r) copy(paged + r * inner_paged, obj + r * row, row);
+  };
+  // Block i of the chunk, plane p, of the layer at `layer` (its object slab at `obj_slab`).
+  auto block = [&](std::byte* layer, std::uint32_t p, ObjectByte* obj_slab, std::size_t i) noexcept {
+    std::byte* paged = layer + p * s.plane + ids[i] * s.block;
+    ObjectByte* obj = obj_slab + i * seg;
+    const std::uint32_t t0 = i == first ? first_tokens : 0;
+    if (hnd) {  // each head: tokens t0.. of its run
+      for (std::uint32_t h = 0; h < heads; ++h)
+        rows(paged + h * outer_paged + t0 * inner_paged, obj + h * outer_obj + t0 * row, tokens - t0);
+    } else {  // each token from t0: its heads
+      for (std::uint32_t t = t0; t < tokens; ++t) rows(paged + t * outer_paged, obj + t * outer_obj, heads);
+    }
+  };
+  const std::size_t lines = plan.prefetch_lines;
+  auto prefetch = [lines](const std::byte* at) noexcept {
+    for (std::size_t j = 0; j < lines; ++j) {
+      if constexpr (Gather)
+        prefetch_read(at + 64 * j);
+      else
+        prefetch_page(at + 64 * j);
+    }
+  };
+  ObjectByte* obj_layer = object;
+  for (std::byte* layer : cache.layers) {
+    if (planes_inside_blocks) {
+      for (std::size_t i = first; i < nblocks; ++i) {
+        if (i + 1 < nblocks) prefetch(layer + ids[i + 1] * s.block);
+        for (std::uint32_t p = 0; p < planes; ++p) block(layer, p, obj_layer + p * slab, i);
+      }
+    } else {
+      for (std::uint32_t p = 0; p < planes; ++p)
+        for (std::size_t i = first; i < nblocks; ++i) {
+          if (i + 1 < nblocks) prefetch(layer + p * s.plane + ids[i + 1] * s.block);
+          block(layer, p, obj_layer + p * slab, i);
+        }
+    }
+    obj_layer += planes * slab;
+  }
+}
+
 /// Copies one validated chunk. Gather: paged -> object; else object -> paged. ObjectByte is
-/// std::byte for a gather (the object is written), const std::byte for a scatter.
+/// std::byte for a gather (the object is written), const std::byte for a scatter. Layouts
+/// whose block segments are not contiguous in object order go to copy_chunk_rows.
 ///
 /// First, where the skip ends inside a block, that block's part after the skip in every
 /// (layer, plane) (NHD and MLA: one run of token rows; HND: one run per head), one copy
@@ -360,16 +475,22 @@ template <bool Gather, class ObjectByte>
 inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t> ids, const chunk_layout& chunk,
                        ObjectByte* object, std::uint32_t skip_tokens, const copy_plan& plan) noexcept {
   const paged_kv_layout& layout = cache.layout;
+  if (!layout.segment_contiguous()) {
+    copy_chunk_rows<Gather>(cache, ids, chunk, object, skip_tokens, plan);
+    return;
+  }
   const std::size_t nblocks = ids.size();
   const std::size_t first = skip_tokens / layout.block_size;  // first block with bytes to copy
   if (first >= nblocks) return;                               // the whole chunk is skipped
   // Bytes of each run of the first block left alone (a skip that ends inside that block).
   const std::size_t offset = layout.run_offset(skip_tokens % layout.block_size);
+  const kv_strides strides = layout.effective_strides();
   const chunk_walk<ObjectByte> w{cache.layers,
                                  ids,
                                  object,
                                  layout.segment_bytes(),
-                                 layout.segment_bytes() * layout.num_blocks,
+                                 strides.plane,
+                                 strides.block,
                                  chunk.slab_bytes(),
                                  layout.model.planes(),
                                  offset != 0 ? first + 1 : first};
@@ -386,7 +507,7 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
     ObjectByte* obj_slab = object + first * w.seg + offset;
     for (std::byte* layer : cache.layers)
       for (std::uint32_t p = 0; p < w.planes; ++p, obj_slab += w.slab) {
-        std::byte* paged = layer + p * w.plane_stride + ids[first] * w.seg + offset;
+        std::byte* paged = layer + p * w.plane_stride + ids[first] * w.block_stride + offset;
         for (std::uint32_t r = 0; r < layout.segment_runs(); ++r)
           copy(paged + r * run, obj_slab + r * run, run - offset);
       }
@@ -404,10 +525,12 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
     }
   };
   bool aligned = w.seg % 64 == 0;
-  if constexpr (Gather)
+  if constexpr (Gather) {
     aligned = aligned && reinterpret_cast<std::uintptr_t>(object) % 64 == 0;
-  else
+  } else {
+    aligned = aligned && w.block_stride % 64 == 0 && w.plane_stride % 64 == 0;
     for (std::byte* layer : cache.layers) aligned = aligned && reinterpret_cast<std::uintptr_t>(layer) % 64 == 0;
+  }
   if (plan.streams == 0 || !aligned) {
     w.for_each_run(copy, prefetch);
     return;

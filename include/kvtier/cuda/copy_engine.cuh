@@ -33,7 +33,11 @@
 //
 // skip_tokens: a store leaves the skipped bytes of the L1 object untouched and a retrieve
 // does not read them: the DMA is then a cudaMemcpy2DAsync over the object's (layer, plane)
-// slabs, skipping the first skip_tokens tokens of each.
+// slabs, skipping the first skip_tokens tokens of each. In an HND object a skip that ends
+// inside a block is not a prefix of the slab (it leads each head's run of that block): a
+// retrieve then moves that whole block into the staging buffer (the scatter kernel never
+// reads the skipped rows), a store its runs without their skipped rows (one
+// cudaMemcpy3DAsync over every slab) and the blocks after it.
 //
 // Ordering: `after` (may be null) is an event the work waits for (the engine's forward
 // step, an interprocess event: ipc_region.cuh); `done` (may be null) is recorded when the
@@ -63,6 +67,7 @@
 #include <cstdint>
 #include <span>
 #include <system_error>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -264,15 +269,35 @@ class copy_engine {
   }
 
   /// The DMA of one object's bytes that are not skipped, on the copy stream: one contiguous
-  /// copy, or one 2D copy over the (layer, plane) slabs when tokens are skipped.
+  /// copy, or one 2D copy over the (layer, plane) slabs when tokens are skipped (the file's
+  /// header comment: an HND skip inside a block).
   template <class Dst, class Src>
   [[nodiscard]] cudaError_t dma(Dst* dst, Src* src, std::uint32_t skip_tokens, cudaMemcpyKind kind) noexcept {
     if (skip_tokens == 0) return cudaMemcpyAsync(dst, src, chunk_.object_bytes(), kind, copy_stream_);
+    const paged_kv_layout& layout = cache_.layout;
     const std::size_t slab = chunk_.slab_bytes();
-    const std::size_t off = std::size_t{skip_tokens} * chunk_.model.token_plane_bytes();
+    const std::size_t seg = layout.segment_bytes();
     const std::size_t rows = std::size_t{chunk_.model.planes()} * chunk_.model.num_layers;
-    return cudaMemcpy2DAsync(reinterpret_cast<std::byte*>(dst) + off, slab, reinterpret_cast<const std::byte*>(src) + off,
-                             slab, slab - off, rows, kind, copy_stream_);
+    const std::size_t first = skip_tokens / layout.block_size;  // the block the skip ends in
+    const std::uint32_t t0 = skip_tokens % layout.block_size;   // its skipped tokens
+    auto* d = reinterpret_cast<std::byte*>(dst);
+    auto* s = reinterpret_cast<std::byte*>(const_cast<std::remove_const_t<Src>*>(src));
+    auto slabs_from = [&](std::size_t off) noexcept {
+      return off >= slab ? cudaSuccess
+                         : cudaMemcpy2DAsync(d + off, slab, s + off, slab, slab - off, rows, kind, copy_stream_);
+    };
+    if (layout.segment_runs() == 1 || t0 == 0) return slabs_from(first * seg + layout.run_offset(t0));
+    if (kind == cudaMemcpyHostToDevice) return slabs_from(first * seg);  // staging: extra rows never read
+    // A store: block `first`'s head runs without their first t0 rows, in every slab.
+    const std::size_t run = layout.run_bytes(), row = layout.head_row_bytes();
+    cudaMemcpy3DParms p{};
+    p.srcPtr = make_cudaPitchedPtr(s, run, run, slab / run);
+    p.dstPtr = make_cudaPitchedPtr(d, run, run, slab / run);
+    p.srcPos = p.dstPos = make_cudaPos(t0 * row, first * layout.segment_runs(), 0);
+    p.extent = make_cudaExtent((layout.block_size - t0) * row, layout.segment_runs(), rows);
+    p.kind = kind;
+    if (const cudaError_t e = cudaMemcpy3DAsync(&p, copy_stream_); e != cudaSuccess) return e;
+    return slabs_from((first + 1) * seg);
   }
 
   void swap(copy_engine& o) noexcept {

@@ -6,7 +6,8 @@
 // includes it and does the CUDA part (exporting and opening the IPC handles).
 //
 // Wire format (native byte order: engine and server share a machine; the magic tells a
-// foreign byte order apart): a fixed 64-byte header (region_descriptor_header), then
+// foreign byte order apart): a fixed 104-byte header (region_descriptor_header: the layout,
+// its kv_strides included), then
 // allocation_count ipc_allocation entries (72 bytes: the cudaIpcMemHandle_t bytes and the
 // allocation's size), then layer_count ipc_layer entries (16 bytes: allocation index,
 // offset). parse() checks every count and offset before it trusts one.
@@ -95,14 +96,16 @@ using device_uuid = std::array<std::uint8_t, 16>;
 // ---------------------------------------------------------------------------------------
 
 inline constexpr std::uint32_t region_descriptor_magic = 0x5243564bu;  // "KVCR" in memory order
-inline constexpr std::uint16_t region_descriptor_version = 2;
+/// 3: the header carries the layout's kv_strides (104 bytes; version 2 had 64 and dense
+/// layouts only).
+inline constexpr std::uint16_t region_descriptor_version = 3;
 
 /// The fixed head of a serialized descriptor (native byte order: engine and server share a
 /// machine; the magic tells a foreign byte order apart).
 struct region_descriptor_header {
   std::uint32_t magic = region_descriptor_magic;
   std::uint16_t version = region_descriptor_version;
-  std::uint16_t header_bytes = 64;
+  std::uint16_t header_bytes = 104;
   std::uint8_t device_uuid[16] = {};
   std::uint32_t num_layers = 0;  ///< paged_kv_layout::model
   std::uint32_t num_kv_heads = 0;
@@ -114,8 +117,9 @@ struct region_descriptor_header {
   std::uint32_t allocation_count = 0;  ///< ipc_allocation entries that follow
   std::uint32_t layer_count = 0;       ///< ipc_layer entries after those (== num_layers)
   std::uint32_t order = 0;             ///< kv_layout_kind of the blocks (paged_kv_layout::order)
+  std::uint64_t strides[5] = {};       ///< paged_kv_layout::strides: layer, plane, block, token, head
 };
-static_assert(sizeof(region_descriptor_header) == 64 && std::is_trivially_copyable_v<region_descriptor_header>);
+static_assert(sizeof(region_descriptor_header) == 104 && std::is_trivially_copyable_v<region_descriptor_header>);
 
 /// One exported device allocation.
 struct ipc_allocation {
@@ -145,7 +149,8 @@ struct region_descriptor {
       sizeof(region_descriptor_header) + 1024 * (sizeof(ipc_allocation) + sizeof(ipc_layer));
 
   /// Empty when every count and offset is consistent, else region_errc::bad_descriptor,
-  /// outside_allocation or transfer_errc::invalid_layout.
+  /// outside_allocation (a layer's rows, layout.layer_bytes() from its offset, do not fit in
+  /// its allocation) or transfer_errc::invalid_layout (validation_error(): strides included).
   [[nodiscard]] std::error_code validate() const {
     if (!layout.validation_error().empty()) return transfer_errc::invalid_layout;
     if (layers.size() != layout.model.num_layers) return region_errc::bad_descriptor;
@@ -171,6 +176,11 @@ struct region_descriptor {
     h.attention = static_cast<std::uint32_t>(layout.model.attention);
     h.block_size = layout.block_size;
     h.num_blocks = layout.num_blocks;
+    h.strides[0] = layout.strides.layer;
+    h.strides[1] = layout.strides.plane;
+    h.strides[2] = layout.strides.block;
+    h.strides[3] = layout.strides.token;
+    h.strides[4] = layout.strides.head;
     h.allocation_count = static_cast<std::uint32_t>(allocations.size());
     h.layer_count = static_cast<std::uint32_t>(layers.size());
     std::vector<std::byte> out(sizeof h + allocations.size() * sizeof(ipc_allocation) +
@@ -208,6 +218,7 @@ struct region_descriptor {
     d.layout.order = static_cast<kv_layout_kind>(h.order);
     d.layout.block_size = h.block_size;
     d.layout.num_blocks = h.num_blocks;
+    d.layout.strides = {h.strides[0], h.strides[1], h.strides[2], h.strides[3], h.strides[4]};
     d.allocations.resize(h.allocation_count);
     d.layers.resize(h.layer_count);
     const std::byte* p = bytes.data() + sizeof h;

@@ -2,13 +2,16 @@
 // cuda/ipc_region: a GPU engine's paged KV cache shared with the cache server through CUDA
 // IPC, the GPU counterpart of the CPU memfd kv_region. Standard library and CUDA only.
 //
-//   engine side   kv_region           allocates the paged KV (one cudaMalloc, layers back to
-//                                     back) or adopts the engine's own per-layer tensors, and
+//   engine side   kv_region           allocates the paged KV (one cudaMalloc, layer l at l *
+//                                     the layer stride: back to back for dense layouts; any
+//                                     kv_strides, one tensor for all layers included) or
+//                                     adopts the engine's own per-layer tensors, and
 //                                     exports them: one IPC handle per distinct allocation
 //                                     (cudaIpcGetMemHandle), the device UUID, the layout.
 //   the wire      region_descriptor   those facts as bytes the connector's register message
 //                                     carries (serialize / parse, every count and offset
-//                                     checked): a fixed 64-byte header, then the allocations,
+//                                     checked): a fixed 104-byte header (the layout and its
+//                                     kv_strides), then the allocations,
 //                                     then one entry per layer. Standard library only, in
 //                                     cuda/ipc_descriptor.hpp (included here), so the parser
 //                                     builds and is fuzzed without CUDA.
@@ -171,8 +174,8 @@ class kv_region {
  public:
   kv_region() noexcept = default;
 
-  /// Allocates layout.total_bytes() on `device` (one cudaMalloc, layers back to back, not
-  /// initialised) and exports it.
+  /// Allocates layout.total_bytes() on `device` (one cudaMalloc, not initialised; layer l at
+  /// l * effective_strides().layer: back to back for a dense layout) and exports it.
   [[nodiscard]] static kv_region allocate(const paged_kv_layout& layout, int device, std::error_code& ec) {
     ec.clear();
     kv_region r;
@@ -191,14 +194,16 @@ class kv_region {
     }
     r.owned_ = static_cast<std::byte*>(p);
     r.device_ = device;
-    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l)
-      r.layers_.push_back(r.owned_ + l * layout.layer_bytes());
+    const std::uint64_t layer_stride = layout.effective_strides().layer;
+    for (std::uint32_t l = 0; l < layout.model.num_layers; ++l) r.layers_.push_back(r.owned_ + l * layer_stride);
     if ((ec = r.describe(layout))) return kv_region{};
     return r;
   }
 
   /// Exports the engine's own layer tensors (device pointers on `device`, one per layer,
-  /// layout.layer_bytes() each), whatever allocations they lie in.
+  /// layout.layer_bytes() each: the extent of the layer's rows under the layout's strides),
+  /// whatever allocations they lie in. The layer stride is not used (each layer has its
+  /// pointer), but must describe layers that do not overlap (validation_error()).
   [[nodiscard]] static kv_region adopt(const paged_kv_layout& layout, std::span<std::byte* const> layers, int device,
                                        std::error_code& ec) {
     ec.clear();

@@ -31,10 +31,18 @@
 // 4, 2 or 1. Each thread keeps 4 loads in flight before storing: 16 KiB per CTA, up to 8
 // CTAs per SM, so a zero-copy scatter keeps megabytes of PCIe reads in flight, well above
 // the bandwidth-delay product (~55 GB/s * ~1.5 us = ~80 KiB).
-// Layout kinds: a segment is contiguous in NHD, HND and MLA alike, so the CTA copies it
-// whole; only the first block of a piece whose skip ends inside it differs: NHD and MLA skip
-// one leading run of token rows, HND the leading rows of each head's run (the CTA then
-// copies kv_heads runs, each without its skipped rows; segment_copy::runs).
+// Layouts: where a segment is contiguous in object order (paged_kv_layout::
+// segment_contiguous(): every dense NHD, HND and MLA layout, and strides dense inside a
+// block) the CTA copies it whole, from layer + plane * strides.plane + block *
+// strides.block; only the first block of a piece whose skip ends inside it differs: NHD and
+// MLA skip one leading run of token rows, HND the leading rows of each head's run (the CTA
+// then copies kv_heads runs, each without its skipped rows; segment_copy::runs). Otherwise
+// (K|V packed per token, vLLM's CPU layout, ...) the CTA copies the segment's rows in object
+// order, as core/kv_transfer.hpp's row path does: `runs` outer runs (tokens for NHD and MLA,
+// heads for HND) of `rows` inner rows (heads, tokens), the inner rows coalesced into one
+// piece where their paged stride is one row; the CTA's threads share the segment's vectors
+// across all pieces, so short rows (256 bytes: 16 of 16-byte vectors) still keep every
+// thread busy.
 // One launch covers a whole batch: grid = pieces * layers * planes * blocks. The block ids,
 // object pointers and offsets travel in the kernel's parameter block (under 4 KiB, passed
 // as __grid_constant__ so threads read it in place); a batch larger than one parameter block
@@ -170,16 +178,25 @@ struct piece_desc {
   std::uint32_t ids_base = 0;       ///< index in launch_params::ids of block position `begin`
   std::uint32_t begin = 0;          ///< first block position (chunk order)
   std::uint32_t end = 0;            ///< one past the last
-  std::uint32_t begin_offset = 0;   ///< bytes of block `begin` left alone (skip_tokens inside it)
+  std::uint32_t begin_tokens = 0;   ///< tokens of block `begin` left alone (skip_tokens inside it)
 };
 
 struct launch_params {
   std::byte* const* layers = nullptr;  ///< device table
-  std::uint64_t segment_bytes = 0;     ///< one (layer, plane, block)
-  std::uint64_t plane_stride = 0;      ///< one plane of one layer's tensor
+  std::uint64_t segment_bytes = 0;     ///< one (layer, plane, block) of the object
+  std::uint64_t plane_stride = 0;      ///< from one plane of a layer's tensor to the next
+  std::uint64_t block_stride = 0;      ///< from one block of a plane to the next
+  std::uint64_t token_stride = 0;      ///< from one token of a block to the next (row path)
+  std::uint64_t head_stride = 0;       ///< from one KV head of a token to the next (row path)
   std::uint64_t slab_bytes = 0;        ///< one (layer, plane) of the object
   std::uint64_t run_bytes = 0;         ///< one run of a segment (paged_kv_layout::run_bytes)
+  std::uint64_t row_bytes = 0;         ///< one (token, head) row
+  std::uint64_t token_bytes = 0;       ///< one token of the object's NHD segment (kv heads rows)
   std::uint32_t segment_runs = 1;      ///< runs per segment: 1 (NHD, MLA), kv heads (HND)
+  std::uint32_t block_size = 0;
+  std::uint32_t heads = 0;
+  std::uint8_t contiguous = 1;         ///< paged_kv_layout::segment_contiguous(): whole segments
+  std::uint8_t hnd = 0;                ///< the object's segments are head-major
   std::uint32_t planes = 0;
   std::uint32_t num_layers = 0;
   std::uint32_t max_piece_blocks = 0;  ///< grid extent per (piece, layer, plane)
@@ -208,17 +225,32 @@ __device__ __forceinline__ void copy_bytes(std::byte* dst, const std::byte* src,
   for (; i < n; i += stride) d[i] = s[i];
 }
 
-/// What one CTA copies: `runs` runs of len bytes, run r from src + r * stride to dst + r *
-/// stride, or nothing (active == false). One run (the whole segment, or its tail after a
-/// skip) but for the first block of an HND piece whose skip ends inside it: one run per
-/// head, each without its first skipped rows.
+/// What one CTA copies, or nothing (active == false): `runs` runs of `rows` pieces of len
+/// bytes each; piece (r, q) goes from src + r * src_stride + q * src_row_stride to dst + r *
+/// dst_stride + q * dst_row_stride. A contiguous segment is one run of one piece (the whole
+/// segment, or its tail after a skip) but for the first block of an HND piece whose skip ends
+/// inside it: one run per head, each without its first skipped rows. The row path: tokens
+/// (NHD, MLA) or heads (HND) as runs, rows inside them as pieces (one piece per run where
+/// they are adjacent in the paged cache).
 struct segment_copy {
   std::byte* dst = nullptr;
   const std::byte* src = nullptr;
   std::uint64_t len = 0;
   bool active = false;
   std::uint32_t runs = 1;
-  std::uint64_t stride = 0;
+  std::uint64_t dst_stride = 0;
+  std::uint64_t src_stride = 0;
+  std::uint32_t rows = 1;
+  std::uint64_t dst_row_stride = 0;
+  std::uint64_t src_row_stride = 0;
+
+  /// Calls f(dst, src, len) for each piece, runs outer (the tests' replay on the host).
+  template <class F>
+  void for_each_piece(F&& f) const {
+    for (std::uint32_t r = 0; r < runs; ++r)
+      for (std::uint32_t q = 0; q < rows; ++q)
+        f(dst + r * dst_stride + q * dst_row_stride, src + r * src_stride + q * src_row_stride, len);
+  }
 };
 
 /// The block segment of CTA `cta`: cta = ((piece * num_layers + layer) * planes + plane) *
@@ -235,19 +267,72 @@ __host__ __device__ __forceinline__ segment_copy locate_segment(const launch_par
   const piece_desc& pc = p.pieces[cta];
   const std::uint32_t j = pc.begin + k;
   if (j >= pc.end) return {};
-  // begin_offset: the bytes of each run of the piece's first block left alone (a skip).
-  const std::uint64_t offset = k == 0 ? pc.begin_offset : 0;
+  // begin_tokens: the tokens of the piece's first block left alone (a skip).
+  const std::uint32_t t0 = k == 0 ? pc.begin_tokens : 0;
   const std::uint64_t id = p.ids[pc.ids_base + k];
-  std::byte* paged = p.layers[layer] + plane * p.plane_stride + id * p.segment_bytes + offset;
-  std::byte* obj = pc.object + (std::uint64_t{layer} * p.planes + plane) * p.slab_bytes + j * p.segment_bytes + offset;
-  // Skipped rows lead every run: with several runs (HND) the CTA copies each run's tail.
-  const bool split = offset != 0 && p.segment_runs > 1;
-  const std::uint32_t runs = split ? p.segment_runs : 1;
-  const std::uint64_t len = split ? p.run_bytes - offset : p.segment_bytes - offset;
-  if constexpr (Gather)
-    return {obj, paged, len, true, runs, p.run_bytes};
-  else
-    return {paged, obj, len, true, runs, p.run_bytes};
+  std::byte* paged = p.layers[layer] + plane * p.plane_stride + id * p.block_stride;
+  std::byte* obj = pc.object + (std::uint64_t{layer} * p.planes + plane) * p.slab_bytes + j * p.segment_bytes;
+  segment_copy c;
+  c.active = true;
+  std::uint64_t paged_run = 0, obj_run = 0, paged_row = 0, obj_row = 0;
+  if (p.contiguous) {
+    // The bytes of each run left alone: t0 token rows (NHD, MLA) or t0 rows of each head.
+    const std::uint64_t offset = t0 * (p.hnd ? p.row_bytes : p.token_bytes);
+    paged += offset;
+    obj += offset;
+    // Skipped rows lead every run: with several runs (HND) the CTA copies each run's tail.
+    const bool split = offset != 0 && p.segment_runs > 1;
+    c.runs = split ? p.segment_runs : 1;
+    c.len = split ? p.run_bytes - offset : p.segment_bytes - offset;
+    paged_run = obj_run = p.run_bytes;
+  } else if (p.hnd) {
+    // Heads as runs, tokens t0.. of each as rows.
+    paged += t0 * p.token_stride;
+    obj += t0 * p.row_bytes;
+    c.runs = p.heads;
+    paged_run = p.head_stride;
+    obj_run = std::uint64_t{p.block_size} * p.row_bytes;
+    const std::uint32_t n = p.block_size - t0;
+    const bool adjacent = n == 1 || p.token_stride == p.row_bytes;
+    c.rows = adjacent ? 1 : n;
+    c.len = adjacent ? n * p.row_bytes : p.row_bytes;
+    paged_row = p.token_stride;
+    obj_row = p.row_bytes;
+  } else {
+    // Tokens t0.. as runs, the heads of each as rows.
+    paged += t0 * p.token_stride;
+    obj += t0 * p.token_bytes;
+    c.runs = p.block_size - t0;
+    paged_run = p.token_stride;
+    obj_run = p.token_bytes;
+    const bool adjacent = p.heads == 1 || p.head_stride == p.row_bytes;
+    c.rows = adjacent ? 1 : p.heads;
+    c.len = adjacent ? p.token_bytes : p.row_bytes;
+    paged_row = p.head_stride;
+    obj_row = p.row_bytes;
+  }
+  if constexpr (Gather) {
+    c.dst = obj, c.src = paged;
+    c.dst_stride = obj_run, c.src_stride = paged_run, c.dst_row_stride = obj_row, c.src_row_stride = paged_row;
+  } else {
+    c.dst = paged, c.src = obj;
+    c.dst_stride = paged_run, c.src_stride = obj_run, c.dst_row_stride = paged_row, c.src_row_stride = obj_row;
+  }
+  return c;
+}
+
+/// The row path's copy: the pieces of `s` (each len bytes, a multiple of sizeof(Vec)) as one
+/// flat range of vectors shared by the CTA's threads.
+template <class Vec>
+__device__ __forceinline__ void copy_pieces(const segment_copy& s) {
+  const std::uint64_t per = s.len / sizeof(Vec);  // vectors of one piece
+  const std::uint64_t n = per * s.rows * s.runs;
+  for (std::uint64_t i = threadIdx.x; i < n; i += copy_threads) {
+    const std::uint64_t piece = i / per, v = i - piece * per;
+    const std::uint64_t r = piece / s.rows, q = piece - r * s.rows;
+    reinterpret_cast<Vec*>(s.dst + r * s.dst_stride + q * s.dst_row_stride)[v] =
+        reinterpret_cast<const Vec*>(s.src + r * s.src_stride + q * s.src_row_stride)[v];
+  }
 }
 
 /// One CTA per block segment (locate_segment). A template, so that every translation unit
@@ -256,7 +341,14 @@ template <bool Gather, class Vec>
 __global__ void __launch_bounds__(copy_threads) copy_segments_kernel(const __grid_constant__ launch_params p) {
   const segment_copy s = locate_segment<Gather>(p, blockIdx.x);
   if (!s.active) return;
-  for (std::uint32_t r = 0; r < s.runs; ++r) copy_bytes<Vec>(s.dst + r * s.stride, s.src + r * s.stride, s.len);
+  if (s.rows == 1 && (s.runs == 1 || s.len >= copy_threads * sizeof(Vec))) {
+    // Whole segments, and runs long enough to keep every thread busy (HND's heads after a
+    // skip): the unrolled copy, one run after the other.
+    for (std::uint32_t r = 0; r < s.runs; ++r)
+      copy_bytes<Vec>(s.dst + r * s.dst_stride, s.src + r * s.src_stride, s.len);
+  } else {
+    copy_pieces<Vec>(s);
+  }
 }
 
 /// CTAs of one launch.
@@ -347,20 +439,39 @@ template <bool Gather, class Item, class Launch>
   const paged_kv_layout& layout = cache.layout;
   const std::uint32_t nblocks = chunk.chunk_tokens / layout.block_size;
   launch_params p;
+  const kv_strides strides = layout.effective_strides();
   p.layers = cache.layers.device_data;
   p.segment_bytes = layout.segment_bytes();
-  p.plane_stride = layout.segment_bytes() * layout.num_blocks;
+  p.plane_stride = strides.plane;
+  p.block_stride = strides.block;
+  p.token_stride = strides.token;
+  p.head_stride = strides.head;
   p.slab_bytes = chunk.slab_bytes();
   p.run_bytes = layout.run_bytes();
+  p.row_bytes = layout.head_row_bytes();
+  p.token_bytes = layout.model.token_plane_bytes();
   p.segment_runs = layout.segment_runs();
+  p.block_size = layout.block_size;
+  p.heads = layout.model.num_kv_heads;
+  p.contiguous = layout.segment_contiguous() ? 1 : 0;
+  p.hnd = layout.kind() == kv_layout_kind::hnd ? 1 : 0;
   p.planes = layout.model.planes();
   p.num_layers = layout.model.num_layers;
-  // Every offset the kernel forms is a multiple of one row: token_plane_bytes for NHD and
-  // MLA, head_row_bytes for HND (a skip moves each head's run by whole rows); layer bases and
-  // objects bring their own alignment.
-  const std::size_t row =
-      layout.kind() == kv_layout_kind::hnd ? layout.head_row_bytes() : layout.model.token_plane_bytes();
-  const std::uintptr_t base_bits = row | cache.layers.alignment;
+  // Every offset the kernel forms is a multiple of one of these: whole segments move by
+  // token_plane_bytes (NHD, MLA) or head_row_bytes (HND) within a block, and by the plane and
+  // block strides between blocks; rows by the token and head strides and whole rows (a
+  // dimension of one entry never moves an address). Layer bases and objects bring their own
+  // alignment.
+  std::uintptr_t base_bits = cache.layers.alignment | p.segment_bytes;
+  if (layout.model.planes() > 1) base_bits |= strides.plane;
+  if (layout.num_blocks > 1) base_bits |= strides.block;
+  if (p.contiguous) {
+    base_bits |= layout.kind() == kv_layout_kind::hnd ? layout.head_row_bytes() : layout.model.token_plane_bytes();
+  } else {
+    base_bits |= layout.head_row_bytes();
+    if (layout.block_size > 1) base_bits |= strides.token;
+    if (layout.model.num_kv_heads > 1) base_bits |= strides.head;
+  }
   std::uintptr_t bits = base_bits;
   std::uint32_t num_ids = 0;
   // Only a scatter needs the set (10 KiB of stack, no allocation).
@@ -380,17 +491,17 @@ template <bool Gather, class Item, class Launch>
   for (const Item& it : items) {
     const std::uint32_t first = it.skip_tokens / layout.block_size;
     if (first >= nblocks) continue;  // the whole chunk is skipped
-    const auto first_offset = static_cast<std::uint32_t>(layout.run_offset(it.skip_tokens % layout.block_size));
+    const std::uint32_t first_tokens = it.skip_tokens % layout.block_size;
     std::byte* object = const_cast<std::byte*>(static_cast<const std::byte*>(it.object));
     std::uint32_t j = first;
     while (j < nblocks) {
       // Open a piece at block position j (launch the full parameter block first).
       if (p.num_pieces == launch_max_pieces || num_ids == launch_max_ids)
         if (const cudaError_t e = flush(); e != cudaSuccess) return make_error_code(e);
-      const std::uint32_t offset = j == first ? first_offset : 0;
+      const std::uint32_t tokens = j == first ? first_tokens : 0;
       piece_desc& pc = p.pieces[p.num_pieces++];
-      pc = {object, num_ids, j, j, offset};
-      bits |= reinterpret_cast<std::uintptr_t>(object) | offset;
+      pc = {object, num_ids, j, j, tokens};
+      bits |= reinterpret_cast<std::uintptr_t>(object);
       // A scatter stops before a block this launch already writes.
       while (j < nblocks && num_ids < launch_max_ids && written.insert(it.block_ids[j])) {
         p.ids[num_ids++] = it.block_ids[j];

@@ -18,7 +18,7 @@ inline constexpr std::array<std::byte, 4> frame_magic = {std::byte{'K'}, std::by
 /// The protocol version this build speaks; carried in every frame header. A frame with any
 /// other version is refused with errc::version_mismatch (no negotiation: both sides of a
 /// Unix socket ship together, and a silent downgrade would hide a deployment mistake).
-inline constexpr std::uint16_t protocol_version = 4;
+inline constexpr std::uint16_t protocol_version = 5;
 
 /// Bytes of the frame header: magic (4), version (u16), type (u16), call id (u64), body
 /// length (u32), little-endian. This layout is frozen for every version, so a peer speaking

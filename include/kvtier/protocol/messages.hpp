@@ -289,9 +289,15 @@ struct register_kv_request {
   /// The engine's prefill rate for this model (tokens per second, 0: not declared). The
   /// server offers from L2 only what loads faster than the engine would recompute it.
   std::uint64_t prefill_tokens_per_second = 0;
+  /// Where the region's rows are (bytes; core/kv_layout.hpp): all zero for the dense layout
+  /// of layout_kind, else the engine's own tensor strides, which must agree with layout_kind
+  /// (the order of the chunk objects, part of the model id). Zero for region none.
+  kv_strides strides{};
 
   /// The paged KV layout the region holds.
-  [[nodiscard]] paged_kv_layout layout() const noexcept { return {model, block_size, num_blocks, layout_kind}; }
+  [[nodiscard]] paged_kv_layout layout() const noexcept {
+    return {model, block_size, num_blocks, layout_kind, strides};
+  }
 
   friend bool operator==(const register_kv_request&, const register_kv_request&) = default;
   static constexpr auto fields(auto& self) noexcept {
@@ -308,7 +314,12 @@ struct register_kv_request {
                       enumerated("region", self.region, region_kind::cuda_ipc),
                       bounded("region_descriptor", self.region_descriptor, max_region_descriptor_bytes),
                       bounded("cache_salt", self.cache_salt, max_cache_salt_bytes),
-                      field("prefill_tokens_per_second", self.prefill_tokens_per_second)};
+                      field("prefill_tokens_per_second", self.prefill_tokens_per_second),
+                      field("strides.layer", self.strides.layer),
+                      field("strides.plane", self.strides.plane),
+                      field("strides.block", self.strides.block),
+                      field("strides.token", self.strides.token),
+                      field("strides.head", self.strides.head)};
   }
 };
 

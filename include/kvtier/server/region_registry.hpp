@@ -140,10 +140,11 @@ class region_registry {
           return fail(errc::invalid_argument,
                       "a registration with region kind none (a scheduler) carries no fd: send region cpu_memfd "
                       "with the memfd, or none without it");
-        if (r.block_size != 0 || r.num_blocks != 0 || r.region_bytes != 0 || !r.region_descriptor.empty())
+        if (r.block_size != 0 || r.num_blocks != 0 || r.region_bytes != 0 || !r.region_descriptor.empty() ||
+            !r.strides.dense())
           return fail(errc::invalid_argument,
                       "a registration with region kind none describes no blocks: send block_size, num_blocks, "
-                      "region_bytes 0 and no region_descriptor");
+                      "region_bytes 0, strides 0 and no region_descriptor");
         reg.layout = paged_kv_layout{r.model, 0, 0, r.layout_kind};
         break;
       }
@@ -154,13 +155,17 @@ class region_registry {
       case region_kind::cpu_memfd: {
         if (!fd)
           return fail(errc::invalid_argument, "register_kv_request came without the region's memfd (SCM_RIGHTS)");
+        // With explicit strides, validation_error() also checks that every row lies within
+        // 1 PiB, that no two rows overlap and that layout_kind is the strides' order; its
+        // messages name the shape and the strides.
         const paged_kv_layout layout = r.layout();
         if (auto e = layout.validation_error(); !e.empty()) return fail(errc::invalid_argument, "KV layout: " + e);
         if (auto e = layout.compatibility_error(chunk); !e.empty()) return fail(errc::layout_mismatch, e);
         const std::size_t bytes = kv_region::bytes_for(layout);
         if (r.region_bytes != bytes)
           return fail(errc::layout_mismatch, "region_bytes " + std::to_string(r.region_bytes) + " is not the " +
-                                                 std::to_string(bytes) + " bytes a region of this layout has");
+                                                 std::to_string(bytes) + " bytes a region of this layout has (" +
+                                                 layout.describe() + ")");
         if (!r.region_descriptor.empty())
           return fail(errc::invalid_argument, "a cpu_memfd registration carries no region_descriptor");
         const bool background = kv_region::populate_supported();

@@ -61,6 +61,12 @@ class KVTierConfig:
             docstring).
         kv_role: vLLM's ``kv_role``: ``"kv_producer"`` stores and never looks up nor loads,
             ``"kv_consumer"`` looks up and loads and never stores, ``"kv_both"`` does both.
+        kv_cache_backend: ``"auto"`` (vLLM's attention backend when it can be asked, else by
+            the tensors' device and rank) or the name of the attention backend whose layout
+            the KV tensors have (:data:`kvtier.integrations.kv_layouts.BACKENDS`:
+            ``FLASH_ATTN``, ``CPU_ATTN``, ``FLASHMLA``, ...).
+        cache_dtype: vLLM's ``cache_config.cache_dtype`` (``"auto"``, ``"fp8"``, ...): asked
+            of the attention backend with its KV shape.
     """
 
     socket_path: str
@@ -78,6 +84,8 @@ class KVTierConfig:
     timeouts_ms: Dict[str, int] = field(default_factory=dict)
     load_mode: str = "async"
     kv_role: str = "kv_both"
+    kv_cache_backend: str = "auto"
+    cache_dtype: str = "auto"
 
     @property
     def loads(self) -> bool:

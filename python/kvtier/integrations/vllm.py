@@ -30,6 +30,8 @@ Options (``kv_connector_extra_config``; docs/integration.md has the table):
 ``*_timeout_ms`` ...         connector deadlines (``retrieve_timeout_ms``, ``ping_timeout_ms``,
                              ``quarantine_limit_ms``, ...: docs/fault-tolerance.md)
 ``rank``                     this worker's TP rank when vLLM cannot tell (stand-in runs)
+``kv_cache_backend``         ``auto`` (vLLM's attention backend) or the backend whose layout
+                             the KV tensors have (``FLASH_ATTN``, ``CPU_ATTN``, ...)
 ===========================  ===============================================================
 
 vLLM's own settings it reads: ``kv_role`` (``kv_producer`` stores and never looks up,
@@ -49,6 +51,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .._kvtier import AttentionKind, DtypeKind, ModelShape
 from ..views import dtype_kind_of
+from .kv_layouts import backend_of_layers
 from .core import (
     TIMEOUT_KEYS,
     KVTierConfig,
@@ -168,6 +171,8 @@ def config_from_vllm(vllm_config: Any, role: Any) -> KVTierConfig:
         timeouts_ms={k: int(extra[k]) for k in TIMEOUT_KEYS if k in extra},
         load_mode=str(extra.get("load_mode", "async")),
         kv_role=str(getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"),
+        kv_cache_backend=str(extra.get("kv_cache_backend", "auto")),
+        cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto"),
     )
     cfg.validate()
     return cfg
@@ -374,7 +379,15 @@ class KVTierConnector(KVConnectorBase_V1):
         dtype = None
         if cache_dtype not in (None, "auto"):
             dtype = "fp8_e4m3" if cache_dtype == "fp8" else str(cache_dtype)
-        self.worker_side.register(kv_caches, dtype=dtype)
+        # What the tensors' dimensions mean: vLLM's attention backend of these layers (None
+        # when vLLM cannot tell: the kv_cache_backend option or the device decides).
+        backend = backend_of_layers(self._vllm_config, list(kv_caches))
+        self.worker_side.register(kv_caches, dtype=dtype, backend=backend)
+
+    def register_cross_layers_kv_cache(self, kv_cache: Any, attn_backend: Any) -> None:
+        # Refused (WorkerSide.register_cross_layers says why); vLLM calls it only when
+        # prefer_cross_layer_blocks is True, which kvtier leaves at the base class's False.
+        self.worker_side.register_cross_layers(kv_cache, attn_backend)
 
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         self.worker_side.handle_preemptions(kv_connector_metadata.plan)

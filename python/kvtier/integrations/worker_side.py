@@ -8,10 +8,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Set, Tuple
 
-from .._kvtier import AttentionKind, Connector, KvLayoutKind, KvRegion, ModelShape, PagedKvLayout
+from .._kvtier import Connector, KvLayoutKind, KvRegion, ModelShape, PagedKvLayout
 from ..views import dtype_kind_of, torch_layers
 from .config import KVTierConfig
-from .kv_layouts import detect_layer_layout
+from .kv_layouts import describe_layer, dims_for, legacy_dims
 from .plan import StepPlan
 
 __all__ = ["WorkerSide"]
@@ -57,12 +57,22 @@ class WorkerSide:
         self._st = _WorkerState()
 
     # -- vLLM: register_kv_caches ----------------------------------------------------------
-    def register(self, kv_caches: Mapping[str, Any], dtype: Optional[str] = None) -> None:
-        """Moves the engine's layer tensors (CPU torch tensors, one per layer, same shape and
-        dtype) into a new kvtier region, in place (``Tensor.set_``: every reference the engine
-        holds now sees the region; the contents start zeroed), and registers it.
+    def register(self, kv_caches: Mapping[str, Any], dtype: Optional[str] = None, backend: Any = None) -> None:
+        """Moves the engine's layer tensors (CPU torch tensors, one per layer, same shape,
+        strides and dtype) into a new kvtier region, in place (``Tensor.set_``: every reference
+        the engine holds now sees the region, with exactly the shape, strides and dtype it
+        allocated, so its kernels keep working; the contents start zeroed), and registers it.
 
-        ``dtype``: the kvtier dtype name when the tensors' dtype is ambiguous (fp8 as uint8)."""
+        What the tensor's dimensions mean comes from ``backend`` (vLLM's attention backend
+        class, or a :data:`~kvtier.integrations.kv_layouts.BACKENDS` name), the
+        ``kv_cache_backend`` option, the device, or the rank
+        (:func:`~kvtier.integrations.kv_layouts.dims_for`); the region then keeps the tensor's
+        own strides (:func:`~kvtier.integrations.kv_layouts.describe_layer`). A layout kvtier
+        cannot copy is refused with ValueError naming the shape and strides. Several names
+        of one tensor (vLLM's KV-sharing layers) are one layer of the region.
+
+        ``dtype``: the kvtier dtype name when the tensors' dtype is ambiguous (fp8 as uint8:
+        vLLM's ``cache_dtype``)."""
         import torch
 
         if self.region is not None:
@@ -70,45 +80,85 @@ class WorkerSide:
         names = list(kv_caches)
         if not names:
             raise ValueError("kvtier: no KV caches to register")
-        tensors = [kv_caches[n] for n in names]
+        # One region layer per distinct tensor; aliases (KV-sharing layers) share its index.
+        tensors: List[Any] = []
+        index: Dict[str, int] = {}
+        seen: Dict[Tuple[int, Tuple[int, ...], Tuple[int, ...]], int] = {}
+        for name in names:
+            t = kv_caches[name]
+            key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+            if key not in seen:
+                seen[key] = len(tensors)
+                tensors.append(t)
+            index[name] = seen[key]
         t0 = tensors[0]
-        for name, t in zip(names, tensors):
+        first = names[0]
+        for name in names:
+            t = tensors[index[name]]
             if t.device.type != "cpu":
                 raise NotImplementedError(
                     f"kvtier: layer {name} is on {t.device}: GPU KV caches travel as cuda_ipc regions, which this "
                     "kvtier build does not open; run the engine's KV cache on the CPU"
                 )
             if t.shape != t0.shape or t.dtype != t0.dtype or t.stride() != t0.stride():
-                raise ValueError(f"kvtier: layer {name} differs from {names[0]} in shape, dtype or strides")
+                raise ValueError(
+                    f"kvtier: layer {name} (shape {tuple(t.shape)}, strides {tuple(t.stride())}, {t.dtype}) differs "
+                    f"from {first} (shape {tuple(t0.shape)}, strides {tuple(t0.stride())}, {t0.dtype}): kvtier serves "
+                    "models whose attention layers share one KV layout (a hybrid model's other groups are not served)"
+                )
+        if self.config.cache_dtype == "fp8_ds_mla":
+            raise ValueError(
+                f"kvtier: cache_dtype fp8_ds_mla (FlashMLA sparse: 656-byte rows of fp8 latent, fp32 scales and bf16 "
+                f"rope in a uint8 tensor of shape {tuple(t0.shape)}) has no kvtier dtype kind to key it by: use "
+                "cache_dtype auto or fp8"
+            )
         want = self.config.layout_kind()
-        kind, order = detect_layer_layout(list(t0.shape), list(t0.stride()), self.config.block_size, want)
-        physical = t0.permute(order)
-        if not physical.is_contiguous():
-            raise ValueError("kvtier: the layer tensors have gaps or an unusual stride order; kvtier needs dense blocks")
+        shape, stride = list(t0.shape), list(t0.stride())
+        dims = dims_for(len(shape), t0.device.type, backend, self.config.kv_cache_backend, self.config.cache_dtype)
+        if dims is None:
+            dims = legacy_dims(shape, stride, self.config.block_size, want)
+        desc = describe_layer(shape, stride, t0.element_size(), dims, self.config.block_size, want)
         kind_dtype = dtype_kind_of(dtype) if dtype else dtype_kind_of(t0.dtype)
-        if kind == KvLayoutKind.MLA:
-            num_blocks, block_size, latent = (int(x) for x in physical.shape)
-            shape = ModelShape(len(tensors), 1, latent, kind_dtype, AttentionKind.MLA)
-        else:
-            _, num_blocks, a, b, head_dim = (int(x) for x in physical.shape)
-            heads, block_size = (b, a) if kind == KvLayoutKind.NHD else (a, b)
-            shape = ModelShape(len(tensors), heads, head_dim, kind_dtype, AttentionKind.MHA)
-        if block_size != self.config.block_size:
-            raise ValueError(f"kvtier: the tensors' block size {block_size} is not the engine's {self.config.block_size}")
-        if self.config.model is not None and self.config.model != shape:
-            raise ValueError(f"kvtier: the KV tensors are {shape}, the scheduler registers {self.config.model}")
-        layout = PagedKvLayout(shape, block_size, num_blocks, kind if kind != KvLayoutKind.MLA else KvLayoutKind.NHD)
+        model = ModelShape(len(tensors), desc.num_kv_heads, desc.head_dim, kind_dtype, desc.attention)
+        if self.config.model is not None and self.config.model != model:
+            raise ValueError(
+                f"kvtier: the KV tensors (shape {tuple(shape)}, strides {tuple(stride)}, read as {dims.name}) are "
+                f"{model}, the scheduler registers {self.config.model}"
+            )
+        # Layers a page apart (their own tensors in the engine: any placement works).
+        strides = desc.strides
+        strides.layer = (desc.extent_bytes + 4095) // 4096 * 4096
+        order = desc.kind if desc.kind != KvLayoutKind.MLA else KvLayoutKind.NHD
+        layout = PagedKvLayout(model, desc.block_size, desc.num_blocks, order, strides)
+        problem = layout.validation_error()
+        if problem:
+            raise ValueError(
+                f"kvtier: cannot use KV layer tensors of shape {tuple(shape)} and strides {tuple(stride)} (elements of "
+                f"{t0.element_size()} bytes, read as {dims.name} {dims.dims}): {problem}"
+            )
+        if layout.layer_bytes != desc.extent_bytes:  # the tensor's elements are exactly the rows'
+            raise ValueError(
+                f"kvtier: the KV layer tensors of shape {tuple(shape)} and strides {tuple(stride)} hold elements "
+                f"outside the KV rows ({desc.extent_bytes} bytes against {layout.layer_bytes}): not a layout of "
+                f"{dims.name}"
+            )
         region = KvRegion.create(layout, "kvtier-kv-rank%d" % self.config.rank)
-        inverse = [order.index(i) for i in range(len(order))]
         with torch.no_grad():
-            for t, view in zip(tensors, torch_layers(region)):
-                logical = view.permute(inverse)
-                if logical.dtype != t.dtype:
-                    logical = logical.view(t.dtype)
-                t.set_(logical)
+            for t, view in zip(tensors, torch_layers(region, shape, stride, dtype=t0.dtype)):
+                t.set_(view)
+        log.info(
+            "kvtier: rank %d: %d KV layers of shape %s, strides %s (%s, %s) in a region of %d bytes",
+            self.config.rank,
+            len(tensors),
+            tuple(shape),
+            tuple(stride),
+            dims.name,
+            layout.describe(),
+            region.bytes,
+        )
         self.region = region
         self.layer_names = names
-        self._layer_index = {n: i for i, n in enumerate(names)}
+        self._layer_index = index
         self.connector = Connector(self.config.connector_options(scheduler=False), region)
         if not self.connector.wait_ready(self.config.ready_timeout_s):
             log.warning(
@@ -117,6 +167,22 @@ class WorkerSide:
                 self.config.socket_path,
                 self.connector.last_error,
             )
+
+    def register_cross_layers(self, kv_cache: Any, backend: Any = None) -> None:
+        """vLLM's ``register_cross_layers_kv_cache``: refused. vLLM makes the per-layer views
+        of the cross-layer tensor (``allocate_uniform_kv_caches``, which returns them with the
+        tensor) before it calls the connector, and ``Tensor.set_`` on the cross-layer tensor
+        redirects only views made after it: the engine's layers would keep computing in the
+        old memory while kvtier copied the region's. kvtier therefore keeps
+        ``prefer_cross_layer_blocks`` False, so vLLM never calls this; the C++ core copies
+        cross-layer layouts (``KvStrides.layer`` below the block stride) for an engine that
+        allocates its KV in a kvtier region from the start."""
+        raise NotImplementedError(
+            f"kvtier: register_cross_layers_kv_cache (a cross-layer KV tensor of shape {tuple(kv_cache.shape)}, "
+            f"strides {tuple(kv_cache.stride())}) is not supported: vLLM made the per-layer views of that tensor "
+            "before handing it over, so kvtier cannot move them into its shared region; leave "
+            "prefer_cross_layer_blocks False (KVTierConnector's default) and vLLM registers the layers one by one"
+        )
 
     def register_region(self, region: KvRegion, layer_names: Optional[Sequence[str]] = None) -> None:
         """Registers a region the engine allocated itself (its tensors are views of it,

@@ -98,6 +98,7 @@ protocol::register_kv_request connector<Bus>::registration() const {
     reg.num_blocks = layout.num_blocks;
     reg.region_bytes = region_->bytes();
     reg.layout_kind = layout.kind();
+    reg.strides = layout.strides;
     reg.region = protocol::region_kind::cpu_memfd;
   } else {
     reg.model = options_.model;
