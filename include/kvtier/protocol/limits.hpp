@@ -18,7 +18,7 @@ inline constexpr std::array<std::byte, 4> frame_magic = {std::byte{'K'}, std::by
 /// The protocol version this build speaks; carried in every frame header. A frame with any
 /// other version is refused with errc::version_mismatch (no negotiation: both sides of a
 /// Unix socket ship together, and a silent downgrade would hide a deployment mistake).
-inline constexpr std::uint16_t protocol_version = 4;
+inline constexpr std::uint16_t protocol_version = 5;
 
 /// Bytes of the frame header: magic (4), version (u16), type (u16), call id (u64), body
 /// length (u32), little-endian. This layout is frozen for every version, so a peer speaking
@@ -41,6 +41,8 @@ inline constexpr std::uint32_t max_chunk_hashes = 65536;
 inline constexpr std::uint32_t max_block_ids = std::uint32_t{1} << 20;
 /// A cache salt (vLLM's cache_salt is a short tenant string).
 inline constexpr std::uint32_t max_cache_salt_bytes = 256;
+/// An engine id (vLLM's kv_transfer_config.engine_id: a uuid4, 36 bytes, plus "_dp<rank>").
+inline constexpr std::uint32_t max_engine_id_bytes = 128;
 /// The region descriptor of a cuda_ipc registration (a cudaIpcMemHandle_t is 64 bytes; a
 /// descriptor holds one per layer tensor plus the layout: 1024 layers fit).
 inline constexpr std::uint32_t max_region_descriptor_bytes = std::uint32_t{256} << 10;
