@@ -20,7 +20,7 @@ def test_the_package_says_what_it_exports():
     for name in kvtier.__all__:
         assert hasattr(kvtier, name), name
     assert kvtier.__version__.count(".") == 2
-    assert kvtier.PROTOCOL_VERSION == 4
+    assert kvtier.PROTOCOL_VERSION == 5
 
 
 def test_chunk_hashes_follow_the_documented_encoding():

@@ -56,6 +56,10 @@ class KVTierConfig:
         load_mode: ``"async"`` (loads complete between steps; the default) or ``"layerwise"``
             (synchronous loads, each layer usable as soon as the server copied it; module
             docstring).
+        engine_id: the engine instance, the same on the scheduler side and every worker
+            (vLLM's ``kv_transfer_config.engine_id``): the server serves a worker's retrieve
+            from the scheduler's lookup (docs/server.md, "Engines"). Empty: each connection
+            is an engine of its own.
     """
 
     socket_path: str
@@ -72,6 +76,7 @@ class KVTierConfig:
     ready_timeout_s: float = 5.0
     timeouts_ms: Dict[str, int] = field(default_factory=dict)
     load_mode: str = "async"
+    engine_id: str = ""
 
     @property
     def layerwise(self) -> bool:
@@ -100,6 +105,8 @@ class KVTierConfig:
                 raise ValueError(f"kvtier: unknown timeout '{key}': use one of {', '.join(TIMEOUT_KEYS)}")
         if self.load_mode not in LOAD_MODES:
             raise ValueError(f"kvtier: load_mode '{self.load_mode}': use {' or '.join(LOAD_MODES)}")
+        if len(self.engine_id.encode()) > 128:
+            raise ValueError(f"kvtier: engine_id '{self.engine_id[:40]}...' is longer than 128 bytes")
 
     def connector_options(self, scheduler: bool) -> ConnectorOptions:
         """The C++ connector's options for one side."""
@@ -112,6 +119,7 @@ class KVTierConfig:
         o.chunk_tokens = self.chunk_tokens
         o.cache_salt = self.cache_salt
         o.prefill_tokens_per_second = self.prefill_tokens_per_second
+        o.engine_id = self.engine_id
         o.hash = HashAlgorithm.SHA256 if self.hash == "sha256" else HashAlgorithm.XXH3_128
         t = o.timeouts
         for key, value in self.timeouts_ms.items():

@@ -30,6 +30,8 @@ Options (``kv_connector_extra_config``; docs/integration.md has the table):
 ``*_timeout_ms`` ...         connector deadlines (``retrieve_timeout_ms``, ``ping_timeout_ms``,
                              ``quarantine_limit_ms``, ...: docs/fault-tolerance.md)
 ``rank``                     this worker's TP rank when vLLM cannot tell (stand-in runs)
+``engine_id``                default: ``kv_transfer_config.engine_id`` (one engine's scheduler and
+                             workers share its lookups on the server; :func:`_engine_id`)
 ===========================  ===============================================================
 """
 
@@ -147,9 +149,32 @@ def config_from_vllm(vllm_config: Any, role: Any) -> KVTierConfig:
         ready_timeout_s=float(extra.get("ready_timeout_s", 5.0)),
         timeouts_ms={k: int(extra[k]) for k in TIMEOUT_KEYS if k in extra},
         load_mode=str(extra.get("load_mode", "async")),
+        engine_id=_engine_id(vllm_config, extra),
     )
     cfg.validate()
     return cfg
+
+
+def _engine_id(vllm_config: Any, extra: Dict[str, Any]) -> str:
+    """The id the scheduler and every worker of this engine instance register with, so the
+    server serves a worker's retrieve from the scheduler's lookup (docs/server.md, "Engines").
+
+    vLLM's ``kv_transfer_config.engine_id``: a uuid4 made once when the engine's config is
+    built (``KVTransferConfig.__post_init__``) and pickled with it into the engine core and
+    every worker process, suffixed ``_dp<rank>`` per data-parallel engine; so it is the same in
+    every process of one engine and differs between engines. Without it (an older vLLM, a
+    stand-in): ``vllm_config.instance_id`` when set, which vLLM makes the same way; else empty,
+    and each connection is an engine of its own (a worker's retrieve then copies what L1 holds
+    and cannot wait for L2 loads its scheduler started). ``engine_id`` in
+    ``kv_connector_extra_config`` overrides both."""
+    for value in (
+        extra.get("engine_id"),
+        getattr(vllm_config.kv_transfer_config, "engine_id", None),
+        getattr(vllm_config, "instance_id", None),
+    ):
+        if value:
+            return str(value)
+    return ""
 
 
 def _first_group(block_ids: Any) -> List[int]:
