@@ -481,8 +481,13 @@ TEST_CASE("a registration that disagrees with its engine on the model or world s
   const json st = sched.status();
   CHECK(st["engines"] == 1);
   for (const auto& c : st["clients"]) CHECK(c["engine_connections"] == 2);
-  // Without the scheduler the engine's only member may change its model (a new engine).
+  // Registering again with the same engine keeps the scope: the connection's lookups stay.
   sched.ok(p::unregister_kv_request{});
+  const auto again = w.expect(ok, r.region.fd());
+  REQUIRE(lookup_done(w, again.model_id, chunk_hashes(2700, 1), 2, "kept").state == p::prefetch_state::done);
+  w.expect(ok, r.region.fd());
+  CHECK(w.status()["lookups"] == 1);
+  // Without the scheduler the engine's only member may change its model (a new engine).
   auto other = r.registration(0, 1, "other/model");
   other.engine_id = "engine-x";
   w.expect(other, r.region.fd());

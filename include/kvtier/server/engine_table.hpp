@@ -68,7 +68,8 @@ class engine_table {
                 "): every process of one engine registers the same model name, shape, layout, cache salt and "
                 "world size; give a different engine its own engine_id"};
     }
-    leave(client_id);
+    // Registering again with the same engine keeps its scope (and its lookups).
+    if (auto m = member_of_.find(client_id); m == member_of_.end() || m->second != key) leave(client_id);
     auto [it, inserted] = engines_.try_emplace(key);
     engine& e = it->second;
     if (inserted) e.scope = engine_scope_bit | next_engine_++;
