@@ -200,6 +200,7 @@ class ConnectorOptions:
     chunk_tokens: int
     hash: HashAlgorithm
     instance_id: int
+    engine_id: str
     timeouts: ConnectorTimeouts
     timeout_scale: int
     breaker_threshold: int

@@ -513,6 +513,9 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_readwrite("chunk_tokens", &O::chunk_tokens)
       .def_readwrite("hash", &O::hash)
       .def_readwrite("instance_id", &O::instance_id)
+      .def_readwrite("engine_id", &O::engine_id,
+                     "the engine instance, the same in its scheduler's and every worker's connector (vLLM's "
+                     "kv_transfer_config.engine_id); empty: this connection is an engine of its own")
       .def_readwrite("timeouts", &O::timeouts)
       .def_readwrite("timeout_scale", &O::timeout_scale)
       .def_readwrite("breaker_threshold", &O::breaker_threshold)

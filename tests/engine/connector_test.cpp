@@ -814,7 +814,7 @@ TEST_CASE("a layer-wise retrieve: wait_layers returns on progress and on complet
   CHECK(c.layers_ready("w") == layers);
   CHECK(c.stats().progress_messages == 1);
   CHECK(c.stats().ignored_progress == 1);
-  CHECK(h.server->retrieves().at(0).layer_progress);
+  CHECK(h.server->retrieves().at(0).progress);
   h.server->sync();
   for (std::uint32_t k = 0; k < 4; ++k) CHECK(block_is(h.region, 8 + k, static_cast<std::uint8_t>(1 + k)));
   CHECK(c.take_load_error_blocks().empty());
@@ -900,4 +900,127 @@ TEST_CASE("a scheduler's connector has no layers to wait for", "[engine][connect
   CHECK_THROWS_AS((void)c.layers_ready("x"), std::logic_error);
   CHECK_THROWS_AS(c.wait_layers(ids{"x"}, 1, 0ms), std::logic_error);
   CHECK_THROWS_AS(c.wait_retrieves(ids{"x"}, 0ms), std::logic_error);
+}
+
+// --- deadlines that agree with the server (issue 24) ------------------------------------------
+
+namespace {
+
+/// Waits until the fake server has answered `n` more pings (the connector pings every
+/// ping_interval, 20 ms here): how the tests let time pass without sleeping blind.
+void let_pings_pass(kvtier::test::fake_server& s, std::size_t n) {
+  REQUIRE(s.wait_received(p::message_type::ping_request, s.received(p::message_type::ping_request) + n));
+}
+
+}  // namespace
+
+TEST_CASE("every retrieve asks for progress, and the registration names the connector's engine",
+          "[engine][connector]") {
+  harness h;
+  auto o = h.options();
+  o.engine_id = "0b6c7e5e-8f1a-4c2d-9e3b-5a7d1c2e4f60";
+  auto& c = h.connect(o);
+  const auto toks = tokens(2 * ct, 40);
+  h.store_prefix(c, "s", toks, 2);
+  c.retrieve("r", toks, 0, range(10, 4));  // default retrieve_options
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
+  CHECK(h.server->retrieves().at(0).progress);
+  CHECK(h.server->registrations().at(0).engine_id == o.engine_id);
+  o.engine_id.assign(129, 'e');
+  CHECK_THAT(o.validation_error(), Catch::Contains("engine_id"));
+}
+
+TEST_CASE("a retrieve's progress keeps it alive past retrieve_timeout, and it completes whole",
+          "[engine][connector][concurrency]") {
+  harness h;
+  auto o = h.options();
+  o.timeouts.retrieve_timeout = 300ms;  // the server's load budget: 30 s
+  auto& c = h.connect(o);
+  const auto toks = tokens(4 * ct, 41);
+  h.store_prefix(c, "s", toks, 4);
+
+  h.server->hold(p::message_type::retrieve_request);
+  const auto start = std::chrono::steady_clock::now();
+  c.retrieve("r", toks, 0, range(10, 8));
+  REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
+  // News about every 100 ms (5 pings), for three times the retrieve timeout: each one
+  // moves the deadline (a retrieve loading a long hit from a slow L2).
+  std::uint32_t sent = 0;
+  while (std::chrono::steady_clock::now() - start < 3 * o.scaled(o.timeouts.retrieve_timeout)) {
+    REQUIRE(h.server->send_progress_to_held(0, std::min<std::uint32_t>(++sent, 3)) == 1);
+    let_pings_pass(*h.server, 5);
+  }
+  CHECK(h.rec.snapshot().retrieves.empty());  // still in flight: not timed out
+  CHECK(c.stats().progress_messages == sent);
+  h.server->release_held();
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
+  const auto ev = h.rec.snapshot().retrieves.at(0);
+  CHECK(ev.outcome == bus::connector_outcome::ok);
+  CHECK(ev.retrieved_chunks == 4);
+  CHECK(c.take_load_error_blocks().empty());
+  CHECK(c.quarantined_blocks().empty());
+  h.server->sync();
+  for (std::uint32_t k = 0; k < 8; ++k) CHECK(block_is(h.region, 10 + k, static_cast<std::uint8_t>(1 + k)));
+}
+
+TEST_CASE("a retrieve's deadline stops at the server's load budget; ended early it counts the chunks ready",
+          "[engine][connector][concurrency]") {
+  harness h;
+  h.start_server();
+  h.server->set_load_budget_ms(200);
+  auto o = h.options();
+  o.timeouts.retrieve_timeout = 300ms;  // at most 500 ms after its start, whatever progress says
+  auto& c = h.connect(o);
+  const auto toks = tokens(4 * ct, 42);
+  h.store_prefix(c, "s", toks, 4);
+  for (std::uint32_t b = 10; b < 18; ++b) fill_block(h.region, b, 0);
+  h.server->sync();
+
+  h.server->hold(p::message_type::retrieve_request);
+  c.retrieve("r", toks, 0, range(10, 8));
+  REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
+  // Chunks 0 and 1 are in the blocks; the server keeps saying so, and the deadline still
+  // passes (the server itself gives up on a load past its budget).
+  const auto give_up = std::chrono::steady_clock::now() + 20 * o.scaled(o.timeouts.retrieve_timeout);
+  while (h.rec.snapshot().retrieves.empty() && std::chrono::steady_clock::now() < give_up) {
+    h.server->send_progress_to_held(0, 2);
+    let_pings_pass(*h.server, 5);
+  }
+  REQUIRE(h.rec.snapshot().retrieves.size() == 1);
+  const auto ev = h.rec.snapshot().retrieves.at(0);
+  CHECK(ev.outcome == bus::connector_outcome::timeout);
+  CHECK(ev.retrieved_chunks == 2);
+  CHECK(ev.load_error_blocks == 4);
+  // Only the blocks of chunks 2 and 3 are load errors, and only they stay fenced.
+  CHECK(sorted(c.take_load_error_blocks()) == range(14, 4));
+  CHECK(c.quarantined_blocks() == range(14, 4));
+  h.server->sync();
+  for (std::uint32_t k = 0; k < 4; ++k) CHECK(block_is(h.region, 10 + k, static_cast<std::uint8_t>(1 + k)));
+  CHECK(c.get_finished(ids{}).recving == ids{"r"});
+  h.server->release_held();  // the late answer: the server's copy is over
+  REQUIRE(c.wait_released(range(14, 4), 60s));
+}
+
+TEST_CASE("a retrieve ended by the server's close counts the chunks ready and fences nothing",
+          "[engine][connector][concurrency]") {
+  harness h;
+  auto o = h.options();
+  o.timeouts.ping_timeout = 100ms;
+  auto& c = h.connect(o);
+  const auto toks = tokens(3 * ct, 43);
+  h.store_prefix(c, "s", toks, 3);
+  h.server->hold(p::message_type::retrieve_request);
+  c.retrieve("r", toks, 0, range(10, 6));
+  REQUIRE(h.server->wait_received(p::message_type::retrieve_request, 1));
+  REQUIRE(h.server->send_progress_to_held(0, 1) == 1);
+  // The progress is read before the EOF (one connection, in order).
+  h.server->close_connections();
+  REQUIRE(h.wait([](const record& r) { return r.retrieves.size() == 1; }));
+  const auto ev = h.rec.snapshot().retrieves.at(0);
+  CHECK(ev.outcome == bus::connector_outcome::unhealthy);
+  CHECK(ev.retrieved_chunks == 1);
+  CHECK(sorted(c.take_load_error_blocks()) == range(12, 4));
+  CHECK(c.quarantined_blocks().empty());  // the server's EOF: no copy can follow
+  h.server->sync();
+  for (std::uint32_t k = 0; k < 2; ++k) CHECK(block_is(h.region, 10 + k, static_cast<std::uint8_t>(1 + k)));
 }

@@ -5,8 +5,8 @@
 // own kv_region::open mapping of the registered memfd, like the real server, so retrieves
 // really write blocks and stores really read them (and check their generations after the
 // copy). It follows tests' scripts: delay nothing, hold requests of a type (a server stuck on
-// them) and answer them later (a hung server waking up), send layer progress for held
-// retrieves (or for any call id: a late one), hang completely (pings too), close
+// them) and answer them later (a hung server waking up), send progress for held
+// retrieves (layers, and chunks it then copies first; or for any call id: a late one), hang completely (pings too), close
 // every connection (EOF), restart (new boot token, everything forgotten), reject
 // registrations, answer lookups `pending` a number of times (a server that answers before the
 // prefetch is decided).
@@ -111,29 +111,44 @@ class fake_server {
         if (h.s->open) process(h.s, std::move(h.f));
     });
   }
-  /// Sends retrieve_progress{layers} for every held retrieve that asked for layer progress,
-  /// without answering it; returns how many were sent. Waits until queued.
-  std::size_t send_progress_to_held(std::uint32_t layers) {
+  /// Sends retrieve_progress{layers, chunks} for every held retrieve that asked for
+  /// progress, without answering it, after copying its first `chunks` chunks into the
+  /// engine's blocks (what the count promises); returns how many were sent. Waits until
+  /// queued.
+  std::size_t send_progress_to_held(std::uint32_t layers, std::uint32_t chunks = 0) {
     std::size_t sent = 0;
     on_io([&] {
       std::lock_guard g(m_);
       for (auto& h : held_) {
         if (!h.s->open || h.f.header.type != protocol::message_type::retrieve_request) continue;
         auto m = protocol::decode_message(h.f);
-        if (!m || !std::get<protocol::retrieve_request>(*m).layer_progress) continue;
-        reply(h.s, h.f.header.call_id, protocol::retrieve_progress{layers});
+        if (!m || !std::get<protocol::retrieve_request>(*m).progress) continue;
+        if (chunks > 0) {
+          protocol::retrieve_request first = std::get<protocol::retrieve_request>(*m);
+          const std::uint32_t bpc = chunk_tokens_ / h.s->region->layout().block_size;
+          first.chunk_hashes.resize(std::min<std::size_t>(chunks, first.chunk_hashes.size()));
+          first.block_ids.resize(first.chunk_hashes.size() * bpc);
+          copy_retrieve(*h.s, first);
+        }
+        reply(h.s, h.f.header.call_id, protocol::retrieve_progress{layers, chunks});
         ++sent;
       }
     });
     return sent;
   }
-  /// Sends retrieve_progress{layers} under `call_id` on every open connection (a progress for
-  /// a call the connector does not know, or gave up on). Waits until queued.
-  void send_progress(std::uint64_t call_id, std::uint32_t layers) {
+  /// Sends retrieve_progress{layers, chunks} under `call_id` on every open connection (a
+  /// progress for a call the connector does not know, or gave up on). Waits until queued.
+  void send_progress(std::uint64_t call_id, std::uint32_t layers, std::uint32_t chunks = 0) {
     on_io([&] {
       for (auto& s : sessions_)
-        if (s->open) reply(s, call_id, protocol::retrieve_progress{layers});
+        if (s->open) reply(s, call_id, protocol::retrieve_progress{layers, chunks});
     });
+  }
+  /// The load budget the registrations are answered with (register_kv_response::
+  /// load_budget_ms; 30 s, the real server's default, unless set).
+  void set_load_budget_ms(std::uint32_t ms) {
+    std::lock_guard g(m_);
+    load_budget_ms_ = ms;
   }
   /// Closes every client connection (the connector sees EOF). Held requests are dropped.
   void close_connections() {
@@ -407,7 +422,7 @@ class fake_server {
     s.world_size = r.world_size;
     s.model_id = make_model_id(r.model_name, r.model, r.layout_kind, r.cache_salt);
     registrations_.push_back(r);
-    return protocol::register_kv_response{boot_token_, ++client_ids_, s.model_id, chunk_tokens_};
+    return protocol::register_kv_response{boot_token_, ++client_ids_, s.model_id, chunk_tokens_, load_budget_ms_};
   }
 
   [[nodiscard]] std::optional<protocol::error_response> check_blocks(const session& s, std::uint16_t rank,
@@ -425,6 +440,11 @@ class fake_server {
 
   protocol::message do_retrieve(session& s, const protocol::retrieve_request& r) {
     if (auto e = check_blocks(s, r.rank, r.chunk_hashes.size(), r.block_ids)) return *e;
+    return protocol::retrieve_response{copy_retrieve(s, r)};
+  }
+
+  /// Copies the leading chunks of `r` the store has into its blocks; returns how many.
+  std::uint32_t copy_retrieve(session& s, const protocol::retrieve_request& r) {
     const chunk_layout chunk{s.region->layout().model, chunk_tokens_};
     const std::uint32_t bpc = chunk_tokens_ / s.region->layout().block_size;
     std::uint32_t done = 0;
@@ -441,7 +461,7 @@ class fake_server {
       if (scatter_chunk(s.region->view(), ids, chunk, it->second.data(), skip)) break;
       ++done;
     }
-    return protocol::retrieve_response{done};
+    return done;
   }
 
   protocol::message do_store(session& s, const protocol::store_request& r) {
@@ -492,6 +512,7 @@ class fake_server {
   std::vector<held_request> held_;
   std::optional<errc> reject_;
   std::uint64_t pending_answers_ = 0;
+  std::uint32_t load_budget_ms_ = 30000;
   std::map<protocol::message_type, std::size_t> received_;
   std::vector<protocol::lookup_request> lookup_requests_;
   std::vector<protocol::store_request> stores_;

@@ -95,19 +95,26 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     body.str("ab").u64(5).u16(2).u32(1).u64(1).u64(2).str("").u8(1);
     CHECK(*bytes == make_frame(p::message_type::lookup_request, 3, body.bytes));
   }
-  SECTION("a retrieve request with its layer_progress flag last") {
+  SECTION("a retrieve request with its progress flag last") {
     auto bytes = p::encode_frame(6, p::retrieve_request{"r", 1, 2, {hash128{3, 4}}, {5, 6}, 7, "s", true});
     REQUIRE(bytes.has_value());
     bytes_builder body;
     body.str("r").u16(1).u32(2).u32(1).u64(3).u64(4).u32(2).u32(5).u32(6).u32(7).str("s").u8(1);
     CHECK(*bytes == make_frame(p::message_type::retrieve_request, 6, body.bytes));
   }
-  SECTION("a retrieve progress: type 0x4005, the retrieve's call id, the layers ready") {
-    auto bytes = p::encode_frame(0x99, p::retrieve_progress{12});
+  SECTION("a retrieve progress: type 0x4005, the retrieve's call id, the layers and chunks ready") {
+    auto bytes = p::encode_frame(0x99, p::retrieve_progress{12, 5});
     REQUIRE(bytes.has_value());
     bytes_builder want;
-    want.raw("KVT1").u16(p::protocol_version).u16(0x4005).u64(0x99).u32(4).u32(12);
+    want.raw("KVT1").u16(p::protocol_version).u16(0x4005).u64(0x99).u32(8).u32(12).u32(5);
     CHECK(*bytes == want.bytes);
+  }
+  SECTION("a register response with the server's load budget last") {
+    auto bytes = p::encode_frame(2, p::register_kv_response{0xb007, 7, 0xabcdef, 256, 30000});
+    REQUIRE(bytes.has_value());
+    bytes_builder body;
+    body.u64(0xb007).u64(7).u64(0xabcdef).u32(256).u32(30000);
+    CHECK(*bytes == make_frame(p::message_type::register_kv_response, 2, body.bytes));
   }
   SECTION("a lookup response: the prefetch's state and counts, as a query's") {
     auto bytes = p::encode_frame(4, p::lookup_response{p::prefetch_state::done, 7, 3});
@@ -132,9 +139,9 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     bytes_builder body;
     // model shape: u32 layers, heads, head dim, u8 dtype kind (bf16 = 2), u8 attention (MLA = 1);
     // then u8 layout kind (NHD = 0), u8 region kind (cpu_memfd = 1), descriptor, salt, rate,
-    // the five u64 strides (0: dense).
+    // the five u64 strides (0: dense), the engine id.
     body.u64(1).u16(2).u16(4).str("m").u32(32).u32(1).u32(576).u8(2).u8(1).u32(64).u32(10).u32(256).u64(1 << 20);
-    body.u8(0).u8(1).str("").str("").u64(0).u64(0).u64(0).u64(0).u64(0).u64(0);
+    body.u8(0).u8(1).str("").str("").u64(0).u64(0).u64(0).u64(0).u64(0).u64(0).str("");
     CHECK(*bytes == make_frame(p::message_type::register_kv_request, 1, body.bytes));
     CHECK(r.layout().total_bytes() == std::size_t{32} * 10 * 64 * 576 * 2);
     // Explicit strides travel in order layer, plane, block, token, head; layout() has them.
@@ -143,11 +150,11 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     REQUIRE(strided.has_value());
     bytes_builder sbody;
     sbody.u64(1).u16(2).u16(4).str("m").u32(32).u32(1).u32(576).u8(2).u8(1).u32(64).u32(10).u32(256).u64(1 << 20);
-    sbody.u8(0).u8(1).str("").str("").u64(0).u64(0x10000000).u64(0).u64(1152 * 64 + 128).u64(1152).u64(0);
+    sbody.u8(0).u8(1).str("").str("").u64(0).u64(0x10000000).u64(0).u64(1152 * 64 + 128).u64(1152).u64(0).str("");
     CHECK(*strided == make_frame(p::message_type::register_kv_request, 1, sbody.bytes));
     CHECK(r.layout().strides == r.strides);
   }
-  SECTION("a scheduler's register request: region none, salt and prefill rate") {
+  SECTION("a scheduler's register request: region none, salt, prefill rate and engine id") {
     p::register_kv_request r;
     r.instance_id = 9;
     r.world_size = 8;
@@ -158,11 +165,12 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     r.region = p::region_kind::none;
     r.cache_salt = "t";
     r.prefill_tokens_per_second = 50000;
+    r.engine_id = "e1";
     auto bytes = p::encode_frame(2, r);
     REQUIRE(bytes.has_value());
     bytes_builder body;
     body.u64(9).u16(0).u16(8).str("q").u32(24).u32(1).u32(64).u8(1).u8(0).u32(0).u32(0).u32(256).u64(0);
-    body.u8(1).u8(0).str("").str("t").u64(50000).u64(0).u64(0).u64(0).u64(0).u64(0);
+    body.u8(1).u8(0).str("").str("t").u64(50000).u64(0).u64(0).u64(0).u64(0).u64(0).str("e1");
     CHECK(*bytes == make_frame(p::message_type::register_kv_request, 2, body.bytes));
   }
 }
@@ -207,6 +215,8 @@ TEST_CASE("every field limit accepts one below and at the limit and refuses one 
                     resize_string(&p::register_kv_request::cache_salt));
   check_field_limit(p::register_kv_request{}, "region_descriptor", p::max_region_descriptor_bytes,
                     resize_string(&p::register_kv_request::region_descriptor));
+  check_field_limit(p::register_kv_request{}, "engine_id", p::max_engine_id_bytes,
+                    resize_string(&p::register_kv_request::engine_id));
   check_field_limit(p::lookup_request{}, "cache_salt", p::max_cache_salt_bytes,
                     resize_string(&p::lookup_request::cache_salt));
   check_field_limit(p::retrieve_request{}, "cache_salt", p::max_cache_salt_bytes,
@@ -332,13 +342,21 @@ TEST_CASE("malformed bodies are protocol errors with a reason", "[protocol][code
     CHECK(r.error().code == errc::protocol_error);
     CHECK(r.error().reason.find("lookup_request.answer_when_decided") != std::string::npos);
   }
-  SECTION("a retrieve body of protocol version 3 (no layer_progress byte)") {
+  SECTION("a retrieve body of protocol version 3 (no progress byte)") {
     bytes_builder body;
     body.str("r").u16(0).u32(0).u32(0).u32(0).u32(0).str("");
     auto r = decode_whole(make_frame(p::message_type::retrieve_request, 8, body.bytes));
     REQUIRE_FALSE(r.has_value());
     CHECK(r.error().code == errc::protocol_error);
-    CHECK(r.error().reason.find("retrieve_request.layer_progress") != std::string::npos);
+    CHECK(r.error().reason.find("retrieve_request.progress") != std::string::npos);
+  }
+  SECTION("a retrieve progress of protocol version 4 (no chunks_ready)") {
+    bytes_builder body;
+    body.u32(3);
+    auto r = decode_whole(make_frame(p::message_type::retrieve_progress, 8, body.bytes));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().reason.find("retrieve_progress.chunks_ready") != std::string::npos);
   }
   SECTION("an enumeration value past the last known one") {
     bytes_builder body;
@@ -361,7 +379,7 @@ TEST_CASE("malformed bodies are protocol errors with a reason", "[protocol][code
     auto reg = [](std::uint8_t dtype, std::uint8_t layout, std::uint8_t region) {
       bytes_builder body;
       body.u64(1).u16(0).u16(1).str("m").u32(1).u32(1).u32(1).u8(dtype).u8(0).u32(16).u32(1).u32(256).u64(4096);
-      body.u8(layout).u8(region).str("").str("").u64(0).u64(0).u64(0).u64(0).u64(0).u64(0);
+      body.u8(layout).u8(region).str("").str("").u64(0).u64(0).u64(0).u64(0).u64(0).u64(0).str("");
       return decode_whole(make_frame(p::message_type::register_kv_request, 8, body.bytes));
     };
     CHECK(reg(5, 2, 2).has_value());  // int8, MLA, cuda_ipc: the last known values decode

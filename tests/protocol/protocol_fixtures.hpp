@@ -41,6 +41,7 @@ inline std::vector<protocol::message> sample_messages() {
   reg.cache_salt = "tenant-7";
   reg.prefill_tokens_per_second = 50000;
   reg.strides = {0x1'0000'0000ULL, 128, 16 * 8 * 256, 8 * 256, 256};  // K|V packed per (token, head)
+  reg.engine_id = "0b6c7e5e-8f1a-4c2d-9e3b-5a7d1c2e4f60_dp1";
   m.emplace_back(reg);
   m.emplace_back(p::unregister_kv_request{});
   m.emplace_back(
@@ -57,7 +58,7 @@ inline std::vector<protocol::message> sample_messages() {
   m.emplace_back(p::get_chunk_size_request{});
   m.emplace_back(p::status_request{});
   m.emplace_back(p::error_response{static_cast<std::uint32_t>(errc::not_registered), "register first"});
-  m.emplace_back(p::register_kv_response{0xb007ULL, 7, 0xabcdefULL, 256});
+  m.emplace_back(p::register_kv_response{0xb007ULL, 7, 0xabcdefULL, 256, 30000});
   m.emplace_back(p::unregister_kv_response{});
   m.emplace_back(p::lookup_response{p::prefetch_state::pending, 0, 0});
   m.emplace_back(p::query_prefetch_response{p::prefetch_state::done, 12, 5});
@@ -69,7 +70,7 @@ inline std::vector<protocol::message> sample_messages() {
   m.emplace_back(p::clear_response{});
   m.emplace_back(p::get_chunk_size_response{256});
   m.emplace_back(p::status_response{R"({"registrations":[],"l1":{"used_bytes":0}})"});
-  m.emplace_back(p::retrieve_progress{31});
+  m.emplace_back(p::retrieve_progress{31, 2});
   return m;
 }
 

@@ -11,7 +11,7 @@ namespace {
 
 /// A lookup of `keys` keys (chunks x world size 1) owned by `owner` under `key`.
 void hold(lookup_table& t, std::uint64_t owner, const std::string& key, std::uint32_t keys) {
-  (void)t.put(key, lookup_table::entry{owner * 1000 + t.size(), owner, keys, 1});
+  (void)t.put(owner, key, lookup_table::entry{owner * 1000 + t.size(), owner, keys, 1});
 }
 
 }  // namespace

@@ -241,7 +241,7 @@ TEST_CASE("a layer-wise retrieve of an L1 hit sends non-decreasing layer progres
   const auto dst = block_range(30, 3 * blocks_per_chunk);
   for (auto b : dst) r.zero_block(b, 0xee);
   auto req = retrieve_req(hashes, dst, 6);
-  req.layer_progress = true;
+  req.progress = true;
   constexpr std::uint64_t call = 1000;
   REQUIRE_FALSE(c.send(call, req));
   std::vector<std::uint32_t> progress;

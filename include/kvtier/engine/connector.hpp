@@ -11,8 +11,11 @@
 //                    get_finished(finished_by_engine) -> {finished sending, finished recving}
 //                    take_load_error_blocks()  blocks the engine must recompute
 //   layer-wise       layers_ready(id), wait_layers(ids, layers, timeout): the leading layers
-//                    of a request's retrieves in flight that are usable (retrieve_options::
-//                    layer_progress); wait_retrieves(ids, timeout): its retrieves completed
+//                    of a request's retrieves in flight that are usable (the server's
+//                    progress); wait_retrieves(ids, timeout): its retrieves completed
+//   one engine       connector_options::engine_id, the same in the scheduler's and every
+//                    worker's connector: the server serves a worker's retrieve from the
+//                    scheduler's lookup (each chunk as its L2 load lands)
 //   fencing          block_is_quarantined(b), quarantined_blocks(), block_reused(b),
 //                    wait_released(blocks, timeout)
 //   tenants          cache_salt: the options' (per connector) and each call's (per request,
@@ -37,8 +40,11 @@
 //              call is released (finished receiving / sending as due); the connector
 //              reconnects with backoff, registers its region again (a new boot token tells a
 //              restart) and resumes. It starts degraded when no server is there yet.
-//   deadlines  every call has one; a retrieve past retrieve_timeout is a load error (never
-//              silent) and its blocks are quarantined.
+//   deadlines  every call has one; a retrieve's moves with the server's progress (the last
+//              progress + retrieve_timeout, at most its start + the server's load budget +
+//              retrieve_timeout); past it the chunks progress said were ready count as
+//              retrieved, the others are load errors (never silent) and their blocks are
+//              quarantined.
 //   fencing    blocks of a retrieve the connector gave up on stay quarantined until it is
 //              proven that no copy can follow: the server answers that call, closes that
 //              connection (it closes one only after every copy it started for it ended), or
@@ -217,7 +223,7 @@ class connector : private detail::link_owner {
 
   // --- layer-wise loading (a synchronous engine: vLLM's wait_for_layer_load) -----------
   /// The leading layers usable in every block of the request's retrieves in flight: what
-  /// their progress said (retrieve_options::layer_progress), 0 before any; the model's layer
+  /// their progress said (every retrieve asks for it), 0 before any; the model's layer
   /// count when none is in flight (completed ones, failed or not, wait for nothing: their
   /// failed blocks are load errors). A retrieve's final answer may still count fewer chunks
   /// than progress covered: the blocks of the chunks it does not count are load errors
@@ -268,10 +274,12 @@ class connector : private detail::link_owner {
     std::uint32_t skip_tokens = 0;
     clock::time_point started{};
   };
-  /// A retrieve in flight, for the layer-wise waits.
+  /// A retrieve in flight, for the layer-wise waits and an early end.
   struct load_in_flight {
     std::string request_id;
+    std::uint32_t chunks = 0;        ///< chunks requested
     std::uint32_t layers_ready = 0;  ///< from its progress messages, at most the layer count
+    std::uint32_t chunks_ready = 0;  ///< from its progress messages, at most `chunks`
   };
   struct store_info {
     std::string request_id;
@@ -305,7 +313,7 @@ class connector : private detail::link_owner {
   void on_peer_refused_locked(std::uint32_t uid, std::uint32_t pid, std::uint32_t expected) override;
   void on_copies_over_locked(std::uint64_t epoch) override;
   void on_late_reply_locked(std::uint64_t id) override;
-  void on_retrieve_progress_locked(std::uint64_t id, std::uint32_t layers_ready) override;
+  void on_retrieve_progress_locked(std::uint64_t id, std::uint32_t layers_ready, std::uint32_t chunks_ready) override;
   [[nodiscard]] bool awaits_late_replies_locked(std::uint64_t epoch) const override;
 
   // Everything below runs with the mutex held; the *_io functions on the link's thread.

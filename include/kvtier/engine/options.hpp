@@ -39,7 +39,13 @@ struct connector_timeouts {
   /// locks are freed: the deadline of its one call (and of a query after a `pending` answer).
   /// Its timeout does not count towards the breaker (a slow prefetch is no hung server).
   duration lookup_timeout{5000};
-  /// Deadline of a retrieve: past it the blocks are load errors (recomputed) and quarantined.
+  /// How long a retrieve may go without news: its deadline is the last progress message
+  /// (the server sends one each time more chunks or layers landed; the retrieve's start
+  /// before the first) plus retrieve_timeout, and never later than its start plus the
+  /// server's load budget (register_kv_response::load_budget_ms: how long the server waits
+  /// for an L2 load, 30 s by default) plus retrieve_timeout. Past it the chunks progress
+  /// said were ready count as retrieved; the other blocks are load errors (recomputed) and
+  /// quarantined (docs/fault-tolerance.md, "Deadlines").
   duration retrieve_timeout{5000};
   /// Deadline of a store: past it the store counts as finished (the engine may reuse the
   /// blocks; generation fencing keeps a late copy from being stored).
@@ -67,11 +73,12 @@ struct connector_timeouts {
 
 /// How one retrieve loads (connector::retrieve, retrieve_hashes).
 struct retrieve_options {
-  /// Ask the server for layer progress (protocol::retrieve_progress): layers_ready() and
-  /// wait_layers() then see the layers of an L1 hit land one by one, so the engine can
-  /// compute layer l while the server copies layer l + 1 (vLLM's wait_for_layer_load). Without
-  /// it, or when the server cannot copy layer by layer (chunks still loading from L2), the
-  /// layers are ready all at once when the retrieve completes.
+  /// Kept for callers of protocol 4: every retrieve asks the server for progress now
+  /// (protocol::retrieve_request::progress), so layers_ready() and wait_layers() always see
+  /// the layers of an L1 hit land one by one (the engine can compute layer l while the
+  /// server copies layer l + 1: vLLM's wait_for_layer_load), and the retrieve's deadline
+  /// follows the chunks as they land. When the server cannot copy layer by layer (chunks
+  /// still loading from L2), the layers are ready all at once when the retrieve completes.
   bool layer_progress = false;
   /// The engine waits for this load within its step (vLLM's synchronous load:
   /// get_num_new_matched_tokens answered `(n, False)`): the request is never reported in
@@ -118,6 +125,13 @@ struct connector_options {
   hash_algorithm hash = hash_algorithm::xxh3_128;
   /// This worker's id towards the server (ping, status); 0: the process id.
   std::uint64_t instance_id = 0;
+  /// The engine instance this connector belongs to (<= 128 bytes), the same in its
+  /// scheduler's and every worker's connector (vLLM: kv_transfer_config.engine_id). The
+  /// server knows the connections of one uid and engine id as one engine: a worker's
+  /// retrieve copies through the scheduler's lookup (each chunk as its L2 load lands) and
+  /// gives back that rank's holds when it ends. Empty: this connector's connection is an
+  /// engine of its own (lookups and retrieves must then be made on one connector).
+  std::string engine_id;
 
   connector_timeouts timeouts;
   /// Multiplies every timeout and period of `timeouts`.
@@ -146,6 +160,7 @@ struct connector_options {
     if (rank >= world_size) return "rank must be below world_size";
     if (model_name.size() > protocol::max_model_name_bytes) return "model_name is longer than 256 bytes";
     if (cache_salt.size() > protocol::max_cache_salt_bytes) return "cache_salt is longer than 256 bytes";
+    if (engine_id.size() > protocol::max_engine_id_bytes) return "engine_id is longer than 128 bytes";
     if (chunk_tokens == 0 || chunk_tokens > 65536) return "chunk_tokens must be in 1..65536";
     if (timeout_scale < 1) return "timeout_scale must be >= 1";
     const auto& t = timeouts;

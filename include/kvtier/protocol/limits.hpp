@@ -41,6 +41,8 @@ inline constexpr std::uint32_t max_chunk_hashes = 65536;
 inline constexpr std::uint32_t max_block_ids = std::uint32_t{1} << 20;
 /// A cache salt (vLLM's cache_salt is a short tenant string).
 inline constexpr std::uint32_t max_cache_salt_bytes = 256;
+/// An engine id (vLLM's kv_transfer_config.engine_id: a uuid4, 36 bytes, plus "_dp<rank>").
+inline constexpr std::uint32_t max_engine_id_bytes = 128;
 /// The region descriptor of a cuda_ipc registration (a cudaIpcMemHandle_t is 64 bytes; a
 /// descriptor holds one per layer tensor plus the layout: 1024 layers fit).
 inline constexpr std::uint32_t max_region_descriptor_bytes = std::uint32_t{256} << 10;

@@ -112,11 +112,16 @@ struct register_kv_response {
   std::uint64_t client_id = 0;     ///< the server's id of this registration (status, metrics)
   std::uint64_t model_id = 0;      ///< the model namespace of this engine's chunk keys
   std::uint32_t chunk_tokens = 0;  ///< tokens per chunk the server uses (echo or override)
+  /// The longest a retrieve may wait for the L2 loads of its lookup (the server's prefetch
+  /// load timeout), in ms: a retrieve's deadline is at most this plus the engine's own
+  /// retrieve timeout (docs/fault-tolerance.md, "Deadlines").
+  std::uint32_t load_budget_ms = 0;
 
   friend bool operator==(const register_kv_response&, const register_kv_response&) = default;
   static constexpr auto fields(auto& self) noexcept {
     return std::tuple{field("boot_token", self.boot_token), field("client_id", self.client_id),
-                      field("model_id", self.model_id), field("chunk_tokens", self.chunk_tokens)};
+                      field("model_id", self.model_id), field("chunk_tokens", self.chunk_tokens),
+                      field("load_budget_ms", self.load_budget_ms)};
   }
 };
 
@@ -183,20 +188,26 @@ struct retrieve_response {
   }
 };
 
-/// Progress of a retrieve that asked for it (retrieve_request::layer_progress), sent with the
-/// retrieve's call id before its retrieve_response, never after it. `layers_ready` leading
-/// layers of every chunk the response will count as retrieved are in the engine's blocks
-/// and final: the engine may compute those layers. Non-decreasing over one retrieve;
-/// always below the model's layer count (the response itself means every layer). The
+/// Progress of a retrieve that asked for it (retrieve_request::progress), sent with the
+/// retrieve's call id before its retrieve_response, never after it, each time one of its
+/// counts grew. `layers_ready` leading layers of every chunk the response will count as
+/// retrieved are in the engine's blocks and final: the engine may compute those layers
+/// (always below the model's layer count: the response itself means every layer). The
 /// response may still count fewer chunks than were requested: the blocks of the chunks it
-/// does not count are load errors, whatever progress said (docs/protocol.md, "Layer-wise
-/// retrieves").
+/// does not count are load errors, whatever layers_ready said (docs/protocol.md,
+/// "Layer-wise retrieves"). `chunks_ready` leading chunks are in the engine's blocks, every
+/// layer, and final: the response counts at least these, and an engine that gives up on
+/// the retrieve (its deadline, the server gone) may count them as retrieved. Both are
+/// non-decreasing over one retrieve.
 struct retrieve_progress {
   static constexpr message_type type = message_type::retrieve_progress;
   std::uint32_t layers_ready = 0;
+  std::uint32_t chunks_ready = 0;
 
   friend bool operator==(const retrieve_progress&, const retrieve_progress&) = default;
-  static constexpr auto fields(auto& self) noexcept { return std::tuple{field("layers_ready", self.layers_ready)}; }
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{field("layers_ready", self.layers_ready), field("chunks_ready", self.chunks_ready)};
+  }
 };
 
 struct store_response {
@@ -293,6 +304,12 @@ struct register_kv_request {
   /// of layout_kind, else the engine's own tensor strides, which must agree with layout_kind
   /// (the order of the chunk objects, part of the model id). Zero for region none.
   kv_strides strides{};
+  /// The engine instance this connection belongs to (<= max_engine_id_bytes), shared by its
+  /// scheduler and every worker rank (vLLM's kv_transfer_config.engine_id): the server knows
+  /// the connections of one peer uid and engine id as one engine, whose lookups any of them
+  /// may use (a worker's retrieve copies what the scheduler looked up). Empty: the
+  /// connection is an engine of its own.
+  std::string engine_id;
 
   /// The paged KV layout the region holds.
   [[nodiscard]] paged_kv_layout layout() const noexcept {
@@ -319,7 +336,8 @@ struct register_kv_request {
                       field("strides.plane", self.strides.plane),
                       field("strides.block", self.strides.block),
                       field("strides.token", self.strides.token),
-                      field("strides.head", self.strides.head)};
+                      field("strides.head", self.strides.head),
+                      bounded("engine_id", self.engine_id, max_engine_id_bytes)};
   }
 };
 
@@ -377,9 +395,10 @@ struct retrieve_request {
   std::vector<std::uint32_t> block_ids;  ///< destination blocks, chunk by chunk, <= max_block_ids
   std::uint32_t skip_tokens = 0;         ///< leading tokens the engine already has (not overwritten)
   std::string cache_salt;                ///< the request's salt, as in its lookup_request
-  /// Copy layer by layer and send retrieve_progress as layers become usable (when every
-  /// chunk is readable at once, an L1 hit); the response alone otherwise.
-  bool layer_progress = false;
+  /// Send retrieve_progress each time more leading chunks (or, when every chunk is readable
+  /// at once, an L1 hit copied layer by layer, more leading layers) are in the engine's
+  /// blocks; the response alone otherwise.
+  bool progress = false;
 
   friend bool operator==(const retrieve_request&, const retrieve_request&) = default;
   static constexpr auto fields(auto& self) noexcept {
@@ -390,7 +409,7 @@ struct retrieve_request {
                       bounded("block_ids", self.block_ids, max_block_ids),
                       field("skip_tokens", self.skip_tokens),
                       bounded("cache_salt", self.cache_salt, max_cache_salt_bytes),
-                      field("layer_progress", self.layer_progress)};
+                      field("progress", self.progress)};
   }
 };
 

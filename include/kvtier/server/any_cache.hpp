@@ -43,6 +43,9 @@ class any_cache {
   [[nodiscard]] virtual std::optional<cache::lookup_status> poll(lookup_id id) const = 0;
   [[nodiscard]] virtual bool known(lookup_id id) const = 0;
   virtual void release_all(lookup_id id) = 0;
+  /// tiered_cache::release: gives back the lookup's holds on these keys (a rank's retrieve
+  /// ended); the lookup stays known.
+  virtual void release(lookup_id id, std::span<const chunk_key> keys) = 0;
 
   /// tiered_cache::async_wait: void(error_code, lookup_status) once the prefetch is decided.
   template <class Token>

@@ -61,6 +61,7 @@ class cache_model final : public any_cache {
   std::optional<cache::lookup_status> poll(lookup_id id) const override { return cache_.poll(id); }
   bool known(lookup_id id) const override { return cache_.known(id); }
   void release_all(lookup_id id) override { cache_.release_all(id); }
+  void release(lookup_id id, std::span<const chunk_key> keys) override { cache_.release(id, keys); }
   void wait(lookup_id id, wait_handler h) override { cache_.async_wait(id, std::move(h)); }
   void copy_out(cache::copy_out_request r, cache::copy_out_sink sink, copy_out_handler h) override {
     cache_.async_copy_out(std::move(r), std::move(sink), std::move(h));

@@ -9,8 +9,9 @@
 //   - the metrics registry (metrics(), metrics_text()) and, when metrics_port is set, the
 //     HTTP endpoint on this same executor: /metrics (Prometheus text), /healthz (200 with
 //     the boot token while serving, 503 while shutting down), /status (status_json());
-//   - the L2 backends (backend_factory), the tiered cache (any_cache), the registrations and
-//     lookups (region_registry.hpp, lookup_table.hpp), the listening socket and one session per connection;
+//   - the L2 backends (backend_factory), the tiered cache (any_cache), the registrations, the
+//     engines they form and their lookups (region_registry.hpp, engine_table.hpp,
+//     lookup_table.hpp), the listening socket and one session per connection;
 //   - a reaper timer: expires L1 locks and lookups past their TTL, and closes connections
 //     silent for client_reap_timeout (a connection that dies is reaped at once: EOF),
 //     releasing the lookups each one owned; like every close, on the I/O thread, and a
@@ -45,6 +46,7 @@
 #include <kvtier/server/any_cache.hpp>
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/client_budget.hpp>
+#include <kvtier/server/engine_table.hpp>
 #include <kvtier/server/http_exporter.hpp>
 #include <kvtier/server/l1_residency.hpp>
 #include <kvtier/server/listener.hpp>
@@ -125,8 +127,10 @@ class server final : private session_host {
     }
     cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), copy_pool_.get_executor());
     if (config_.l1_prefault) log_l1_residency(make_l1_resident(cache_->l1_arena(), cache_->backends()));
-    ctx_.emplace(server_context{config_, *cache_, clients_, lookups_, bus_, log_, boot_token_, options_.hooks, &budget_,
-                                copy_pool_.get_executor()});
+    ctx_.emplace(server_context{
+        config_, *cache_, clients_, lookups_, engines_, bus_, log_, boot_token_, options_.hooks, &budget_,
+        copy_pool_.get_executor(),
+        std::chrono::duration_cast<std::chrono::milliseconds>(cache_options_from(config_).prefetch.load_timeout)});
     add_metrics();
   }
 
@@ -256,6 +260,7 @@ class server final : private session_host {
   std::unique_ptr<any_cache> cache_;
   region_registry clients_;
   lookup_table lookups_;
+  engine_table engines_;
   client_budget budget_;
   listener listener_;  ///< after budget_, log_, config_: it refers to them
   std::optional<server_context> ctx_;

@@ -2,7 +2,8 @@
 // What a session shares with the server that owns it (server.hpp) and needs from it:
 //
 //   server_context   the server's state every session uses: configuration, the cache, the
-//                    registrations (region_registry.hpp) and lookups (lookup_table.hpp),
+//                    registrations (region_registry.hpp), engines (engine_table.hpp) and
+//                    lookups (lookup_table.hpp),
 //                    the bus, the log, the boot token, the hooks and the lookup key budgets;
 //   session_host     what a session asks of its server: the status document, and "my loop
 //                    ended" (the server then reaps the connection's registration and lookups);
@@ -16,6 +17,7 @@
 #include <kvtier/fwd.hpp>
 #include <kvtier/server/any_cache.hpp>
 #include <kvtier/server/client_budget.hpp>
+#include <kvtier/server/engine_table.hpp>
 #include <kvtier/server/lookup_table.hpp>
 #include <kvtier/server/region_registry.hpp>
 #include <kvtier/server/server_config.hpp>
@@ -23,6 +25,7 @@
 
 #include <boost/asio/any_io_executor.hpp>
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <span>
@@ -52,6 +55,7 @@ struct server_context {
   any_cache& cache;
   region_registry& clients;
   lookup_table& lookups;
+  engine_table& engines;  ///< which connections are one engine (the scopes of the lookups)
   default_event_bus& bus;
   telemetry::logger& log;
   std::uint64_t boot_token = 0;
@@ -60,6 +64,9 @@ struct server_context {
   /// The copy pool (copy_threads): what may take long and must not hold up the I/O thread
   /// runs there (the copies run there through the cache; a registration's prefault).
   boost::asio::any_io_executor copy_executor;
+  /// The longest a retrieve may wait for its lookup's L2 loads: the prefetch load timeout
+  /// (register_kv_response::load_budget_ms).
+  std::chrono::milliseconds load_budget{0};
 };
 
 /// What a session needs from the server that owns it.

@@ -57,8 +57,12 @@
 // check it); and the region is unmapped only in session_closed, after the loop ended, which
 // it cannot while it awaits a copy.
 //
-// Lookups are the connection's own (lookup_table, keyed by this session's id): query,
-// free, end and the release after a retrieve touch this connection's lookup only.
+// Lookups belong to the connection's engine (lookup_table, keyed by the engine scope of
+// engine_table.hpp: the connections of one peer uid that registered with one engine id, or
+// this connection alone without one): any connection of the engine may query, free or end
+// a lookup, and a worker's retrieve copies through its engine's lookup (its scheduler's):
+// each chunk as its load lands, and the rank's holds given back when it ends. The issuing
+// connection keeps the lookup's budget and takes it along when it goes.
 //
 // A session never outlives its use of the server: the server owns it in a map, its
 // coroutine holds a shared_ptr, and when the coroutine ends it calls
@@ -118,7 +122,12 @@ class session : public std::enable_shared_from_this<session> {
   using clock = std::chrono::steady_clock;
 
   session(std::uint64_t client_id, connection_type conn, server_context& ctx, session_host& host)
-      : id_(client_id), conn_(std::move(conn)), ctx_(ctx), host_(host), last_activity_(clock::now()) {}
+      : id_(client_id),
+        scope_(client_id),
+        conn_(std::move(conn)),
+        ctx_(ctx),
+        host_(host),
+        last_activity_(clock::now()) {}
 
   session(const session&) = delete;
   session& operator=(const session&) = delete;
@@ -164,7 +173,7 @@ class session : public std::enable_shared_from_this<session> {
       // No polling on the wire: the answer goes out when the prefetch is decided.
       if (auto m = protocol::decode_message(f, conn_.frame_limits())) {
         const std::string key = std::get<protocol::query_prefetch_request>(*m).request_key;
-        if (const lookup_table::entry* e = ctx_.lookups.find(id_, key)) {
+        if (const lookup_table::entry* e = ctx_.lookups.find(scope_, key)) {
           boost::asio::co_spawn(conn_.get_executor(),
                                 answer_when_decided(shared_from_this(), f.header.call_id, key, e->cache_id, t0),
                                 boost::asio::detached);
@@ -381,13 +390,14 @@ class session : public std::enable_shared_from_this<session> {
   request_result<protocol::end_request_response> on(const protocol::end_request_request& r);
   void forget_lookup(const std::string& request_key);
   void release_owned_lookups();
+  void release_rank_holds(const std::string& request_key, std::uint64_t cache_id, std::uint16_t rank);
 
   // --- copies between the engine's region and L1 (impl/copy_requests.hpp) ---------------
   class copy_scope;
   class first_error;
   class progress_sender;
   static request_error closing_error(std::string_view what);
-  /// `call_id`: the frame's, which a layer-wise retrieve's progress frames carry.
+  /// `call_id`: the frame's, which a retrieve's progress frames carry.
   boost::asio::awaitable<request_result<protocol::retrieve_response>> on_retrieve(const protocol::retrieve_request& r,
                                                                                   std::uint64_t call_id);
   boost::asio::awaitable<request_result<protocol::store_response>> on_store(const protocol::store_request& r);
@@ -400,6 +410,8 @@ class session : public std::enable_shared_from_this<session> {
 
   // --- the connection's state, shared by the loop and the handlers ------------------------
   std::uint64_t id_;
+  /// The scope of this connection's lookups: its engine's (engine_table), or id_ alone.
+  std::uint64_t scope_;
   connection_type conn_;
   server_context& ctx_;
   session_host& host_;

@@ -67,6 +67,10 @@ class KVTierConfig:
             ``FLASH_ATTN``, ``CPU_ATTN``, ``FLASHMLA``, ...).
         cache_dtype: vLLM's ``cache_config.cache_dtype`` (``"auto"``, ``"fp8"``, ...): asked
             of the attention backend with its KV shape.
+        engine_id: the engine instance, the same on the scheduler side and every worker
+            (vLLM's ``kv_transfer_config.engine_id``): the server serves a worker's retrieve
+            from the scheduler's lookup (docs/server.md, "Engines"). Empty: each connection
+            is an engine of its own.
     """
 
     socket_path: str
@@ -96,6 +100,7 @@ class KVTierConfig:
     def stores(self) -> bool:
         """Whether this engine stores the chunks it computes (``kv_producer``, ``kv_both``)."""
         return self.kv_role != "kv_consumer"
+    engine_id: str = ""
 
     @property
     def layerwise(self) -> bool:
@@ -126,6 +131,8 @@ class KVTierConfig:
             raise ValueError(f"kvtier: load_mode '{self.load_mode}': use {' or '.join(LOAD_MODES)}")
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kvtier: kv_role '{self.kv_role}': use {', '.join(KV_ROLES)}")
+        if len(self.engine_id.encode()) > 128:
+            raise ValueError(f"kvtier: engine_id '{self.engine_id[:40]}...' is longer than 128 bytes")
 
     def connector_options(self, scheduler: bool) -> ConnectorOptions:
         """The C++ connector's options for one side."""
@@ -138,6 +145,7 @@ class KVTierConfig:
         o.chunk_tokens = self.chunk_tokens
         o.cache_salt = self.cache_salt
         o.prefill_tokens_per_second = self.prefill_tokens_per_second
+        o.engine_id = self.engine_id
         o.hash = HashAlgorithm.SHA256 if self.hash == "sha256" else HashAlgorithm.XXH3_128
         t = o.timeouts
         for key, value in self.timeouts_ms.items():

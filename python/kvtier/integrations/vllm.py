@@ -32,6 +32,8 @@ Options (``kv_connector_extra_config``; docs/integration.md has the table):
 ``rank``                     this worker's TP rank when vLLM cannot tell (stand-in runs)
 ``kv_cache_backend``         ``auto`` (vLLM's attention backend) or the backend whose layout
                              the KV tensors have (``FLASH_ATTN``, ``CPU_ATTN``, ...)
+``engine_id``                default: ``kv_transfer_config.engine_id`` (one engine's scheduler and
+                             workers share its lookups on the server; :func:`_engine_id`)
 ===========================  ===============================================================
 
 vLLM's own settings it reads: ``kv_role`` (``kv_producer`` stores and never looks up,
@@ -173,6 +175,7 @@ def config_from_vllm(vllm_config: Any, role: Any) -> KVTierConfig:
         kv_role=str(getattr(vllm_config.kv_transfer_config, "kv_role", None) or "kv_both"),
         kv_cache_backend=str(extra.get("kv_cache_backend", "auto")),
         cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto"),
+        engine_id=_engine_id(vllm_config, extra),
     )
     cfg.validate()
     return cfg
@@ -221,6 +224,28 @@ def check_kv_cache_config(kv_cache_config: Any) -> None:
                 f"kvtier: K and V of different head sizes (head_size {one.head_size}, head_size_v {head_size_v}): "
                 "kvtier's chunks hold one head size for both"
             )
+
+
+def _engine_id(vllm_config: Any, extra: Dict[str, Any]) -> str:
+    """The id the scheduler and every worker of this engine instance register with, so the
+    server serves a worker's retrieve from the scheduler's lookup (docs/server.md, "Engines").
+
+    vLLM's ``kv_transfer_config.engine_id``: a uuid4 made once when the engine's config is
+    built (``KVTransferConfig.__post_init__``) and pickled with it into the engine core and
+    every worker process, suffixed ``_dp<rank>`` per data-parallel engine; so it is the same in
+    every process of one engine and differs between engines. Without it (an older vLLM, a
+    stand-in): ``vllm_config.instance_id`` when set, which vLLM makes the same way; else empty,
+    and each connection is an engine of its own (a worker's retrieve then copies what L1 holds
+    and cannot wait for L2 loads its scheduler started). ``engine_id`` in
+    ``kv_connector_extra_config`` overrides both."""
+    for value in (
+        extra.get("engine_id"),
+        getattr(vllm_config.kv_transfer_config, "engine_id", None),
+        getattr(vllm_config, "instance_id", None),
+    ):
+        if value:
+            return str(value)
+    return ""
 
 
 def _first_group(block_ids: Any) -> List[int]:

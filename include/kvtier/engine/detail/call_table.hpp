@@ -55,6 +55,7 @@ struct pending_call {
   std::vector<std::byte> bytes;  ///< the encoded frame until sent
   int fd = -1;                   ///< passed beside the frame (register)
   bool sent = false;             ///< handed to the socket: the server may act on it
+  std::chrono::steady_clock::time_point sent_at{};  ///< when it was handed to the socket
   std::optional<boost::asio::steady_timer> deadline;
   call_done done;
 };

@@ -12,8 +12,10 @@
 //               unhealthy edge, connection lost) with the mutex held; replies are matched by
 //               call id, and replies to calls given up on are late replies. A progress
 //               message (protocol::retrieve_progress) names a retrieve in flight by its call
-//               id and goes to the owner without completing it; progress for a call that is
-//               not in flight on that connection (given up on, or never made) is ignored
+//               id and goes to the owner without completing it, and moves the retrieve's
+//               deadline to now + its timeout (never past its sending + the server's load
+//               budget + its timeout); progress for a call that is not in flight on that
+//               connection (given up on, or never made) is ignored
 //   connections one reader per connection (server_connection.hpp); the current one carries
 //               the calls, older ones stay open while the owner awaits late replies on them
 //   health      starting -> healthy <-> unhealthy: EOF or socket error at once, an unanswered
@@ -81,9 +83,11 @@ class link_owner {
   virtual void on_copies_over_locked(std::uint64_t epoch) = 0;
   /// The answer to call `id`, which had completed already (deadline, unhealthy edge).
   virtual void on_late_reply_locked(std::uint64_t id) = 0;
-  /// Progress of retrieve `id`, which is in flight: `layers_ready` leading layers of its
-  /// chunks are in the engine's blocks (protocol::retrieve_progress).
-  virtual void on_retrieve_progress_locked(std::uint64_t id, std::uint32_t layers_ready) = 0;
+  /// Progress of retrieve `id`, which is in flight (protocol::retrieve_progress):
+  /// `layers_ready` leading layers of its chunks, and every layer of its `chunks_ready`
+  /// leading chunks, are in the engine's blocks.
+  virtual void on_retrieve_progress_locked(std::uint64_t id, std::uint32_t layers_ready,
+                                           std::uint32_t chunks_ready) = 0;
   /// Whether connection `epoch` must stay open for late replies.
   [[nodiscard]] virtual bool awaits_late_replies_locked(std::uint64_t epoch) const = 0;
 
@@ -135,6 +139,9 @@ class server_link {
   [[nodiscard]] std::uint64_t boot_token_locked() const noexcept { return boot_token_.value_or(0); }
   /// The model id of the last registration.
   [[nodiscard]] std::uint64_t model_id_locked() const noexcept { return model_id_; }
+  /// The server's load budget (register_kv_response::load_budget_ms) of the last
+  /// registration: the longest a retrieve's deadline moves with its progress.
+  [[nodiscard]] clock::duration load_budget_locked() const noexcept { return load_budget_; }
   /// Whether the server closed connection `epoch` (its copies for it are over).
   [[nodiscard]] bool closed_by_server_locked(std::uint64_t epoch) const {
     auto it = connections_.find(epoch);
@@ -177,6 +184,8 @@ class server_link {
                     std::vector<std::byte> bytes, int fd, clock::duration timeout, call_done done);
   void complete_locked(pending_call& c, call_result r);
   void send_io(std::uint64_t id);
+  /// (Re)arms call `c`'s deadline timer to expire at `at`.
+  void arm_deadline_locked(pending_call& c, clock::time_point at);
   void on_deadline_io(std::uint64_t id);
   bool on_frame_io(server_connection& s, protocol::frame f);
   /// `server_closed`: the break is the server's close (EOF, EPIPE, ECONNRESET).
@@ -224,6 +233,7 @@ class server_link {
   std::string last_error_;
   std::optional<std::uint64_t> boot_token_;  ///< of the last registration
   std::uint64_t model_id_ = 0;
+  clock::duration load_budget_{};
   std::uint64_t next_epoch_ = 0;
   std::uint64_t current_epoch_ = 0;  ///< the connection being set up or registered; 0: none
   breaker breaker_;

@@ -91,6 +91,7 @@ protocol::register_kv_request connector<Bus>::registration() const {
   reg.chunk_tokens = options_.chunk_tokens;
   reg.cache_salt = options_.cache_salt;
   reg.prefill_tokens_per_second = options_.prefill_tokens_per_second;
+  reg.engine_id = options_.engine_id;
   if (region_ != nullptr) {
     const paged_kv_layout& layout = region_->layout();
     reg.model = layout.model;
@@ -196,14 +197,18 @@ void connector<Bus>::on_late_reply_locked(std::uint64_t id) {
 }
 
 template <class Bus>
-void connector<Bus>::on_retrieve_progress_locked(std::uint64_t id, std::uint32_t layers_ready) {
+void connector<Bus>::on_retrieve_progress_locked(std::uint64_t id, std::uint32_t layers_ready,
+                                                 std::uint32_t chunks_ready) {
   auto it = loads_.find(id);
   if (it == loads_.end()) return;
-  // A server saying more than the model has means every layer (the answer still decides
-  // which chunks landed).
+  load_in_flight& load = it->second;
+  // Chunks beyond the request (a server bug) count as the request's; the answer still
+  // decides which chunks landed when it comes.
+  load.chunks_ready = std::max(load.chunks_ready, std::min(chunks_ready, load.chunks));
+  // A server saying more than the model has means every layer.
   const std::uint32_t layers = std::min(layers_ready, region_->layout().model.num_layers);
-  if (layers <= it->second.layers_ready) return;
-  it->second.layers_ready = layers;
+  if (layers <= load.layers_ready) return;
+  load.layers_ready = layers;
   waits_cv_.notify_all();
 }
 

@@ -58,13 +58,13 @@ void connector<Bus>::retrieve_hashes(std::string_view request_id, std::span<cons
                                         info->block_ids,
                                         skip_tokens,
                                         std::string(cache_salt),
-                                        how.layer_progress});
+                                        /*progress=*/true});
   std::lock_guard g(mu());
   tracker_.retrieve_started(info->request_id, how.synchronous);
   if (info->chunks == 0) return finish_retrieve_locked(*info, 0, bus::connector_outcome::ok, nullptr);
   if (link_.state_locked() != health_state::healthy)
     return finish_retrieve_locked(*info, 0, bus::connector_outcome::unhealthy, nullptr);
-  loads_.emplace(cid, load_in_flight{info->request_id, 0});
+  loads_.emplace(cid, load_in_flight{info->request_id, info->chunks, 0, 0});
   link_.issue_locked(cid, call_kind::retrieve, protocol::retrieve_response::type, std::move(bytes),
                      scaled(options_.timeouts.retrieve_timeout), [this, info](pending_call& c, call_result& r) {
                        std::uint32_t got = 0;
@@ -72,6 +72,10 @@ void connector<Bus>::retrieve_hashes(std::string_view request_id, std::span<cons
                        if (r.status == call_status::reply) {
                          got = std::min(std::get<protocol::retrieve_response>(r.reply).retrieved_chunks, info->chunks);
                          outcome = got == info->chunks ? bus::connector_outcome::ok : bus::connector_outcome::partial;
+                       } else if (auto it = loads_.find(c.id); it != loads_.end()) {
+                         // Ended early (deadline, server gone): the chunks progress said were
+                         // in the blocks, final, are retrieved; only the rest are load errors.
+                         got = it->second.chunks_ready;
                        }
                        finish_retrieve_locked(*info, got, outcome, &c);
                      });

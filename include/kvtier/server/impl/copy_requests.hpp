@@ -2,14 +2,18 @@
 // session (server/session.hpp): retrieve and store, the requests that copy between the
 // engine's KV region and L1. Each is one cache call, whose copies run on the server's copy
 // pool while the I/O thread serves the other connections:
-//   retrieve  tiered_cache::async_copy_out: each chunk scattered into the engine's blocks as
-//             soon as L1 has it (an L2 load pipelined with the copies); answers the
-//             contiguous prefix copied. Layer-wise (retrieve_request::layer_progress, a
-//             model of several layers): the copy has one part per layer, so when every
-//             chunk is readable at once (an L1 hit) it goes part-major, layer 0 of every
-//             chunk first, and each time more leading layers are done for every chunk a
-//             retrieve_progress frame goes out before the response (at most one queued per
-//             retrieve; none after the response);
+//   retrieve  tiered_cache::async_copy_out through the engine's lookup of the request (the
+//             scheduler's, on another connection of the same engine: engine_table.hpp): each
+//             chunk scattered into the engine's blocks as soon as L1 has it (an L2 load
+//             pipelined with the copies); answers the contiguous prefix copied; then every
+//             hold of this rank in that lookup goes back (release_rank_holds). With
+//             retrieve_request::progress a retrieve_progress frame goes out each time more
+//             leading chunks are done (chunks_ready) and, for a model of several layers,
+//             the copy has one part per layer, so when every chunk is readable at once (an
+//             L1 hit) it goes part-major, layer 0 of every chunk first, and progress tells
+//             the leading layers done for every chunk (layers_ready). At most one progress
+//             frame is queued per retrieve (it carries the latest counts); none goes out
+//             after the response;
 //   store     the generation fence before (chunks whose blocks the engine reused already are
 //             not copied) and after (async_copy_in's fence: a block reused while we copied
 //             is never stored under the old key), the copies gathered from the engine's
@@ -67,20 +71,38 @@ class session::first_error {
   std::error_code ec_;
 };
 
-/// The progress of one layer-wise retrieve: what the copy threads report (on_progress), what
-/// the I/O thread sent. Coalescing: one send is posted at a time; it sends the latest count.
+/// The progress of one retrieve that asked for it: what the copy threads report (leading
+/// layers done for every chunk: on_progress; each part of each chunk the sink copied), what
+/// the I/O thread sent. Coalescing: one send is posted at a time; it sends the latest counts.
 class session::progress_sender : public std::enable_shared_from_this<progress_sender> {
  public:
-  progress_sender(std::shared_ptr<session> s, std::uint64_t call_id) : s_(std::move(s)), call_id_(call_id) {}
+  progress_sender(std::shared_ptr<session> s, std::uint64_t call_id, std::size_t chunks, std::size_t parts)
+      : s_(std::move(s)), call_id_(call_id), parts_(parts), parts_copied_(chunks, 0) {}
 
   /// On a copy thread: `layers` leading layers are done for every chunk.
   void report(std::size_t layers) {
     {
       std::lock_guard g(m_);
-      latest_ = std::max(latest_, layers);
-      if (std::exchange(posted_, true)) return;  // the send already posted takes the latest
+      if (layers <= layers_) return;
+      layers_ = layers;
     }
-    boost::asio::post(s_->conn_.get_executor(), [self = shared_from_this()] { self->send(); });
+    post();
+  }
+
+  /// On a copy thread: part `part` of chunk `i` is in the engine's blocks (the sink copied
+  /// it). A chunk whose every part is copied and whose predecessors all are counts in
+  /// chunks_ready: the copy's answer counts at least those (its prefix ends only at a chunk
+  /// that was not copied).
+  void copied(std::size_t i, std::size_t part) {
+    (void)part;
+    {
+      std::lock_guard g(m_);
+      if (i >= parts_copied_.size() || ++parts_copied_[i] < parts_) return;
+      const std::size_t before = chunks_;
+      while (chunks_ < parts_copied_.size() && parts_copied_[chunks_] >= parts_) ++chunks_;
+      if (chunks_ == before) return;
+    }
+    post();
   }
 
   /// On the I/O thread, when the copy completed: nothing is sent any more (the response
@@ -88,28 +110,44 @@ class session::progress_sender : public std::enable_shared_from_this<progress_se
   void finish() noexcept { over_ = true; }
 
  private:
+  void post() {
+    {
+      std::lock_guard g(m_);
+      if (std::exchange(posted_, true)) return;  // the send already posted takes the latest
+    }
+    boost::asio::post(s_->conn_.get_executor(), [self = shared_from_this()] { self->send(); });
+  }
+
   // On the I/O thread.
   void send() {
     std::size_t layers = 0;
+    std::size_t chunks = 0;
     {
       std::lock_guard g(m_);
       posted_ = false;
-      layers = latest_;
+      layers = layers_;
+      chunks = chunks_;
     }
-    if (over_ || s_->closing_ || layers <= sent_) return;
-    sent_ = layers;
-    s_->conn_.async_send(call_id_, protocol::retrieve_progress{static_cast<std::uint32_t>(layers)}, [](error_code) {
+    if (over_ || s_->closing_ || (layers <= sent_layers_ && chunks <= sent_chunks_)) return;
+    sent_layers_ = layers;
+    sent_chunks_ = chunks;
+    const protocol::retrieve_progress p{static_cast<std::uint32_t>(layers), static_cast<std::uint32_t>(chunks)};
+    s_->conn_.async_send(call_id_, p, [](error_code) {
       // A failed write fails the response's too: the lane handles it.
     });
   }
 
   std::shared_ptr<session> s_;
   std::uint64_t call_id_;
+  std::size_t parts_;
   std::mutex m_;
-  std::size_t latest_ = 0;  ///< under m_
-  bool posted_ = false;     ///< under m_: a send() is queued on the I/O thread
-  std::size_t sent_ = 0;    ///< I/O thread
-  bool over_ = false;       ///< I/O thread
+  std::vector<std::size_t> parts_copied_;  ///< under m_: per chunk, its parts the sink copied
+  std::size_t layers_ = 0;                 ///< under m_
+  std::size_t chunks_ = 0;                 ///< under m_: leading chunks every part of which is copied
+  bool posted_ = false;                    ///< under m_: a send() is queued on the I/O thread
+  std::size_t sent_layers_ = 0;            ///< I/O thread
+  std::size_t sent_chunks_ = 0;            ///< I/O thread
+  bool over_ = false;                      ///< I/O thread
 };
 
 inline request_error session::closing_error(std::string_view what) {
@@ -132,10 +170,11 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
   std::vector<chunk_key> keys(n);
   for (std::size_t i = 0; i < n; ++i) keys[i] = reg.key(mid, r.chunk_hashes[i]);
   cache::copy_out_request cr;
-  // Only this connection's lookup: a worker retrieving what its scheduler looked up on
-  // another connection copies what L1 holds and leaves the scheduler's holds to the
-  // scheduler (end_request).
-  if (const lookup_table::entry* e = ctx_.lookups.find(id_, r.request_key)) cr.lookup = e->cache_id;
+  // The engine's lookup of the request (its scheduler's, on another connection; or this
+  // connection's own): the copy takes each chunk as its load lands. Another engine's
+  // request of the same id is not this one's.
+  if (const lookup_table::entry* e = ctx_.lookups.find(scope_, r.request_key)) cr.lookup = e->cache_id;
+  const std::uint64_t lookup = cr.lookup;
   cr.keys = keys;
   cr.object_bytes = reg.object_bytes;
   // The sink runs on the copy pool; everything it reads stays alive until the completion
@@ -147,12 +186,12 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
   // Layer-wise: one part per layer. The layer copies write around the cache as the whole
   // chunk's would (chosen by the object's size, not the layer's).
   const std::uint32_t layers = chunk.model.num_layers;
-  const bool by_layer = r.layer_progress && layers > 1;
+  const bool by_layer = r.progress && layers > 1;
   const transfer_options layer_write{reg.object_bytes >= transfer_streaming_threshold_bytes ? transfer_write::streaming
                                                                                              : transfer_write::cached};
   std::shared_ptr<progress_sender> progress;
+  if (r.progress) progress = std::make_shared<progress_sender>(shared_from_this(), call_id, n, by_layer ? layers : 1);
   if (by_layer) {
-    progress = std::make_shared<progress_sender>(shared_from_this(), call_id);
     cr.parts = layers;
     cr.on_progress = [progress](std::size_t done) { progress->report(done); };
   }
@@ -174,6 +213,7 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
       refused.set(ec);
       return false;
     }
+    if (progress) progress->copied(i, part);
     return true;
   };
   std::size_t copied = 0;
@@ -183,6 +223,8 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
     copied = ec ? 0 : count;
   }
   if (progress) progress->finish();  // on the I/O thread, before the response is queued
+  // This rank is done with the lookup: its holds on the chunks it did not ask for go too.
+  if (lookup != 0) release_rank_holds(r.request_key, lookup, r.rank);
   if (const std::error_code e = refused.get()) ctx_.log.error("client {}: retrieve copy refused: {}", id_, e.message());
   co_return protocol::retrieve_response{static_cast<std::uint32_t>(copied)};
 }

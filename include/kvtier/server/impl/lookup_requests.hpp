@@ -11,7 +11,11 @@
 //                           answered `pending`: handle_frame() hands it to
 //                           answer_when_decided(), which answers once the prefetch decided;
 //   free_lookup_locks, end  release the lookup's holds.
-// Lookups are the connection's own (lookup_table, keyed by this session's id).
+// Lookups are the engine's (lookup_table, keyed by this session's engine scope: scope_):
+// any connection of the engine finds, replaces, frees and ends them; the connection that
+// issued one carries its budget (max_lookups_per_client, the key budgets) and takes it
+// along when it goes (release_owned_lookups). release_rank_holds gives back one rank's
+// holds when its retrieve ended (impl/copy_requests.hpp).
 
 #include <kvtier/server/session.hpp>
 
@@ -39,10 +43,11 @@ inline request_result<protocol::lookup_response> session::on(const protocol::loo
     return request_error{errc::invalid_argument, "lookup_request.world_size " + std::to_string(r.world_size) +
                                                      " differs from the registration's " +
                                                      std::to_string(reg.world_size)};
-  // Lookups are this connection's own (lookup_table): another engine's request of the same
-  // id is another lookup.
-  const lookup_table::entry* existing = ctx_.lookups.find(id_, r.request_key);
-  const bool replaces_own = existing != nullptr;
+  // Lookups are this connection's engine's (lookup_table): another engine's request of the
+  // same id is another lookup. A lookup of the same request by this engine is replaced; its
+  // budget was its issuer's.
+  const lookup_table::entry* existing = ctx_.lookups.find(scope_, r.request_key);
+  const bool replaces_own = existing != nullptr && existing->owner == id_;
   if (!replaces_own && ctx_.lookups.owned(id_) >= ctx_.config.max_lookups_per_client)
     return request_error{errc::out_of_memory,
                          "this connection holds " + std::to_string(ctx_.lookups.owned(id_)) +
@@ -72,10 +77,11 @@ inline request_result<protocol::lookup_response> session::on(const protocol::loo
   lr.request_id = request_id_of(r.request_key);
   lr.prefill_tokens_per_second = reg.prefill_tokens_per_second;  // load or recompute
   const auto id = ctx_.cache.start_lookup(lr);
-  lookup_table::entry e{id, id_, static_cast<std::uint32_t>(r.chunk_hashes.size()), reg.world_size};
+  lookup_table::entry e{id, id_, static_cast<std::uint32_t>(r.chunk_hashes.size()), reg.world_size, mid,
+                        r.chunk_hashes, std::vector<bool>(reg.world_size, false)};
   // The new lookup holds its locks before the old one gives its back: nothing the two
   // share can be evicted in between.
-  if (auto old = ctx_.lookups.put(r.request_key, e)) {
+  if (auto old = ctx_.lookups.put(scope_, r.request_key, std::move(e))) {
     answer_held_lookup(r.request_key, {});  // the replaced lookup's answer, if held: unknown
     ctx_.cache.release_all(old->cache_id);
   }
@@ -87,12 +93,12 @@ inline request_result<protocol::lookup_response> session::on(const protocol::loo
 inline request_result<protocol::query_prefetch_response> session::on(const protocol::query_prefetch_request& r) {
   auto reg = registered("query_prefetch_request");
   if (!reg) return reg.error();
-  const lookup_table::entry* e = ctx_.lookups.find(id_, r.request_key);
+  const lookup_table::entry* e = ctx_.lookups.find(scope_, r.request_key);
   if (e == nullptr) return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
   if (auto st = ctx_.cache.poll(e->cache_id)) return done_response(*st);
   if (ctx_.cache.known(e->cache_id))  // not decided yet: dispatch() answers it when it is
     return protocol::query_prefetch_response{protocol::prefetch_state::pending, 0, 0};
-  ctx_.lookups.take(id_, r.request_key);  // expired in the cache (lookup_ttl)
+  ctx_.lookups.take(scope_, r.request_key);  // expired in the cache (lookup_ttl)
   return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
 }
 
@@ -147,7 +153,7 @@ inline boost::asio::awaitable<void> session::answer_when_decided(std::shared_ptr
   protocol::query_prefetch_response reply{protocol::prefetch_state::unknown, 0, 0};
   for (;;) {
     auto [ec, st] = co_await ctx_.cache.async_wait(cache_id, as_tuple(use_awaitable));
-    const lookup_table::entry* e = closing_ ? nullptr : ctx_.lookups.find(id_, request_key);
+    const lookup_table::entry* e = closing_ ? nullptr : ctx_.lookups.find(scope_, request_key);
     if (e == nullptr) break;        // released, ended, reaped
     if (e->cache_id != cache_id) {  // replaced by a newer lookup
       cache_id = e->cache_id;
@@ -176,15 +182,32 @@ inline request_result<protocol::end_request_response> session::on(const protocol
   return protocol::end_request_response{};
 }
 
-/// Releases this connection's lookup of `request_key` (none: nothing to do).
+/// Releases this engine's lookup of `request_key` (none: nothing to do).
 inline void session::forget_lookup(const std::string& request_key) {
   answer_held_lookup(request_key, {});
-  if (auto e = ctx_.lookups.take(id_, request_key)) ctx_.cache.release_all(e->cache_id);
+  if (auto e = ctx_.lookups.take(scope_, request_key)) ctx_.cache.release_all(e->cache_id);
 }
 
+/// Releases the lookups this connection issued (it unregisters, or changes engines).
 inline void session::release_owned_lookups() {
   while (!held_lookups_.empty()) answer_held_lookup(held_lookups_.begin()->first, {});
   for (const auto& e : ctx_.lookups.take_owned_by(id_)) ctx_.cache.release_all(e.cache_id);
+}
+
+/// A retrieve of rank `rank` through this engine's lookup `request_key` (cache lookup
+/// `cache_id`) ended: every hold of that rank in the lookup goes back, copied or not (the
+/// copy gave back those of the chunks it was asked for; the rank's other chunks, which it
+/// will never ask for, go now). The lookup stays (the scheduler may still query or end it);
+/// once every rank retrieved it holds nothing. A lookup replaced or released meanwhile is
+/// left alone.
+inline void session::release_rank_holds(const std::string& request_key, std::uint64_t cache_id, std::uint16_t rank) {
+  lookup_table::entry* e = ctx_.lookups.find(scope_, request_key);
+  if (e == nullptr || e->cache_id != cache_id || rank >= e->world_size || e->ranks_retrieved[rank]) return;
+  e->ranks_retrieved[rank] = true;
+  std::vector<chunk_key> keys;
+  keys.reserve(e->hashes.size());
+  for (const hash128& h : e->hashes) keys.push_back(chunk_key{e->model_id, e->world_size, rank, h});
+  ctx_.cache.release(cache_id, keys);
 }
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server

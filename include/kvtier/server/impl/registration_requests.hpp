@@ -10,15 +10,28 @@
 // its other requests wait for the answer, in order). A registration belongs
 // to its connection until it unregisters or goes (session_closed reaps it). Unregistering
 // releases the connection's lookups too.
+//
+// A registration with an engine id joins that engine (engine_table.hpp: the connections of
+// this peer uid and engine id, a vLLM scheduler and its workers), on the I/O thread after the
+// region was mapped: its lookups are the engine's from then on. The engine's other live
+// registrations must agree on the model id and world size, or it is refused (its region
+// unmapped, the connection keeping what it had).
 
+#include <kvtier/protocol/unix_socket.hpp>
 #include <kvtier/server/region_prefault.hpp>
 #include <kvtier/server/session.hpp>
+
+#include <fmt/format.h>
 
 #include <boost/asio/co_spawn.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <functional>
+#include <limits>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -44,15 +57,42 @@ inline boost::asio::awaitable<request_result<protocol::register_kv_response>> se
   }
   // Closed meanwhile (reaped, shutting down): unanswered, and not kept.
   if (closing_) co_return closing_error("register_kv_request");
+  // Its engine: the peer's uid (SO_PEERCRED, as the listener admitted it) and engine id.
+  engine_table::declaration d;
+  d.engine_id = r.engine_id;
+  d.model_id = made->model_id;
+  d.world_size = made->world_size;
+  d.model_name = made->model_name;
+  if (!d.engine_id.empty()) {
+    auto peer = protocol::peer_credentials(conn_.socket().native_handle());
+    if (!peer)
+      co_return request_error{errc::permission_denied, "register_kv_request: cannot read this connection's peer "
+                                                       "credentials (" +
+                                                           peer.error().message() + ") to join engine_id '" +
+                                                           d.engine_id + "'"};
+    d.uid = peer->uid;
+  }
+  auto scope = ctx_.engines.join(id_, d);
+  if (!scope) {
+    ctx_.log.warn("client {}: registration refused: {}", id_, scope.error().message);
+    co_return scope.error();
+  }
+  // Lookups it issued under another scope would be out of its reach now: released.
+  if (*scope != scope_) release_owned_lookups();
+  scope_ = *scope;
   registration& g = ctx_.clients.add(std::move(*made));
   if (g.prefault_pending) prefault_region(g);
   ctx_.log.info(
       "client {}: registered pid {} rank {}/{} model {} ({} layers, {} KV heads, head dim {}, {}, {}), region {}: "
-      "{} blocks of {} tokens, {} MiB",
+      "{} blocks of {} tokens, {} MiB{}",
       id_, g.instance_id, g.rank, g.world_size, g.model_name, g.chunk.model.num_layers, g.chunk.model.num_kv_heads,
       g.chunk.model.head_dim, name(g.chunk.model.dtype), name(g.layout.kind()), protocol::name(g.kind),
-      g.layout.num_blocks, g.layout.block_size, g.region.bytes() >> 20);
-  co_return protocol::register_kv_response{ctx_.boot_token, id_, g.model_id, g.chunk.chunk_tokens};
+      g.layout.num_blocks, g.layout.block_size, g.region.bytes() >> 20,
+      d.engine_id.empty() ? std::string()
+                          : fmt::format(", engine '{}' ({} connections)", d.engine_id, ctx_.engines.members_with(id_)));
+  const auto budget_ms = std::clamp<std::int64_t>(ctx_.load_budget.count(), 0, std::numeric_limits<std::uint32_t>::max());
+  co_return protocol::register_kv_response{ctx_.boot_token, id_, g.model_id, g.chunk.chunk_tokens,
+                                           static_cast<std::uint32_t>(budget_ms)};
 }
 
 /// Faults the pages of `g`'s region in on the copy pool, behind the registration's answer
@@ -86,6 +126,8 @@ inline request_result<protocol::unregister_kv_response> session::on(const protoc
   auto reg = registered("unregister_kv_request");
   if (!reg) return reg.error();
   release_owned_lookups();
+  ctx_.engines.leave(id_);
+  scope_ = id_;
   ctx_.clients.remove(id_);
   ctx_.log.info("client {}: unregistered", id_);
   return protocol::unregister_kv_response{};

@@ -59,6 +59,7 @@ inline void server::session_closed(std::uint64_t id) noexcept {
     cache_->release_all(e.cache_id);
     ++released;
   }
+  engines_.leave(id);
   const bool had_registration = clients_.remove(id);
   connections_.store(sessions_.size(), std::memory_order_relaxed);
   if (s->close_reason().starts_with("protocol error")) reaped_.fetch_add(1, std::memory_order_relaxed);

@@ -180,10 +180,13 @@ inline std::string server::status_json() {
     c["idle_s"] = secs(now - s.last_activity());
     c["requests"] = s.requests();
     c["lookups"] = lookups_.owned(id);
+    c["engine_id"] = std::string(engines_.engine_id_of(id));
+    c["engine_connections"] = engines_.members_with(id);
     clients.push_back(std::move(c));
   }
   j["clients"] = std::move(clients);
   j["lookups"] = lookups_.size();
+  j["engines"] = engines_.size();
   const cache::cache_status cs = cache_->status();
   j["l1"] = {{"bytes_used", cs.l1.bytes_used},     {"bytes_capacity", cs.l1.bytes_capacity},
              {"objects", cs.l1.objects},           {"slots_used", cs.l1.slots_used},

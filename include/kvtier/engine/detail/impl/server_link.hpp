@@ -13,6 +13,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <exception>
 #include <variant>
 
@@ -128,11 +129,8 @@ inline void server_link::send_io(std::uint64_t id) {
     calls_.take(id);
     return complete_locked(*c, call_result{call_status::closed, {}, "connection gone"});
   }
-  c->deadline.emplace(ex_);
-  c->deadline->expires_after(c->timeout);
-  c->deadline->async_wait([this, id](error_code ec) {
-    if (!ec) on_deadline_io(id);
-  });
+  c->sent_at = clock::now();
+  arm_deadline_locked(*c, c->sent_at + c->timeout);
   c->sent = true;
   const std::uint64_t epoch = c->epoch;
   sit->second->conn->async_write_frame(std::move(c->bytes), c->fd, [this, epoch](error_code ec) {
@@ -144,6 +142,16 @@ inline void server_link::send_io(std::uint64_t id) {
       last_error_ = closed ? "the server closed the connection" : "socket error: " + ec.message();
       on_broken_io(*s->second, closed ? "eof" : "socket_error", closed);
     }
+  });
+}
+
+inline void server_link::arm_deadline_locked(pending_call& c, clock::time_point at) {
+  if (!c.deadline) c.deadline.emplace(ex_);
+  // Re-arming cancels the wait in flight (its handler sees operation_aborted and does
+  // nothing); the new wait is the call's deadline.
+  c.deadline->expires_at(at);
+  c.deadline->async_wait([this, id = c.id](error_code ec) {
+    if (!ec) on_deadline_io(id);
   });
 }
 
@@ -235,7 +243,10 @@ inline bool server_link::on_frame_io(server_connection& s, protocol::frame f) {
     const auto* p = std::get_if<protocol::retrieve_progress>(&*decoded);
     if (c && c->epoch == s.epoch && c->kind == call_kind::retrieve && p != nullptr) {
       ++stats_.progress_messages;
-      owner_.on_retrieve_progress_locked(id, p->layers_ready);
+      // The server is moving this retrieve on: its deadline is the news plus its timeout,
+      // within the server's own load budget (docs/fault-tolerance.md, "Deadlines").
+      if (c->sent) arm_deadline_locked(*c, std::min(clock::now() + c->timeout, c->sent_at + load_budget_ + c->timeout));
+      owner_.on_retrieve_progress_locked(id, p->layers_ready, p->chunks_ready);
     } else {
       ++stats_.ignored_progress;
     }
@@ -436,6 +447,7 @@ inline boost::asio::awaitable<std::string> server_link::handshake(std::shared_pt
   const bool restarted = reconnect && *boot_token_ != resp.boot_token;
   boot_token_ = resp.boot_token;
   model_id_ = resp.model_id;
+  load_budget_ = std::chrono::milliseconds(resp.load_budget_ms);
   const bool was_unhealthy = state_ == health_state::unhealthy;
   state_ = health_state::healthy;
   healthy_.store(true, std::memory_order_release);
