@@ -2,6 +2,8 @@
 // what to change (the program's flags map onto the same keys: process_test.cpp).
 #include <kvtier/server/server_config.hpp>
 
+#include <kvtier/server/make_cache.hpp>
+
 #include <kvtier/pipeline/policies.hpp>
 #include <kvtier/server/backend_factory.hpp>
 #include <kvtier/server/server_config_json.hpp>
@@ -42,6 +44,9 @@ TEST_CASE("the embedded defaults are valid and match the documented values", "[s
   CHECK(c.store_policy == store_kind::write_through);
   CHECK(c.prefetch_policy == prefetch_wait_kind::timeout);
   CHECK(c.prefetch_max_in_flight == 8);
+  CHECK(c.prefetch_load_timeout_ms == 30000);
+  CHECK(c.prefetch_probe_every == 8);
+  CHECK(c.prefetch_probe_chunks == 1);
   CHECK(c.client_reap_timeout_s == 30.0 * config::timeout_scale);
   CHECK(c.l2_backends.empty());
   CHECK(c.l1_prefault);
@@ -62,6 +67,9 @@ TEST_CASE("a configuration survives to_json and parse unchanged", "[server][conf
                    {"l2_store_policy", "skip_l1"},
                    {"prefetch_policy", "best_effort"},
                    {"prefetch_max_in_flight", 4},
+                   {"prefetch_load_timeout_ms", 7000},
+                   {"prefetch_probe_every", 0},
+                   {"prefetch_probe_chunks", 3},
                    {"log_level", "debug"},
                    {"client_reap_timeout", 2.5},
                    {"metrics_port", 9100},
@@ -75,7 +83,15 @@ TEST_CASE("a configuration survives to_json and parse unchanged", "[server][conf
   CHECK(c.client_reap_timeout_s == 2.5);
   CHECK(c.metrics_port == 9100);
   CHECK_FALSE(c.l1_prefault);
+  // The prefetch's knobs reach the cache's options.
+  const cache::cache_options o = cache_options_from(c);
+  CHECK(o.prefetch.max_in_flight == 4);
+  CHECK(o.prefetch.load_timeout == std::chrono::milliseconds(7000));
+  CHECK(o.prefetch.probe_every == 0);
+  CHECK(o.prefetch.probe_chunks == 3);
   CHECK(server_config::parse(c.to_json()) == c);
+  CHECK_THROWS_WITH(server_config::parse(json{{"prefetch_load_timeout_ms", 0}}),
+                    Catch::Contains("prefetch_load_timeout_ms"));
   // A flag's text (--l1-prefault off) reads as the boolean.
   CHECK_FALSE(server_config::parse(json{{"l1_prefault", "off"}}).l1_prefault);
   CHECK(server_config::parse(json{{"l1_prefault", "true"}}).l1_prefault);

@@ -113,6 +113,9 @@ std::unique_ptr<any_cache> make_cache_with(boost::asio::any_io_executor ex, cons
   o.l1.eviction_watermark = c.eviction_watermark;
   o.l1.eviction_target = c.eviction_target;
   o.prefetch.max_in_flight = c.prefetch_max_in_flight;
+  o.prefetch.load_timeout = std::chrono::milliseconds(c.prefetch_load_timeout_ms);
+  o.prefetch.probe_every = c.prefetch_probe_every;
+  o.prefetch.probe_chunks = c.prefetch_probe_chunks;
   o.lookup_ttl = server_config::seconds(c.lookup_ttl_s);
   return o;
 }

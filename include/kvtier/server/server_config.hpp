@@ -114,6 +114,15 @@ struct server_config {
   std::uint32_t prefetch_timeout_per_1k_tokens_ms = 100;             ///< "prefetch_timeout_per_1k_tokens_ms" (timeout)
   std::uint32_t prefetch_timeout_cap_ms = 30000;  ///< "prefetch_timeout_cap_ms" (timeout, wait_complete)
   std::uint32_t prefetch_max_in_flight = 8;       ///< "prefetch_max_in_flight"
+  /// "prefetch_load_timeout_ms": deadline of one L2 load task (pipeline::prefetch_options::
+  /// load_timeout); also the load budget the server tells engines at registration, which
+  /// their retrieve deadlines follow.
+  std::uint32_t prefetch_load_timeout_ms = 30000;
+  /// "prefetch_probe_every", "prefetch_probe_chunks": the load-or-recompute gate's probes
+  /// (one declining request in probe_every loads probe_chunks of what the gate declined, so
+  /// the backend's estimate keeps learning; 0: never probe). docs/pipelines.md.
+  std::uint32_t prefetch_probe_every = 8;
+  std::uint32_t prefetch_probe_chunks = 1;
   /// "copy_threads": threads of the copy pool that moves chunks between the engines' regions
   /// and L1 (retrieve, store), off the I/O thread; 0 = from the cores (copy_thread_count()).
   std::uint32_t copy_threads = 0;
@@ -318,6 +327,10 @@ inline void server_config::merge_json(const nlohmann::json& j) {
   if (auto v = r.integer("prefetch_timeout_cap_ms", 0, max_ms))
     prefetch_timeout_cap_ms = static_cast<std::uint32_t>(*v);
   if (auto v = r.integer("prefetch_max_in_flight", 1, 65536)) prefetch_max_in_flight = static_cast<std::uint32_t>(*v);
+  if (auto v = r.integer("prefetch_load_timeout_ms", 1, max_ms))
+    prefetch_load_timeout_ms = static_cast<std::uint32_t>(*v);
+  if (auto v = r.integer("prefetch_probe_every", 0, 1u << 20)) prefetch_probe_every = static_cast<std::uint32_t>(*v);
+  if (auto v = r.integer("prefetch_probe_chunks", 0, 65536)) prefetch_probe_chunks = static_cast<std::uint32_t>(*v);
   if (auto v = r.integer("copy_threads", 0, 256)) copy_threads = static_cast<std::uint32_t>(*v);
   if (auto v = r.string("log_level", {"trace", "debug", "info", "warn", "error", "off"}))
     log_level = *telemetry::parse_log_level(*v);
@@ -371,6 +384,8 @@ inline void server_config::validate(const backend_factory& backends) const {
     throw config_error("shutdown_timeout", json_object_reader::format(shutdown_timeout_s), "must be >= 0 seconds");
   if (prefetch_max_in_flight == 0)
     throw config_error("prefetch_max_in_flight", "0", "must be at least 1 (LMCache's default is 8)");
+  if (prefetch_load_timeout_ms == 0)
+    throw config_error("prefetch_load_timeout_ms", "0", "must be at least 1 ms (default 30000)");
   if (max_lookups_per_client == 0) throw config_error("max_lookups_per_client", "0", "must be at least 1");
   if (lookup_keys_per_client() > lookup_keys_total()) {
     if (max_lookup_keys != 0)
@@ -431,6 +446,9 @@ inline nlohmann::json server_config::to_json() const {
   j["prefetch_timeout_per_1k_tokens_ms"] = prefetch_timeout_per_1k_tokens_ms;
   j["prefetch_timeout_cap_ms"] = prefetch_timeout_cap_ms;
   j["prefetch_max_in_flight"] = prefetch_max_in_flight;
+  j["prefetch_load_timeout_ms"] = prefetch_load_timeout_ms;
+  j["prefetch_probe_every"] = prefetch_probe_every;
+  j["prefetch_probe_chunks"] = prefetch_probe_chunks;
   j["copy_threads"] = copy_threads;
   j["log_level"] = std::string(telemetry::to_string(log_level));
   j["client_reap_timeout"] = client_reap_timeout_s;
