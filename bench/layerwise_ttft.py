@@ -8,9 +8,9 @@ whole context, reading the context's K/V from the paged blocks the retrieve fill
 MLP. A long prompt is stored once; each repeat then retrieves its prefix (an L1 hit) into the
 engine's blocks and computes the suffix, timed from the retrieve's issue to the logits:
 
-  whole       the retrieve without layer progress (whole chunks, today's copy); all of it
-              waited for before layer 0 computes
-  layerwise   the retrieve with layer progress; layer l computes once layer l of every chunk
+  whole       the retrieve (the server copies it layer by layer and reports each layer, as
+              every retrieve since protocol 5); all of it waited for before layer 0 computes
+  layerwise   the same retrieve; layer l computes once layer l of every chunk
               landed (Connector.wait_layers: vLLM's wait_for_layer_load), so layer 0 computes
               while the server copies layer 1 and on
 
@@ -176,15 +176,17 @@ def main() -> None:
         table = torch.tensor(dst, dtype=torch.long)
         x0 = torch.randn(args.new_tokens, H * D, generator=g)
 
-        def load(rid: str, layerwise: bool) -> None:
-            conn.retrieve_hashes(rid, hashes, 0, dst[: nchunks * bpc], 0, "", layer_progress=layerwise, synchronous=True)
+        def load(rid: str) -> None:
+            # Every retrieve reports its layers as they land (protocol 5); what differs between
+            # the two modes is what the caller then does (run below).
+            conn.retrieve_hashes(rid, hashes, 0, dst[: nchunks * bpc], 0, "", synchronous=True)
 
         # Calibration: the whole retrieve's time, then an MLP width whose layer compute takes
         # that time over the layer count (times --compute-ratio).
         loads = []
         for i in range(5):
             t0 = time.perf_counter()
-            load(f"cal-{i}", False)
+            load(f"cal-{i}")
             conn.wait_retrieves([f"cal-{i}"])
             loads.append(time.perf_counter() - t0)
             assert not conn.take_load_error_blocks(), "a calibration retrieve failed"
@@ -217,7 +219,7 @@ def main() -> None:
         def run(rid: str, layerwise: bool):
             with torch.no_grad():
                 t0 = time.perf_counter()
-                load(rid, layerwise)
+                load(rid)
                 if not layerwise:
                     conn.wait_retrieves([rid])
                 x = x0

@@ -246,7 +246,6 @@ class Connector:
         skip_tokens: int = 0,
         cache_salt: str = "",
         *,
-        layer_progress: bool = False,
         synchronous: bool = False,
     ) -> None: ...
     def retrieve_hashes(
@@ -258,7 +257,6 @@ class Connector:
         skip_tokens: int = 0,
         cache_salt: str = "",
         *,
-        layer_progress: bool = False,
         synchronous: bool = False,
     ) -> None: ...
     def store(

@@ -606,27 +606,25 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "retrieve",
           [](const py_connector& s, const std::string& id, const token_array& tokens, std::uint32_t first_chunk,
-             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt, bool layer_progress,
+             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt,
              bool synchronous) {
             const auto tk = tokens_of(tokens);
-            const engine::retrieve_options how{layer_progress, synchronous};
+            const engine::retrieve_options how{synchronous};
             without_gil(s, [&](auto& c) { c.retrieve(id, tk, first_chunk, blocks, skip, salt, how); });
           },
           py::arg("request_id"), py::arg("tokens"), py::arg("first_chunk"), py::arg("block_ids"),
-          py::arg("skip_tokens") = 0, py::arg("cache_salt") = "", py::kw_only(), py::arg("layer_progress") = false,
-          py::arg("synchronous") = false)
+          py::arg("skip_tokens") = 0, py::arg("cache_salt") = "", py::kw_only(), py::arg("synchronous") = false)
       .def(
           "retrieve_hashes",
           [](const py_connector& s, const std::string& id, const py::iterable& hashes, std::uint32_t first_chunk,
-             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt, bool layer_progress,
+             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt,
              bool synchronous) {
             const auto hs = to_hashes(hashes);
-            const engine::retrieve_options how{layer_progress, synchronous};
+            const engine::retrieve_options how{synchronous};
             without_gil(s, [&](auto& c) { c.retrieve_hashes(id, hs, first_chunk, blocks, skip, salt, how); });
           },
           py::arg("request_id"), py::arg("hashes"), py::arg("first_chunk"), py::arg("block_ids"),
-          py::arg("skip_tokens") = 0, py::arg("cache_salt") = "", py::kw_only(), py::arg("layer_progress") = false,
-          py::arg("synchronous") = false)
+          py::arg("skip_tokens") = 0, py::arg("cache_salt") = "", py::kw_only(), py::arg("synchronous") = false)
       .def(
           "store",
           [](const py_connector& s, const std::string& id, const token_array& tokens, std::uint32_t first_chunk,

@@ -776,7 +776,7 @@ TEST_CASE("cache salts travel with lookups, retrieves and stores; other salts mi
 
 namespace {
 
-constexpr engine::retrieve_options layerwise{true, true};  // layer progress, synchronous
+constexpr engine::retrieve_options layerwise{true};  // synchronous
 
 }  // namespace
 

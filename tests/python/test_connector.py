@@ -161,7 +161,7 @@ def test_a_second_retrieve_of_a_request_does_not_report_it_finished_receiving_ag
 
 
 def test_a_layerwise_retrieve_makes_its_layers_ready_and_is_never_reported_receiving(servers):
-    """retrieve(layer_progress=True, synchronous=True): the server copies layer by layer and
+    """retrieve(synchronous=True): the server copies layer by layer and
     says so; wait_layers / wait_retrieves block (the GIL released) until then; the request
     is never in finished_recving (vLLM asserts on a synchronous load there)."""
     srv = servers.start(chunk_tokens=CT)
@@ -173,7 +173,7 @@ def test_a_layerwise_retrieve_makes_its_layers_ready_and_is_never_reported_recei
         t[:, :12] = torch.randn_like(t[:, :12])
     w.store("s", tokens, 0, 3, list(range(12)))
     finished(w, "s", "sending", ["s"])
-    w.retrieve("r", tokens, 0, list(range(12, 24)), layer_progress=True, synchronous=True)
+    w.retrieve("r", tokens, 0, list(range(12, 24)), synchronous=True)
     assert w.wait_layers(["r"], 1, timeout_s=30)
     assert w.wait_retrieves(["r"], timeout_s=30)
     assert w.layers_ready("r") == region.num_layers
@@ -195,7 +195,7 @@ def test_layer_waits_time_out_while_the_server_is_stopped_and_return_when_it_ans
     finished(w, "s", "sending", ["s"])
     srv.pause()  # for much less than the ping timeout
     try:
-        w.retrieve_hashes("r", w.chunk_hashes(tokens), 0, list(range(8, 16)), layer_progress=True, synchronous=True)
+        w.retrieve_hashes("r", w.chunk_hashes(tokens), 0, list(range(8, 16)), synchronous=True)
         assert w.layers_ready("r") == 0
         assert w.wait_layers(["r"], 1, timeout_s=0.2) is False
         assert w.wait_retrieves(["r"], timeout_s=0.0) is False

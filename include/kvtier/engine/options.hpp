@@ -71,15 +71,13 @@ struct connector_timeouts {
   duration quarantine_limit{std::chrono::minutes(10)};
 };
 
-/// How one retrieve loads (connector::retrieve, retrieve_hashes).
+/// How one retrieve loads (connector::retrieve, retrieve_hashes). Every retrieve asks the
+/// server for progress (protocol::retrieve_request::progress), so layers_ready() and
+/// wait_layers() see the layers of an L1 hit land one by one (the engine can compute layer l
+/// while the server copies layer l + 1: vLLM's wait_for_layer_load), and the retrieve's
+/// deadline follows the chunks as they land. When the server cannot copy layer by layer
+/// (chunks still loading from L2), the layers are ready all at once when the retrieve ends.
 struct retrieve_options {
-  /// Kept for callers of protocol 4: every retrieve asks the server for progress now
-  /// (protocol::retrieve_request::progress), so layers_ready() and wait_layers() always see
-  /// the layers of an L1 hit land one by one (the engine can compute layer l while the
-  /// server copies layer l + 1: vLLM's wait_for_layer_load), and the retrieve's deadline
-  /// follows the chunks as they land. When the server cannot copy layer by layer (chunks
-  /// still loading from L2), the layers are ready all at once when the retrieve completes.
-  bool layer_progress = false;
   /// The engine waits for this load within its step (vLLM's synchronous load:
   /// get_num_new_matched_tokens answered `(n, False)`): the request is never reported in
   /// finished_recving, which vLLM expects only of asynchronous loads (finished_tracker.hpp).

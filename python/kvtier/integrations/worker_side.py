@@ -271,7 +271,6 @@ class WorkerSide:
                 op.block_ids,
                 op.skip_tokens,
                 op.cache_salt,
-                layer_progress=self._layerwise,
                 synchronous=self._layerwise,
             )
             if self._layerwise:
