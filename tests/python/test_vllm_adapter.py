@@ -431,6 +431,22 @@ print(json.dumps({"data": acc.data, "reduced": acc.reduce(), "empty": acc.is_emp
 """
 
 
+def _kill_the_server_at_a_load(e: ReplayEngine, srv) -> None:
+    """Stores DOC's chunks ("warm"), then runs "b" (DOC + 3 tokens: a hit) and SIGKILLs the
+    server in the step whose plan loads it, before the workers run: "b"'s load fails."""
+    e.add("warm", DOC + [90, 91], 1)
+    e.run()
+    fired = []
+
+    def kill_at_load(so):
+        if so.kv_connector_metadata.plan.loads and not fired:
+            fired.append(srv.kill())
+
+    e.add("b", DOC + [5, 6, 7], 2)
+    e.run(before_workers=kill_at_load)
+    assert fired and e.violations == []
+
+
 def _stats_elsewhere(datas) -> dict:
     """The logger process: rebuilds each step's data with build_kv_connector_stats and folds."""
     import json
@@ -493,17 +509,7 @@ def test_stats_aggregate_sums_counts_and_keeps_maxima():
 def test_a_failed_load_is_counted_in_the_stats(servers):
     srv = servers.start(chunk_tokens=CT)
     with _engine(srv) as e:
-        e.add("warm", DOC + [90, 91], 1)
-        e.run()
-        fired = []
-
-        def kill_at_load(so):
-            if so.kv_connector_metadata.plan.loads and not fired:
-                fired.append(srv.kill())
-
-        e.add("b", DOC + [5, 6, 7], 2)
-        e.run(before_workers=kill_at_load)
-        assert fired and e.violations == []
+        _kill_the_server_at_a_load(e, srv)
         # Steps without a server count as degraded time; a new server as a reconnection.
         wait_until(lambda: not any(o["healthy"] for o in e.worker_state()), what="the worker saw the server gone")
         e.step()
@@ -672,17 +678,7 @@ def test_an_aborted_waiting_request_is_finished_once_with_no_blocks(warm):
 def test_under_the_fail_policy_a_failed_load_finishes_the_request_with_an_error_and_leaks_nothing(servers, load_mode):
     srv = servers.start(chunk_tokens=CT)
     with _engine(srv, kv_load_failure_policy="fail", extra={"load_mode": load_mode}) as e:
-        e.add("warm", DOC + [90, 91], 1)
-        e.run()
-        fired = []
-
-        def kill_at_load(so):
-            if so.kv_connector_metadata.plan.loads and not fired:
-                fired.append(srv.kill())
-
-        e.add("b", DOC + [5, 6, 7], 2)
-        e.run(before_workers=kill_at_load)
-        assert fired and e.violations == []
+        _kill_the_server_at_a_load(e, srv)
         assert e.sched.finished["b"].status.name == "FINISHED_ERROR"
         assert e.sched.finished["b"].output_token_ids == []  # no token from KV that did not land
         assert len(e.sched.request_finished_calls["b"]) == 1

@@ -361,6 +361,18 @@ struct chunk_walk {
   }
 };
 
+/// copy(paged, obj, n) moving n bytes in the direction of the transfer through `k`: paged ->
+/// object for a gather (Gather), object -> paged for a scatter.
+template <bool Gather, class ObjectByte>
+[[nodiscard]] inline auto directed_copy(const copy_kernel& k) noexcept {
+  return [&k](std::byte* paged, ObjectByte* obj, std::size_t n) noexcept {
+    if constexpr (Gather)
+      k.copy(obj, paged, n);
+    else
+      k.copy(paged, obj, n);
+  };
+}
+
 /// Copies one validated chunk whose block segments are not contiguous in object order
 /// (paged_kv_layout::segment_contiguous() is false): per (layer, plane, block of the chunk),
 /// the rows in object order, one copy per run of rows adjacent on both sides. The object
@@ -406,12 +418,7 @@ inline void copy_chunk_rows(const paged_kv_view& cache, std::span<const std::uin
   const bool inner_run = inner == 1 || inner_paged == row;  // a run's rows are adjacent both sides
   const bool planes_inside_blocks = planes > 1 && s.plane < s.block;
   const copy_kernel& k = *plan.kernel;
-  auto copy = [&k](std::byte* paged, ObjectByte* obj, std::size_t n) noexcept {
-    if constexpr (Gather)
-      k.copy(obj, paged, n);
-    else
-      k.copy(paged, obj, n);
-  };
+  const auto copy = directed_copy<Gather, ObjectByte>(k);
   // `count` rows from `paged` / `obj`, inner_paged / row apart.
   auto rows = [&](std::byte* paged, ObjectByte* obj, std::uint32_t count) noexcept {
     if (inner_run) {
@@ -495,12 +502,7 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
                                  layout.model.planes(),
                                  offset != 0 ? first + 1 : first};
   const copy_kernel& k = *plan.kernel;
-  auto copy = [&k](std::byte* paged, ObjectByte* obj, std::size_t n) noexcept {
-    if constexpr (Gather)
-      k.copy(obj, paged, n);
-    else
-      k.copy(paged, obj, n);
-  };
+  const auto copy = directed_copy<Gather, ObjectByte>(k);
 
   if (offset != 0) {
     const std::size_t run = layout.run_bytes();
