@@ -140,11 +140,11 @@ def test_requests_differing_only_in_adapter_image_embeddings_or_salt_never_share
         rec = Recorder(e3)
         served = run_round(e3, "r3", "a")
         assert {k: rec.decided[f"r3-{k}-a"] for k in KINDS} == dict.fromkeys(KINDS, 96)
-        # What the workers served of the decided hit: every chunk once the scheduler's lookup
-        # and the workers' retrieves are one engine on the server (issue 24, problem 3);
-        # until then a worker's retrieve on its own connection may stop at a chunk still
-        # loading from the disk, and the rest is recomputed (load errors).
-        assert all(0 <= served[k] <= 96 and served[k] % BS == 0 for k in KINDS), served
+        # What the workers served of the decided hit: all of it. The scheduler's lookup and the
+        # workers' retrieves are one engine on the server (engine_id), so each rank's retrieve
+        # copies every chunk as its load from the disk lands (before: a rank stopped at the
+        # first chunk still loading and recomputed the rest).
+        assert served == dict.fromkeys(KINDS, 96), served
         assert run_round(e3, "r3", "c") == dict.fromkeys(KINDS, 0)
         assert {k: rec.decided[f"r3-{k}-c"] for k in KINDS} == dict.fromkeys(KINDS, 0)
 

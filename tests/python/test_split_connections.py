@@ -303,6 +303,7 @@ def test_the_vllm_adapter_registers_both_sides_with_vllms_engine_id():
         assert c.engine_id == ENGINE + "_dp1"
         assert c.connector_options(scheduler).engine_id == ENGINE + "_dp1"
     v = cfg()
+    v.kv_transfer_config.engine_id = None  # a vLLM without one (its KVTransferConfig makes one)
     assert config_from_vllm(v, KVConnectorRole.WORKER).engine_id == ""
     v.instance_id = "instance-7"
     assert config_from_vllm(v, KVConnectorRole.WORKER).engine_id == "instance-7"
