@@ -10,7 +10,8 @@ KVTIER_BUILD_PACKAGES=(
 # Servers and tools the test suite drives.
 KVTIER_TEST_PACKAGES=(prometheus redis-server redis-tools fio curl jq procps util-linux)
 # The Python package (python/, KVTIER_BUILD_PYTHON) and its tests, for /usr/bin/python3.
-KVTIER_PYTHON_PACKAGES=(python3-dev pybind11-dev python3-torch python3-numpy python3-pytest python3-xxhash)
+KVTIER_PYTHON_PACKAGES=(python3-dev pybind11-dev python3-torch python3-numpy python3-pytest python3-xxhash
+  python3-pip python3-venv python3-setuptools python3-wheel)
 # The fuzz targets (scripts/fuzz.sh): clang 14 and its libFuzzer/sanitizer runtimes.
 KVTIER_FUZZ_PACKAGES=(clang-14 libclang-rt-14-dev)
 
