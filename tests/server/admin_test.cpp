@@ -3,10 +3,13 @@
 // the model name and salts the server learned, and calls ids it has not met since a restart
 // unknown until an engine uses them again; evict removes by salt, model name, model id or
 // all, from every tier or the ones named, keeps what a lookup holds unless forced, and a
-// forced removal never takes the bytes from under the retrieve that holds them; another user
+// forced removal never takes the bytes from under the retrieve that holds them, nor lets an L2
+// load in flight land anything wrong; another user
 // the server admits (allowed_uids) is refused both with permission_denied, and an operator
 // needs no registration.
 #include <kvtier/core/model_id.hpp>
+#include <kvtier/l2/fault_injecting_backend.hpp>
+#include <kvtier/l2/memory_backend.hpp>
 #include <kvtier/server/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
 
@@ -20,8 +23,11 @@
 
 #include <sys/stat.h>
 
+#include <boost/asio/post.hpp>
+
 #include <memory>
 #include <string>
+#include <thread>
 
 using namespace kvtier;
 using namespace kvtier::test;
@@ -66,6 +72,29 @@ const json& namespace_of(const json& l, std::uint64_t id) {
     if (n["model_id"] == hex(id)) return n;
   FAIL("no namespace " << hex(id) << " in " << l.dump());
   throw std::logic_error("unreachable");
+}
+
+/// A memory L2 behind a fault injector, owned together: a test holds a load in flight with a
+/// hang fault.
+struct hanging_memory {
+  l2::memory_backend inner;
+  l2::fault_injecting_backend<l2::memory_backend> outer{inner};
+  explicit hanging_memory(boost::asio::any_io_executor ex) : inner(std::move(ex), l2::memory_backend_options{}) {}
+};
+
+/// The built-in types and "hanging" (a hanging_memory), which `out` gets.
+server::backend_factory factory_with_hanging(std::shared_ptr<hanging_memory>& out) {
+  server::backend_factory f = server::backend_factory::builtin_copy();
+  f.add_type("hanging", "hanging (test)", [&out](server::json_object_reader&) {
+    server::backend_spec spec;
+    spec.description = "hanging";
+    spec.create = [&out](const server::backend_context& ctx, const std::string&) {
+      out = std::make_shared<hanging_memory>(ctx.executor);
+      return l2::any_backend(std::shared_ptr<l2::fault_injecting_backend<l2::memory_backend>>(out, &out->outer));
+    };
+    return spec;
+  });
+  return f;
 }
 
 std::uint64_t tier_objects(const json& n, const std::string& tier) {
@@ -263,6 +292,68 @@ TEST_CASE("evict keeps what a lookup holds unless forced, and a forced object is
   c.ok(p::end_request_request{"held"});
   c.ok(p::end_request_request{"late"});
   wait_for_status(c, [](const json& st) { return st["l1"]["slots_used"] == 0; });  // then their memory is free
+}
+
+TEST_CASE("evict during an L2 load in flight keeps its slots and pins, or forced drops the L1 copy; never a wrong "
+          "byte",
+          "[server][admin]") {
+  std::shared_ptr<hanging_memory> l2;
+  const server::backend_factory factory = factory_with_hanging(l2);
+  running_server s(
+      [](server::server_config& c) {
+        c.l2_backends = {json{{"type", "hanging"}, {"name", "slow"}}};
+        c.prefetch_load_timeout_ms = 120000;  // the hang is the test's, not a timeout
+      },
+      server::server_options{}, factory);
+  raw_client c(s.path());
+  engine_region r(small_model(), test_block_size, 64);
+  const std::uint64_t model_id = c.register_region(r).model_id;
+  const auto hashes = store_through(c, r, 9, 3);
+  p::evict_request l1_only;
+  l1_only.all = true;
+  l1_only.tiers = "l1";
+  REQUIRE(c.ok(l1_only).removed_objects == 3);  // now only L2 has them: a lookup loads them
+  auto wait_hung = [&] {
+    const auto deadline = std::chrono::steady_clock::now() + server_deadline;
+    while (l2->outer.hung() == 0) {
+      REQUIRE(std::chrono::steady_clock::now() < deadline);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  };
+  auto release = [&] { boost::asio::post(s.srv->io_context(), [l2] { l2->outer.release_hung(); }); };
+  l2->outer.inject(l2::fault{l2::fault_op::load, l2::fault_kind::hang, {}, l2::key_outcome::io_error, {}, {}, 1});
+  c.ok(p::lookup_request{"loading", model_id, 1, hashes, "", false});
+  wait_hung();  // the prefetch holds 3 L1 slots write-locked and 3 L2 pins, its load held
+
+  p::evict_request all;
+  all.all = true;
+  SECTION("not forced: everything the load holds stays, and the retrieve gets the stored bytes") {
+    const auto kept = c.ok(all);
+    CHECK(kept.removed_objects == 0);
+    CHECK(kept.in_use_objects == 6);  // 3 slots being loaded, 3 pinned L2 objects
+    release();
+    auto q = c.ok(p::query_prefetch_request{"loading"});
+    REQUIRE(q.state == p::prefetch_state::done);
+    CHECK(q.hit_chunks == 3);
+    retrieve_and_compare(c, r, hashes, 32, r, "loading");
+  }
+  SECTION("forced: the slots being loaded leave L1 at once, the load lands nowhere readable, L2 keeps its pinned "
+          "copies") {
+    all.force = true;
+    const auto forced = c.ok(all);
+    CHECK(forced.removed_objects == 3);  // the L1 slots
+    CHECK(forced.in_use_objects == 3);   // the pinned L2 objects
+    release();
+    auto q = c.ok(p::query_prefetch_request{"loading"});
+    REQUIRE(q.state == p::prefetch_state::done);
+    const auto blocks = block_range(32, hashes.size() * blocks_per_chunk);
+    for (auto b : blocks) r.zero_block(b, 0xEE);
+    CHECK(c.ok(retrieve_req(hashes, blocks, 0, 0, "loading")).retrieved_chunks == 0);  // recomputed, not served
+    c.ok(p::end_request_request{"loading"});
+    // The L2 copies stayed: a new lookup loads them, byte-exact.
+    CHECK(lookup_done(c, model_id, hashes, 1, "again").hit_chunks == 3);
+    retrieve_and_compare(c, r, hashes, 32, r, "again");
+  }
 }
 
 TEST_CASE("another user the server admits may ping but is refused list and evict; the owner needs no registration",
