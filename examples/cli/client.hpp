@@ -1,8 +1,8 @@
 #pragma once
 // admin_client: the `kvtier` program's connection to a kvtier-server, one request at a time,
-// blocking, each answer awaited up to a timeout (poll(2) on a plain Unix socket: no Asio, the
-// program compiles in a few seconds). Frames are encoded and decoded by kvtier::protocol
-// (codec.hpp, frame_decoder.hpp), as the server does.
+// blocking, each answer awaited up to a timeout (poll(2) on a plain Unix socket: a command
+// line needs no event loop). Frames are encoded and decoded by kvtier::protocol (codec.hpp,
+// frame_decoder.hpp), as the server does.
 //
 //   admin_client c(path);                         // throws cli_error (exit 3) when nobody listens
 //   auto r = c.call(protocol::ping_request{}, 5s);   // the response, or cli_error:
