@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -678,6 +679,60 @@ TEST_CASE("clear removes unlocked objects, and locked ones only when forced", "[
   CHECK(f.abandon(keys({4})) == all(1, status::success));
   CHECK(f.l1->usage().slots_used == 0);
   CHECK(f.counts->removed_as(bus::removal_reason::deleted) == 4);
+}
+
+TEST_CASE("remove_if removes the matching objects, leaves locked ones unless forced, and a forced one keeps its "
+          "bytes for its reader",
+          "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1, 2, 3, 4}));
+  REQUIRE(f.read(keys({2})) == all(1, status::success));
+  REQUIRE(f.write(keys({5})) == all(1, status::success));  // a write in flight
+  std::vector<std::span<const std::byte>> views(1);
+  std::vector<status> one(1);
+  REQUIRE(f.l1->read_views(keys({2}), one, views) == 1);
+  std::memset(const_cast<std::byte*>(views[0].data()), 0x5a, views[0].size());
+  auto odd_or_in_use = [](const chunk_key& k) { return k.hash.lo % 2 == 1 || k.hash.lo == 2; };
+
+  const removal_summary kept = f.l1->remove_if(odd_or_in_use, false);
+  CHECK(kept.removed == 2);  // 1 and 3
+  CHECK(kept.removed_bytes == 2000);
+  CHECK(kept.locked == 2);  // 2 (read) and 5 (being written)
+  CHECK(kept.locked_bytes == 2000);
+  CHECK_FALSE(f.l1->contains(key(1)));
+  CHECK(f.l1->contains(key(2)));
+  CHECK(f.l1->contains(key(4)));  // not matched
+
+  const removal_summary forced = f.l1->remove_if(odd_or_in_use, true);
+  CHECK(forced.removed == 2);
+  CHECK(forced.locked == 0);
+  CHECK_FALSE(f.l1->contains(key(2)));  // gone for lookups at once
+  CHECK(f.l1->usage().removing == 2);
+  // The reader still sees its bytes: the slot is not reused until it lets go.
+  REQUIRE(f.l1->read_views(keys({2}), one, views) == 1);
+  CHECK(views[0][0] == std::byte{0x5a});
+  CHECK(f.finish(keys({5})) == all(1, status::not_found));  // the writer finds its key gone
+  CHECK(f.unread(keys({2})) == all(1, status::success));
+  CHECK(f.l1->usage().slots_used == 1);  // 4 alone
+  CHECK(f.counts->removed_as(bus::removal_reason::deleted) == 4);
+}
+
+TEST_CASE("for_each_object reports every object held with its size and state", "[l1][tier]") {
+  fixture f;
+  make_ready(f, keys({1, 2}));
+  REQUIRE(f.read(keys({2})) == all(1, status::success));
+  REQUIRE(f.write(keys({3}), {}, 300) == all(1, status::success));
+  REQUIRE(f.write(keys({4})) == all(1, status::success));
+  REQUIRE(f.read(keys({4})) == all(1, status::not_readable));
+  REQUIRE(f.remove(keys({1})) == all(1, status::success));
+  std::map<std::uint64_t, std::pair<std::size_t, object_state>> seen;
+  f.l1->for_each_object([&](const chunk_key& k, std::size_t bytes, object_state st) {
+    CHECK(seen.emplace(k.hash.lo, std::pair{bytes, st}).second);
+  });
+  CHECK(seen.size() == 3);
+  CHECK(seen[2] == std::pair{std::size_t{1000}, object_state::read_locked});
+  CHECK(seen[3] == std::pair{std::size_t{300}, object_state::write_locked});
+  CHECK(seen[4].second == object_state::write_locked);
 }
 
 // ----------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -87,6 +88,21 @@ std::tuple<error_code, l2::batch_result> remove(asio::io_context& io, B& b, std:
   return run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
     co_return co_await b.async_remove(keys, soon(), asio::as_tuple(asio::use_awaitable));
   }());
+}
+
+template <class B>
+std::tuple<error_code, std::vector<l2::listed_object>> list(asio::io_context& io, B& b, l2::key_filter filter = {}) {
+  return run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, std::vector<l2::listed_object>>> {
+    co_return co_await b.async_list(filter, soon(), asio::as_tuple(asio::use_awaitable));
+  }());
+}
+
+/// The keys of a listing, sorted.
+std::vector<chunk_key> keys_of(const std::vector<l2::listed_object>& listed) {
+  std::vector<chunk_key> k;
+  for (const auto& o : listed) k.push_back(o.key);
+  std::sort(k.begin(), k.end());
+  return k;
 }
 
 }  // namespace
@@ -238,4 +254,46 @@ TEMPLATE_TEST_CASE("an operation whose deadline has passed answers timeout", "[l
   auto [sec, sr] = store(f.io, b, o, l2::clock::now() - std::chrono::seconds(1));
   CHECK(sec == errc::timeout);
   CHECK(sr.count(l2::key_outcome::ok) == 0);
+}
+
+TEMPLATE_TEST_CASE("a backend lists the objects it stores, those its filter accepts, and removes what it listed "
+                   "but the pinned ones",
+                   "[l2][conformance]", KVTIER_BACKEND_FIXTURES) {
+  TestType f(64 * object_bytes);
+  auto& b = f.backend();
+  const objects mine(400, 3);
+  objects theirs(500, 2);
+  for (auto& k : theirs.keys) k.model_id = 0x5678;  // another model namespace
+  REQUIRE_FALSE(std::get<0>(store(f.io, b, mine)));
+  REQUIRE_FALSE(std::get<0>(store(f.io, b, theirs)));
+
+  auto [ec, all] = list(f.io, b);
+  REQUIRE_FALSE(ec);
+  std::vector<chunk_key> expected = mine.keys;
+  expected.insert(expected.end(), theirs.keys.begin(), theirs.keys.end());
+  std::sort(expected.begin(), expected.end());
+  CHECK(keys_of(all) == expected);
+  for (const auto& o : all) CHECK(o.bytes >= object_bytes);  // the payload at least (plus headers, blocks)
+
+  auto [fec, filtered] = list(f.io, b, [](const chunk_key& k) { return k.model_id == 0x5678; });
+  REQUIRE_FALSE(fec);
+  std::vector<chunk_key> their_keys = theirs.keys;
+  std::sort(their_keys.begin(), their_keys.end());
+  CHECK(keys_of(filtered) == their_keys);
+
+  // Removing what the listing returned leaves the object a prefetch pinned.
+  auto [lec, pinned] = lookup(f.io, b, std::span(theirs.keys).first(1));
+  REQUIRE(pinned.to_string() == "1");
+  const std::vector<chunk_key> listed = keys_of(filtered);
+  auto [rec, removed] = remove(f.io, b, listed);
+  REQUIRE_FALSE(rec);
+  for (std::size_t i = 0; i < listed.size(); ++i)
+    CHECK(removed.outcomes[i] == (listed[i] == theirs.keys[0] ? l2::key_outcome::rejected : l2::key_outcome::ok));
+  b.unpin(std::span(theirs.keys).first(1));
+  auto [aec, after] = list(f.io, b);
+  REQUIRE_FALSE(aec);
+  expected = mine.keys;
+  expected.push_back(theirs.keys[0]);
+  std::sort(expected.begin(), expected.end());
+  CHECK(keys_of(after) == expected);
 }

@@ -99,6 +99,11 @@ struct client {
       co_return co_await b->async_remove(keys, d, asio::as_tuple(asio::use_awaitable));
     }());
   }
+  std::tuple<error_code, std::vector<l2::listed_object>> list(l2::key_filter f = {}, l2::deadline d = soon()) {
+    return run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, std::vector<l2::listed_object>>> {
+      co_return co_await b->async_list(f, d, asio::as_tuple(asio::use_awaitable));
+    }());
+  }
   // Every key loads exactly its own bytes.
   bool loads_right_bytes(std::span<const chunk_key> keys, std::size_t n = object_bytes) {
     std::vector<std::vector<std::byte>> out;
@@ -291,6 +296,41 @@ TEST_CASE("a garbage, truncated or foreign value written behind the backend answ
   REQUIRE_FALSE(lec);
   CHECK(found.to_string() == "0100");
   c.b->unpin(k);
+}
+
+TEST_CASE("a listing returns the objects under its own prefix only, glob characters in the prefix taken literally, "
+          "with their stored bytes",
+          "[redis][list]") {
+  auto& s = test::shared_standalone();
+  s.command({"FLUSHALL"});
+  l2::redis_backend_options o = standalone_options(s);
+  o.key_prefix = "fleet[a]*";
+  client c(o);
+  l2::redis_backend_options other = standalone_options(s);
+  other.key_prefix = "fleeta-b";  // what "fleet[a]*" would match as a glob
+  client neighbour(other);
+  const auto mine = keys(500, 3);
+  REQUIRE_FALSE(std::get<0>(c.store(mine)));
+  REQUIRE_FALSE(std::get<0>(neighbour.store(keys(600, 2))));
+  // Keys under the prefix that are not objects' keys are skipped, not misread.
+  const std::vector<std::string> junk_keys = {"fleet[a]*:notakey", "fleet[a]*:0123456789abcdef:1:0:zz",
+                                              "fleet[a]*:0123456789abcdef:01:0:" + std::string(32, 'a')};
+  for (const auto& junk : junk_keys)
+    REQUIRE(s.command({"SET", junk, "x"}));
+  auto [ec, listed] = c.list();
+  REQUIRE_FALSE(ec);
+  std::vector<chunk_key> got;
+  for (const auto& x : listed) {
+    got.push_back(x.key);
+    CHECK(x.bytes == l2::object_header_bytes + object_bytes);
+  }
+  std::sort(got.begin(), got.end());
+  std::vector<chunk_key> want = mine;
+  std::sort(want.begin(), want.end());
+  CHECK(got == want);
+  auto [nec, theirs] = neighbour.list();
+  REQUIRE_FALSE(nec);
+  CHECK(theirs.size() == 2);
 }
 
 TEST_CASE("a TTL is set on every stored object when configured", "[redis]") {

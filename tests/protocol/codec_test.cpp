@@ -154,6 +154,21 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     CHECK(*strided == make_frame(p::message_type::register_kv_request, 1, sbody.bytes));
     CHECK(r.layout().strides == r.strides);
   }
+  SECTION("an evict request: type 0x000e, its selection, tiers and force flag; its answer 0x800e") {
+    auto bytes = p::encode_frame(5, p::evict_request{false, true, "m", true, "", false, 0x77, "l1,disk", true});
+    REQUIRE(bytes.has_value());
+    bytes_builder body;
+    body.u8(0).u8(1).str("m").u8(1).str("").u8(0).u64(0x77).str("l1,disk").u8(1);
+    CHECK(*bytes == make_frame(p::message_type::evict_request, 5, body.bytes));
+    CHECK(static_cast<std::uint16_t>(p::message_type::evict_request) == 0x000e);
+    auto answer = p::encode_frame(5, p::evict_response{3, 4096, 1, 0, "{}"});
+    REQUIRE(answer.has_value());
+    bytes_builder abody;
+    abody.u64(3).u64(4096).u64(1).u64(0).str("{}");
+    CHECK(*answer == make_frame(p::message_type::evict_response, 5, abody.bytes));
+    CHECK(static_cast<std::uint16_t>(p::message_type::list_objects_request) == 0x000d);
+    CHECK(static_cast<std::uint16_t>(p::message_type::list_objects_response) == 0x800d);
+  }
   SECTION("a scheduler's register request: region none, salt, prefill rate and engine id") {
     p::register_kv_request r;
     r.instance_id = 9;
@@ -226,6 +241,14 @@ TEST_CASE("every field limit accepts one below and at the limit and refuses one 
   check_field_limit(p::error_response{}, "message", p::max_error_message_bytes,
                     resize_string(&p::error_response::message));
   check_field_limit(p::status_response{}, "json", p::max_status_json_bytes, resize_string(&p::status_response::json));
+  check_field_limit(p::list_objects_response{}, "json", p::max_status_json_bytes,
+                    resize_string(&p::list_objects_response::json));
+  check_field_limit(p::evict_response{}, "json", p::max_status_json_bytes, resize_string(&p::evict_response::json));
+  check_field_limit(p::evict_request{}, "model_name", p::max_model_name_bytes,
+                    resize_string(&p::evict_request::model_name));
+  check_field_limit(p::evict_request{}, "cache_salt", p::max_cache_salt_bytes,
+                    resize_string(&p::evict_request::cache_salt));
+  check_field_limit(p::evict_request{}, "tiers", p::max_tier_list_bytes, resize_string(&p::evict_request::tiers));
   check_field_limit(p::lookup_request{"r", 1, 1, {}}, "chunk_hashes", p::max_chunk_hashes,
                     [](p::lookup_request& m, std::size_t n) {
                       m.chunk_hashes.assign(n, hash128{1, 2});

@@ -71,6 +71,10 @@ inline std::vector<protocol::message> sample_messages() {
   m.emplace_back(p::get_chunk_size_response{256});
   m.emplace_back(p::status_response{R"({"registrations":[],"l1":{"used_bytes":0}})"});
   m.emplace_back(p::retrieve_progress{31, 2});
+  m.emplace_back(p::list_objects_request{});
+  m.emplace_back(p::evict_request{false, true, "meta-llama/Llama-3.1-8B", true, "tenant-a", false, 0, "l1,disk", true});
+  m.emplace_back(p::list_objects_response{R"({"tiers":[{"name":"l1"}],"namespaces":[]})"});
+  m.emplace_back(p::evict_response{12, 49152, 2, 1, R"({"tiers":[]})"});
   return m;
 }
 

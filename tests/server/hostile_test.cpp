@@ -27,7 +27,7 @@ using namespace std::chrono_literals;
 
 namespace {
 
-std::string sock(const temp_dir& d) { return (d.path() / "kvtier.sock").string(); }
+std::string socket_path_in(const temp_dir& d) { return (d.path() / "kvtier.sock").string(); }
 
 /// Raises this process's open-file limit to its hard limit (the test opens thousands of
 /// connections); returns the limit now in force.
@@ -58,7 +58,7 @@ TEST_CASE("the HTTP endpoint answers probes while 200 slowloris and 2000 idle co
     return;
   }
   temp_dir dir("kvtier-http");
-  const std::string path = sock(dir);
+  const std::string path = socket_path_in(dir);
   server_process proc(server_binary, {"--socket", path, "--l1-size-mb", "8", "--metrics-port", "auto"}, dir.path());
   proc.wait_listening(path);
   const std::uint16_t port = wait_metrics_port(proc);
@@ -116,7 +116,7 @@ TEST_CASE("the HTTP endpoint answers probes while 200 slowloris and 2000 idle co
 TEST_CASE("the HTTP endpoint answers 405 to every method but GET and HEAD, with or without a body",
           "[server][process][http]") {
   temp_dir dir("kvtier-http");
-  const std::string path = sock(dir);
+  const std::string path = socket_path_in(dir);
   server_process proc(server_binary, {"--socket", path, "--l1-size-mb", "8", "--metrics-port", "auto"}, dir.path());
   proc.wait_listening(path);
   const std::uint16_t port = wait_metrics_port(proc);
@@ -144,7 +144,7 @@ TEST_CASE("the HTTP endpoint answers 405 to every method but GET and HEAD, with 
 TEST_CASE("lookups cannot grow the server's memory past its budgets, and a well-behaved engine stays clean",
           "[server][process][budget]") {
   temp_dir dir("kvtier-budget");
-  const std::string path = sock(dir);
+  const std::string path = socket_path_in(dir);
   server_process proc(
       server_binary,
       {"--socket", path, "--chunk-size", "16", "--l1-slot-bytes", "4096", "--l1-size-mb", "16", "--log-level", "warn"},
@@ -206,7 +206,7 @@ TEST_CASE("lookups cannot grow the server's memory past its budgets, and a well-
 
 TEST_CASE("connection caps refuse the connection past the cap with a clear error", "[server][process][budget]") {
   temp_dir dir("kvtier-budget");
-  const std::string path = sock(dir);
+  const std::string path = socket_path_in(dir);
   server_process proc(server_binary,
                       {"--socket", path, "--l1-size-mb", "8", "--max-connections", "4", "--max-connections-per-uid",
                        "3", "--metrics-port", "auto"},
@@ -233,7 +233,7 @@ TEST_CASE("connection caps refuse the connection past the cap with a clear error
 
 TEST_CASE("a connector refused by a connection cap says why in last_error()", "[server][process][budget]") {
   temp_dir dir("kvtier-budget");
-  const std::string path = sock(dir);
+  const std::string path = socket_path_in(dir);
   server_process proc(server_binary, {"--socket", path, "--l1-size-mb", "8", "--max-connections-per-uid", "1"},
                       dir.path());
   proc.wait_listening(path);
@@ -279,7 +279,7 @@ TEST_CASE("a connector refused by a connection cap says why in last_error()", "[
 TEST_CASE("twenty thousand frames of an unknown type are answered without a log line each",
           "[server][process][budget]") {
   temp_dir dir("kvtier-budget");
-  const std::string path = sock(dir);
+  const std::string path = socket_path_in(dir);
   server_process proc(server_binary, {"--socket", path, "--l1-size-mb", "8"}, dir.path());  // log level info
   proc.wait_listening(path);
   raw_client c(path);

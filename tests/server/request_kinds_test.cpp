@@ -25,6 +25,8 @@ TEST_CASE("requests and their responses map onto the bus request kinds", "[serve
   CHECK(request_kind_of(p::message_type::clear_request) == k::clear);
   CHECK(request_kind_of(p::message_type::get_chunk_size_request) == k::get_chunk_size);
   CHECK(request_kind_of(p::message_type::status_request) == k::status);
+  CHECK(request_kind_of(p::message_type::list_objects_request) == k::list_objects);
+  CHECK(request_kind_of(p::message_type::evict_request) == k::evict);
   CHECK(request_kind_of(p::message_type::error_response) == k::other);
   CHECK(request_kind_of(static_cast<p::message_type>(0x0777)) == k::other);
   // Every response of the protocol (each alternative of `message`) maps like its request.

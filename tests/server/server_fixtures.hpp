@@ -410,15 +410,17 @@ inline p::query_prefetch_response lookup_done(raw_client& c, std::uint64_t model
   }
 }
 
-/// Stores `chunks` chunks of prompt `seed` from blocks 0.. of `r` (filled with a pattern of
-/// `seed` first) and waits until the server's store pipeline is idle, i.e. the chunks went
-/// through to every L2 backend (Catch2). Returns the chunk hashes.
+/// Stores `chunks` chunks of prompt `seed` from blocks `first`.. of `r` (filled with a
+/// pattern of `seed` first), under the request salt `salt`, and waits until the server's
+/// store pipeline is idle, i.e. the chunks went through to every L2 backend (Catch2). Returns
+/// the chunk hashes.
 inline std::vector<hash128> store_through(raw_client& c, const engine_region& r, std::uint32_t seed,
-                                          std::size_t chunks) {
+                                          std::size_t chunks, const std::string& salt = {},
+                                          std::uint32_t first = 0) {
   const auto hashes = chunk_hashes(seed, chunks);
-  const auto blocks = block_range(0, chunks * blocks_per_chunk);
+  const auto blocks = block_range(first, chunks * blocks_per_chunk);
   r.fill_blocks(blocks, seed);
-  const auto st = c.ok(store_req(r, hashes, blocks, 0, "store-" + std::to_string(seed)));
+  const auto st = c.ok(store_req(r, hashes, blocks, 0, "store-" + std::to_string(seed), salt));
   REQUIRE(st.stored == chunks);
   wait_for_status(
       c, [](const nlohmann::json& s) { return s["store"]["pending_keys"] == 0 && s["store"]["inflight_tasks"] == 0; });

@@ -127,13 +127,16 @@ enum class request_kind : std::uint8_t {
   clear,
   get_chunk_size,
   status,
+  list_objects,
+  evict,
   other,
 };
-inline constexpr std::size_t request_kind_count = 13;
+inline constexpr std::size_t request_kind_count = 15;
 [[nodiscard]] constexpr std::string_view name(request_kind k) noexcept {
   constexpr std::array<std::string_view, request_kind_count> n = {
-      "register_kv", "unregister_kv", "lookup", "query_prefetch", "retrieve", "store", "free_lookup_locks",
-      "end_request", "ping",          "clear",  "get_chunk_size", "status",   "other"};
+      "register_kv", "unregister_kv",  "lookup", "query_prefetch", "retrieve", "store", "free_lookup_locks",
+      "end_request", "ping",           "clear",  "get_chunk_size", "status",   "list_objects", "evict",
+      "other"};
   return n[static_cast<std::size_t>(k)];
 }
 

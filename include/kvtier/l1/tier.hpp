@@ -146,6 +146,14 @@ struct usage_info {
   std::size_t evictable = 0;       ///< ready, unlocked objects the policy may take
 };
 
+/// What remove_if removed and what it had to leave.
+struct removal_summary {
+  std::size_t removed = 0;        ///< objects deleted (forced ones included)
+  std::size_t removed_bytes = 0;  ///< their sizes
+  std::size_t locked = 0;         ///< objects it matched but left: locked, and not forced
+  std::size_t locked_bytes = 0;   ///< their sizes
+};
+
 /// The state of one object, for tests and status pages.
 struct object_info {
   object_state state = object_state::absent;
@@ -304,6 +312,20 @@ class tier {
   /// Deletes every unlocked object, and with `force` the locked ones as remove(force) does.
   /// Returns the number of objects deleted.
   std::size_t clear(bool force);
+
+  /// Deletes the objects whose key `pred` accepts, each as remove(force) does: an unlocked
+  /// object at once; a locked one only when `force`, and then its memory is freed when its
+  /// last lock goes (a reader in flight keeps reading the bytes it holds, a writer in flight
+  /// finds its key gone at finish_write and its slot freed). One pass over the slots under
+  /// the mutex (~5 ns per slot); `pred(key)` runs under it and must not call into the tier.
+  template <class Pred>
+  removal_summary remove_if(Pred&& pred, bool force);
+
+  /// Calls f(key, bytes, state) for every object held (write-locked, ready or read-locked;
+  /// not those removed while locked), in slot order, under the mutex: f must not call into
+  /// the tier. For listings (an operator's `ls`): one pass over the slots.
+  template <class F>
+  void for_each_object(F&& f);
 
   /// When the used slots are above the watermark, evicts unlocked objects down to the
   /// target; returns the number evicted. reserve_write does this by itself; a host may also

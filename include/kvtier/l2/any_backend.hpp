@@ -6,6 +6,7 @@
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/chunk_key.hpp>
+#include <kvtier/detail/async.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/l2/concepts.hpp>
 #include <kvtier/l2/types.hpp>
@@ -13,12 +14,15 @@
 #include <boost/asio/any_completion_handler.hpp>
 #include <boost/asio/any_io_executor.hpp>
 #include <boost/asio/async_result.hpp>
+#include <boost/asio/awaitable.hpp>
 
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 namespace kvtier::inline KVTIER_ABI_TAG::l2 {
 
@@ -27,6 +31,7 @@ class any_backend {
   using executor_type = boost::asio::any_io_executor;
   using lookup_handler = boost::asio::any_completion_handler<void(error_code, bitmap)>;
   using batch_handler = boost::asio::any_completion_handler<void(error_code, batch_result)>;
+  using list_handler = boost::asio::any_completion_handler<void(error_code, std::vector<listed_object>)>;
 
   /// Shares ownership of `backend`; keep the shared_ptr to reach the concrete type.
   template <l2_backend B>
@@ -84,6 +89,17 @@ class any_backend {
         [impl = impl_, keys, d](auto handler) { impl->remove(keys, d, batch_handler(std::move(handler))); }, token);
   }
 
+  /// async_list (listing_backend): void(error_code, std::vector<listed_object>). A backend
+  /// that cannot list completes with errc::unsupported and nothing.
+  template <class Token>
+  auto async_list(key_filter filter, deadline d, Token&& token) {
+    return boost::asio::async_initiate<Token, void(error_code, std::vector<listed_object>)>(
+        [impl = impl_, d](auto handler, key_filter f) { impl->list(std::move(f), d, list_handler(std::move(handler))); },
+        token, std::move(filter));
+  }
+  /// Whether async_list lists (else it answers errc::unsupported).
+  [[nodiscard]] bool lists_objects() const noexcept { return impl_->lists_objects(); }
+
   /// The concrete backend, when it is a B; nullptr otherwise.
   template <class B>
   [[nodiscard]] B* target() const noexcept {
@@ -108,6 +124,8 @@ class any_backend {
     virtual void store(std::span<const chunk_key>, std::span<const std::span<const std::byte>>, deadline,
                        batch_handler) = 0;
     virtual void remove(std::span<const chunk_key>, deadline, batch_handler) = 0;
+    virtual void list(key_filter, deadline, list_handler) = 0;
+    [[nodiscard]] virtual bool lists_objects() const noexcept = 0;
   };
 
   template <class B>
@@ -146,12 +164,26 @@ class any_backend {
     void remove(std::span<const chunk_key> keys, deadline d, batch_handler h) override {
       backend->async_remove(keys, d, std::move(h));
     }
+    void list(key_filter f, deadline d, list_handler h) override {
+      if constexpr (listing_backend<B>) {
+        backend->async_list(std::move(f), d, std::move(h));
+      } else {
+        using result = std::tuple<error_code, std::vector<listed_object>>;
+        ::kvtier::detail::async_run<void(error_code, std::vector<listed_object>)>(
+            backend->get_executor(),
+            []() -> boost::asio::awaitable<result> {
+              co_return result{make_error_code(errc::unsupported), {}};
+            }(),
+            std::move(h));
+      }
+    }
+    bool lists_objects() const noexcept override { return listing_backend<B>; }
     std::shared_ptr<B> backend;
   };
 
   std::shared_ptr<interface> impl_;
 };
 
-static_assert(l2_backend<any_backend>);
+static_assert(l2_backend<any_backend> && listing_backend<any_backend>);
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2

@@ -27,6 +27,12 @@
 //   async_remove(keys, deadline, token) -> void(error_code, batch_result)
 //   usage() -> usage_info, health() -> health_info, name() -> string_view: cheap, synchronous.
 //
+// Optional (listing_backend, below): async_list(filter, deadline, token)
+//   -> void(error_code, std::vector<listed_object>): the objects stored now whose key the
+//   filter accepts, for operators (the server's list and evict requests). Removing what a
+//   listing returned goes through async_remove, whose pin rule keeps objects a prefetch is
+//   loading (`rejected`).
+//
 // Operations may be started from any thread; a backend serialises its state on its own
 // executor (get_executor()). Completion handlers run on their associated executors.
 
@@ -42,6 +48,7 @@
 #include <cstddef>
 #include <span>
 #include <string_view>
+#include <vector>
 
 namespace kvtier::inline KVTIER_ABI_TAG::l2 {
 
@@ -53,6 +60,9 @@ struct lookup_handler_archetype {
 };
 struct batch_handler_archetype {
   void operator()(error_code, batch_result) const {}
+};
+struct list_handler_archetype {
+  void operator()(error_code, std::vector<listed_object>) const {}
 };
 }  // namespace detail
 
@@ -87,6 +97,17 @@ concept observable_load_backend =
 template <class B>
 concept buffer_registering_backend = l2_backend<B> && requires(B& b, std::span<std::byte> region) {
   { b.register_buffers(region) } -> std::same_as<error_code>;
+};
+
+/// Backends that can list what they store: async_list(filter, deadline, token) ->
+/// void(error_code, std::vector<listed_object>), the objects stored (visible to a lookup)
+/// when it ran whose key `filter` accepts (every object for an empty filter), in no
+/// particular order. A snapshot: objects stored or removed meanwhile may or may not be in
+/// it. A listing cut by its deadline completes with errc::timeout and what it had found; a
+/// backend that cannot reach its store, with the error and nothing.
+template <class B>
+concept listing_backend = l2_backend<B> && requires(B& b, key_filter f, deadline d) {
+  b.async_list(f, d, detail::list_handler_archetype{});
 };
 
 /// Backends that can damage their own stored copy of a key on command (for tests and the

@@ -16,7 +16,8 @@
 //                        "late read lands in a reused slot" hazard the prefetch controller
 //                        must survive.
 // A fault applies to the next `times` operations of its kind (-1: until clear()).
-// Call release_hung() before destroying the wrapper while operations hang.
+// Call release_hung() before destroying the wrapper while operations hang. A listing
+// (async_list, where the inner backend has one) passes through untouched: no fault applies.
 //
 // Cancellation (the handler's slot, terminal): the caller's cancellation reaches the inner
 // operation (which then completes with operation_aborted, or its real result when it had
@@ -97,7 +98,9 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
     return hung_.size();
   }
 
-  // async_lookup_and_pin, async_load, async_store, async_remove: detail/coroutine_backend.hpp.
+  // async_lookup_and_pin, async_load, async_store, async_remove, async_list (when Backend
+  // lists): detail/coroutine_backend.hpp.
+  static constexpr bool lists_objects = listing_backend<Backend>;
   void unpin(std::span<const chunk_key> keys) { inner_->unpin(keys); }
 
  private:
@@ -261,6 +264,12 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
     s.merge(sub, r);
     co_await delay_if(fs);
     co_return batch_tuple{ec, r};
+  }
+
+  boost::asio::awaitable<std::tuple<error_code, std::vector<listed_object>>> list_impl(key_filter filter, deadline d)
+    requires listing_backend<Backend>
+  {
+    co_return co_await inner_->async_list(std::move(filter), d, boost::asio::as_tuple(boost::asio::use_awaitable));
   }
 
   Backend* inner_;

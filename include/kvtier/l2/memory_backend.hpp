@@ -94,8 +94,10 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
   }
 
   // async_lookup_and_pin, async_load (also with a load_observer: keys finish one after the
-  // other on the modelled channel), async_store, async_remove: detail/coroutine_backend.hpp.
+  // other on the modelled channel), async_store, async_remove, async_list (every object,
+  // its payload bytes; no channel time): detail/coroutine_backend.hpp.
   static constexpr bool tells_landed_keys = true;
+  static constexpr bool lists_objects = true;
 
   void unpin(std::span<const chunk_key> keys) {
     std::lock_guard g(mutex_);
@@ -287,6 +289,15 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
     co_return batch_tuple{error_code{}, r};
   }
 
+  boost::asio::awaitable<std::tuple<error_code, std::vector<listed_object>>> list_impl(key_filter filter, deadline) {
+    std::vector<listed_object> out;
+    if (!health().healthy) co_return std::tuple{unavailable_error(), std::move(out)};
+    std::lock_guard g(mutex_);
+    for (const auto& [k, o] : objects_)
+      if (!filter || filter(k)) out.push_back({k, o.size});
+    co_return std::tuple{error_code{}, std::move(out)};
+  }
+
   void erase(std::unordered_map<chunk_key, object, chunk_key_hash>::iterator it) {
     bytes_used_ -= it->second.size;
     fifo_.erase(it->second.fifo_pos);
@@ -303,6 +314,6 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
   health_info health_;
 };
 
-static_assert(corruptible_backend<memory_backend>);
+static_assert(corruptible_backend<memory_backend> && listing_backend<memory_backend>);
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2

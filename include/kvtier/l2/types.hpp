@@ -1,8 +1,10 @@
 #pragma once
-// Vocabulary of the L2 tier: per-key outcomes, batch results, usage and health.
+// Vocabulary of the L2 tier: per-key outcomes, batch results, usage and health, and what a
+// listing returns.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
+#include <kvtier/core/chunk_key.hpp>
 
 #include <array>
 #include <chrono>
@@ -85,5 +87,20 @@ struct health_info {
   bool healthy = true;
   std::string reason;  ///< why not, when not healthy
 };
+
+/// One stored object as a listing (listing_backend, concepts.hpp) reports it: its key and
+/// its bytes as the backend counts them in usage() (the disk backend: bytes allocated on the
+/// file system; Redis: the stored value, header included; memory: the payload).
+struct listed_object {
+  chunk_key key;
+  std::uint64_t bytes = 0;
+
+  friend bool operator==(const listed_object&, const listed_object&) = default;
+};
+
+/// Which objects a listing returns: those whose key it accepts (empty: every object). Runs on
+/// the backend's executor, possibly under the backend's lock: it must not call into the
+/// backend, and should be cheap (it sees every stored object).
+using key_filter = std::function<bool(const chunk_key&)>;
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2

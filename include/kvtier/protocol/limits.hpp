@@ -46,7 +46,9 @@ inline constexpr std::uint32_t max_engine_id_bytes = 128;
 /// The region descriptor of a cuda_ipc registration (a cudaIpcMemHandle_t is 64 bytes; a
 /// descriptor holds one per layer tensor plus the layout: 1024 layers fit).
 inline constexpr std::uint32_t max_region_descriptor_bytes = std::uint32_t{256} << 10;
-/// The JSON document of a status reply.
+/// The tier list of an evict_request ("l1,disk,redis": names of the server's tiers).
+inline constexpr std::uint32_t max_tier_list_bytes = 1024;
+/// The JSON document of a status, list_objects or evict reply.
 inline constexpr std::uint32_t max_status_json_bytes = std::uint32_t{4} << 20;
 /// The text of an error reply.
 inline constexpr std::uint32_t max_error_message_bytes = 4096;

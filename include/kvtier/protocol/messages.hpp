@@ -48,6 +48,8 @@ enum class message_type : std::uint16_t {
   clear_request = 0x000a,
   get_chunk_size_request = 0x000b,
   status_request = 0x000c,
+  list_objects_request = 0x000d,
+  evict_request = 0x000e,
 
   retrieve_progress = 0x4005,
 
@@ -64,6 +66,8 @@ enum class message_type : std::uint16_t {
   clear_response = 0x800a,
   get_chunk_size_response = 0x800b,
   status_response = 0x800c,
+  list_objects_response = 0x800d,
+  evict_response = 0x800e,
 };
 
 /// Bit set in every response type.
@@ -249,6 +253,37 @@ struct status_response {
   friend bool operator==(const status_response&, const status_response&) = default;
   static constexpr auto fields(auto& self) noexcept {
     return std::tuple{bounded("json", self.json, max_status_json_bytes)};
+  }
+};
+
+/// The objects the server holds, per model namespace and tier, as JSON (docs/server.md,
+/// "Administration").
+struct list_objects_response {
+  static constexpr message_type type = message_type::list_objects_response;
+  std::string json;  ///< <= max_status_json_bytes
+
+  friend bool operator==(const list_objects_response&, const list_objects_response&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{bounded("json", self.json, max_status_json_bytes)};
+  }
+};
+
+/// What an evict_request removed, in total and (json) per tier.
+struct evict_response {
+  static constexpr message_type type = message_type::evict_response;
+  std::uint64_t removed_objects = 0;  ///< objects removed, every tier together
+  std::uint64_t removed_bytes = 0;    ///< their bytes, as each tier counts them
+  std::uint64_t in_use_objects = 0;   ///< matched but kept: locked in L1 (not forced), pinned or being stored in L2
+  std::uint64_t failed_objects = 0;   ///< matched but not removed: a backend error
+  /// {"tiers": [{"tier", "removed_objects", "removed_bytes", "in_use_objects",
+  /// "failed_objects", "error"}...]}; <= max_status_json_bytes
+  std::string json;
+
+  friend bool operator==(const evict_response&, const evict_response&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{field("removed_objects", self.removed_objects), field("removed_bytes", self.removed_bytes),
+                      field("in_use_objects", self.in_use_objects), field("failed_objects", self.failed_objects),
+                      bounded("json", self.json, max_status_json_bytes)};
   }
 };
 
@@ -502,6 +537,56 @@ struct status_request {
   static constexpr auto fields(auto&) noexcept { return std::tuple{}; }
 };
 
+// --- Administration (docs/server.md, "Administration"): the server's owner and root only;
+// an unregistered connection may send them.
+
+/// Lists the objects of every tier (L1 and each L2 backend) per model namespace: the
+/// salted model id of their chunk keys, with the model name and salts the server learned
+/// for it from registrations and requests ("unknown" for ids it has not seen since it
+/// started), and per tier the objects and bytes.
+struct list_objects_request {
+  static constexpr message_type type = message_type::list_objects_request;
+  using response_type = list_objects_response;
+  friend bool operator==(const list_objects_request&, const list_objects_request&) = default;
+  static constexpr auto fields(auto&) noexcept { return std::tuple{}; }
+};
+
+/// Removes the objects a selection names from the tiers named. The selection is `all`, or
+/// one or more of by_model (the model name), by_salt (the request salt, "" for unsalted
+/// requests) and by_model_id (one namespace, as list_objects shows it; the only way to name
+/// an unknown one), all of which must match. Objects in use are kept and counted: read- or
+/// write-locked in L1 (unless `force`), pinned by a prefetch or still being stored in L2.
+struct evict_request {
+  static constexpr message_type type = message_type::evict_request;
+  using response_type = evict_response;
+  bool all = false;  ///< every object (then no by_* may be set)
+  bool by_model = false;
+  std::string model_name;  ///< <= max_model_name_bytes
+  bool by_salt = false;
+  std::string cache_salt;  ///< <= max_cache_salt_bytes
+  bool by_model_id = false;
+  std::uint64_t model_id = 0;
+  /// Comma-separated tier names: "l1" and L2 backend names (as list_objects shows them);
+  /// empty: every tier. <= max_tier_list_bytes
+  std::string tiers;
+  /// L1: also remove objects in use; they leave at once for lookups and their memory is
+  /// freed when the copy or load holding them ends (never pulled from under it).
+  bool force = false;
+
+  friend bool operator==(const evict_request&, const evict_request&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{field("all", self.all),
+                      field("by_model", self.by_model),
+                      bounded("model_name", self.model_name, max_model_name_bytes),
+                      field("by_salt", self.by_salt),
+                      bounded("cache_salt", self.cache_salt, max_cache_salt_bytes),
+                      field("by_model_id", self.by_model_id),
+                      field("model_id", self.model_id),
+                      bounded("tiers", self.tiers, max_tier_list_bytes),
+                      field("force", self.force)};
+  }
+};
+
 // ---------------------------------------------------------------------------------------
 // The variant and its vocabulary.
 // ---------------------------------------------------------------------------------------
@@ -513,7 +598,8 @@ using message = std::variant<register_kv_request, unregister_kv_request, lookup_
                              register_kv_response, unregister_kv_response, lookup_response, query_prefetch_response,
                              retrieve_response, store_response, free_lookup_locks_response, end_request_response,
                              ping_response, clear_response, get_chunk_size_response, status_response,
-                             retrieve_progress>;
+                             retrieve_progress, list_objects_request, evict_request, list_objects_response,
+                             evict_response>;
 
 /// A type that travels in a frame: an alternative of `message`.
 template <class T>
@@ -571,6 +657,10 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
       return "get_chunk_size_request";
     case message_type::status_request:
       return "status_request";
+    case message_type::list_objects_request:
+      return "list_objects_request";
+    case message_type::evict_request:
+      return "evict_request";
     case message_type::retrieve_progress:
       return "retrieve_progress";
     case message_type::error_response:
@@ -599,6 +689,10 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
       return "get_chunk_size_response";
     case message_type::status_response:
       return "status_response";
+    case message_type::list_objects_response:
+      return "list_objects_response";
+    case message_type::evict_response:
+      return "evict_response";
   }
   return "unknown";
 }
@@ -606,6 +700,11 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
 /// True for the one request that may carry an fd (the KV region's memfd of a cpu_memfd
 /// registration).
 [[nodiscard]] constexpr bool carries_fd(message_type t) noexcept { return t == message_type::register_kv_request; }
+
+/// True for the administration requests: the server answers them to its owner and root only.
+[[nodiscard]] constexpr bool is_admin(message_type t) noexcept {
+  return t == message_type::list_objects_request || t == message_type::evict_request;
+}
 
 namespace detail {
 template <std::size_t... I>
@@ -628,6 +727,7 @@ static_assert(wire_request<register_kv_request> && wire_request<unregister_kv_re
               wire_request<lookup_request> && wire_request<query_prefetch_request> && wire_request<retrieve_request> &&
               wire_request<store_request> && wire_request<free_lookup_locks_request> &&
               wire_request<end_request_request> && wire_request<ping_request> && wire_request<clear_request> &&
-              wire_request<get_chunk_size_request> && wire_request<status_request>);
+              wire_request<get_chunk_size_request> && wire_request<status_request> &&
+              wire_request<list_objects_request> && wire_request<evict_request>);
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::protocol

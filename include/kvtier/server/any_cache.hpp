@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string_view>
@@ -78,6 +79,12 @@ class any_cache {
   virtual void copy_in(cache::copy_in_request r, cache::copy_in_source source, cache::copy_in_fence fence,
                        copy_in_handler h) = 0;
   virtual std::size_t clear(bool force) = 0;
+  /// l1::tier::for_each_object: f(key, bytes) for every object L1 holds, under L1's mutex
+  /// (f must not call into the cache).
+  virtual void visit_l1(const std::function<void(const chunk_key&, std::size_t)>& f) = 0;
+  /// l1::tier::remove_if: removes the L1 objects `pred` accepts (the locked ones only when
+  /// forced, their memory freed when their last lock goes).
+  virtual l1::removal_summary remove_l1_if(const std::function<bool(const chunk_key&)>& pred, bool force) = 0;
   virtual std::size_t expire() = 0;
   [[nodiscard]] virtual cache::cache_status status() const = 0;
   /// Stops the prefetches (pipeline::prefetch_controller::stop: every prefetch answered,

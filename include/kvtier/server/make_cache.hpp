@@ -28,6 +28,7 @@
 #include <boost/asio/use_awaitable.hpp>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -71,6 +72,12 @@ class cache_model final : public any_cache {
     cache_.async_copy_in(std::move(r), std::move(source), std::move(fence), std::move(h));
   }
   std::size_t clear(bool force) override { return cache_.clear(force); }
+  void visit_l1(const std::function<void(const chunk_key&, std::size_t)>& f) override {
+    cache_.l1().for_each_object([&](const chunk_key& k, std::size_t bytes, l1::object_state) { f(k, bytes); });
+  }
+  l1::removal_summary remove_l1_if(const std::function<bool(const chunk_key&)>& pred, bool force) override {
+    return cache_.l1().remove_if(pred, force);
+  }
   std::size_t expire() override { return cache_.expire(); }
   cache::cache_status status() const override { return cache_.status(); }
   void stop_prefetches() override { cache_.prefetch().stop(); }

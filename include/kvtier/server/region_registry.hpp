@@ -42,6 +42,7 @@ struct registration {
   /// make_model_id(model_name, shape, layout kind, registration salt); a request's keys use
   /// salted_model_id(model_id, request salt).
   std::uint64_t model_id = 0;
+  std::string cache_salt;  ///< the registration's salt (in model_id)
   protocol::region_kind kind = protocol::region_kind::cpu_memfd;
   paged_kv_layout layout;                       ///< the region's layout (block_size/num_blocks 0 without one)
   chunk_layout chunk;                           ///< {shape, server chunk tokens}
@@ -185,6 +186,7 @@ class region_registry {
       }
     }
     reg.model_id = make_model_id(r.model_name, r.model, r.layout_kind, r.cache_salt);
+    reg.cache_salt = r.cache_salt;
     reg.registered_at = std::chrono::steady_clock::now();
     return reg;
   }

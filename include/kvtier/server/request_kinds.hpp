@@ -41,6 +41,10 @@ namespace kvtier::inline KVTIER_ABI_TAG::server {
       return k::get_chunk_size;
     case message_type::status_request:
       return k::status;
+    case message_type::list_objects_request:
+      return k::list_objects;
+    case message_type::evict_request:
+      return k::evict;
     default:
       return k::other;
   }

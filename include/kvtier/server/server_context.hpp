@@ -4,7 +4,8 @@
 //   server_context   the server's state every session uses: configuration, the cache, the
 //                    registrations (region_registry.hpp), engines (engine_table.hpp) and
 //                    lookups (lookup_table.hpp),
-//                    the bus, the log, the boot token, the hooks and the lookup key budgets;
+//                    the bus, the log, the boot token, the hooks, the lookup key budgets and
+//                    the model namespaces met so far (model_namespaces.hpp);
 //   session_host     what a session asks of its server: the status document, and "my loop
 //                    ended" (the server then reaps the connection's registration and lookups);
 //   server_hooks     hooks into request handling, for tests and embedders.
@@ -19,6 +20,7 @@
 #include <kvtier/server/client_budget.hpp>
 #include <kvtier/server/engine_table.hpp>
 #include <kvtier/server/lookup_table.hpp>
+#include <kvtier/server/model_namespaces.hpp>
 #include <kvtier/server/region_registry.hpp>
 #include <kvtier/server/server_config.hpp>
 #include <kvtier/telemetry/logger.hpp>
@@ -67,6 +69,9 @@ struct server_context {
   /// The longest a retrieve may wait for its lookup's L2 loads: the prefetch load timeout
   /// (register_kv_response::load_budget_ms).
   std::chrono::milliseconds load_budget{0};
+  /// The model ids met in registrations and requests, with their names and salts (the
+  /// operator's list and evict requests name objects by them).
+  model_namespaces namespaces{};
 };
 
 /// What a session needs from the server that owns it.

@@ -12,6 +12,7 @@
 //          lookup, query_prefetch, free_lookup_locks, end      impl/lookup_requests.hpp
 //          retrieve, store (the copies, the generation fence) impl/copy_requests.hpp
 //          ping, clear, get_chunk_size, status                impl/control_requests.hpp
+//          list_objects, evict (owner and root only)           impl/admin_requests.hpp
 //        with the checks they share (registration, region, block ids: impl/request_checks.hpp)
 //     -> one call of the cache (any_cache.hpp -> cache::tiered_cache).
 //
@@ -333,6 +334,17 @@ class session : public std::enable_shared_from_this<session> {
         if (!r) co_return r.error().response();
         co_return protocol::message(std::move(*r));
       }
+      // The administration requests await the L2 backends (their listings and removals).
+      if (auto* m = std::get_if<protocol::list_objects_request>(&*decoded)) {
+        auto r = co_await on_list_objects(*m);
+        if (!r) co_return r.error().response();
+        co_return protocol::message(std::move(*r));
+      }
+      if (auto* m = std::get_if<protocol::evict_request>(&*decoded)) {
+        auto r = co_await on_evict(*m);
+        if (!r) co_return r.error().response();
+        co_return protocol::message(std::move(*r));
+      }
       co_return std::visit(
           [&](auto& m) -> protocol::message {
             using T = std::decay_t<decltype(m)>;
@@ -340,7 +352,9 @@ class session : public std::enable_shared_from_this<session> {
               return error(errc::protocol_error, "not a request");
             } else if constexpr (std::is_same_v<T, protocol::register_kv_request> ||
                                  std::is_same_v<T, protocol::retrieve_request> ||
-                                 std::is_same_v<T, protocol::store_request>) {
+                                 std::is_same_v<T, protocol::store_request> ||
+                                 std::is_same_v<T, protocol::list_objects_request> ||
+                                 std::is_same_v<T, protocol::evict_request>) {
               return error(errc::protocol_error, "unreachable: handled above");
             } else {
               request_result<typename T::response_type> r = on(m);
@@ -366,6 +380,7 @@ class session : public std::enable_shared_from_this<session> {
   static std::optional<request_error> check_blocks(const registration& reg, std::string_view what, std::uint16_t rank,
                                                    std::size_t chunks, std::span<const std::uint32_t> block_ids);
   static std::uint64_t request_id_of(const std::string& request_key) noexcept;
+  std::uint64_t request_model_id(const registration& reg, const std::string& salt);
 
   // --- registration (impl/registration_requests.hpp) ------------------------------------
   boost::asio::awaitable<request_result<protocol::register_kv_response>> on_register(
@@ -408,6 +423,16 @@ class session : public std::enable_shared_from_this<session> {
   request_result<protocol::get_chunk_size_response> on(const protocol::get_chunk_size_request&);
   request_result<protocol::status_response> on(const protocol::status_request&);
 
+  // --- administration: list_objects, evict (impl/admin_requests.hpp) ------------------------
+  /// The longest one backend operation of an administration request may take (a listing, a
+  /// batch of removals): a listing of a million Redis keys takes ~1000 SCAN round trips.
+  static constexpr auto admin_deadline = std::chrono::seconds(60);
+  /// Null when this connection's peer is the server's owner or root; else the refusal.
+  std::optional<request_error> admin_refusal(std::string_view what);
+  boost::asio::awaitable<request_result<protocol::list_objects_response>> on_list_objects(
+      const protocol::list_objects_request& r);
+  boost::asio::awaitable<request_result<protocol::evict_response>> on_evict(const protocol::evict_request& r);
+
   // --- the connection's state, shared by the loop and the handlers ------------------------
   std::uint64_t id_;
   /// The scope of this connection's lookups: its engine's (engine_table), or id_ alone.
@@ -441,6 +466,7 @@ class session : public std::enable_shared_from_this<session> {
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server
 
 // What each request does: members of session, one file per kind of request.
+#include <kvtier/server/impl/admin_requests.hpp>
 #include <kvtier/server/impl/control_requests.hpp>
 #include <kvtier/server/impl/copy_requests.hpp>
 #include <kvtier/server/impl/lookup_requests.hpp>

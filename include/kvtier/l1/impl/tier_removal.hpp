@@ -1,6 +1,7 @@
 #pragma once
-// l1::tier, deletion on request (part of kvtier/l1/impl/tier.hpp): remove and clear. A locked
-// object leaves the tier only when forced, and its memory waits for its last lock.
+// l1::tier, deletion on request (part of kvtier/l1/impl/tier.hpp): remove, clear and
+// remove_if, and the listing for_each_object. A locked object leaves the tier only when
+// forced, and its memory waits for its last lock.
 
 #include <kvtier/l1/tier.hpp>
 
@@ -40,6 +41,46 @@ std::size_t tier<Policy, Bus>::clear(bool force) {
       }
     }
     return removed;
+  });
+}
+
+template <class Policy, class Bus>
+template <class Pred>
+removal_summary tier<Policy, Bus>::remove_if(Pred&& pred, bool force) {
+  return run_locked([&](lazy_now& now, tally& t) {
+    removal_summary r;
+    for (std::size_t s = 0; s < options_.slot_count; ++s) {
+      entry& e = entries_[s];
+      if (!slots_.is_allocated(e.slot) || e.removing) continue;
+      if (expire(e, now, t)) continue;
+      if (!pred(static_cast<const chunk_key&>(e.key))) continue;
+      const std::size_t bytes = e.bytes;
+      if (!e.locked()) {
+        remove_object(e, bus::removal_reason::deleted, t);
+      } else if (force) {
+        mark_removing(e, t);
+      } else {
+        ++r.locked;
+        r.locked_bytes += bytes;
+        continue;
+      }
+      ++r.removed;
+      r.removed_bytes += bytes;
+    }
+    return r;
+  });
+}
+
+template <class Policy, class Bus>
+template <class F>
+void tier<Policy, Bus>::for_each_object(F&& f) {
+  run_locked([&](lazy_now&, tally&) {
+    for (std::size_t s = 0; s < options_.slot_count; ++s) {
+      const entry& e = entries_[s];
+      if (!slots_.is_allocated(e.slot) || e.removing) continue;
+      f(static_cast<const chunk_key&>(e.key), e.bytes, state_of(e));
+    }
+    return 0;
   });
 }
 

@@ -6,7 +6,9 @@
 // Derived's get_executor() through kvtier::detail::async_run, which forwards the caller's
 // cancellation slot and completes on the caller's executor. async_load with a load_observer
 // exists where Derived says `static constexpr bool tells_landed_keys = true` (its load_impl
-// then takes the observer last).
+// then takes the observer last). async_list exists where Derived says
+// `static constexpr bool lists_objects = true` (its list_impl(filter, deadline) then returns
+// std::tuple<error_code, std::vector<listed_object>>).
 //
 // Derived grants access to its coroutines with `friend class detail::coroutine_backend<Derived>;`.
 
@@ -20,6 +22,7 @@
 #include <cstddef>
 #include <span>
 #include <utility>
+#include <vector>
 
 namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
 
@@ -59,6 +62,14 @@ class coroutine_backend {
   template <class Token>
   auto async_remove(std::span<const chunk_key> keys, deadline d, Token&& token) {
     return run<void(error_code, batch_result)>(self().remove_impl(keys, d), std::forward<Token>(token));
+  }
+
+  /// void(error_code, std::vector<listed_object>) (listing_backend, concepts.hpp).
+  template <class Token, class D = Derived>
+    requires D::lists_objects
+  auto async_list(key_filter filter, deadline d, Token&& token) {
+    return run<void(error_code, std::vector<listed_object>)>(self().list_impl(std::move(filter), d),
+                                                             std::forward<Token>(token));
   }
 
  protected:

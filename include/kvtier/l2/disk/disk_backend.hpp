@@ -218,8 +218,12 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   //   async_store           void(error_code, batch_result): ok, exists, no_space, io_error,
   //                         timeout per key;
   //   async_remove          void(error_code, batch_result): ok, not_found, rejected (pinned,
-  //                         or a store in flight).
+  //                         or a store in flight);
+  //   async_list            void(error_code, std::vector<listed_object>): the ready objects
+  //                         the filter accepts, with their allocated bytes, from the index
+  //                         (no I/O; one pass under the mutex, ~20 ns per object).
   static constexpr bool tells_landed_keys = true;
+  static constexpr bool lists_objects = true;
   void unpin(std::span<const chunk_key> keys);
 
   /// Flips the first payload byte of the stored object ON DISK (a buffered write through a
@@ -271,7 +275,7 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   void close_fds() noexcept;
 
   // The operations: lookup and load (impl/disk_load.hpp), store (impl/disk_store.hpp),
-  // remove (impl/disk_backend.hpp).
+  // remove and list (impl/disk_backend.hpp).
   boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d);
   boost::asio::awaitable<batch_tuple> load_impl(std::span<const chunk_key> keys,
                                                 std::span<const std::span<std::byte>> destinations, deadline d,
@@ -279,6 +283,7 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   boost::asio::awaitable<batch_tuple> store_impl(std::span<const chunk_key> keys,
                                                  std::span<const std::span<const std::byte>> sources, deadline d);
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d);
+  boost::asio::awaitable<std::tuple<error_code, std::vector<listed_object>>> list_impl(key_filter filter, deadline d);
 
   // What loads and stores share (impl/disk_backend.hpp).
   /// The answer to a batch refused before it starts (buffers that do not match the keys, a
@@ -351,7 +356,7 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   std::unique_ptr<io::any_file_io> file_io_;  // last: destroyed first (it waits for in-flight ops)
 };
 
-static_assert(corruptible_backend<disk_backend>);
+static_assert(corruptible_backend<disk_backend> && listing_backend<disk_backend>);
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2
 

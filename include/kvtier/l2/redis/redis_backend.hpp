@@ -38,6 +38,10 @@
 //   store           SET NX per key: `exists` when the key is present (not rewritten), `ok`,
 //                   `no_space` when Redis answers OOM (maxmemory with a noeviction policy).
 //   remove          DEL per key: `ok`, `not_found`, or `rejected` for a key pinned here.
+//   list            SCAN MATCH "<key_prefix>:*" on every master, then STRLEN per object
+//                   key (its bytes, header included): every object under the prefix, the
+//                   other servers' that share it too. Keys that are not object keys are
+//                   skipped.
 //   usage()         Redis's figures, refreshed every info_interval_ms in the background
 //                   (INFO memory used_memory and maxmemory, DBSIZE, summed over the cluster's
 //                   masters; bytes_capacity 0 when a master has no maxmemory); between two
@@ -127,8 +131,9 @@ class redis_backend : public detail::coroutine_backend<redis_backend> {
   /// The Redis key of a chunk key (see the header comment).
   [[nodiscard]] std::string key_of(const chunk_key& k) const { return client_->key_of(k); }
 
-  // async_lookup_and_pin, async_load, async_store, async_remove: detail/coroutine_backend.hpp
-  // over detail/redis_operations.hpp.
+  // async_lookup_and_pin, async_load, async_store, async_remove, async_list:
+  // detail/coroutine_backend.hpp over detail/redis_operations.hpp.
+  static constexpr bool lists_objects = true;
   void unpin(std::span<const chunk_key> keys) { client_->unpin(keys); }
 
   [[nodiscard]] usage_info usage() const { return client_->usage(); }
@@ -158,6 +163,9 @@ class redis_backend : public detail::coroutine_backend<redis_backend> {
   }
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d) {
     return detail::redis_remove(client_, keys, d);
+  }
+  boost::asio::awaitable<detail::redis_list_tuple> list_impl(key_filter filter, deadline d) {
+    return detail::redis_list(client_, std::move(filter), d);
   }
 
   static std::string read_password(const redis_backend_options& o, telemetry::logger* log) {
@@ -191,6 +199,6 @@ class redis_backend : public detail::coroutine_backend<redis_backend> {
   std::shared_ptr<detail::redis_client> client_;
 };
 
-static_assert(l2_backend<redis_backend>);
+static_assert(l2_backend<redis_backend> && listing_backend<redis_backend>);
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2

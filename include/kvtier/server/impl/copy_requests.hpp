@@ -166,7 +166,7 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
   if (n == 0) co_return protocol::retrieve_response{0};
   if (closing_) co_return closing_error("retrieve_request");  // no copy starts after the close
 
-  const std::uint64_t mid = reg.model_id_for(r.cache_salt);
+  const std::uint64_t mid = request_model_id(reg, r.cache_salt);
   std::vector<chunk_key> keys(n);
   for (std::size_t i = 0; i < n; ++i) keys[i] = reg.key(mid, r.chunk_hashes[i]);
   cache::copy_out_request cr;
@@ -238,7 +238,7 @@ inline boost::asio::awaitable<request_result<protocol::store_response>> session:
   registration& reg = **reg_r;
   const std::size_t n = r.chunk_hashes.size();
   if (auto e = check_blocks(reg, "store_request", r.rank, n, r.block_ids)) co_return *e;
-  const std::uint64_t mid = reg.model_id_for(r.cache_salt);
+  const std::uint64_t mid = request_model_id(reg, r.cache_salt);
   const std::size_t bpc = reg.blocks_per_chunk;
   auto blocks_of = [&](std::size_t i) { return std::span(r.block_ids).subspan(i * bpc, bpc); };
   auto fenced = [&](std::size_t i) {

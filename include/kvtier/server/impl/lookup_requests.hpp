@@ -63,7 +63,7 @@ inline request_result<protocol::lookup_response> session::on(const protocol::loo
             ctx_.budget->check_lookup(ctx_.lookups, id_, std::uint64_t{r.chunk_hashes.size()} * ws,
                                       replaces_own ? lookup_table::keys_of(*existing) : 0, ctx_.clients.size()))
       return *refused;
-  const std::uint64_t mid = reg.model_id_for(r.cache_salt);
+  const std::uint64_t mid = request_model_id(reg, r.cache_salt);
   std::vector<chunk_key> keys;
   keys.reserve(r.chunk_hashes.size() * ws);
   for (const hash128& h : r.chunk_hashes)

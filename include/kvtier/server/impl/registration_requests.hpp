@@ -81,6 +81,8 @@ inline boost::asio::awaitable<request_result<protocol::register_kv_response>> se
   if (*scope != scope_) release_owned_lookups();
   scope_ = *scope;
   registration& g = ctx_.clients.add(std::move(*made));
+  ctx_.namespaces.learn(g.model_id, g.model_id, g.model_name, g.cache_salt, "", g.chunk.model.dtype,
+                        g.layout.kind());  // what an operator's list calls its keys
   if (g.prefault_pending) prefault_region(g);
   ctx_.log.info(
       "client {}: registered pid {} rank {}/{} model {} ({} layers, {} KV heads, head dim {}, {}, {}), region {}: "

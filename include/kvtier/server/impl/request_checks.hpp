@@ -5,7 +5,9 @@
 //   registered_with_region()  ... and brought a KV region (retrieve and store need one; a
 //                             scheduler's connection, region kind none, has none);
 //   check_blocks()            a retrieve's or store's rank is the registration's, it carries
-//                             blocks_per_chunk block ids per chunk hash, each in the region.
+//                             blocks_per_chunk block ids per chunk hash, each in the region;
+// and request_model_id(), the model id of a request's keys, learned in the server's model
+// namespaces on the way (model_namespaces.hpp: an operator's list names it).
 // The checks of a registration itself are region_registry's (region_registry.hpp); those of
 // one kind of request only stay in its handler (a lookup's model id, world size and key
 // budgets: impl/lookup_requests.hpp).
@@ -61,6 +63,15 @@ inline std::optional<request_error> session::check_blocks(const registration& re
                                                        " is out of range (the region has " +
                                                        std::to_string(reg.layout.num_blocks) + " blocks)"};
   return std::nullopt;
+}
+
+/// The model id of a request's chunk keys (registration::model_id_for its salt), recorded in
+/// the server's model namespaces with the model name and both salts.
+inline std::uint64_t session::request_model_id(const registration& reg, const std::string& salt) {
+  const std::uint64_t mid = reg.model_id_for(salt);
+  ctx_.namespaces.learn(mid, reg.model_id, reg.model_name, reg.cache_salt, salt, reg.chunk.model.dtype,
+                        reg.layout.kind());
+  return mid;
 }
 
 inline std::uint64_t session::request_id_of(const std::string& request_key) noexcept {

@@ -226,6 +226,14 @@ class disk_index {
   [[nodiscard]] std::size_t entries() const noexcept { return map_.size(); }
   [[nodiscard]] disk_eviction policy() const noexcept { return policy_; }
 
+  /// Calls f(key, entry) for every ready (visible) object, in no particular order; f must
+  /// not change the index.
+  template <class F>
+  void for_each_ready(F&& f) const {
+    for (const auto& [k, e] : map_)
+      if (e.state == entry_state::ready) f(k, e);
+  }
+
   /// Ready keys in eviction order (next victim first), for tests.
   [[nodiscard]] std::vector<chunk_key> eviction_order() const { return {order_.begin(), order_.end()}; }
 

@@ -485,6 +485,16 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::remove_im
   co_return batch_tuple{error_code{}, r};
 }
 
+inline boost::asio::awaitable<std::tuple<error_code, std::vector<listed_object>>> disk_backend::list_impl(
+    key_filter filter, deadline d) {
+  std::vector<listed_object> out;
+  if (clock::now() >= d) co_return std::tuple{make_error_code(errc::timeout), std::move(out)};
+  std::lock_guard g(mutex_);
+  index_.for_each_ready([&](const chunk_key& k, const detail::disk_entry& e) {
+    if (!filter || filter(k)) out.push_back({k, e.allocated_bytes});
+  });
+  co_return std::tuple{error_code{}, std::move(out)};
+}
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2
 

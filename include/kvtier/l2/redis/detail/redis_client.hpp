@@ -36,6 +36,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -119,6 +120,52 @@ class redis_client final : public std::enable_shared_from_this<redis_client>, pr
     s += k.hash.to_hex();
     return s;
   }
+
+  /// The chunk key of a Redis key key_of() wrote under this prefix; nullopt for any other
+  /// string (another prefix, a key that is not an object's).
+  [[nodiscard]] std::optional<chunk_key> parse_key(std::string_view s) const {
+    const std::string& prefix = options_.key_prefix;
+    const std::string_view whole = s;
+    if (s.size() <= prefix.size() || !s.starts_with(prefix) || s[prefix.size()] != ':') return std::nullopt;
+    s.remove_prefix(prefix.size() + 1);
+    auto field = [&s]() -> std::string_view {
+      const auto colon = s.find(':');
+      const std::string_view f = s.substr(0, colon);
+      s.remove_prefix(colon == std::string_view::npos ? s.size() : colon + 1);
+      return f;
+    };
+    auto number = [](std::string_view f, int base, std::uint64_t max) -> std::optional<std::uint64_t> {
+      if (f.empty() || f.size() > (base == 16 ? 16u : 5u)) return std::nullopt;
+      std::uint64_t v = 0;
+      for (char c : f) {
+        int d = -1;
+        if (c >= '0' && c <= '9') d = c - '0';
+        else if (base == 16 && c >= 'a' && c <= 'f') d = c - 'a' + 10;
+        if (d < 0) return std::nullopt;
+        v = v * static_cast<std::uint64_t>(base) + static_cast<std::uint64_t>(d);
+      }
+      if (v > max) return std::nullopt;
+      return v;
+    };
+    const auto model = field();
+    const auto ws = field();
+    const auto rank = field();
+    const auto hash = s;
+    if (model.size() != 16) return std::nullopt;
+    const auto m = number(model, 16, ~std::uint64_t{0});
+    const auto w = number(ws, 10, 0xffff);
+    const auto r = number(rank, 10, 0xffff);
+    const auto h = hash128::from_hex(hash);
+    if (!m || !w || !r || !h) return std::nullopt;
+    chunk_key k{*m, static_cast<std::uint16_t>(*w), static_cast<std::uint16_t>(*r), *h};
+    if (key_of(k) != whole) return std::nullopt;  // not key_of's spelling ("007", "+7"): not ours
+    return k;
+  }
+
+  /// The nodes that hold the keyspace (a listing SCANs each): the masters of the last slot
+  /// map (cluster) or the server (standalone). Empty while the slot map is unknown. On the
+  /// strand.
+  [[nodiscard]] std::vector<redis_node*> keyspace_nodes() const { return options_.cluster ? masters_ : seeds_; }
 
   // --- synchronous, any thread -----------------------------------------------------------
   void unpin(std::span<const chunk_key> keys) {

@@ -1,5 +1,5 @@
 #pragma once
-// The four operations of l2::redis_backend (lookup_and_pin, load, store, remove) as
+// The operations of l2::redis_backend (lookup_and_pin, load, store, remove, list) as
 // coroutines on the client's strand: one command per key in one redis_batch, then each key's
 // outcome from its reply, every failure counted and logged once per operation (the tally).
 // See l2/redis/redis_backend.hpp for the semantics.
@@ -29,6 +29,7 @@
 #include <string>
 #include <string_view>
 #include <tuple>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -36,6 +37,7 @@ namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
 
 using redis_lookup_tuple = std::tuple<error_code, bitmap>;
 using redis_batch_tuple = std::tuple<error_code, batch_result>;
+using redis_list_tuple = std::tuple<error_code, std::vector<listed_object>>;
 
 /// The failures of one operation, by kind, reported together when it ends.
 struct redis_outcome_tally {
@@ -279,6 +281,94 @@ inline boost::asio::awaitable<redis_batch_tuple> redis_remove(std::shared_ptr<re
   redis_report_tally(c, tally, "remove");
   if (removed > 0) c.note_mutation(-static_cast<std::int64_t>(removed), 0);
   co_return redis_batch_answer(ec, tally, sent.size(), std::move(r));
+}
+
+/// The SCAN MATCH pattern of the keys under `prefix`: the prefix taken literally (glob
+/// characters escaped), then ":*".
+[[nodiscard]] inline std::string redis_scan_pattern(std::string_view prefix) {
+  std::string p;
+  p.reserve(prefix.size() + 2);
+  for (const char ch : prefix) {
+    if (ch == '*' || ch == '?' || ch == '[' || ch == ']' || ch == '\\') p += '\\';
+    p += ch;
+  }
+  p += ":*";
+  return p;
+}
+
+/// SCAN ... MATCH <prefix>:* COUNT 1000 on every node of the keyspace until its cursor comes
+/// back to 0, keeping the keys of objects (parse_key) the filter accepts; then STRLEN per key
+/// (the value's bytes, header included), pipelined 1024 at a time. A key gone before its
+/// STRLEN (0) is left out. Any failure (a node down, the deadline) completes with its error
+/// and nothing: a partial listing would read as "these are all".
+inline boost::asio::awaitable<redis_list_tuple> redis_list(std::shared_ptr<redis_client> self, key_filter filter,
+                                                           deadline d) {
+  co_await boost::asio::this_coro::throw_if_cancelled(false);  // a cancelled batch answers operation_aborted
+  auto& c = *self;
+  std::vector<listed_object> out;
+  if (c.is_shut_down()) co_return redis_list_tuple{make_error_code(errc::shutting_down), std::move(out)};
+  const std::vector<redis_node*> nodes = c.keyspace_nodes();
+  if (nodes.empty()) co_return redis_list_tuple{make_error_code(errc::backend_unavailable), std::move(out)};
+  const std::string pattern = redis_scan_pattern(c.options().key_prefix);
+  std::vector<chunk_key> keys;
+  std::vector<std::string> names;
+  std::unordered_set<chunk_key, chunk_key_hash> seen;  // SCAN may return a key twice
+  redis_outcome_tally tally;
+  auto failed = [&](const redis_batch::item& it, std::string_view what) {
+    if (it.done && it.result.st == redis_reply_event::status::reply) {
+      ++tally.server;
+      tally.last_error = std::string(what) + ": unexpected reply";
+    } else {
+      (void)redis_failure_outcome(it, tally);
+    }
+    redis_report_tally(c, tally, "list");
+    return make_error_code(tally.unavailable > 0 ? errc::backend_unavailable : errc::io_error);
+  };
+  for (redis_node* n : nodes) {
+    std::string cursor = "0";
+    do {
+      redis_batch b(c, d);
+      auto& scan = b.add(redis_batch::command::raw);
+      scan.fixed = n;
+      scan.args = {"SCAN", cursor, "MATCH", pattern, "COUNT", "1000"};
+      if (const error_code ec = co_await b.run()) co_return redis_list_tuple{redis_batch_error(ec), {}};
+      const auto& it = b.items().front();
+      const redisReply* r = it.done && it.result.st == redis_reply_event::status::reply ? it.result.reply.get() : nullptr;
+      if (r == nullptr || r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_STRING ||
+          r->element[1]->type != REDIS_REPLY_ARRAY)
+        co_return redis_list_tuple{failed(it, "SCAN on " + n->name), {}};
+      cursor = std::string(redis_reply_text(*r->element[0]));
+      const redisReply& page = *r->element[1];
+      for (std::size_t i = 0; i < page.elements; ++i) {
+        if (page.element[i]->type != REDIS_REPLY_STRING) continue;
+        const std::string_view name = redis_reply_text(*page.element[i]);
+        const auto k = c.parse_key(name);
+        if (!k || (filter && !filter(*k)) || !seen.insert(*k).second) continue;
+        keys.push_back(*k);
+        names.emplace_back(name);
+      }
+    } while (cursor != "0");
+  }
+  constexpr std::size_t per_batch = 1024;
+  out.reserve(keys.size());
+  for (std::size_t first = 0; first < keys.size(); first += per_batch) {
+    const std::size_t n = std::min(per_batch, keys.size() - first);
+    redis_batch b(c, d);
+    for (std::size_t j = 0; j < n; ++j) {
+      auto& it = b.add(redis_batch::command::raw, names[first + j]);
+      it.args = {"STRLEN", names[first + j]};
+    }
+    if (const error_code ec = co_await b.run()) co_return redis_list_tuple{redis_batch_error(ec), {}};
+    for (std::size_t j = 0; j < n; ++j) {
+      const auto& it = b.items()[j];
+      if (!it.done || it.result.st != redis_reply_event::status::reply ||
+          it.result.reply->type != REDIS_REPLY_INTEGER)
+        co_return redis_list_tuple{failed(it, "STRLEN"), {}};
+      if (it.result.reply->integer > 0)
+        out.push_back({keys[first + j], static_cast<std::uint64_t>(it.result.reply->integer)});
+    }
+  }
+  co_return redis_list_tuple{error_code{}, std::move(out)};
 }
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
