@@ -221,6 +221,62 @@ TEST_CASE("a server stopped while its L1 prefault runs stops the prefault and re
   CHECK_FALSE(fs::exists(cfg.socket_path));
 }
 
+TEST_CASE("a server that ends after another took its socket path leaves the new server's socket alone",
+          "[server][startup]") {
+  // A restart that overlaps: the old server stops accepting at once but ends only when its
+  // copies did; the new one replaces the old socket file meanwhile. The old one used to
+  // unlink the path at its end, and the new server could no longer be reached.
+  hook_gate copy(false);
+  server::server_options opts;
+  opts.hooks.during_copy = [&](std::uint64_t) { copy.pass(); };
+  temp_dir dir("kvtier-server");  // outlives both servers
+  const std::string path = (dir.path() / "kvtier.sock").string();
+  auto old_server =
+      std::make_unique<running_server>([&](server::server_config& c) { c.socket_path = path; }, std::move(opts));
+  raw_client c(path);
+  engine_region r;
+  c.register_region(r);
+  const auto hashes = chunk_hashes(31, 1);
+  const auto src = block_range(0, blocks_per_chunk);
+  r.fill_blocks(src, 3);
+  copy.arm();
+  REQUIRE_FALSE(c.send(7, store_req(r, hashes, src)));
+  REQUIRE(copy.wait_entered());  // a copy in flight: the old server's shutdown waits for it
+  old_server->srv->stop();
+  // The old server stopped accepting: its socket is stale, and the new one replaces it.
+  std::unique_ptr<server::server> fresh;
+  for (const auto deadline = std::chrono::steady_clock::now() + server_deadline; !fresh;) {
+    try {
+      fresh = std::make_unique<server::server>(old_server->cfg);
+    } catch (const std::runtime_error& e) {
+      INFO(e.what());  // "another server is listening there" until the old one closed it
+      REQUIRE(std::chrono::steady_clock::now() < deadline);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+  fresh->start();
+  std::thread t([&] { fresh->run(); });
+  struct stop_and_join {  // also when a check below throws
+    server::server& s;
+    std::thread& t;
+    ~stop_and_join() {
+      if (!t.joinable()) return;
+      s.stop();
+      t.join();
+    }
+  } guard{*fresh, t};
+  copy.open();
+  old_server.reset();  // its shutdown ends: the socket file is no longer its own
+  CHECK(fs::exists(path));
+  {
+    raw_client d(path);
+    CHECK(d.ping() == fresh->boot_token());
+  }
+  fresh->stop();
+  t.join();
+  CHECK_FALSE(fs::exists(path));  // its own socket: removed at its end
+}
+
 TEST_CASE("kvtier-server refuses a busy --metrics-port before any start-up work: exit status 1, the error alone",
           "[server][process][startup]") {
   temp_dir dir("kvtier-server");
