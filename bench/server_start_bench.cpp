@@ -3,24 +3,34 @@
 // server listens first and faults L1 in behind the first requests (docs/server.md,
 // "Start-up"), so the figure must not grow with L1 (target: at most 100 ms with any size).
 //
-// Each run: posix_spawn kvtier-server (--l1-size-gb N, a disk L2 backend in a fresh
-// directory so that L1 is registered as io_uring fixed buffers, --log-level info); connect
-// every millisecond until the socket accepts; register as a scheduler (no region); one
-// lookup of 39 chunk hashes with answer_when_decided (a miss: decided at once); the time
-// is taken when its answer arrives. Then the run waits for the server's "L1 prefaulted"
-// log line: the time from the spawn to it is when a server that faulted L1 in before
-// listening (kvtier before issue 25) would have answered first. The "L1 registered ... in
-// N ms" line gives the registration's time, which the I/O thread spends once (~50 ms per
-// GiB). SIGTERM ends the run. The sizes are interleaved within each repeat.
+// Each run: posix_spawn kvtier-server (--l1-size-gb N, --log-level info); connect every
+// millisecond until the socket accepts; register as a scheduler (no region); one lookup of
+// 39 chunk hashes with answer_when_decided (a miss: decided at once); the time is taken when
+// its answer arrives. Two kinds of run, interleaved with the sizes in each repeat:
+//   plain  no L2 backend: the server's own start; SIGTERM right after the lookup;
+//   disk   a disk L2 backend (its directory made by the first run, found by the next ones,
+//          as after a restart), so that L1 gets registered as io_uring fixed buffers. The
+//          run then waits for the server's "L1 prefaulted" log line: the time from the spawn
+//          to it is when a server that faulted L1 in before listening (kvtier before issue
+//          25) answered first. The "L1 registered ... in N ms (S steps, the longest M ms)"
+//          line gives the registration's time (~50 ms per GiB here), spread over turns of the
+//          I/O thread in pieces of 256 MiB: M is the longest the I/O thread was held.
+// Before each run the bench waits (up to 60 s) until the memory the previous server had is
+// available again: a killed server's io_uring ring, its pinned L1 with it, is torn down by
+// the kernel after the process has gone, and that work slowed the next start by 100+ ms.
 //
-//   kvtier_bench_server_start [--server PATH] [--repeats N] [--sizes-gb 1,8] [--quick] [--no-l2]
+//   kvtier_bench_server_start [--server PATH] [--repeats N] [--sizes-gb 1,8] [--quick]
 //
-// A size larger than the memory available now (less 2 GiB) is skipped, with a line saying so.
-// --quick: sizes 1 and 4. Ends with, per size S (1gib, 8gib, ...), medians over the repeats:
-//   RESULT server_start_to_first_lookup_<S>_ms     spawn -> first lookup answered
-//   RESULT server_start_to_l1_prefaulted_<S>_ms    spawn -> the prefault's log line (old start-up)
-//   RESULT l1_register_<S>_ms                      the registration with the disk backend
-// and RESULT server_start_to_first_lookup_ms: the largest of the per-size medians.
+// A size larger than the memory available at start (less 2 GiB) is skipped, with a line
+// saying so. --quick: sizes 1 and 4. Ends with, per size S (1gib, 8gib, ...), medians over
+// the repeats:
+//   RESULT server_start_to_first_lookup_<S>_ms        plain: spawn -> first lookup answered
+//   RESULT server_start_to_first_lookup_disk_<S>_ms   the same with the disk backend
+//   RESULT server_start_to_l1_prefaulted_<S>_ms       disk: spawn -> the prefault's log line
+//   RESULT l1_register_<S>_ms                         disk: the registration's time
+//   RESULT l1_register_longest_step_<S>_ms            disk: its longest step (an I/O-thread stall)
+// and RESULT server_start_to_first_lookup_ms: the largest of the first-lookup medians (every
+// size, both kinds).
 #include <kvtier_program/process.hpp>
 
 #include <kvtier/protocol/codec.hpp>
@@ -71,15 +81,23 @@ std::uint64_t memory_available() {
   return 0;
 }
 
+/// Waits (up to 60 s) until MemAvailable is back within 512 MiB of `baseline`.
+void wait_memory_back(std::uint64_t baseline) {
+  const auto until = clock_type::now() + std::chrono::seconds(60);
+  while (baseline != 0 && memory_available() + (std::uint64_t{512} << 20) < baseline && clock_type::now() < until)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+}
+
 struct run_figures {
-  double connected_ms = 0;     ///< the socket accepted a connection (the backlog: maybe before serving)
-  double registered_ms = 0;    ///< the registration was answered (the server serves)
+  double connected_ms = 0;   ///< the socket accepted a connection (the backlog: maybe before serving)
+  double registered_ms = 0;  ///< the registration was answered (the server serves)
   double first_lookup_ms = 0;
-  double prefaulted_ms = 0;
-  std::optional<double> register_ms;
+  std::optional<double> prefaulted_ms;  ///< disk runs
+  std::optional<double> register_ms;    ///< disk runs, where a backend took the registration
+  std::optional<double> longest_step_ms;
 };
 
-/// The first match of `re` in the file's text, group 1, or nullopt.
+/// The first match of `re` in `text`, group 1, or nullopt.
 std::optional<std::string> find_in(const std::string& text, const std::regex& re) {
   std::smatch m;
   if (std::regex_search(text, m, re)) return m[1].str();
@@ -92,9 +110,9 @@ run_figures run_once(const std::string& server, const fs::path& dir, int gb, boo
   const std::string backend = R"({"type":"disk","path":")" + l2.string() + R"(","capacity_gb":1})";
   const auto deadline_after = std::chrono::seconds(600);
   run_figures f;
-  const auto t0 = clock_type::now();
   std::vector<std::string> args = {"--socket", socket, "--l1-size-gb", std::to_string(gb), "--log-level", "info"};
   if (disk) args.insert(args.end(), {"--l2-backend", backend});
+  const auto t0 = clock_type::now();
   examples::child_process proc(server, args, dir, "server-" + std::to_string(gb));
   std::unique_ptr<bench::protocol_client> c;
   while (!c) {
@@ -123,29 +141,35 @@ run_figures run_once(const std::string& server, const fs::path& dir, int gb, boo
   f.first_lookup_ms = ms_between(t0, clock_type::now());
   if (answer.state != p::prefetch_state::done) throw std::runtime_error("the first lookup was not decided");
 
-  // The old start-up's figure: the prefault's log line (its time read as soon as it shows).
-  static const std::regex prefaulted(R"(L1 prefaulted: \d+ MiB in (\d+) ms)");
-  static const std::regex registered(R"(L1 registered with L2 backend\(s\) .* in (\d+) ms)");
-  static const std::regex not_prefaulted(R"((L1 not prefaulted.*))");
-  for (;;) {
-    const std::string err = proc.stderr_text();
-    if (find_in(err, prefaulted)) {
-      f.prefaulted_ms = ms_between(t0, clock_type::now());
-      break;
+  if (disk) {
+    // The old start-up's figure: the prefault's log line (its time read as soon as it shows).
+    static const std::regex prefaulted(R"(L1 prefaulted: \d+ MiB in (\d+) ms)");
+    static const std::regex registered(R"(L1 registered with L2 backend\(s\) .* in (\d+) ms)");
+    static const std::regex longest(R"(L1 registered with L2 backend\(s\) .*the longest (\d+) ms)");
+    static const std::regex not_prefaulted(R"((L1 not prefaulted.*))");
+    for (;;) {
+      const std::string err = proc.stderr_text();
+      if (find_in(err, prefaulted)) {
+        f.prefaulted_ms = ms_between(t0, clock_type::now());
+        break;
+      }
+      if (auto why = find_in(err, not_prefaulted)) throw std::runtime_error(*why);
+      if (!proc.running()) throw std::runtime_error("kvtier-server exited: " + err);
+      if (clock_type::now() - t0 > deadline_after) throw std::runtime_error("no \"L1 prefaulted\" line: " + err);
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
     }
-    if (auto why = find_in(err, not_prefaulted)) throw std::runtime_error(*why);
-    if (!proc.running()) throw std::runtime_error("kvtier-server exited: " + err);
-    if (clock_type::now() - t0 > deadline_after) throw std::runtime_error("no \"L1 prefaulted\" line: " + err);
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  }
-  // The registration's line follows the prefault's on the I/O thread.
-  for (int i = 0; disk && i < 5000 && !f.register_ms; ++i) {
-    if (auto v = find_in(proc.stderr_text(), registered)) f.register_ms = std::stod(*v);
-    else std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    // The registration's line follows the prefault's, on the I/O thread.
+    for (int i = 0; i < 5000 && !f.register_ms; ++i) {
+      const std::string err = proc.stderr_text();
+      if (auto v = find_in(err, registered)) {
+        f.register_ms = std::stod(*v);
+        if (auto l = find_in(err, longest)) f.longest_step_ms = std::stod(*l);
+      } else
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
   }
   c.reset();
-  const auto st = proc.stop(SIGTERM, std::chrono::seconds(60));
-  if (!st) throw std::runtime_error("kvtier-server did not stop on SIGTERM");
+  if (!proc.stop(SIGTERM, std::chrono::seconds(60))) throw std::runtime_error("kvtier-server did not stop on SIGTERM");
   return f;
 }
 
@@ -163,7 +187,6 @@ int main(int argc, char** argv) try {
   std::string server;
   int repeats = 5;
   std::vector<int> sizes = {1, 8};
-  bool disk = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     auto value = [&]() -> std::string {
@@ -178,11 +201,9 @@ int main(int argc, char** argv) try {
       sizes = parse_sizes(value());
     else if (a == "--quick")
       sizes = {1, 4};
-    else if (a == "--no-l2")
-      disk = false;
     else {
       std::fprintf(stderr,
-                   "usage: kvtier_bench_server_start [--server PATH] [--repeats N] [--sizes-gb 1,8] [--quick] [--no-l2]\n");
+                   "usage: kvtier_bench_server_start [--server PATH] [--repeats N] [--sizes-gb 1,8] [--quick]\n");
       return 2;
     }
   }
@@ -192,12 +213,12 @@ int main(int argc, char** argv) try {
     std::fprintf(stderr, "kvtier_bench_server_start: kvtier-server not found: pass --server PATH\n");
     return 2;
   }
+  const std::uint64_t baseline = memory_available();
   std::vector<int> run_sizes;
   for (int gb : sizes) {
-    const std::uint64_t avail = memory_available();
-    if (avail != 0 && (std::uint64_t(gb) << 30) + (std::uint64_t{2} << 30) > avail)
-      std::printf("L1 of %d GiB skipped: %llu MiB of memory available now\n", gb,
-                  static_cast<unsigned long long>(avail >> 20));
+    if (baseline != 0 && (std::uint64_t(gb) << 30) + (std::uint64_t{2} << 30) > baseline)
+      std::printf("L1 of %d GiB skipped: %llu MiB of memory available\n", gb,
+                  static_cast<unsigned long long>(baseline >> 20));
     else
       run_sizes.push_back(gb);
   }
@@ -205,31 +226,43 @@ int main(int argc, char** argv) try {
 
   const fs::path dir = fs::temp_directory_path() / ("kvtier-bench-start-" + std::to_string(::getpid()));
   fs::create_directories(dir);
-  std::map<int, std::vector<double>> lookup, prefaulted, registered;
+  struct figures {
+    std::vector<double> plain, disk, prefaulted, registered, longest;
+  };
+  std::map<int, figures> by_size;
   for (int r = 0; r < repeats; ++r)
-    for (int gb : run_sizes) {
-      const run_figures f = run_once(server, dir, gb, disk);
-      std::printf(
-          "repeat %d, L1 %d GiB: connected after %.1f ms, registered after %.1f ms, first lookup answered after %.1f "
-          "ms; L1 prefaulted after %.0f ms%s\n",
-          r + 1, gb, f.connected_ms, f.registered_ms, f.first_lookup_ms, f.prefaulted_ms,
-                  f.register_ms ? (", registered in " + std::to_string(static_cast<int>(*f.register_ms)) + " ms").c_str()
-                                : "");
-      std::fflush(stdout);
-      lookup[gb].push_back(f.first_lookup_ms);
-      prefaulted[gb].push_back(f.prefaulted_ms);
-      if (f.register_ms) registered[gb].push_back(*f.register_ms);
-    }
+    for (int gb : run_sizes)
+      for (const bool disk : {false, true}) {
+        wait_memory_back(baseline);
+        const run_figures f = run_once(server, dir, gb, disk);
+        std::printf("repeat %d, L1 %d GiB, %s: connected after %.1f ms, registered after %.1f ms, first lookup "
+                    "answered after %.1f ms",
+                    r + 1, gb, disk ? "disk" : "plain", f.connected_ms, f.registered_ms, f.first_lookup_ms);
+        if (f.prefaulted_ms) std::printf("; L1 prefaulted after %.0f ms", *f.prefaulted_ms);
+        if (f.register_ms) std::printf(", registered in %.0f ms", *f.register_ms);
+        if (f.longest_step_ms) std::printf(" (longest step %.0f ms)", *f.longest_step_ms);
+        std::printf("\n");
+        std::fflush(stdout);
+        figures& s = by_size[gb];
+        (disk ? s.disk : s.plain).push_back(f.first_lookup_ms);
+        if (f.prefaulted_ms) s.prefaulted.push_back(*f.prefaulted_ms);
+        if (f.register_ms) s.registered.push_back(*f.register_ms);
+        if (f.longest_step_ms) s.longest.push_back(*f.longest_step_ms);
+      }
   fs::remove_all(dir);
 
   double worst = 0;
   for (int gb : run_sizes) {
     const std::string s = std::to_string(gb) + "gib";
-    const double m = bench::median(lookup[gb]);
-    worst = std::max(worst, m);
-    bench::print_result("server_start_to_first_lookup_" + s + "_ms", m);
-    bench::print_result("server_start_to_l1_prefaulted_" + s + "_ms", bench::median(prefaulted[gb]));
-    if (!registered[gb].empty()) bench::print_result("l1_register_" + s + "_ms", bench::median(registered[gb]));
+    const figures& f = by_size[gb];
+    const double plain = bench::median(f.plain), disk = bench::median(f.disk);
+    worst = std::max({worst, plain, disk});
+    bench::print_result("server_start_to_first_lookup_" + s + "_ms", plain);
+    bench::print_result("server_start_to_first_lookup_disk_" + s + "_ms", disk);
+    bench::print_result("server_start_to_l1_prefaulted_" + s + "_ms", bench::median(f.prefaulted));
+    if (!f.registered.empty()) bench::print_result("l1_register_" + s + "_ms", bench::median(f.registered));
+    if (!f.longest.empty())
+      bench::print_result("l1_register_longest_step_" + s + "_ms", bench::median(f.longest));
   }
   bench::print_result("server_start_to_first_lookup_ms", worst);
   return 0;

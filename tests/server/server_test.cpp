@@ -826,7 +826,9 @@ TEST_CASE("the server registers L1 with a disk backend (fixed buffers) once resi
     {
       // The prefault and the registration run behind the first requests.
       raw_client c(s.path());
-      const auto st = wait_for_status(c, [](const json& j) { return j["l1"]["residency"] != "faulting"; });
+      const auto st = wait_for_status(c, [](const json& j) {
+        return j["l1"]["residency"] != "faulting" && j["l1"]["residency"] != "registering";
+      });
       CHECK(st["l1"]["residency"] == (prefault ? "resident" : "off"));
     }
     const std::string page = s.srv->metrics_text();

@@ -41,8 +41,8 @@
 //   2. the work the first request needs: the L2 backends built (a disk backend's recovery
 //      scan), the cache and its L1 arena (virtual memory: no page is touched);
 //   3. start(): accepting, the reaper, the HTTP endpoint; then L1 is faulted in behind the
-//      first requests on a thread of its own and registered with the L2 backends once resident
-//      (l1_residency.hpp), with one log line when that is done. Status "l1.residency" and
+//      first requests on a thread of its own and registered with the L2 backends once resident,
+//      a piece per turn of the I/O thread (l1_residency.hpp), with log lines when done. Status "l1.residency" and
 //      kvtier_server_l1_resident say where it stands.
 // Nothing is logged before the checks passed.
 //
@@ -266,6 +266,7 @@ class server final : private session_host {
   void start_l1_prefault();
   void stop_l1_prefault() noexcept;
   void l1_prefault_ended(l1_prefault_outcome o);
+  void register_l1_step();
 
   // --- what the server tells about itself (impl/server_status.hpp) ----------------------
   void add_metrics();
@@ -315,6 +316,10 @@ class server final : private session_host {
   std::atomic<std::size_t> l1_prefaulted_bytes_{0};
   std::atomic<bool> l1_prefault_stop_{false};
   std::thread l1_prefault_thread_;
+  /// The registration with the L2 backends, a piece per turn, and what the log line will say
+  /// (I/O thread).
+  std::optional<l1_registration> l1_registration_;
+  l1_residency_report l1_report_;
   std::atomic<std::size_t> connections_{0};
   std::atomic<std::uint64_t> reaped_{0};
 };

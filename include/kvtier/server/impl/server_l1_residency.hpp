@@ -5,8 +5,9 @@
 //                           on a kernel without MADV_POPULATE_WRITE, the write loop now,
 //                           before anything is accepted, and the registration;
 //   start_l1_prefault()     start(): the prefault on its own thread (nice 10);
-//   l1_prefault_ended(o)    on the I/O thread (the io_uring rings' thread) when it ends: the
-//                           registration with the L2 backends, the state, the log lines;
+//   l1_prefault_ended(o)    on the I/O thread (the io_uring rings' thread) when it ends;
+//   register_l1_step()      the registration with the L2 backends, a piece per turn of the
+//                           I/O thread (l1_registration); then the state and the log lines;
 //   stop_l1_prefault()      the shutdown and the destructor: it stops before its next slice
 //                           (the destructor joins the thread).
 
@@ -36,7 +37,9 @@ inline void server::prepare_l1_residency() {
   // nothing is in L1 (start-up waits for it, as it used to); io_ runs nothing yet, so the
   // registration may happen here too.
   l1_residency_report r = prefault_l1_by_writing(arena);
-  register_l1(arena, cache_->backends(), r);
+  l1_registration reg(arena, cache_->backends());
+  while (reg.step(r)) {
+  }
   l1_prefaulted_bytes_.store(arena.size(), std::memory_order_relaxed);
   l1_residency_.store(l1_residency_state::resident, std::memory_order_release);
   log_l1_residency(r);
@@ -59,7 +62,7 @@ inline void server::stop_l1_prefault() noexcept { l1_prefault_stop_.store(true, 
 
 inline void server::l1_prefault_ended(l1_prefault_outcome o) {
   const auto arena = cache_->l1_arena();
-  l1_residency_report r;
+  l1_residency_report& r = l1_report_;
   r.bytes = arena.size();
   r.prefaulted_bytes = o.bytes;
   r.prefault_ms = std::chrono::duration<double, std::milli>(o.elapsed).count();
@@ -78,9 +81,23 @@ inline void server::l1_prefault_ended(l1_prefault_outcome o) {
     log_l1_residency(r);
     return;
   }
-  register_l1(arena, cache_->backends(), r);  // here: the thread of the backends' rings
+  l1_residency_.store(l1_residency_state::registering, std::memory_order_release);
+  l1_registration_.emplace(arena, cache_->backends());
+  register_l1_step();
+}
+
+inline void server::register_l1_step() {
+  if (stopping_) {  // the shutdown came first: the rest is not registered
+    l1_residency_.store(l1_residency_state::first_use, std::memory_order_release);
+    return;
+  }
+  if (l1_registration_->step(l1_report_)) {  // here: the thread of the backends' rings
+    boost::asio::post(io_, [this] { register_l1_step(); });  // the next piece on the next turn
+    return;
+  }
+  l1_registration_.reset();
   l1_residency_.store(l1_residency_state::resident, std::memory_order_release);
-  log_l1_residency(r);
+  log_l1_residency(l1_report_);
 }
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server

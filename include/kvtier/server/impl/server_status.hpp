@@ -42,8 +42,9 @@ inline void server::log_l1_residency(const l1_residency_report& r) {
               r.populated ? "MADV_POPULATE_WRITE" : "a write per page",
               r.behind_requests ? ", behind the first requests" : ", before serving");
   if (!r.registered.empty())
-    log_.info("L1 registered with L2 backend(s) {} (io_uring fixed buffers) in {:.0f} ms",
-              fmt::join(r.registered, ", "), r.register_ms);
+    log_.info("L1 registered with L2 backend(s) {} (io_uring fixed buffers) in {:.0f} ms ({} steps, the longest "
+              "{:.0f} ms)",
+              fmt::join(r.registered, ", "), r.register_ms, r.steps, r.longest_step_ms);
   if (!r.refused.empty())
     log_.warn("L1 refused by {}: reads into L1 pin their pages per read", fmt::join(r.refused, "; "));
 }
