@@ -235,9 +235,10 @@ int main(int argc, char** argv) try {
       for (const bool disk : {false, true}) {
         wait_memory_back(baseline);
         const run_figures f = run_once(server, dir, gb, disk);
-        std::printf("repeat %d, L1 %d GiB, %s: connected after %.1f ms, registered after %.1f ms, first lookup "
-                    "answered after %.1f ms",
-                    r + 1, gb, disk ? "disk" : "plain", f.connected_ms, f.registered_ms, f.first_lookup_ms);
+        std::printf(
+            "repeat %d, L1 %d GiB, %s: connected after %.1f ms, registered after %.1f ms, first lookup "
+            "answered after %.1f ms",
+            r + 1, gb, disk ? "disk" : "plain", f.connected_ms, f.registered_ms, f.first_lookup_ms);
         if (f.prefaulted_ms) std::printf("; L1 prefaulted after %.0f ms", *f.prefaulted_ms);
         if (f.register_ms) std::printf(", registered in %.0f ms", *f.register_ms);
         if (f.longest_step_ms) std::printf(" (longest step %.0f ms)", *f.longest_step_ms);
@@ -261,8 +262,7 @@ int main(int argc, char** argv) try {
     bench::print_result("server_start_to_first_lookup_disk_" + s + "_ms", disk);
     bench::print_result("server_start_to_l1_prefaulted_" + s + "_ms", bench::median(f.prefaulted));
     if (!f.registered.empty()) bench::print_result("l1_register_" + s + "_ms", bench::median(f.registered));
-    if (!f.longest.empty())
-      bench::print_result("l1_register_longest_step_" + s + "_ms", bench::median(f.longest));
+    if (!f.longest.empty()) bench::print_result("l1_register_longest_step_" + s + "_ms", bench::median(f.longest));
   }
   bench::print_result("server_start_to_first_lookup_ms", worst);
   return 0;

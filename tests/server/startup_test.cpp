@@ -323,8 +323,8 @@ TEST_CASE("kvtier-server checks every L2 directory before it builds any backend:
 
   // The first backend's directory is fine: building it (creating it, its recovery scan)
   // would log a line; the second one's is refused before that.
-  auto r = run_refused(fmt::format("--socket '{}' {}{}--l2-backend '{}'", sock, big_l1, first,
-                                  disk_backend(open, "b").dump()));
+  auto r = run_refused(
+      fmt::format("--socket '{}' {}{}--l2-backend '{}'", sock, big_l1, first, disk_backend(open, "b").dump()));
   CHECK(r.exit_code == 2);
   check_one_line(r, "l2 backend 'b' path (" + open.string() + "): ");
   CHECK_THAT(r.output, Catch::Contains("writable by group or others") && Catch::Contains("chmod 700"));
@@ -337,8 +337,8 @@ TEST_CASE("kvtier-server checks every L2 directory before it builds any backend:
   const int lock = ::open((held / "LOCK").c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
   REQUIRE(lock >= 0);
   REQUIRE(::flock(lock, LOCK_EX | LOCK_NB) == 0);
-  r = run_refused(fmt::format("--socket '{}' {}{}--l2-backend '{}'", sock, big_l1, first,
-                             disk_backend(held, "c").dump()));
+  r = run_refused(
+      fmt::format("--socket '{}' {}{}--l2-backend '{}'", sock, big_l1, first, disk_backend(held, "c").dump()));
   ::close(lock);
   CHECK(r.exit_code == 1);
   check_one_line(r, "kvtier::l2::disk_backend 'c' at " + held.string() + ": ");

@@ -83,7 +83,8 @@ inline void check_disk_directory(const l2::disk_backend_options& o, const std::s
   if (lock >= 0) {
     const bool held = ::flock(lock, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
     ::close(lock);
-    if (held) fail("the directory is in use by another disk backend (flock on LOCK): give each one its own directory", 0);
+    if (held)
+      fail("the directory is in use by another disk backend (flock on LOCK): give each one its own directory", 0);
   }
 }
 

@@ -84,14 +84,14 @@ enum class l1_residency_state : std::uint8_t {
 
 /// What the L1 set-up did, for its log lines.
 struct l1_residency_report {
-  std::size_t bytes = 0;                ///< the arena
-  std::size_t prefaulted_bytes = 0;     ///< faulted in by the prefault
+  std::size_t bytes = 0;             ///< the arena
+  std::size_t prefaulted_bytes = 0;  ///< faulted in by the prefault
   double prefault_ms = 0;
-  bool populated = false;               ///< MADV_POPULATE_WRITE did it (false: the write loop, or not all)
-  bool behind_requests = false;         ///< in the background, while the server served
-  std::string error;                    ///< why the pages were left to first use (empty: they were not)
-  double register_ms = 0;               ///< the registration's steps together (on the I/O thread)
-  double longest_step_ms = 0;           ///< the longest of them
+  bool populated = false;        ///< MADV_POPULATE_WRITE did it (false: the write loop, or not all)
+  bool behind_requests = false;  ///< in the background, while the server served
+  std::string error;             ///< why the pages were left to first use (empty: they were not)
+  double register_ms = 0;        ///< the registration's steps together (on the I/O thread)
+  double longest_step_ms = 0;    ///< the longest of them
   std::size_t steps = 0;
   std::vector<std::string> registered;  ///< backends that took the arena
   std::vector<std::string> refused;     ///< "name: reason" of backends that refused it

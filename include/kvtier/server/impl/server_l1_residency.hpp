@@ -91,7 +91,8 @@ inline void server::register_l1_step() {
     l1_residency_.store(l1_residency_state::first_use, std::memory_order_release);
     return;
   }
-  if (l1_registration_->step(l1_report_)) {  // here: the thread of the backends' rings
+  // Here: the thread of the backends' rings.
+  if (l1_registration_->step(l1_report_)) {
     boost::asio::post(io_, [this] { register_l1_step(); });  // the next piece on the next turn
     return;
   }

@@ -24,7 +24,6 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
-
 #include <chrono>
 #include <exception>
 #include <memory>
@@ -35,8 +34,8 @@ namespace kvtier::inline KVTIER_ABI_TAG::server {
 inline void server::begin_shutdown() {
   if (stopping_) return;
   stopping_ = true;
-  listener_.close();                     // at once: no connection is admitted once the shutdown began
-  stop_l1_prefault();                    // before its next slice; nothing is registered
+  listener_.close();   // at once: no connection is admitted once the shutdown began
+  stop_l1_prefault();  // before its next slice; nothing is registered
   boost::asio::co_spawn(io_, shutdown(), boost::asio::detached);
 }
 
