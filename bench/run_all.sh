@@ -11,7 +11,7 @@
 # $KVTIER_BUILD_DIR when set, else configures and builds build/ (Release). Installs missing
 # Debian packages (gnuplot-nox, fio, redis-server, redis-tools, python3) as the quick-start
 # scripts do (as root). Benchmarks: event_bus l1_policies gather server_copy copy_pool io l2_fio
-# l2_redis rpc degraded longdoc layerwise scaling (--only picks some; the docs are regenerated from whatever results.json holds).
+# l2_redis rpc server_start degraded longdoc layerwise scaling (--only picks some; the docs are regenerated from whatever results.json holds).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -40,7 +40,7 @@ kvtier_ensure_packages gnuplot-nox fio redis-server redis-tools python3
 
 targets=(kvtier-server kvtier_mini_engine kvtier_long_doc_qa kvtier_fault_tolerance kvtier_bench_event_bus
   kvtier_bench_l1_policies kvtier_bench_gather kvtier_bench_server kvtier_bench_copy_pool kvtier_bench_io
-  kvtier_bench_l2_disk kvtier_bench_l2_redis kvtier_bench_rpc kvtier_python)
+  kvtier_bench_l2_disk kvtier_bench_l2_redis kvtier_bench_rpc kvtier_bench_server_start kvtier_python)
 build="${KVTIER_BUILD_DIR:-}"
 if [ -z "$build" ]; then
   kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" "${KVTIER_PYTHON_PACKAGES[@]}"
@@ -121,6 +121,13 @@ bench_rpc() {
   "$build/bench/kvtier_bench_rpc" --server "$build/examples/kvtier-server" "${qflag[@]}" \
     > "$logs/rpc.log" 2>&1
   gather rpc "$logs/rpc.log"
+}
+bench_server_start() {
+  # Spawn to the first answered lookup with 1 and 8 GiB of L1 (--quick: 1 and 4), and the old
+  # start-up's figure beside it (spawn to "L1 prefaulted").
+  "$build/bench/kvtier_bench_server_start" --server "$build/examples/kvtier-server" "${qflag[@]}" \
+    > "$logs/server_start.log" 2>&1
+  gather server_start "$logs/server_start.log"
 }
 bench_degraded() {
   "$build/examples/kvtier_fault_tolerance" --phases 3 "${qflag[@]}" > "$logs/degraded.log" 2>&1
@@ -257,7 +264,7 @@ bench_scaling() {
 # ---- the run ------------------------------------------------------------------------------
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
-stages=(event_bus:50:50 l1_policies:15:5 gather:25:10 server_copy:20:2 copy_pool:25:10 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 degraded:85:35
+stages=(event_bus:50:50 l1_policies:15:5 gather:25:10 server_copy:20:2 copy_pool:25:10 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 server_start:150:60 degraded:85:35
   longdoc:240:100 layerwise:40:25 scaling:20:10)
 selected=()
 for s in "${stages[@]}"; do

@@ -10,7 +10,10 @@
 // (<value>): <what to change>" (the value cut to a short excerpt), whatever the input: a
 // directory or a device as --config, JSON nested deeper than 32, sizes beyond the machine,
 // a disk directory another user could write; never a signal. A failure to start (socket in
-// use, L1 not allocatable) exits 1; SIGTERM or SIGINT shut down in order and exit 0.
+// use, metrics port taken, disk directory held by another process, L1 not allocatable)
+// exits 1 with one line. Every check comes before any start-up work (server.hpp,
+// "Start-up"), so a refused start prints its line and nothing else. SIGTERM or SIGINT shut
+// down in order and exit 0.
 #include <kvtier/server/server_config.hpp>
 #include <kvtier/server/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
@@ -154,7 +157,8 @@ int main(int argc, char** argv) {
       {"--l1-prefault",
        "l1_prefault",
        kind::text,
-       "true (default): fault L1 in at start and register it for io_uring fixed-buffer reads; false: on first use",
+       "true (default): fault L1 in behind the first requests, then register it for io_uring fixed-buffer reads; "
+       "false: pages on first use",
        {}},
       {"--lookup-ttl-seconds", "lookup_ttl_seconds", kind::number, "forget lookups never released after this long", {}},
       {"--l2-store-policy", "l2_store_policy", kind::text, "write_through or skip_l1", {}},

@@ -809,7 +809,7 @@ TEST_CASE("clear drops unlocked L1 objects, and with force the locked ones too",
   CHECK(c.status()["l1"]["slots_used"] == 0);
 }
 
-TEST_CASE("at start the server registers L1 with a disk backend (fixed buffers), unless l1_prefault is off",
+TEST_CASE("the server registers L1 with a disk backend (fixed buffers) once resident, unless l1_prefault is off",
           "[server][disk]") {
   for (const bool prefault : {true, false}) {
     CAPTURE(prefault);
@@ -823,6 +823,14 @@ TEST_CASE("at start the server registers L1 with a disk backend (fixed buffers),
           c.l1_prefault = prefault;
         },
         {}, factory);
+    {
+      // The prefault and the registration run behind the first requests.
+      raw_client c(s.path());
+      const auto st = wait_for_status(c, [](const json& j) {
+        return j["l1"]["residency"] != "faulting" && j["l1"]["residency"] != "registering";
+      });
+      CHECK(st["l1"]["residency"] == (prefault ? "resident" : "off"));
+    }
     const std::string page = s.srv->metrics_text();
     const auto uring = metric_value(page, "kvtier_io_uring_enabled");
     REQUIRE(uring.has_value());

@@ -94,6 +94,10 @@ class any_file_io : public detail::file_io_operations<any_file_io> {
   error_code register_buffers(std::span<const buffer_region> regions) {
     return visit([&](auto& e) { return e.register_buffers(regions); });
   }
+  /// One more region next to those add_buffers() registered (uring_context::add_buffers).
+  error_code add_buffers(buffer_region region) {
+    return visit([&](auto& e) { return e.add_buffers(region); });
+  }
   [[nodiscard]] bool fixed_buffers_active() const noexcept {
     return visit([](const auto& e) { return e.fixed_buffers_active(); });
   }

@@ -227,6 +227,7 @@ class pread_pool : public detail::file_io_operations<pread_pool> {
 
   /// Nothing to register: plain syscalls read straight into the caller's memory.
   error_code register_buffers(std::span<const buffer_region>) noexcept { return {}; }
+  error_code add_buffers(buffer_region) noexcept { return {}; }
   [[nodiscard]] static constexpr bool fixed_buffers_active() noexcept { return false; }
 
   /// Completes queued ops with operation_aborted and later ops with errc::shutting_down;

@@ -11,7 +11,8 @@
 //   - batched submission: starting an op only fills an SQE; one "turn" posted per executor
 //     turn submits all of them with one io_uring_enter (also forced when the SQ is full),
 //     then reaps what completed inline (page-cache hits),
-//   - registered buffers: register_buffers() registers the L1 slot arena; reads and writes
+//   - registered buffers: register_buffers() registers the L1 slot arena (add_buffers(): a
+//     piece at a time, each next to the others); reads and writes
 //     whose buffer lies inside it use READ_FIXED / WRITE_FIXED with its buf_index. Where
 //     the kernel refuses (ENOMEM under RLIMIT_MEMLOCK without CAP_IPC_LOCK, EFAULT...),
 //     it logs once, counts it, and the same memory is used with plain READ / WRITE,
@@ -108,6 +109,13 @@ class uring_context : public detail::file_io_operations<uring_context> {
   /// plain READ/WRITE into the same memory. errc::unsupported when options.fixed_buffers is
   /// false. Call before the ops that use the memory, on the ring's executor.
   error_code register_buffers(std::span<const buffer_region> regions) { return core_.register_buffers(regions); }
+  /// Registers `region` next to what add_buffers() registered before, without unregistering
+  /// it: only this region's pages are pinned, so a large arena can be registered a piece
+  /// per executor turn (the kernel pins ~40-60 ms per GiB here, on this thread). Needs Linux
+  /// 5.19 (a sparse buffer table): errc::unsupported before, and when options.fixed_buffers
+  /// is false; errc::invalid_argument after register_buffers(); else failures as above. On
+  /// the ring's executor.
+  error_code add_buffers(buffer_region region) { return core_.add_buffers(region); }
   void unregister_buffers() noexcept { core_.unregister_buffers(); }
   [[nodiscard]] bool fixed_buffers_active() const noexcept { return core_.fixed_buffers_active(); }
 

@@ -72,6 +72,11 @@ class any_backend {
   /// (buffer_registering_backend: the disk backend's io_uring fixed buffers); call before the
   /// first operation. errc::unsupported from a backend that has nothing to register.
   error_code register_buffers(std::span<std::byte> region) { return impl_->register_buffers(region); }
+  /// Registers `region` next to what add_buffers() registered before, pinning only it (the
+  /// disk backend: io::uring_context::add_buffers), from the backend's executor: a large
+  /// arena a piece per turn. errc::unsupported from a backend that cannot (then
+  /// register_buffers the whole arena) or has nothing to register.
+  error_code add_buffers(std::span<std::byte> region) { return impl_->add_buffers(region); }
   /// Whether async_load with an observer tells keys as they land.
   [[nodiscard]] bool observes_loads() const noexcept { return impl_->observes_loads(); }
   template <class Token>
@@ -121,6 +126,7 @@ class any_backend {
                                load_observer, batch_handler) = 0;
     [[nodiscard]] virtual bool observes_loads() const noexcept = 0;
     virtual error_code register_buffers(std::span<std::byte>) = 0;
+    virtual error_code add_buffers(std::span<std::byte>) = 0;
     virtual void store(std::span<const chunk_key>, std::span<const std::span<const std::byte>>, deadline,
                        batch_handler) = 0;
     virtual void remove(std::span<const chunk_key>, deadline, batch_handler) = 0;
@@ -154,6 +160,12 @@ class any_backend {
     error_code register_buffers(std::span<std::byte> region) override {
       if constexpr (buffer_registering_backend<B>)
         return backend->register_buffers(region);
+      else
+        return make_error_code(errc::unsupported);
+    }
+    error_code add_buffers(std::span<std::byte> region) override {
+      if constexpr (requires { backend->add_buffers(region); })
+        return backend->add_buffers(region);
       else
         return make_error_code(errc::unsupported);
     }

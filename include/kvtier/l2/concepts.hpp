@@ -93,7 +93,8 @@ concept observable_load_backend =
 
 /// Backends that read into registered memory faster (the disk backend: io_uring fixed
 /// buffers, READ_FIXED, no page pinning per read): the host hands them the L1 arena once,
-/// before the first operation (any_backend::register_buffers; the server does it at start).
+/// before the first operation (any_backend::register_buffers), or a piece at a time from
+/// the backend's executor where it also has add_buffers (the server, once L1 is resident).
 template <class B>
 concept buffer_registering_backend = l2_backend<B> && requires(B& b, std::span<std::byte> region) {
   { b.register_buffers(region) } -> std::same_as<error_code>;

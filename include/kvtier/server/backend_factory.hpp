@@ -8,7 +8,9 @@
 // the whole description (unknown keys included) at configuration time and returns a
 // backend_spec whose create() builds the backend later, on the server's executor, so a bad
 // description stops the program before anything starts, with a message that says what to
-// change (server_config_json.hpp).
+// change (server_config_json.hpp). A type may add check(): what create() would refuse that
+// can be seen without building anything (a directory's trust), run with the server's other
+// start-up checks.
 //
 // builtin() has "memory" (l2/memory_backend.hpp, with its bandwidth and latency model): it
 // needs nothing beyond kvtier::kvtier. The other shipped types live in their own headers,
@@ -62,6 +64,13 @@ struct backend_spec {
   std::string description;  ///< one line for the start-up message, e.g. "memory, 1024 MiB"
   /// Builds the backend; `name` is the final (unique) name above.
   std::function<l2::any_backend(const backend_context&, const std::string& name)> create;
+  /// The backend's start-up checks that need no work (a disk directory: whose it is, who may
+  /// write it, whether another process holds it), run with the final name before the server
+  /// binds anything or builds any backend, so a refusal is the only line a refused start
+  /// prints (server.hpp, "Start-up"). Throws config_error for a configuration to change
+  /// (the program exits 2), std::runtime_error for what stops this start (exit 1); create()
+  /// makes the same checks again. Empty: none.
+  std::function<void(const std::string& name)> check;
 };
 
 class backend_factory {

@@ -4,7 +4,9 @@
 //   listen()   creates the socket at config.socket_path (mode socket_mode); the default
 //              socket's directory is created 0700 and used only when it is ours and nobody
 //              else may write in it (protocol/unix_socket.hpp); a live server's socket is
-//              never taken over. Throws std::runtime_error saying what to change.
+//              never taken over. Throws std::runtime_error saying what to change. One of the
+//              server's start-up checks (server.hpp, "Start-up"): it runs before any start-up
+//              work, and a connection made before start() waits in the backlog;
 //   start(f)   the accept loop: every accepted connection is checked before a byte of it is
 //              read: its peer's uid with SO_PEERCRED (the server's own uid, root,
 //              allowed_uids, allowed_gids) and the connection caps (client_budget.hpp). A
@@ -13,6 +15,10 @@
 //              {reason} (client_budget counts them). An admitted one goes to f with its new
 //              client id: the server opens its session (session.hpp).
 //   close()    stops accepting (shutdown).
+//   remove_socket()  removes the socket file if it is still the one listen() made (another
+//              server may have replaced it once this one stopped listening: a restart's new
+//              server must keep its socket). The destructor does it too, so a server whose
+//              start-up failed after listen() leaves no socket file behind.
 //
 // On the server's I/O thread (the executor given at construction), like everything it calls.
 
@@ -40,7 +46,9 @@
 #include <fmt/format.h>
 
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <array>
 #include <chrono>
@@ -68,6 +76,10 @@ class listener {
 
   listener(const listener&) = delete;
   listener& operator=(const listener&) = delete;
+  ~listener() {
+    close();
+    remove_socket();
+  }
 
   /// Listens on config.socket_path (see the header comment). Throws std::runtime_error with
   /// what to change when the socket cannot be created.
@@ -82,7 +94,12 @@ class listener {
     auto acc = protocol::listen_unix(ex_, config_.socket_path, lo);
     if (!acc) throw std::runtime_error(listen_error(acc.error()));
     acceptor_.emplace(std::move(*acc));
+    struct ::stat st {};
+    if (::lstat(config_.socket_path.c_str(), &st) == 0) socket_file_ = file_identity{st.st_dev, st.st_ino};
   }
+
+  /// Whether listen() succeeded and the socket is not closed.
+  [[nodiscard]] bool listening() const noexcept { return acceptor_ && acceptor_->is_open(); }
 
   /// Starts the accept loop (after listen()): each admitted connection goes to on_accept.
   void start(accept_handler on_accept) {
@@ -95,6 +112,17 @@ class listener {
     closed_ = true;
     error_code ignored;
     if (acceptor_) acceptor_->close(ignored);
+  }
+
+  /// Removes the socket file when it is still the one listen() made (see the header
+  /// comment). Idempotent.
+  void remove_socket() noexcept {
+    if (!socket_file_) return;
+    struct ::stat st {};
+    if (::lstat(config_.socket_path.c_str(), &st) == 0 && st.st_dev == socket_file_->dev &&
+        st.st_ino == socket_file_->ino)
+      ::unlink(config_.socket_path.c_str());
+    socket_file_.reset();
   }
 
  private:
@@ -174,7 +202,12 @@ class listener {
   std::array<telemetry::log_throttle, client_budget::refusal_count> refusal_log_{
       telemetry::log_throttle(std::chrono::seconds(10), 20), telemetry::log_throttle(std::chrono::seconds(10), 20),
       telemetry::log_throttle(std::chrono::seconds(10), 20)};
+  struct file_identity {
+    ::dev_t dev;
+    ::ino_t ino;
+  };
   std::optional<acceptor_type> acceptor_;
+  std::optional<file_identity> socket_file_;  ///< the socket file listen() made, until removed
   accept_handler on_accept_;
   std::uint64_t next_client_id_ = 1;
   bool closed_ = false;

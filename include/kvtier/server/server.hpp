@@ -25,10 +25,26 @@
 //     kvtier_server_connections_refused_total{reason}. The default socket's directory is
 //     created 0700 and verified at start (protocol/unix_socket.hpp).
 //
-//   kvtier::server::server s(config);        // throws config_error, std::bad_alloc (L1 arena)
-//   s.start();                                // listens; throws std::runtime_error saying why not
+//   kvtier::server::server s(config);        // the checks, then the set-up: throws config_error,
+//                                             // std::runtime_error (socket, port), std::bad_alloc
+//   s.start();                                // serves: accepts, faults L1 in behind the requests
 //   std::thread t([&] { s.run(); });          // or run() on the main thread
 //   s.stop();                                 // any thread: orderly shutdown, run() returns
+//
+// Start-up, in this order (docs/server.md, "Start-up"):
+//   1. the checks, each before any work, so a refused start says one thing and has done
+//      nothing: the configuration (validate), each L2 backend's (backend_spec::check: a disk
+//      directory's trust and lock), the metrics address and port (bound), the socket (its
+//      directory's trust, no live server there; bound and listening: a connection made from
+//      now on waits in the backlog). The signal handler is installed before the socket
+//      exists, so a SIGTERM from a client that just connected shuts down in order;
+//   2. the work the first request needs: the L2 backends built (a disk backend's recovery
+//      scan), the cache and its L1 arena (virtual memory: no page is touched);
+//   3. start(): accepting, the reaper, the HTTP endpoint; then L1 is faulted in behind the
+//      first requests on a thread of its own and registered with the L2 backends once resident,
+//      a piece per turn of the I/O thread (l1_residency.hpp), with log lines when done. Status "l1.residency" and
+//      kvtier_server_l1_resident say where it stands.
+// Nothing is logged before the checks passed.
 //
 // Shutdown (stop(), or SIGTERM/SIGINT when server_options::handle_signals): stop accepting,
 // close every connection (their registrations and lookups are reaped), release the
@@ -80,6 +96,7 @@
 #include <random>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -101,9 +118,12 @@ struct server_options {
 
 class server final : private session_host {
  public:
-  /// Builds everything but the listening socket. Throws config_error for a configuration
-  /// that does not validate, std::invalid_argument or std::bad_alloc when L1 cannot be set
-  /// up.
+  /// The start-up checks, then the set-up the first request needs ("Start-up" above): binds
+  /// the metrics port and the socket (connections wait in the backlog until start()). Throws
+  /// config_error for a configuration to change (a value that does not validate, a disk
+  /// directory that cannot be trusted), std::runtime_error saying what to change when the
+  /// socket or the port cannot be had or a backend cannot be built, std::invalid_argument or
+  /// std::bad_alloc when L1 cannot be set up; nothing is left behind then (no socket file).
   explicit server(server_config config, server_options options = {},
                   const backend_factory& factory = backend_factory::builtin())
       : config_((config.validate(factory), std::move(config))),
@@ -118,15 +138,38 @@ class server final : private session_host {
                                       config_.lookup_keys_total(), config_.lookup_keys_per_client()}),
         listener_(io_.get_executor(), config_, budget_, log_),
         reap_timer_(io_) {
-    backend_context bctx{io_.get_executor(), &log_, &registry_};
-    std::vector<l2::any_backend> backends;
-    for (auto& spec : factory.parse_all(config_.l2_backends)) {
-      backends.push_back(spec.create(bctx, spec.name));
-      backend_lines_.push_back(spec.name + " (" + spec.description + ")");
-      backend_types_.push_back(spec.type);
+    // 1. The checks (the configuration was validated above).
+    std::vector<backend_spec> specs = factory.parse_all(config_.l2_backends);
+    for (const auto& spec : specs)
+      if (spec.check) spec.check(spec.name);
+    // Signals before the socket exists: a client may connect and send SIGTERM at once.
+    if (options_.handle_signals) {
+      signals_.emplace(io_, SIGTERM, SIGINT);
+      signals_->async_wait([this](error_code ec, int sig) {
+        if (ec) return;
+        log_.info("signal {} received: shutting down", sig);
+        begin_shutdown();
+      });
     }
-    cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), copy_pool_.get_executor());
-    if (config_.l1_prefault) log_l1_residency(make_l1_resident(cache_->l1_arena(), cache_->backends()));
+    // The HTTP endpoint before the socket: a port in use leaves no socket file behind.
+    if (config_.metrics_enabled()) start_http();
+    try {
+      listener_.listen();
+      // 2. The work the first request needs. (The listener's destructor removes the socket
+      // file if this throws.)
+      backend_context bctx{io_.get_executor(), &log_, &registry_};
+      std::vector<l2::any_backend> backends;
+      for (auto& spec : specs) {
+        backends.push_back(spec.create(bctx, spec.name));
+        backend_lines_.push_back(spec.name + " (" + spec.description + ")");
+        backend_types_.push_back(spec.type);
+      }
+      cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), copy_pool_.get_executor());
+    } catch (...) {
+      stop_http();
+      throw;
+    }
+    prepare_l1_residency();
     ctx_.emplace(server_context{
         config_, *cache_, clients_, lookups_, engines_, bus_, log_, boot_token_, options_.hooks, &budget_,
         copy_pool_.get_executor(),
@@ -138,41 +181,27 @@ class server final : private session_host {
   server& operator=(const server&) = delete;
 
   ~server() {
-    // A task still on the copy pool (a registration's prefault that outlived the shutdown's
-    // wait for the sessions) refers to the registry and its session: it ends first. (The
-    // copies ended when the cache stopped.)
+    // The L1 prefault's thread, and a task still on the copy pool (a registration's prefault
+    // that outlived the shutdown's wait for the sessions), refer to L1, or to the registry
+    // and its session: they end first. (The copies ended when the cache stopped.)
+    stop_l1_prefault();  // it stops before its next slice
+    if (l1_prefault_thread_.joinable()) l1_prefault_thread_.join();
     copy_pool_.join();
     // Sessions first (their sockets belong to io_), then the cache; io_ outlives both.
     sessions_.clear();
     signals_.reset();
   }
 
-  /// Listens on the socket and starts the accept loop, the reaper and the signal handler.
-  /// Throws std::runtime_error with what to change when the socket cannot be created.
+  /// Serves: the accept loop (the socket listens since the constructor), the reaper, and the
+  /// L1 prefault behind the first requests ("Start-up" above). The requests are served
+  /// once run() runs the I/O thread.
   void start() {
     if (started_) return;
-    // Signals first: once the socket listens a client may connect and send SIGTERM at once.
-    if (options_.handle_signals && !signals_) {
-      signals_.emplace(io_, SIGTERM, SIGINT);
-      signals_->async_wait([this](error_code ec, int sig) {
-        if (ec) return;
-        log_.info("signal {} received: shutting down", sig);
-        begin_shutdown();
-      });
-    }
-    // The HTTP endpoint before the socket: a port in use fails start-up before any client
-    // can connect (and leaves no socket file behind).
-    if (config_.metrics_enabled() && !http_) start_http();
-    try {
-      listener_.listen();
-    } catch (...) {
-      stop_http();
-      throw;
-    }
     started_ = true;
     bus_.start_drain_thread();
     listener_.start([this](std::uint64_t id, listener::socket_type socket) { open_session(id, std::move(socket)); });
     boost::asio::co_spawn(io_, reap_loop(), boost::asio::detached);
+    start_l1_prefault();
     log_.debug("{}", startup_line());
   }
 
@@ -208,6 +237,10 @@ class server final : private session_host {
   [[nodiscard]] std::string startup_line() const;
   /// The status document (status_request, /status): I/O thread only.
   [[nodiscard]] std::string status_json() override;
+  /// Where the L1 arena stands (l1_residency.hpp): any thread.
+  [[nodiscard]] l1_residency_state l1_residency() const noexcept {
+    return l1_residency_.load(std::memory_order_acquire);
+  }
 
  private:
   /// An admitted connection (listener): its session, started.
@@ -227,6 +260,13 @@ class server final : private session_host {
                             static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
     return t == 0 ? 1 : t;
   }
+
+  // --- L1 residency (impl/server_l1_residency.hpp) ---------------------------------------
+  void prepare_l1_residency();
+  void start_l1_prefault();
+  void stop_l1_prefault() noexcept;
+  void l1_prefault_ended(l1_prefault_outcome o);
+  void register_l1_step();
 
   // --- what the server tells about itself (impl/server_status.hpp) ----------------------
   void add_metrics();
@@ -269,12 +309,24 @@ class server final : private session_host {
   std::unordered_map<std::uint64_t, std::shared_ptr<session>> sessions_;
   bool started_ = false;
   bool stopping_ = false;
+  /// L1 residency: the state (written on the I/O thread, before run() by the constructor),
+  /// the bytes the prefault faulted in so far (written by its thread), the flag that stops it
+  /// (set by the shutdown and the destructor) and its thread (joined by the destructor).
+  std::atomic<l1_residency_state> l1_residency_{l1_residency_state::off};
+  std::atomic<std::size_t> l1_prefaulted_bytes_{0};
+  std::atomic<bool> l1_prefault_stop_{false};
+  std::thread l1_prefault_thread_;
+  /// The registration with the L2 backends, a piece per turn, and what the log line will say
+  /// (I/O thread).
+  std::optional<l1_registration> l1_registration_;
+  l1_residency_report l1_report_;
   std::atomic<std::size_t> connections_{0};
   std::atomic<std::uint64_t> reaped_{0};
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server
 
+#include <kvtier/server/impl/server_l1_residency.hpp>
 #include <kvtier/server/impl/server_reaper.hpp>
 #include <kvtier/server/impl/server_shutdown.hpp>
 #include <kvtier/server/impl/server_status.hpp>

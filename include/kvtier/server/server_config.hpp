@@ -100,10 +100,10 @@ struct server_config {
   double l1_write_ttl_s = 600;                           ///< "l1_write_ttl_seconds"
   double l1_read_ttl_s = 300;                            ///< "l1_read_ttl_seconds": lookup locks
   double lookup_ttl_s = 300;                             ///< "lookup_ttl_seconds": forget unreleased lookups
-  /// "l1_prefault": at start, fault every page of L1 in and register L1 with the L2 backends
-  /// that read into it faster so (the disk backend's io_uring fixed buffers): no page fault
-  /// or page pinning on a load. Costs start-up time (about 0.4 s per GiB on the dev VM) and makes all
-  /// of L1 resident at once.
+  /// "l1_prefault": once the server serves, fault every page of L1 in behind the first
+  /// requests, then register L1 with the L2 backends that read into it faster so (the disk
+  /// backend's io_uring fixed buffers): no page fault or page pinning on a load. Costs no
+  /// start-up time (l1_residency.hpp) and makes all of L1 resident.
   bool l1_prefault = true;
 
   // --- L2 and pipelines ----------------------------------------------------------------

@@ -36,7 +36,8 @@
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
 /// Hooks into request handling, run on the server's I/O thread (during_copy and
-/// during_prefault: on a copy thread). For tests and embedders.
+/// during_prefault: on a copy thread; during_l1_prefault: on the L1 prefault's thread). For
+/// tests and embedders.
 struct server_hooks {
   /// Called by a store after the chunks were copied out of the engine's region into L1 and
   /// before their block generations are re-read: a test bumps a generation here to play an
@@ -49,6 +50,10 @@ struct server_hooks {
   /// (region_prefault.hpp: after the registration was answered; before it, on a kernel
   /// without MADV_POPULATE_WRITE): a test blocks it here to see the server serve meanwhile.
   std::function<void(std::uint64_t client_id)> during_prefault;
+  /// Called on the L1 prefault's thread before its first slice (it runs once the server
+  /// serves: l1_residency.hpp): a test blocks it here to see the server serve while L1 is not
+  /// resident yet.
+  std::function<void()> during_l1_prefault;
 };
 
 /// What the sessions share: the server's state (owned by server::server).

@@ -196,6 +196,10 @@ class uring_core {
     if (!opts_.fixed_buffers) return make_error_code(errc::unsupported);
     return fixed_.register_regions(ring_.ring, regions, *stats_, log_);
   }
+  error_code add_buffers(buffer_region region) {
+    if (!opts_.fixed_buffers) return make_error_code(errc::unsupported);
+    return fixed_.add_region(ring_.ring, region, *stats_, log_);
+  }
   void unregister_buffers() noexcept { fixed_.unregister(ring_.ring, *stats_); }
   [[nodiscard]] bool fixed_buffers_active() const noexcept { return fixed_.active(); }
   /// The index of the registered buffer that holds all of [p, p + n), or -1.

@@ -234,6 +234,11 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   /// then use READ_FIXED. Call before the first operation, or from the backend's executor.
   /// Returns the file I/O's answer (the pread fallback accepts and ignores it).
   error_code register_buffers(std::span<std::byte> region);
+  /// Registers `region` next to what add_buffers() registered before (io::uring_context::
+  /// add_buffers): a large arena a piece at a time, from the backend's executor, so no call
+  /// pins more than its piece. errc::unsupported where the kernel cannot (before Linux 5.19:
+  /// register_buffers the whole arena instead).
+  error_code add_buffers(std::span<std::byte> region);
 
   /// Pins currently held on key (for tests).
   [[nodiscard]] std::uint32_t pins(const chunk_key& key) const;

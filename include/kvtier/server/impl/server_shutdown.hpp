@@ -1,7 +1,8 @@
 #pragma once
 // server (server/server.hpp): the shutdown sequence (stop(), or SIGTERM/SIGINT with
 // server_options::handle_signals), on the I/O thread, in this order:
-//   1. stop accepting (listener::close), the signal handler and the reaper;
+//   1. stop accepting (listener::close), the signal handler, the reaper and the L1 prefault
+//      (it stops before its next slice; nothing is registered);
 //   2. close every connection (session::close: each ends once its copies ended, and reaps
 //      its registration and lookups, impl/server_reaper.hpp) and stop the prefetches
 //      (nothing reads what they load any more, so a copy that waits for a load ends at
@@ -12,7 +13,8 @@
 //   5. stop the cache (queued stores dropped; operations in flight waited for, every
 //      coroutine of the cache ended);
 //   6. stop the HTTP endpoint (/healthz answered 503 "stopping" until now), remove the
-//      socket file, and stop the io_context: run() returns.
+//      socket file (unless another server replaced it meanwhile: listener::remove_socket),
+//      and stop the io_context: run() returns.
 
 #include <kvtier/server/server.hpp>
 
@@ -21,8 +23,6 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
-
-#include <unistd.h>
 
 #include <chrono>
 #include <exception>
@@ -34,7 +34,8 @@ namespace kvtier::inline KVTIER_ABI_TAG::server {
 inline void server::begin_shutdown() {
   if (stopping_) return;
   stopping_ = true;
-  listener_.close();  // at once: no connection is admitted once the shutdown began
+  listener_.close();   // at once: no connection is admitted once the shutdown began
+  stop_l1_prefault();  // before its next slice; nothing is registered
   boost::asio::co_spawn(io_, shutdown(), boost::asio::detached);
 }
 
@@ -76,7 +77,7 @@ inline boost::asio::awaitable<void> server::shutdown() {
               config_.shutdown_timeout_s);
   co_await cache_->stop();  // drops what is queued; then every coroutine of the cache has ended
   stop_http();              // last: /healthz answered 503 "stopping" until now
-  if (started_) ::unlink(config_.socket_path.c_str());
+  listener_.remove_socket();
   log_.info("stopped (boot token {:016x})", boot_token_);
   io_.stop();
 }

@@ -30,17 +30,23 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
-/// The start-up line of l1_prefault (make_l1_resident): how long, and which backends read
-/// into registered memory.
+/// The log lines of l1_prefault (l1_residency.hpp), when the prefault ended: how long, and
+/// which backends read into registered memory.
 inline void server::log_l1_residency(const l1_residency_report& r) {
   if (!r.error.empty())
-    log_.warn("L1 not prefaulted ({}): its pages come on first use, each first load into a slot faults them in",
-              r.error);
+    log_.warn(
+        "L1 not prefaulted ({}, {} of {} MiB in): its other pages come on first use, each first load into a "
+        "slot faults them in",
+        r.error, r.prefaulted_bytes >> 20, r.bytes >> 20);
   else
-    log_.info("L1 prefaulted: {} MiB in {:.0f} ms ({})", r.bytes >> 20, r.prefault_ms,
-              r.populated ? "MADV_POPULATE_WRITE" : "a write per page");
+    log_.info("L1 prefaulted: {} MiB in {:.0f} ms ({}{})", r.bytes >> 20, r.prefault_ms,
+              r.populated ? "MADV_POPULATE_WRITE" : "a write per page",
+              r.behind_requests ? ", behind the first requests" : ", before serving");
   if (!r.registered.empty())
-    log_.info("L1 registered with L2 backend(s) {} (io_uring fixed buffers)", fmt::join(r.registered, ", "));
+    log_.info(
+        "L1 registered with L2 backend(s) {} (io_uring fixed buffers) in {:.0f} ms ({} steps, the longest "
+        "{:.0f} ms)",
+        fmt::join(r.registered, ", "), r.register_ms, r.steps, r.longest_step_ms);
   if (!r.refused.empty())
     log_.warn("L1 refused by {}: reads into L1 pin their pages per read", fmt::join(r.refused, "; "));
 }
@@ -66,6 +72,14 @@ inline void server::add_metrics() {
                           {"store_policy", std::string(name(config_.store_policy))},
                           {"prefetch_policy", std::string(name(config_.prefetch_policy))}},
                          [] { return 1.0; });
+  registry_.add_callback(
+      "kvtier_server_l1_resident",
+      "1 once every page of L1 is faulted in and L1 is registered with the L2 backends (l1_prefault, done behind "
+      "the first requests); 0 before, or when l1_prefault is off",
+      metric_type::gauge, {}, [this] { return l1_residency() == l1_residency_state::resident ? 1.0 : 0.0; });
+  registry_.add_callback("kvtier_server_l1_prefaulted_bytes", "Bytes of L1 the start-up prefault has faulted in",
+                         metric_type::gauge, {},
+                         [this] { return static_cast<double>(l1_prefaulted_bytes_.load(std::memory_order_relaxed)); });
   registry_.add_callback("kvtier_server_clients_reaped_total",
                          "Connections closed by the server: idle past client_reap_timeout, or a broken stream",
                          metric_type::counter, {},
@@ -188,11 +202,18 @@ inline std::string server::status_json() {
   j["lookups"] = lookups_.size();
   j["engines"] = engines_.size();
   const cache::cache_status cs = cache_->status();
-  j["l1"] = {{"bytes_used", cs.l1.bytes_used},     {"bytes_capacity", cs.l1.bytes_capacity},
-             {"objects", cs.l1.objects},           {"slots_used", cs.l1.slots_used},
-             {"slot_bytes", cache_->slot_bytes()}, {"slot_count", cache_->slot_count()},
-             {"evictable", cs.l1.evictable},       {"removing", cs.l1.removing},
-             {"object_bytes", cs.l1.object_bytes}, {"cache_lookups", cs.lookups}};
+  j["l1"] = {{"bytes_used", cs.l1.bytes_used},
+             {"bytes_capacity", cs.l1.bytes_capacity},
+             {"objects", cs.l1.objects},
+             {"slots_used", cs.l1.slots_used},
+             {"slot_bytes", cache_->slot_bytes()},
+             {"slot_count", cache_->slot_count()},
+             {"evictable", cs.l1.evictable},
+             {"removing", cs.l1.removing},
+             {"object_bytes", cs.l1.object_bytes},
+             {"cache_lookups", cs.lookups},
+             {"residency", std::string(name(l1_residency()))},
+             {"prefaulted_bytes", l1_prefaulted_bytes_.load(std::memory_order_relaxed)}};
   json backends = json::array();
   for (std::size_t b = 0; b < cs.backends.size(); ++b) {
     const auto& x = cs.backends[b];

@@ -244,6 +244,8 @@ inline error_code disk_backend::register_buffers(std::span<std::byte> region) {
   return file_io_->register_buffers(r);
 }
 
+inline error_code disk_backend::add_buffers(std::span<std::byte> region) { return file_io_->add_buffers(region); }
+
 // --- failure accounting -----------------------------------------------------------------------
 
 inline void disk_backend::count_io_error(disk_stats::op op, const error_code& ec, const chunk_key& key) {
