@@ -1,19 +1,28 @@
-# KVTIER_WITH_CUDA: on when nvcc is found, never in sanitizer builds; the build works without.
+# KVTIER_WITH_CUDA (cmake/kvtier_auto_option.cmake): AUTO (the default) is on when nvcc is
+# found, never in sanitizer builds; resolved at every configure, so a CUDA toolkit installed
+# after the first configure is used at the next. The build works without.
 include(CheckLanguage)
 
-set(_kvtier_cuda_default OFF)
-if(NOT KVTIER_SANITIZE)
+kvtier_auto_option(KVTIER_WITH_CUDA "build the CUDA path, include/kvtier/cuda, and its tests: AUTO where nvcc is found"
+                   "Build the CUDA path (include/kvtier/cuda) and its tests")
+
+set(_kvtier_cuda_available OFF)
+set(_kvtier_cuda_missing "")
+if(KVTIER_SANITIZE)
+  set(_kvtier_cuda_missing "this is a sanitizer build (KVTIER_SANITIZE=${KVTIER_SANITIZE}): CUDA is left out of those")
+elseif(NOT _KVTIER_REQUESTED_KVTIER_WITH_CUDA STREQUAL "OFF")
+  # check_language caches NOTFOUND and never looks again: look again while it is not found.
+  if(DEFINED CACHE{CMAKE_CUDA_COMPILER} AND NOT CMAKE_CUDA_COMPILER)
+    unset(CMAKE_CUDA_COMPILER CACHE)
+  endif()
   check_language(CUDA)
   if(CMAKE_CUDA_COMPILER)
-    set(_kvtier_cuda_default ON)
+    set(_kvtier_cuda_available ON)
+  else()
+    set(_kvtier_cuda_missing "no CUDA compiler (nvcc) was found on PATH or in CUDACXX")
   endif()
 endif()
-option(KVTIER_WITH_CUDA "Build the CUDA path (include/kvtier/cuda) and its tests" ${_kvtier_cuda_default})
-
-if(KVTIER_WITH_CUDA AND KVTIER_SANITIZE)
-  message(STATUS "kvtier: KVTIER_WITH_CUDA is turned off in sanitizer builds")
-  set(KVTIER_WITH_CUDA OFF CACHE BOOL "" FORCE)
-endif()
+kvtier_resolve_auto_option(KVTIER_WITH_CUDA ${_kvtier_cuda_available} "the CUDA path cannot be built: ${_kvtier_cuda_missing}")
 
 if(KVTIER_WITH_CUDA)
   # CMake 3.25 knows no C++20 flag for nvcc ("requires the language dialect CUDA20").
@@ -26,4 +35,3 @@ if(KVTIER_WITH_CUDA)
   enable_language(CUDA)
   find_package(CUDAToolkit REQUIRED)
 endif()
-message(STATUS "kvtier: KVTIER_WITH_CUDA=${KVTIER_WITH_CUDA}")

@@ -3,42 +3,50 @@
 # put on sys.path) and installed with `cmake --install <build> --component python` into the
 # interpreter's site-packages.
 #
-# KVTIER_BUILD_PYTHON is on when Python (interpreter + development headers) and pybind11's
-# CMake config are found, kvtier is the top-level project and kvtier::engine is built (the
-# extension binds the connector and the hasher: OpenSSL), and never in sanitizer builds (a
-# sanitized extension needs a sanitized interpreter, or the runtime preloaded into it).
+# KVTIER_BUILD_PYTHON (cmake/kvtier_auto_option.cmake): AUTO (the default) builds the package
+# when Python (interpreter + development headers) and pybind11's CMake config are found, kvtier
+# is the top-level project and kvtier::engine is built (the extension binds the connector and
+# the hasher: OpenSSL), and never in sanitizer builds (a sanitized extension needs a sanitized
+# interpreter, or the runtime preloaded into it). Resolved at every configure: a build
+# directory configured before python3-dev and pybind11-dev were installed builds the package
+# once they are. ON requires it (scripts/test.sh: its Python stage needs it), OFF leaves it out.
 #
 # Which Python: Debian's python3-torch, python3-numpy and python3-pytest install for
 # /usr/bin/python3, and a different python3 earlier on PATH (a pyenv build, a venv) does not
 # see them. So unless Python_EXECUTABLE is given, /usr/bin/python3 is used where it exists.
 
+kvtier_auto_option(KVTIER_BUILD_PYTHON "build the kvtier Python package, python/: AUTO where Python's headers and pybind11 are found"
+                   "Build the kvtier Python package (pybind11 bindings, python/)")
+
 if(NOT DEFINED Python_EXECUTABLE AND EXISTS /usr/bin/python3)
   set(Python_EXECUTABLE /usr/bin/python3 CACHE FILEPATH "The Python interpreter the kvtier package is built for")
 endif()
 
-set(_kvtier_python_default OFF)
-if(NOT KVTIER_SANITIZE AND PROJECT_IS_TOP_LEVEL AND TARGET kvtier_engine)
+set(_kvtier_python_available OFF)
+set(_kvtier_python_missing "")
+if(KVTIER_SANITIZE)
+  set(_kvtier_python_missing "this is a sanitizer build (KVTIER_SANITIZE=${KVTIER_SANITIZE}): a sanitized extension needs a sanitized interpreter")
+elseif(NOT PROJECT_IS_TOP_LEVEL)
+  set(_kvtier_python_missing "kvtier is not the top-level project")
+elseif(NOT TARGET kvtier_engine)
+  set(_kvtier_python_missing "it needs kvtier::engine, i.e. OpenSSL (Debian: libssl-dev)")
+elseif(NOT _KVTIER_REQUESTED_KVTIER_BUILD_PYTHON STREQUAL "OFF")
   find_package(Python 3.8 QUIET COMPONENTS Interpreter Development.Module)
-  if(Python_FOUND)
+  if(NOT Python_FOUND)
+    set(_kvtier_python_missing "no Python 3 interpreter with its development headers was found for "
+                               "'${Python_EXECUTABLE}' (Debian: python3-dev, or another interpreter with -DPython_EXECUTABLE=...)")
+  else()
     find_package(pybind11 2.6 CONFIG QUIET)  # Debian: pybind11-dev (2.10)
-  endif()
-  if(Python_FOUND AND pybind11_FOUND)
-    set(_kvtier_python_default ON)
+    if(NOT pybind11_FOUND)
+      set(_kvtier_python_missing "pybind11's CMake config was not found (Debian: pybind11-dev)")
+    else()
+      set(_kvtier_python_available ON)
+    endif()
   endif()
 endif()
-option(KVTIER_BUILD_PYTHON "Build the kvtier Python package (pybind11 bindings, python/)" ${_kvtier_python_default})
-
+string(JOIN "" _kvtier_python_missing ${_kvtier_python_missing})
+kvtier_resolve_auto_option(KVTIER_BUILD_PYTHON ${_kvtier_python_available} "the Python package cannot be built: ${_kvtier_python_missing}")
 if(NOT KVTIER_BUILD_PYTHON)
-  if(KVTIER_SANITIZE)
-    message(STATUS "kvtier: the Python package is not built in sanitizer builds")
-  elseif(NOT PROJECT_IS_TOP_LEVEL)
-    message(STATUS "kvtier: the Python package is not built (kvtier is not the top-level project)")
-  elseif(NOT TARGET kvtier_engine)
-    message(STATUS "kvtier: the Python package is not built (it needs kvtier::engine: OpenSSL)")
-  else()
-    message(STATUS "kvtier: the Python package is not built (needs Debian's python3-dev and pybind11-dev, "
-                   "or -DKVTIER_BUILD_PYTHON=ON with -DPython_EXECUTABLE=...)")
-  endif()
   return()
 endif()
 

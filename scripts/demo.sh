@@ -12,7 +12,10 @@ cd "$(dirname "$0")/.."
 source scripts/lib/common.sh
 
 kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" curl
-kvtier_configure build -DCMAKE_BUILD_TYPE=Release > /dev/null
+# build/ is shared with ./scripts/test.sh, in either order: the demo needs neither the Python
+# package nor every test (AUTO: built where its packages are, now or at a later configure).
+kvtier_configure build -DCMAKE_BUILD_TYPE=Release -DKVTIER_SANITIZE= -DKVTIER_BUILD_PYTHON=AUTO \
+  -DKVTIER_REQUIRE_ALL_TESTS=OFF > /dev/null
 cmake --build build -j"$(kvtier_jobs)" --target kvtier-server kvtier_mini_engine kvtier_fault_tolerance
 
 bin=build/examples

@@ -40,48 +40,86 @@ jobs=$(kvtier_jobs)
 start=$(date +%s)
 stage() { echo; echo "== [$(( $(date +%s) - start ))s] $*"; }
 
-# Background builds: each sanitizer (and the fuzz) build starts as soon as the previous build
-# is done and runs beside the previous stage's tests, at the lowest CPU priority (nice 19):
-# the tests keep all the CPU they ask for, and the build takes what they leave idle. Its
-# output goes to <log>; bg_wait waits for it, and stops the script with the log's tail when it
-# failed. At most one runs at a time; an exit kills it (its own process group).
+# -Og Debug (cmake/kvtier_build.cmake): the sanitizer builds are compile-bound (their suites
+# run in about a minute).
+sanitizer_args=(-DCMAKE_BUILD_TYPE=Debug -DKVTIER_BUILD_BENCH=OFF -DKVTIER_WITH_CUDA=OFF -DKVTIER_BUILD_PYTHON=OFF
+                -DKVTIER_REQUIRE_ALL_TESTS=ON)
+asan_env=(ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1)
+
+# Every build directory is configured first, so that a missing package stops the script now.
+# Every stage needs its parts: the Python package (KVTIER_BUILD_PYTHON=ON fails the configure
+# naming what is missing, where AUTO would leave it out) and every test registered
+# (KVTIER_REQUIRE_ALL_TESTS: a missing redis-server or promtool fails here, not as a skip).
+stage "configure build/ (Release)$([ "$sanitizers" = 1 ] && echo ", build-asan/ (ASan+UBSan), build-tsan/ (TSan)")"
+kvtier_configure build -DCMAKE_BUILD_TYPE=Release -DKVTIER_BENCH_IN_ALL=OFF -DKVTIER_SANITIZE= \
+  -DKVTIER_BUILD_PYTHON=ON -DKVTIER_REQUIRE_ALL_TESTS=ON
+if [ "$sanitizers" = 1 ]; then
+  kvtier_configure build-asan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=address,undefined >/dev/null
+  kvtier_configure build-tsan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=thread >/dev/null
+fi
+
+# The background builds: the sanitizer builds and the fuzz build, one after another, start now
+# and run beside everything else at the lowest CPU priority (nice 19): the foreground (the
+# main build, then the suites) keeps all the CPU it asks for, and they take every cycle it
+# leaves idle (link steps, a build's last long compile, the suites' waits). The test command is
+# compile-bound on 2 cores: this keeps both cores busy from start to end (docs/architecture.md
+# "Build"). Each build's output goes to its log; the chain reports "<name> <exit status>" on
+# fd 3 as each ends and stops at the first failure; bg_wait <name> waits for that report (a
+# blocking read, no polling) and stops the script with the log's tail when it failed. An exit
+# kills the chain (its own process group).
+bg_names=()
+bg_logs=()
+if [ "$sanitizers" = 1 ]; then
+  bg_names+=(asan tsan)
+  bg_logs+=(build-asan/test-build.log build-tsan/test-build.log)
+fi
+if [ "$fuzz" = 1 ]; then
+  mkdir -p build-fuzz
+  bg_names+=(fuzz)
+  bg_logs+=(build-fuzz/test-build.log)
+fi
+bg_build() {
+  case "$1" in
+    asan) cmake --build build-asan -j"$jobs" --target kvtier_asan_tests ;;
+    tsan) cmake --build build-tsan -j"$jobs" --target kvtier_concurrency_tests ;;
+    fuzz) ./scripts/fuzz.sh --build-only ;;
+  esac
+}
 bg_pid=""
-bg_log=""
-bg_start() {  # bg_start <log> <command...>
-  bg_log=$1
-  shift
-  echo "   (building in the background at nice 19: ${*}; log: $bg_log)"
+if [ ${#bg_names[@]} -gt 0 ]; then
+  fifo=$(mktemp -u "${TMPDIR:-/tmp}/kvtier-test-XXXXXX")
+  mkfifo "$fifo"
+  exec 3<>"$fifo"  # read-write: opening does not wait for a writer; the fd outlives the name
+  rm -f "$fifo"
+  echo "   (building in the background at nice 19, one after another: ${bg_names[*]}; logs: ${bg_logs[*]})"
   set -m
-  ( nice -n 19 "$@" && echo "== finished at [$(( $(date +%s) - start ))s]" ) >"$bg_log" 2>&1 &
+  (
+    renice -n 19 -p "$BASHPID" >/dev/null
+    for i in "${!bg_names[@]}"; do
+      rc=0
+      { bg_build "${bg_names[$i]}" && echo "== finished at [$(( $(date +%s) - start ))s]"; } >"${bg_logs[$i]}" 2>&1 || rc=$?
+      echo "${bg_names[$i]} $rc" >&3
+      [ "$rc" = 0 ] || exit "$rc"
+    done
+  ) &
   bg_pid=$!
   set +m
-}
-bg_wait() {
-  local rc=0
-  wait "$bg_pid" || rc=$?
-  bg_pid=""
-  if [ "$rc" != 0 ]; then
-    tail -n 80 "$bg_log"
-    echo "test.sh: the background build failed (exit $rc; log: $bg_log)" >&2
+fi
+bg_wait() {  # bg_wait <name>: the builds finish in order, so the next report is <name>'s
+  local name rc i log=""
+  for i in "${!bg_names[@]}"; do [ "${bg_names[$i]}" = "$1" ] && log=${bg_logs[$i]}; done
+  read -r -u 3 name rc
+  if [ "$name" != "$1" ] || [ "$rc" != 0 ]; then
+    tail -n 80 "$log"
+    echo "test.sh: the background build '$name' failed (exit $rc; log: $log)" >&2
     exit 1
   fi
-  tail -n 2 "$bg_log"
+  tail -n 2 "$log"
 }
 trap '[ -n "$bg_pid" ] && kill -- "-$bg_pid" 2>/dev/null; true' EXIT
 
-# -O0 (Debug): the sanitizer builds are compile-bound (their suites run in about a minute).
-sanitizer_args=(-DCMAKE_BUILD_TYPE=Debug -DKVTIER_BUILD_BENCH=OFF -DKVTIER_WITH_CUDA=OFF)
-asan_env=(ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1)
-
 stage "main build (Release): build/"
-kvtier_configure build -DCMAKE_BUILD_TYPE=Release -DKVTIER_BENCH_IN_ALL=OFF
 cmake --build build -j"$jobs"
-
-if [ "$sanitizers" = 1 ]; then
-  stage "ASan+UBSan build: build-asan/ (kvtier_asan_tests)"
-  kvtier_configure build-asan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=address,undefined >/dev/null
-  bg_start build-asan/test-build.log cmake --build build-asan -j"$jobs" --target kvtier_asan_tests
-fi
 
 stage "main suite"
 ctest --test-dir build --output-on-failure --timeout 900 -j"$jobs"
@@ -93,28 +131,17 @@ stage "Python suite: /usr/bin/python3 -m pytest tests/python"
 KVTIER_BUILD_DIR="$PWD/build" /usr/bin/python3 -m pytest tests/python -q -m "not long"
 
 if [ "$sanitizers" = 0 ]; then
-  stage "sanitizer builds skipped (KVTIER_SKIP_SANITIZERS=1)"
+  stage "sanitizer and fuzz stages skipped (KVTIER_SKIP_SANITIZERS=1)"
   exit 0
 fi
 
-stage "ASan+UBSan build: waiting for it"
-bg_wait
-stage "TSan build: build-tsan/ (kvtier_concurrency_tests)"
-kvtier_configure build-tsan "${sanitizer_args[@]}" -DKVTIER_SANITIZE=thread >/dev/null
-bg_start build-tsan/test-build.log cmake --build build-tsan -j"$jobs" --target kvtier_concurrency_tests
-
+stage "ASan+UBSan build (build-asan/, kvtier_asan_tests): waiting for it"
+bg_wait asan
 stage "ASan+UBSan suite (label asan, without label long)"
 env "${asan_env[@]}" ctest --test-dir build-asan --output-on-failure --timeout 900 -j"$jobs" -L asan -LE long
 
-stage "TSan build: waiting for it"
-bg_wait
-# Builds build-fuzz/ with clang (scripts/fuzz.sh --build-only) beside the TSan suite.
-if [ "$fuzz" = 1 ]; then
-  stage "fuzz build (clang, libFuzzer + ASan + UBSan): build-fuzz/"
-  mkdir -p build-fuzz
-  bg_start build-fuzz/test-build.log ./scripts/fuzz.sh --build-only
-fi
-
+stage "TSan build (build-tsan/, kvtier_concurrency_tests): waiting for it"
+bg_wait tsan
 stage "TSan suite (label concurrency)"
 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   ctest --test-dir build-tsan --output-on-failure --timeout 900 -j"$jobs" -L concurrency
@@ -122,8 +149,8 @@ TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
 if [ "$fuzz" = 0 ]; then
   stage "fuzz stage skipped (KVTIER_SKIP_FUZZ=1)"
 else
-  stage "fuzz build: waiting for it"
-  bg_wait
+  stage "fuzz build (clang, libFuzzer + ASan + UBSan: build-fuzz/): waiting for it"
+  bg_wait fuzz
   # Runs each target KVTIER_FUZZ_SECONDS s (one per core at a time), first on every seed and
   # past crash (tests/fuzz/corpus, tests/fuzz/regressions): this is where those run under
   # ASan+UBSan. Fails on a crash, leak or timeout (the input is saved under

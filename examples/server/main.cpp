@@ -21,6 +21,8 @@
 #include <kvtier/server/redis_backend_type.hpp>
 #endif
 
+#include <kvtier_program/server_instance.hpp>
+
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
@@ -313,11 +315,13 @@ int main(int argc, char** argv) {
   try {
     srv::server_options options;
     options.handle_signals = true;
-    srv::server server(config, options, program_backends());
-    server.start();
-    std::printf("%s\n", server.startup_line().c_str());
+    // Through kvtier_server_instance: the server's code is compiled once per build, shared
+    // with the tests (kvtier_program/server_instance.hpp).
+    auto server = kvtier::program::make_server(config, options, program_backends());
+    kvtier::program::start_server(*server);
+    std::printf("%s\n", server->startup_line().c_str());
     std::fflush(stdout);
-    return server.run();
+    return kvtier::program::run_server(*server);
   } catch (const config_error& e) {
     return bad_config(e.what());
   } catch (const std::bad_alloc&) {

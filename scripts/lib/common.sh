@@ -42,9 +42,24 @@ export CCACHE_BASEDIR="${CCACHE_BASEDIR:-$PWD}"
 
 kvtier_jobs() { nproc 2>/dev/null || echo 2; }
 
-# kvtier_configure DIR [cmake args...]: configures DIR with Ninja unless it already exists.
+# kvtier_configure DIR [cmake args...]: configures DIR with Ninja (again, if it exists: a
+# package installed since turns its feature on, cmake/kvtier_auto_option.cmake). A DIR whose
+# cache was made for another source tree or with another generator (a build/ copied along
+# with a checkout, or configured by hand with make) cannot be configured again: it is
+# removed first, with a note.
 kvtier_configure() {
   local dir=$1
   shift
+  local cache=$dir/CMakeCache.txt
+  if [ -f "$cache" ]; then
+    local home gen
+    home=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$cache")
+    gen=$(sed -n 's/^CMAKE_GENERATOR:INTERNAL=//p' "$cache")
+    if [ "$gen" != Ninja ] || [ "$(cd "$home" 2>/dev/null && pwd -P)" != "$(pwd -P)" ]; then
+      echo "kvtier: $dir was configured for ${home:-an unknown source tree} with ${gen:-an unknown generator}," \
+           "not for $(pwd -P) with Ninja: removing it" >&2
+      rm -rf "$dir"
+    fi
+  fi
   cmake -S . -B "$dir" -G Ninja "$@"
 }

@@ -6,6 +6,7 @@
 // backend type.
 
 #include <kvtier/server/server.hpp>
+#include <kvtier_program/server_instance.hpp>
 
 #include "server/server_fixtures.hpp"
 
@@ -39,7 +40,9 @@ server::backend_factory factory_with(const std::string& type, std::shared_ptr<Ba
 struct running_server {
   temp_dir dir{"kvtier-server"};
   server::server_config cfg;
-  std::unique_ptr<server::server> srv;
+  // Made, started and stopped through kvtier_server_instance (the server's code is compiled
+  // once per build: kvtier_program/server_instance.hpp).
+  program::server_ptr srv;
   std::thread thread;
 
   explicit running_server(const std::function<void(server::server_config&)>& tweak = {},
@@ -51,14 +54,14 @@ struct running_server {
     cfg.l1_size_bytes = 256 * 4096;
     cfg.log_level = telemetry::log_level::error;
     if (tweak) tweak(cfg);
-    srv = std::make_unique<server::server>(cfg, std::move(opts), factory);
-    srv->start();
-    thread = std::thread([s = srv.get()] { s->run(); });
+    srv = program::make_server(cfg, std::move(opts), factory);
+    program::start_server(*srv);
+    thread = std::thread([s = srv.get()] { program::run_server(*s); });
   }
   running_server(const running_server&) = delete;
   running_server& operator=(const running_server&) = delete;
   ~running_server() {
-    srv->stop();
+    program::stop_server(*srv);
     thread.join();
   }
   [[nodiscard]] const std::string& path() const { return cfg.socket_path; }

@@ -489,7 +489,7 @@ TEST_CASE("a connection closed while its copy runs on the copy pool closes only 
   }
   // Decide the close (shutdown closes every connection) and wait until the I/O thread ran
   // past it: the shutdown coroutine starts on the turn after stop()'s, so two hops.
-  s.srv->stop();
+  program::stop_server(*s.srv);
   std::promise<void> past_close;
   asio::post(s.srv->io_context(), [&] { asio::post(s.srv->io_context(), [&] { past_close.set_value(); }); });
   REQUIRE(past_close.get_future().wait_for(server_deadline) == std::future_status::ready);

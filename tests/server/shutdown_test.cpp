@@ -103,7 +103,7 @@ TEST_CASE("a shutdown closes a connection whose retrieve waits for an L2 load wi
     REQUIRE(cv.wait_for(g, server_deadline, [&] { return copying; }));
   }
 
-  srv.stop();  // the shutdown begins (running_server joins it at the end)
+  program::stop_server(srv);  // the shutdown begins (running_server joins it at the end)
   bool closed = false;
   try {
     closed = closed_or_reset(c);  // the retrieve is not answered: its connection closed

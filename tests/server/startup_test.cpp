@@ -204,11 +204,11 @@ TEST_CASE("a server stopped while its L1 prefault runs stops the prefault and re
   server::server_options opts;
   opts.log_sink = log.sink();
   opts.hooks.during_l1_prefault = [&] { gate.pass(); };
-  auto srv = std::make_unique<server::server>(cfg, std::move(opts), disk_factory());
-  srv->start();
-  std::thread t([&] { srv->run(); });
+  auto srv = program::make_server(cfg, std::move(opts), disk_factory());
+  program::start_server(*srv);
+  std::thread t([&] { program::run_server(*srv); });
   REQUIRE(gate.wait_entered());
-  srv->stop();
+  program::stop_server(*srv);
   t.join();  // run() returned: the shutdown did not wait for the prefault
   CHECK(srv->cache().status().l1.bytes_capacity == cfg.l1_size_bytes);
   gate.open();  // the held slice goes on, sees the stop, and ends the prefault
@@ -242,26 +242,26 @@ TEST_CASE("a server that ends after another took its socket path leaves the new 
   copy.arm();
   REQUIRE_FALSE(c.send(7, store_req(r, hashes, src)));
   REQUIRE(copy.wait_entered());  // a copy in flight: the old server's shutdown waits for it
-  old_server->srv->stop();
+  program::stop_server(*old_server->srv);
   // The old server stopped accepting: its socket is stale, and the new one replaces it.
-  std::unique_ptr<server::server> fresh;
+  program::server_ptr fresh;
   for (const auto deadline = std::chrono::steady_clock::now() + server_deadline; !fresh;) {
     try {
-      fresh = std::make_unique<server::server>(old_server->cfg);
+      fresh = program::make_server(old_server->cfg);
     } catch (const std::runtime_error& e) {
       INFO(e.what());  // "another server is listening there" until the old one closed it
       REQUIRE(std::chrono::steady_clock::now() < deadline);
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
   }
-  fresh->start();
-  std::thread t([&] { fresh->run(); });
+  program::start_server(*fresh);
+  std::thread t([&] { program::run_server(*fresh); });
   struct stop_and_join {  // also when a check below throws
     server::server& s;
     std::thread& t;
     ~stop_and_join() {
       if (!t.joinable()) return;
-      s.stop();
+      program::stop_server(s);
       t.join();
     }
   } guard{*fresh, t};
@@ -272,7 +272,7 @@ TEST_CASE("a server that ends after another took its socket path leaves the new 
     raw_client d(path);
     CHECK(d.ping() == fresh->boot_token());
   }
-  fresh->stop();
+  program::stop_server(*fresh);
   t.join();
   CHECK_FALSE(fs::exists(path));  // its own socket: removed at its end
 }
