@@ -259,6 +259,15 @@ class ReplayEngine:
             n += 1
         return n
 
+    def scheduler_healthy(self) -> bool:
+        """Whether the scheduler's own connection is registered with a server (it reconnects
+        on its own backoff, apart from the workers')."""
+        return self.connector is not None and self.connector._scheduler.connector.healthy
+
+    def all_healthy(self) -> bool:
+        """The scheduler's connection and every worker's: a lookup made now can hit."""
+        return self.scheduler_healthy() and all(o["healthy"] for o in self.worker_state())
+
     def worker_state(self) -> List[Dict[str, Any]]:
         """Runs an empty step and returns each worker's output (quarantine, held reports)."""
         return self.step().worker_outputs
