@@ -40,7 +40,7 @@ jobs=$(kvtier_jobs)
 start=$(date +%s)
 stage() { echo; echo "== [$(( $(date +%s) - start ))s] $*"; }
 
-# -Og Debug (cmake/kvtier_build.cmake): the sanitizer builds are compile-bound (their suites
+# Debug at -O1 (cmake/kvtier_build.cmake): the sanitizer builds are compile-bound (their suites
 # run in about a minute).
 sanitizer_args=(-DCMAKE_BUILD_TYPE=Debug -DKVTIER_BUILD_BENCH=OFF -DKVTIER_WITH_CUDA=OFF -DKVTIER_BUILD_PYTHON=OFF
                 -DKVTIER_REQUIRE_ALL_TESTS=ON)

@@ -247,3 +247,18 @@ def wait_until(predicate, timeout_s: float = DEADLINE_S, what: str = "condition"
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(poll_s)
+
+
+def finished(conn, rid, which, engine_finished=()):
+    """A worker connection's get_finished until `rid` is in `which` ("sending"/"recving");
+    returns every report seen meanwhile."""
+    seen = {"sending": [], "recving": []}
+
+    def poll():
+        s, r = conn.get_finished(list(engine_finished))
+        seen["sending"] += s
+        seen["recving"] += r
+        return rid in seen[which]
+
+    wait_until(poll, what=f"{rid} finished {which}")
+    return seen

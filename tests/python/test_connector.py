@@ -9,7 +9,7 @@ import torch
 
 import kvtier
 from kvtier import DtypeKind, KvLayoutKind, ModelShape, PagedKvLayout
-from kvtier_testing import options, wait_until
+from kvtier_testing import finished, options, wait_until
 
 CT = 16  # chunk tokens
 BS = 4  # block size
@@ -36,20 +36,6 @@ def lookup(sched, rid, tokens, salt=""):
     sched.lookup(rid, tokens, salt)
     wait_until(lambda: sched.lookup_result(rid) is not None, what="the lookup answer")
     return sched.lookup_result(rid)
-
-
-def finished(conn, rid, which, engine_finished=()):
-    """get_finished until `rid` is in `which` ("sending"/"recving"); returns every report."""
-    seen = {"sending": [], "recving": []}
-
-    def poll():
-        s, r = conn.get_finished(list(engine_finished))
-        seen["sending"] += s
-        seen["recving"] += r
-        return rid in seen[which]
-
-    wait_until(poll, what=f"{rid} finished {which}")
-    return seen
 
 
 @pytest.mark.parametrize("order", [KvLayoutKind.NHD, KvLayoutKind.HND])

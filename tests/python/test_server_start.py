@@ -14,7 +14,7 @@ import torch
 
 import kvtier
 from kvtier import DtypeKind, ModelShape, PagedKvLayout
-from kvtier_testing import options, wait_until
+from kvtier_testing import finished, options, wait_until
 
 CT = 16  # chunk tokens
 BS = 4  # block size
@@ -23,18 +23,6 @@ CHUNKS = 4
 #: L1 of the restarted servers: large enough that faulting it in (~0.35-4 s per GiB on the
 #: dev VM) outlasts a reconnect and a round (~0.1-0.3 s), small enough for a CI machine.
 L1_MB = 2048
-
-
-def finished(conn, rid, which, engine_finished=()):
-    seen = {"sending": [], "recving": []}
-
-    def poll():
-        s, r = conn.get_finished(list(engine_finished))
-        seen["sending"] += s
-        seen["recving"] += r
-        return rid in seen[which]
-
-    wait_until(poll, what=f"{rid} finished {which}")
 
 
 def reconnected(conns, token):
