@@ -28,14 +28,13 @@ if(KVTIER_SANITIZE)
     add_compile_options(-Wno-tsan)
   endif()
   add_link_options(-fsanitize=${KVTIER_SANITIZE})
-  # -O1 rather than Debug's -O0 (the level the sanitizers' own documentation suggests): the
-  # instrumentation of unoptimised code is most of a sanitizer build's compile time (g++ 12,
-  # ASan+UBSan, CPU-s of tests/cache/tiered_cache_test.cpp's kind of file: 49 at -O0, ~30 at
-  # -O1/-Og), the reports' file:line stay exact (-g, frame pointers kept), and the suites run
-  # ~2x faster. Not -Og: g++ 12 at -Og does not inline xxHash 0.8.1's always_inline
-  # accumulators behind XXH3_128bits_withSecret and fails to compile (docs/architecture.md
-  # "Build" says what an engine built with -Og defines).
-  add_compile_options($<$<CONFIG:Debug>:-O1>)
+  # Debug's -O0: the instrumentation is most of a sanitizer build's compile time, and it
+  # costs least unoptimised (g++ 12, ASan+UBSan, CPU-s: server_instance.cpp 111 at -O0, 208
+  # at -O1, 111 at -Og; the first unity batch of the server tests 116 / 141; cache/
+  # tiered_cache_test.cpp 46 / 73; the mini engine 36 / ~60 / 45). The suites run longer
+  # (the ASan suite 112 s at -O0, 65 s at -O1): far less than the compiles save. Not -Og either: g++ 12 at -Og cannot
+  # inline xxHash 0.8.1's always_inline accumulators behind XXH3_128bits_withSecret
+  # (docs/architecture.md "Build" says what an engine built with -Og defines).
   if(KVTIER_SANITIZE MATCHES "undefined")
     add_compile_options(-fno-sanitize-recover=undefined)
   endif()
@@ -60,7 +59,7 @@ endfunction()
 # at -O1 (and ~10 to parse). The programs the tests run as processes (kvtier-server, the mini
 # engine, the harness) and the Python extension stay at the build type's level, so the
 # process tests, the gates and the Python suite run the library at -O3; the sanitizer
-# stages build everything at -O1 (above).
+# stages build everything at -O0 (above).
 set(KVTIER_TEST_OPTIMIZATION "-O1" CACHE STRING
     "Optimization flag of the test binaries in optimized builds (empty: the build type's)")
 function(kvtier_test_defaults target)

@@ -40,7 +40,7 @@ jobs=$(kvtier_jobs)
 start=$(date +%s)
 stage() { echo; echo "== [$(( $(date +%s) - start ))s] $*"; }
 
-# Debug at -O1 (cmake/kvtier_build.cmake): the sanitizer builds are compile-bound (their suites
+# Debug, -O0 (cmake/kvtier_build.cmake): the sanitizer builds are compile-bound (their suites
 # run in about a minute).
 sanitizer_args=(-DCMAKE_BUILD_TYPE=Debug -DKVTIER_BUILD_BENCH=OFF -DKVTIER_WITH_CUDA=OFF -DKVTIER_BUILD_PYTHON=OFF
                 -DKVTIER_REQUIRE_ALL_TESTS=ON)
@@ -116,7 +116,9 @@ bg_wait() {  # bg_wait <name>: the builds finish in order, so the next report is
   fi
   tail -n 2 "$log"
 }
-trap '[ -n "$bg_pid" ] && kill -- "-$bg_pid" 2>/dev/null; true' EXIT
+# (An if, not "[ ... ] && kill": under set -e a failed kill, the chain having ended, made
+# the script's status 1 after "all passed".)
+trap 'if [ -n "$bg_pid" ]; then kill -- "-$bg_pid" 2>/dev/null || true; fi' EXIT
 
 stage "main build (Release): build/"
 cmake --build build -j"$jobs"

@@ -27,6 +27,9 @@
 #include <thread>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_copy_test {
+
 using namespace kvtier;
 namespace asio = boost::asio;
 
@@ -432,3 +435,5 @@ TEST_CASE("the load-or-recompute gate offers from L2 only what loads faster than
   test::run_sync(io, c.wait_idle());
   CHECK(lookup(k, 32'000) == 4);
 }
+
+}  // namespace file_copy_test

@@ -25,6 +25,9 @@
 #include <filesystem>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_disk_pipeline_test {
+
 using namespace kvtier;
 namespace asio = boost::asio;
 using kvtier::test::run_sync;
@@ -273,3 +276,5 @@ TEST_CASE("two lookups prefetching the same document at once share the load and 
   f.cache->release_all(i2);
   CHECK(f.cache->l1().usage().slots_used == 0);  // temporary: freed with the last reader
 }
+
+}  // namespace file_disk_pipeline_test

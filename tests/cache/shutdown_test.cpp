@@ -27,6 +27,9 @@
 #include <thread>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_shutdown_test {
+
 using namespace kvtier;
 namespace asio = boost::asio;
 using kvtier::test::run_sync;
@@ -185,3 +188,5 @@ TEST_CASE("async_stop answers every lookup, drops queued work, and completes onc
   CHECK(f.io.poll() == 0);
   f.cache.reset();
 }
+
+}  // namespace file_shutdown_test

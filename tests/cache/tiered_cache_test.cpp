@@ -24,6 +24,9 @@
 #include <atomic>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_tiered_cache_test {
+
 using namespace kvtier;
 namespace asio = boost::asio;
 using kvtier::test::run_sync;
@@ -650,3 +653,5 @@ TEST_CASE("release gives back exactly the keys named, in any order, and ignores 
   f.cache->release_all(f.last_id);
   for (const auto& x : k) CHECK(f.cache->l1().state(x) == l1::object_state::ready);
 }
+
+}  // namespace file_tiered_cache_test

@@ -18,6 +18,9 @@
 #include <thread>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_connector_test {
+
 using namespace kvtier;
 using namespace std::chrono_literals;
 namespace p = kvtier::protocol;
@@ -1024,3 +1027,5 @@ TEST_CASE("a retrieve ended by the server's close counts the chunks ready and fe
   h.server->sync();
   for (std::uint32_t k = 0; k < 2; ++k) CHECK(block_is(h.region, 10 + k, static_cast<std::uint8_t>(1 + k)));
 }
+
+}  // namespace file_connector_test

@@ -8,6 +8,9 @@
 #include <string>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_finished_tracker_test {
+
 using kvtier::engine::finished_requests;
 using kvtier::engine::finished_tracker;
 using ids = std::vector<std::string>;
@@ -465,3 +468,5 @@ TEST_CASE("random interleavings of retrieves, stores and finishes match the refe
   CHECK(recv_reports > 0);
   CHECK(send_reports > 0);
 }
+
+}  // namespace file_finished_tracker_test

@@ -4,6 +4,9 @@
 
 #include <chrono>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_health_test {
+
 using namespace std::chrono_literals;
 using kvtier::engine::backoff;
 using kvtier::engine::breaker;
@@ -38,3 +41,5 @@ TEST_CASE("health states have names", "[engine][health]") {
   CHECK(kvtier::engine::name(kvtier::engine::health_state::unhealthy) == "unhealthy");
   CHECK(kvtier::engine::name(kvtier::engine::health_state::healthy) == "healthy");
 }
+
+}  // namespace file_health_test

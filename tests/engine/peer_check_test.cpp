@@ -20,6 +20,9 @@
 #include <string>
 #include <thread>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_peer_check_test {
+
 using namespace kvtier;
 using namespace std::chrono_literals;
 namespace p = kvtier::protocol;
@@ -152,3 +155,5 @@ TEST_CASE("the connector accepts a server run by the uid it is told to expect", 
   }
   CHECK(srv.fake.finish() == (got_any_request | got_register));
 }
+
+}  // namespace file_peer_check_test

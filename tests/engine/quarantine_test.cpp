@@ -5,6 +5,9 @@
 #include <chrono>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_quarantine_test {
+
 using kvtier::engine::quarantine;
 using blocks = std::vector<std::uint32_t>;
 
@@ -73,3 +76,5 @@ TEST_CASE("block ids beyond the region are refused", "[engine][quarantine]") {
   CHECK(q.empty());
   CHECK_FALSE(q.contains(100));
 }
+
+}  // namespace file_quarantine_test

@@ -18,6 +18,9 @@
 #include <cstring>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_backend_conformance_test {
+
 using namespace kvtier;
 namespace asio = boost::asio;
 using kvtier::test::run_sync;
@@ -297,3 +300,5 @@ TEMPLATE_TEST_CASE("a backend lists the objects it stores, those its filter acce
   std::sort(expected.begin(), expected.end());
   CHECK(keys_of(after) == expected);
 }
+
+}  // namespace file_backend_conformance_test

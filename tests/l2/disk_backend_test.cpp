@@ -38,6 +38,9 @@
 #include <thread>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_disk_backend_test {
+
 using namespace kvtier;
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
@@ -1033,3 +1036,5 @@ TEST_CASE("operations started from several threads while the I/O thread runs sta
   INFO("loaded " << loaded.load() << ", lookup hits " << lookups.load());
   CHECK(scan(dir.path()).temp_files == 0);
 }
+
+}  // namespace file_disk_backend_test

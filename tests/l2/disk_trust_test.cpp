@@ -19,6 +19,9 @@
 #include <string>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_disk_trust_test {
+
 using namespace kvtier;
 namespace asio = boost::asio;
 namespace fs = std::filesystem;
@@ -131,3 +134,5 @@ TEST_CASE("a tier directory or object file of another user is not trusted", "[l2
   CHECK(fs::exists(planted));  // left alone
   CHECK(fs::exists(writable));
 }
+
+}  // namespace file_disk_trust_test

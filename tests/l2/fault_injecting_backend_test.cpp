@@ -14,6 +14,9 @@
 #include <optional>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_fault_injecting_backend_test {
+
 using namespace kvtier;
 namespace asio = boost::asio;
 using kvtier::test::run_sync;
@@ -190,3 +193,5 @@ TEST_CASE("a delay cancelled after the wrapped load completed answers at once wi
   CHECK_FALSE(std::get<0>(*result));
   CHECK(std::get<1>(*result).outcomes[0] == l2::key_outcome::ok);
 }
+
+}  // namespace file_fault_injecting_backend_test

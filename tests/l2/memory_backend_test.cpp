@@ -10,6 +10,9 @@
 
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_memory_backend_test {
+
 using namespace kvtier;
 namespace asio = boost::asio;
 using kvtier::test::run_sync;
@@ -81,3 +84,5 @@ TEST_CASE("a cancelled load completes with operation_aborted and writes nothing"
   CHECK(std::get<1>(*result).outcomes[0] != l2::key_outcome::ok);
   CHECK(dst[0] == std::byte{0});
 }
+
+}  // namespace file_memory_backend_test

@@ -9,6 +9,9 @@
 #include <chrono>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_load_or_recompute_test {
+
 using namespace kvtier;
 using namespace kvtier::pipeline;
 using std::chrono::milliseconds;
@@ -100,3 +103,5 @@ TEST_CASE("best_prefix weighs each chunk by the chance that the prefix up to it 
   const std::vector<load_estimate> est = {slow};
   CHECK(best_prefix(l2_only, recompute_rate{0, 256, 1, 8 * mib}, est).keys == 4);
 }
+
+}  // namespace file_load_or_recompute_test

@@ -6,6 +6,9 @@
 
 #include <cstring>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_plan_test {
+
 using namespace kvtier;
 using namespace kvtier::pipeline;
 
@@ -152,3 +155,5 @@ TEST_CASE("wait policies give the budgets of SGLang's prefetch policies", "[pipe
   CHECK(write_through{}.keep_in_l1());
   CHECK_FALSE(skip_l1{}.keep_in_l1());
 }
+
+}  // namespace file_plan_test

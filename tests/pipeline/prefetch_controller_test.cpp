@@ -9,6 +9,9 @@
 
 #include "pipeline/pipeline_fixtures.hpp"
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_prefetch_controller_test {
+
 using namespace kvtier;
 using namespace kvtier::test;
 
@@ -167,3 +170,5 @@ TEST_CASE("after stop a prefetch is answered with operation_aborted and holds no
   CHECK(a.r.prefix == 0);
   for (const auto& k : keys) CHECK_FALSE(f.l1->contains(k));
 }
+
+}  // namespace file_prefetch_controller_test

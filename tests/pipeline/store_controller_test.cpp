@@ -9,6 +9,9 @@
 
 #include "pipeline/pipeline_fixtures.hpp"
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_store_controller_test {
+
 using namespace kvtier;
 using namespace kvtier::test;
 
@@ -118,3 +121,5 @@ TEST_CASE("stop drops what is queued and ends the loop; offers after it are igno
   CHECK(f.held_by(0, keys) == 0);
   for (const auto& k : keys) CHECK(f.l1->contains(k));
 }
+
+}  // namespace file_store_controller_test

@@ -13,6 +13,9 @@
 #include <stdexcept>
 #include <string>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_backend_json_test {
+
 using namespace kvtier;
 
 TEST_CASE("the disk backend's JSON options parse with clear errors", "[server][disk]") {
@@ -101,3 +104,5 @@ TEST_CASE("options are checked and read from JSON key for key, passwords never f
   CHECK(throws_naming(R"({"password_file": "/a", "password_env": "B"})", "not both"));
   CHECK(throws_naming(R"({"cluster": true, "database": 2})", "database"));
 }
+
+}  // namespace file_backend_json_test

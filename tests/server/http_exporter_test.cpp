@@ -12,6 +12,9 @@
 #include <thread>
 #include <vector>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_http_exporter_test {
+
 using namespace kvtier;
 using namespace kvtier::server;
 using kvtier::telemetry::registry;
@@ -242,3 +245,5 @@ TEST_CASE("binding a bad address is a clear error", "[server][http]") {
   REQUIRE_FALSE(r.has_value());
   CHECK(r.error() == errc::invalid_config);
 }
+
+}  // namespace file_http_exporter_test

@@ -9,6 +9,9 @@
 #include <utility>
 #include <variant>
 
+// This file's names (its test binary is compiled in unity batches with the module's other files).
+namespace file_request_kinds_test {
+
 TEST_CASE("requests and their responses map onto the bus request kinds", "[server][request_kinds]") {
   namespace p = kvtier::protocol;
   using k = kvtier::bus::request_kind;
@@ -43,3 +46,5 @@ TEST_CASE("requests and their responses map onto the bus request kinds", "[serve
         ...);
   }(std::make_index_sequence<std::variant_size_v<p::message>>{});
 }
+
+}  // namespace file_request_kinds_test
