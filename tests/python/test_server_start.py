@@ -25,17 +25,6 @@ CHUNKS = 4
 L1_MB = 2048
 
 
-def patient(o):
-    """The connector's default deadlines (ping 1 s, requests 2 s, lookups and retrieves 5 s), the tests'
-    fast reconnection kept."""
-    defaults = kvtier.ConnectorOptions().timeouts
-    t = o.timeouts
-    for k in ("ping_timeout_ms", "request_timeout_ms", "lookup_timeout_ms", "retrieve_timeout_ms", "store_timeout_ms"):
-        setattr(t, k, getattr(defaults, k))
-    o.timeouts = t
-    return o
-
-
 def reconnected(conns, token):
     wait_until(lambda: all(c.healthy and c.boot_token == token for c in conns), what="the connectors reconnected")
 
@@ -44,12 +33,16 @@ def test_engines_hit_the_disk_in_every_round_of_three_kill_restart_cycles(server
     disk = json.dumps({"type": "disk", "path": str(tmp_path / "l2"), "capacity_gb": 0.0625})
     srv = servers.start(chunk_tokens=CT, l1_mb=L1_MB, extra=["--l2-backend", disk], name="restarted")
     region = kvtier.KvRegion.create(PagedKvLayout(SHAPE, BS, 64))
-    # The engines' deadlines are the connector's defaults, not the tests' 1-1.5 s: this test
-    # is about hits across restarts, not about how fast a dead server is noticed, and on the
-    # 2-core CI VM (a sanitizer build beside it, 2 GiB of L1 faulted in after each kill) one
-    # round's retrieve once ended in load errors on every block with the short ones.
-    w = kvtier.Connector(patient(options(srv.socket_path, chunk_tokens=CT, scheduler=False)), region)
-    o = patient(options(srv.socket_path, chunk_tokens=CT, scheduler=True))
+    # One engine across its two connections, as vLLM's scheduler and worker are (the same
+    # engine_id): the worker's retrieve then copies through the scheduler's lookup as its
+    # loads land. Without it each connection is an engine of its own, the retrieve takes the
+    # plain pin path and a chunk still loading from the disk is a load error (on the loaded
+    # CI VM, every block of a round after a restart).
+    w_opts = options(srv.socket_path, chunk_tokens=CT, scheduler=False)
+    w_opts.engine_id = "restarted-engine"
+    w = kvtier.Connector(w_opts, region)
+    o = options(srv.socket_path, chunk_tokens=CT, scheduler=True)
+    o.engine_id = "restarted-engine"
     o.model = SHAPE
     sched = kvtier.Connector(o)
     assert w.wait_ready(30) and sched.wait_ready(30), w.last_error + sched.last_error
