@@ -319,8 +319,12 @@ def test_layerwise_a_preempted_request_loads_again_when_resumed(servers):
     srv = servers.start(chunk_tokens=CT)
     with engine(srv, token_budget=16, extra=LAYERWISE) as e:
         a = preempt_after_its_load(e, 23)
-        # Resumed, it loaded again what the server has now: the 4 chunks it stored before.
-        assert a.num_preemptions == 1 and a.num_external_computed_tokens == 64
+        # Resumed, it loaded again what the server has now: the 4 chunks it stored before, or
+        # the 3 of the warm-up where the 4th chunk's store (sent as it was computed) had not
+        # landed yet when the resumed request looked up (seen once on a loaded machine: 48).
+        # Either way it loads only what is there and computes the rest (assert_clean checks
+        # the KV it ran with).
+        assert a.num_preemptions == 1 and a.num_external_computed_tokens in (48, 64)
         assert len(a.output_token_ids) == 2
         assert_never_receiving(e)
         assert_clean(e, srv)
