@@ -38,8 +38,8 @@ for t in "${targets[@]}"; do
   case " ${all[*]} " in *" $t "*) ;; *) echo "fuzz.sh: no target '$t' (--list)" >&2; exit 2 ;; esac
 done
 
-kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" "${KVTIER_FUZZ_PACKAGES[@]}"
-clangxx=$(command -v clang++-14 || command -v clang++)
+kvtier_ensure_packages "${KVTIER_BUILD_PACKAGES[@]}" "${KVTIER_CLANG_PACKAGES[@]}"
+clangxx=$(kvtier_clangxx)
 build=build-fuzz
 kvtier_configure "$build" -DCMAKE_CXX_COMPILER="$clangxx" -DCMAKE_BUILD_TYPE=Debug -DKVTIER_BUILD_FUZZERS=ON \
   -DKVTIER_BUILD_TESTS=OFF -DKVTIER_BUILD_EXAMPLES=OFF -DKVTIER_BUILD_BENCH=OFF -DKVTIER_WITH_CUDA=OFF >/dev/null

@@ -12,8 +12,10 @@ KVTIER_TEST_PACKAGES=(prometheus redis-server redis-tools fio curl jq procps uti
 # The Python package (python/, KVTIER_BUILD_PYTHON) and its tests, for /usr/bin/python3.
 KVTIER_PYTHON_PACKAGES=(python3-dev pybind11-dev python3-torch python3-numpy python3-pytest python3-xxhash
   python3-pip python3-venv python3-setuptools python3-wheel)
-# The fuzz targets (scripts/fuzz.sh): clang 14 and its libFuzzer/sanitizer runtimes.
-KVTIER_FUZZ_PACKAGES=(clang-14 libclang-rt-14-dev)
+# clang 14 and its libFuzzer/sanitizer runtimes: the fuzz targets (scripts/fuzz.sh) and the
+# sanitizer builds of scripts/test.sh.
+KVTIER_CLANG_PACKAGES=(clang-14 libclang-rt-14-dev)
+kvtier_clangxx() { command -v clang++-14 || command -v clang++; }
 
 # kvtier_ensure_packages PKG...: installs, non-interactively, those not installed yet.
 # Nothing is installed (and apt is not touched) when everything is present.
@@ -52,12 +54,19 @@ kvtier_configure() {
   shift
   local cache=$dir/CMakeCache.txt
   if [ -f "$cache" ]; then
-    local home gen
+    local home gen cxx want_cxx="" a
     home=$(sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$cache")
     gen=$(sed -n 's/^CMAKE_GENERATOR:INTERNAL=//p' "$cache")
+    cxx=$(sed -n 's/^CMAKE_CXX_COMPILER:[A-Z]*=//p' "$cache")
+    for a in "$@"; do case "$a" in -DCMAKE_CXX_COMPILER=*) want_cxx=${a#-DCMAKE_CXX_COMPILER=} ;; esac; done
     if [ "$gen" != Ninja ] || [ "$(cd "$home" 2>/dev/null && pwd -P)" != "$(pwd -P)" ]; then
       echo "kvtier: $dir was configured for ${home:-an unknown source tree} with ${gen:-an unknown generator}," \
            "not for $(pwd -P) with Ninja: removing it" >&2
+      rm -rf "$dir"
+    elif [ -n "$want_cxx" ] && [ "$(readlink -f "$cxx")" != "$(readlink -f "$want_cxx")" ]; then
+      # CMake cannot change a configured directory's compiler (it deletes the cache and asks
+      # for the options again): a build/-asan made with g++ by an older kvtier, for one.
+      echo "kvtier: $dir was configured with the compiler ${cxx:-unknown}, not $want_cxx: removing it" >&2
       rm -rf "$dir"
     fi
   fi

@@ -8,7 +8,14 @@
 #include <cstdlib>
 #include <new>
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+// g++ defines __SANITIZE_*__; clang 14 only answers __has_feature.
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define KVTIER_TEST_SANITIZER_OPERATOR_NEW 1
+#endif
+#endif
+#if defined(KVTIER_TEST_SANITIZER_OPERATOR_NEW)
+#elif defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 #define KVTIER_TEST_SANITIZER_OPERATOR_NEW 1
 #else
 #define KVTIER_TEST_SANITIZER_OPERATOR_NEW 0

@@ -124,7 +124,7 @@ class basic_event_bus {
       while (n < max) {
         auto item = queue_.try_pop();
         if (!item) break;
-        std::visit([this](const auto& e) { deliver_deferred(e); }, *item);
+        std::visit([&](const auto& e) { deliver_deferred(e); }, *item);
         ++n;
       }
       delivered_.fetch_add(n, std::memory_order_relaxed);
@@ -201,7 +201,7 @@ class basic_event_bus {
 
   template <class E>
   void deliver_deferred(const E& e) noexcept {
-    std::apply([&e, this](auto&... s) { (deliver_one_deferred(s, e), ...); }, subscribers_);
+    std::apply([&](auto&... s) { (deliver_one_deferred(s, e), ...); }, subscribers_);
   }
 
   template <class S, class E>

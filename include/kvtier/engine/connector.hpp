@@ -115,7 +115,7 @@ struct connector_stats {
 };
 
 template <class Bus>
-class connector : private detail::link_owner {
+class connector final : private detail::link_owner {
  public:
   static_assert(bus::event_bus<Bus>, "kvtier::engine::connector: Bus must model kvtier::bus::event_bus");
   using bus_type = Bus;
