@@ -1,7 +1,10 @@
-"""Type stubs of kvtier's pybind11 extension (python/src/kvtier_module.cpp)."""
+"""Type stubs of kvtier's pybind11 extension (python/src/kvtier_module.cpp), kept by hand:
+tests/python/test_stubs.py checks them against the built module (names, kinds, parameters,
+defaults, enum values).
+"""
 
 import enum
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import ClassVar, Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy
 
@@ -16,7 +19,15 @@ class KvtierError(RuntimeError):
 class UsageError(KvtierError):
     """A call this object cannot serve (e.g. a scheduler's connector asked to store)."""
 
-class DtypeKind(enum.IntEnum):
+class _Enum(enum.Enum):
+    """pybind11's enums: not ints (``DtypeKind.FP32 == 0`` is False); ``int()`` and
+    ``operator.index`` give the value, ``.name`` and ``.value`` are an Enum's. Not iterable
+    (``__members__`` lists the members)."""
+
+    def __int__(self) -> int: ...
+    def __index__(self) -> int: ...
+
+class DtypeKind(_Enum):
     FP32 = 0
     FP16 = 1
     BF16 = 2
@@ -24,20 +35,20 @@ class DtypeKind(enum.IntEnum):
     FP8_E5M2 = 4
     INT8 = 5
 
-class KvLayoutKind(enum.IntEnum):
+class KvLayoutKind(_Enum):
     NHD = 0
     HND = 1
     MLA = 2
 
-class AttentionKind(enum.IntEnum):
+class AttentionKind(_Enum):
     MHA = 0
     MLA = 1
 
-class HashAlgorithm(enum.IntEnum):
+class HashAlgorithm(_Enum):
     XXH3_128 = 0
     SHA256 = 1
 
-class HealthState(enum.IntEnum):
+class HealthState(_Enum):
     STARTING = 0
     HEALTHY = 1
     UNHEALTHY = 2
@@ -69,6 +80,8 @@ class ModelShape:
     @property
     def token_bytes(self) -> int: ...
     def validation_error(self) -> str: ...
+    def __eq__(self, other: object) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
 
 class ChunkLayout:
     model: ModelShape
@@ -90,6 +103,7 @@ class KvStrides:
     @property
     def dense(self) -> bool: ...
     def __eq__(self, other: object) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
 
 class PagedKvLayout:
     model: ModelShape
@@ -123,6 +137,8 @@ class PagedKvLayout:
     def offset_in_layer(self, plane: int, block: int, token: int = 0, head: int = 0) -> int: ...
     def validation_error(self) -> str: ...
     def compatibility_error(self, chunk: ChunkLayout) -> str: ...
+    def __eq__(self, other: object) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
 
 class TokenHasher:
     def __init__(self, chunk_tokens: int = 256, algorithm: HashAlgorithm = HashAlgorithm.XXH3_128) -> None: ...
@@ -149,6 +165,8 @@ class ChunkKey:
     @property
     def hash(self) -> int: ...
     def encode(self) -> bytes: ...
+    def __eq__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
 
 class LayerBuffer:
     """One layer's tensor as writable bytes (the buffer protocol); keeps its region alive."""
@@ -229,9 +247,9 @@ class Connector:
     @property
     def options(self) -> ConnectorOptions: ...
     def stats(self) -> dict: ...
-    def chunk_hashes(self, tokens: _Tokens, extras: Optional[Sequence[bytes]] = None) -> List[int]:
-        """One hash per full chunk; ``extras`` (one ``bytes`` per full chunk, ``b""`` for none)
-        are folded into each chunk's hash after its tokens (an empty one changes nothing)."""
+    def chunk_hashes(self, tokens: _Tokens) -> List[int]:
+        """One hash per full chunk of ``tokens``, with the connector's chunk size and hash
+        (no extras: :meth:`TokenHasher.chunk_hashes` folds those)."""
     def lookup(self, request_id: str, tokens: _Tokens, cache_salt: str = "") -> None: ...
     def lookup_hashes(self, request_id: str, hashes: Iterable[int], cache_salt: str = "") -> None: ...
     def lookup_result(self, request_id: str) -> Optional[int]: ...

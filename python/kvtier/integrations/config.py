@@ -1,18 +1,15 @@
 """The adapter's configuration: what the scheduler side and the worker side both need
-(:class:`KVTierConfig`), built from vLLM's config by :func:`kvtier.integrations.vllm.config_from_vllm`
-or directly."""
+(:class:`KVTierConfig`), built from vLLM's config by
+:func:`kvtier.integrations.vllm_config.config_from_vllm` or directly."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 from .._kvtier import ConnectorOptions, HashAlgorithm, KvLayoutKind, ModelShape, parse_kv_layout_kind
 
 __all__ = ["KVTierConfig", "TIMEOUT_KEYS", "LOAD_MODES", "KV_ROLES"]
-
-log = logging.getLogger("kvtier")
 
 #: ``KVTierConfig.load_mode`` values: loads between steps, or synchronous and layer by layer.
 LOAD_MODES = ("async", "layerwise")
@@ -35,8 +32,8 @@ TIMEOUT_KEYS = (
 
 @dataclass
 class KVTierConfig:
-    """What both sides need; built from vLLM's config by ``KVTierConfig.from_vllm_config`` (in
-    :mod:`kvtier.integrations.vllm`) or directly.
+    """What both sides need; built from vLLM's config by
+    :func:`kvtier.integrations.vllm_config.config_from_vllm` or directly.
 
     Attributes:
         socket_path: the kvtier-server's Unix socket.
@@ -90,6 +87,7 @@ class KVTierConfig:
     kv_role: str = "kv_both"
     kv_cache_backend: str = "auto"
     cache_dtype: str = "auto"
+    engine_id: str = ""
 
     @property
     def loads(self) -> bool:
@@ -100,7 +98,6 @@ class KVTierConfig:
     def stores(self) -> bool:
         """Whether this engine stores the chunks it computes (``kv_producer``, ``kv_both``)."""
         return self.kv_role != "kv_consumer"
-    engine_id: str = ""
 
     @property
     def layerwise(self) -> bool:
@@ -146,12 +143,16 @@ class KVTierConfig:
         o.cache_salt = self.cache_salt
         o.prefill_tokens_per_second = self.prefill_tokens_per_second
         o.engine_id = self.engine_id
-        o.hash = HashAlgorithm.SHA256 if self.hash == "sha256" else HashAlgorithm.XXH3_128
+        o.hash = self.hash_algorithm()
         t = o.timeouts
         for key, value in self.timeouts_ms.items():
             setattr(t, key, int(value))
         o.timeouts = t
         return o
+
+    def hash_algorithm(self) -> HashAlgorithm:
+        """The chunk hash ``hash`` names (``"xxh3"`` is ``"xxh3_128"``)."""
+        return HashAlgorithm.SHA256 if self.hash == "sha256" else HashAlgorithm.XXH3_128
 
     def layout_kind(self) -> Optional[KvLayoutKind]:
         """The configured layout kind, or None for ``auto``."""

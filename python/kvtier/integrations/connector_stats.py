@@ -19,10 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Optional, Union
 
-try:  # pragma: no cover - vLLM is not installable in kvtier's CI
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
-except ImportError:
-    from ._vllm_standin import KVConnectorStats
+from .vllm_base import KVConnectorStats
 
 __all__ = ["KVTierConnectorStats", "STATS_KEYS"]
 

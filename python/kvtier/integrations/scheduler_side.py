@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
-from .._kvtier import AttentionKind, Connector, HashAlgorithm, KvLayoutKind, TokenHasher
+from .._kvtier import AttentionKind, Connector, KvLayoutKind, TokenHasher
 from .config import KVTierConfig
 from .plan import LoadOp, StepInput, StepPlan, StoreOp
 from .request_keys import RequestKeys
@@ -45,7 +45,7 @@ class SchedulerSide:
         self._bs = config.block_size
         self._ct = config.chunk_tokens
         self._bpc = config.chunk_tokens // config.block_size
-        self._hasher = TokenHasher(config.chunk_tokens, HashAlgorithm.SHA256 if config.hash == "sha256" else HashAlgorithm.XXH3_128)
+        self._hasher = TokenHasher(config.chunk_tokens, config.hash_algorithm())
         if connector is None:
             if config.model is None:
                 raise ValueError("kvtier: the scheduler needs config.model, one rank's KV shape")
