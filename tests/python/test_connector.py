@@ -166,8 +166,11 @@ def test_a_layerwise_retrieve_makes_its_layers_ready_and_is_never_reported_recei
     assert w.take_load_error_blocks() == []
     for t in layers:
         assert torch.equal(t[:, 12:24], t[:, :12])
-    # Two layers, every chunk in L1: the server reported layer 1 before its answer.
-    assert w.stats()["progress_messages"] == 1
+    # Two layers, every chunk in L1: the server reported layer 1 before its answer. Progress
+    # frames are coalesced, not counted out: one carrying the latest counts is queued at a
+    # time, so the layer and the three chunks may come as 1 to 4 frames depending on when
+    # the I/O thread sends (seen: 2 in about 1 run of 20; this asserted exactly 1).
+    assert 1 <= w.stats()["progress_messages"] <= 4
     assert _drain_recving(w, 3) == []
     sending, recving = w.get_finished(["r"])
     assert sending == ["r"] and recving == []
