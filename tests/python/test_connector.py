@@ -168,9 +168,10 @@ def test_a_layerwise_retrieve_makes_its_layers_ready_and_is_never_reported_recei
         assert torch.equal(t[:, 12:24], t[:, :12])
     # Two layers, every chunk in L1: the server reported layer 1 before its answer. Progress
     # frames are coalesced, not counted out: one carrying the latest counts is queued at a
-    # time, so the layer and the three chunks may come as 1 to 4 frames depending on when
-    # the I/O thread sends (seen: 2 in about 1 run of 20; this asserted exactly 1).
-    assert 1 <= w.stats()["progress_messages"] <= 4
+    # time, so the layers (1, 2) and leading chunks (1 to 3) come in one frame or several,
+    # depending on when the I/O thread sends (seen: 2 in about 1 run of 20; this asserted
+    # exactly 1).
+    assert 1 <= w.stats()["progress_messages"] <= 5
     assert _drain_recving(w, 3) == []
     sending, recving = w.get_finished(["r"])
     assert sending == ["r"] and recving == []
