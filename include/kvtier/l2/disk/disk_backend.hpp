@@ -85,6 +85,7 @@
 
 #include <array>
 #include <atomic>
+#include <bitset>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -273,10 +274,35 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   struct load_plan;
   struct store_item;
   struct store_plan;
+  struct store_leftovers;
+
+  struct recovery_scan;
 
   // The directory (impl/disk_directory.hpp).
   void open_directory();
+  /// Throws std::runtime_error naming the backend and its path, what failed and strerror(err) (err 0: none).
+  [[noreturn]] void throw_directory_error(const std::string& what, int err) const;
+  /// Throws std::invalid_argument naming the backend and its path, and why it is not trusted.
+  [[noreturn]] void throw_untrusted(const std::string& why) const;
+  /// A directory of ours (objects/, tmp/, a shard): trusted as the root, and tightened to 0700
+  /// when an older version made it wider.
+  void check_own_directory(int fd, const std::string& path) const;
+  /// The format marker: refuses a directory written by another format (or something else),
+  /// writes it into a new one.
+  void check_format_marker() const;
+  /// Takes the flock on LOCK: one process per directory.
+  void lock_directory();
+  /// Creates and opens objects/, tmp/ and the shard directories, checking each is ours.
+  void open_subdirectories();
+  /// Whether the file system takes O_DIRECT (a probe file in tmp/); warns when it does not.
+  bool takes_o_direct();
   void recover();
+  /// Checks one entry of a shard directory; recovers it into scan.all, drops it, or leaves it alone.
+  void scan_object_file(recovery_scan& scan, unsigned shard, const std::string& name);
+  /// verify_on_start: why the payload of the object open as fd fails its check, or empty.
+  static std::string_view check_payload(int fd, const object_header& h, aligned_buffer& scratch);
+  /// Deletes an object file found bad at start-up; counts it and warns about the first eight.
+  void drop_at_start(recovery_scan& scan, int dirfd, const std::string& name, std::string_view why);
   void close_fds() noexcept;
 
   // The operations: lookup and load (impl/disk_load.hpp), store (impl/disk_store.hpp),
@@ -314,12 +340,42 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   template <class Plan>
   boost::asio::awaitable<void> run_parts(fan_state& fs, deadline d, Plan plan);
 
+  // The steps of a load (impl/disk_load.hpp).
+  /// Step 1, under the mutex: answers the keys absent or of another size, touches the others.
+  std::vector<load_item> plan_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations,
+                                   const load_observer& observer, batch_result& r);
+  /// Step 2: the parts of every item (header, payload, tail), its blocks in `blocks`.
+  std::vector<part> load_parts(std::vector<load_item>& items, std::byte* blocks, std::vector<hash_state>& hashes);
+  /// Step 3: item's file could not be opened (ENOENT: removed behind our back, forgotten).
+  void fail_open(load_item& it, const error_code& ec);
   void part_loaded(std::vector<load_item>& items, std::vector<part>& parts, std::size_t i, const error_code& ec,
                    std::size_t got);
   void fail_load(load_item& it, const error_code& ec);
   void verify_loaded(load_item& it);
+  // The steps of a store (impl/disk_store.hpp).
+  /// Step 1, under the mutex: answers the keys that exist or find no room, reserves room for the
+  /// others (appending the victims to evict) and marks them `writing`.
+  std::vector<store_item> plan_store(std::span<const chunk_key> keys,
+                                     std::span<const std::span<const std::byte>> sources, batch_result& r,
+                                     std::vector<detail::disk_victim>& victims);
+  /// Step 2: the parts of every item (payload, tail, header last), its blocks in `blocks`.
+  std::vector<part> store_parts(std::vector<store_item>& items, std::byte* blocks, std::vector<hash_state>& hashes);
+  /// Step 3: item's temporary file is open as fd; preallocates it (fails the item on ENOSPC).
+  void adopt_temp_file(store_item& it, int fd);
   boost::asio::awaitable<void> commit_stored(store_item& it, fan_state& fs, unsigned lane);
   void fail_store(store_item& it, const error_code& ec);
+  /// Step 6: closes every file and answers each key; what is left to clean up.
+  store_leftovers close_stored(std::vector<store_item>& items, batch_result& r);
+  /// Step 6, under the mutex: releases the room of the keys that did not commit, keeps counting
+  /// the temporary files that could not be deleted.
+  void release_uncommitted(const std::vector<store_item>& items, const std::vector<error_code>& temp_errors,
+                           const std::vector<std::uint64_t>& temp_bytes);
+  /// Step 7: fsyncs the shard directories in `dirty`, not stoppable.
+  boost::asio::awaitable<void> sync_shards(std::bitset<detail::disk_shard_count> dirty);
+  /// Step 8 (st_blocks above the estimates), and the start-up scan (a capacity lowered since
+  /// the last run): under the mutex, the victims that bring usage back under the low watermark
+  /// when it passed the high one, or nullopt.
+  std::optional<std::vector<detail::disk_victim>> trim_victims();
   /// Unlinks names relative to dirfd, not stoppable (cleanup always completes); the error of
   /// each (ENOENT counts as success).
   template <class Name>
