@@ -463,6 +463,32 @@ class tier {
   void place_new_keys(std::span<const chunk_key> keys, std::size_t count, std::size_t bytes, bool temporary,
                       lock_lifetime lock, std::span<std::span<std::byte>> buffers, lazy_now& now);
 
+  /// reserve_write's look-up of keys[i]: the entry to overwrite, or nullptr when the key is
+  /// answered here (out[i]: not_found, not_writable) or new (queued in new_positions_ with its
+  /// index placeholder).
+  entry* write_target(const chunk_key& key, std::size_t i, write_mode mode, std::span<status> out, lazy_now& now,
+                      tally& t);
+
+  // The steps of reserve_prefix (impl/tier_prefix.hpp), under the mutex.
+  /// Walks keys from the front, taking each (out) until one ends the prefix (r.end, r.length);
+  /// new keys get index placeholders (new_positions_). False, with every hold given back, when a
+  /// loadable key meets object_bytes 0 (misuse).
+  template <class Loadable, class Waitable>
+  bool walk_prefix(std::span<const chunk_key> keys, const prefix_options& o, std::uint32_t holds, Loadable& loadable,
+                   Waitable& waitable, std::span<prefix_take> out, std::span<std::span<std::byte>> buffers,
+                   lazy_now& now, tally& t, prefix_result& r);
+  /// Takes keys[i], present as e: read (held when o.hold_reads) or waited for; else why the
+  /// prefix ends there.
+  template <class Waitable>
+  std::optional<prefix_end> take_present(entry& e, std::size_t i, const prefix_options& o, std::uint32_t holds,
+                                         Waitable& waitable, std::span<prefix_take> out, lazy_now& now);
+  /// Makes room for the walk's new keys; short of room, cuts the prefix to the longest that
+  /// fits. Returns how many new keys have a slot.
+  std::size_t room_for_prefix(std::span<const chunk_key> keys, const prefix_options& o, std::uint32_t holds,
+                              std::span<prefix_take> out, lazy_now& now, tally& t, prefix_result& r);
+  /// Gives back, uncounted and unseen by the policy, the holds the walk took from `cut` on.
+  void give_back_prefix_reads(std::size_t cut, lock_lifetime read_lock, std::uint32_t holds, tally& t);
+
   std::size_t finish_write_impl(std::span<const chunk_key> keys, std::span<status> out, bool reserve_read,
                                 std::uint32_t extra_count, std::span<const std::uint32_t> holds,
                                 lock_lifetime read_lock);
