@@ -491,6 +491,10 @@ class tiered_cache {
   }
 
   bool any_staged() const noexcept { return staged_count_.load(std::memory_order_relaxed) > 0; }
+  // reserve_write's keys that L1 had no room for (out_of_memory) get a staging buffer while
+  // the store pipeline's staging budget allows.
+  void stage_out_of_memory(std::span<const chunk_key> keys, std::size_t object_bytes, std::span<l1::status> out,
+                           std::span<std::span<std::byte>> buffers);
 
   void release_holds(std::span<const chunk_key> keys, std::uint32_t extra) {
     if (keys.empty()) return;
@@ -498,9 +502,16 @@ class tiered_cache {
     l1_.finish_read(keys, extra, l1::lock_lifetime::pinned, st);
   }
 
-  // cache/impl/lookups.hpp
+  // cache/impl/tiered_cache.hpp
   void wait(lookup_id id, wait_handler h, bool loaded);
   void complete(lookup_id id, lookup& l, const pipeline::prefetch_result& res);
+  // Whether key i of l is set in `bits`, a bitmap of a prefetch answer (over the keys after
+  // l's L1 prefix).
+  static bool answered_past_l1(const lookup& l, const bitmap& bits, std::size_t i) noexcept {
+    return i >= l.l1_prefix && i - l.l1_prefix < bits.size() && bits.test(i - l.l1_prefix);
+  }
+  // The status of a decided answer of `chunks` whole chunks.
+  static lookup_status decided_status(const lookup& l, const pipeline::prefetch_result& res, std::size_t chunks);
   void on_key(lookup_id id, const std::shared_ptr<lookup>& l, std::size_t i, bool landed);
   [[nodiscard]] lookup_status loaded_status(const lookup& l) const;
   // cache/impl/copy_ops.hpp

@@ -475,7 +475,12 @@ class prefetch_controller {
   // are not loaded.
   void reserve(const std::shared_ptr<state>& sp, const prefetch_plan& plan, std::size_t limit);
 
+  // Step 4: publishes what the loads take (and what was found but is neither loaded nor
+  // served), then spawns one load task per backend that has keys to load.
+  void submit_loads(const std::shared_ptr<state>& sp, const prefetch_plan& plan, const std::vector<bitmap>& found);
   boost::asio::awaitable<void> load_task(std::shared_ptr<state> sp, std::size_t b, bitmap mine);
+  // Step 6: the completion events of a request that submitted loads.
+  void publish_load_completed(const state& s, std::size_t submitted);
 
   // One key of a load in flight landed (the backend told): finalize it now.
   void land(const std::shared_ptr<state>& sp, std::size_t i) {

@@ -188,6 +188,10 @@ class server_link {
   void arm_deadline_locked(pending_call& c, clock::time_point at);
   void on_deadline_io(std::uint64_t id);
   bool on_frame_io(server_connection& s, protocol::frame f);
+  /// A progress message for call `id` (moves its deadline on).
+  void on_progress_io(server_connection& s, std::uint64_t id, const protocol::message& m);
+  /// The reply to call `c`, taken from the calls in flight; false when it breaks the connection.
+  bool on_reply_io(server_connection& s, pending_call& c, protocol::message m);
   /// `server_closed`: the break is the server's close (EOF, EPIPE, ECONNRESET).
   void on_broken_io(server_connection& s, std::string_view reason, bool server_closed);
   void mark_unhealthy_io(std::string_view reason);

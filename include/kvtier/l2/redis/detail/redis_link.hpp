@@ -433,107 +433,124 @@ class redis_link final : public std::enable_shared_from_this<redis_link>, privat
     redis_reply_event::status verdict = redis_reply_event::status::object_corrupt;
   };
 
-  // Advances the object reply at the head; `delivered` once it went to its sink.
+  // Advances the object reply at the head; `delivered` once it went to its sink. Each phase
+  // answers a step to return, or nullopt when it moved to the next phase.
   step parse_object(redis_request& r) {
-    using status = redis_reply_event::status;
     for (;;) {
+      std::optional<step> s;
       switch (obj_.phase) {
-        case object_phase::line: {
-          std::string line;
-          if (!take_line(line)) return step::need_more;
-          if (!line.empty() && line[0] == '-') {
-            redis_reply_event e;
-            e.st = status::error;
-            e.text = line.substr(1);
-            deliver(std::move(e));
-            return step::delivered;
-          }
-          if (line == "$-1") {
-            redis_reply_event e;
-            e.st = status::object_nil;
-            deliver(std::move(e));
-            return step::delivered;
-          }
-          const auto n =
-              line.size() > 1 && line[0] == '$' ? redis_parse_uint(std::string_view(line).substr(1)) : std::nullopt;
-          if (!n) {
-            fatal_ = "unexpected reply to GET: " + line.substr(0, 32);
-            return step::fatal;
-          }
-          obj_.value_bytes = *n;
-          if (*n < object_header_bytes) {
-            obj_.verdict = status::object_corrupt;
-            obj_.discard_left = *n;
-            obj_.phase = object_phase::discard;
-          } else {
-            obj_.phase = object_phase::header;
-          }
-          break;
-        }
-        case object_phase::header: {
-          const auto b = buffered();
-          const std::size_t take = std::min(b.size(), object_header_bytes - obj_.header_got);
-          std::memcpy(obj_.header.data() + obj_.header_got, b.data(), take);
-          obj_.header_got += take;
-          rbegin_ += take;
-          if (obj_.header_got < object_header_bytes) return step::need_more;
-          const std::uint64_t payload = obj_.value_bytes - object_header_bytes;
-          const auto h = decode_header(obj_.header);
-          if (!h || h->key != r.expect || h->payload_bytes != payload) {
-            obj_.verdict = status::object_corrupt;  // torn, foreign or another key's object
-          } else if (r.dst.empty() || payload != r.dst.size()) {
-            obj_.verdict = status::object_size;  // (or abandoned: nobody reads the verdict)
-          } else {
-            obj_.verdict = status::object_ok;
-            obj_.payload_checksum = h->payload_checksum;
-            obj_.phase = object_phase::payload;
-            break;
-          }
-          obj_.discard_left = payload;
-          obj_.phase = object_phase::discard;
-          break;
-        }
-        case object_phase::payload: {
-          if (r.dst.empty()) {  // abandoned between two reads: drop the rest
-            obj_.discard_left = obj_.value_bytes - object_header_bytes - obj_.done;
-            obj_.phase = object_phase::discard;
-            break;
-          }
-          const auto b = buffered();
-          const std::size_t take = std::min(b.size(), r.dst.size() - obj_.done);
-          std::memcpy(r.dst.data() + obj_.done, b.data(), take);
-          obj_.done += take;
-          rbegin_ += take;
-          if (obj_.done < r.dst.size()) return step::direct;
-          obj_.phase = object_phase::crlf;
-          break;
-        }
-        case object_phase::discard: {
-          const auto b = buffered();
-          const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(b.size(), obj_.discard_left));
-          obj_.discard_left -= take;
-          rbegin_ += take;
-          if (obj_.discard_left > 0) return step::need_more;
-          obj_.phase = object_phase::crlf;
-          break;
-        }
-        case object_phase::crlf: {
-          const auto b = buffered();
-          if (b.size() < 2) return step::need_more;
-          if (b[0] != '\r' || b[1] != '\n') {
-            fatal_ = "bulk reply not terminated by CRLF";
-            return step::fatal;
-          }
-          rbegin_ += 2;
-          redis_reply_event e;
-          e.st = obj_.verdict;
-          if (e.st == status::object_ok && payload_checksum(r.dst) != obj_.payload_checksum)
-            e.st = status::object_corrupt;
-          deliver(std::move(e));
-          return step::delivered;
-        }
+        case object_phase::line: s = parse_object_line(); break;
+        case object_phase::header: s = parse_object_header(r); break;
+        case object_phase::payload: s = take_object_payload(r); break;
+        case object_phase::discard: s = discard_object_bytes(); break;
+        case object_phase::crlf: return finish_object(r);
       }
+      if (s) return *s;
     }
+  }
+
+  // The bulk string's length line: an error, nil, or the value's length.
+  std::optional<step> parse_object_line() {
+    using status = redis_reply_event::status;
+    std::string line;
+    if (!take_line(line)) return step::need_more;
+    if (!line.empty() && line[0] == '-') {
+      redis_reply_event e;
+      e.st = status::error;
+      e.text = line.substr(1);
+      deliver(std::move(e));
+      return step::delivered;
+    }
+    if (line == "$-1") {
+      redis_reply_event e;
+      e.st = status::object_nil;
+      deliver(std::move(e));
+      return step::delivered;
+    }
+    const auto n = line.size() > 1 && line[0] == '$' ? redis_parse_uint(std::string_view(line).substr(1)) : std::nullopt;
+    if (!n) {
+      fatal_ = "unexpected reply to GET: " + line.substr(0, 32);
+      return step::fatal;
+    }
+    obj_.value_bytes = *n;
+    if (*n < object_header_bytes) {
+      obj_.verdict = status::object_corrupt;
+      obj_.discard_left = *n;
+      obj_.phase = object_phase::discard;
+    } else {
+      obj_.phase = object_phase::header;
+    }
+    return std::nullopt;
+  }
+
+  // The object's header: its payload goes to r.dst when it names r's key and fits, else is discarded.
+  std::optional<step> parse_object_header(const redis_request& r) {
+    using status = redis_reply_event::status;
+    const auto b = buffered();
+    const std::size_t take = std::min(b.size(), object_header_bytes - obj_.header_got);
+    std::memcpy(obj_.header.data() + obj_.header_got, b.data(), take);
+    obj_.header_got += take;
+    rbegin_ += take;
+    if (obj_.header_got < object_header_bytes) return step::need_more;
+    const std::uint64_t payload = obj_.value_bytes - object_header_bytes;
+    const auto h = decode_header(obj_.header);
+    if (!h || h->key != r.expect || h->payload_bytes != payload) {
+      obj_.verdict = status::object_corrupt;  // torn, foreign or another key's object
+    } else if (r.dst.empty() || payload != r.dst.size()) {
+      obj_.verdict = status::object_size;  // (or abandoned: nobody reads the verdict)
+    } else {
+      obj_.verdict = status::object_ok;
+      obj_.payload_checksum = h->payload_checksum;
+      obj_.phase = object_phase::payload;
+      return std::nullopt;
+    }
+    obj_.discard_left = payload;
+    obj_.phase = object_phase::discard;
+    return std::nullopt;
+  }
+
+  // The payload, copied into r.dst as it arrives (`direct`: the rest can be read straight there).
+  std::optional<step> take_object_payload(const redis_request& r) {
+    if (r.dst.empty()) {  // abandoned between two reads: drop the rest
+      obj_.discard_left = obj_.value_bytes - object_header_bytes - obj_.done;
+      obj_.phase = object_phase::discard;
+      return std::nullopt;
+    }
+    const auto b = buffered();
+    const std::size_t take = std::min(b.size(), r.dst.size() - obj_.done);
+    std::memcpy(r.dst.data() + obj_.done, b.data(), take);
+    obj_.done += take;
+    rbegin_ += take;
+    if (obj_.done < r.dst.size()) return step::direct;
+    obj_.phase = object_phase::crlf;
+    return std::nullopt;
+  }
+
+  std::optional<step> discard_object_bytes() {
+    const auto b = buffered();
+    const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(b.size(), obj_.discard_left));
+    obj_.discard_left -= take;
+    rbegin_ += take;
+    if (obj_.discard_left > 0) return step::need_more;
+    obj_.phase = object_phase::crlf;
+    return std::nullopt;
+  }
+
+  // The CRLF after the value; delivers the verdict (the payload's checksum checked last).
+  step finish_object(const redis_request& r) {
+    using status = redis_reply_event::status;
+    const auto b = buffered();
+    if (b.size() < 2) return step::need_more;
+    if (b[0] != '\r' || b[1] != '\n') {
+      fatal_ = "bulk reply not terminated by CRLF";
+      return step::fatal;
+    }
+    rbegin_ += 2;
+    redis_reply_event e;
+    e.st = obj_.verdict;
+    if (e.st == status::object_ok && payload_checksum(r.dst) != obj_.payload_checksum) e.st = status::object_corrupt;
+    deliver(std::move(e));
+    return step::delivered;
   }
 
   boost::asio::any_io_executor ex_;
