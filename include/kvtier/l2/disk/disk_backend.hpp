@@ -1,68 +1,9 @@
 #pragma once
 // disk_backend: the L2 tier on a local file system (NVMe), through io_uring (or the pread
 // thread pool where the kernel refuses io_uring), O_DIRECT, checksummed, capacity-bounded.
-// Models l2_backend and corruptible_backend (concepts.hpp). Full description, with the
-// reasons for each choice: docs/l2-disk.md.
-//
-// FORMAT (detail/disk_layout.hpp): one file per object, <path>/objects/<ss>/<key>.kvo, a
-// 4 KiB header block (object_format.hpp's 72-byte header: magic, version, key, length,
-// XXH3-64 of the payload, header checksum) then the payload padded to 4 KiB. Writes go to
-// <path>/tmp/ and are renamed into place (renameat2 RENAME_NOREPLACE): an object is never
-// visible before it is complete, and a concurrent store of the same key answers `exists`.
-// Durability (sync = data, the default): fdatasync before the rename, one fsync of each
-// touched shard directory per batch. Correctness never depends on it: every load checks the
-// header (key, length) and the payload checksum before answering ok.
-//
-// RECOVERY (constructor): the index is rebuilt from the directory. Temporary files are
-// deleted; each object file's header block is read and checked (magic, version, header
-// checksum, key == file name, file size == header block + padded payload; optionally the
-// payload checksum, verify_on_start); files that fail are deleted and counted. Objects are
-// ordered for eviction by modification time. A second process on the same directory is
-// refused (flock on <path>/LOCK).
-//
-// TRUST: the files hold prompt-derived KV and whatever they hold is served, so they are
-// private and trusted only when ours: files are created 0600 and directories (the path and
-// its missing parents, objects/, tmp/, the shards) 0700, whatever the umask. The constructor
-// refuses (std::invalid_argument, saying what to change) a path, objects/, tmp/ or shard
-// directory that another user owns or that group or others may write; the recovery scan
-// skips, counts (disk_recovery_report::untrusted_files) and leaves alone object files of
-// another user or writable by others. Directories and files of ours that an older version
-// made wider are tightened to 0700 / 0600.
-//
-// CAPACITY: counted in bytes the file system really allocated (st_blocks * 512, measured at
-// commit and at the scan), not logical sizes. A store first reserves its estimated size;
-// when usage would pass high_watermark * capacity it evicts unpinned objects (LRU or FIFO)
-// down to low_watermark * capacity; when even that cannot make room (everything pinned, or
-// eviction none) the key answers no_space and nothing is evicted.
-//
-// FAILURES: ENOSPC (or EDQUOT) from the file system fails the key with no_space; its
-// temporary file is removed, kvtier_l2_disk_enospc_total moves, a warning is logged at most
-// once per warn_interval, and the caller (the store pipeline) keeps its L1 copy. On load,
-// EIO, a truncated file, a bad header or a checksum mismatch fail the key (io_error or
-// corrupt), drop the object and move a counter: a wrong byte is never reported ok.
-//
-// LOADS: each key's file is opened (O_DIRECT when the destination is 4 KiB aligned), its
-// header block read into a buffer of ours and its payload straight into the caller's buffer
-// in part_bytes parts; the parts of all keys of a batch share queue_depth reads in flight,
-// issued in key order (the prefix the prefetch needs first lands first) and batched into one
-// io_uring_enter per executor turn (io::async_run_parts, io/parts.hpp: the part runner of
-// io::async_read_all too; stores write their parts the same way). The payload checksum is
-// computed in part-sized steps as the parts land (stores: as they are issued), so the I/O
-// thread never stalls for a whole object's hash while the device queue drains; a key
-// answers ok only once its digest matches its header. A payload whose size is not a
-// multiple of 4 KiB moves its last block through a bounce block.
-//
-// DEADLINES AND THE BUFFER CONTRACT: at the deadline (or on the caller's cancellation) the
-// operation stops issuing and asks the file I/O to cancel what is in flight, then waits
-// until every read of the caller's buffers has completed or been cancelled; only then does
-// it complete (errc::timeout, or operation_aborted when cancelled). Keys whose every part
-// had landed and verified are still ok; the others answer timeout. O_DIRECT reads at the
-// device cannot be cancelled: the completion waits for them (bounded by the device).
-//
-// THREADING: operations may be started from any thread; the backend runs its I/O on a
-// strand of the executor given (the threading rule of io::uring_context). unpin, usage, health,
-// corrupt_stored and pins take a mutex and may be called from any thread. Destroy the
-// backend when no operation is running, before its io_context.
+// Models l2_backend and corruptible_backend (concepts.hpp). docs/l2-disk.md holds the rest:
+// the on-disk format, trust, writing and reading an object, deadlines and the buffer
+// contract, recovery, capacity, failures, threading, with the reasons for each choice.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
@@ -190,11 +131,16 @@ struct disk_stats {
   std::atomic<bool> o_direct{false};
 };
 
+/// Operations may start from any thread; the I/O runs on a strand of the executor given.
+/// unpin, usage, health, corrupt_stored and pins take a mutex and may be called from any
+/// thread. An operation completes only once no read or write of the caller's buffers is in
+/// flight (at its deadline or cancellation too). Destroy the backend when no operation runs,
+/// before its io_context.
 class disk_backend : public detail::coroutine_backend<disk_backend> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
-  /// Opens (creates) the directory, rebuilds the index (see RECOVERY) and starts the
+  /// Opens (creates) the directory, rebuilds the index (docs/l2-disk.md, "Recovery") and starts the
   /// file I/O on a strand of `executor`. `log` may be null (default: stderr at warn).
   /// Throws std::invalid_argument for bad options, std::runtime_error when the directory
   /// cannot be used (not writable, another process holds it, foreign FORMAT file).
@@ -212,7 +158,8 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   // The operations (detail/coroutine_backend.hpp):
   //   async_lookup_and_pin  void(error_code, bitmap found): found keys are pinned (never
   //                         evicted) until unpin();
-  //   async_load            void(error_code, batch_result); see LOADS and DEADLINES above.
+  //   async_load            void(error_code, batch_result); docs/l2-disk.md, "Reading
+  //                         objects" and "Deadlines and the buffer contract".
   //                         With a load_observer, each key is told as soon as all its parts
   //                         landed and its checksum matched, so the caller can use it while
   //                         the rest of the batch is read;

@@ -1,7 +1,7 @@
 #pragma once
-// The directory of l2::disk_backend (declarations and documentation: kvtier/l2/disk/disk_backend.hpp):
-// opening it (TRUST: ownership and modes; the FORMAT marker; the LOCK; whether the file system
-// takes O_DIRECT) and the start-up scan that rebuilds the index from it (RECOVERY).
+// The directory of l2::disk_backend (declarations: kvtier/l2/disk/disk_backend.hpp; docs/l2-disk.md):
+// opening it (trust: ownership and modes; the FORMAT marker; the LOCK; whether the file system
+// takes O_DIRECT) and the start-up scan that rebuilds the index from it (recovery).
 
 #include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/l2/disk/impl/disk_backend.hpp>

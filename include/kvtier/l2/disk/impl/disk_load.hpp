@@ -1,6 +1,6 @@
 #pragma once
-// The load path of l2::disk_backend (declarations and documentation: kvtier/l2/disk/disk_backend.hpp,
-// LOADS and DEADLINES): lookup_and_pin, then per batch: plan, open, read every part of every
+// The load path of l2::disk_backend (declarations: kvtier/l2/disk/disk_backend.hpp; docs/l2-disk.md,
+// "Reading objects", "Deadlines and the buffer contract"): lookup_and_pin, then per batch: plan, open, read every part of every
 // key through one queue (io::async_run_parts), verify each key as its parts land, drop what
 // was found bad.
 

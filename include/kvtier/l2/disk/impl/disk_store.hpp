@@ -1,6 +1,6 @@
 #pragma once
-// The store path of l2::disk_backend (declarations and documentation: kvtier/l2/disk/disk_backend.hpp,
-// FORMAT, CAPACITY, FAILURES): per batch: plan and reserve room (evicting), create the
+// The store path of l2::disk_backend (declarations: kvtier/l2/disk/disk_backend.hpp; docs/l2-disk.md,
+// "Writing an object"): per batch: plan and reserve room (evicting), create the
 // temporary files, write every part of every key through one queue (io::async_run_parts),
 // commit (fdatasync, rename into place), clean up what did not commit, fsync the touched
 // directories, trim back under the watermark.

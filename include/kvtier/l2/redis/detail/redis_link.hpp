@@ -1,32 +1,9 @@
 #pragma once
-// redis_link: one TCP connection to one Redis node, pipelined. Requests are written in
-// order, as many at once as are queued (one writev of up to 64 buffers per system call);
-// replies are matched to requests in order (RESP answers in order on a connection).
-//
-// Two kinds of replies:
-//   generic  parsed by a hiredis redisReader (EXISTS, SET, DEL, INFO, CLUSTER SLOTS, AUTH...).
-//   object   the reply of a GET of one stored object. Its first line is read here ("$<n>",
-//            "$-1", or an error line); then the 72-byte object header is read and checked
-//            (magic, header checksum, the key asked for, length) and, only when it is good
-//            and the payload has exactly the size of the caller's buffer, the payload is
-//            read from the socket straight into that buffer (an L1 slot): no copy through
-//            hiredis's buffer and no reply object, where hiredis's own reader would copy a
-//            3 MiB value twice and read it 16 KiB per system call. The payload checksum is
-//            verified before the reply is reported ok. Anything else is read and dropped.
-// hiredis parses every other byte; the link hands it exactly the bytes of generic replies
-// (redis_reader::unconsumed() gives back what follows a generic reply).
-//
-// Threading: everything runs on the link's executor (the backend's strand); no call blocks.
-// Lifetime: the link's coroutines hold a shared_ptr to it; the owner (the backend's node
-// pool) is called back through a raw pointer that the owner clears (detach_owner) before it
-// goes away.
-//
-// Caller buffers (a SET's value, a GET's destination) are referenced, never copied. abandon()
-// detaches a request whose operation gives up (deadline, cancellation): a queued request is
-// dropped unsent; a reply not yet begun is read and discarded when it comes; a request
-// whose caller buffer is being written or read right now closes the connection, which
-// (epoll reactor: close() deregisters the descriptor under the lock that I/O is performed
-// under) guarantees that nothing touches the buffer once abandon() returns.
+// redis_link: one TCP connection to one Redis node, pipelined: requests written in order,
+// replies matched in order; generic replies parsed by hiredis, a GET's object payload read
+// from the socket straight into the caller's buffer once its header was checked; abandon()
+// for a request whose operation gives up. docs/l2-redis.md, "One connection", holds the
+// rules, the buffer guarantee, threads and lifetime.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
