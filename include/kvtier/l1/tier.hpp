@@ -1,43 +1,10 @@
 #pragma once
 // l1::tier<Policy, Bus>: the L1 tier, chunk objects in CPU memory, one object per fixed-size
-// slot of one arena, with LMCache's per-key state machine (docs/l1.md):
-//
-//   absent --reserve_write / reserve_prefix(write)--> write_locked
-//   write_locked --finish_write--> ready
-//   write_locked --finish_write_and_reserve_read(n holds)--> read_locked(n)     (n = 0: ready)
-//   write_locked --abandon_write / write TTL--> absent                         (never readable)
-//   ready <--> read_locked(n): reserve_read / reserve_prefix(read) take holds, finish_read
-//                              gives them back (n = holds of both lifetimes)
-//   ready --remove / evict--> absent;  read_locked(n) --remove(force)--> removing --last lock--> absent
-//   temporary object: freed with its last read hold (the last finish_read, an expiry, or
-//                     finish_write_and_reserve_read with 0 holds)
-//
-// Every operation takes a batch of keys and answers per key (l1::status) in a span the
-// caller provides, so a batch allocates nothing; it returns the number of successes.
-// reserve_write allocates the new keys of a batch all or nothing (or, asked, as many as
-// fit), evicting unlocked objects first when the tier would pass its eviction watermark.
-// reserve_prefix takes the longest prefix of a batch it can: readable keys are read-locked,
-// absent keys the caller can load are write-locked in new slots, keys another writer of
-// the caller's is writing are left for it to wait on, all in one step under the mutex.
-// Locks are expiring (TTL, for remote clients) or pinned (for the server's own I/O and
-// copies, and for holders that track and expire their own holds); see l1::lock_lifetime.
-//
-// Holds are counted per key and lifetime, not owned: finish_read releases any holds of
-// that lifetime, and when expiring holds pass their TTL they all go at once. A holder whose
-// expiring hold expired can therefore release another holder's hold on the same key. A
-// holder that must never release another's takes pinned holds and expires them itself
-// (cache::tiered_cache does, per lookup); pinned holds are only released by whoever took
-// them, so counts stay exact.
-//
-// Thread safety: every member function may be called from any thread. One mutex guards the
-// tier (LMCache does the same; the machines have 2 cores). Bus events are published
-// after the mutex is released; the policy runs under it.
-//
-// Events (bus/events.hpp), with exact counts: l1_write_reserved (+ l1_allocation_failed when
-// new keys did not fit), l1_write_finished, l1_write_finished_and_read_reserved,
-// l1_read_reserved, l1_read_finished, l1_keys_evicted (reasons evicted, deleted, temporary,
-// abandoned), l1_lock_expired. A prefix operation counts only what it took (and, when
-// asked, the one key at which it stopped), never the keys after it.
+// slot of one arena, with LMCache's per-key state machine (absent, write_locked, ready,
+// read_locked, removing), expiring or pinned locks, and an eviction policy chosen at compile
+// time. Every operation takes a batch of keys and answers per key in a span the caller
+// provides. docs/l1.md holds the states, each operation's answers, locks and holds,
+// eviction, events and thread safety.
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
