@@ -236,8 +236,8 @@ class metrics_subscriber {
     explicit l1_metrics(registry& r)
         : l1_read_keys(r.add_counter("kvtier_l1_read_keys_total", "L1 read locks released (keys read)")),
           l1_read_reserved_keys(r.add_counter("kvtier_l1_read_reserved_keys_total", "L1 keys read-locked")),
-          l1_read_failed_keys(
-              r.add_counter("kvtier_l1_read_failed_keys_total", "L1 read reservations refused (absent or not readable)")),
+          l1_read_failed_keys(r.add_counter("kvtier_l1_read_failed_keys_total",
+                                            "L1 read reservations refused (absent or not readable)")),
           l1_write_reserved_keys(r.add_counter("kvtier_l1_write_reserved_keys_total", "L1 keys write-locked")),
           l1_write_failed_keys(r.add_counter("kvtier_l1_write_failed_keys_total",
                                              "L1 write reservations refused (exists, locked, out of memory)")),
@@ -280,14 +280,14 @@ class metrics_subscriber {
           lookup_requested_chunks(r.add_counter("kvtier_lookup_requested_chunks_total", "Chunks asked for by lookups")),
           lookup_requested_tokens(
               r.add_counter("kvtier_lookup_requested_tokens_total", "Tokens asked for by lookups (full chunks)")),
-          lookup_hit_chunks_l1(r.add_counter("kvtier_lookup_hit_chunks_total", "Chunks a lookup found, by tier",
-                                             {{"tier", "l1"}})),
-          lookup_hit_chunks_l2(r.add_counter("kvtier_lookup_hit_chunks_total", "Chunks a lookup found, by tier",
-                                             {{"tier", "l2"}})),
-          lookup_hit_tokens_l1(r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier",
-                                             {{"tier", "l1"}})),
-          lookup_hit_tokens_l2(r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier",
-                                             {{"tier", "l2"}})),
+          lookup_hit_chunks_l1(
+              r.add_counter("kvtier_lookup_hit_chunks_total", "Chunks a lookup found, by tier", {{"tier", "l1"}})),
+          lookup_hit_chunks_l2(
+              r.add_counter("kvtier_lookup_hit_chunks_total", "Chunks a lookup found, by tier", {{"tier", "l2"}})),
+          lookup_hit_tokens_l1(
+              r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier", {{"tier", "l1"}})),
+          lookup_hit_tokens_l2(
+              r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier", {{"tier", "l2"}})),
           cache_read_requests(r.add_counter("kvtier_cache_read_requests_total", "Reads of prefetched chunks")),
           cache_read_succeeded_keys(
               r.add_counter("kvtier_cache_read_succeeded_keys_total", "Prefetched chunks read successfully")),
@@ -406,15 +406,15 @@ class metrics_subscriber {
               [](bus::connector_outcome x) { return bus::name(x); })),
           connector_retrieve_requested_chunks(r.add_counter("kvtier_connector_retrieve_requested_chunks_total",
                                                             "Chunks the connector asked to retrieve")),
-          connector_retrieved_chunks(r.add_counter("kvtier_connector_retrieved_chunks_total",
-                                                   "Chunks retrieved into the engine's blocks")),
+          connector_retrieved_chunks(
+              r.add_counter("kvtier_connector_retrieved_chunks_total", "Chunks retrieved into the engine's blocks")),
           connector_retrieve_duration(r.add_histogram("kvtier_connector_retrieve_duration_seconds",
                                                       "Time from retrieve to completion", latency_buckets_seconds())),
           connector_stores(per_enum_counters<bus::connector_outcome_count, bus::connector_outcome>(
               r, "kvtier_connector_stores_total", "Connector stores completed or skipped, by outcome", "outcome",
               [](bus::connector_outcome x) { return bus::name(x); })),
-          connector_store_requested_chunks(r.add_counter("kvtier_connector_store_requested_chunks_total",
-                                                         "Chunks the connector asked to store")),
+          connector_store_requested_chunks(
+              r.add_counter("kvtier_connector_store_requested_chunks_total", "Chunks the connector asked to store")),
           connector_store_chunks_stored(r.add_counter("kvtier_connector_store_chunks_total",
                                                       "Chunks of completed stores, by result", {{"result", "stored"}})),
           connector_store_chunks_present(r.add_counter("kvtier_connector_store_chunks_total",
@@ -429,10 +429,10 @@ class metrics_subscriber {
               [](bus::connector_outcome x) { return bus::name(x); })),
           connector_quarantined_blocks(r.add_gauge("kvtier_connector_quarantined_blocks",
                                                    "Engine blocks quarantined (a server may still write them)")),
-          connector_quarantine_held(r.add_counter("kvtier_connector_quarantine_held_blocks_total",
-                                                  "Blocks that entered quarantine")),
-          connector_quarantine_released(r.add_counter("kvtier_connector_quarantine_released_blocks_total",
-                                                      "Blocks that left quarantine")) {}
+          connector_quarantine_held(
+              r.add_counter("kvtier_connector_quarantine_held_blocks_total", "Blocks that entered quarantine")),
+          connector_quarantine_released(
+              r.add_counter("kvtier_connector_quarantine_released_blocks_total", "Blocks that left quarantine")) {}
     std::array<counter*, bus::connector_outcome_count> connector_retrieves;
     counter& connector_retrieve_requested_chunks;
     counter& connector_retrieved_chunks;

@@ -130,8 +130,8 @@ std::optional<prefix_end> tier<Policy, Bus>::take_present(entry& e, std::size_t 
 
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::room_for_prefix(std::span<const chunk_key> keys, const prefix_options& o,
-                                               std::uint32_t holds, std::span<prefix_take> out, lazy_now& now,
-                                               tally& t, prefix_result& r) {
+                                               std::uint32_t holds, std::span<prefix_take> out, lazy_now& now, tally& t,
+                                               prefix_result& r) {
   const std::size_t need = new_positions_.size();
   std::size_t got = need > 0 ? room_for(need, now, t) : 0;
   if (got >= need) return got;

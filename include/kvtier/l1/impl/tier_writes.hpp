@@ -68,9 +68,8 @@ std::size_t tier<Policy, Bus>::reserve_write(std::span<const chunk_key> keys, st
 }
 
 template <class Policy, class Bus>
-typename tier<Policy, Bus>::entry* tier<Policy, Bus>::write_target(const chunk_key& key, std::size_t i,
-                                                                  write_mode mode, std::span<status> out,
-                                                                  lazy_now& now, tally& t) {
+typename tier<Policy, Bus>::entry* tier<Policy, Bus>::write_target(const chunk_key& key, std::size_t i, write_mode mode,
+                                                                   std::span<status> out, lazy_now& now, tally& t) {
   entry* e = nullptr;
   if (mode == write_mode::update) {
     const auto it = index_.find(key);

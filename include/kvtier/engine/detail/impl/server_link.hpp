@@ -280,8 +280,8 @@ inline bool server_link::on_reply_io(server_connection& s, pending_call& c, prot
     return false;
   }
   if (s.epoch == current_epoch_) breaker_.on_reply();
-  const bool forgotten = r.status == call_status::error_reply &&
-                         std::get<protocol::error_response>(m).error() == errc::not_registered;
+  const bool forgotten =
+      r.status == call_status::error_reply && std::get<protocol::error_response>(m).error() == errc::not_registered;
   complete_locked(c, std::move(r));
   // The server lost this connection's registration without closing it: register again.
   if (forgotten && s.epoch == current_epoch_ && state_ == health_state::healthy) {

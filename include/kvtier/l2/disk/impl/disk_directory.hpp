@@ -189,9 +189,10 @@ inline bool disk_backend::takes_o_direct() {
     ::unlinkat(tmp_fd_, probe, 0);
   }
   if (err == 0) return true;
-  log_->warn("disk backend '{}': the file system at {} refuses O_DIRECT ({}); using buffered I/O (the page "
-             "cache will hold a copy of what the tier reads and writes)",
-             options_.name, options_.path.string(), std::strerror(err));
+  log_->warn(
+      "disk backend '{}': the file system at {} refuses O_DIRECT ({}); using buffered I/O (the page "
+      "cache will hold a copy of what the tier reads and writes)",
+      options_.name, options_.path.string(), std::strerror(err));
   return false;
 }
 
@@ -324,8 +325,7 @@ inline std::string_view disk_backend::check_payload(int fd, const object_header&
   return {};
 }
 
-inline void disk_backend::drop_at_start(recovery_scan& scan, int dirfd, const std::string& name,
-                                        std::string_view why) {
+inline void disk_backend::drop_at_start(recovery_scan& scan, int dirfd, const std::string& name, std::string_view why) {
   if (::unlinkat(dirfd, name.c_str(), 0) == 0 || errno == ENOENT) ++recovery_.dropped;
   if (scan.logged++ < 8) log_->warn("disk backend '{}': dropped {} at start-up: {}", options_.name, name, why);
 }

@@ -1,8 +1,7 @@
 #pragma once
 // The load path of l2::disk_backend (declarations: kvtier/l2/disk/disk_backend.hpp; docs/l2-disk.md,
-// "Reading objects", "Deadlines and the buffer contract"): lookup_and_pin, then per batch: plan, open, read every part of every
-// key through one queue (io::async_run_parts), verify each key as its parts land, drop what
-// was found bad.
+// "Reading objects", "Deadlines and the buffer contract"): lookup_and_pin, then per batch: plan, open, read every part
+// of every key through one queue (io::async_run_parts), verify each key as its parts land, drop what was found bad.
 
 #include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/l2/disk/impl/disk_backend.hpp>
@@ -92,8 +91,7 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
     load_observer observer) {
   namespace asio = boost::asio;
   co_await asio::this_coro::throw_if_cancelled(false);
-  if (auto refused = refuse_batch(keys.size(), destinations.size(), d, disk_stats::load))
-    co_return std::move(*refused);
+  if (auto refused = refuse_batch(keys.size(), destinations.size(), d, disk_stats::load)) co_return std::move(*refused);
   batch_result r(keys.size(), key_outcome::timeout);
 
   // 1. Plan: which keys are there, with the right size.
@@ -111,8 +109,10 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
     load_item& it = items[j];
     const int flags = O_RDONLY | O_CLOEXEC | (it.direct ? O_DIRECT : 0);
     auto [ec, fd] = co_await file_io_->async_openat(objects_fd_, it.path.c_str(), flags, 0, f.bind(lane));
-    if (ec) fail_open(it, ec);
-    else it.fd = fd;
+    if (ec)
+      fail_open(it, ec);
+    else
+      it.fd = fd;
   };
   co_await fan_out(fs, items.size(), 64, d, open_body);
 
@@ -133,8 +133,8 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
 }
 
 inline std::vector<disk_backend::load_item> disk_backend::plan_load(std::span<const chunk_key> keys,
-                                                                   std::span<const std::span<std::byte>> destinations,
-                                                                   const load_observer& observer, batch_result& r) {
+                                                                    std::span<const std::span<std::byte>> destinations,
+                                                                    const load_observer& observer, batch_result& r) {
   std::vector<load_item> items;
   items.reserve(keys.size());
   std::lock_guard g(mutex_);
@@ -161,7 +161,7 @@ inline std::vector<disk_backend::load_item> disk_backend::plan_load(std::span<co
 }
 
 inline std::vector<disk_backend::part> disk_backend::load_parts(std::vector<load_item>& items, std::byte* blocks,
-                                                               std::vector<hash_state>& hashes) {
+                                                                std::vector<hash_state>& hashes) {
   std::vector<part> parts;
   for (std::size_t j = 0; j < items.size(); ++j) {
     load_item& it = items[j];

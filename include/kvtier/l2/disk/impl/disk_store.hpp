@@ -116,8 +116,10 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
     store_item& it = items[j];
     const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (it.direct ? O_DIRECT : 0);
     auto [ec, fd] = co_await file_io_->async_openat(tmp_fd_, it.temp.c_str(), flags, 0600, f.bind(lane));
-    if (ec) fail_store(it, ec);
-    else adopt_temp_file(it, fd);
+    if (ec)
+      fail_store(it, ec);
+    else
+      adopt_temp_file(it, fd);
   };
   co_await fan_out(fs, items.size(), 64, d, open_body);
 
@@ -206,8 +208,9 @@ inline void disk_backend::adopt_temp_file(store_item& it, int fd) {
   it.created = true;
   // No io_uring opcode here for fallocate in file_io; the syscall only reserves extents
   // (tens of microseconds on ext4), and shows ENOSPC before any byte is written.
-  if (options_.preallocate && ::fallocate(fd, 0, 0, static_cast<off_t>(detail::object_file_bytes(it.src.size()))) != 0 &&
-      errno != EOPNOTSUPP && errno != ENOSYS)
+  if (options_.preallocate &&
+      ::fallocate(fd, 0, 0, static_cast<off_t>(detail::object_file_bytes(it.src.size()))) != 0 && errno != EOPNOTSUPP &&
+      errno != ENOSYS)
     fail_store(it, detail::last_errno());
 }
 
@@ -215,7 +218,8 @@ inline disk_backend::store_leftovers disk_backend::close_stored(std::vector<stor
   store_leftovers left;
   for (auto& it : items) {
     if (it.fd >= 0) ::close(it.fd);
-    if (it.committed) left.dirty.set(detail::shard_of(it.key));
+    if (it.committed)
+      left.dirty.set(detail::shard_of(it.key));
     else if (it.created) {
       left.temps.push_back(it.temp);
       left.temp_bytes.push_back(detail::object_file_bytes(it.src.size()));
@@ -254,7 +258,8 @@ inline boost::asio::awaitable<void> disk_backend::sync_shards(std::bitset<detail
 
 inline std::optional<std::vector<detail::disk_victim>> disk_backend::trim_victims() {
   std::lock_guard g(mutex_);
-  if (static_cast<double>(index_.bytes_used()) <= options_.high_watermark * static_cast<double>(options_.capacity_bytes))
+  if (static_cast<double>(index_.bytes_used()) <=
+      options_.high_watermark * static_cast<double>(options_.capacity_bytes))
     return std::nullopt;
   return index_.make_room(0, options_.capacity_bytes, options_.high_watermark, options_.low_watermark);
 }

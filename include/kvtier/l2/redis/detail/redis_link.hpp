@@ -416,11 +416,20 @@ class redis_link final : public std::enable_shared_from_this<redis_link>, privat
     for (;;) {
       std::optional<step> s;
       switch (obj_.phase) {
-        case object_phase::line: s = parse_object_line(); break;
-        case object_phase::header: s = parse_object_header(r); break;
-        case object_phase::payload: s = take_object_payload(r); break;
-        case object_phase::discard: s = discard_object_bytes(); break;
-        case object_phase::crlf: return finish_object(r);
+        case object_phase::line:
+          s = parse_object_line();
+          break;
+        case object_phase::header:
+          s = parse_object_header(r);
+          break;
+        case object_phase::payload:
+          s = take_object_payload(r);
+          break;
+        case object_phase::discard:
+          s = discard_object_bytes();
+          break;
+        case object_phase::crlf:
+          return finish_object(r);
       }
       if (s) return *s;
     }
@@ -444,7 +453,8 @@ class redis_link final : public std::enable_shared_from_this<redis_link>, privat
       deliver(std::move(e));
       return step::delivered;
     }
-    const auto n = line.size() > 1 && line[0] == '$' ? redis_parse_uint(std::string_view(line).substr(1)) : std::nullopt;
+    const auto n =
+        line.size() > 1 && line[0] == '$' ? redis_parse_uint(std::string_view(line).substr(1)) : std::nullopt;
     if (!n) {
       fatal_ = "unexpected reply to GET: " + line.substr(0, 32);
       return step::fatal;
