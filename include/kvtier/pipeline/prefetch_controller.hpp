@@ -416,6 +416,9 @@ class prefetch_controller {
   // are not loaded.
   void reserve(const std::shared_ptr<state>& sp, const prefetch_plan& plan, std::size_t limit);
 
+  // Step 3: walks L1 and the plan together (unless the answer already went out for a
+  // temporary reservation), keeps in the plan only what this request loads, unpins the rest.
+  void take_prefix(const std::shared_ptr<state>& sp, prefetch_plan& plan, const std::vector<bitmap>& found);
   // Step 4: publishes what the loads take (and what was found but is neither loaded nor
   // served), then spawns one load task per backend that has keys to load.
   void submit_loads(const std::shared_ptr<state>& sp, const prefetch_plan& plan, const std::vector<bitmap>& found);

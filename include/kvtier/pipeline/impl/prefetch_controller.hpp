@@ -43,13 +43,7 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::run(std
   // 3. walk L1 and the plan together (unless the answer already went out for a temporary
   //    reservation: nobody would read it), keep in the plan only what this request loads,
   //    unpin the rest.
-  s.own = bitmap(n);
-  s.served = bitmap(n);
-  s.settled = bitmap(n);
-  if (!(s.gave_up && s.temporary) && !stopping()) reserve(sp, plan, gate(s, plan));
-  restrict_plan(plan, s.own);
-  const auto unpins = unpins_for(found, plan);
-  for (std::size_t b = 0; b < backends_.size(); ++b) unpin(b, s.req.keys, unpins[b]);
+  take_prefix(sp, plan, found);
 
   // 4. submit the loads.
   const std::size_t submitted = plan.submitted();
@@ -72,6 +66,20 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::run(std
   }
   if (submitted > 0) publish_load_completed(s, submitted);
   finish(s);
+}
+
+template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
+void prefetch_controller<Tier, PlanPolicy, Bus>::take_prefix(const std::shared_ptr<state>& sp, prefetch_plan& plan,
+                                                             const std::vector<bitmap>& found) {
+  state& s = *sp;
+  const std::size_t n = s.req.keys.size();
+  s.own = bitmap(n);
+  s.served = bitmap(n);
+  s.settled = bitmap(n);
+  if (!(s.gave_up && s.temporary) && !stopping()) reserve(sp, plan, gate(s, plan));
+  restrict_plan(plan, s.own);
+  const auto unpins = unpins_for(found, plan);
+  for (std::size_t b = 0; b < backends_.size(); ++b) unpin(b, s.req.keys, unpins[b]);
 }
 
 template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
