@@ -151,7 +151,7 @@ class tiered_cache {
   tiered_cache(const tiered_cache&) = delete;
   tiered_cache& operator=(const tiered_cache&) = delete;
 
-  /// Safe in any state of the executor (see the header comment): returns at once when
+  /// Safe in any state of the executor (docs/architecture.md, "Shutdown"): returns at once when
   /// nothing runs, else stops the pipelines and waits until every coroutine ended.
   ~tiered_cache() {
     stopping_.store(true, std::memory_order_relaxed);
@@ -162,7 +162,7 @@ class tiered_cache {
   }
 
   // --- lookups ------------------------------------------------------------------------
-  /// Starts a lookup; see the header comment. Returns its id at once. After async_stop(),
+  /// Starts a lookup (docs/pipelines.md, "The façade"). Returns its id at once. After async_stop(),
   /// lookups answer from L1 only.
   lookup_id start_lookup(const lookup_request& r);
 
@@ -197,8 +197,8 @@ class tiered_cache {
   }
 
   // --- whole copies (cache/copy.hpp) ----------------------------------------------------
-  /// Copies the request's keys out through `sink`, each as soon as it is readable (see the
-  /// header comment and cache/copy.hpp); void(error_code, std::size_t copied): the contiguous
+  /// Copies the request's keys out through `sink`, each as soon as it is readable (see
+  /// docs/pipelines.md and cache/copy.hpp); void(error_code, std::size_t copied): the contiguous
   /// prefix of keys whose every part the sink copied. Gives back the lookup's holds on these
   /// keys (copied or not). cache.read.prefetched counts the copied prefix as read and the
   /// other keys as failed.
@@ -478,7 +478,7 @@ class tiered_cache {
     if (l.done && l.abandoned) lookups_.erase(id);
   }
 
-  // The destructor's wait for the work the pipelines still run (see the header comment).
+  // The destructor's wait for the work the pipelines still run (docs/architecture.md, "Shutdown").
   void wait_for_work();
 
   executor_type executor_;

@@ -40,7 +40,7 @@ class finished_tracker {
   }
 
   /// A retrieve of `id` was issued; `synchronous`: the engine waits for it within its step,
-  /// and `id` does not owe a receiving report for it (see the rules above).
+  /// and `id` does not owe a receiving report for it (docs/fault-tolerance.md, "Finished reporting").
   void retrieve_started(std::string_view id, bool synchronous = false) {
     entry& e = tracked_entry(id);
     ++e.retrieves;
@@ -70,7 +70,7 @@ class finished_tracker {
     erase_if_idle(it);
   }
 
-  /// The engine's finished ids of this step in, the reports due out (see the rules above).
+  /// The engine's finished ids of this step in, the reports due out (docs/fault-tolerance.md, "Finished reporting").
   /// Re-reports of retired ids and of ids already waiting are ignored.
   finished_requests take_finished(std::span<const std::string> finished_by_engine) {
     finished_requests out;

@@ -26,7 +26,7 @@
 namespace kvtier::inline KVTIER_ABI_TAG::io {
 
 struct object_io_options {
-  /// Bytes per part (rounded up to 4 KiB). 1 MiB: see the header comment.
+  /// Bytes per part (rounded up to 4 KiB). 1 MiB: docs/io.md, "Operations".
   std::size_t part_bytes = std::size_t{1} << 20;
   /// Parts in flight at once, 1 to 256.
   unsigned max_parts_in_flight = 16;
@@ -100,7 +100,7 @@ inline void check_object_io_options(const object_io_options& o) {
 
 }  // namespace detail
 
-/// Reads buffer.size() bytes at `offset` in parts; see the header comment.
+/// Reads buffer.size() bytes at `offset` in parts (docs/io.md, "Operations").
 template <file_io Io, class Token>
 auto async_read_all(Io& io, int fd, std::span<std::byte> buffer, std::uint64_t offset, const object_io_options& opts,
                     Token&& token) {
@@ -114,7 +114,7 @@ auto async_read_all(Io& io, int fd, std::span<std::byte> buffer, std::uint64_t o
   return async_read_all(io, fd, buffer, offset, object_io_options{}, std::forward<Token>(token));
 }
 
-/// Writes the whole buffer at `offset` in parts; see the header comment.
+/// Writes the whole buffer at `offset` in parts (docs/io.md, "Operations").
 template <file_io Io, class Token>
 auto async_write_all(Io& io, int fd, std::span<const std::byte> buffer, std::uint64_t offset,
                      const object_io_options& opts, Token&& token) {

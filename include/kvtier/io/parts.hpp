@@ -53,7 +53,7 @@ struct parts_outcome {
 };
 
 // clang-format off
-/// What async_run_parts runs (see the header comment). `writes` says whether the parts are
+/// What async_run_parts runs (docs/io.md, "Operations"). `writes` says whether the parts are
 /// writes; `signature` is the completion signature and result() returns its arguments.
 template <class P>
 concept part_plan = requires(P& p, std::size_t i, const error_code& ec, std::size_t n, parts_outcome o) {

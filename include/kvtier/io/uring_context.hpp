@@ -50,7 +50,7 @@ class uring_context : public detail::file_io_operations<uring_context> {
   uring_context(const uring_context&) = delete;
   uring_context& operator=(const uring_context&) = delete;
 
-  /// Cancels, waits for every in-flight op, posts their handlers; see the contract above.
+  /// Cancels, waits for every in-flight op, posts their handlers; docs/io.md, "Cancellation contract".
   ~uring_context() = default;
 
   [[nodiscard]] executor_type get_executor() const noexcept { return core_.get_executor(); }

@@ -208,7 +208,7 @@ class tier {
   /// policy sees a read). Answers: not_found (absent or removing), not_readable (being
   /// written). An expiring hold lasts read_lock_ttl from the latest expiring acquire on the
   /// key; when it passes, all expiring holds of the key go at once (holds are not owned: see
-  /// the header comment).
+  /// docs/l1.md, "Locks").
   std::size_t reserve_read(std::span<const chunk_key> keys, std::uint32_t extra_count, lock_lifetime lifetime,
                            std::span<status> out);
 

@@ -177,7 +177,7 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   }
 
   boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d) {
-    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancellation: docs/pipelines.md
     const auto fs = take(fault_op::lookup);
     co_await hang_if(fs);
     const split s = split_keys(fs, keys);
@@ -213,7 +213,7 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   template <class Buffer, class Inner>
   boost::asio::awaitable<batch_tuple> pass_batch(fault_op op, std::span<const chunk_key> keys,
                                                  std::span<const Buffer> buffers, Inner inner) {
-    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancellation: docs/pipelines.md
     const auto fs = take(op);
     co_await hang_if(fs);
     if (op == fault_op::load) corrupt_if(fs, keys);
@@ -233,7 +233,7 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   }
 
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d) {
-    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancellation: docs/pipelines.md
     const auto fs = take(fault_op::remove);
     co_await hang_if(fs);
     const split s = split_keys(fs, keys);

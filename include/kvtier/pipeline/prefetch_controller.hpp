@@ -67,7 +67,7 @@ struct prefetch_request {
   std::uint32_t extra_count = 0;    ///< extra read holds per key handed to the caller
   std::chrono::nanoseconds wait_budget{0};  ///< how long the caller waits for the answer
   /// Set: answer when decided and tell each key still loading with on_key(index, landed)
-  /// (see the header comment). Runs on the controller's executor; must not call into it.
+  /// (docs/pipelines.md, step 6). Runs on the controller's executor; must not call into it.
   std::function<void(std::size_t, bool)> on_key;
   /// The load-or-recompute gate (0: off, offer everything): the engine's prefill rate, and
   /// what a chunk is (keys per chunk, its tokens).
@@ -143,8 +143,8 @@ class prefetch_controller {
         token, std::move(request));
   }
 
-  /// Stops: answers every request with operation_aborted and starts nothing more (see the
-  /// header comment). Any thread; idempotent. Later requests are answered at once.
+  /// Stops: answers every request with operation_aborted and starts nothing more
+  /// (docs/pipelines.md, "Stop"). Any thread; idempotent. Later requests are answered at once.
   void stop() {
     if (stopping_.exchange(true)) return;
     tracker_.post(executor_, [this] { stop_now(); });

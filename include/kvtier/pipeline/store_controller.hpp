@@ -71,7 +71,7 @@ class store_controller {
   store_controller(const store_controller&) = delete;
   store_controller& operator=(const store_controller&) = delete;
 
-  /// Stops taking work and drops what is queued (see the header comment). Any thread;
+  /// Stops taking work and drops what is queued (docs/pipelines.md, "Stop"). Any thread;
   /// idempotent.
   void stop() {
     if (stopping_.exchange(true)) return;

@@ -193,7 +193,7 @@ struct peer_policy {
   return {};
 }
 
-/// Listens on the Unix-domain socket `path` (see the header comment for the rules).
+/// Listens on the Unix-domain socket `path` (the rules: docs/protocol.md, "Listening and connecting").
 template <class Executor>
 [[nodiscard]] result<boost::asio::basic_socket_acceptor<boost::asio::local::stream_protocol, Executor>> listen_unix(
     const Executor& ex, const std::string& path, const listen_options& options = {}) {

@@ -64,7 +64,7 @@ class redis_backend : public detail::coroutine_backend<redis_backend> {
   [[nodiscard]] executor_type get_executor() const noexcept { return client_->strand(); }
   [[nodiscard]] const redis_backend_options& options() const noexcept { return client_->options(); }
 
-  /// The Redis key of a chunk key (see the header comment).
+  /// The Redis key of a chunk key (docs/l2-redis.md, "Stored form").
   [[nodiscard]] std::string key_of(const chunk_key& k) const { return client_->key_of(k); }
 
   // async_lookup_and_pin, async_load, async_store, async_remove, async_list:

@@ -80,7 +80,7 @@ class redis_link final : public std::enable_shared_from_this<redis_link>, privat
     return p;
   }
 
-  /// Detaches a request from its sink (see the header comment). May close the connection.
+  /// Detaches a request from its sink (docs/l2-redis.md, "One connection"). May close the connection.
   void abandon(redis_request* r) {
     auto it = std::find_if(fifo_.begin(), fifo_.end(), [r](const auto& p) { return p.get() == r; });
     if (it == fifo_.end()) return;
