@@ -1,57 +1,10 @@
 #pragma once
 // tiered_cache<Traits>: L1 + L2 backends + the store and prefetch pipelines + the bus behind
 // one façade (LMCache's StorageManager). The server's sessions call it; an engine may also
-// embed it directly. It speaks whole operations:
-//
-//   start_lookup(keys)        holds the contiguous L1 prefix at once (nothing after its first
-//                             miss) and prefetches the rest in the background: the prefetch
-//                             serves the longest prefix L1 and L2 can give together (keys only
-//                             L2 has are loaded, as many as L1 has room for and as load faster
-//                             than the engine's declared prefill computes them; keys L1 holds
-//                             are read-locked; keys another lookup is loading are shared);
-//   async_wait(lookup)        completes when the prefetch is DECIDED: the hit count (leading
-//                             chunks held or being loaded for the caller) is known; loads may
-//                             still be landing (async_wait_loaded: once they all have);
-//   async_copy_out(...)       copies a lookup's chunks out (a retrieve, cache/copy.hpp), each
-//                             as soon as it is readable: L1 hits at once, L2 loads as each
-//                             lands, so the copy of chunk k overlaps the load of chunk k+1;
-//                             gives the lookup's holds on those keys back; completes with the
-//                             contiguous prefix copied;
-//   async_copy_in(...)        a store: reserve, copy through the source, generation fence,
-//                             finish or abandon (staging to L2 for keys beyond L1);
-//   release_all(lookup)       gives back every hold of the lookup (free_lookup_locks, end).
-// Keys are chunk-major groups: with world size W, chunk c is keys [c*W, c*W + W) (one shard
-// per rank), and a chunk is a hit only when all its shards are. A decided hit can still
-// shrink: a load that fails or times out ends the prefix a copy can take there (its chunks
-// become the engine's load errors: a fault costs hits, never correctness).
-//
-// Holds are owned by their lookup. They are pinned L1 holds (no L1 TTL frees them) that the
-// cache tracks per lookup (its `held` bits, and `pending` for keys whose load is in flight):
-// release() and release_all() give back exactly the holds that lookup took, so a stale lookup
-// can never release a newer lookup's hold on the same key; a copy out takes over the holds
-// of the keys it copies (they are its read pins) and gives them back when done; expire() gives
-// back the holds of lookups answered more than lookup_ttl ago (a client that went away) and
-// forgets them.
-//
-// Writes, step by step (what async_copy_in does): reserve_write() returns memory to copy into:
-// an L1 slot (pinned write lock) for each new key that fits, after eviction, and for the keys
-// L1 cannot take a staging buffer that goes straight to L2 (staging memory is bounded by
-// store_options::max_inflight_bytes). finish_write() makes the L1 keys readable and offers the
-// admitted keys, L1 and staged, to the store pipeline; abandon_write() drops a failed or fenced
-// write without it ever becoming readable or stored.
-//
-// Shutdown. async_stop() stops the pipelines (answers every prefetch, drops queued stores,
-// lets the backend operations in flight finish) and completes once every coroutine and copy
-// the cache started has ended (docs/architecture.md, "Shutdown"). An idle cache runs no
-// coroutine at all. The destructor is safe in any state of the executor: with work in flight
-// it stops it and waits (or, when the executor is a stopped io_context, runs it until that
-// work is done); destroying it with work in flight from a handler running on its own executor,
-// where it can neither wait nor run, terminates with a message: co_await async_stop() first.
-//
-// Threading: every member may be called from any thread; the pipelines run on the executor
-// given at construction (one thread or a strand), copies on cache_options::copy_executor.
-// Every per-request operation is linear in its keys. Events: cache.lookup, cache.write.*,
-// cache.read.prefetched, plus everything L1 and the pipelines publish.
+// embed it directly. It speaks whole operations: start_lookup, async_wait(_loaded),
+// async_copy_out (a retrieve), async_copy_in (a store), release_all, async_stop.
+// docs/pipelines.md, "The façade", holds each call, how holds belong to their lookup, the
+// write path and threads; docs/architecture.md, "Shutdown", stopping and destroying it.
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
@@ -198,7 +151,7 @@ class tiered_cache {
   tiered_cache(const tiered_cache&) = delete;
   tiered_cache& operator=(const tiered_cache&) = delete;
 
-  /// Safe in any state of the executor (see the header comment): returns at once when
+  /// Safe in any state of the executor (docs/architecture.md, "Shutdown"): returns at once when
   /// nothing runs, else stops the pipelines and waits until every coroutine ended.
   ~tiered_cache() {
     stopping_.store(true, std::memory_order_relaxed);
@@ -209,7 +162,7 @@ class tiered_cache {
   }
 
   // --- lookups ------------------------------------------------------------------------
-  /// Starts a lookup; see the header comment. Returns its id at once. After async_stop(),
+  /// Starts a lookup (docs/pipelines.md, "The façade"). Returns its id at once. After async_stop(),
   /// lookups answer from L1 only.
   lookup_id start_lookup(const lookup_request& r);
 
@@ -244,8 +197,8 @@ class tiered_cache {
   }
 
   // --- whole copies (cache/copy.hpp) ----------------------------------------------------
-  /// Copies the request's keys out through `sink`, each as soon as it is readable (see the
-  /// header comment and cache/copy.hpp); void(error_code, std::size_t copied): the contiguous
+  /// Copies the request's keys out through `sink`, each as soon as it is readable (see
+  /// docs/pipelines.md and cache/copy.hpp); void(error_code, std::size_t copied): the contiguous
   /// prefix of keys whose every part the sink copied. Gives back the lookup's holds on these
   /// keys (copied or not). cache.read.prefetched counts the copied prefix as read and the
   /// other keys as failed.
@@ -491,6 +444,10 @@ class tiered_cache {
   }
 
   bool any_staged() const noexcept { return staged_count_.load(std::memory_order_relaxed) > 0; }
+  // reserve_write's keys that L1 had no room for (out_of_memory) get a staging buffer while
+  // the store pipeline's staging budget allows.
+  void stage_out_of_memory(std::span<const chunk_key> keys, std::size_t object_bytes, std::span<l1::status> out,
+                           std::span<std::span<std::byte>> buffers);
 
   void release_holds(std::span<const chunk_key> keys, std::uint32_t extra) {
     if (keys.empty()) return;
@@ -498,9 +455,16 @@ class tiered_cache {
     l1_.finish_read(keys, extra, l1::lock_lifetime::pinned, st);
   }
 
-  // cache/impl/lookups.hpp
+  // cache/impl/tiered_cache.hpp
   void wait(lookup_id id, wait_handler h, bool loaded);
   void complete(lookup_id id, lookup& l, const pipeline::prefetch_result& res);
+  // Whether key i of l is set in `bits`, a bitmap of a prefetch answer (over the keys after
+  // l's L1 prefix).
+  static bool answered_past_l1(const lookup& l, const bitmap& bits, std::size_t i) noexcept {
+    return i >= l.l1_prefix && i - l.l1_prefix < bits.size() && bits.test(i - l.l1_prefix);
+  }
+  // The status of a decided answer of `chunks` whole chunks.
+  static lookup_status decided_status(const lookup& l, const pipeline::prefetch_result& res, std::size_t chunks);
   void on_key(lookup_id id, const std::shared_ptr<lookup>& l, std::size_t i, bool landed);
   [[nodiscard]] lookup_status loaded_status(const lookup& l) const;
   // cache/impl/copy_ops.hpp
@@ -514,7 +478,7 @@ class tiered_cache {
     if (l.done && l.abandoned) lookups_.erase(id);
   }
 
-  // The destructor's wait for the work the pipelines still run (see the header comment).
+  // The destructor's wait for the work the pipelines still run (docs/architecture.md, "Shutdown").
   void wait_for_work();
 
   executor_type executor_;

@@ -1,47 +1,11 @@
 #pragma once
-// kv_layout: the byte shapes kvtier copies between. Standard library only.
-//
-//   dtype_kind       the element type of the KV (fp32, fp16, bf16, fp8 e4m3/e5m2, int8): two
-//                    kinds of one size (fp16/bf16, e4m3/e5m2) never share objects.
-//   kv_layout_kind   how an engine orders one paged block of one plane: NHD (token-major,
-//                    vLLM's default stride order), HND (head-major: vLLM's HND stride order,
-//                    which its CPU backend requires), MLA (one latent). The order of the
-//                    rows in a chunk object; where they are in memory is kv_strides'.
-//   model_shape      a model's KV geometry: layers, KV heads, head dim, dtype kind, MHA/MLA.
-//   chunk_layout     one chunk object (the unit stored in L1 and L2):
-//                      [layer][plane][token][kv_heads * head_dim] elements,
-//                    plane = K then V for MHA, the single latent for MLA. Layer-major, so a
-//                    layer's KV is one contiguous run (layer-wise loading stays possible).
-//   paged_kv_layout  an engine's paged KV cache: per layer, plane (K, V; one for MLA), block,
-//                    token and KV head, one row of head_dim elements. By default (kv_strides
-//                    all zero) vLLM's classic dense tensors, per layer
-//                      NHD: [2][num_blocks][block_size][kv_heads][head_dim]
-//                      HND: [2][num_blocks][kv_heads][block_size][head_dim]
-//                      MLA:    [num_blocks][block_size][latent_dim]
-//                    so one (layer, plane, block) is a contiguous "block segment" (token-major
-//                    inside it for NHD and MLA, head-major for HND). With explicit kv_strides
-//                    (bytes from one layer, plane, block, token, head to the next) any layout
-//                    whose rows are head_dim contiguous elements and never overlap: vLLM's K|V
-//                    packed in the last dim (num_blocks, block_size, kv_heads, 2 * head_dim),
-//                    its CPU backend's (num_blocks, kv_heads, 2, block_size, head_dim),
-//                    FlashInfer's (num_blocks, 2, ...), stride-order permutations, one tensor
-//                    for all layers (num_blocks, num_layers, ...).
-//
-// A chunk object holds the chunk's block segments back to back per (layer, plane), in chunk
-// order, each in the order `order` names. For NHD and MLA that is the token-major
-// [layer][plane][token][kv_heads * head_dim] of chunk_layout::offset; for HND each block's
-// segment stays head-major: [layer][plane][block of the chunk][kv_head][token in block]
-// [head_dim] (paged_kv_layout::object_offset gives a row's place in either). The object
-// depends on `order` only, never on the strides: two engines of one model and order whose
-// tensors are strided differently gather byte-identical objects (and share keys), while NHD
-// and HND objects differ and never meet, since the order is part of the model id
-// (make_model_id). A layout with explicit strides must agree with its order (HND iff the head
-// stride exceeds the token stride); validation_error() refuses a disagreement.
-// Where a block segment is contiguous in object order (every dense layout) a copy moves
-// whole segments and never transposes; otherwise it moves rows (kv_transfer.hpp).
-// Skipping the first t tokens of a block is one leading run of t token rows for NHD and MLA,
-// and for HND the first t rows of each of the kv_heads runs of block_size rows
-// (segment_runs(), run_bytes(), run_offset()).
+// kv_layout: the byte shapes kvtier copies between. Standard library only. dtype_kind and
+// kv_layout_kind (NHD, HND, MLA: the order of the rows in a chunk object), model_shape (a
+// model's KV geometry), chunk_layout (one chunk object, the unit stored in L1 and L2,
+// layer-major) and paged_kv_layout (an engine's paged KV cache: vLLM's dense tensors by
+// default, any non-overlapping kv_strides otherwise). docs/integration.md, "Layout
+// assumptions", holds the layouts, the chunk object's byte order and why it depends on the
+// order only, never on the strides.
 
 #include <kvtier/config.hpp>
 

@@ -2,30 +2,8 @@
 // kv_region: an engine's paged KV cache in shared memory (a sealed memfd), plus one
 // generation counter per block for fencing. The engine creates it and registers its fd with
 // the server (SCM_RIGHTS); the server maps the same memory and copies between it and L1 with
-// core/kv_transfer.hpp. KV bytes never cross the socket. Both sides use it (the engine's
-// connector creates it, the server's region_registry opens it), so it lives in core/; unlike
-// the rest of core/ it needs POSIX and error.hpp, and the CUDA path does not use it (its
-// device-memory counterpart is cuda::kv_region in cuda/ipc_region.cuh).
-//
-// Layout of the memory:
-//   [data]          paged_kv_layout::total_bytes(): layer l at l * effective_strides().layer.
-//                   Dense layouts (kv_strides all zero): the layers back to back, each
-//                   layer_bytes(), vLLM's per-layer [plane][num_blocks][block_size][heads*
-//                   head_dim] (NHD; HND swaps tokens and heads). Explicit strides: wherever
-//                   they put the rows (an engine's own tensor layout, or one tensor for all
-//                   layers), validated by paged_kv_layout::validation_error.
-//   [generations]   at the data's end rounded up to 4 KiB: num_blocks std::atomic<uint64_t>
-//
-// Sealing: the engine seals the memfd against shrinking and growing (F_SEAL_SHRINK |
-// F_SEAL_GROW | F_SEAL_SEAL) before it sends it, and the server refuses an fd without those
-// seals or of the wrong size: a client can then never truncate the file under the server's
-// mapping (which would kill the server with SIGBUS).
-//
-// Fencing (a seqlock per block): the engine calls begin_reuse(block) BEFORE it writes a
-// block with new content; a store request carries the generations the engine read when it
-// issued the store; after copying, the server re-reads them (generation(), an acq_rel RMW so
-// the copy's reads cannot move after it) and stores the chunk only when none changed. A block
-// reused meanwhile is therefore never stored under the old key, even if the server was hung.
+// core/kv_transfer.hpp. Unlike the rest of core/ it needs POSIX. docs/integration.md,
+// "Registering the region", holds its memory layout, the seals and the fencing protocol.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/buffer.hpp>

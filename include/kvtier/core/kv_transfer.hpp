@@ -1,83 +1,10 @@
 #pragma once
-// kv_transfer: the CPU copies between an engine's paged KV cache and contiguous chunk objects.
-// Standard library only (the streaming stores use compiler builtins, no intrinsics header).
-//
-//   gather_chunk  / gather_chunks    paged KV -> chunk object(s)   (store: engine -> L1)
-//   scatter_chunk / scatter_chunks   chunk object(s) -> paged KV   (retrieve: L1 -> engine)
-//   scatter_chunk_layer              one layer of a chunk object -> paged KV (a layer-wise
-//                                    retrieve: layer l of every chunk, then layer l + 1)
-//
-// Layouts (core/kv_layout.hpp): the paged cache is one tensor per layer; one (layer, plane,
-// block) of KV is block_size tokens of kv_heads rows of head_dim elements, at
-//   layer base + plane * strides.plane + block * strides.block
-// (paged_kv_layout::effective_strides(): dense NHD [2][num_blocks][block_size][kv_heads]
-// [head_dim], HND [2][num_blocks][kv_heads][block_size][head_dim], MLA [num_blocks]
-// [block_size][latent] by default; any non-overlapping strides otherwise). A chunk object
-// holds the chunk's block segments back to back per (layer, plane), each in the order
-// `order` names (NHD and MLA: [layer][plane][token][kv_heads * head_dim]; HND: the same with
-// each block's segment head-major), whatever the strides. A chunk of chunk_tokens tokens is
-// chunk_tokens / block_size blocks, named by block ids in chunk order.
-//
-// Two paths, chosen per call by paged_kv_layout::segment_contiguous():
-//   segments  where one (layer, plane, block) is one contiguous run in object order (every
-//             dense layout, and explicit strides that happen to be dense inside a block):
-//             num_layers * planes * blocks copies of one segment each, the fast kernels
-//             below (runs of consecutive block ids coalesced when the block stride is one
-//             segment);
-//   rows      otherwise (K|V packed per token, vLLM's CPU layout, ...): per block, one copy
-//             per row, coalescing the rows that are adjacent on both sides (the kv_heads
-//             rows of a token where the head stride is one row, the block_size rows of a
-//             head in HND where the token stride is one row).
-// Both give the same object byte for byte; tests/core/kv_transfer_test.cpp checks both
-// against a row-by-row reference for every layout vLLM allocates.
-//
-// skip_tokens: the first skip_tokens tokens of the chunk are neither read nor written, in
-// either direction (any value in [0, chunk_tokens], not only block multiples). Scatter uses
-// it so that tokens the engine already computed (a prefix hit that ends inside a chunk) are
-// never overwritten; gather leaves those bytes of the object untouched. Inside the block
-// where the skip ends, NHD and MLA skip one leading run of token rows; HND skips the leading
-// rows of each head's run (kv_heads copies of (block_size - t) rows for that block alone).
-//
-// Errors: every function validates all its arguments before it copies a byte and returns a
-// std::error_code: {} on success, else a transfer_errc (category "kvtier.transfer") that
-// compares equal to std::errc::invalid_argument. Nothing throws and nothing allocates; a
-// batch copies nothing when any of its items is invalid. Memory is not checked: the object
-// must hold chunk.object_bytes() bytes, each layer pointer layout.layer_bytes() bytes (its
-// rows' extent), and the object must not overlap the paged cache. Calls share no state:
-// concurrent gathers may read the same blocks; concurrent writes to the same bytes are the
-// caller's data race.
-//
-// Speed (docs/performance.md, "Gather/scatter"): the copy is memory-bound, so what counts is
-// how the memory is touched. Large transfers write with non-temporal (streaming) stores
-// where the CPU has AVX-512 or AVX2 (checked once at run time, memcpy elsewhere:
-// core/detail/streaming_copy.hpp): the destination of a multi-MiB chunk is cold and not read
-// back by this core soon, and streaming saves the read-for-ownership of every destination
-// line. Whole block segments are copied 8 side by side, 256 bytes of each in turn, so that 8
-// page streams are in flight instead of one that restarts at every segment, and a gather
-// prefetches the first lines of the next 8 source segments, whose addresses the hardware
-// prefetcher cannot guess. Measured on the 2-vCPU dev VM with cold source and destination,
-// against the fastest one-thread copy of the same bytes to cold memory (a streaming copy of
-// the chunk in 8 contiguous parts side by side): gather 0.93-1.04x and scatter 0.96-1.04x
-// with 32 KiB block segments (8B model shape), gather 0.84-0.88x (0.95x in huge pages) and
-// scatter 0.90-0.96x with 4 KiB segments (0.5B shape); one streaming copy per segment
-// reached 0.86/0.63 and 0.87/0.76, memcpy 0.4-0.55x.
-//
-// CUDA (cuda/kv_transfer.cuh): the kernels keep these signatures and only append a
-// `cudaStream_t stream` parameter:
-//   gather_chunk(cache, block_ids, chunk, object, skip_tokens, options, stream)
-//   gather_chunks(cache, chunk, items, options, stream)   (likewise for scatter)
-// and map as follows. `cache.layers` then points to a device-resident table of the layer
-// base pointers (uploaded once at registration: vLLM's per-layer tensors never move), so the
-// kernel reads a layer's base without a host round trip; its null check happens at
-// registration, the per-call checks (sizes, block ids, skip) stay on the host and return the
-// same codes before anything is enqueued. `block_ids` stay host memory: the launcher packs
-// them into the kernel's parameter block (or a pinned staging slot for large batches), so a
-// caller never allocates device memory per call. `object` is a device-accessible pointer:
-// a pinned L1 slot (zero-copy over PCIe) or device memory. One CTA copies one block segment
-// with 16-byte vector accesses (grid = layers * planes * blocks, times items for a batch:
-// one launch per batch); skip_tokens becomes the same per-segment byte offset as here.
-// The copy is ordered on `stream` instead of being complete on return, and the fence that
-// publishes streaming stores here becomes the stream's completion.
+// kv_transfer: the CPU copies between an engine's paged KV cache and contiguous chunk objects:
+// gather_chunk(s) (paged KV -> chunk objects, a store), scatter_chunk(s) and
+// scatter_chunk_layer (chunk objects -> paged KV, a retrieve). Standard library only. The
+// layouts: core/kv_layout.hpp and docs/integration.md, "Layout assumptions"; the two copy
+// paths, skip_tokens, the error contract, the speed and the CUDA twins (cuda/kv_transfer.cuh):
+// docs/integration.md, "The copy functions".
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/detail/streaming_copy.hpp>

@@ -1,31 +1,10 @@
 #pragma once
-// token_hasher: the rolling prefix hash that names chunks of tokens.
-//
-//   h(-1) = root (a constant, see root())
-//   h(i)  = H( h(i-1) as 16 bytes little-endian (lo, hi) || tokens of chunk i as u32 LE
-//              || extra(i) )
-//   extra(i) = nothing                                  when chunk i has no extra bytes
-//            = len(e) as u64 LE || e                    when it has the bytes e (non-empty)
-//
-// The extra bytes are what else the chunk's KV depends on besides its tokens and its prefix
-// (a LoRA adapter, multimodal inputs at its positions, prompt embeddings: vLLM's block hash
-// covers them; python/kvtier/integrations/request_keys.py builds them, docs/integration.md
-// "vLLM" documents their encoding). A chunk without extra bytes hashes exactly as before
-// extras existed, so the keys of plain token prompts (every C++ engine, the mini engine) never
-// change. The prefix (16 bytes) and the tokens (4 * chunk_size bytes) have a fixed length, so
-// the hashed message's length tells "no extra" from every extra, and the length prefix keeps
-// two different (tokens, extra) pairs from ever framing to the same message.
-//
-// Only full chunks of chunk_size tokens are hashed; a trailing partial chunk is never cached.
-// The encoding is fixed and little-endian, so the same tokens give the same hashes in every
-// process, run and machine (tests pin the values). H is XXH3-128 by default; SHA-256 (first 16
-// bytes of the digest, via OpenSSL) is selectable where tenants do not trust each other and
-// collisions must be infeasible to construct.
-//
-// Dependencies beyond the standard library: xxhash.h (header-only, core/detail/xxhash.hpp) and OpenSSL's
-// libcrypto, so a target that includes it links kvtier::engine (kvtier + OpenSSL::Crypto).
-// The model ids of chunk keys (make_model_id, salted_model_id) are in core/model_id.hpp,
-// which needs no OpenSSL; this header includes it.
+// token_hasher: the rolling prefix hash that names chunks of tokens,
+//   h(i) = H(h(i-1) as 16 bytes LE || tokens of chunk i as u32 LE || extra(i)),
+// H = XXH3-128 (default) or SHA-256 truncated to 16 bytes, fixed and little-endian so every
+// process, run and machine computes the same hashes; only full chunks are hashed. Links
+// OpenSSL (kvtier::engine); the model ids are core/model_id.hpp's. docs/integration.md,
+// "vLLM: what names a chunk", holds the encoding of the extra bytes and why it is framed so.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>

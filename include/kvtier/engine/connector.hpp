@@ -1,69 +1,10 @@
 #pragma once
 // engine::connector<Bus>: the engine-side client of the cache server, shaped like vLLM's KV
-// connector. One per engine worker (rank), each with its own kv_region and connection; and,
-// as vLLM splits them, one without a region for the scheduler process (it registers with
-// region kind none and may only look up, free lookup locks and end requests).
-//
-//   scheduler side   lookup(id, tokens)        non-blocking; lookup_result(id) polls the answer
-//                    free_lookup_locks(id), end_request(id)            fire and forget
-//   worker side      retrieve(id, tokens, first_chunk, block_ids, skip)  async load into blocks
-//                    store(id, tokens, first_chunk, chunk_count, block_ids) async save
-//                    get_finished(finished_by_engine) -> {finished sending, finished recving}
-//                    take_load_error_blocks()  blocks the engine must recompute
-//   layer-wise       layers_ready(id), wait_layers(ids, layers, timeout): the leading layers
-//                    of a request's retrieves in flight that are usable (the server's
-//                    progress); wait_retrieves(ids, timeout): its retrieves completed
-//   one engine       connector_options::engine_id, the same in the scheduler's and every
-//                    worker's connector: the server serves a worker's retrieve from the
-//                    scheduler's lookup (each chunk as its L2 load lands)
-//   fencing          block_is_quarantined(b), quarantined_blocks(), block_reused(b),
-//                    wait_released(blocks, timeout)
-//   tenants          cache_salt: the options' (per connector) and each call's (per request,
-//                    vLLM's cache_salt) are folded into the chunks' model id
-//   health           healthy(), state(), wait_ready(timeout), last_error()
-//
-// The engine is synchronous, so the connector runs its own io_context on one background
-// thread: its transport (engine/detail/server_link.hpp: connection, calls in flight, ping,
-// reconnect, the pidfd watch) lives there; this class keeps what the calls mean (lookup
-// answers, finished reporting, load errors, quarantine, layer progress). Every public
-// function is thread-safe and returns without waiting for the server, but the waits: wait_ready
-// (once at start-up), and for a synchronous engine wait_layers, wait_retrieves and
-// wait_released, which block on a condition variable under the connector's one mutex (never
-// polling) until the connector's own thread records what they wait for: a retrieve's
-// progress or completion (a reply, its deadline, the unhealthy edge: every retrieve
-// completes by its deadline at the latest), a quarantine release. docs/fault-tolerance.md
-// describes the behaviour and every knob (engine/options.hpp); in short:
-//
-//   health     EOF or a socket error: unhealthy at once; an unanswered ping (ping_timeout)
-//              or breaker_threshold call timeouts in a row: unhealthy. Unhealthy: lookups
-//              answer 0, stores are skipped, retrieves become load errors, every in-flight
-//              call is released (finished receiving / sending as due); the connector
-//              reconnects with backoff, registers its region again (a new boot token tells a
-//              restart) and resumes. It starts degraded when no server is there yet.
-//   deadlines  every call has one; a retrieve's moves with the server's progress (the last
-//              progress + retrieve_timeout, at most its start + the server's load budget +
-//              retrieve_timeout); past it the chunks progress said were ready count as
-//              retrieved, the others are load errors (never silent) and their blocks are
-//              quarantined.
-//   fencing    blocks of a retrieve the connector gave up on stay quarantined until it is
-//              proven that no copy can follow: the server answers that call, closes that
-//              connection (it closes one only after every copy it started for it ended), or
-//              its process is gone (pidfd); or, by default, after quarantine_limit (10 min).
-//              Stores carry the blocks' generations read at store() time, which the server
-//              checks after its copy, so a block reused meanwhile (block_reused) is never
-//              stored.
-//   finished   finished_tracker.hpp: each id once in each list, never in recving while a
-//              retrieve of it is pending, nor in sending while a retrieve or store is;
-//              bounded memory.
-//
-// Events (bus/events.hpp): connector.healthy / unhealthy / reconnected, lookup.completed,
-// retrieve.completed, store.completed, load_error, quarantine.changed. They are published
-// from the calling or the connector's thread with the connector's lock held: subscribers
-// must not call back into the connector.
-//
-// Lifetime: the kv_region (if any) and the bus must outlive the connector. The destructor closes the
-// connection (the server releases the registration and its locks at EOF) and joins the
-// thread; nothing is reported after it.
+// connector: lookups on the scheduler side; retrieves, stores, finished reporting and load
+// errors on the worker side; layer progress, fencing (quarantine) and health. Its transport
+// runs on a thread of its own (engine/detail/server_link.hpp). docs/fault-tolerance.md holds
+// the rest: the API in one screen, threads and waits, lifetime, health, deadlines, fencing,
+// finished reporting, events and every knob (engine/options.hpp).
 
 #include <kvtier/bus/events.hpp>
 #include <kvtier/bus/null_bus.hpp>

@@ -1,52 +1,10 @@
 #pragma once
 // finished_tracker: which request ids the connector reports to the engine as finished
 // receiving (their KV loads are over) and finished sending (the engine finished them and
-// their KV stores are over), following vLLM's KV-connector contract. Pure bookkeeping, no
-// I/O, not thread-safe (the connector guards it with its mutex).
-//
-// Rules (docs/fault-tolerance.md; vLLM's scheduler, docs/integration.md):
-//   recving   an id is reported finished receiving once, at the first take_finished at
-//             which it has had a retrieve and none of its retrieves is pending. "Every
-//             retrieve" is every retrieve started before that call: an engine that loads a
-//             request in several retrieves (vLLM's chunked prefill: one per step of a long
-//             prompt) is told when all of them ended, never while one still runs, even if
-//             an earlier one completed long ago. A retrieve started after the id was
-//             reported receiving (the request already runs) is tracked, holds back
-//             finished sending, and is never reported receiving: vLLM asserts on a second
-//             finished_recving of a running request, and the engine learns of that
-//             retrieve's failures through the load-error blocks. A retrieve that fails is
-//             still "finished receiving" (its failed blocks are load errors, reported apart).
-//             A synchronous retrieve (the engine waits for it within the step: vLLM's
-//             load_kv_async = False) never makes its id owe a receiving report: vLLM asserts
-//             that an id finished receiving is waiting for remote KV (or finished, and then
-//             frees its blocks), which a request loaded synchronously never is. It is still
-//             tracked: it holds back the id's sending report while pending.
-//   sending   an id the engine reported finished, once every store and retrieve it has is
-//             over (at once when it has none); reported once.
-//   last      an id the engine finished before its receiving report gets that report as its
-//             last one, once nothing of it is pending (retrieves and stores), and never a
-//             sending report (vLLM frees a finished request on finished_recving; a later
-//             finished_sending would name a freed request). Every id the engine finishes
-//             thus gets exactly one last report: sending, or recving in that case.
-//   never     an id in recving while a retrieve of it is pending, or twice;
-//             an id in sending while a retrieve or store of it is pending, before the
-//             engine reported it finished, or twice;
-//             an id in both lists of one call;
-//             an id again after its last report: the engine's re-reports (async scheduling
-//             reports an id several times; LMCache's duplicate-report bug) are swallowed by
-//             a window of the last `window` retired ids, and transfers of a retired id are
-//             tracked (drain, pending counts) but never reported.
-//   drain     while the server is unhealthy every pending retrieve and store counts as
-//             done, so no request waits for a server that will not answer.
-//
-// Memory is bounded however long the engine runs: an id's entry goes away with its last
-// report, or when nothing is left to report (a request with stores only, between steps);
-// an id reported finished receiving keeps its entry (a few dozen bytes) until the engine
-// finishes it, so that it is never reported receiving twice, which bounds the entries by the
-// requests alive in the engine (vLLM finishes every request it schedules). The window of
-// retired ids holds at most `window` 128-bit hashes of ids (LMCache kept every id forever:
-// issue #5339). An id is remembered by its XXH3-128 hash; two ids of one window colliding
-// (odds ~ window^2 / 2^129) would swallow one report.
+// their KV stores are over), following vLLM's KV-connector contract: each id once in each
+// list, never in recving while a retrieve of it is pending, nor in sending while a retrieve
+// or store is; bounded memory. Pure bookkeeping, no I/O, not thread-safe (the connector
+// guards it with its mutex). docs/fault-tolerance.md, "Finished reporting", holds the rules.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
@@ -82,7 +40,7 @@ class finished_tracker {
   }
 
   /// A retrieve of `id` was issued; `synchronous`: the engine waits for it within its step,
-  /// and `id` does not owe a receiving report for it (see the rules above).
+  /// and `id` does not owe a receiving report for it (docs/fault-tolerance.md, "Finished reporting").
   void retrieve_started(std::string_view id, bool synchronous = false) {
     entry& e = tracked_entry(id);
     ++e.retrieves;
@@ -112,7 +70,7 @@ class finished_tracker {
     erase_if_idle(it);
   }
 
-  /// The engine's finished ids of this step in, the reports due out (see the rules above).
+  /// The engine's finished ids of this step in, the reports due out (docs/fault-tolerance.md, "Finished reporting").
   /// Re-reports of retired ids and of ids already waiting are ignored.
   finished_requests take_finished(std::span<const std::string> finished_by_engine) {
     finished_requests out;

@@ -2,27 +2,9 @@
 // The contract of kvtier's file I/O: `file_io`, what the L2 disk backend is written against.
 // Satisfied by io::uring_context (io_uring), io::pread_pool (the thread-pool fallback) and
 // io::any_file_io (whichever of the two the run-time probe chose), so the backend never
-// knows which one runs; io::file_io_archetype checks code against the contract alone. The
-// ten operations are written once, for all three (io/detail/file_io_operations.hpp).
-//
-// Every operation is Asio-shaped (`async_xxx(args..., Token&&)`, error_code first) and obeys
-// the same rules in every implementation:
-//   - completion: read/write ops complete with void(error_code, std::size_t bytes), openat
-//     with void(error_code, int fd), the others with void(error_code). The handler runs on
-//     its associated executor (the implementation's executor when it has none), never inside the
-//     initiating call. Errors are the kernel's errno in the system category (EBADF, EINVAL
-//     for unaligned O_DIRECT, ENOSPC...); a cancelled op reports operation_aborted; an op
-//     started after shutdown() reports kvtier::errc::shutting_down.
-//   - a short read (fewer bytes than asked, no error) is end of file; the buffer past the
-//     count is unspecified (ext4 O_DIRECT zero-fills the rest of the request, a hole past
-//     EOF; buffered reads leave it alone); reads and writes are
-//     capped at max_io_bytes per call (the kernel's MAX_RW_COUNT), so a longer span reads
-//     short. Use async_read_all / async_write_all (object_io.hpp) for objects.
-//   - on a file that cannot seek (pipe, socket) the offset is ignored, as io_uring does.
-//   - memory: the buffer (and the iovec array, and the path strings) must stay valid and
-//     untouched until the handler runs, even when the op was cancelled. The handler runs
-//     exactly once, and only after the kernel is done with the buffer. See uring_context.hpp
-//     for the cancellation contract.
+// knows which one runs; io::file_io_archetype checks code against the contract alone.
+// docs/io.md, "Operations", holds the operations and the rules every implementation obeys
+// (completions, errors, short reads, memory until the handler runs).
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>

@@ -2,29 +2,8 @@
 // async_read_all / async_write_all: move one large object (3-32 MiB KV chunks) with any
 // file_io, split into parts of ~1 MiB that run in parallel (at most max_parts_in_flight at a
 // time, through async_run_parts, parts.hpp), and complete once, after every part has
-// completed.
-//
-// Why these numbers (docs/io.md): at >= 256 KiB per I/O the submission cost is under 1% even
-// unbatched, and 8-32 requests in flight saturate an NVMe device; 1 MiB parts, 16 in flight,
-// put a 32 MiB object in flight in two waves while the ring batches each wave into one
-// io_uring_enter. The disk backend uses the same defaults (l2::disk_backend_options).
-//
-// Completion: void(error_code, std::size_t bytes). `bytes` is the prefix of the object that
-// was transferred (parts complete out of order; only the contiguous prefix counts). The
-// error is that of the FIRST failing part in file order: the kernel's error, eof for a read
-// that came up short (the file ended), operation_aborted when cancelled. A short write is
-// continued where it stopped; a write that moves 0 bytes fails with errc::io_error. After
-// the first failure no new part starts; the op still waits for the parts in flight (the
-// buffer contract of file_io: the handler runs only when the kernel is done with every byte
-// of the buffer).
-//
-// Cancellation (the handler's slot, any type) stops launching parts and cancels the parts in
-// flight; same exactly-once and buffer rules as a single op.
-//
-// Threading: the bookkeeping runs on the handler's associated executor (the file I/O's when
-// it has none), which must not run two handlers at once (an io_context thread or a strand).
-// For O_DIRECT, offset, buffer and size must be 4 KiB aligned; part_bytes is rounded up to
-// 4 KiB so every part stays aligned.
+// completed, with the contiguous prefix transferred and the error of the first failing part
+// in file order. docs/io.md, "Operations", holds the rules, the threading and why 1 MiB x 16.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/buffer.hpp>
@@ -47,7 +26,7 @@
 namespace kvtier::inline KVTIER_ABI_TAG::io {
 
 struct object_io_options {
-  /// Bytes per part (rounded up to 4 KiB). 1 MiB: see the header comment.
+  /// Bytes per part (rounded up to 4 KiB). 1 MiB: docs/io.md, "Operations".
   std::size_t part_bytes = std::size_t{1} << 20;
   /// Parts in flight at once, 1 to 256.
   unsigned max_parts_in_flight = 16;
@@ -121,7 +100,7 @@ inline void check_object_io_options(const object_io_options& o) {
 
 }  // namespace detail
 
-/// Reads buffer.size() bytes at `offset` in parts; see the header comment.
+/// Reads buffer.size() bytes at `offset` in parts (docs/io.md, "Operations").
 template <file_io Io, class Token>
 auto async_read_all(Io& io, int fd, std::span<std::byte> buffer, std::uint64_t offset, const object_io_options& opts,
                     Token&& token) {
@@ -135,7 +114,7 @@ auto async_read_all(Io& io, int fd, std::span<std::byte> buffer, std::uint64_t o
   return async_read_all(io, fd, buffer, offset, object_io_options{}, std::forward<Token>(token));
 }
 
-/// Writes the whole buffer at `offset` in parts; see the header comment.
+/// Writes the whole buffer at `offset` in parts (docs/io.md, "Operations").
 template <file_io Io, class Token>
 auto async_write_all(Io& io, int fd, std::span<const std::byte> buffer, std::uint64_t offset,
                      const object_io_options& opts, Token&& token) {

@@ -1,29 +1,10 @@
 #pragma once
 // async_run_parts: runs a list of reads (or writes) with any file_io, at most N in flight,
-// started in list order, and completes once, after every part it started has completed. It
-// is what moves objects in kvtier: io::async_read_all / async_write_all (object_io.hpp) run
-// one object's parts; the disk backend runs the parts of every object of a batch (header
-// blocks, payload parts, tail blocks) through one queue (l2/disk/impl/).
-//
-// What to do is a `part_plan`: part_count() parts; begin_part(i) is called just before part i
-// is issued and says what it is (fd, memory, size, offset), or nullopt to skip it (its object
-// already failed); end_part(i, ec, n) is called when it completed, with the bytes it moved,
-// and returns true to start no further part (the operation failed as a whole). The plan keeps
-// its results; result(outcome) makes the completion's arguments (Plan::signature) once the
-// last part is done. Reads report what the kernel gave (n < size: end of file). A short
-// write is continued where it stopped (the kernel then reports the real error, e.g. ENOSPC);
-// a write that moves 0 bytes ends with errc::io_error, one stopped midway with
-// operation_aborted.
-//
-// Cancellation (the handler's slot, any type) stops starting parts and cancels the parts in
-// flight, which report operation_aborted or, when the kernel had finished them, their real
-// result; the operation still completes only once every part it started has completed (the
-// buffer contract of file_io: the kernel is done with every byte when the handler runs).
-//
-// Threading: begin_part, end_part and result run on the handler's associated executor (the
-// file I/O's when it has none), which must not run two handlers at once (an io_context
-// thread or a strand). Each part's handler has no allocator of its own, so on io_uring a
-// part costs no heap allocation (the ring's op recycler); the operation allocates once.
+// started in list order, and completes once, after every part it started has completed. What
+// to do is a `part_plan` (begin_part, end_part, result). io::async_read_all / async_write_all
+// (object_io.hpp) run one object's parts through it; the disk backend runs every object of a
+// batch through one queue. docs/io.md, "Operations", holds the plan's contract, short and
+// failed parts, cancellation and the threading rule.
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -72,7 +53,7 @@ struct parts_outcome {
 };
 
 // clang-format off
-/// What async_run_parts runs (see the header comment). `writes` says whether the parts are
+/// What async_run_parts runs (docs/io.md, "Operations"). `writes` says whether the parts are
 /// writes; `signature` is the completion signature and result() returns its arguments.
 template <class P>
 concept part_plan = requires(P& p, std::size_t i, const error_code& ec, std::size_t n, parts_outcome o) {

@@ -1,25 +1,9 @@
 #pragma once
-// pread_pool: the fallback file I/O for kernels that refuse io_uring (ENOSYS, EPERM
-// under seccomp or kernel.io_uring_disabled; see io/probe.hpp). A few threads (default 2,
-// the machine's cores) run blocking pread/pwrite/fdatasync/openat... and post each
-// completion to the caller's executor. Same operations, same completion signatures and same
-// contracts as uring_context (io/concepts.hpp), so the disk backend cannot tell them apart,
-// except for these differences:
-//   - cancellation: an op still waiting in the queue completes with operation_aborted and
-//     never touches its buffer; an op a worker already runs cannot be interrupted (a
-//     blocking syscall) and completes with its real result. It still completes exactly
-//     once, and its buffer stays the kernel's until then;
-//   - registered buffers do not exist: register_buffers() returns success and changes
-//     nothing; fixed_buffers_active() is false;
-//   - per op it allocates one op node (the handler's associated allocator, by default
-//     Asio's per-thread recycling allocator) and one posted completion. It is the fallback.
-//
-// THREADING: ops may be started and cancelled from any thread; each handler runs on its
-// associated executor (the pool's executor when it has none), never inside the initiating
-// call. Cancellation slots are emitted and cleared on the handler's executor. shutdown()
-// and the destructor may run on any thread but not concurrently with starting or cancelling
-// ops. The destructor shuts down, then joins the workers, so it waits for the syscalls in
-// progress; a read blocked forever (an empty pipe) blocks it: unblock it first.
+// pread_pool: the fallback file I/O for kernels that refuse io_uring (io/probe.hpp): a few
+// threads run the blocking syscalls and post each completion to the caller's executor. Same
+// operations and contracts as uring_context (io/concepts.hpp), but a running syscall cannot
+// be cancelled, there are no registered buffers, and each op allocates. docs/io.md,
+// "pread_pool", holds the differences and the threading rule.
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>

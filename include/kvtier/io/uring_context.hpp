@@ -1,52 +1,10 @@
 #pragma once
 // uring_context: file I/O on a liburing ring whose completions resume Asio coroutines (and
-// run Asio handlers) on their executor. The L2 disk backend's file I/O where the kernel allows
-// io_uring (io/probe.hpp decides; io/any_file_io.hpp holds whichever implementation was chosen).
-//
-// How it works (details in detail/uring_core.hpp):
-//   - one ring (default 256 SQ entries, COOP_TASKRUN; never IOPOLL or SQPOLL: IOPOLL reads
-//     fail with EOPNOTSUPP on the target kernel, SQPOLL burns a core of a 2-core machine),
-//   - its completion eventfd (io_uring_register_eventfd) read by an asio stream_descriptor:
-//     a wakeup reaps every CQE and completes each op; user_data is the op's address,
-//   - batched submission: starting an op only fills an SQE; one "turn" posted per executor
-//     turn submits all of them with one io_uring_enter (also forced when the SQ is full),
-//     then reaps what completed inline (page-cache hits),
-//   - registered buffers: register_buffers() registers the L1 slot arena (add_buffers(): a
-//     piece at a time, each next to the others); reads and writes
-//     whose buffer lies inside it use READ_FIXED / WRITE_FIXED with its buf_index. Where
-//     the kernel refuses (ENOMEM under RLIMIT_MEMLOCK without CAP_IPC_LOCK, EFAULT...),
-//     it logs once, counts it, and the same memory is used with plain READ / WRITE,
-//   - no heap allocation per op in steady state: an op lives in memory from the handler's
-//     associated allocator, or, for handlers without one (callbacks, use_awaitable), in a
-//     per-ring cache of freed blocks (stats().op_heap_allocations stays flat after warm-up).
-//
-// THREADING RULE: the ring belongs to its executor, which must never run two of its handlers
-// at once: a single-threaded io_context (the server's I/O thread) or a strand. Start ops,
-// cancel them, call register_buffers() and shutdown() only from inside that executor (or
-// before it runs anything). Completion handlers run on their associated executor: when
-// that is the ring's executor they are called inline from the reaping loop, else
-// dispatched to it. With taskrun_mode::defer, the executor must furthermore stay on one
-// OS thread for the ring's whole life (destructor included). Destroy the ring before its
-// io_context, never from inside one of its own completion handlers, and not while the
-// executor runs ring handlers on another thread.
-//
-// CANCELLATION CONTRACT (the prefetch controller relies on it: "a cancelled read never lands
-// in a reused slot"):
-//   - every op completes EXACTLY ONCE, cancelled or not;
-//   - its buffer (and iovec array, and path strings) belongs to the kernel until then: the
-//     handler runs only after the op's own CQE arrived (the kernel has completed or
-//     cancelled it), or, for an op still queued in the ring, without it ever having been
-//     given to the kernel. Do not reuse or free the memory before the handler runs;
-//   - cancelling (terminal, partial or total, through the handler's cancellation slot,
-//     e.g. `co_await (read || timer)`, or shutdown()) is a request: an op the kernel can
-//     stop (a read waiting on a pipe or socket, a request not yet issued) completes with
-//     operation_aborted; one it already finished or cannot stop (a buffered file read in
-//     progress, an O_DIRECT read in the device) completes with its real result, and the
-//     data in the buffer is then valid;
-//   - shutdown() cancels everything in flight and refuses new ops (errc::shutting_down);
-//     the destructor does the same, then BLOCKS until every in-flight op has its CQE, and
-//     posts each handler to its executor (so a destroyed ring never leaves the kernel
-//     writing into memory).
+// run Asio handlers) on their executor: one ring, batched submission (one io_uring_enter per
+// executor turn), registered buffers, no heap allocation per op (details in
+// detail/uring_core.hpp). The L2 disk backend's file I/O where the kernel allows io_uring
+// (io/probe.hpp decides; io/any_file_io.hpp holds whichever was chosen). docs/io.md,
+// "uring_context", holds how it works, the threading rule and the cancellation contract.
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -75,6 +33,10 @@ namespace kvtier::inline KVTIER_ABI_TAG::io {
 
 class any_file_io;
 
+/// The ring belongs to its executor, which must never run two of its handlers at once (one
+/// thread or a strand): start and cancel ops, register buffers and shut down only from inside
+/// it. Every op completes exactly once, and its memory belongs to the kernel until its
+/// handler runs, cancelled or not (docs/io.md, "Cancellation contract").
 class uring_context : public detail::file_io_operations<uring_context> {
  public:
   using executor_type = boost::asio::any_io_executor;
@@ -88,7 +50,7 @@ class uring_context : public detail::file_io_operations<uring_context> {
   uring_context(const uring_context&) = delete;
   uring_context& operator=(const uring_context&) = delete;
 
-  /// Cancels, waits for every in-flight op, posts their handlers; see the contract above.
+  /// Cancels, waits for every in-flight op, posts their handlers; docs/io.md, "Cancellation contract".
   ~uring_context() = default;
 
   [[nodiscard]] executor_type get_executor() const noexcept { return core_.get_executor(); }

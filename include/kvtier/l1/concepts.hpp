@@ -1,34 +1,9 @@
 #pragma once
-// The contract of an L1 eviction policy (`eviction_policy`) and its archetype.
-//
-// A policy orders the ready objects of one l1::tier and picks victims. It is intrusive, in
-// the style of CacheLib's MMContainers: the policy declares a `hook` type, the tier embeds
-// one hook in each of its entries (the entry derives from P::hook), and the policy links
-// hooks into its own lists. No per-key node is allocated by the policy; the memory of a
-// policy is its hooks plus bounded side structures (ghost fingerprints).
-//
-// The tier calls a policy only under its own mutex: policies need no synchronisation.
-//
-// Life of a hook, as the tier drives it:
-//   on_insert(h, key)   the object became ready for the first time (finish_write or
-//                       finish_write_and_reserve_read). The key is given once; a policy that
-//                       needs it later (ghost fingerprints) keeps what it needs in the hook.
-//   on_access(h)        the object was read (reserve_read) or touched.
-//   select_victims(n, pred, out)
-//                       append to `out` at most n hooks, each one for which pred(hook) is
-//                       true (unlocked objects), none twice, none already removed. The tier
-//                       then removes every returned hook and calls on_remove for it before
-//                       any other call, so a policy may already detach the victims and do
-//                       its eviction bookkeeping (ghost entries) here. The cost must be
-//                       O(victims + hooks skipped), never a full scan per victim: the tier
-//                       calls it while holding the lock readers need.
-//   on_remove(h)        the object left the tier (evicted, deleted, freed as temporary) or
-//                       was removed while locked. Called exactly once per on_insert, also
-//                       for hooks select_victims already detached.
-//
-// Optional: `p.set_capacity(objects)`, called once by the tier before any insert, with the
-// number of objects the tier holds at its eviction watermark (policies size their queues
-// and ghost lists from it).
+// The contract of an L1 eviction policy (`eviction_policy`) and its archetype. A policy
+// orders the ready objects of one l1::tier and picks victims; it is intrusive (CacheLib's
+// MMContainers): the tier's entries derive from the policy's `hook`, so the policy allocates
+// no per-key node. The tier calls it only under its own mutex. docs/l1.md, "Writing your own
+// policy", holds the life of a hook and the contract of select_victims.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>

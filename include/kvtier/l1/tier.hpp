@@ -1,43 +1,10 @@
 #pragma once
 // l1::tier<Policy, Bus>: the L1 tier, chunk objects in CPU memory, one object per fixed-size
-// slot of one arena, with LMCache's per-key state machine (docs/l1.md):
-//
-//   absent --reserve_write / reserve_prefix(write)--> write_locked
-//   write_locked --finish_write--> ready
-//   write_locked --finish_write_and_reserve_read(n holds)--> read_locked(n)     (n = 0: ready)
-//   write_locked --abandon_write / write TTL--> absent                         (never readable)
-//   ready <--> read_locked(n): reserve_read / reserve_prefix(read) take holds, finish_read
-//                              gives them back (n = holds of both lifetimes)
-//   ready --remove / evict--> absent;  read_locked(n) --remove(force)--> removing --last lock--> absent
-//   temporary object: freed with its last read hold (the last finish_read, an expiry, or
-//                     finish_write_and_reserve_read with 0 holds)
-//
-// Every operation takes a batch of keys and answers per key (l1::status) in a span the
-// caller provides, so a batch allocates nothing; it returns the number of successes.
-// reserve_write allocates the new keys of a batch all or nothing (or, asked, as many as
-// fit), evicting unlocked objects first when the tier would pass its eviction watermark.
-// reserve_prefix takes the longest prefix of a batch it can: readable keys are read-locked,
-// absent keys the caller can load are write-locked in new slots, keys another writer of
-// the caller's is writing are left for it to wait on, all in one step under the mutex.
-// Locks are expiring (TTL, for remote clients) or pinned (for the server's own I/O and
-// copies, and for holders that track and expire their own holds); see l1::lock_lifetime.
-//
-// Holds are counted per key and lifetime, not owned: finish_read releases any holds of
-// that lifetime, and when expiring holds pass their TTL they all go at once. A holder whose
-// expiring hold expired can therefore release another holder's hold on the same key. A
-// holder that must never release another's takes pinned holds and expires them itself
-// (cache::tiered_cache does, per lookup); pinned holds are only released by whoever took
-// them, so counts stay exact.
-//
-// Thread safety: every member function may be called from any thread. One mutex guards the
-// tier (LMCache does the same; the machines have 2 cores). Bus events are published
-// after the mutex is released; the policy runs under it.
-//
-// Events (bus/events.hpp), with exact counts: l1_write_reserved (+ l1_allocation_failed when
-// new keys did not fit), l1_write_finished, l1_write_finished_and_read_reserved,
-// l1_read_reserved, l1_read_finished, l1_keys_evicted (reasons evicted, deleted, temporary,
-// abandoned), l1_lock_expired. A prefix operation counts only what it took (and, when
-// asked, the one key at which it stopped), never the keys after it.
+// slot of one arena, with LMCache's per-key state machine (absent, write_locked, ready,
+// read_locked, removing), expiring or pinned locks, and an eviction policy chosen at compile
+// time. Every operation takes a batch of keys and answers per key in a span the caller
+// provides. docs/l1.md holds the states, each operation's answers, locks and holds,
+// eviction, events and thread safety.
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
@@ -241,7 +208,7 @@ class tier {
   /// policy sees a read). Answers: not_found (absent or removing), not_readable (being
   /// written). An expiring hold lasts read_lock_ttl from the latest expiring acquire on the
   /// key; when it passes, all expiring holds of the key go at once (holds are not owned: see
-  /// the header comment).
+  /// docs/l1.md, "Locks").
   std::size_t reserve_read(std::span<const chunk_key> keys, std::uint32_t extra_count, lock_lifetime lifetime,
                            std::span<status> out);
 
@@ -462,6 +429,32 @@ class tier {
   // placeholders (new_index_slots_) and buffers; the room was made by ensure_room / room_for.
   void place_new_keys(std::span<const chunk_key> keys, std::size_t count, std::size_t bytes, bool temporary,
                       lock_lifetime lock, std::span<std::span<std::byte>> buffers, lazy_now& now);
+
+  /// reserve_write's look-up of keys[i]: the entry to overwrite, or nullptr when the key is
+  /// answered here (out[i]: not_found, not_writable) or new (queued in new_positions_ with its
+  /// index placeholder).
+  entry* write_target(const chunk_key& key, std::size_t i, write_mode mode, std::span<status> out, lazy_now& now,
+                      tally& t);
+
+  // The steps of reserve_prefix (impl/tier_prefix.hpp), under the mutex.
+  /// Walks keys from the front, taking each (out) until one ends the prefix (r.end, r.length);
+  /// new keys get index placeholders (new_positions_). False, with every hold given back, when a
+  /// loadable key meets object_bytes 0 (misuse).
+  template <class Loadable, class Waitable>
+  bool walk_prefix(std::span<const chunk_key> keys, const prefix_options& o, std::uint32_t holds, Loadable& loadable,
+                   Waitable& waitable, std::span<prefix_take> out, std::span<std::span<std::byte>> buffers,
+                   lazy_now& now, tally& t, prefix_result& r);
+  /// Takes keys[i], present as e: read (held when o.hold_reads) or waited for; else why the
+  /// prefix ends there.
+  template <class Waitable>
+  std::optional<prefix_end> take_present(entry& e, std::size_t i, const prefix_options& o, std::uint32_t holds,
+                                         Waitable& waitable, std::span<prefix_take> out, lazy_now& now);
+  /// Makes room for the walk's new keys; short of room, cuts the prefix to the longest that
+  /// fits. Returns how many new keys have a slot.
+  std::size_t room_for_prefix(std::span<const chunk_key> keys, const prefix_options& o, std::uint32_t holds,
+                              std::span<prefix_take> out, lazy_now& now, tally& t, prefix_result& r);
+  /// Gives back, uncounted and unseen by the policy, the holds the walk took from `cut` on.
+  void give_back_prefix_reads(std::size_t cut, lock_lifetime read_lock, std::uint32_t holds, tally& t);
 
   std::size_t finish_write_impl(std::span<const chunk_key> keys, std::span<status> out, bool reserve_read,
                                 std::uint32_t extra_count, std::span<const std::uint32_t> holds,

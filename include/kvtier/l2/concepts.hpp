@@ -1,40 +1,10 @@
 #pragma once
 // The l2_backend concept: what every L2 tier (memory, disk, Redis, a fault injector around
-// any of them) provides to the store and prefetch pipelines.
-//
-// All operations are asynchronous and Asio-shaped (`async_xxx(args..., token)`, error_code
-// first). Every operation takes a deadline. The spans passed in (keys, buffers) must stay
-// valid until the operation completes; the pipelines keep them in their coroutine frames.
-//
-//   async_lookup_and_pin(keys, deadline, token)  -> void(error_code, bitmap found)
-//       Bit i set: key i is present AND pinned: it cannot be evicted from this backend until
-//       unpin(key). A failed lookup (error_code set) found and pinned nothing.
-//   unpin(keys)
-//       Releases one pin per key. Synchronous, never fails; unknown keys are ignored.
-//   async_load(keys, destinations, deadline, token) -> void(error_code, batch_result)
-//       Copies each object into the caller's buffer (an L1 slot), which must be exactly the
-//       object's size. Outcome ok only when every byte landed and the object passed its
-//       integrity check; corrupt objects are dropped from the backend and answer `corrupt`.
-//       THE BUFFER CONTRACT: the operation completes only once nothing will write the
-//       destinations any more (every device read completed or was cancelled). A deadline
-//       therefore makes the backend stop issuing and cancel what is in flight; it does not
-//       let the operation complete while the kernel may still write a buffer. A caller that
-//       cannot wait (the prefetch controller answering an engine) stops waiting on its own
-//       timer and keeps the destination slots reserved until this operation completes.
-//   async_store(keys, sources, deadline, token) -> void(error_code, batch_result)
-//       Stores each object (key -> the bytes of its source buffer). Keys already present
-//       answer `exists` and are not rewritten. Sources are only read until completion.
-//   async_remove(keys, deadline, token) -> void(error_code, batch_result)
-//   usage() -> usage_info, health() -> health_info, name() -> string_view: cheap, synchronous.
-//
-// Optional (listing_backend, below): async_list(filter, deadline, token)
-//   -> void(error_code, std::vector<listed_object>): the objects stored now whose key the
-//   filter accepts, for operators (the server's list and evict requests). Removing what a
-//   listing returned goes through async_remove, whose pin rule keeps objects a prefetch is
-//   loading (`rejected`).
-//
-// Operations may be started from any thread; a backend serialises its state on its own
-// executor (get_executor()). Completion handlers run on their associated executors.
+// any of them) provides to the store and prefetch pipelines: async_lookup_and_pin, unpin,
+// async_load, async_store, async_remove (Asio-shaped, error_code first, each with a
+// deadline), usage, health, name; and the optional listing, observable-load,
+// buffer-registering and corruptible refinements. docs/pipelines.md, "L2 backends", holds
+// each operation's contract, the buffer contract and the threading rule.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
@@ -66,6 +36,10 @@ struct list_handler_archetype {
 };
 }  // namespace detail
 
+/// An L2 backend. The spans passed in stay valid until the operation completes. A load
+/// completes only once nothing will write its destinations any more (its deadline stops and
+/// cancels, it does not abandon them); a store only reads its sources until it completes.
+/// Found keys stay pinned (never evicted by this backend) until unpin().
 template <class B>
 concept l2_backend = requires(B& b, const B& cb, std::span<const chunk_key> keys,
                               std::span<const std::span<std::byte>> destinations,

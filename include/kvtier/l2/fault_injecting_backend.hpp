@@ -1,28 +1,8 @@
 #pragma once
 // fault_injecting_backend<Backend>: wraps any l2_backend and, on command, fails, delays,
-// corrupts or hangs chosen operations. Used by the tests (tests/l2, tests/cache); the
-// fault-tolerance harness (examples/fault_tolerance) does not use it.
-//
-//   fault_kind::fail     matching keys answer `outcome` (io_error by default) and are not
-//                        passed to the inner backend (lookups report them missing); with no
-//                        key filter the whole operation fails with `error`.
-//   fault_kind::delay    the operation completes `delay` later than the inner one would.
-//   fault_kind::corrupt  before a load (after a store) the inner backend's stored copy of
-//                        each matching key is damaged (corruptible_backend), so the backend's
-//                        own integrity check must catch it: the key answers `corrupt`.
-//   fault_kind::hang     the operation does not start until release_hung() (and ignores the
-//                        caller's cancellation, like a stuck device); a hung load then runs
-//                        the inner load, writing the caller's buffers late. This is the
-//                        "late read lands in a reused slot" hazard the prefetch controller
-//                        must survive.
-// A fault applies to the next `times` operations of its kind (-1: until clear()).
-// Call release_hung() before destroying the wrapper while operations hang. A listing
-// (async_list, where the inner backend has one) passes through untouched: no fault applies.
-//
-// Cancellation (the handler's slot, terminal): the caller's cancellation reaches the inner
-// operation (which then completes with operation_aborted, or its real result when it had
-// finished); a delay fault's wait ends at once and the operation completes with the inner
-// result. Nothing touches the caller's buffers after the completion. A hang ignores it.
+// corrupts or hangs chosen operations (fault_kind), for the tests (tests/l2, tests/cache).
+// Call release_hung() before destroying it while operations hang. docs/pipelines.md, "L2
+// backends", holds what each fault does and how cancellation passes through.
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -197,7 +177,7 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   }
 
   boost::asio::awaitable<lookup_tuple> lookup_impl(std::span<const chunk_key> keys, deadline d) {
-    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancellation: docs/pipelines.md
     const auto fs = take(fault_op::lookup);
     co_await hang_if(fs);
     const split s = split_keys(fs, keys);
@@ -233,7 +213,7 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   template <class Buffer, class Inner>
   boost::asio::awaitable<batch_tuple> pass_batch(fault_op op, std::span<const chunk_key> keys,
                                                  std::span<const Buffer> buffers, Inner inner) {
-    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancellation: docs/pipelines.md
     const auto fs = take(op);
     co_await hang_if(fs);
     if (op == fault_op::load) corrupt_if(fs, keys);
@@ -253,7 +233,7 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   }
 
   boost::asio::awaitable<batch_tuple> remove_impl(std::span<const chunk_key> keys, deadline d) {
-    co_await boost::asio::this_coro::throw_if_cancelled(false);  // see Cancellation above
+    co_await boost::asio::this_coro::throw_if_cancelled(false);  // cancellation: docs/pipelines.md
     const auto fs = take(fault_op::remove);
     co_await hang_if(fs);
     const split s = split_keys(fs, keys);

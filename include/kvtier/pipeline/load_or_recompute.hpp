@@ -1,32 +1,10 @@
 #pragma once
 // Load or recompute: what the prefetch offers from L2 when the engine could compute the same
-// tokens faster (issue: an 8B model's L2 hit on a 1-1.5 GB/s disk is slower than a 50,000
-// tokens/s prefill).
-//
-//   bandwidth_meter   what each backend's loads delivered lately, as the prefetch measures
-//                     them: per completed load task the bytes asked for, the bytes that
-//                     landed and the seconds it took, each summed with a weight that decays
-//                     by (1 - alpha) per task. Bandwidth = landed / seconds (bytes delivered
-//                     per second of loading); a task in which nothing landed (a stalled disk
-//                     timing out, a failing backend) adds its seconds and no bytes, so it
-//                     lowers the estimate at once, by as much time as it wasted. Unknown
-//                     until the first task.
-//   best_prefix       the prefix of a lookup that saves the engine the most time: a chunk
-//                     saves its compute time only if it and every chunk before it land (a
-//                     failed load ends the prefix), so each chunk counts its compute time
-//                     times that chance (the landed shares of the L2 chunks so far,
-//                     multiplied; 1 for L1), and a chunk L2 must load pays its load time
-//                     (its gain is negative when the backend is slower than the prefill, or
-//                     fails); the best prefix maximises the sum, over whole chunks.
-//
-// The gate keeps learning while it declines: the prefetch controller loads a chunk the gate
-// declined as a probe in one declining request out of prefetch_options::probe_every (8), so
-// a backend judged slow on one bad sample is measured again (docs/pipelines.md, "Load or
-// recompute").
-//
-// Pure and thread-safe: the meter is written on the prefetch controller's executor only, its
-// values are relaxed atomics that the metrics read at scrape time (a concurrent reader may
-// combine the sums of two consecutive tasks: harmless for a gauge).
+// tokens faster (an 8B model's L2 hit on a 1-1.5 GB/s disk is slower than a 50,000 tokens/s
+// prefill). bandwidth_meter measures what each backend's loads delivered lately;
+// best_prefix picks the prefix of a lookup that saves the engine the most time.
+// docs/pipelines.md, "Load or recompute: the gate that learns", holds the arithmetic, the
+// probes that keep it learning, and its threading.
 
 #include <kvtier/config.hpp>
 

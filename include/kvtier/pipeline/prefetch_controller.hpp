@@ -1,68 +1,9 @@
 #pragma once
-// prefetch_controller: the prefetch pipeline, L2 -> L1 (docs/pipelines.md).
-//
-// For each request (keys a lookup did not find at the head of L1, in prefix order):
-//   1. lookup-and-pin in every backend at once;
-//   2. plan (the plan policy picks a backend per key); the contiguous prefix of keys some
-//      backend has is the pure L2 hit count (l2.prefetch.lookup.completed). With a declared
-//      prefill rate the load-or-recompute gate (load_or_recompute.hpp) keeps only the prefix
-//      that loads faster than the engine computes it (l2.prefetch.declined for the rest),
-//      but for one declining request in probe_every, which loads probe_chunks more as a
-//      probe (l2.prefetch.declined's probe fields): the estimate keeps learning;
-//   3. take the longest prefix L1 and L2 can serve together, in one step under the tier's
-//      mutex (l1::tier::reserve_prefix), walking the keys in order: a key L1 holds is
-//      read-locked for the caller (a prefix split between L2 and L1 is served whole); a key
-//      another request of this controller is loading is joined (this request waits for
-//      that load and is handed the object with its own holds: two lookups of one document
-//      share the load); a key only L2 has gets a new L1 slot (pinned write lock: the kernel
-//      writes into it), as many as fit after eviction (this request's own L1 keys past a
-//      shorter prefix give way to its front when that lets more of it fit): the prefix ends
-//      at the first key without a slot (l2.prefetch.failed{l1_out_of_memory} counts the
-//      keys that lacked one), at a key neither tier has, or at a key being written by
-//      someone else;
-//      what will not be loaded is unpinned;
-//   4. submit one load task per backend (l2.prefetch.load.submitted counts the keys actually
-//      submitted, and separately the found keys neither submitted nor served from L1 or a
-//      shared load);
-//   5. each key that lands is made readable at once, atomically with the read holds of
-//      every request still waiting for it (this one and its joiners; finish_write_and_
-//      reserve_read, never offered to the store pipeline): as its own load lands with
-//      backends that tell (l2::observable_load_backend: disk, memory), else when its task
-//      completes; a failed key is abandoned without ever becoming readable and fails its
-//      joiners too;
-//   6. answer the caller. A caller that gives request.on_key is answered when the prefetch
-//      is DECIDED (after step 4: the prefix it gets, L1 reads and loads in flight, is known),
-//      and on_key(i, landed) then tells it, once per key still loading, that the key landed
-//      (held for it like the rest) or failed; a caller without on_key is answered when its
-//      loads and joins ended. Either way the wait budget passing first ends the wait: keys
-//      not landed by then are failed for the caller. A load still running then keeps its
-//      slots write-locked until the backend completes (a cancelled or late read never lands
-//      in a reused slot); it is then handed to its joiners, or abandoned, or, for a
-//      non-temporary reservation (the best_effort wait policy), made ready in L1 for later
-//      requests. l2.prefetch.load.completed is published once every task completed: loaded
-//      = keys that landed and were made readable, failed = submitted minus loaded, with
-//      l2.prefetch.failed per reason.
-// At most max_in_flight requests run at once (default 8); others wait in FIFO order.
-//
-// Holds handed to the caller are pinned (never expired by L1): the caller owns them and
-// gives them back with finish_read(..., 1 + extra_count, pinned) (tiered_cache does, per
-// lookup, and expires its own lookups).
-//
-// Stop: stop() answers every request with operation_aborted (or, when it was answered
-// already, fails its keys still loading, giving back what it held), cancels the timers and
-// the queue of requests waiting for admission, and reserves nothing more; the backend
-// operations in flight are left to complete by their deadlines (lookup_timeout,
-// load_timeout: not every backend survives the cancellation of an operation, and a load must
-// end before its slots may be freed), after which every coroutine ends. The work is counted
-// in the work_tracker given at construction, which the owner waits on before destroying the
-// controller.
-//
-// Threading: async_prefetch and stop may be called from any thread; the controller runs on
-// its executor, which must not run handlers concurrently (one thread or a strand); on_key
-// runs there too, after the answer's handler was dispatched. The caller's handler runs on its
-// associated executor. Cancelling async_prefetch (its cancellation slot) answers at once with
-// operation_aborted (or fails the keys still loading); the request then finishes in the
-// background.
+// prefetch_controller: the prefetch pipeline, L2 -> L1. Per request: lookup and pin in every
+// backend at once, plan, take the longest prefix L1 and L2 can serve together
+// (l1::tier::reserve_prefix), load, make each key readable as it lands, answer the caller. At
+// most max_in_flight requests run at once. docs/pipelines.md, "Prefetch pipeline", holds the
+// steps and the events each publishes, the load-or-recompute gate, stop and threads.
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
@@ -126,7 +67,7 @@ struct prefetch_request {
   std::uint32_t extra_count = 0;    ///< extra read holds per key handed to the caller
   std::chrono::nanoseconds wait_budget{0};  ///< how long the caller waits for the answer
   /// Set: answer when decided and tell each key still loading with on_key(index, landed)
-  /// (see the header comment). Runs on the controller's executor; must not call into it.
+  /// (docs/pipelines.md, step 6). Runs on the controller's executor; must not call into it.
   std::function<void(std::size_t, bool)> on_key;
   /// The load-or-recompute gate (0: off, offer everything): the engine's prefill rate, and
   /// what a chunk is (keys per chunk, its tokens).
@@ -202,8 +143,8 @@ class prefetch_controller {
         token, std::move(request));
   }
 
-  /// Stops: answers every request with operation_aborted and starts nothing more (see the
-  /// header comment). Any thread; idempotent. Later requests are answered at once.
+  /// Stops: answers every request with operation_aborted and starts nothing more
+  /// (docs/pipelines.md, "Stop"). Any thread; idempotent. Later requests are answered at once.
   void stop() {
     if (stopping_.exchange(true)) return;
     tracker_.post(executor_, [this] { stop_now(); });
@@ -475,7 +416,15 @@ class prefetch_controller {
   // are not loaded.
   void reserve(const std::shared_ptr<state>& sp, const prefetch_plan& plan, std::size_t limit);
 
+  // Step 3: walks L1 and the plan together (unless the answer already went out for a
+  // temporary reservation), keeps in the plan only what this request loads, unpins the rest.
+  void take_prefix(const std::shared_ptr<state>& sp, prefetch_plan& plan, const std::vector<bitmap>& found);
+  // Step 4: publishes what the loads take (and what was found but is neither loaded nor
+  // served), then spawns one load task per backend that has keys to load.
+  void submit_loads(const std::shared_ptr<state>& sp, const prefetch_plan& plan, const std::vector<bitmap>& found);
   boost::asio::awaitable<void> load_task(std::shared_ptr<state> sp, std::size_t b, bitmap mine);
+  // Step 6: the completion events of a request that submitted loads.
+  void publish_load_completed(const state& s, std::size_t submitted);
 
   // One key of a load in flight landed (the backend told): finalize it now.
   void land(const std::shared_ptr<state>& sp, std::size_t i) {

@@ -1,32 +1,9 @@
 #pragma once
-// store_controller: the store pipeline, L1 -> L2.
-//
-// Keys offered (written to L1 and admitted) are queued; a coroutine runs while the queue is
-// not empty (it starts with the first offer and ends when the queue is drained: an idle
-// controller runs nothing). Per batch of offers it asks the store policy which backends get
-// which keys, read-locks them in L1 with pinned locks (the backend reads the slot memory
-// until it completes), and submits one store task per backend (split at max_batch_keys). On
-// completion it releases the locks, publishes the per-backend counts and, for a policy that
-// does not keep keys in L1 (skip_l1), deletes from L1 the keys every target stored. No
-// blind retry: a failed key is counted and L1 keeps its data. In-flight bytes are bounded:
-// when a task would pass max_inflight_bytes the loop waits for completions before
-// submitting more.
-//
-// Staged keys: a store larger than L1 hands the keys L1 could not take as staging buffers
-// (aligned memory it owns, reserved with try_reserve_staging, bounded by max_inflight_bytes
-// together with what is staged already) through offer_staged; they go to the backends the
-// store policy picks, straight from that memory, which is freed when their last task
-// completed. They are never in L1 (skip_l1 has nothing to drop for them).
-//
-// Stop: stop() drops what is queued (L1 keeps it; staged memory is freed) and ends the loop;
-// the store tasks in flight are left to complete by their deadline (task_timeout: not every
-// backend survives the cancellation of an operation, and the sources must not be freed
-// before it ended). Every coroutine is counted in the work_tracker given at construction.
-//
-// Threading: offer(), offer_staged(), try_reserve_staging(), release_staging() and stop()
-// may be called from any thread; everything else runs on the executor given at
-// construction, which must not run handlers concurrently (one thread or a strand). Events:
-// l2_store_submitted, l2_store_completed (per backend task).
+// store_controller: the store pipeline, L1 -> L2. Offered keys (written to L1 and admitted,
+// or staged when L1 had no room) are queued; per batch the store policy picks the backends,
+// the keys are read-locked in L1 (pinned) and stored, one task per backend, in-flight bytes
+// bounded; no blind retry. docs/pipelines.md, "Store pipeline", holds the steps, staging,
+// stop and threads.
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
@@ -94,7 +71,7 @@ class store_controller {
   store_controller(const store_controller&) = delete;
   store_controller& operator=(const store_controller&) = delete;
 
-  /// Stops taking work and drops what is queued (see the header comment). Any thread;
+  /// Stops taking work and drops what is queued (docs/pipelines.md, "Stop"). Any thread;
   /// idempotent.
   void stop() {
     if (stopping_.exchange(true)) return;

@@ -1,49 +1,10 @@
 #pragma once
 // connection: frames over one Unix-domain stream socket, with file descriptors passed
-// beside them (SCM_RIGHTS). Asio cannot send or receive ancillary data, so reads and writes
-// are raw recvmsg/sendmsg (MSG_DONTWAIT) driven by the socket's readiness
-// (socket.async_wait); everything else is Asio-shaped.
-//
-//   async_read_frame(token)                      void(error_code, frame)
-//   async_write_frame(bytes[, fd], token)        void(error_code)
-//   async_send(call_id, msg[, fd], token)        void(error_code)   (encode + write; msg is a
-//                                                                   message struct or `message`)
-//
-// Threading: like an Asio socket, a connection is used from one thread at a time: its
-// executor must be a single-threaded io_context or a strand, and the caller's handlers
-// should run there too. The server and the connector both run one I/O thread.
-//
-// Which executor resumes the caller: every completion handler runs on its associated
-// executor (for use_awaitable, the awaiting coroutine's executor), never inside the
-// initiating call.
-//
-// Reads: one at a time (a second concurrent read completes with
-// asio::error::already_started). Frames are cut by frame_decoder; when one recvmsg brings
-// several frames, later reads return them without a syscall. EOF completes with
-// asio::error::eof. A malformed stream (bad magic, version, oversized body) or a control
-// message the kernel had to truncate (MSG_CTRUNC: more than max_fds_per_read fds in one
-// message) completes with that errc, sticky: every later read fails the same way;
-// last_read_error() has the reason and the call id to answer with before closing.
-// Cancellation: per-operation cancellation of a read (terminal, partial or total) is
-// supported and loses nothing: bytes already received stay buffered for the next read;
-// the cancelled read completes with asio::error::operation_aborted.
-//
-// File descriptors received: wrapped into unique_fd the moment they arrive; the fd of a
-// register_kv_request frame is handed over in frame::fd; fds that come with any other frame,
-// or with no frame, are closed; the caller's frame closes its fd when discarded. No fd is
-// ever leaked, whatever the peer sends.
-//
-// Writes: queued, one frame in flight at a time (a FIFO of pending writes, completed in
-// order), so frames never interleave however slow the reader is. A frame's fd is dup'ed at
-// initiation (the caller may close its own at once) and travels with the frame's first
-// byte; each frame goes out in its own sendmsg calls. MSG_NOSIGNAL: a closed peer gives
-// EPIPE, never SIGPIPE. Writes do not support per-operation cancellation (a half-written
-// frame would corrupt the stream): close() the connection instead. After a write error every
-// queued and later write fails with the same error.
-//
-// close() (and the destructor) closes the socket: pending reads and writes complete with
-// asio::error::operation_aborted. Pending operations keep the connection's internals alive,
-// so destroying a connection with operations in flight is safe.
+// beside them (SCM_RIGHTS): async_read_frame, async_write_frame, async_send (encode + write).
+// Asio cannot send or receive ancillary data, so reads and writes are raw recvmsg/sendmsg
+// driven by the socket's readiness; everything else is Asio-shaped. docs/protocol.md,
+// "Connection" and "File descriptors", holds the rules: threads, one read at a time, writes
+// queued in order, errors, cancellation, the fds received, close().
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -89,6 +50,9 @@ namespace kvtier::inline KVTIER_ABI_TAG::protocol {
 /// protocol sends one).
 inline constexpr std::size_t max_fds_per_read = 8;
 
+/// Used from one thread at a time, like an Asio socket: its executor is a single-threaded
+/// io_context or a strand. Every completion handler runs on its associated executor, never
+/// inside the initiating call. Destroying a connection with operations in flight is safe.
 template <class Executor = boost::asio::any_io_executor>
 class basic_connection {
  public:

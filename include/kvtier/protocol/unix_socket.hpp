@@ -1,35 +1,10 @@
 #pragma once
-// Creating the server's listening Unix-domain socket and connecting to it.
-//
-//   listen_unix(executor, path[, options])    -> result<acceptor>
-//   connect_unix(executor, path)              -> result<socket>        (synchronous)
-//   async_connect_unix(executor, path, token) -> void(error_code, socket)
-//
-// listen_unix never steals a live socket: when `path` exists it must be a socket nobody
-// listens on (a connect is refused), and only then is it unlinked and replaced. A live
-// server there gives boost::asio::error::address_in_use; a file
-// that is not a socket is left alone (std::errc::file_exists). Two servers starting on
-// one path at the same instant may still race between the probe and bind; bind then fails
-// for one of them.
-//
-// The socket file gets `mode` (0600: only the server's user may connect) with no window:
-// on Linux a pathname socket is created with the mode of the socket inode (less the
-// umask), so the mode is set with fchmod before bind, and again with chmod after bind in
-// case the umask took bits away.
-//
-// Who is on the other end (both sides check before anything else, docs/server.md "Trust"):
-//
-//   peer_credentials(fd)                 -> result<peer_identity>  (SO_PEERCRED, SO_PEERGROUPS)
-//   peer_policy{uids, gids}.allows(peer) -> bool                   (own uid, root, or named)
-//
-// The default socket (the server's and every client program's, one rule):
-//
-//   default_socket_directory()  $XDG_RUNTIME_DIR/kvtier, /run/kvtier for root, else
-//                               ${TMPDIR:-/tmp}/kvtier-<uid>
-//   default_socket_path()       <that directory>/kvtier.sock
-//   prepare_private_directory(dir)  creates it 0700 (whatever the umask) when missing and
-//                               verifies it: a real directory (not a symlink), owned by this
-//                               user, writable by nobody else; else a message saying why
+// Creating the server's listening Unix-domain socket and connecting to it: listen_unix
+// (never steals a live socket; the mode set with no window), connect_unix,
+// async_connect_unix; who is on the other end (peer_credentials, peer_policy); the default
+// socket's private directory (default_socket_directory, default_socket_path,
+// prepare_private_directory). docs/protocol.md, "Listening and connecting", holds the rules;
+// docs/server.md, "Trust", why.
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -218,7 +193,7 @@ struct peer_policy {
   return {};
 }
 
-/// Listens on the Unix-domain socket `path` (see the header comment for the rules).
+/// Listens on the Unix-domain socket `path` (the rules: docs/protocol.md, "Listening and connecting").
 template <class Executor>
 [[nodiscard]] result<boost::asio::basic_socket_acceptor<boost::asio::local::stream_protocol, Executor>> listen_unix(
     const Executor& ex, const std::string& path, const listen_options& options = {}) {

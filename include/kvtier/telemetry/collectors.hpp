@@ -1,26 +1,9 @@
 #pragma once
 // Collectors: the gauges (and counters a component keeps itself) that are read from a
-// component's plain snapshot at scrape time. Components know nothing of metrics: l1::tier has
-// usage(), the cache status(), the file I/O, the disk and the Redis backends their shared
-// statistics (structs of relaxed atomics another thread may read at any time). A collector
-// registers callbacks in a registry that turn those numbers into the series of
-// docs/metrics.md; the counters that events move are metrics_subscriber's.
-//
-//   telemetry::collect_cache(registry, cache);              // L1, L2 usage/health, pipelines
-//   telemetry::collect_disk_backend(registry, *disk);       // kvtier_l2_disk_*
-//   telemetry::collect_io(registry, on_uring, disk->shared_io_stats());   // kvtier_io_*
-//   telemetry::collect_redis_backend(registry, *redis);     // kvtier_l2_redis_*
-//   telemetry::collect_bus(registry, bus);                  // kvtier_event_bus_*
-//
-// Each collector is written against a small concept (the members it reads), so this header
-// includes no l1/, l2/, io/ or cache/ header and any component of that shape can be
-// collected.
-//
-// Lifetime: collect_l1, collect_cache and collect_bus read the component itself: do not scrape
-// the registry after it is gone (the server destroys its cache after its last scrape). The
-// io, disk and Redis collectors hold the component's shared statistics, so their series stay
-// readable after the component is gone. Registering a collector twice for the same labels replaces its
-// callbacks (registry::add_callback).
+// component's plain snapshot at scrape time: collect_l1, collect_cache, collect_disk_backend,
+// collect_io, collect_redis_backend, collect_bus. Each is written against a small concept, so
+// this header includes no l1/, l2/, io/ or cache/ header. docs/metrics.md holds how to
+// register them, their lifetime rules and every series.
 
 #include <kvtier/config.hpp>
 #include <kvtier/telemetry/registry.hpp>

@@ -229,13 +229,15 @@ class metrics_subscriber {
     return a;
   }
 
-  struct state {
-    explicit state(registry& r)
-        : reg(r),
-          l1_read_keys(r.add_counter("kvtier_l1_read_keys_total", "L1 read locks released (keys read)")),
+  // The series, registered in this order (the order of the exposition): each group's
+  // constructor registers its own, state's constructor the server's request series last.
+  /// The L1 tier's series (bus l1_* events).
+  struct l1_metrics {
+    explicit l1_metrics(registry& r)
+        : l1_read_keys(r.add_counter("kvtier_l1_read_keys_total", "L1 read locks released (keys read)")),
           l1_read_reserved_keys(r.add_counter("kvtier_l1_read_reserved_keys_total", "L1 keys read-locked")),
-          l1_read_failed_keys(
-              r.add_counter("kvtier_l1_read_failed_keys_total", "L1 read reservations refused (absent or not readable)")),
+          l1_read_failed_keys(r.add_counter("kvtier_l1_read_failed_keys_total",
+                                            "L1 read reservations refused (absent or not readable)")),
           l1_write_reserved_keys(r.add_counter("kvtier_l1_write_reserved_keys_total", "L1 keys write-locked")),
           l1_write_failed_keys(r.add_counter("kvtier_l1_write_failed_keys_total",
                                              "L1 write reservations refused (exists, locked, out of memory)")),
@@ -256,19 +258,36 @@ class metrics_subscriber {
               [](bus::allocation_purpose x) { return bus::name(x); })),
           l1_lock_expired_keys(per_enum_counters<bus::lock_kind_count, bus::lock_kind>(
               r, "kvtier_l1_lock_expired_keys_total", "L1 locks released by their TTL", "lock",
-              [](bus::lock_kind x) { return bus::name(x); })),
-          lookups(r.add_counter("kvtier_lookups_total", "Cache lookups answered")),
+              [](bus::lock_kind x) { return bus::name(x); })) {}
+    counter& l1_read_keys;
+    counter& l1_read_reserved_keys;
+    counter& l1_read_failed_keys;
+    counter& l1_write_reserved_keys;
+    counter& l1_write_failed_keys;
+    counter& l1_write_keys;
+    counter& l1_prefetched_keys;
+    std::array<counter*, bus::removal_reason_count> l1_evicted_keys;
+    std::array<counter*, bus::removal_reason_count> l1_evicted_bytes;
+    std::array<counter*, bus::allocation_purpose_count> l1_allocation_failures;
+    std::array<counter*, bus::allocation_purpose_count> l1_allocation_failed_keys;
+    std::array<counter*, bus::lock_kind_count> l1_lock_expired_keys;
+  };
+
+  /// The cache's lookups, reads and writes (bus cache_* events).
+  struct cache_metrics {
+    explicit cache_metrics(registry& r)
+        : lookups(r.add_counter("kvtier_lookups_total", "Cache lookups answered")),
           lookup_requested_chunks(r.add_counter("kvtier_lookup_requested_chunks_total", "Chunks asked for by lookups")),
           lookup_requested_tokens(
               r.add_counter("kvtier_lookup_requested_tokens_total", "Tokens asked for by lookups (full chunks)")),
-          lookup_hit_chunks_l1(r.add_counter("kvtier_lookup_hit_chunks_total", "Chunks a lookup found, by tier",
-                                             {{"tier", "l1"}})),
-          lookup_hit_chunks_l2(r.add_counter("kvtier_lookup_hit_chunks_total", "Chunks a lookup found, by tier",
-                                             {{"tier", "l2"}})),
-          lookup_hit_tokens_l1(r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier",
-                                             {{"tier", "l1"}})),
-          lookup_hit_tokens_l2(r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier",
-                                             {{"tier", "l2"}})),
+          lookup_hit_chunks_l1(
+              r.add_counter("kvtier_lookup_hit_chunks_total", "Chunks a lookup found, by tier", {{"tier", "l1"}})),
+          lookup_hit_chunks_l2(
+              r.add_counter("kvtier_lookup_hit_chunks_total", "Chunks a lookup found, by tier", {{"tier", "l2"}})),
+          lookup_hit_tokens_l1(
+              r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier", {{"tier", "l1"}})),
+          lookup_hit_tokens_l2(
+              r.add_counter("kvtier_lookup_hit_tokens_total", "Tokens a lookup found, by tier", {{"tier", "l2"}})),
           cache_read_requests(r.add_counter("kvtier_cache_read_requests_total", "Reads of prefetched chunks")),
           cache_read_succeeded_keys(
               r.add_counter("kvtier_cache_read_succeeded_keys_total", "Prefetched chunks read successfully")),
@@ -282,8 +301,28 @@ class metrics_subscriber {
           cache_write_finished_keys(
               r.add_counter("kvtier_cache_write_finished_keys_total", "Chunks written and made readable")),
           cache_write_finish_failed_keys(r.add_counter("kvtier_cache_write_finish_failed_keys_total",
-                                                       "Chunk writes abandoned (copy failed or fenced)")),
-          prefetch_lookups(r.add_counter("kvtier_l2_prefetch_lookups_total", "L2 prefetch requests (lookup phase)")),
+                                                       "Chunk writes abandoned (copy failed or fenced)")) {}
+    counter& lookups;
+    counter& lookup_requested_chunks;
+    counter& lookup_requested_tokens;
+    counter& lookup_hit_chunks_l1;
+    counter& lookup_hit_chunks_l2;
+    counter& lookup_hit_tokens_l1;
+    counter& lookup_hit_tokens_l2;
+    counter& cache_read_requests;
+    counter& cache_read_succeeded_keys;
+    counter& cache_read_failed_keys;
+    counter& cache_write_requests;
+    counter& cache_write_succeeded_keys;
+    counter& cache_write_failed_keys;
+    counter& cache_write_finished_keys;
+    counter& cache_write_finish_failed_keys;
+  };
+
+  /// The L2 prefetch pipeline and the load-or-recompute gate (bus l2_prefetch_*, cache_lookup_declined).
+  struct prefetch_metrics {
+    explicit prefetch_metrics(registry& r)
+        : prefetch_lookups(r.add_counter("kvtier_l2_prefetch_lookups_total", "L2 prefetch requests (lookup phase)")),
           prefetch_lookup_keys(r.add_counter("kvtier_l2_prefetch_lookup_keys_total", "Keys looked up in L2")),
           prefetch_hit_keys(
               r.add_counter("kvtier_l2_prefetch_hit_keys_total", "Keys in the contiguous L2 prefix of lookups")),
@@ -308,8 +347,26 @@ class metrics_subscriber {
                                         "but loaded as probes, so that the backend's estimate keeps learning")),
           prefetch_duration(r.add_histogram("kvtier_l2_prefetch_duration_seconds",
                                             "Time from L2 lookup submission to prefetch completion",
-                                            latency_buckets_seconds())),
-          connector_healthy(r.add_gauge("kvtier_connector_healthy", "1 while the connector's server is healthy")),
+                                            latency_buckets_seconds())) {}
+    counter& prefetch_lookups;
+    counter& prefetch_lookup_keys;
+    counter& prefetch_hit_keys;
+    counter& prefetch_load_tasks;
+    counter& prefetch_load_keys;
+    counter& prefetch_trimmed_keys;
+    counter& prefetch_loaded_keys;
+    counter& prefetch_failed_keys;
+    counter& prefetch_loaded_bytes;
+    std::array<counter*, bus::prefetch_failure_count> prefetch_failure_keys;
+    std::array<counter*, bus::decline_reason_count> l2_declined_tokens;
+    counter& l2_probe_tokens;
+    histogram& prefetch_duration;
+  };
+
+  /// The connector's link to its server and its lookups (bus connector_* events).
+  struct connector_link_metrics {
+    explicit connector_link_metrics(registry& r)
+        : connector_healthy(r.add_gauge("kvtier_connector_healthy", "1 while the connector's server is healthy")),
           connector_unhealthy(
               r.add_counter("kvtier_connector_unhealthy_total", "Transitions of the connector to unhealthy")),
           connector_reconnects(r.add_counter("kvtier_connector_reconnects_total", "Connector reconnections")),
@@ -328,21 +385,36 @@ class metrics_subscriber {
           connector_lookup_hit_tokens(
               r.add_counter("kvtier_connector_lookup_hit_tokens_total", "Tokens the connector's lookups found")),
           connector_lookup_duration(r.add_histogram("kvtier_connector_lookup_duration_seconds",
-                                                    "Time from lookup to its answer", latency_buckets_seconds())),
-          connector_retrieves(per_enum_counters<bus::connector_outcome_count, bus::connector_outcome>(
+                                                    "Time from lookup to its answer", latency_buckets_seconds())) {}
+    gauge& connector_healthy;
+    counter& connector_unhealthy;
+    counter& connector_reconnects;
+    counter& connector_peer_refusals;
+    counter& connector_server_restarts;
+    counter& connector_released_requests;
+    std::array<counter*, bus::connector_outcome_count> connector_lookups;
+    counter& connector_lookup_requested_tokens;
+    counter& connector_lookup_hit_tokens;
+    histogram& connector_lookup_duration;
+  };
+
+  /// The connector's retrieves, stores, load errors and quarantine (bus connector_* events).
+  struct connector_transfer_metrics {
+    explicit connector_transfer_metrics(registry& r)
+        : connector_retrieves(per_enum_counters<bus::connector_outcome_count, bus::connector_outcome>(
               r, "kvtier_connector_retrieves_total", "Connector retrieves completed, by outcome", "outcome",
               [](bus::connector_outcome x) { return bus::name(x); })),
           connector_retrieve_requested_chunks(r.add_counter("kvtier_connector_retrieve_requested_chunks_total",
                                                             "Chunks the connector asked to retrieve")),
-          connector_retrieved_chunks(r.add_counter("kvtier_connector_retrieved_chunks_total",
-                                                   "Chunks retrieved into the engine's blocks")),
+          connector_retrieved_chunks(
+              r.add_counter("kvtier_connector_retrieved_chunks_total", "Chunks retrieved into the engine's blocks")),
           connector_retrieve_duration(r.add_histogram("kvtier_connector_retrieve_duration_seconds",
                                                       "Time from retrieve to completion", latency_buckets_seconds())),
           connector_stores(per_enum_counters<bus::connector_outcome_count, bus::connector_outcome>(
               r, "kvtier_connector_stores_total", "Connector stores completed or skipped, by outcome", "outcome",
               [](bus::connector_outcome x) { return bus::name(x); })),
-          connector_store_requested_chunks(r.add_counter("kvtier_connector_store_requested_chunks_total",
-                                                         "Chunks the connector asked to store")),
+          connector_store_requested_chunks(
+              r.add_counter("kvtier_connector_store_requested_chunks_total", "Chunks the connector asked to store")),
           connector_store_chunks_stored(r.add_counter("kvtier_connector_store_chunks_total",
                                                       "Chunks of completed stores, by result", {{"result", "stored"}})),
           connector_store_chunks_present(r.add_counter("kvtier_connector_store_chunks_total",
@@ -357,10 +429,34 @@ class metrics_subscriber {
               [](bus::connector_outcome x) { return bus::name(x); })),
           connector_quarantined_blocks(r.add_gauge("kvtier_connector_quarantined_blocks",
                                                    "Engine blocks quarantined (a server may still write them)")),
-          connector_quarantine_held(r.add_counter("kvtier_connector_quarantine_held_blocks_total",
-                                                  "Blocks that entered quarantine")),
-          connector_quarantine_released(r.add_counter("kvtier_connector_quarantine_released_blocks_total",
-                                                      "Blocks that left quarantine")) {
+          connector_quarantine_held(
+              r.add_counter("kvtier_connector_quarantine_held_blocks_total", "Blocks that entered quarantine")),
+          connector_quarantine_released(
+              r.add_counter("kvtier_connector_quarantine_released_blocks_total", "Blocks that left quarantine")) {}
+    std::array<counter*, bus::connector_outcome_count> connector_retrieves;
+    counter& connector_retrieve_requested_chunks;
+    counter& connector_retrieved_chunks;
+    histogram& connector_retrieve_duration;
+    std::array<counter*, bus::connector_outcome_count> connector_stores;
+    counter& connector_store_requested_chunks;
+    counter& connector_store_chunks_stored;
+    counter& connector_store_chunks_present;
+    counter& connector_store_chunks_failed;
+    histogram& connector_store_duration;
+    std::array<counter*, bus::connector_outcome_count> connector_load_error_blocks;
+    gauge& connector_quarantined_blocks;
+    counter& connector_quarantine_held;
+    counter& connector_quarantine_released;
+  };
+
+  struct state : l1_metrics, cache_metrics, prefetch_metrics, connector_link_metrics, connector_transfer_metrics {
+    explicit state(registry& r)
+        : l1_metrics(r),
+          cache_metrics(r),
+          prefetch_metrics(r),
+          connector_link_metrics(r),
+          connector_transfer_metrics(r),
+          reg(r) {
       for (std::size_t k = 0; k < bus::request_kind_count; ++k) {
         const label_pairs l = {{"type", std::string(bus::name(static_cast<bus::request_kind>(k)))}};
         requests[k] = &r.add_counter("kvtier_server_requests_total", "Server requests handled, by type", l);
@@ -385,75 +481,10 @@ class metrics_subscriber {
     }
 
     registry& reg;
-    counter& l1_read_keys;
-    counter& l1_read_reserved_keys;
-    counter& l1_read_failed_keys;
-    counter& l1_write_reserved_keys;
-    counter& l1_write_failed_keys;
-    counter& l1_write_keys;
-    counter& l1_prefetched_keys;
-    std::array<counter*, bus::removal_reason_count> l1_evicted_keys;
-    std::array<counter*, bus::removal_reason_count> l1_evicted_bytes;
-    std::array<counter*, bus::allocation_purpose_count> l1_allocation_failures;
-    std::array<counter*, bus::allocation_purpose_count> l1_allocation_failed_keys;
-    std::array<counter*, bus::lock_kind_count> l1_lock_expired_keys;
-    counter& lookups;
-    counter& lookup_requested_chunks;
-    counter& lookup_requested_tokens;
-    counter& lookup_hit_chunks_l1;
-    counter& lookup_hit_chunks_l2;
-    counter& lookup_hit_tokens_l1;
-    counter& lookup_hit_tokens_l2;
-    counter& cache_read_requests;
-    counter& cache_read_succeeded_keys;
-    counter& cache_read_failed_keys;
-    counter& cache_write_requests;
-    counter& cache_write_succeeded_keys;
-    counter& cache_write_failed_keys;
-    counter& cache_write_finished_keys;
-    counter& cache_write_finish_failed_keys;
-    counter& prefetch_lookups;
-    counter& prefetch_lookup_keys;
-    counter& prefetch_hit_keys;
-    counter& prefetch_load_tasks;
-    counter& prefetch_load_keys;
-    counter& prefetch_trimmed_keys;
-    counter& prefetch_loaded_keys;
-    counter& prefetch_failed_keys;
-    counter& prefetch_loaded_bytes;
-    std::array<counter*, bus::prefetch_failure_count> prefetch_failure_keys;
-    std::array<counter*, bus::decline_reason_count> l2_declined_tokens;
-    counter& l2_probe_tokens;
-    histogram& prefetch_duration;
     std::array<counter*, bus::request_kind_count> requests{};
     std::array<counter*, bus::request_kind_count> request_errors{};
     std::array<gauge*, bus::request_kind_count> requests_in_flight{};
     std::array<histogram*, bus::request_kind_count> request_duration{};
-    gauge& connector_healthy;
-    counter& connector_unhealthy;
-    counter& connector_reconnects;
-    counter& connector_peer_refusals;
-    counter& connector_server_restarts;
-    counter& connector_released_requests;
-    std::array<counter*, bus::connector_outcome_count> connector_lookups;
-    counter& connector_lookup_requested_tokens;
-    counter& connector_lookup_hit_tokens;
-    histogram& connector_lookup_duration;
-    std::array<counter*, bus::connector_outcome_count> connector_retrieves;
-    counter& connector_retrieve_requested_chunks;
-    counter& connector_retrieved_chunks;
-    histogram& connector_retrieve_duration;
-    std::array<counter*, bus::connector_outcome_count> connector_stores;
-    counter& connector_store_requested_chunks;
-    counter& connector_store_chunks_stored;
-    counter& connector_store_chunks_present;
-    counter& connector_store_chunks_failed;
-    histogram& connector_store_duration;
-    std::array<counter*, bus::connector_outcome_count> connector_load_error_blocks;
-    gauge& connector_quarantined_blocks;
-    counter& connector_quarantine_held;
-    counter& connector_quarantine_released;
-
     std::array<std::atomic<backend_metrics*>, 256> backends{};
     std::mutex backend_mutex;
     std::vector<std::unique_ptr<backend_metrics>> owned_backends;

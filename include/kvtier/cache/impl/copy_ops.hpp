@@ -66,74 +66,101 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
   enum class key_state : std::uint8_t { waiting, ready, copying, copied, failed };
   static constexpr std::size_t npos = std::numeric_limits<std::size_t>::max();
 
+  // How the op gets key i ready: take over the lookup's holds, wait for the lookup's
+  // prefetch, pin it itself, or not at all (the prefix ends there).
+  enum class resolution : std::uint8_t { take, wait, pin, ends };
+
   // Makes the keys from resolved_ on ready while it can, then schedules copies. Under m_.
   void advance(std::unique_lock<std::mutex>& g, bool first) {
     if (finishing_) return;          // a late watcher call: the op gave everything back already
     std::vector<std::size_t> fresh;  // keys made ready now, in order
     while (resolved_ < end_) {
       const std::size_t i = resolved_;
-      enum { take, wait, pin } what = pin;
-      if (l_ && pos_[i] != npos) {
-        std::lock_guard lg(c_.mutex_);
-        const std::size_t p = pos_[i];
-        if (!l_->done) {
-          what = wait;  // the prefetch has not decided yet: complete() wakes us
-        } else if (l_->failed.test(p)) {
-          end_ = i;  // its load (or its chunk's) failed: the prefix ends here
-          break;
-        }
-        if (l_->held.test(p)) {
-          l_->held.reset(p);  // its holds are the op's now
-          what = take;
-        } else if (l_->pending.test(p)) {
-          what = wait;
-        }
-        if (what == wait && !watching_) {
-          watching_ = true;
-          // The op keeps itself alive while it waits (nothing else may hold it); the
-          // lookup's watcher only refers to it, and finish() lets go.
-          keep_alive_ = this->shared_from_this();
-          std::weak_ptr<copy_out_op> weak = keep_alive_;
-          l_->watchers.push_back([weak] {
-            if (auto op = weak.lock()) {
-              std::unique_lock og(op->m_);
-              op->advance(og, false);
-            }
-          });
-        }
+      const resolution what = l_ && pos_[i] != npos ? ask_lookup(i) : resolution::pin;
+      if (what == resolution::ends) {
+        end_ = i;  // its load (or its chunk's) failed: the prefix ends here
+        break;
       }
-      if (what == wait) break;
-      if (what == take) {
+      if (what == resolution::wait) break;
+      if (what == resolution::take) {
         from_lookup_.set(i);
-      } else {
-        // Not the lookup's: pin it if L1 has it (one hold, ours).
-        std::vector<l1::prefix_take> takes(1);
-        l1::prefix_options po;
-        po.object_bytes = object_bytes_;
-        po.read_lock = l1::lock_lifetime::pinned;
-        po.count_refused_read = true;
-        if (c_.l1_.reserve_read_prefix(std::span(&keys_[i], 1), po, takes).length != 1) {
-          end_ = i;
-          break;
-        }
-        own_pin_.push_back(keys_[i]);
+      } else if (!pin_own(i)) {
+        end_ = i;
+        break;
       }
       state_[i] = key_state::ready;
       fresh.push_back(i);
       ++resolved_;
     }
-    if (!fresh.empty()) {
-      std::vector<chunk_key> k;
-      for (std::size_t i : fresh) k.push_back(keys_[i]);
-      std::vector<l1::status> st(k.size());
-      std::vector<std::span<const std::byte>> v(k.size());
-      c_.l1_.read_views(k, st, v);
-      for (std::size_t j = 0; j < fresh.size(); ++j) {
-        views_[fresh[j]] = v[j];
-        if (st[j] != l1::status::success || (object_bytes_ != 0 && v[j].size() != object_bytes_))
-          end_ = std::min(end_, fresh[j]);
-      }
+    if (!fresh.empty()) read_fresh_views(fresh);
+    schedule_copies(first);
+    maybe_finish(g);
+  }
+
+  // Key i, which the lookup holds or loads, under the cache's mutex. Under m_.
+  resolution ask_lookup(std::size_t i) {
+    std::lock_guard lg(c_.mutex_);
+    const std::size_t p = pos_[i];
+    resolution what = resolution::pin;
+    if (!l_->done) {
+      what = resolution::wait;  // the prefetch has not decided yet: complete() wakes us
+    } else if (l_->failed.test(p)) {
+      return resolution::ends;
     }
+    if (l_->held.test(p)) {
+      l_->held.reset(p);  // its holds are the op's now
+      what = resolution::take;
+    } else if (l_->pending.test(p)) {
+      what = resolution::wait;
+    }
+    if (what == resolution::wait && !watching_) watch_lookup();
+    return what;
+  }
+
+  // Asks the lookup to wake the op when its prefetch reports. Under m_ and the cache's mutex.
+  void watch_lookup() {
+    watching_ = true;
+    // The op keeps itself alive while it waits (nothing else may hold it); the
+    // lookup's watcher only refers to it, and finish() lets go.
+    keep_alive_ = this->shared_from_this();
+    std::weak_ptr<copy_out_op> weak = keep_alive_;
+    l_->watchers.push_back([weak] {
+      if (auto op = weak.lock()) {
+        std::unique_lock og(op->m_);
+        op->advance(og, false);
+      }
+    });
+  }
+
+  // Not the lookup's: pins key i if L1 has it (one hold, ours). Under m_.
+  bool pin_own(std::size_t i) {
+    std::vector<l1::prefix_take> takes(1);
+    l1::prefix_options po;
+    po.object_bytes = object_bytes_;
+    po.read_lock = l1::lock_lifetime::pinned;
+    po.count_refused_read = true;
+    if (c_.l1_.reserve_read_prefix(std::span(&keys_[i], 1), po, takes).length != 1) return false;
+    own_pin_.push_back(keys_[i]);
+    return true;
+  }
+
+  // The memory of the keys just made ready; one unreadable or of another size ends the prefix. Under m_.
+  void read_fresh_views(const std::vector<std::size_t>& fresh) {
+    std::vector<chunk_key> k;
+    for (std::size_t i : fresh) k.push_back(keys_[i]);
+    std::vector<l1::status> st(k.size());
+    std::vector<std::span<const std::byte>> v(k.size());
+    c_.l1_.read_views(k, st, v);
+    for (std::size_t j = 0; j < fresh.size(); ++j) {
+      views_[fresh[j]] = v[j];
+      if (st[j] != l1::status::success || (object_bytes_ != 0 && v[j].size() != object_bytes_))
+        end_ = std::min(end_, fresh[j]);
+    }
+  }
+
+  // Posts the copies of the ready keys: part-major when the whole prefix is ready at the
+  // start and the sink wants several parts, else one task per key. Under m_.
+  void schedule_copies(bool first) {
     if (first && parts_ > 1 && resolved_ >= end_ && end_ > 0) {
       // Everything is readable now: copy part-major, so the first parts are usable early.
       part_major_ = true;
@@ -148,7 +175,6 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
         post([self = this->shared_from_this(), i = scheduled_] { self->copy_key(i); });
       }
     }
-    maybe_finish(g);
   }
 
   template <class F>

@@ -141,23 +141,8 @@ void tiered_cache<Traits>::complete(lookup_id id, lookup& l, const pipeline::pre
   const std::size_t n = l.keys.size();
   const std::size_t locked = std::min(n, l.l1_prefix + res.prefix);
   const std::size_t chunks = locked / l.group;
-  auto from_l2 = [&](std::size_t i) {
-    return i >= l.l1_prefix && i - l.l1_prefix < res.from_l2.size() && res.from_l2.test(i - l.l1_prefix);
-  };
-  auto loading = [&](std::size_t i) {
-    return i >= l.l1_prefix && i - l.l1_prefix < res.pending.size() && res.pending.test(i - l.l1_prefix);
-  };
-  // A hit chunk counts for L1 when none of its shards was loaded from L2 for this lookup.
-  lookup_status r{chunks, 0, 0};
-  for (std::size_t c = 0; c < chunks; ++c) {
-    bool loaded = false, still = false;
-    for (std::size_t i = c * l.group; i < (c + 1) * l.group; ++i) {
-      loaded = loaded || from_l2(i);
-      still = still || loading(i);
-    }
-    r.l1_chunks += loaded ? 0 : 1;
-    r.loading_chunks += still ? 1 : 0;
-  }
+  auto loading = [&](std::size_t i) { return answered_past_l1(l, res.pending, i); };
+  const lookup_status r = decided_status(l, res, chunks);
   std::vector<chunk_key> back;
   std::vector<wait_handler> waiters, loaded_waiters;
   std::vector<std::pair<std::size_t, bool>> early;
@@ -204,6 +189,23 @@ void tiered_cache<Traits>::complete(lookup_id id, lookup& l, const pipeline::pre
     if (self) on_key(id, self, i, landed);
   for (auto& w : watchers) w();
   forget_if_done(id, l);
+}
+
+template <class Traits>
+lookup_status tiered_cache<Traits>::decided_status(const lookup& l, const pipeline::prefetch_result& res,
+                                                   std::size_t chunks) {
+  // A hit chunk counts for L1 when none of its shards was loaded from L2 for this lookup.
+  lookup_status r{chunks, 0, 0};
+  for (std::size_t c = 0; c < chunks; ++c) {
+    bool loaded = false, still = false;
+    for (std::size_t i = c * l.group; i < (c + 1) * l.group; ++i) {
+      loaded = loaded || answered_past_l1(l, res.from_l2, i);
+      still = still || answered_past_l1(l, res.pending, i);
+    }
+    r.l1_chunks += loaded ? 0 : 1;
+    r.loading_chunks += still ? 1 : 0;
+  }
+  return r;
 }
 
 // Key i of a decided answer landed (held for this lookup now) or failed.
@@ -293,9 +295,19 @@ std::size_t tiered_cache<Traits>::reserve_write(std::span<const chunk_key> keys,
       buffers[where[j]] = buf[j];
     }
   }
-  // What L1 had no room for goes through staging.
+  stage_out_of_memory(keys, object_bytes, out, buffers);
+  std::size_t ok = 0;
+  for (std::size_t i = 0; i < n; ++i) ok += out[i] == l1::status::success ? 1 : 0;
+  bus_.publish(bus::cache_write_reserved{static_cast<std::uint32_t>(ok), static_cast<std::uint32_t>(n - ok)});
+  return ok;
+}
+
+// What L1 had no room for goes through staging.
+template <class Traits>
+void tiered_cache<Traits>::stage_out_of_memory(std::span<const chunk_key> keys, std::size_t object_bytes,
+                                               std::span<l1::status> out, std::span<std::span<std::byte>> buffers) {
   const std::uint64_t bytes = align_up(object_bytes);
-  for (std::size_t i = 0; i < n; ++i) {
+  for (std::size_t i = 0; i < keys.size(); ++i) {
     if (out[i] != l1::status::out_of_memory || object_bytes == 0) continue;
     if (!store_.try_reserve_staging(bytes)) continue;
     staged_object so;
@@ -318,10 +330,6 @@ std::size_t tiered_cache<Traits>::reserve_write(std::span<const chunk_key> keys,
     out[i] = l1::status::success;
     staged_count_.store(staged_.size(), std::memory_order_relaxed);
   }
-  std::size_t ok = 0;
-  for (std::size_t i = 0; i < n; ++i) ok += out[i] == l1::status::success ? 1 : 0;
-  bus_.publish(bus::cache_write_reserved{static_cast<std::uint32_t>(ok), static_cast<std::uint32_t>(n - ok)});
-  return ok;
 }
 
 template <class Traits>

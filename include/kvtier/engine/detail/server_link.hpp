@@ -1,33 +1,9 @@
 #pragma once
 // server_link: the connector's transport to its server. It owns the connector's thread (one
 // io_context) and does everything that is about reaching the server, not about what the
-// calls mean:
-//
-//   lifecycle   connect, check the peer's uid (SO_PEERCRED) before a byte is sent, open a
-//               pidfd of the server's process, get_chunk_size, register (the region's memfd
-//               beside the frame), then ping every ping_interval; on failure reconnect with
-//               backoff (engine/health.hpp)
-//   calls       the table of calls in flight (call_table.hpp): each gets its deadline when
-//               it is written, completes exactly once (reply, error reply, deadline,
-//               unhealthy edge, connection lost) with the mutex held; replies are matched by
-//               call id, and replies to calls given up on are late replies. A progress
-//               message (protocol::retrieve_progress) names a retrieve in flight by its call
-//               id and goes to the owner without completing it, and moves the retrieve's
-//               deadline to now + its timeout (never past its sending + the server's load
-//               budget + its timeout); progress for a call that is not in flight on that
-//               connection (given up on, or never made) is ignored
-//   connections one reader per connection (server_connection.hpp); the current one carries
-//               the calls, older ones stay open while the owner awaits late replies on them
-//   health      starting -> healthy <-> unhealthy: EOF or socket error at once, an unanswered
-//               ping, breaker_threshold work timeouts in a row, a protocol error, a boot
-//               token that changed under a live connection, a reply saying the registration
-//               is gone. The unhealthy edge releases every call in flight.
-//
-// The connector (the owner) keeps the vLLM-shaped semantics and is told about the edges
-// through link_owner. Threads: the owner's public functions run on engine threads and take
-// mutex() (one lock for the link and the connector, so an edge is one critical section); the
-// link's own work runs on its thread. Asio objects are touched on that thread only (engine
-// threads insert a call and post its sending).
+// calls mean: the connection's lifecycle, the calls in flight, the connections, health. The
+// connector (the owner) is told about the edges through link_owner. docs/fault-tolerance.md,
+// "Inside: the connector and its link", holds each part and the threading rule.
 
 #include <kvtier/config.hpp>
 #include <kvtier/engine/detail/call_table.hpp>
@@ -188,6 +164,10 @@ class server_link {
   void arm_deadline_locked(pending_call& c, clock::time_point at);
   void on_deadline_io(std::uint64_t id);
   bool on_frame_io(server_connection& s, protocol::frame f);
+  /// A progress message for call `id` (moves its deadline on).
+  void on_progress_io(server_connection& s, std::uint64_t id, const protocol::message& m);
+  /// The reply to call `c`, taken from the calls in flight; false when it breaks the connection.
+  bool on_reply_io(server_connection& s, pending_call& c, protocol::message m);
   /// `server_closed`: the break is the server's close (EOF, EPIPE, ECONNRESET).
   void on_broken_io(server_connection& s, std::string_view reason, bool server_closed);
   void mark_unhealthy_io(std::string_view reason);

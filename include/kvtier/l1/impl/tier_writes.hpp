@@ -30,34 +30,8 @@ std::size_t tier<Policy, Bus>::reserve_write(std::span<const chunk_key> keys, st
     new_index_slots_.clear();
     for (std::size_t i = 0; i < keys.size(); ++i) {
       if (!buffers.empty()) buffers[i] = {};
-      entry* e = nullptr;
-      if (o.mode == write_mode::update) {
-        const auto it = index_.find(keys[i]);
-        if (it != index_.end()) e = it->second;
-        if (e != nullptr && expire(*e, now, t)) e = nullptr;
-        if (e == nullptr) {
-          out[i] = status::not_found;
-          continue;
-        }
-      } else {
-        // One hash lookup for a new key: the placeholder (nullptr) is filled below through
-        // a pointer to the mapped value, which stays valid while other keys come and go.
-        auto [it, inserted] = index_.try_emplace(keys[i], nullptr);
-        if (!inserted && it->second == nullptr) {  // a new key earlier in this batch
-          out[i] = status::not_writable;
-          continue;
-        }
-        e = it->second;
-        if (e != nullptr && expire(*e, now, t)) {  // expiry removed it (and its index node)
-          e = nullptr;
-          it = index_.try_emplace(keys[i], nullptr).first;
-        }
-        if (e == nullptr) {
-          new_positions_.push_back(i);
-          new_index_slots_.push_back(&it->second);
-          continue;
-        }
-      }
+      entry* e = write_target(keys[i], i, o.mode, out, now, t);
+      if (e == nullptr) continue;
       if (o.mode == write_mode::new_only || !writable(*e)) {
         out[i] = status::not_writable;
         continue;
@@ -91,6 +65,36 @@ std::size_t tier<Policy, Bus>::reserve_write(std::span<const chunk_key> keys, st
   bus_.publish(bus::l1_write_reserved{static_cast<std::uint32_t>(c.ok), static_cast<std::uint32_t>(keys.size() - c.ok),
                                       o.purpose});
   return c.ok;
+}
+
+template <class Policy, class Bus>
+typename tier<Policy, Bus>::entry* tier<Policy, Bus>::write_target(const chunk_key& key, std::size_t i, write_mode mode,
+                                                                   std::span<status> out, lazy_now& now, tally& t) {
+  entry* e = nullptr;
+  if (mode == write_mode::update) {
+    const auto it = index_.find(key);
+    if (it != index_.end()) e = it->second;
+    if (e != nullptr && expire(*e, now, t)) e = nullptr;
+    if (e == nullptr) out[i] = status::not_found;
+    return e;
+  }
+  // One hash lookup for a new key: the placeholder (nullptr) is filled below through
+  // a pointer to the mapped value, which stays valid while other keys come and go.
+  auto [it, inserted] = index_.try_emplace(key, nullptr);
+  if (!inserted && it->second == nullptr) {  // a new key earlier in this batch
+    out[i] = status::not_writable;
+    return nullptr;
+  }
+  e = it->second;
+  if (e != nullptr && expire(*e, now, t)) {  // expiry removed it (and its index node)
+    e = nullptr;
+    it = index_.try_emplace(key, nullptr).first;
+  }
+  if (e == nullptr) {
+    new_positions_.push_back(i);
+    new_index_slots_.push_back(&it->second);
+  }
+  return e;
 }
 
 template <class Policy, class Bus>

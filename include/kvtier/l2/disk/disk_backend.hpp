@@ -1,68 +1,9 @@
 #pragma once
 // disk_backend: the L2 tier on a local file system (NVMe), through io_uring (or the pread
 // thread pool where the kernel refuses io_uring), O_DIRECT, checksummed, capacity-bounded.
-// Models l2_backend and corruptible_backend (concepts.hpp). Full description, with the
-// reasons for each choice: docs/l2-disk.md.
-//
-// FORMAT (detail/disk_layout.hpp): one file per object, <path>/objects/<ss>/<key>.kvo, a
-// 4 KiB header block (object_format.hpp's 72-byte header: magic, version, key, length,
-// XXH3-64 of the payload, header checksum) then the payload padded to 4 KiB. Writes go to
-// <path>/tmp/ and are renamed into place (renameat2 RENAME_NOREPLACE): an object is never
-// visible before it is complete, and a concurrent store of the same key answers `exists`.
-// Durability (sync = data, the default): fdatasync before the rename, one fsync of each
-// touched shard directory per batch. Correctness never depends on it: every load checks the
-// header (key, length) and the payload checksum before answering ok.
-//
-// RECOVERY (constructor): the index is rebuilt from the directory. Temporary files are
-// deleted; each object file's header block is read and checked (magic, version, header
-// checksum, key == file name, file size == header block + padded payload; optionally the
-// payload checksum, verify_on_start); files that fail are deleted and counted. Objects are
-// ordered for eviction by modification time. A second process on the same directory is
-// refused (flock on <path>/LOCK).
-//
-// TRUST: the files hold prompt-derived KV and whatever they hold is served, so they are
-// private and trusted only when ours: files are created 0600 and directories (the path and
-// its missing parents, objects/, tmp/, the shards) 0700, whatever the umask. The constructor
-// refuses (std::invalid_argument, saying what to change) a path, objects/, tmp/ or shard
-// directory that another user owns or that group or others may write; the recovery scan
-// skips, counts (disk_recovery_report::untrusted_files) and leaves alone object files of
-// another user or writable by others. Directories and files of ours that an older version
-// made wider are tightened to 0700 / 0600.
-//
-// CAPACITY: counted in bytes the file system really allocated (st_blocks * 512, measured at
-// commit and at the scan), not logical sizes. A store first reserves its estimated size;
-// when usage would pass high_watermark * capacity it evicts unpinned objects (LRU or FIFO)
-// down to low_watermark * capacity; when even that cannot make room (everything pinned, or
-// eviction none) the key answers no_space and nothing is evicted.
-//
-// FAILURES: ENOSPC (or EDQUOT) from the file system fails the key with no_space; its
-// temporary file is removed, kvtier_l2_disk_enospc_total moves, a warning is logged at most
-// once per warn_interval, and the caller (the store pipeline) keeps its L1 copy. On load,
-// EIO, a truncated file, a bad header or a checksum mismatch fail the key (io_error or
-// corrupt), drop the object and move a counter: a wrong byte is never reported ok.
-//
-// LOADS: each key's file is opened (O_DIRECT when the destination is 4 KiB aligned), its
-// header block read into a buffer of ours and its payload straight into the caller's buffer
-// in part_bytes parts; the parts of all keys of a batch share queue_depth reads in flight,
-// issued in key order (the prefix the prefetch needs first lands first) and batched into one
-// io_uring_enter per executor turn (io::async_run_parts, io/parts.hpp: the part runner of
-// io::async_read_all too; stores write their parts the same way). The payload checksum is
-// computed in part-sized steps as the parts land (stores: as they are issued), so the I/O
-// thread never stalls for a whole object's hash while the device queue drains; a key
-// answers ok only once its digest matches its header. A payload whose size is not a
-// multiple of 4 KiB moves its last block through a bounce block.
-//
-// DEADLINES AND THE BUFFER CONTRACT: at the deadline (or on the caller's cancellation) the
-// operation stops issuing and asks the file I/O to cancel what is in flight, then waits
-// until every read of the caller's buffers has completed or been cancelled; only then does
-// it complete (errc::timeout, or operation_aborted when cancelled). Keys whose every part
-// had landed and verified are still ok; the others answer timeout. O_DIRECT reads at the
-// device cannot be cancelled: the completion waits for them (bounded by the device).
-//
-// THREADING: operations may be started from any thread; the backend runs its I/O on a
-// strand of the executor given (the threading rule of io::uring_context). unpin, usage, health,
-// corrupt_stored and pins take a mutex and may be called from any thread. Destroy the
-// backend when no operation is running, before its io_context.
+// Models l2_backend and corruptible_backend (concepts.hpp). docs/l2-disk.md holds the rest:
+// the on-disk format, trust, writing and reading an object, deadlines and the buffer
+// contract, recovery, capacity, failures, threading, with the reasons for each choice.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
@@ -85,6 +26,7 @@
 
 #include <array>
 #include <atomic>
+#include <bitset>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -189,11 +131,16 @@ struct disk_stats {
   std::atomic<bool> o_direct{false};
 };
 
+/// Operations may start from any thread; the I/O runs on a strand of the executor given.
+/// unpin, usage, health, corrupt_stored and pins take a mutex and may be called from any
+/// thread. An operation completes only once no read or write of the caller's buffers is in
+/// flight (at its deadline or cancellation too). Destroy the backend when no operation runs,
+/// before its io_context.
 class disk_backend : public detail::coroutine_backend<disk_backend> {
  public:
   using executor_type = boost::asio::any_io_executor;
 
-  /// Opens (creates) the directory, rebuilds the index (see RECOVERY) and starts the
+  /// Opens (creates) the directory, rebuilds the index (docs/l2-disk.md, "Recovery") and starts the
   /// file I/O on a strand of `executor`. `log` may be null (default: stderr at warn).
   /// Throws std::invalid_argument for bad options, std::runtime_error when the directory
   /// cannot be used (not writable, another process holds it, foreign FORMAT file).
@@ -211,7 +158,8 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   // The operations (detail/coroutine_backend.hpp):
   //   async_lookup_and_pin  void(error_code, bitmap found): found keys are pinned (never
   //                         evicted) until unpin();
-  //   async_load            void(error_code, batch_result); see LOADS and DEADLINES above.
+  //   async_load            void(error_code, batch_result); docs/l2-disk.md, "Reading
+  //                         objects" and "Deadlines and the buffer contract".
   //                         With a load_observer, each key is told as soon as all its parts
   //                         landed and its checksum matched, so the caller can use it while
   //                         the rest of the batch is read;
@@ -273,10 +221,35 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   struct load_plan;
   struct store_item;
   struct store_plan;
+  struct store_leftovers;
+
+  struct recovery_scan;
 
   // The directory (impl/disk_directory.hpp).
   void open_directory();
+  /// Throws std::runtime_error naming the backend and its path, what failed and strerror(err) (err 0: none).
+  [[noreturn]] void throw_directory_error(const std::string& what, int err) const;
+  /// Throws std::invalid_argument naming the backend and its path, and why it is not trusted.
+  [[noreturn]] void throw_untrusted(const std::string& why) const;
+  /// A directory of ours (objects/, tmp/, a shard): trusted as the root, and tightened to 0700
+  /// when an older version made it wider.
+  void check_own_directory(int fd, const std::string& path) const;
+  /// The format marker: refuses a directory written by another format (or something else),
+  /// writes it into a new one.
+  void check_format_marker() const;
+  /// Takes the flock on LOCK: one process per directory.
+  void lock_directory();
+  /// Creates and opens objects/, tmp/ and the shard directories, checking each is ours.
+  void open_subdirectories();
+  /// Whether the file system takes O_DIRECT (a probe file in tmp/); warns when it does not.
+  bool takes_o_direct();
   void recover();
+  /// Checks one entry of a shard directory; recovers it into scan.all, drops it, or leaves it alone.
+  void scan_object_file(recovery_scan& scan, unsigned shard, const std::string& name);
+  /// verify_on_start: why the payload of the object open as fd fails its check, or empty.
+  static std::string_view check_payload(int fd, const object_header& h, aligned_buffer& scratch);
+  /// Deletes an object file found bad at start-up; counts it and warns about the first eight.
+  void drop_at_start(recovery_scan& scan, int dirfd, const std::string& name, std::string_view why);
   void close_fds() noexcept;
 
   // The operations: lookup and load (impl/disk_load.hpp), store (impl/disk_store.hpp),
@@ -314,12 +287,42 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   template <class Plan>
   boost::asio::awaitable<void> run_parts(fan_state& fs, deadline d, Plan plan);
 
+  // The steps of a load (impl/disk_load.hpp).
+  /// Step 1, under the mutex: answers the keys absent or of another size, touches the others.
+  std::vector<load_item> plan_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations,
+                                   const load_observer& observer, batch_result& r);
+  /// Step 2: the parts of every item (header, payload, tail), its blocks in `blocks`.
+  std::vector<part> load_parts(std::vector<load_item>& items, std::byte* blocks, std::vector<hash_state>& hashes);
+  /// Step 3: item's file could not be opened (ENOENT: removed behind our back, forgotten).
+  void fail_open(load_item& it, const error_code& ec);
   void part_loaded(std::vector<load_item>& items, std::vector<part>& parts, std::size_t i, const error_code& ec,
                    std::size_t got);
   void fail_load(load_item& it, const error_code& ec);
   void verify_loaded(load_item& it);
+  // The steps of a store (impl/disk_store.hpp).
+  /// Step 1, under the mutex: answers the keys that exist or find no room, reserves room for the
+  /// others (appending the victims to evict) and marks them `writing`.
+  std::vector<store_item> plan_store(std::span<const chunk_key> keys,
+                                     std::span<const std::span<const std::byte>> sources, batch_result& r,
+                                     std::vector<detail::disk_victim>& victims);
+  /// Step 2: the parts of every item (payload, tail, header last), its blocks in `blocks`.
+  std::vector<part> store_parts(std::vector<store_item>& items, std::byte* blocks, std::vector<hash_state>& hashes);
+  /// Step 3: item's temporary file is open as fd; preallocates it (fails the item on ENOSPC).
+  void adopt_temp_file(store_item& it, int fd);
   boost::asio::awaitable<void> commit_stored(store_item& it, fan_state& fs, unsigned lane);
   void fail_store(store_item& it, const error_code& ec);
+  /// Step 6: closes every file and answers each key; what is left to clean up.
+  store_leftovers close_stored(std::vector<store_item>& items, batch_result& r);
+  /// Step 6, under the mutex: releases the room of the keys that did not commit, keeps counting
+  /// the temporary files that could not be deleted.
+  void release_uncommitted(const std::vector<store_item>& items, const std::vector<error_code>& temp_errors,
+                           const std::vector<std::uint64_t>& temp_bytes);
+  /// Step 7: fsyncs the shard directories in `dirty`, not stoppable.
+  boost::asio::awaitable<void> sync_shards(std::bitset<detail::disk_shard_count> dirty);
+  /// Step 8 (st_blocks above the estimates), and the start-up scan (a capacity lowered since
+  /// the last run): under the mutex, the victims that bring usage back under the low watermark
+  /// when it passed the high one, or nullopt.
+  std::optional<std::vector<detail::disk_victim>> trim_victims();
   /// Unlinks names relative to dirfd, not stoppable (cleanup always completes); the error of
   /// each (ENOENT counts as success).
   template <class Name>

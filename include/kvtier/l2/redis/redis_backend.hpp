@@ -1,77 +1,9 @@
 #pragma once
 // redis_backend: an L2 backend on a shared Redis (standalone) or Redis Cluster, so that the
 // cache servers of a fleet share KV through a store they already run. Target kvtier::redis
-// (kvtier + hiredis, found with pkg-config); docs/deployment.md says when and how to use it.
-//
-// Transport. hiredis formats the commands and parses the replies (redisFormatCommandArgv,
-// redisReader); Asio owns the sockets: each node gets `connections_per_node` TCP
-// connections, every command of a batch is issued before any reply is awaited, each to the
-// least loaded connection, and pipelined there: small commands without limit, GETs while the
-// replies outstanding on the connection stay under max_inflight_bytes_per_connection (deeper
-// pipelining of large values piles them up in Redis's output buffers: measured 0.53x of
-// redis-benchmark's rate unbounded, 1.0x with one 3 MiB GET per connection, docs/
-// performance.md). Nothing blocks the executor. hiredis's own
-// connection objects are not used: the async context would need an event-loop adapter for
-// the same sockets, and its reader copies a GET's value twice (into its buffer, then into a
-// reply object) reading 16 KiB per system call; here a GET's payload is read from the socket
-// straight into the caller's L1 slot after its header was checked (detail/redis_link.hpp).
-//
-// Stored form. One Redis string per object: the 72-byte header of object_format.hpp (magic,
-// version, the chunk key, payload size, XXH3 payload checksum, header checksum), then the
-// payload, written with SET key value NX [EX ttl_seconds]. The key is
-//     "<key_prefix>:<model id, 16 hex>:<world size>:<rank>:<chunk hash, 32 hex>"
-// (key_of()); the model id folds the model name and the KV layout (make_model_id), so
-// incompatible layouts never share a key, and the prefix separates deployments.
-//
-// Operations (all pipelined, all bounded by their deadline):
-//   lookup_and_pin  EXISTS per key. "Pinned" means: this backend will not remove the key
-//                   (async_remove answers `rejected`) until unpin(). Redis has no pins: its
-//                   maxmemory policy, a TTL, or another server may still delete a pinned key.
-//                   The load then answers not_found, which the prefetch pipeline counts as a
-//                   failed key and recomputes; a wrong byte is never served. Pins are local to
-//                   this process and cost nothing on Redis.
-//   load            GET per key. ok only when the value is exactly a valid header carrying the
-//                   requested key, a payload of the destination's size and a matching checksum.
-//                   A value of a foreign key, a torn or garbage value answers `corrupt` and is
-//                   deleted (DEL, awaited before the load completes, so a following lookup
-//                   misses it); a valid object of another size answers `rejected` (kept).
-//   store           SET NX per key: `exists` when the key is present (not rewritten), `ok`,
-//                   `no_space` when Redis answers OOM (maxmemory with a noeviction policy).
-//   remove          DEL per key: `ok`, `not_found`, or `rejected` for a key pinned here.
-//   list            SCAN MATCH "<key_prefix>:*" on every master, then STRLEN per object
-//                   key (its bytes, header included): every object under the prefix, the
-//                   other servers' that share it too. Keys that are not object keys are
-//                   skipped.
-//   usage()         Redis's figures, refreshed every info_interval_ms in the background
-//                   (INFO memory used_memory and maxmemory, DBSIZE, summed over the cluster's
-//                   masters; bytes_capacity 0 when a master has no maxmemory); between two
-//                   refreshes, this backend's own stores and removes are added. The whole
-//                   database is counted, other prefixes included.
-//   health()        healthy while every node that owns slots has a connection up.
-// Failures: with no connection to a key's node the key answers `unavailable` at once (an
-// operation where every key is unavailable completes with errc::backend_unavailable; a lookup
-// then finds nothing); a node that does not answer leaves its keys to the deadline (`timeout`,
-// errc::timeout); broken connections reconnect in the background with exponential backoff
-// (reconnect_backoff_min_ms .. max_ms). Every failure is counted (stats(), shared_stats()) and
-// logged through a log_throttle, at most once per log_interval_ms per kind.
-// Deadlines and buffers: when an operation gives up, requests not yet sent are dropped, replies
-// not yet begun are discarded when they come, and a connection still reading into (or writing
-// from) the caller's buffer is closed; so when the operation completes nothing touches the
-// buffers any more (the buffer contract of l2_backend).
-// Cluster: keys go to the master of their CRC16 slot (hash tags honoured); the slot map comes
-// from CLUSTER SLOTS at start, every info_interval_ms and after a MOVED (which also updates
-// that slot at once); ASK is followed with ASKING on the named node; at most max_redirects
-// redirects per command.
-// AUTH (with username when set) and SELECT are sent on every (re)connection; the password is
-// read once at construction from password_file or the variable named by password_env. A
-// password_file that group or others may read gets a warning ("chmod 600 <file>").
-//
-// Threading: the backend serialises its state on a strand of the executor given (operations
-// may be started from any thread; completions go to the caller's associated executor);
-// unpin(), usage(), health() and stats() are thread-safe. Cancelling an operation (its
-// handler's cancellation slot, terminal) makes it give up as at its deadline and complete
-// with operation_aborted. Destroying the backend closes its connections from its strand
-// (outstanding operations complete with their keys `unavailable`).
+// (kvtier + hiredis, found with pkg-config). docs/l2-redis.md holds the rest: the transport,
+// the stored form, what each operation sends and answers, failures, deadlines and buffers,
+// the cluster, AUTH, threading; docs/deployment.md says when and how to use it.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
@@ -103,6 +35,10 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::l2 {
 
+/// Operations may be started from any thread (the state lives on a strand of the executor
+/// given) and complete on the caller's associated executor; unpin(), usage(), health() and
+/// stats() are thread-safe. At its deadline or on cancellation an operation completes only
+/// once nothing touches the caller's buffers any more.
 class redis_backend : public detail::coroutine_backend<redis_backend> {
  public:
   using executor_type = boost::asio::any_io_executor;
@@ -128,7 +64,7 @@ class redis_backend : public detail::coroutine_backend<redis_backend> {
   [[nodiscard]] executor_type get_executor() const noexcept { return client_->strand(); }
   [[nodiscard]] const redis_backend_options& options() const noexcept { return client_->options(); }
 
-  /// The Redis key of a chunk key (see the header comment).
+  /// The Redis key of a chunk key (docs/l2-redis.md, "Stored form").
   [[nodiscard]] std::string key_of(const chunk_key& k) const { return client_->key_of(k); }
 
   // async_lookup_and_pin, async_load, async_store, async_remove, async_list:

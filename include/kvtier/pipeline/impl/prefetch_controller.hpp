@@ -43,6 +43,36 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::run(std
   // 3. walk L1 and the plan together (unless the answer already went out for a temporary
   //    reservation: nobody would read it), keep in the plan only what this request loads,
   //    unpin the rest.
+  take_prefix(sp, plan, found);
+
+  // 4. submit the loads.
+  const std::size_t submitted = plan.submitted();
+  submit_loads(sp, plan, found);
+  release_admission();
+  // A caller that waits for the decision has it now.
+  if (decides(s) && !s.answered && !s.gave_up && !stopping()) answer(s, {}, decided_answer(s));
+
+  // 5. answer when every task and join ended, unless the budget (or a cancellation) answered
+  //    first; a decided caller waits here until its keys landed or it gave up.
+  while ((s.tasks_left > 0 || s.joins_left > 0) && !s.gave_up) {
+    s.signal.expires_at(boost::asio::steady_timer::time_point::max());
+    co_await s.signal.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
+  }
+  answer(s, stopping() ? boost::asio::error::operation_aborted : error_code{}, current_answer(s));
+  // 6. late tasks finalize their own keys; wait for them before the completion event.
+  while (s.tasks_left > 0) {
+    s.signal.expires_at(boost::asio::steady_timer::time_point::max());
+    co_await s.signal.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
+  }
+  if (submitted > 0) publish_load_completed(s, submitted);
+  finish(s);
+}
+
+template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
+void prefetch_controller<Tier, PlanPolicy, Bus>::take_prefix(const std::shared_ptr<state>& sp, prefetch_plan& plan,
+                                                             const std::vector<bitmap>& found) {
+  state& s = *sp;
+  const std::size_t n = s.req.keys.size();
   s.own = bitmap(n);
   s.served = bitmap(n);
   s.settled = bitmap(n);
@@ -50,8 +80,14 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::run(std
   restrict_plan(plan, s.own);
   const auto unpins = unpins_for(found, plan);
   for (std::size_t b = 0; b < backends_.size(); ++b) unpin(b, s.req.keys, unpins[b]);
+}
 
-  // 4. submit the loads.
+template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
+void prefetch_controller<Tier, PlanPolicy, Bus>::submit_loads(const std::shared_ptr<state>& sp,
+                                                              const prefetch_plan& plan,
+                                                              const std::vector<bitmap>& found) {
+  state& s = *sp;
+  const std::size_t n = s.req.keys.size();
   const std::size_t submitted = plan.submitted();
   if (plan.found_any > 0) {
     bitmap any(n);
@@ -70,30 +106,15 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::run(std
     ++s.tasks_left;
     tracker_.spawn(executor_, load_task(sp, b, plan.per_backend[b]));
   }
-  release_admission();
-  // A caller that waits for the decision has it now.
-  if (decides(s) && !s.answered && !s.gave_up && !stopping()) answer(s, {}, decided_answer(s));
+}
 
-  // 5. answer when every task and join ended, unless the budget (or a cancellation) answered
-  //    first; a decided caller waits here until its keys landed or it gave up.
-  while ((s.tasks_left > 0 || s.joins_left > 0) && !s.gave_up) {
-    s.signal.expires_at(boost::asio::steady_timer::time_point::max());
-    co_await s.signal.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
-  }
-  answer(s, stopping() ? boost::asio::error::operation_aborted : error_code{}, current_answer(s));
-  // 6. late tasks finalize their own keys; wait for them before the completion event.
-  while (s.tasks_left > 0) {
-    s.signal.expires_at(boost::asio::steady_timer::time_point::max());
-    co_await s.signal.async_wait(boost::asio::as_tuple(boost::asio::use_awaitable));
-  }
-  if (submitted > 0) {
-    bus_.publish(bus::l2_prefetch_load_completed{s.req.id, s.loaded, static_cast<std::uint32_t>(submitted) - s.loaded,
-                                                 s.loaded_bytes, ns(l2::clock::now() - s.submitted_at)});
-    for (std::size_t r = 0; r < bus::prefetch_failure_count; ++r)
-      if (s.failures[r] > 0)
-        bus_.publish(bus::l2_prefetch_failed{s.req.id, static_cast<bus::prefetch_failure>(r), s.failures[r]});
-  }
-  finish(s);
+template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
+void prefetch_controller<Tier, PlanPolicy, Bus>::publish_load_completed(const state& s, std::size_t submitted) {
+  bus_.publish(bus::l2_prefetch_load_completed{s.req.id, s.loaded, static_cast<std::uint32_t>(submitted) - s.loaded,
+                                               s.loaded_bytes, ns(l2::clock::now() - s.submitted_at)});
+  for (std::size_t r = 0; r < bus::prefetch_failure_count; ++r)
+    if (s.failures[r] > 0)
+      bus_.publish(bus::l2_prefetch_failed{s.req.id, static_cast<bus::prefetch_failure>(r), s.failures[r]});
 }
 
 // Step 2's load-or-recompute gate: loadable keys must be below the returned index. Only

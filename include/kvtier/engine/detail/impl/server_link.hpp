@@ -236,52 +236,58 @@ inline bool server_link::on_frame_io(server_connection& s, protocol::frame f) {
     last_error_ = "the server refused the connection: " + s.refusal;
     return true;
   }
-  if (const protocol::message_type t = protocol::type_of(*decoded); protocol::is_progress(t)) {
-    // Progress completes nothing. A call not in flight on this connection (given up on: its
-    // blocks are load errors already) or not a retrieve: ignored.
-    const std::shared_ptr<pending_call> c = calls_.find(id);
-    const auto* p = std::get_if<protocol::retrieve_progress>(&*decoded);
-    if (c && c->epoch == s.epoch && c->kind == call_kind::retrieve && p != nullptr) {
-      ++stats_.progress_messages;
-      // The server is moving this retrieve on: its deadline is the news plus its timeout,
-      // within the server's own load budget (docs/fault-tolerance.md, "Deadlines").
-      if (c->sent) arm_deadline_locked(*c, std::min(clock::now() + c->timeout, c->sent_at + load_budget_ + c->timeout));
-      owner_.on_retrieve_progress_locked(id, p->layers_ready, p->chunks_ready);
-    } else {
-      ++stats_.ignored_progress;
-    }
+  if (protocol::is_progress(protocol::type_of(*decoded))) {
+    on_progress_io(s, id, *decoded);
     return true;
   }
-  if (std::shared_ptr<pending_call> c = calls_.take(id, s.epoch)) {
-    const protocol::message_type t = protocol::type_of(*decoded);
-    call_result r;
-    if (t == protocol::message_type::error_response) {
-      r.status = call_status::error_reply;
-      r.error = std::get<protocol::error_response>(*decoded).message;
-    } else if (t == c->expect) {
-      r.status = call_status::reply;
-      r.reply = std::move(*decoded);
-    } else {
-      last_error_ =
-          "the server answered " + std::string(protocol::name(c->expect)) + " with " + std::string(protocol::name(t));
-      complete_locked(*c, call_result{call_status::error_reply, {}, last_error_});
-      on_broken_io(s, "protocol_error", false);
-      return false;
-    }
-    if (s.epoch == current_epoch_) breaker_.on_reply();
-    const bool forgotten = r.status == call_status::error_reply &&
-                           std::get<protocol::error_response>(*decoded).error() == errc::not_registered;
-    complete_locked(*c, std::move(r));
-    // The server lost this connection's registration without closing it: register again.
-    if (forgotten && s.epoch == current_epoch_ && state_ == health_state::healthy) {
-      last_error_ = "the server no longer knows this connection's registration";
-      mark_unhealthy_io("not_registered");
-    }
-    return true;
-  }
+  if (std::shared_ptr<pending_call> c = calls_.take(id, s.epoch)) return on_reply_io(s, *c, std::move(*decoded));
   ++stats_.late_replies;
   owner_.on_late_reply_locked(id);  // e.g. the answer of a call whose blocks are quarantined
   maybe_retire_io(s.epoch);
+  return true;
+}
+
+// Progress completes nothing. A call not in flight on this connection (given up on: its
+// blocks are load errors already) or not a retrieve: ignored.
+inline void server_link::on_progress_io(server_connection& s, std::uint64_t id, const protocol::message& m) {
+  const std::shared_ptr<pending_call> c = calls_.find(id);
+  const auto* p = std::get_if<protocol::retrieve_progress>(&m);
+  if (c && c->epoch == s.epoch && c->kind == call_kind::retrieve && p != nullptr) {
+    ++stats_.progress_messages;
+    // The server is moving this retrieve on: its deadline is the news plus its timeout,
+    // within the server's own load budget (docs/fault-tolerance.md, "Deadlines").
+    if (c->sent) arm_deadline_locked(*c, std::min(clock::now() + c->timeout, c->sent_at + load_budget_ + c->timeout));
+    owner_.on_retrieve_progress_locked(id, p->layers_ready, p->chunks_ready);
+  } else {
+    ++stats_.ignored_progress;
+  }
+}
+
+inline bool server_link::on_reply_io(server_connection& s, pending_call& c, protocol::message m) {
+  const protocol::message_type t = protocol::type_of(m);
+  call_result r;
+  if (t == protocol::message_type::error_response) {
+    r.status = call_status::error_reply;
+    r.error = std::get<protocol::error_response>(m).message;
+  } else if (t == c.expect) {
+    r.status = call_status::reply;
+    r.reply = std::move(m);
+  } else {
+    last_error_ =
+        "the server answered " + std::string(protocol::name(c.expect)) + " with " + std::string(protocol::name(t));
+    complete_locked(c, call_result{call_status::error_reply, {}, last_error_});
+    on_broken_io(s, "protocol_error", false);
+    return false;
+  }
+  if (s.epoch == current_epoch_) breaker_.on_reply();
+  const bool forgotten =
+      r.status == call_status::error_reply && std::get<protocol::error_response>(m).error() == errc::not_registered;
+  complete_locked(c, std::move(r));
+  // The server lost this connection's registration without closing it: register again.
+  if (forgotten && s.epoch == current_epoch_ && state_ == health_state::healthy) {
+    last_error_ = "the server no longer knows this connection's registration";
+    mark_unhealthy_io("not_registered");
+  }
   return true;
 }
 

@@ -1,28 +1,9 @@
 #pragma once
-// disk_index: the in-memory index of l2::disk_backend. Key -> object state, size on disk,
-// pins, position in the eviction order; and the byte accounting that enforces the capacity.
-// No I/O and no locking: the backend holds its mutex around every call.
-//
-// Entry states:
-//   writing   a store is writing the object's temporary file; invisible to lookups and
-//             loads, a second store of the key answers `exists`; its bytes are reserved
-//             (estimated as object_file_bytes until the commit measures st_blocks);
-//   ready     committed (renamed into objects/); visible, in the eviction order;
-//   removing  chosen for eviction, dropped as corrupt, or removed: invisible; its bytes count
-//             until the unlink completed (they are "pending free" for eviction planning);
-//   stuck     dropped as bad, but its file could not be deleted: never served again,
-//             invisible to lookups and loads, a store of the key answers `rejected`, its bytes
-//             count (not pending free: they will not come back by themselves); a remove()
-//             retries the unlink.
-// The index follows the files on every error path: an unlink that fails puts a removed or
-// evicted object back to ready (its file is still there and intact: it is still served and
-// counted), and a dropped one to stuck. Every entry carries a generation (unique per backend
-// instance), so a late step of one operation (a commit, a drop) never acts on a newer object
-// stored under the same key.
-//
-// Bytes: bytes_used() sums every entry's allocated bytes: what the file system really
-// allocated (st_blocks * 512, measured after the write), not logical sizes (LMCache #4725,
-// Mooncake #2475: logical caps overfill disks with metadata and block rounding).
+// disk_index: the in-memory index of l2::disk_backend. Key -> object state (writing, ready,
+// removing, stuck), size on disk, pins, position in the eviction order; and the byte
+// accounting (allocated bytes, st_blocks * 512) that enforces the capacity. No I/O and no
+// locking: the backend holds its mutex around every call. docs/l2-disk.md, "The index" and
+// "Capacity and eviction", holds the states and the rules.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>

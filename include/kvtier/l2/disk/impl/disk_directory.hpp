@@ -1,7 +1,7 @@
 #pragma once
-// The directory of l2::disk_backend (declarations and documentation: kvtier/l2/disk/disk_backend.hpp):
-// opening it (TRUST: ownership and modes; the FORMAT marker; the LOCK; whether the file system
-// takes O_DIRECT) and the start-up scan that rebuilds the index from it (RECOVERY).
+// The directory of l2::disk_backend (declarations: kvtier/l2/disk/disk_backend.hpp; docs/l2-disk.md):
+// opening it (trust: ownership and modes; the FORMAT marker; the LOCK; whether the file system
+// takes O_DIRECT) and the start-up scan that rebuilds the index from it (recovery).
 
 #include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/l2/disk/impl/disk_backend.hpp>
@@ -83,99 +83,136 @@ namespace detail {
 
 }  // namespace detail
 
+// --- opening the directory ---------------------------------------------------------------
+
 inline void disk_backend::open_directory() {
   const auto& root = options_.path;
-  const std::string where = "kvtier::l2::disk_backend '" + options_.name + "' at " + root.string();
-  auto fail = [&](const std::string& what, int err) {
-    throw std::runtime_error(where + ": " + what + (err != 0 ? std::string(": ") + std::strerror(err) : std::string()));
-  };
   // Trust: the tier's files hold prompt-derived KV (private: 0600 files, 0700 directories),
   // and whatever is in them is served (so only directories no other user may write).
-  auto untrusted = [&](const std::string& why) { throw std::invalid_argument(where + ": " + why); };
-  if (const int err = detail::make_private_directories(root); err != 0) fail("cannot create the directory", err);
+  if (const int err = detail::make_private_directories(root); err != 0)
+    throw_directory_error("cannot create the directory", err);
   {
     struct ::stat st {};
-    if (::stat(root.c_str(), &st) != 0) fail("cannot inspect the directory", errno);
-    if (auto why = detail::untrusted_directory(root.string(), st); !why.empty()) untrusted(why);
+    if (::stat(root.c_str(), &st) != 0) throw_directory_error("cannot inspect the directory", errno);
+    if (auto why = detail::untrusted_directory(root.string(), st); !why.empty()) throw_untrusted(why);
   }
-  // A directory of ours (objects/, tmp/, a shard): trusted as above, and tightened to 0700
-  // when an older version made it wider.
-  auto check_own_dir = [&](int fd, const std::string& path) {
-    struct ::stat st {};
-    if (::fstat(fd, &st) != 0) fail("cannot inspect " + path, errno);
-    if (auto why = detail::untrusted_directory(path, st); !why.empty()) untrusted(why);
-    if ((st.st_mode & 07777) != 0700) (void)::fchmod(fd, 0700);
-  };
+  check_format_marker();
+  lock_directory();
+  open_subdirectories();
+  direct_ = options_.o_direct && takes_o_direct();
+  stats_->o_direct.store(direct_, std::memory_order_relaxed);
+}
 
-  // The format marker: refuse a directory written by another format (or something else).
-  const auto marker = root / "FORMAT";
+inline void disk_backend::throw_directory_error(const std::string& what, int err) const {
+  throw std::runtime_error("kvtier::l2::disk_backend '" + options_.name + "' at " + options_.path.string() + ": " +
+                           what + (err != 0 ? std::string(": ") + std::strerror(err) : std::string()));
+}
+
+inline void disk_backend::throw_untrusted(const std::string& why) const {
+  throw std::invalid_argument("kvtier::l2::disk_backend '" + options_.name + "' at " + options_.path.string() + ": " +
+                              why);
+}
+
+inline void disk_backend::check_own_directory(int fd, const std::string& path) const {
+  struct ::stat st {};
+  if (::fstat(fd, &st) != 0) throw_directory_error("cannot inspect " + path, errno);
+  if (auto why = detail::untrusted_directory(path, st); !why.empty()) throw_untrusted(why);
+  if ((st.st_mode & 07777) != 0700) (void)::fchmod(fd, 0700);
+}
+
+inline void disk_backend::check_format_marker() const {
+  const auto marker = options_.path / "FORMAT";
   if (std::FILE* f = std::fopen(marker.c_str(), "rb")) {
     char buf[64] = {};
     const std::size_t n = std::fread(buf, 1, sizeof buf - 1, f);
     std::fclose(f);
     if (std::string_view(buf, n) != detail::format_marker)
-      fail("its FORMAT file says '" + std::string(buf, n) + "', not '" +
-               std::string(detail::format_marker.substr(0, detail::format_marker.size() - 1)) +
-               "': use an empty directory or one written by this version",
-           0);
-  } else {
-    const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-    if (fd < 0) fail("cannot write " + marker.string(), errno);
-    const bool ok = ::write(fd, detail::format_marker.data(), detail::format_marker.size()) ==
-                    static_cast<ssize_t>(detail::format_marker.size());
-    ::fsync(fd);
-    ::close(fd);
-    if (!ok) fail("cannot write " + marker.string(), errno);
+      throw_directory_error("its FORMAT file says '" + std::string(buf, n) + "', not '" +
+                                std::string(detail::format_marker.substr(0, detail::format_marker.size() - 1)) +
+                                "': use an empty directory or one written by this version",
+                            0);
+    return;
   }
+  const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) throw_directory_error("cannot write " + marker.string(), errno);
+  const bool ok = ::write(fd, detail::format_marker.data(), detail::format_marker.size()) ==
+                  static_cast<ssize_t>(detail::format_marker.size());
+  ::fsync(fd);
+  ::close(fd);
+  if (!ok) throw_directory_error("cannot write " + marker.string(), errno);
+}
 
-  lock_fd_ = ::open((root / "LOCK").c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
-  if (lock_fd_ < 0) fail("cannot open LOCK", errno);
+inline void disk_backend::lock_directory() {
+  lock_fd_ = ::open((options_.path / "LOCK").c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600);
+  if (lock_fd_ < 0) throw_directory_error("cannot open LOCK", errno);
   (void)::fchmod(lock_fd_, 0600);  // one an older version made 0644
   if (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     if (errno == EWOULDBLOCK)
-      fail("the directory is in use by another disk backend (flock on LOCK): give each one its own directory", 0);
-    fail("cannot lock LOCK", errno);
+      throw_directory_error(
+          "the directory is in use by another disk backend (flock on LOCK): give each one its own directory", 0);
+    throw_directory_error("cannot lock LOCK", errno);
   }
+}
 
+inline void disk_backend::open_subdirectories() {
+  const auto& root = options_.path;
   for (const char* sub : {"objects", "tmp"})
-    if (::mkdir((root / sub).c_str(), 0700) != 0 && errno != EEXIST) fail(std::string("cannot create ") + sub, errno);
+    if (::mkdir((root / sub).c_str(), 0700) != 0 && errno != EEXIST)
+      throw_directory_error(std::string("cannot create ") + sub, errno);
   // O_NOFOLLOW: a symlink in place of a directory of ours is refused (ELOOP).
   objects_fd_ = ::open((root / "objects").c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (objects_fd_ < 0) fail("cannot open objects/", errno);
-  check_own_dir(objects_fd_, (root / "objects").string());
+  if (objects_fd_ < 0) throw_directory_error("cannot open objects/", errno);
+  check_own_directory(objects_fd_, (root / "objects").string());
   tmp_fd_ = ::open((root / "tmp").c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-  if (tmp_fd_ < 0) fail("cannot open tmp/", errno);
-  check_own_dir(tmp_fd_, (root / "tmp").string());
+  if (tmp_fd_ < 0) throw_directory_error("cannot open tmp/", errno);
+  check_own_directory(tmp_fd_, (root / "tmp").string());
   for (unsigned s = 0; s < detail::disk_shard_count; ++s) {
     const std::string name = detail::shard_dir_name(s);
     if (::mkdirat(objects_fd_, name.c_str(), 0700) != 0 && errno != EEXIST)
-      fail("cannot create objects/" + name, errno);
+      throw_directory_error("cannot create objects/" + name, errno);
     shard_fds_[s] = ::openat(objects_fd_, name.c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
-    if (shard_fds_[s] < 0) fail("cannot open objects/" + name, errno);
-    check_own_dir(shard_fds_[s], (root / "objects" / name).string());
+    if (shard_fds_[s] < 0) throw_directory_error("cannot open objects/" + name, errno);
+    check_own_directory(shard_fds_[s], (root / "objects" / name).string());
   }
-
-  // Does this file system take O_DIRECT (tmpfs before 6.6, some FUSE file systems do not)?
-  direct_ = false;
-  if (options_.o_direct) {
-    const char* probe = "o_direct_probe.tmp";
-    const int fd = ::openat(tmp_fd_, probe, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
-    int err = fd < 0 ? errno : 0;
-    if (fd >= 0) {
-      aligned_buffer block(detail::disk_block_bytes);
-      std::memset(block.data(), 0, block.size());
-      if (::pwrite(fd, block.data(), block.size(), 0) != static_cast<ssize_t>(block.size())) err = errno;
-      ::close(fd);
-      ::unlinkat(tmp_fd_, probe, 0);
-    }
-    if (err == 0) direct_ = true;
-    else
-      log_->warn("disk backend '{}': the file system at {} refuses O_DIRECT ({}); using buffered I/O (the page "
-                 "cache will hold a copy of what the tier reads and writes)",
-                 options_.name, root.string(), std::strerror(err));
-  }
-  stats_->o_direct.store(direct_, std::memory_order_relaxed);
 }
+
+inline bool disk_backend::takes_o_direct() {
+  // tmpfs before 6.6 and some FUSE file systems do not.
+  const char* probe = "o_direct_probe.tmp";
+  const int fd = ::openat(tmp_fd_, probe, O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
+  int err = fd < 0 ? errno : 0;
+  if (fd >= 0) {
+    aligned_buffer block(detail::disk_block_bytes);
+    std::memset(block.data(), 0, block.size());
+    if (::pwrite(fd, block.data(), block.size(), 0) != static_cast<ssize_t>(block.size())) err = errno;
+    ::close(fd);
+    ::unlinkat(tmp_fd_, probe, 0);
+  }
+  if (err == 0) return true;
+  log_->warn(
+      "disk backend '{}': the file system at {} refuses O_DIRECT ({}); using buffered I/O (the page "
+      "cache will hold a copy of what the tier reads and writes)",
+      options_.name, options_.path.string(), std::strerror(err));
+  return false;
+}
+
+// --- the start-up scan ---------------------------------------------------------------------
+
+/// What the start-up scan carries from one object file to the next.
+struct disk_backend::recovery_scan {
+  struct found {
+    chunk_key key;
+    std::uint64_t payload = 0;
+    std::uint64_t allocated = 0;
+    ::timespec mtime{};
+  };
+  std::vector<found> all;  ///< the objects recovered
+  aligned_buffer block{detail::disk_block_bytes};
+  aligned_buffer scratch;         ///< payload reads of verify_on_start
+  unsigned logged = 0;            ///< drops so far (eight are warned about one by one)
+  unsigned untrusted_logged = 0;  ///< untrusted files so far (likewise)
+  ::uid_t self = ::geteuid();
+};
 
 inline void disk_backend::recover() {
   // 1. Interrupted stores: every temporary file goes (none can be complete AND visible).
@@ -183,116 +220,35 @@ inline void disk_backend::recover() {
     if (::unlinkat(tmp_fd_, n.c_str(), 0) == 0) ++recovery_.temp_files;
 
   // 2. Objects: read and check each header block.
-  struct found {
-    chunk_key key;
-    std::uint64_t payload = 0;
-    std::uint64_t allocated = 0;
-    ::timespec mtime{};
-  };
-  std::vector<found> all;
-  aligned_buffer block(detail::disk_block_bytes);
-  aligned_buffer scratch(options_.verify_on_start ? std::size_t{8} << 20 : 0);
-  unsigned logged = 0;
-  unsigned untrusted_logged = 0;
-  const ::uid_t self = ::geteuid();
-  auto drop = [&](int dirfd, const std::string& name, std::string_view why) {
-    if (::unlinkat(dirfd, name.c_str(), 0) == 0 || errno == ENOENT) ++recovery_.dropped;
-    if (logged++ < 8)
-      log_->warn("disk backend '{}': dropped {} at start-up: {}", options_.name, name, why);
-  };
-  for (unsigned s = 0; s < detail::disk_shard_count; ++s) {
-    const int dirfd = shard_fds_[s];
-    for (const auto& name : detail::list_directory(dirfd)) {
-      struct ::stat st {};
-      if (::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) continue;
-      const auto key = detail::parse_object_name(name);
-      if (!S_ISREG(st.st_mode) || !key) {
-        ++recovery_.foreign_files;  // not ours: left alone
-        continue;
-      }
-      // An object file another user owns, or one others may write, is not trusted: its
-      // checksums prove nothing (whoever wrote it computed them). Left alone, never served.
-      if (st.st_uid != self || (st.st_mode & 022) != 0) {
-        ++recovery_.untrusted_files;
-        if (untrusted_logged++ < 8)
-          log_->warn(
-              "disk backend '{}': skipped {} at start-up: not owned by this user (uid {}, mode {:04o}); it is "
-              "left alone and never served",
-              options_.name, name, st.st_uid, st.st_mode & 07777);
-        continue;
-      }
-      if ((st.st_mode & 07777) != 0600) (void)::fchmodat(dirfd, name.c_str(), 0600, 0);  // an older version's 0644
-      if (detail::shard_of(*key) != s) {
-        drop(dirfd, name, "in the wrong shard directory");
-        continue;
-      }
-      const int fd = ::openat(dirfd, name.c_str(), O_RDONLY | O_CLOEXEC);
-      if (fd < 0) {
-        log_->warn("disk backend '{}': cannot open {} at start-up ({}): left alone, not served", options_.name, name,
-                   std::strerror(errno));
-        continue;
-      }
-      object_header h;
-      const ssize_t got = ::pread(fd, block.data(), block.size(), 0);
-      auto check = got == static_cast<ssize_t>(block.size())
-                       ? detail::check_object(block.span(), *key, static_cast<std::uint64_t>(st.st_size), h)
-                       : (got >= 0 ? detail::object_check::wrong_size : detail::object_check::bad_header);
-      std::string why(detail::to_string(check));
-      if (check == detail::object_check::ok && options_.verify_on_start) {
-        XXH3_state_t state;
-        XXH3_64bits_reset(&state);
-        std::uint64_t at = 0;
-        bool read_ok = true;
-        while (at < h.payload_bytes) {
-          const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(scratch.size(), h.payload_bytes - at));
-          const ssize_t n = ::pread(fd, scratch.data(), want, static_cast<off_t>(detail::disk_block_bytes + at));
-          if (n != static_cast<ssize_t>(want)) {
-            read_ok = false;
-            break;
-          }
-          XXH3_64bits_update(&state, scratch.data(), want);
-          at += want;
-        }
-        if (!read_ok || XXH3_64bits_digest(&state) != h.payload_checksum) {
-          check = detail::object_check::bad_header;
-          why = read_ok ? "payload checksum mismatch" : "payload unreadable";
-        }
-      }
-      ::close(fd);
-      if (check != detail::object_check::ok) {
-        drop(dirfd, name, why);
-        continue;
-      }
-      all.push_back({*key, h.payload_bytes, static_cast<std::uint64_t>(st.st_blocks) * 512, st.st_mtim});
-    }
-  }
-  if (logged > 8)
-    log_->warn("disk backend '{}': {} more objects dropped at start-up", options_.name, logged - 8);
-  if (untrusted_logged > 8)
+  recovery_scan scan;
+  scan.scratch = aligned_buffer(options_.verify_on_start ? std::size_t{8} << 20 : 0);
+  for (unsigned s = 0; s < detail::disk_shard_count; ++s)
+    for (const auto& name : detail::list_directory(shard_fds_[s])) scan_object_file(scan, s, name);
+  if (scan.logged > 8)
+    log_->warn("disk backend '{}': {} more objects dropped at start-up", options_.name, scan.logged - 8);
+  if (scan.untrusted_logged > 8)
     log_->warn("disk backend '{}': {} more object files not owned by this user skipped at start-up", options_.name,
-               untrusted_logged - 8);
+               scan.untrusted_logged - 8);
 
   // 3. The eviction order: oldest first (modification time; the key breaks ties so the order
   //    does not depend on readdir).
-  std::sort(all.begin(), all.end(), [](const found& a, const found& b) {
+  using found = recovery_scan::found;
+  std::sort(scan.all.begin(), scan.all.end(), [](const found& a, const found& b) {
     if (a.mtime.tv_sec != b.mtime.tv_sec) return a.mtime.tv_sec < b.mtime.tv_sec;
     if (a.mtime.tv_nsec != b.mtime.tv_nsec) return a.mtime.tv_nsec < b.mtime.tv_nsec;
     return a.key < b.key;
   });
-  for (const auto& f : all) index_.add_ready(f.key, f.payload, f.allocated, next_generation_++);
+  for (const auto& f : scan.all) index_.add_ready(f.key, f.payload, f.allocated, next_generation_++);
 
   // 4. A capacity lowered since the last run: evict down to the low watermark now.
-  if (static_cast<double>(index_.bytes_used()) >
-      options_.high_watermark * static_cast<double>(options_.capacity_bytes)) {
-    if (auto victims = index_.make_room(0, options_.capacity_bytes, options_.high_watermark, options_.low_watermark)) {
-      for (const auto& v : *victims) {
-        const auto p = detail::object_path_of(v.key);
-        ::unlinkat(objects_fd_, p.c_str(), 0);
-        index_.finish_remove(v.key, v.generation);
-        ++recovery_.evicted;
-        stats_->evicted_objects.fetch_add(1, std::memory_order_relaxed);
-        stats_->evicted_bytes.fetch_add(v.allocated_bytes, std::memory_order_relaxed);
-      }
+  if (auto victims = trim_victims()) {
+    for (const auto& v : *victims) {
+      const auto p = detail::object_path_of(v.key);
+      ::unlinkat(objects_fd_, p.c_str(), 0);
+      index_.finish_remove(v.key, v.generation);
+      ++recovery_.evicted;
+      stats_->evicted_objects.fetch_add(1, std::memory_order_relaxed);
+      stats_->evicted_bytes.fetch_add(v.allocated_bytes, std::memory_order_relaxed);
     }
   }
   recovery_.objects = index_.objects();
@@ -302,6 +258,76 @@ inline void disk_backend::recover() {
   stats_->recovery_dropped.store(recovery_.dropped, std::memory_order_relaxed);
   stats_->recovery_temp_files.store(recovery_.temp_files, std::memory_order_relaxed);
   stats_->recovery_untrusted.store(recovery_.untrusted_files, std::memory_order_relaxed);
+}
+
+inline void disk_backend::scan_object_file(recovery_scan& scan, unsigned shard, const std::string& name) {
+  const int dirfd = shard_fds_[shard];
+  struct ::stat st {};
+  if (::fstatat(dirfd, name.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) return;
+  const auto key = detail::parse_object_name(name);
+  if (!S_ISREG(st.st_mode) || !key) {
+    ++recovery_.foreign_files;  // not ours: left alone
+    return;
+  }
+  // An object file another user owns, or one others may write, is not trusted: its
+  // checksums prove nothing (whoever wrote it computed them). Left alone, never served.
+  if (st.st_uid != scan.self || (st.st_mode & 022) != 0) {
+    ++recovery_.untrusted_files;
+    if (scan.untrusted_logged++ < 8)
+      log_->warn(
+          "disk backend '{}': skipped {} at start-up: not owned by this user (uid {}, mode {:04o}); it is "
+          "left alone and never served",
+          options_.name, name, st.st_uid, st.st_mode & 07777);
+    return;
+  }
+  if ((st.st_mode & 07777) != 0600) (void)::fchmodat(dirfd, name.c_str(), 0600, 0);  // an older version's 0644
+  if (detail::shard_of(*key) != shard) {
+    drop_at_start(scan, dirfd, name, "in the wrong shard directory");
+    return;
+  }
+  const int fd = ::openat(dirfd, name.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    log_->warn("disk backend '{}': cannot open {} at start-up ({}): left alone, not served", options_.name, name,
+               std::strerror(errno));
+    return;
+  }
+  object_header h;
+  const ssize_t got = ::pread(fd, scan.block.data(), scan.block.size(), 0);
+  auto check = got == static_cast<ssize_t>(scan.block.size())
+                   ? detail::check_object(scan.block.span(), *key, static_cast<std::uint64_t>(st.st_size), h)
+                   : (got >= 0 ? detail::object_check::wrong_size : detail::object_check::bad_header);
+  std::string why(detail::to_string(check));
+  if (check == detail::object_check::ok && options_.verify_on_start) {
+    if (const std::string_view bad = check_payload(fd, h, scan.scratch); !bad.empty()) {
+      check = detail::object_check::bad_header;
+      why = bad;
+    }
+  }
+  ::close(fd);
+  if (check != detail::object_check::ok) {
+    drop_at_start(scan, dirfd, name, why);
+    return;
+  }
+  scan.all.push_back({*key, h.payload_bytes, static_cast<std::uint64_t>(st.st_blocks) * 512, st.st_mtim});
+}
+
+inline std::string_view disk_backend::check_payload(int fd, const object_header& h, aligned_buffer& scratch) {
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  for (std::uint64_t at = 0; at < h.payload_bytes;) {
+    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(scratch.size(), h.payload_bytes - at));
+    const ssize_t n = ::pread(fd, scratch.data(), want, static_cast<off_t>(detail::disk_block_bytes + at));
+    if (n != static_cast<ssize_t>(want)) return "payload unreadable";
+    XXH3_64bits_update(&state, scratch.data(), want);
+    at += want;
+  }
+  if (XXH3_64bits_digest(&state) != h.payload_checksum) return "payload checksum mismatch";
+  return {};
+}
+
+inline void disk_backend::drop_at_start(recovery_scan& scan, int dirfd, const std::string& name, std::string_view why) {
+  if (::unlinkat(dirfd, name.c_str(), 0) == 0 || errno == ENOENT) ++recovery_.dropped;
+  if (scan.logged++ < 8) log_->warn("disk backend '{}': dropped {} at start-up: {}", options_.name, name, why);
 }
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::l2

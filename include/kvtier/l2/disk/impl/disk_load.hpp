@@ -1,8 +1,7 @@
 #pragma once
-// The load path of l2::disk_backend (declarations and documentation: kvtier/l2/disk/disk_backend.hpp,
-// LOADS and DEADLINES): lookup_and_pin, then per batch: plan, open, read every part of every
-// key through one queue (io::async_run_parts), verify each key as its parts land, drop what
-// was found bad.
+// The load path of l2::disk_backend (declarations: kvtier/l2/disk/disk_backend.hpp; docs/l2-disk.md,
+// "Reading objects", "Deadlines and the buffer contract"): lookup_and_pin, then per batch: plan, open, read every part
+// of every key through one queue (io::async_run_parts), verify each key as its parts land, drop what was found bad.
 
 #include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/l2/disk/impl/disk_backend.hpp>
@@ -92,54 +91,17 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
     load_observer observer) {
   namespace asio = boost::asio;
   co_await asio::this_coro::throw_if_cancelled(false);
+  if (auto refused = refuse_batch(keys.size(), destinations.size(), d, disk_stats::load)) co_return std::move(*refused);
   batch_result r(keys.size(), key_outcome::timeout);
-  if (keys.size() != destinations.size()) co_return batch_tuple{make_error_code(errc::invalid_argument), r};
-  if (clock::now() >= d) {
-    stats_->timeouts[disk_stats::load].fetch_add(keys.size(), std::memory_order_relaxed);
-    co_return batch_tuple{make_error_code(errc::timeout), r};
-  }
 
   // 1. Plan: which keys are there, with the right size.
-  std::vector<load_item> items;
-  items.reserve(keys.size());
-  {
-    std::lock_guard g(mutex_);
-    for (std::size_t i = 0; i < keys.size(); ++i) {
-      auto* e = index_.find_ready(keys[i]);
-      if (e == nullptr) {
-        r.outcomes[i] = key_outcome::not_found;
-        continue;
-      }
-      if (e->payload_bytes != destinations[i].size()) {
-        r.outcomes[i] = key_outcome::rejected;
-        continue;
-      }
-      index_.touch(*e);
-      load_item it;
-      it.key = keys[i];
-      it.dst = destinations[i];
-      it.generation = e->generation;
-      it.index = i;
-      it.landed = observer ? &observer : nullptr;
-      items.push_back(it);
-    }
-  }
+  std::vector<load_item> items = plan_load(keys, destinations, observer, r);
   if (items.empty()) co_return batch_tuple{error_code{}, r};
 
   // 2. Parts, in key order: the header block, the payload in part_bytes parts, the tail.
   aligned_buffer blocks(items.size() * 2 * detail::disk_block_bytes);
   std::vector<hash_state> hashes(items.size());
-  std::vector<part> parts;
-  for (std::size_t j = 0; j < items.size(); ++j) {
-    load_item& it = items[j];
-    const auto item = static_cast<std::uint32_t>(j);
-    prepare_item(it, item, it.dst.data(), it.dst.size(), blocks.data(), hashes[j]);
-    it.hash_next = parts.size();
-    parts.push_back({item, part_kind::header, false, 0, detail::disk_block_bytes});
-    add_payload_parts(parts, it, item, it.dst.size());
-    it.parts_left = static_cast<unsigned>(parts.size() - it.hash_next);
-    it.parts_end = parts.size();
-  }
+  std::vector<part> parts = load_parts(items, blocks.data(), hashes);
 
   fan_state fs;
   // 3. Open every file (through file_io: a slow directory lookup never blocks the thread).
@@ -147,17 +109,10 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
     load_item& it = items[j];
     const int flags = O_RDONLY | O_CLOEXEC | (it.direct ? O_DIRECT : 0);
     auto [ec, fd] = co_await file_io_->async_openat(objects_fd_, it.path.c_str(), flags, 0, f.bind(lane));
-    if (!ec) {
+    if (ec)
+      fail_open(it, ec);
+    else
       it.fd = fd;
-      co_return;
-    }
-    if (detail::is_errno(ec, ENOENT)) {
-      it.failed = true;
-      it.outcome = key_outcome::not_found;  // removed behind our back: forget it
-      it.drop = true;
-      co_return;
-    }
-    fail_load(it, ec);
   };
   co_await fan_out(fs, items.size(), 64, d, open_body);
 
@@ -175,6 +130,60 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
   }
   if (!bad.empty()) co_await drop(std::move(bad));
   co_return finish_batch(fs, disk_stats::load, timeouts, std::move(r));
+}
+
+inline std::vector<disk_backend::load_item> disk_backend::plan_load(std::span<const chunk_key> keys,
+                                                                    std::span<const std::span<std::byte>> destinations,
+                                                                    const load_observer& observer, batch_result& r) {
+  std::vector<load_item> items;
+  items.reserve(keys.size());
+  std::lock_guard g(mutex_);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    auto* e = index_.find_ready(keys[i]);
+    if (e == nullptr) {
+      r.outcomes[i] = key_outcome::not_found;
+      continue;
+    }
+    if (e->payload_bytes != destinations[i].size()) {
+      r.outcomes[i] = key_outcome::rejected;
+      continue;
+    }
+    index_.touch(*e);
+    load_item it;
+    it.key = keys[i];
+    it.dst = destinations[i];
+    it.generation = e->generation;
+    it.index = i;
+    it.landed = observer ? &observer : nullptr;
+    items.push_back(it);
+  }
+  return items;
+}
+
+inline std::vector<disk_backend::part> disk_backend::load_parts(std::vector<load_item>& items, std::byte* blocks,
+                                                                std::vector<hash_state>& hashes) {
+  std::vector<part> parts;
+  for (std::size_t j = 0; j < items.size(); ++j) {
+    load_item& it = items[j];
+    const auto item = static_cast<std::uint32_t>(j);
+    prepare_item(it, item, it.dst.data(), it.dst.size(), blocks, hashes[j]);
+    it.hash_next = parts.size();
+    parts.push_back({item, part_kind::header, false, 0, detail::disk_block_bytes});
+    add_payload_parts(parts, it, item, it.dst.size());
+    it.parts_left = static_cast<unsigned>(parts.size() - it.hash_next);
+    it.parts_end = parts.size();
+  }
+  return parts;
+}
+
+inline void disk_backend::fail_open(load_item& it, const error_code& ec) {
+  if (detail::is_errno(ec, ENOENT)) {
+    it.failed = true;
+    it.outcome = key_outcome::not_found;  // removed behind our back: forget it
+    it.drop = true;
+    return;
+  }
+  fail_load(it, ec);
 }
 
 inline void disk_backend::fail_load(load_item& it, const error_code& ec) {

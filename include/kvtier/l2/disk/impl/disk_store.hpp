@@ -1,6 +1,6 @@
 #pragma once
-// The store path of l2::disk_backend (declarations and documentation: kvtier/l2/disk/disk_backend.hpp,
-// FORMAT, CAPACITY, FAILURES): per batch: plan and reserve room (evicting), create the
+// The store path of l2::disk_backend (declarations: kvtier/l2/disk/disk_backend.hpp; docs/l2-disk.md,
+// "Writing an object"): per batch: plan and reserve room (evicting), create the
 // temporary files, write every part of every key through one queue (io::async_run_parts),
 // commit (fdatasync, rename into place), clean up what did not commit, fsync the touched
 // directories, trim back under the watermark.
@@ -81,6 +81,15 @@ struct disk_backend::store_plan {
   [[nodiscard]] std::tuple<error_code> result(const io::parts_outcome&) const noexcept { return {}; }
 };
 
+/// What step 6 of a store collects while it closes the files: the temporary files to remove
+/// (with the room each takes), the shard directories a rename touched, the keys that timed out.
+struct disk_backend::store_leftovers {
+  std::vector<detail::temp_name> temps;
+  std::vector<std::uint64_t> temp_bytes;
+  std::bitset<detail::disk_shard_count> dirty;
+  std::size_t timeouts = 0;
+};
+
 inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_impl(
     std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, deadline d) {
   namespace asio = boost::asio;
@@ -89,37 +98,8 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
   batch_result r(keys.size(), key_outcome::timeout);
 
   // 1. Plan: skip what exists, reserve room (choosing victims), mark the rest `writing`.
-  std::vector<store_item> items;
   std::vector<detail::disk_victim> victims;
-  items.reserve(keys.size());
-  {
-    std::lock_guard g(mutex_);
-    for (std::size_t i = 0; i < keys.size(); ++i) {
-      if (const auto* e = index_.find(keys[i])) {
-        // Being removed, or a bad file that could not be deleted: refuse rather than race the
-        // unlink or claim an object we would never serve.
-        r.outcomes[i] = e->state == detail::entry_state::removing || e->state == detail::entry_state::stuck
-                            ? key_outcome::rejected
-                            : key_outcome::exists;
-        continue;
-      }
-      const std::uint64_t need = detail::object_file_bytes(sources[i].size());
-      auto room = index_.make_room(need, options_.capacity_bytes, options_.high_watermark, options_.low_watermark);
-      if (!room) {
-        r.outcomes[i] = key_outcome::no_space;
-        continue;
-      }
-      victims.insert(victims.end(), room->begin(), room->end());
-      store_item it;
-      it.key = keys[i];
-      it.src = sources[i];
-      it.generation = next_generation_++;
-      it.index = i;
-      it.temp = detail::temp_name_of(it.key, next_temp_++);
-      index_.begin_write(it.key, it.src.size(), need, it.generation);
-      items.push_back(it);
-    }
-  }
+  std::vector<store_item> items = plan_store(keys, sources, r, victims);
   if (!victims.empty()) co_await evict(std::move(victims));
   if (items.empty()) co_return batch_tuple{error_code{}, r};
 
@@ -128,20 +108,7 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
   //    writes are in flight).
   aligned_buffer blocks(items.size() * 2 * detail::disk_block_bytes);
   std::vector<hash_state> hashes(items.size());
-  std::vector<part> parts;
-  for (std::size_t j = 0; j < items.size(); ++j) {
-    store_item& it = items[j];
-    const auto item = static_cast<std::uint32_t>(j);
-    const std::size_t first = parts.size();
-    prepare_item(it, item, it.src.data(), it.src.size(), blocks.data(), hashes[j]);
-    if (const std::size_t rest = it.src.size() - it.aligned_bytes; rest > 0) {
-      std::memcpy(it.tail, it.src.data() + it.aligned_bytes, rest);
-      std::memset(it.tail + rest, 0, detail::disk_block_bytes - rest);
-    }
-    add_payload_parts(parts, it, item, it.src.size());
-    parts.push_back({item, part_kind::header, false, 0, detail::disk_block_bytes});
-    it.parts_left = static_cast<unsigned>(parts.size() - first);
-  }
+  const std::vector<part> parts = store_parts(items, blocks.data(), hashes);
 
   fan_state fs;
   // 3. Create the temporary files (and allocate their blocks).
@@ -149,18 +116,10 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
     store_item& it = items[j];
     const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (it.direct ? O_DIRECT : 0);
     auto [ec, fd] = co_await file_io_->async_openat(tmp_fd_, it.temp.c_str(), flags, 0600, f.bind(lane));
-    if (ec) {
+    if (ec)
       fail_store(it, ec);
-      co_return;
-    }
-    it.fd = fd;
-    it.created = true;
-    // No io_uring opcode here for fallocate in file_io; the syscall only reserves extents
-    // (tens of microseconds on ext4), and shows ENOSPC before any byte is written.
-    if (options_.preallocate &&
-        ::fallocate(fd, 0, 0, static_cast<off_t>(detail::object_file_bytes(it.src.size()))) != 0 &&
-        errno != EOPNOTSUPP && errno != ENOSYS)
-      fail_store(it, detail::last_errno());
+    else
+      adopt_temp_file(it, fd);
   };
   co_await fan_out(fs, items.size(), 64, d, open_body);
 
@@ -177,57 +136,132 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
   co_await fan_out(fs, items.size(), 64, d, commit_body);
 
   // 6. Close; remove the temporary files of keys that did not commit; release their room.
-  std::vector<detail::temp_name> temps;
-  std::vector<std::uint64_t> temp_bytes;
-  std::bitset<detail::disk_shard_count> dirty;
-  std::size_t timeouts = 0;
-  for (auto& it : items) {
-    if (it.fd >= 0) ::close(it.fd);
-    if (it.committed) dirty.set(detail::shard_of(it.key));
-    else if (it.created) {
-      temps.push_back(it.temp);
-      temp_bytes.push_back(detail::object_file_bytes(it.src.size()));
-    }
-    if (it.outcome == key_outcome::timeout) ++timeouts;
-    r.outcomes[it.index] = it.outcome;
-  }
+  store_leftovers left = close_stored(items, r);
   std::vector<error_code> temp_errors;
-  if (!temps.empty()) temp_errors = co_await unlink_all(tmp_fd_, std::move(temps));
-  {
-    std::lock_guard g(mutex_);
-    for (const auto& it : items)
-      if (!it.committed) index_.abort_write(it.key, it.generation);
-    // A temporary file that could not be deleted still takes room: counted until the next
-    // start-up's scan deletes it.
-    for (std::size_t i = 0; i < temp_errors.size(); ++i)
-      if (temp_errors[i]) index_.keep_stray(temp_bytes[i]);
-  }
+  if (!left.temps.empty()) temp_errors = co_await unlink_all(tmp_fd_, std::move(left.temps));
+  release_uncommitted(items, temp_errors, left.temp_bytes);
 
   // 7. Durability of the renames: one fsync per touched shard directory, for the batch.
-  if (options_.sync == disk_sync::data && dirty.any()) {
-    std::vector<int> dirs;
-    for (unsigned s = 0; s < detail::disk_shard_count; ++s)
-      if (dirty.test(s)) dirs.push_back(shard_fds_[s]);
-    fan_state sync_fs;
-    sync_fs.stoppable = false;
-    auto sync_body = [this, &dirs](std::size_t i, fan_state&, unsigned) -> asio::awaitable<void> {
-      auto [ec] = co_await file_io_->async_fsync(dirs[i], asio::as_tuple(asio::use_awaitable));
-      (void)ec;  // the objects are committed and verified on load; only durability is at stake
-    };
-    co_await fan_out(sync_fs, dirs.size(), 16, deadline::max(), sync_body);
-  }
+  if (options_.sync == disk_sync::data && left.dirty.any()) co_await sync_shards(left.dirty);
 
   // 8. st_blocks may exceed the estimate (extent blocks): trim back under the watermark.
-  std::optional<std::vector<detail::disk_victim>> trim;
-  {
-    std::lock_guard g(mutex_);
-    if (static_cast<double>(index_.bytes_used()) >
-        options_.high_watermark * static_cast<double>(options_.capacity_bytes))
-      trim = index_.make_room(0, options_.capacity_bytes, options_.high_watermark, options_.low_watermark);
-  }
-  if (trim && !trim->empty()) co_await evict(std::move(*trim));
+  if (auto trim = trim_victims(); trim && !trim->empty()) co_await evict(std::move(*trim));
 
-  co_return finish_batch(fs, disk_stats::store, timeouts, std::move(r));
+  co_return finish_batch(fs, disk_stats::store, left.timeouts, std::move(r));
+}
+
+inline std::vector<disk_backend::store_item> disk_backend::plan_store(
+    std::span<const chunk_key> keys, std::span<const std::span<const std::byte>> sources, batch_result& r,
+    std::vector<detail::disk_victim>& victims) {
+  std::vector<store_item> items;
+  items.reserve(keys.size());
+  std::lock_guard g(mutex_);
+  for (std::size_t i = 0; i < keys.size(); ++i) {
+    if (const auto* e = index_.find(keys[i])) {
+      // Being removed, or a bad file that could not be deleted: refuse rather than race the
+      // unlink or claim an object we would never serve.
+      r.outcomes[i] = e->state == detail::entry_state::removing || e->state == detail::entry_state::stuck
+                          ? key_outcome::rejected
+                          : key_outcome::exists;
+      continue;
+    }
+    const std::uint64_t need = detail::object_file_bytes(sources[i].size());
+    auto room = index_.make_room(need, options_.capacity_bytes, options_.high_watermark, options_.low_watermark);
+    if (!room) {
+      r.outcomes[i] = key_outcome::no_space;
+      continue;
+    }
+    victims.insert(victims.end(), room->begin(), room->end());
+    store_item it;
+    it.key = keys[i];
+    it.src = sources[i];
+    it.generation = next_generation_++;
+    it.index = i;
+    it.temp = detail::temp_name_of(it.key, next_temp_++);
+    index_.begin_write(it.key, it.src.size(), need, it.generation);
+    items.push_back(it);
+  }
+  return items;
+}
+
+inline std::vector<disk_backend::part> disk_backend::store_parts(std::vector<store_item>& items, std::byte* blocks,
+                                                                 std::vector<hash_state>& hashes) {
+  std::vector<part> parts;
+  for (std::size_t j = 0; j < items.size(); ++j) {
+    store_item& it = items[j];
+    const auto item = static_cast<std::uint32_t>(j);
+    const std::size_t first = parts.size();
+    prepare_item(it, item, it.src.data(), it.src.size(), blocks, hashes[j]);
+    if (const std::size_t rest = it.src.size() - it.aligned_bytes; rest > 0) {
+      std::memcpy(it.tail, it.src.data() + it.aligned_bytes, rest);
+      std::memset(it.tail + rest, 0, detail::disk_block_bytes - rest);
+    }
+    add_payload_parts(parts, it, item, it.src.size());
+    parts.push_back({item, part_kind::header, false, 0, detail::disk_block_bytes});
+    it.parts_left = static_cast<unsigned>(parts.size() - first);
+  }
+  return parts;
+}
+
+inline void disk_backend::adopt_temp_file(store_item& it, int fd) {
+  it.fd = fd;
+  it.created = true;
+  // No io_uring opcode here for fallocate in file_io; the syscall only reserves extents
+  // (tens of microseconds on ext4), and shows ENOSPC before any byte is written.
+  if (options_.preallocate &&
+      ::fallocate(fd, 0, 0, static_cast<off_t>(detail::object_file_bytes(it.src.size()))) != 0 && errno != EOPNOTSUPP &&
+      errno != ENOSYS)
+    fail_store(it, detail::last_errno());
+}
+
+inline disk_backend::store_leftovers disk_backend::close_stored(std::vector<store_item>& items, batch_result& r) {
+  store_leftovers left;
+  for (auto& it : items) {
+    if (it.fd >= 0) ::close(it.fd);
+    if (it.committed)
+      left.dirty.set(detail::shard_of(it.key));
+    else if (it.created) {
+      left.temps.push_back(it.temp);
+      left.temp_bytes.push_back(detail::object_file_bytes(it.src.size()));
+    }
+    if (it.outcome == key_outcome::timeout) ++left.timeouts;
+    r.outcomes[it.index] = it.outcome;
+  }
+  return left;
+}
+
+inline void disk_backend::release_uncommitted(const std::vector<store_item>& items,
+                                              const std::vector<error_code>& temp_errors,
+                                              const std::vector<std::uint64_t>& temp_bytes) {
+  std::lock_guard g(mutex_);
+  for (const auto& it : items)
+    if (!it.committed) index_.abort_write(it.key, it.generation);
+  // A temporary file that could not be deleted still takes room: counted until the next
+  // start-up's scan deletes it.
+  for (std::size_t i = 0; i < temp_errors.size(); ++i)
+    if (temp_errors[i]) index_.keep_stray(temp_bytes[i]);
+}
+
+inline boost::asio::awaitable<void> disk_backend::sync_shards(std::bitset<detail::disk_shard_count> dirty) {
+  namespace asio = boost::asio;
+  std::vector<int> dirs;
+  for (unsigned s = 0; s < detail::disk_shard_count; ++s)
+    if (dirty.test(s)) dirs.push_back(shard_fds_[s]);
+  fan_state sync_fs;
+  sync_fs.stoppable = false;
+  auto sync_body = [this, &dirs](std::size_t i, fan_state&, unsigned) -> asio::awaitable<void> {
+    auto [ec] = co_await file_io_->async_fsync(dirs[i], asio::as_tuple(asio::use_awaitable));
+    (void)ec;  // the objects are committed and verified on load; only durability is at stake
+  };
+  co_await fan_out(sync_fs, dirs.size(), 16, deadline::max(), sync_body);
+}
+
+inline std::optional<std::vector<detail::disk_victim>> disk_backend::trim_victims() {
+  std::lock_guard g(mutex_);
+  if (static_cast<double>(index_.bytes_used()) <=
+      options_.high_watermark * static_cast<double>(options_.capacity_bytes))
+    return std::nullopt;
+  return index_.make_room(0, options_.capacity_bytes, options_.high_watermark, options_.low_watermark);
 }
 
 inline void disk_backend::fail_store(store_item& it, const error_code& ec) {

@@ -1,32 +1,9 @@
 #pragma once
-// redis_link: one TCP connection to one Redis node, pipelined. Requests are written in
-// order, as many at once as are queued (one writev of up to 64 buffers per system call);
-// replies are matched to requests in order (RESP answers in order on a connection).
-//
-// Two kinds of replies:
-//   generic  parsed by a hiredis redisReader (EXISTS, SET, DEL, INFO, CLUSTER SLOTS, AUTH...).
-//   object   the reply of a GET of one stored object. Its first line is read here ("$<n>",
-//            "$-1", or an error line); then the 72-byte object header is read and checked
-//            (magic, header checksum, the key asked for, length) and, only when it is good
-//            and the payload has exactly the size of the caller's buffer, the payload is
-//            read from the socket straight into that buffer (an L1 slot): no copy through
-//            hiredis's buffer and no reply object, where hiredis's own reader would copy a
-//            3 MiB value twice and read it 16 KiB per system call. The payload checksum is
-//            verified before the reply is reported ok. Anything else is read and dropped.
-// hiredis parses every other byte; the link hands it exactly the bytes of generic replies
-// (redis_reader::unconsumed() gives back what follows a generic reply).
-//
-// Threading: everything runs on the link's executor (the backend's strand); no call blocks.
-// Lifetime: the link's coroutines hold a shared_ptr to it; the owner (the backend's node
-// pool) is called back through a raw pointer that the owner clears (detach_owner) before it
-// goes away.
-//
-// Caller buffers (a SET's value, a GET's destination) are referenced, never copied. abandon()
-// detaches a request whose operation gives up (deadline, cancellation): a queued request is
-// dropped unsent; a reply not yet begun is read and discarded when it comes; a request
-// whose caller buffer is being written or read right now closes the connection, which
-// (epoll reactor: close() deregisters the descriptor under the lock that I/O is performed
-// under) guarantees that nothing touches the buffer once abandon() returns.
+// redis_link: one TCP connection to one Redis node, pipelined: requests written in order,
+// replies matched in order; generic replies parsed by hiredis, a GET's object payload read
+// from the socket straight into the caller's buffer once its header was checked; abandon()
+// for a request whose operation gives up. docs/l2-redis.md, "One connection", holds the
+// rules, the buffer guarantee, threads and lifetime.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/chunk_key.hpp>
@@ -103,7 +80,7 @@ class redis_link final : public std::enable_shared_from_this<redis_link>, privat
     return p;
   }
 
-  /// Detaches a request from its sink (see the header comment). May close the connection.
+  /// Detaches a request from its sink (docs/l2-redis.md, "One connection"). May close the connection.
   void abandon(redis_request* r) {
     auto it = std::find_if(fifo_.begin(), fifo_.end(), [r](const auto& p) { return p.get() == r; });
     if (it == fifo_.end()) return;
@@ -433,107 +410,134 @@ class redis_link final : public std::enable_shared_from_this<redis_link>, privat
     redis_reply_event::status verdict = redis_reply_event::status::object_corrupt;
   };
 
-  // Advances the object reply at the head; `delivered` once it went to its sink.
+  // Advances the object reply at the head; `delivered` once it went to its sink. Each phase
+  // answers a step to return, or nullopt when it moved to the next phase.
   step parse_object(redis_request& r) {
-    using status = redis_reply_event::status;
     for (;;) {
+      std::optional<step> s;
       switch (obj_.phase) {
-        case object_phase::line: {
-          std::string line;
-          if (!take_line(line)) return step::need_more;
-          if (!line.empty() && line[0] == '-') {
-            redis_reply_event e;
-            e.st = status::error;
-            e.text = line.substr(1);
-            deliver(std::move(e));
-            return step::delivered;
-          }
-          if (line == "$-1") {
-            redis_reply_event e;
-            e.st = status::object_nil;
-            deliver(std::move(e));
-            return step::delivered;
-          }
-          const auto n =
-              line.size() > 1 && line[0] == '$' ? redis_parse_uint(std::string_view(line).substr(1)) : std::nullopt;
-          if (!n) {
-            fatal_ = "unexpected reply to GET: " + line.substr(0, 32);
-            return step::fatal;
-          }
-          obj_.value_bytes = *n;
-          if (*n < object_header_bytes) {
-            obj_.verdict = status::object_corrupt;
-            obj_.discard_left = *n;
-            obj_.phase = object_phase::discard;
-          } else {
-            obj_.phase = object_phase::header;
-          }
+        case object_phase::line:
+          s = parse_object_line();
           break;
-        }
-        case object_phase::header: {
-          const auto b = buffered();
-          const std::size_t take = std::min(b.size(), object_header_bytes - obj_.header_got);
-          std::memcpy(obj_.header.data() + obj_.header_got, b.data(), take);
-          obj_.header_got += take;
-          rbegin_ += take;
-          if (obj_.header_got < object_header_bytes) return step::need_more;
-          const std::uint64_t payload = obj_.value_bytes - object_header_bytes;
-          const auto h = decode_header(obj_.header);
-          if (!h || h->key != r.expect || h->payload_bytes != payload) {
-            obj_.verdict = status::object_corrupt;  // torn, foreign or another key's object
-          } else if (r.dst.empty() || payload != r.dst.size()) {
-            obj_.verdict = status::object_size;  // (or abandoned: nobody reads the verdict)
-          } else {
-            obj_.verdict = status::object_ok;
-            obj_.payload_checksum = h->payload_checksum;
-            obj_.phase = object_phase::payload;
-            break;
-          }
-          obj_.discard_left = payload;
-          obj_.phase = object_phase::discard;
+        case object_phase::header:
+          s = parse_object_header(r);
           break;
-        }
-        case object_phase::payload: {
-          if (r.dst.empty()) {  // abandoned between two reads: drop the rest
-            obj_.discard_left = obj_.value_bytes - object_header_bytes - obj_.done;
-            obj_.phase = object_phase::discard;
-            break;
-          }
-          const auto b = buffered();
-          const std::size_t take = std::min(b.size(), r.dst.size() - obj_.done);
-          std::memcpy(r.dst.data() + obj_.done, b.data(), take);
-          obj_.done += take;
-          rbegin_ += take;
-          if (obj_.done < r.dst.size()) return step::direct;
-          obj_.phase = object_phase::crlf;
+        case object_phase::payload:
+          s = take_object_payload(r);
           break;
-        }
-        case object_phase::discard: {
-          const auto b = buffered();
-          const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(b.size(), obj_.discard_left));
-          obj_.discard_left -= take;
-          rbegin_ += take;
-          if (obj_.discard_left > 0) return step::need_more;
-          obj_.phase = object_phase::crlf;
+        case object_phase::discard:
+          s = discard_object_bytes();
           break;
-        }
-        case object_phase::crlf: {
-          const auto b = buffered();
-          if (b.size() < 2) return step::need_more;
-          if (b[0] != '\r' || b[1] != '\n') {
-            fatal_ = "bulk reply not terminated by CRLF";
-            return step::fatal;
-          }
-          rbegin_ += 2;
-          redis_reply_event e;
-          e.st = obj_.verdict;
-          if (e.st == status::object_ok && payload_checksum(r.dst) != obj_.payload_checksum)
-            e.st = status::object_corrupt;
-          deliver(std::move(e));
-          return step::delivered;
-        }
+        case object_phase::crlf:
+          return finish_object(r);
       }
+      if (s) return *s;
     }
+  }
+
+  // The bulk string's length line: an error, nil, or the value's length.
+  std::optional<step> parse_object_line() {
+    using status = redis_reply_event::status;
+    std::string line;
+    if (!take_line(line)) return step::need_more;
+    if (!line.empty() && line[0] == '-') {
+      redis_reply_event e;
+      e.st = status::error;
+      e.text = line.substr(1);
+      deliver(std::move(e));
+      return step::delivered;
+    }
+    if (line == "$-1") {
+      redis_reply_event e;
+      e.st = status::object_nil;
+      deliver(std::move(e));
+      return step::delivered;
+    }
+    const auto n =
+        line.size() > 1 && line[0] == '$' ? redis_parse_uint(std::string_view(line).substr(1)) : std::nullopt;
+    if (!n) {
+      fatal_ = "unexpected reply to GET: " + line.substr(0, 32);
+      return step::fatal;
+    }
+    obj_.value_bytes = *n;
+    if (*n < object_header_bytes) {
+      obj_.verdict = status::object_corrupt;
+      obj_.discard_left = *n;
+      obj_.phase = object_phase::discard;
+    } else {
+      obj_.phase = object_phase::header;
+    }
+    return std::nullopt;
+  }
+
+  // The object's header: its payload goes to r.dst when it names r's key and fits, else is discarded.
+  std::optional<step> parse_object_header(const redis_request& r) {
+    using status = redis_reply_event::status;
+    const auto b = buffered();
+    const std::size_t take = std::min(b.size(), object_header_bytes - obj_.header_got);
+    std::memcpy(obj_.header.data() + obj_.header_got, b.data(), take);
+    obj_.header_got += take;
+    rbegin_ += take;
+    if (obj_.header_got < object_header_bytes) return step::need_more;
+    const std::uint64_t payload = obj_.value_bytes - object_header_bytes;
+    const auto h = decode_header(obj_.header);
+    if (!h || h->key != r.expect || h->payload_bytes != payload) {
+      obj_.verdict = status::object_corrupt;  // torn, foreign or another key's object
+    } else if (r.dst.empty() || payload != r.dst.size()) {
+      obj_.verdict = status::object_size;  // (or abandoned: nobody reads the verdict)
+    } else {
+      obj_.verdict = status::object_ok;
+      obj_.payload_checksum = h->payload_checksum;
+      obj_.phase = object_phase::payload;
+      return std::nullopt;
+    }
+    obj_.discard_left = payload;
+    obj_.phase = object_phase::discard;
+    return std::nullopt;
+  }
+
+  // The payload, copied into r.dst as it arrives (`direct`: the rest can be read straight there).
+  std::optional<step> take_object_payload(const redis_request& r) {
+    if (r.dst.empty()) {  // abandoned between two reads: drop the rest
+      obj_.discard_left = obj_.value_bytes - object_header_bytes - obj_.done;
+      obj_.phase = object_phase::discard;
+      return std::nullopt;
+    }
+    const auto b = buffered();
+    const std::size_t take = std::min(b.size(), r.dst.size() - obj_.done);
+    std::memcpy(r.dst.data() + obj_.done, b.data(), take);
+    obj_.done += take;
+    rbegin_ += take;
+    if (obj_.done < r.dst.size()) return step::direct;
+    obj_.phase = object_phase::crlf;
+    return std::nullopt;
+  }
+
+  std::optional<step> discard_object_bytes() {
+    const auto b = buffered();
+    const std::size_t take = static_cast<std::size_t>(std::min<std::uint64_t>(b.size(), obj_.discard_left));
+    obj_.discard_left -= take;
+    rbegin_ += take;
+    if (obj_.discard_left > 0) return step::need_more;
+    obj_.phase = object_phase::crlf;
+    return std::nullopt;
+  }
+
+  // The CRLF after the value; delivers the verdict (the payload's checksum checked last).
+  step finish_object(const redis_request& r) {
+    using status = redis_reply_event::status;
+    const auto b = buffered();
+    if (b.size() < 2) return step::need_more;
+    if (b[0] != '\r' || b[1] != '\n') {
+      fatal_ = "bulk reply not terminated by CRLF";
+      return step::fatal;
+    }
+    rbegin_ += 2;
+    redis_reply_event e;
+    e.st = obj_.verdict;
+    if (e.st == status::object_ok && payload_checksum(r.dst) != obj_.payload_checksum) e.st = status::object_corrupt;
+    deliver(std::move(e));
+    return step::delivered;
   }
 
   boost::asio::any_io_executor ex_;

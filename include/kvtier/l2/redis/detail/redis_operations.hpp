@@ -296,6 +296,43 @@ inline boost::asio::awaitable<redis_batch_tuple> redis_remove(std::shared_ptr<re
   return p;
 }
 
+/// The error of a listing that failed at item `it` (`what`: the command), reported as the
+/// other operations report theirs.
+inline error_code redis_list_failure(redis_client& c, const redis_batch::item& it, std::string_view what) {
+  redis_outcome_tally tally;
+  if (it.done && it.result.st == redis_reply_event::status::reply) {
+    ++tally.server;
+    tally.last_error = std::string(what) + ": unexpected reply";
+  } else {
+    (void)redis_failure_outcome(it, tally);
+  }
+  redis_report_tally(c, tally, "list");
+  return make_error_code(tally.unavailable > 0 ? errc::backend_unavailable : errc::io_error);
+}
+
+/// The reply to a SCAN, or null when it is not [cursor, [names...]].
+inline const redisReply* redis_scan_reply(const redis_batch::item& it) {
+  const redisReply* r = it.done && it.result.st == redis_reply_event::status::reply ? it.result.reply.get() : nullptr;
+  if (r == nullptr || r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_STRING ||
+      r->element[1]->type != REDIS_REPLY_ARRAY)
+    return nullptr;
+  return r;
+}
+
+/// Appends the objects of a SCAN page that the filter accepts and that were not seen before.
+inline void redis_collect_page(redis_client& c, const redisReply& page, const key_filter& filter,
+                               std::unordered_set<chunk_key, chunk_key_hash>& seen, std::vector<chunk_key>& keys,
+                               std::vector<std::string>& names) {
+  for (std::size_t i = 0; i < page.elements; ++i) {
+    if (page.element[i]->type != REDIS_REPLY_STRING) continue;
+    const std::string_view name = redis_reply_text(*page.element[i]);
+    const auto k = c.parse_key(name);
+    if (!k || (filter && !filter(*k)) || !seen.insert(*k).second) continue;
+    keys.push_back(*k);
+    names.emplace_back(name);
+  }
+}
+
 /// SCAN ... MATCH <prefix>:* COUNT 1000 on every node of the keyspace until its cursor comes
 /// back to 0, keeping the keys of objects (parse_key) the filter accepts; then STRLEN per key
 /// (the value's bytes, header included), pipelined 1024 at a time. A key gone before its
@@ -313,17 +350,6 @@ inline boost::asio::awaitable<redis_list_tuple> redis_list(std::shared_ptr<redis
   std::vector<chunk_key> keys;
   std::vector<std::string> names;
   std::unordered_set<chunk_key, chunk_key_hash> seen;  // SCAN may return a key twice
-  redis_outcome_tally tally;
-  auto failed = [&](const redis_batch::item& it, std::string_view what) {
-    if (it.done && it.result.st == redis_reply_event::status::reply) {
-      ++tally.server;
-      tally.last_error = std::string(what) + ": unexpected reply";
-    } else {
-      (void)redis_failure_outcome(it, tally);
-    }
-    redis_report_tally(c, tally, "list");
-    return make_error_code(tally.unavailable > 0 ? errc::backend_unavailable : errc::io_error);
-  };
   for (redis_node* n : nodes) {
     std::string cursor = "0";
     do {
@@ -333,20 +359,10 @@ inline boost::asio::awaitable<redis_list_tuple> redis_list(std::shared_ptr<redis
       scan.args = {"SCAN", cursor, "MATCH", pattern, "COUNT", "1000"};
       if (const error_code ec = co_await b.run()) co_return redis_list_tuple{redis_batch_error(ec), {}};
       const auto& it = b.items().front();
-      const redisReply* r = it.done && it.result.st == redis_reply_event::status::reply ? it.result.reply.get() : nullptr;
-      if (r == nullptr || r->type != REDIS_REPLY_ARRAY || r->elements != 2 || r->element[0]->type != REDIS_REPLY_STRING ||
-          r->element[1]->type != REDIS_REPLY_ARRAY)
-        co_return redis_list_tuple{failed(it, "SCAN on " + n->name), {}};
+      const redisReply* r = redis_scan_reply(it);
+      if (r == nullptr) co_return redis_list_tuple{redis_list_failure(c, it, "SCAN on " + n->name), {}};
       cursor = std::string(redis_reply_text(*r->element[0]));
-      const redisReply& page = *r->element[1];
-      for (std::size_t i = 0; i < page.elements; ++i) {
-        if (page.element[i]->type != REDIS_REPLY_STRING) continue;
-        const std::string_view name = redis_reply_text(*page.element[i]);
-        const auto k = c.parse_key(name);
-        if (!k || (filter && !filter(*k)) || !seen.insert(*k).second) continue;
-        keys.push_back(*k);
-        names.emplace_back(name);
-      }
+      redis_collect_page(c, *r->element[1], filter, seen, keys, names);
     } while (cursor != "0");
   }
   constexpr std::size_t per_batch = 1024;
@@ -363,7 +379,7 @@ inline boost::asio::awaitable<redis_list_tuple> redis_list(std::shared_ptr<redis
       const auto& it = b.items()[j];
       if (!it.done || it.result.st != redis_reply_event::status::reply ||
           it.result.reply->type != REDIS_REPLY_INTEGER)
-        co_return redis_list_tuple{failed(it, "STRLEN"), {}};
+        co_return redis_list_tuple{redis_list_failure(c, it, "STRLEN"), {}};
       if (it.result.reply->integer > 0)
         out.push_back({keys[first + j], static_cast<std::uint64_t>(it.result.reply->integer)});
     }
