@@ -99,7 +99,7 @@ class copy_engine {
                                           const copy_engine_options& options, std::error_code& ec) {
     ec.clear();
     copy_engine c;
-    if ((ec = detail::validate_cache(cache, chunk))) return c;
+    if ((ec = ::kvtier::detail::validate_cache(cache, chunk))) return c;
     c.cache_ = cache;
     c.chunk_ = chunk;
     c.mode_ = options.mode;

@@ -9,7 +9,7 @@
 //   paged_kv_view                layout + that table (the device twin of kvtier::paged_kv_view)
 //   gather_chunk / gather_chunks    paged KV -> chunk object(s), on a stream
 //   scatter_chunk / scatter_chunks  chunk object(s) -> paged KV, on a stream
-//   check_transfer               the host-side checks alone
+//   check_transfer               the host-side checks alone (core/kv_transfer.hpp's)
 //
 // Layouts, skip_tokens and the error codes are those of core/kv_transfer.hpp (read its header
 // comment): every call validates all its arguments on the host and returns the same
@@ -82,6 +82,12 @@ struct layer_table_view {
   /// The largest power of two <= 16 that divides every layer base address: the launcher
   /// picks its vector width from it.
   std::uint32_t alignment = 16;
+
+  /// What the host-side checks (core/kv_transfer.hpp's detail::validate_cache) ask of the
+  /// layer pointers: how many, and whether one is null. The entries were checked when the
+  /// table was uploaded (layer_table::upload), so only an absent table is.
+  friend std::size_t layer_pointer_count(const layer_table_view& t) noexcept { return t.size; }
+  friend bool has_null_layer(const layer_table_view& t) noexcept { return t.device_data == nullptr; }
 };
 
 /// The device twin of kvtier::paged_kv_view: the layout plus the device table of layer bases.
@@ -417,18 +423,6 @@ struct no_id_set {
   bool insert(std::uint32_t) noexcept { return true; }
 };
 
-/// The checks common to every item (validate_cache of the CPU path, with the table checked
-/// for presence: its entries were checked when it was uploaded).
-[[nodiscard]] inline std::error_code validate_cache(const paged_kv_view& cache, const chunk_layout& chunk) noexcept {
-  if (!cache.layout.validation_error().empty() || !chunk.validation_error().empty())
-    return transfer_errc::invalid_layout;
-  if (!(chunk.model == cache.layout.model) || chunk.chunk_tokens % cache.layout.block_size != 0)
-    return transfer_errc::layout_mismatch;
-  if (cache.layers.size != cache.layout.model.num_layers) return transfer_errc::layer_count;
-  if (cache.layers.device_data == nullptr) return transfer_errc::null_pointer;
-  return {};
-}
-
 /// Packs validated items into parameter blocks and calls launch(params, vector_bytes) for
 /// each full one, in order; stops at the first launch that fails. The library passes a
 /// launcher that enqueues copy_segments_kernel; tests pass one that replays the launch on the
@@ -530,15 +524,10 @@ template <bool Gather, class Item>
 
 }  // namespace detail
 
-/// Checks a gather or scatter of one chunk without enqueuing: the codes gather_chunk and
-/// scatter_chunk would return.
-[[nodiscard]] inline std::error_code check_transfer(const paged_kv_view& cache,
-                                                    std::span<const std::uint32_t> block_ids,
-                                                    const chunk_layout& chunk, const std::byte* object,
-                                                    std::uint32_t skip_tokens = 0) noexcept {
-  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
-  return ::kvtier::detail::validate_item(cache.layout, chunk, block_ids, object, skip_tokens);
-}
+/// check_transfer(cache, block_ids, chunk, object, skip_tokens): checks a gather or scatter
+/// of one chunk without enqueuing, the codes gather_chunk and scatter_chunk would return.
+/// The CPU path's function (core/kv_transfer.hpp), which reads this paged_kv_view too.
+using ::kvtier::check_transfer;
 
 /// Enqueues on `stream` the copy of the chunk made of `block_ids` (chunk order) from the
 /// paged cache into `object`, but its first skip_tokens tokens (left untouched).
@@ -573,10 +562,7 @@ template <bool Gather, class Item>
                                                    std::span<const gather_item> items, transfer_options options = {},
                                                    cudaStream_t stream = nullptr) noexcept {
   (void)options;
-  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
-  for (const gather_item& it : items)
-    if (auto ec = ::kvtier::detail::validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens))
-      return ec;
+  if (auto ec = ::kvtier::detail::validate_batch(cache, chunk, items)) return ec;
   return detail::enqueue<true, gather_item>(cache, chunk, items, stream);
 }
 
@@ -587,10 +573,7 @@ template <bool Gather, class Item>
                                                     std::span<const scatter_item> items, transfer_options options = {},
                                                     cudaStream_t stream = nullptr) noexcept {
   (void)options;
-  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
-  for (const scatter_item& it : items)
-    if (auto ec = ::kvtier::detail::validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens))
-      return ec;
+  if (auto ec = ::kvtier::detail::validate_batch(cache, chunk, items)) return ec;
   return detail::enqueue<false, scatter_item>(cache, chunk, items, stream);
 }
 
