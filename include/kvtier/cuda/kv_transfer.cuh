@@ -171,7 +171,7 @@ class layer_table {
 namespace detail {
 
 /// Threads per CTA: 256 threads * 16 bytes = one 4 KiB segment (0.5B model shape) per pass.
-inline constexpr unsigned copy_threads = 256;
+inline constexpr unsigned threads_per_block = 256;
 /// Loads each thread issues before it stores.
 inline constexpr unsigned copy_unroll = 4;
 /// Capacity of one launch's parameter block (kept under the classic 4 KiB limit).
@@ -219,7 +219,7 @@ __device__ __forceinline__ void copy_bytes(std::byte* dst, const std::byte* src,
   Vec* d = reinterpret_cast<Vec*>(dst);
   const Vec* s = reinterpret_cast<const Vec*>(src);
   const std::uint64_t n = len / sizeof(Vec);
-  constexpr std::uint64_t stride = copy_threads;
+  constexpr std::uint64_t stride = threads_per_block;
   std::uint64_t i = threadIdx.x;
   for (; i + (copy_unroll - 1) * stride < n; i += copy_unroll * stride) {
     Vec v[copy_unroll];
@@ -333,7 +333,7 @@ template <class Vec>
 __device__ __forceinline__ void copy_pieces(const segment_copy& s) {
   const std::uint64_t per = s.len / sizeof(Vec);  // vectors of one piece
   const std::uint64_t n = per * s.rows * s.runs;
-  for (std::uint64_t i = threadIdx.x; i < n; i += copy_threads) {
+  for (std::uint64_t i = threadIdx.x; i < n; i += threads_per_block) {
     const std::uint64_t piece = i / per, v = i - piece * per;
     const std::uint64_t r = piece / s.rows, q = piece - r * s.rows;
     reinterpret_cast<Vec*>(s.dst + r * s.dst_stride + q * s.dst_row_stride)[v] =
@@ -344,10 +344,10 @@ __device__ __forceinline__ void copy_pieces(const segment_copy& s) {
 /// One CTA per block segment (locate_segment). A template, so that every translation unit
 /// may instantiate it (no -rdc needed).
 template <bool Gather, class Vec>
-__global__ void __launch_bounds__(copy_threads) copy_segments_kernel(const __grid_constant__ launch_params p) {
+__global__ void __launch_bounds__(threads_per_block) copy_segments_kernel(const __grid_constant__ launch_params p) {
   const segment_copy s = locate_segment<Gather>(p, blockIdx.x);
   if (!s.active) return;
-  if (s.rows == 1 && (s.runs == 1 || s.len >= copy_threads * sizeof(Vec))) {
+  if (s.rows == 1 && (s.runs == 1 || s.len >= threads_per_block * sizeof(Vec))) {
     // Whole segments, and runs long enough to keep every thread busy (HND's heads after a
     // skip): the unrolled copy, one run after the other.
     for (std::uint32_t r = 0; r < s.runs; ++r)
@@ -377,11 +377,11 @@ template <bool Gather>
   if (grid > 0x7fffffffu) return cudaErrorInvalidConfiguration;  // unreachable with the capacities above
   const dim3 g(static_cast<unsigned>(grid));
   switch (vec) {
-    case 16: copy_segments_kernel<Gather, uint4><<<g, copy_threads, 0, stream>>>(p); break;
-    case 8: copy_segments_kernel<Gather, uint2><<<g, copy_threads, 0, stream>>>(p); break;
-    case 4: copy_segments_kernel<Gather, unsigned><<<g, copy_threads, 0, stream>>>(p); break;
-    case 2: copy_segments_kernel<Gather, unsigned short><<<g, copy_threads, 0, stream>>>(p); break;
-    default: copy_segments_kernel<Gather, unsigned char><<<g, copy_threads, 0, stream>>>(p); break;
+    case 16: copy_segments_kernel<Gather, uint4><<<g, threads_per_block, 0, stream>>>(p); break;
+    case 8: copy_segments_kernel<Gather, uint2><<<g, threads_per_block, 0, stream>>>(p); break;
+    case 4: copy_segments_kernel<Gather, unsigned><<<g, threads_per_block, 0, stream>>>(p); break;
+    case 2: copy_segments_kernel<Gather, unsigned short><<<g, threads_per_block, 0, stream>>>(p); break;
+    default: copy_segments_kernel<Gather, unsigned char><<<g, threads_per_block, 0, stream>>>(p); break;
   }
   return cudaGetLastError();
 }
