@@ -283,6 +283,18 @@ inline void prefetch_page([[maybe_unused]] const void* p) noexcept {
 #endif
 }
 
+/// Prefetches the first `lines` cache lines of a paged segment (or run) at `at`: a gather's
+/// source (prefetch_read), a scatter's destination (prefetch_page).
+template <bool Gather>
+inline void prefetch_lines(const std::byte* at, std::size_t lines) noexcept {
+  for (std::size_t j = 0; j < lines; ++j) {
+    if constexpr (Gather)
+      prefetch_read(at + 64 * j);
+    else
+      prefetch_page(at + 64 * j);
+  }
+}
+
 /// Block segments a streaming transfer copies side by side (copy_kernel::streams). Measured
 /// on the dev VM against a streaming copy of the same bytes in 8 contiguous parts side by
 /// side (docs/performance.md), 32 KiB / 4 KiB segments: one at a time 0.86 / 0.63-0.76,
@@ -472,14 +484,7 @@ inline void copy_chunk_rows(const paged_kv_view& cache, std::span<const std::uin
     }
   };
   const std::size_t lines = plan.prefetch_lines;
-  auto prefetch = [lines](const std::byte* at) noexcept {
-    for (std::size_t j = 0; j < lines; ++j) {
-      if constexpr (Gather)
-        prefetch_read(at + 64 * j);
-      else
-        prefetch_page(at + 64 * j);
-    }
-  };
+  auto prefetch = [lines](const std::byte* at) noexcept { prefetch_lines<Gather>(at, lines); };
   ObjectByte* obj_layer = object;
   for (std::byte* layer : cache.layers) {
     if (planes_inside_blocks) {
@@ -550,14 +555,7 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
 
   // The prefetch of the first lines of a paged segment: never more lines than it has.
   const std::size_t lines = std::min(plan.prefetch_lines, (w.seg + 63) / 64);
-  auto prefetch = [lines](const std::byte* segment) noexcept {
-    for (std::size_t j = 0; j < lines; ++j) {
-      if constexpr (Gather)
-        prefetch_read(segment + 64 * j);
-      else
-        prefetch_page(segment + 64 * j);
-    }
-  };
+  auto prefetch = [lines](const std::byte* at) noexcept { prefetch_lines<Gather>(at, lines); };
   bool aligned = w.seg % 64 == 0;
   if constexpr (Gather) {
     aligned = aligned && reinterpret_cast<std::uintptr_t>(object) % 64 == 0;

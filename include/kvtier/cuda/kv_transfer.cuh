@@ -514,10 +514,12 @@ template <bool Gather, class Item, class Launch>
   return {};
 }
 
-/// pack() with the kernel launcher on `stream`.
+/// Validates every item (core/kv_transfer.hpp's checks), then pack() with the kernel
+/// launcher on `stream`: nothing is enqueued when an item is invalid.
 template <bool Gather, class Item>
 [[nodiscard]] inline std::error_code enqueue(const paged_kv_view& cache, const chunk_layout& chunk,
                                              std::span<const Item> items, cudaStream_t stream) noexcept {
+  if (auto ec = ::kvtier::detail::validate_batch(cache, chunk, items)) return ec;
   return pack<Gather>(cache, chunk, items,
                       [stream](const launch_params& p, unsigned vec) noexcept { return launch<Gather>(p, vec, stream); });
 }
@@ -537,7 +539,6 @@ using ::kvtier::check_transfer;
                                                   std::uint32_t skip_tokens = 0, transfer_options options = {},
                                                   cudaStream_t stream = nullptr) noexcept {
   (void)options;
-  if (auto ec = check_transfer(cache, block_ids, chunk, object, skip_tokens)) return ec;
   const gather_item item{block_ids, object, skip_tokens};
   return detail::enqueue<true, gather_item>(cache, chunk, {&item, 1}, stream);
 }
@@ -551,7 +552,6 @@ using ::kvtier::check_transfer;
                                                    std::uint32_t skip_tokens = 0, transfer_options options = {},
                                                    cudaStream_t stream = nullptr) noexcept {
   (void)options;
-  if (auto ec = check_transfer(cache, block_ids, chunk, object, skip_tokens)) return ec;
   const scatter_item item{block_ids, object, skip_tokens};
   return detail::enqueue<false, scatter_item>(cache, chunk, {&item, 1}, stream);
 }
@@ -562,7 +562,6 @@ using ::kvtier::check_transfer;
                                                    std::span<const gather_item> items, transfer_options options = {},
                                                    cudaStream_t stream = nullptr) noexcept {
   (void)options;
-  if (auto ec = ::kvtier::detail::validate_batch(cache, chunk, items)) return ec;
   return detail::enqueue<true, gather_item>(cache, chunk, items, stream);
 }
 
@@ -573,7 +572,6 @@ using ::kvtier::check_transfer;
                                                     std::span<const scatter_item> items, transfer_options options = {},
                                                     cudaStream_t stream = nullptr) noexcept {
   (void)options;
-  if (auto ec = ::kvtier::detail::validate_batch(cache, chunk, items)) return ec;
   return detail::enqueue<false, scatter_item>(cache, chunk, items, stream);
 }
 
