@@ -14,8 +14,9 @@ find_package(PkgConfig REQUIRED)
 #   OpenSSL's libcrypto  kvtier::engine  SHA-256 in core/token_hasher.hpp (engine/ includes it)
 #   liburing             kvtier::uring   io/, l2/disk/
 #   hiredis              kvtier::redis   l2/redis/
-# Where one is missing its target is not defined (our build) or its component is not found
-# (an installed kvtier: find_package(kvtier COMPONENTS engine uring redis) names the package).
+# Where one is missing its target is not defined (our build: kvtier_optional_target in
+# CMakeLists.txt) or its component is not found (an installed kvtier: find_package(kvtier
+# COMPONENTS engine uring redis) names the package).
 # KVTIER_REQUIRE_ENGINE_AND_URING (our build, when it builds its own programs, which link
 # kvtier::engine and kvtier::uring) makes the first two REQUIRED; hiredis stays optional.
 if(KVTIER_REQUIRE_ENGINE_AND_URING)

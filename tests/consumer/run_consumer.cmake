@@ -1,13 +1,13 @@
 # Builds and runs one consumer project (MODE = find_package | add_subdirectory) with one
-# program (PROGRAM = full | minimal, see program.cmake).
+# program (PROGRAM = full | minimal, see program.cmake); find_package uses the kvtier that
+# MODE = install put in PREFIX (the fixture of the tests that need it). MODE = examples
+# builds and runs the small examples a user copies (examples/custom_policy, custom_admission,
+# in_process), each from its own folder against that installed kvtier.
 #
 # PROGRAM=minimal is built as on a machine without OpenSSL's, liburing's and hiredis's
 # development packages: find_package(OpenSSL) is disabled, pkg-config finds nothing, and their
 # headers are shadowed by ones that stop the compile. The binary's NEEDED entries must then
 # name none of libcrypto, libssl, liburing and libhiredis.
-file(REMOVE_RECURSE ${WORK_DIR})
-file(MAKE_DIRECTORY ${WORK_DIR})
-
 function(run)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE out)
   if(NOT rc EQUAL 0)
@@ -16,8 +16,26 @@ function(run)
   set(last_output "${out}" PARENT_SCOPE)
 endfunction()
 
-set(_configure_args -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
-                    -DKVTIER_CONSUMER_PROGRAM=${PROGRAM})
+if(MODE STREQUAL "install")
+  file(REMOVE_RECURSE ${PREFIX})
+  run(${CMAKE_COMMAND} --install ${KVTIER_BINARY_DIR} --prefix ${PREFIX} --component Unspecified)
+  if(NOT EXISTS ${PREFIX}/include/kvtier/kvtier.hpp)
+    message(FATAL_ERROR "the install did not put the headers under ${PREFIX}/include")
+  endif()
+  return()
+endif()
+
+file(REMOVE_RECURSE ${WORK_DIR})
+file(MAKE_DIRECTORY ${WORK_DIR})
+
+# The examples unoptimized (no build type): they check what they do, and their compiles are
+# that test's time.
+if(MODE STREQUAL "examples")
+  set(_configure_args -G ${GENERATOR} -DCMAKE_BUILD_TYPE= -DCMAKE_CXX_COMPILER=${CXX_COMPILER})
+else()
+  set(_configure_args -G ${GENERATOR} -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
+                      -DKVTIER_CONSUMER_PROGRAM=${PROGRAM})
+endif()
 if(CXX_LAUNCHER)
   list(APPEND _configure_args -DCMAKE_CXX_COMPILER_LAUNCHER=${CXX_LAUNCHER})
 endif()
@@ -33,12 +51,20 @@ if(PROGRAM STREQUAL "minimal")
   set(_env ${CMAKE_COMMAND} -E env PKG_CONFIG_LIBDIR=${WORK_DIR}/no_pkgconfig PKG_CONFIG_PATH=)
 endif()
 
+if(MODE STREQUAL "examples")
+  foreach(example custom_policy custom_admission in_process)
+    set(_dir ${WORK_DIR}/${example})
+    run(${CMAKE_COMMAND} -S ${KVTIER_SOURCE_DIR}/examples/${example} -B ${_dir} ${_configure_args}
+        -DCMAKE_PREFIX_PATH=${PREFIX})
+    run(${CMAKE_COMMAND} --build ${_dir})
+    run(${_dir}/kvtier_example_${example})
+    message(STATUS "examples/${example} built against the installed kvtier and ran")
+  endforeach()
+  return()
+endif()
+
 if(MODE STREQUAL "find_package")
-  run(${CMAKE_COMMAND} --install ${KVTIER_BINARY_DIR} --prefix ${WORK_DIR}/prefix --component Unspecified)
-  if(NOT EXISTS ${WORK_DIR}/prefix/include/kvtier/kvtier.hpp)
-    message(FATAL_ERROR "the install did not put the headers under ${WORK_DIR}/prefix/include")
-  endif()
-  list(APPEND _configure_args -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix)
+  list(APPEND _configure_args -DCMAKE_PREFIX_PATH=${PREFIX})
 else()
   list(APPEND _configure_args -DKVTIER_SOURCE_DIR=${KVTIER_SOURCE_DIR})
 endif()

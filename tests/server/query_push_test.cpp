@@ -10,6 +10,7 @@
 
 #include "server/in_process_server.hpp"
 #include "server/server_fixtures.hpp"
+#include "support/stub_backend.hpp"
 
 #include <boost/asio/post.hpp>
 
@@ -24,83 +25,13 @@ using nlohmann::json;
 
 namespace {
 
-/// An L2 backend whose lookups complete (finding nothing) only when release() is called.
-/// Runs on the server's I/O thread; release() posts there.
-class held_lookup_backend {
+/// An L2 backend whose lookups complete (finding nothing: it holds no object) only when
+/// release_lookups() is called: the test stub holding its lookups. Runs on the server's I/O
+/// thread; release_lookups() posts there.
+class held_lookup_backend : public stub_backend {
  public:
-  using executor_type = boost::asio::any_io_executor;
-  using lookup_handler = boost::asio::any_completion_handler<void(error_code, bitmap)>;
-
-  explicit held_lookup_backend(executor_type ex) : ex_(std::move(ex)) {}
-
-  [[nodiscard]] std::string_view name() const { return "held"; }
-  [[nodiscard]] executor_type get_executor() const { return ex_; }
-  [[nodiscard]] l2::usage_info usage() const { return {}; }
-  [[nodiscard]] l2::health_info health() const { return {}; }
-  void unpin(std::span<const chunk_key>) {}
-
-  template <class Token>
-  auto async_lookup_and_pin(std::span<const chunk_key> keys, l2::deadline, Token&& token) {
-    return boost::asio::async_initiate<Token, void(error_code, bitmap)>(
-        [this, n = keys.size()](auto handler) {
-          held_.emplace_back(lookup_handler(std::move(handler)), n);
-          ++arrived_;
-          notify();
-        },
-        token);
-  }
-  template <class Token>
-  auto async_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>>, l2::deadline, Token&& token) {
-    return done(keys.size(), std::forward<Token>(token));
-  }
-  template <class Token>
-  auto async_store(std::span<const chunk_key> keys, std::span<const std::span<const std::byte>>, l2::deadline,
-                   Token&& token) {
-    return done(keys.size(), std::forward<Token>(token));
-  }
-  template <class Token>
-  auto async_remove(std::span<const chunk_key> keys, l2::deadline, Token&& token) {
-    return done(keys.size(), std::forward<Token>(token));
-  }
-
-  /// Calls f once (on the I/O thread) when `n` lookups have arrived in all.
-  void when_held(std::size_t n, std::function<void()> f) {
-    boost::asio::post(ex_, [this, n, f = std::move(f)] {
-      want_ = n;
-      on_held_ = f;
-      notify();
-    });
-  }
-  /// Completes every held lookup (found nothing).
-  void release() {
-    boost::asio::post(ex_, [this] {
-      auto held = std::move(held_);
-      held_.clear();
-      for (auto& [h, n] : held) std::move(h)(error_code{}, bitmap(n));
-    });
-  }
-
- private:
-  template <class Token>
-  auto done(std::size_t n, Token&& token) {
-    return boost::asio::async_initiate<Token, void(error_code, l2::batch_result)>(
-        [this, n](auto handler) {
-          boost::asio::post(ex_, [h = std::move(handler), n]() mutable {
-            std::move(h)(error_code{}, l2::batch_result(n, l2::key_outcome::ok));
-          });
-        },
-        token);
-  }
-
-  void notify() {
-    if (on_held_ && arrived_ >= want_) std::exchange(on_held_, nullptr)();
-  }
-
-  executor_type ex_;
-  std::vector<std::pair<lookup_handler, std::size_t>> held_;
-  std::size_t arrived_ = 0;
-  std::size_t want_ = 0;
-  std::function<void()> on_held_;
+  explicit held_lookup_backend(executor_type ex)
+      : stub_backend(std::move(ex), {.name = "held", .hold_lookups = true}) {}
 };
 
 /// A server whose L2 backend is a held_lookup_backend (running_server), and a client
@@ -124,10 +55,10 @@ struct held_server {
   ~held_server() { client.reset(); }
 
   /// Waits until `n` lookups have reached the backend (the last one's prefetch is undecided
-  /// until release()).
+  /// until release_lookups()).
   bool wait_held(std::size_t n = 1) {
     std::promise<void> held;
-    backend->when_held(n, [&] { held.set_value(); });
+    backend->when_lookups_held(n, [&] { held.set_value(); });
     return held.get_future().wait_for(server_deadline) == std::future_status::ready;
   }
 };
@@ -161,7 +92,7 @@ TEST_CASE("query_prefetch is answered when the prefetch is decided, and the conn
   CHECK(c.ping() == s.srv.boot_token());
   CHECK(c.ok(p::get_chunk_size_request{}).chunk_tokens == test_chunk_tokens);
 
-  s.backend->release();  // decided now: nothing in L2
+  s.backend->release_lookups();  // decided now: nothing in L2
   std::uint64_t call = 0;
   const auto m = next_message(c, call);
   CHECK(call == query_call);
@@ -185,7 +116,7 @@ TEST_CASE("a lookup that asks to be answered when decided costs one round trip, 
   std::uint64_t call = 0;
 
   SECTION("decided: the answer carries the counts") {
-    s.backend->release();
+    s.backend->release_lookups();
     const auto m = next_message(c, call);
     CHECK(call == lookup_call);
     REQUIRE(std::holds_alternative<p::lookup_response>(m));
@@ -201,7 +132,7 @@ TEST_CASE("a lookup that asks to be answered when decided costs one round trip, 
     m = next_message(c, call);
     CHECK(call == lookup_call + 1);
     CHECK(std::holds_alternative<p::end_request_response>(m));
-    s.backend->release();
+    s.backend->release_lookups();
     CHECK(c.ping() == s.srv.boot_token());  // nothing else was sent for the lookup
   }
   SECTION("replaced: the old lookup's answer is unknown, the new one's is its own") {
@@ -210,7 +141,7 @@ TEST_CASE("a lookup that asks to be answered when decided costs one round trip, 
     CHECK(call == lookup_call);
     CHECK(std::get<p::lookup_response>(m).state == p::prefetch_state::unknown);
     REQUIRE(s.wait_held(2));
-    s.backend->release();
+    s.backend->release_lookups();
     m = next_message(c, call);
     CHECK(call == lookup_call + 1);
     CHECK(std::get<p::lookup_response>(m) == p::lookup_response{p::prefetch_state::done, 0, 0});

@@ -11,6 +11,7 @@
 #include <kvtier/core/kv_layout.hpp>
 
 #include <algorithm>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -132,16 +133,36 @@ namespace detail {
   return s ? *s : cached_copy();
 }
 
+/// The layer pointers of a host view, as the checks below ask about them: how many, and
+/// whether one is null. cuda::layer_table_view (cuda/kv_transfer.cuh) answers the same two
+/// questions for its device table, as hidden friends found by argument-dependent lookup.
+[[nodiscard]] inline std::size_t layer_pointer_count(std::span<std::byte* const> layers) noexcept {
+  return layers.size();
+}
+[[nodiscard]] inline bool has_null_layer(std::span<std::byte* const> layers) noexcept {
+  return std::find(layers.begin(), layers.end(), nullptr) != layers.end();
+}
+
+/// A view of a paged KV cache the checks can read: its layout, and layer pointers they can
+/// count and test for null. paged_kv_view (host pointers) and cuda::paged_kv_view (a device
+/// table of them, cuda/kv_transfer.cuh): both paths check their arguments with the same code.
+template <class View>
+concept checkable_kv_view = requires(const View& v) {
+  { v.layout } -> std::convertible_to<const paged_kv_layout&>;
+  { layer_pointer_count(v.layers) } -> std::convertible_to<std::size_t>;
+  { has_null_layer(v.layers) } -> std::convertible_to<bool>;
+};
+
 /// The checks common to every item: layouts, the layer pointer table.
-[[nodiscard]] inline std::error_code validate_cache(const paged_kv_view& cache, const chunk_layout& chunk) noexcept {
+template <checkable_kv_view View>
+[[nodiscard]] std::error_code validate_cache(const View& cache, const chunk_layout& chunk) noexcept {
   // validation_error() returns an empty std::string (no allocation) on success.
   if (!cache.layout.validation_error().empty() || !chunk.validation_error().empty())
     return transfer_errc::invalid_layout;
   if (!(chunk.model == cache.layout.model) || chunk.chunk_tokens % cache.layout.block_size != 0)
     return transfer_errc::layout_mismatch;
-  if (cache.layers.size() != cache.layout.model.num_layers) return transfer_errc::layer_count;
-  for (std::byte* p : cache.layers)
-    if (p == nullptr) return transfer_errc::null_pointer;
+  if (layer_pointer_count(cache.layers) != cache.layout.model.num_layers) return transfer_errc::layer_count;
+  if (has_null_layer(cache.layers)) return transfer_errc::null_pointer;
   return {};
 }
 
@@ -154,6 +175,17 @@ namespace detail {
   if (skip_tokens > chunk.chunk_tokens) return transfer_errc::skip_out_of_range;
   for (std::uint32_t id : block_ids)
     if (id >= layout.num_blocks) return transfer_errc::block_id_out_of_range;
+  return {};
+}
+
+/// The checks of a batch (Item: gather_item or scatter_item), all before anything is copied:
+/// validate_cache, then validate_item of each item in order.
+template <checkable_kv_view View, class Item>
+[[nodiscard]] std::error_code validate_batch(const View& cache, const chunk_layout& chunk,
+                                             std::span<const Item> items) noexcept {
+  if (auto ec = validate_cache(cache, chunk)) return ec;
+  for (const Item& it : items)
+    if (auto ec = validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens)) return ec;
   return {};
 }
 
@@ -176,6 +208,18 @@ inline void prefetch_page([[maybe_unused]] const void* p) noexcept {
 #if defined(__GNUC__) || defined(__clang__)
   __builtin_prefetch(p, 0, 1);
 #endif
+}
+
+/// Prefetches the first `lines` cache lines of a paged segment (or run) at `at`: a gather's
+/// source (prefetch_read), a scatter's destination (prefetch_page).
+template <bool Gather>
+inline void prefetch_lines(const std::byte* at, std::size_t lines) noexcept {
+  for (std::size_t j = 0; j < lines; ++j) {
+    if constexpr (Gather)
+      prefetch_read(at + 64 * j);
+    else
+      prefetch_page(at + 64 * j);
+  }
 }
 
 /// Block segments a streaming transfer copies side by side (copy_kernel::streams). Measured
@@ -367,14 +411,7 @@ inline void copy_chunk_rows(const paged_kv_view& cache, std::span<const std::uin
     }
   };
   const std::size_t lines = plan.prefetch_lines;
-  auto prefetch = [lines](const std::byte* at) noexcept {
-    for (std::size_t j = 0; j < lines; ++j) {
-      if constexpr (Gather)
-        prefetch_read(at + 64 * j);
-      else
-        prefetch_page(at + 64 * j);
-    }
-  };
+  auto prefetch = [lines](const std::byte* at) noexcept { prefetch_lines<Gather>(at, lines); };
   ObjectByte* obj_layer = object;
   for (std::byte* layer : cache.layers) {
     if (planes_inside_blocks) {
@@ -445,14 +482,7 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
 
   // The prefetch of the first lines of a paged segment: never more lines than it has.
   const std::size_t lines = std::min(plan.prefetch_lines, (w.seg + 63) / 64);
-  auto prefetch = [lines](const std::byte* segment) noexcept {
-    for (std::size_t j = 0; j < lines; ++j) {
-      if constexpr (Gather)
-        prefetch_read(segment + 64 * j);
-      else
-        prefetch_page(segment + 64 * j);
-    }
-  };
+  auto prefetch = [lines](const std::byte* at) noexcept { prefetch_lines<Gather>(at, lines); };
   bool aligned = w.seg % 64 == 0;
   if constexpr (Gather) {
     aligned = aligned && reinterpret_cast<std::uintptr_t>(object) % 64 == 0;
@@ -485,12 +515,9 @@ inline void copy_chunk(const paged_kv_view& cache, std::span<const std::uint32_t
 template <bool Gather, class Item>
 [[nodiscard]] inline std::error_code transfer_chunks(const paged_kv_view& cache, const chunk_layout& chunk,
                                                      std::span<const Item> items, transfer_options options) noexcept {
-  if (auto ec = validate_cache(cache, chunk)) return ec;
+  if (auto ec = validate_batch(cache, chunk, items)) return ec;
   std::size_t bytes = 0;
-  for (const Item& it : items) {
-    if (auto ec = validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens)) return ec;
-    bytes += item_bytes(chunk, it.skip_tokens);
-  }
+  for (const Item& it : items) bytes += item_bytes(chunk, it.skip_tokens);
   const copy_plan plan = plan_for<Gather>(options.write, bytes);
   for (const Item& it : items) copy_chunk<Gather>(cache, it.block_ids, chunk, it.object, it.skip_tokens, plan);
   store_fence();
@@ -500,11 +527,13 @@ template <bool Gather, class Item>
 }  // namespace detail
 
 /// Checks a gather or scatter of one chunk without copying: the codes gather_chunk and
-/// scatter_chunk would return. A server can call it when a request arrives.
-[[nodiscard]] inline std::error_code check_transfer(const paged_kv_view& cache,
-                                                    std::span<const std::uint32_t> block_ids,
-                                                    const chunk_layout& chunk, const std::byte* object,
-                                                    std::uint32_t skip_tokens = 0) noexcept {
+/// scatter_chunk would return. A server can call it when a request arrives. View:
+/// paged_kv_view, or cuda::paged_kv_view (cuda/kv_transfer.cuh names this function
+/// cuda::check_transfer): the GPU path checks on the host with this same code.
+template <detail::checkable_kv_view View>
+[[nodiscard]] std::error_code check_transfer(const View& cache, std::span<const std::uint32_t> block_ids,
+                                             const chunk_layout& chunk, const std::byte* object,
+                                             std::uint32_t skip_tokens = 0) noexcept {
   if (auto ec = detail::validate_cache(cache, chunk)) return ec;
   return detail::validate_item(cache.layout, chunk, block_ids, object, skip_tokens);
 }

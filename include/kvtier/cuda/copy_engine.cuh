@@ -99,7 +99,7 @@ class copy_engine {
                                           const copy_engine_options& options, std::error_code& ec) {
     ec.clear();
     copy_engine c;
-    if ((ec = detail::validate_cache(cache, chunk))) return c;
+    if ((ec = ::kvtier::detail::validate_cache(cache, chunk))) return c;
     c.cache_ = cache;
     c.chunk_ = chunk;
     c.mode_ = options.mode;
@@ -168,31 +168,7 @@ class copy_engine {
   /// transfer_errc of core/kv_transfer.hpp); nothing is enqueued when one is invalid.
   [[nodiscard]] std::error_code store(std::span<const gather_item> items, cudaEvent_t after = nullptr,
                                       cudaEvent_t done = nullptr) noexcept {
-    if (auto ec = validate(items)) return ec;
-    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return fail(e);
-    if (after)
-      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, after, 0); e != cudaSuccess) return fail(e);
-    if (mode_ == copy_mode::zero_copy) {
-      if (auto ec = gather_chunks(cache_, chunk_, items, {}, kernel_stream_)) return ec;
-      return record(done, kernel_stream_);
-    }
-    for (const gather_item& it : items) {
-      if (it.skip_tokens >= chunk_.chunk_tokens) continue;
-      ring_entry& r = ring_[next_];
-      std::byte* staging = staging_ + next_ * chunk_.object_bytes();
-      next_ = (next_ + 1) % ring_.size();
-      // The buffer's previous content has left (its DMA or scatter is done).
-      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, r.free, 0); e != cudaSuccess) return fail(e);
-      if (auto ec = gather_chunk(cache_, it.block_ids, chunk_, staging, it.skip_tokens, {}, kernel_stream_)) return ec;
-      if (const cudaError_t e = cudaEventRecord(r.filled, kernel_stream_); e != cudaSuccess) return fail(e);
-      if (const cudaError_t e = cudaStreamWaitEvent(copy_stream_, r.filled, 0); e != cudaSuccess) return fail(e);
-      if (const cudaError_t e = dma(it.object, staging, it.skip_tokens, cudaMemcpyDeviceToHost); e != cudaSuccess)
-        return fail(e);
-      if (const cudaError_t e = cudaEventRecord(r.free, copy_stream_); e != cudaSuccess) return fail(e);
-    }
-    // Everything on the kernel stream feeds the copy stream, so the copy stream's end is the
-    // batch's end.
-    return record(done, copy_stream_);
+    return transfer(items, after, done);
   }
 
   /// Retrieve: copies every item's pinned object into its blocks of the paged cache (but the
@@ -200,28 +176,7 @@ class copy_engine {
   /// `after`, recording `done` at the end. Validates every item first.
   [[nodiscard]] std::error_code retrieve(std::span<const scatter_item> items, cudaEvent_t after = nullptr,
                                          cudaEvent_t done = nullptr) noexcept {
-    if (auto ec = validate(items)) return ec;
-    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return fail(e);
-    if (after)
-      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, after, 0); e != cudaSuccess) return fail(e);
-    if (mode_ == copy_mode::zero_copy) {
-      if (auto ec = scatter_chunks(cache_, chunk_, items, {}, kernel_stream_)) return ec;
-      return record(done, kernel_stream_);
-    }
-    for (const scatter_item& it : items) {
-      if (it.skip_tokens >= chunk_.chunk_tokens) continue;
-      ring_entry& r = ring_[next_];
-      std::byte* staging = staging_ + next_ * chunk_.object_bytes();
-      next_ = (next_ + 1) % ring_.size();
-      if (const cudaError_t e = cudaStreamWaitEvent(copy_stream_, r.free, 0); e != cudaSuccess) return fail(e);
-      if (const cudaError_t e = dma(staging, it.object, it.skip_tokens, cudaMemcpyHostToDevice); e != cudaSuccess)
-        return fail(e);
-      if (const cudaError_t e = cudaEventRecord(r.filled, copy_stream_); e != cudaSuccess) return fail(e);
-      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, r.filled, 0); e != cudaSuccess) return fail(e);
-      if (auto ec = scatter_chunk(cache_, it.block_ids, chunk_, staging, it.skip_tokens, {}, kernel_stream_)) return ec;
-      if (const cudaError_t e = cudaEventRecord(r.free, kernel_stream_); e != cudaSuccess) return fail(e);
-    }
-    return record(done, kernel_stream_);
+    return transfer(items, after, done);
   }
 
   /// Blocks until everything enqueued so far has completed.
@@ -248,6 +203,67 @@ class copy_engine {
     cudaEvent_t filled = nullptr;  ///< the buffer holds the chunk (gathered, or landed by DMA)
     cudaEvent_t free = nullptr;    ///< the buffer's content has left (DMA'd out, or scattered)
   };
+
+  /// store (Item = gather_item) or retrieve (scatter_item). `after` holds up the kernel
+  /// stream. Staged, each chunk passes through a ring buffer in two stages, the second
+  /// waiting for the first: a store fills it with the gather kernel (kernel stream) and
+  /// empties it by DMA into the L1 slot (copy stream); a retrieve fills it by DMA from the
+  /// slot (copy stream, not held up by `after`: the paged cache is not touched yet) and
+  /// empties it with the scatter kernel (kernel stream). The stream of the second stage is
+  /// fed by everything before it, so its end is the batch's end: `done` is recorded there.
+  template <class Item>
+  [[nodiscard]] std::error_code transfer(std::span<const Item> items, cudaEvent_t after, cudaEvent_t done) noexcept {
+    constexpr bool is_store = std::is_same_v<Item, gather_item>;
+    if (auto ec = validate(items)) return ec;
+    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return fail(e);
+    if (after)
+      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, after, 0); e != cudaSuccess) return fail(e);
+    if (mode_ == copy_mode::zero_copy) {
+      if constexpr (is_store) {
+        if (auto ec = gather_chunks(cache_, chunk_, items, {}, kernel_stream_)) return ec;
+      } else {
+        if (auto ec = scatter_chunks(cache_, chunk_, items, {}, kernel_stream_)) return ec;
+      }
+      return record(done, kernel_stream_);
+    }
+    const cudaStream_t fill_stream = is_store ? kernel_stream_ : copy_stream_;
+    const cudaStream_t empty_stream = is_store ? copy_stream_ : kernel_stream_;
+    for (const Item& it : items) {
+      if (it.skip_tokens >= chunk_.chunk_tokens) continue;
+      ring_entry& r = ring_[next_];
+      std::byte* staging = staging_ + next_ * chunk_.object_bytes();
+      next_ = (next_ + 1) % ring_.size();
+      // The buffer's previous content has left (its DMA or scatter is done).
+      if (const cudaError_t e = cudaStreamWaitEvent(fill_stream, r.free, 0); e != cudaSuccess) return fail(e);
+      if (auto ec = fill_staging(it, staging)) return ec;
+      if (const cudaError_t e = cudaEventRecord(r.filled, fill_stream); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamWaitEvent(empty_stream, r.filled, 0); e != cudaSuccess) return fail(e);
+      if (auto ec = empty_staging(it, staging)) return ec;
+      if (const cudaError_t e = cudaEventRecord(r.free, empty_stream); e != cudaSuccess) return fail(e);
+    }
+    return record(done, empty_stream);
+  }
+
+  /// The first stage of a staged store: the gather kernel, paged blocks -> staging.
+  [[nodiscard]] std::error_code fill_staging(const gather_item& it, std::byte* staging) noexcept {
+    return gather_chunk(cache_, it.block_ids, chunk_, staging, it.skip_tokens, {}, kernel_stream_);
+  }
+  /// The second stage of a staged store: the DMA staging -> L1 slot.
+  [[nodiscard]] std::error_code empty_staging(const gather_item& it, const std::byte* staging) noexcept {
+    if (const cudaError_t e = dma(it.object, staging, it.skip_tokens, cudaMemcpyDeviceToHost); e != cudaSuccess)
+      return fail(e);
+    return {};
+  }
+  /// The first stage of a staged retrieve: the DMA L1 slot -> staging.
+  [[nodiscard]] std::error_code fill_staging(const scatter_item& it, std::byte* staging) noexcept {
+    if (const cudaError_t e = dma(staging, it.object, it.skip_tokens, cudaMemcpyHostToDevice); e != cudaSuccess)
+      return fail(e);
+    return {};
+  }
+  /// The second stage of a staged retrieve: the scatter kernel, staging -> paged blocks.
+  [[nodiscard]] std::error_code empty_staging(const scatter_item& it, const std::byte* staging) noexcept {
+    return scatter_chunk(cache_, it.block_ids, chunk_, staging, it.skip_tokens, {}, kernel_stream_);
+  }
 
   template <class Item>
   [[nodiscard]] std::error_code validate(std::span<const Item> items) const noexcept {

@@ -9,7 +9,7 @@
 //   paged_kv_view                layout + that table (the device twin of kvtier::paged_kv_view)
 //   gather_chunk / gather_chunks    paged KV -> chunk object(s), on a stream
 //   scatter_chunk / scatter_chunks  chunk object(s) -> paged KV, on a stream
-//   check_transfer               the host-side checks alone
+//   check_transfer               the host-side checks alone (core/kv_transfer.hpp's)
 //
 // Layouts, skip_tokens and the error codes are those of core/kv_transfer.hpp (read its header
 // comment): every call validates all its arguments on the host and returns the same
@@ -82,6 +82,12 @@ struct layer_table_view {
   /// The largest power of two <= 16 that divides every layer base address: the launcher
   /// picks its vector width from it.
   std::uint32_t alignment = 16;
+
+  /// What the host-side checks (core/kv_transfer.hpp's detail::validate_cache) ask of the
+  /// layer pointers: how many, and whether one is null. The entries were checked when the
+  /// table was uploaded (layer_table::upload), so only an absent table is.
+  friend std::size_t layer_pointer_count(const layer_table_view& t) noexcept { return t.size; }
+  friend bool has_null_layer(const layer_table_view& t) noexcept { return t.device_data == nullptr; }
 };
 
 /// The device twin of kvtier::paged_kv_view: the layout plus the device table of layer bases.
@@ -165,7 +171,7 @@ class layer_table {
 namespace detail {
 
 /// Threads per CTA: 256 threads * 16 bytes = one 4 KiB segment (0.5B model shape) per pass.
-inline constexpr unsigned copy_threads = 256;
+inline constexpr unsigned threads_per_block = 256;
 /// Loads each thread issues before it stores.
 inline constexpr unsigned copy_unroll = 4;
 /// Capacity of one launch's parameter block (kept under the classic 4 KiB limit).
@@ -213,7 +219,7 @@ __device__ __forceinline__ void copy_bytes(std::byte* dst, const std::byte* src,
   Vec* d = reinterpret_cast<Vec*>(dst);
   const Vec* s = reinterpret_cast<const Vec*>(src);
   const std::uint64_t n = len / sizeof(Vec);
-  constexpr std::uint64_t stride = copy_threads;
+  constexpr std::uint64_t stride = threads_per_block;
   std::uint64_t i = threadIdx.x;
   for (; i + (copy_unroll - 1) * stride < n; i += copy_unroll * stride) {
     Vec v[copy_unroll];
@@ -327,7 +333,7 @@ template <class Vec>
 __device__ __forceinline__ void copy_pieces(const segment_copy& s) {
   const std::uint64_t per = s.len / sizeof(Vec);  // vectors of one piece
   const std::uint64_t n = per * s.rows * s.runs;
-  for (std::uint64_t i = threadIdx.x; i < n; i += copy_threads) {
+  for (std::uint64_t i = threadIdx.x; i < n; i += threads_per_block) {
     const std::uint64_t piece = i / per, v = i - piece * per;
     const std::uint64_t r = piece / s.rows, q = piece - r * s.rows;
     reinterpret_cast<Vec*>(s.dst + r * s.dst_stride + q * s.dst_row_stride)[v] =
@@ -338,10 +344,10 @@ __device__ __forceinline__ void copy_pieces(const segment_copy& s) {
 /// One CTA per block segment (locate_segment). A template, so that every translation unit
 /// may instantiate it (no -rdc needed).
 template <bool Gather, class Vec>
-__global__ void __launch_bounds__(copy_threads) copy_segments_kernel(const __grid_constant__ launch_params p) {
+__global__ void __launch_bounds__(threads_per_block) copy_segments_kernel(const __grid_constant__ launch_params p) {
   const segment_copy s = locate_segment<Gather>(p, blockIdx.x);
   if (!s.active) return;
-  if (s.rows == 1 && (s.runs == 1 || s.len >= copy_threads * sizeof(Vec))) {
+  if (s.rows == 1 && (s.runs == 1 || s.len >= threads_per_block * sizeof(Vec))) {
     // Whole segments, and runs long enough to keep every thread busy (HND's heads after a
     // skip): the unrolled copy, one run after the other.
     for (std::uint32_t r = 0; r < s.runs; ++r)
@@ -371,11 +377,11 @@ template <bool Gather>
   if (grid > 0x7fffffffu) return cudaErrorInvalidConfiguration;  // unreachable with the capacities above
   const dim3 g(static_cast<unsigned>(grid));
   switch (vec) {
-    case 16: copy_segments_kernel<Gather, uint4><<<g, copy_threads, 0, stream>>>(p); break;
-    case 8: copy_segments_kernel<Gather, uint2><<<g, copy_threads, 0, stream>>>(p); break;
-    case 4: copy_segments_kernel<Gather, unsigned><<<g, copy_threads, 0, stream>>>(p); break;
-    case 2: copy_segments_kernel<Gather, unsigned short><<<g, copy_threads, 0, stream>>>(p); break;
-    default: copy_segments_kernel<Gather, unsigned char><<<g, copy_threads, 0, stream>>>(p); break;
+    case 16: copy_segments_kernel<Gather, uint4><<<g, threads_per_block, 0, stream>>>(p); break;
+    case 8: copy_segments_kernel<Gather, uint2><<<g, threads_per_block, 0, stream>>>(p); break;
+    case 4: copy_segments_kernel<Gather, unsigned><<<g, threads_per_block, 0, stream>>>(p); break;
+    case 2: copy_segments_kernel<Gather, unsigned short><<<g, threads_per_block, 0, stream>>>(p); break;
+    default: copy_segments_kernel<Gather, unsigned char><<<g, threads_per_block, 0, stream>>>(p); break;
   }
   return cudaGetLastError();
 }
@@ -416,18 +422,6 @@ struct no_id_set {
   void clear() noexcept {}
   bool insert(std::uint32_t) noexcept { return true; }
 };
-
-/// The checks common to every item (validate_cache of the CPU path, with the table checked
-/// for presence: its entries were checked when it was uploaded).
-[[nodiscard]] inline std::error_code validate_cache(const paged_kv_view& cache, const chunk_layout& chunk) noexcept {
-  if (!cache.layout.validation_error().empty() || !chunk.validation_error().empty())
-    return transfer_errc::invalid_layout;
-  if (!(chunk.model == cache.layout.model) || chunk.chunk_tokens % cache.layout.block_size != 0)
-    return transfer_errc::layout_mismatch;
-  if (cache.layers.size != cache.layout.model.num_layers) return transfer_errc::layer_count;
-  if (cache.layers.device_data == nullptr) return transfer_errc::null_pointer;
-  return {};
-}
 
 /// Packs validated items into parameter blocks and calls launch(params, vector_bytes) for
 /// each full one, in order; stops at the first launch that fails. The library passes a
@@ -520,25 +514,22 @@ template <bool Gather, class Item, class Launch>
   return {};
 }
 
-/// pack() with the kernel launcher on `stream`.
+/// Validates every item (core/kv_transfer.hpp's checks), then pack() with the kernel
+/// launcher on `stream`: nothing is enqueued when an item is invalid.
 template <bool Gather, class Item>
 [[nodiscard]] inline std::error_code enqueue(const paged_kv_view& cache, const chunk_layout& chunk,
                                              std::span<const Item> items, cudaStream_t stream) noexcept {
+  if (auto ec = ::kvtier::detail::validate_batch(cache, chunk, items)) return ec;
   return pack<Gather>(cache, chunk, items,
                       [stream](const launch_params& p, unsigned vec) noexcept { return launch<Gather>(p, vec, stream); });
 }
 
 }  // namespace detail
 
-/// Checks a gather or scatter of one chunk without enqueuing: the codes gather_chunk and
-/// scatter_chunk would return.
-[[nodiscard]] inline std::error_code check_transfer(const paged_kv_view& cache,
-                                                    std::span<const std::uint32_t> block_ids,
-                                                    const chunk_layout& chunk, const std::byte* object,
-                                                    std::uint32_t skip_tokens = 0) noexcept {
-  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
-  return ::kvtier::detail::validate_item(cache.layout, chunk, block_ids, object, skip_tokens);
-}
+/// check_transfer(cache, block_ids, chunk, object, skip_tokens): checks a gather or scatter
+/// of one chunk without enqueuing, the codes gather_chunk and scatter_chunk would return.
+/// The CPU path's function (core/kv_transfer.hpp), which reads this paged_kv_view too.
+using ::kvtier::check_transfer;
 
 /// Enqueues on `stream` the copy of the chunk made of `block_ids` (chunk order) from the
 /// paged cache into `object`, but its first skip_tokens tokens (left untouched).
@@ -548,7 +539,6 @@ template <bool Gather, class Item>
                                                   std::uint32_t skip_tokens = 0, transfer_options options = {},
                                                   cudaStream_t stream = nullptr) noexcept {
   (void)options;
-  if (auto ec = check_transfer(cache, block_ids, chunk, object, skip_tokens)) return ec;
   const gather_item item{block_ids, object, skip_tokens};
   return detail::enqueue<true, gather_item>(cache, chunk, {&item, 1}, stream);
 }
@@ -562,7 +552,6 @@ template <bool Gather, class Item>
                                                    std::uint32_t skip_tokens = 0, transfer_options options = {},
                                                    cudaStream_t stream = nullptr) noexcept {
   (void)options;
-  if (auto ec = check_transfer(cache, block_ids, chunk, object, skip_tokens)) return ec;
   const scatter_item item{block_ids, object, skip_tokens};
   return detail::enqueue<false, scatter_item>(cache, chunk, {&item, 1}, stream);
 }
@@ -573,10 +562,6 @@ template <bool Gather, class Item>
                                                    std::span<const gather_item> items, transfer_options options = {},
                                                    cudaStream_t stream = nullptr) noexcept {
   (void)options;
-  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
-  for (const gather_item& it : items)
-    if (auto ec = ::kvtier::detail::validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens))
-      return ec;
   return detail::enqueue<true, gather_item>(cache, chunk, items, stream);
 }
 
@@ -587,10 +572,6 @@ template <bool Gather, class Item>
                                                     std::span<const scatter_item> items, transfer_options options = {},
                                                     cudaStream_t stream = nullptr) noexcept {
   (void)options;
-  if (auto ec = detail::validate_cache(cache, chunk)) return ec;
-  for (const scatter_item& it : items)
-    if (auto ec = ::kvtier::detail::validate_item(cache.layout, chunk, it.block_ids, it.object, it.skip_tokens))
-      return ec;
   return detail::enqueue<false, scatter_item>(cache, chunk, items, stream);
 }
 
