@@ -14,11 +14,11 @@
 // exits 1 with one line. Every check comes before any start-up work (server.hpp,
 // "Start-up"), so a refused start prints its line and nothing else. SIGTERM or SIGINT shut
 // down in order and exit 0.
-#include <kvtier/server/server_config.hpp>
-#include <kvtier/server/disk_backend_type.hpp>
+#include <kvtier/server/config/disk_backend_type.hpp>
+#include <kvtier/server/config/server_config.hpp>
 #include <kvtier/server/server.hpp>
 #if KVTIER_SERVER_WITH_REDIS
-#include <kvtier/server/redis_backend_type.hpp>
+#include <kvtier/server/config/redis_backend_type.hpp>
 #endif
 
 #include <kvtier_program/server_instance.hpp>
@@ -62,7 +62,7 @@ struct flag {
 
 // A value given on the command line as JSON: numbers become numbers; anything else stays
 // text, so that the configuration reader refuses it with its own message; text that is not
-// UTF-8 is refused (server/server_config_json.hpp).
+// UTF-8 is refused (server/config/server_config_json.hpp).
 json flag_value(const flag& f) { return kvtier::server::flag_value(f.name, f.value, f.type == kind::number); }
 
 json read_json_file(const std::string& path) {

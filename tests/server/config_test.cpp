@@ -1,13 +1,13 @@
 // server_config and backend_factory: defaults, JSON in and out, and every refusal saying
 // what to change (the program's flags map onto the same keys: process_test.cpp).
-#include <kvtier/server/server_config.hpp>
+#include <kvtier/server/config/server_config.hpp>
 
 #include <kvtier/server/make_cache.hpp>
 
 #include <kvtier/pipeline/policies.hpp>
-#include <kvtier/server/backend_factory.hpp>
-#include <kvtier/server/server_config_json.hpp>
-#include <kvtier/server/runtime_policies.hpp>
+#include <kvtier/server/config/backend_factory.hpp>
+#include <kvtier/server/config/runtime_policies.hpp>
+#include <kvtier/server/config/server_config_json.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -2,7 +2,7 @@
 // protocol clients with engine regions: registration, every request's semantics (the
 // engine <-> server contract in docs/server.md), fencing, world size 2, lock release,
 // reaping, and hostile clients that must never disturb another client.
-#include <kvtier/server/disk_backend_type.hpp>
+#include <kvtier/server/config/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
 
 #include <catch2/catch.hpp>

@@ -9,11 +9,11 @@
 //              work, and a connection made before start() waits in the backlog;
 //   start(f)   the accept loop: every accepted connection is checked before a byte of it is
 //              read: its peer's uid with SO_PEERCRED (the server's own uid, root,
-//              allowed_uids, allowed_gids) and the connection caps (client_budget.hpp). A
+//              allowed_uids, allowed_gids) and the connection caps (session/client_budget.hpp). A
 //              refused peer gets one error_response saying why and is closed, with one
 //              (throttled) log line and a count in kvtier_server_connections_refused_total
 //              {reason} (client_budget counts them). An admitted one goes to f with its new
-//              client id: the server opens its session (session.hpp).
+//              client id: the server opens its session (session/session.hpp).
 //   close()    stops accepting (shutdown).
 //   remove_socket()  removes the socket file if it is still the one listen() made (another
 //              server may have replaced it once this one stopped listening: a restart's new
@@ -27,8 +27,8 @@
 #include <kvtier/protocol/codec.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/protocol/unix_socket.hpp>
-#include <kvtier/server/client_budget.hpp>
-#include <kvtier/server/server_config.hpp>
+#include <kvtier/server/config/server_config.hpp>
+#include <kvtier/server/session/client_budget.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <boost/asio/any_io_executor.hpp>

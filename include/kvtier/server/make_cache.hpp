@@ -1,9 +1,9 @@
 #pragma once
 // make_cache(config, ...): the server's cache for a configuration, a cache::tiered_cache
-// behind any_cache (any_cache.hpp). tiered_cache is instantiated once per shipped eviction
+// behind any_cache (session/any_cache.hpp). tiered_cache is instantiated once per shipped eviction
 // policy (lru, s3fifo, arc, noop); the store and prefetch-wait policies differ only in a
 // flag and a few numbers, so they are one run-time policy each (runtime_store_policy,
-// runtime_wait_policy: runtime_policies.hpp) and cost no instantiation. Only the server
+// runtime_wait_policy: config/runtime_policies.hpp) and cost no instantiation. Only the server
 // (server.hpp) includes this file.
 
 #include <kvtier/bus/event_bus.hpp>
@@ -16,9 +16,9 @@
 #include <kvtier/l1/policy/s3fifo.hpp>
 #include <kvtier/l2/any_backend.hpp>
 #include <kvtier/pipeline/policies.hpp>
-#include <kvtier/server/any_cache.hpp>
-#include <kvtier/server/runtime_policies.hpp>
-#include <kvtier/server/server_config.hpp>
+#include <kvtier/server/config/runtime_policies.hpp>
+#include <kvtier/server/config/server_config.hpp>
+#include <kvtier/server/session/any_cache.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 

@@ -10,17 +10,17 @@
 //     HTTP endpoint on this same executor: /metrics (Prometheus text), /healthz (200 with
 //     the boot token while serving, 503 while shutting down), /status (status_json());
 //   - the L2 backends (backend_factory), the tiered cache (any_cache), the registrations, the
-//     engines they form and their lookups (region_registry.hpp, engine_table.hpp,
-//     lookup_table.hpp), the listening socket and one session per connection;
+//     engines they form and their lookups (session/region_registry.hpp, session/engine_table.hpp,
+//     session/lookup_table.hpp), the listening socket and one session per connection;
 //   - a reaper timer: expires L1 locks and lookups past their TTL, and closes connections
 //     silent for client_reap_timeout (a connection that dies is reaped at once: EOF),
 //     releasing the lookups each one owned; like every close, on the I/O thread, and a
 //     connection with a copy in flight is closed once it ended, so no copy for the
-//     connection runs or starts after (session.hpp);
+//     connection runs or starts after (session/session.hpp);
 //   - a random boot token, answered to ping and register (a new one reveals a restart);
 //   - who may connect: every accepted connection's peer is checked with SO_PEERCRED (the
 //     server's own uid, root, allowed_uids, allowed_gids) and against the connection caps
-//     (client_budget.hpp) before a byte of it is read; a refused peer gets one
+//     (session/client_budget.hpp) before a byte of it is read; a refused peer gets one
 //     error_response saying why and is closed, with one (throttled) log line and a count in
 //     kvtier_server_connections_refused_total{reason}. The default socket's directory is
 //     created 0700 and verified at start (protocol/unix_socket.hpp).
@@ -59,19 +59,19 @@
 #include <kvtier/error.hpp>
 #include <kvtier/fwd.hpp>
 #include <kvtier/protocol/limits.hpp>
-#include <kvtier/server/any_cache.hpp>
-#include <kvtier/server/backend_factory.hpp>
-#include <kvtier/server/client_budget.hpp>
-#include <kvtier/server/engine_table.hpp>
+#include <kvtier/server/config/backend_factory.hpp>
+#include <kvtier/server/config/server_config.hpp>
 #include <kvtier/server/http_exporter.hpp>
 #include <kvtier/server/l1_residency.hpp>
 #include <kvtier/server/listener.hpp>
-#include <kvtier/server/lookup_table.hpp>
 #include <kvtier/server/make_cache.hpp>
-#include <kvtier/server/region_registry.hpp>
-#include <kvtier/server/server_config.hpp>
-#include <kvtier/server/server_context.hpp>
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/any_cache.hpp>
+#include <kvtier/server/session/client_budget.hpp>
+#include <kvtier/server/session/engine_table.hpp>
+#include <kvtier/server/session/lookup_table.hpp>
+#include <kvtier/server/session/region_registry.hpp>
+#include <kvtier/server/session/server_context.hpp>
+#include <kvtier/server/session/session.hpp>
 #include <kvtier/telemetry/exposition.hpp>
 #include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>

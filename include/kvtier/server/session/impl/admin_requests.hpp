@@ -1,5 +1,5 @@
 #pragma once
-// session (server/session.hpp): the administration requests (docs/server.md,
+// session (server/session/session.hpp): the administration requests (docs/server.md,
 // "Administration"; the `kvtier` program sends them):
 //
 //   list_objects_request  the objects of L1 and of every L2 backend, per model namespace (the
@@ -33,7 +33,7 @@
 // bounded by admin_deadline, and stop between batches when the connection closes.
 
 #include <kvtier/protocol/unix_socket.hpp>
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/session.hpp>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

@@ -13,8 +13,8 @@
 
 #include <kvtier/config.hpp>
 #include <kvtier/protocol/unix_socket.hpp>
-#include <kvtier/server/backend_factory.hpp>
-#include <kvtier/server/server_config_json.hpp>
+#include <kvtier/server/config/backend_factory.hpp>
+#include <kvtier/server/config/server_config_json.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <nlohmann/json.hpp>
@@ -103,7 +103,7 @@ struct server_config {
   /// "l1_prefault": once the server serves, fault every page of L1 in behind the first
   /// requests, then register L1 with the L2 backends that read into it faster so (the disk
   /// backend's io_uring fixed buffers): no page fault or page pinning on a load. Costs no
-  /// start-up time (l1_residency.hpp) and makes all of L1 resident.
+  /// start-up time (server/l1_residency.hpp) and makes all of L1 resident.
   bool l1_prefault = true;
 
   // --- L2 and pipelines ----------------------------------------------------------------

@@ -1,9 +1,9 @@
 #pragma once
-// session (server/session.hpp): the requests that neither register, look up nor copy:
+// session (server/session/session.hpp): the requests that neither register, look up nor copy:
 // ping (answered by the reader at once, never behind a copy: the connector judges the
 // server's health by it), clear (L1), get_chunk_size, status (the server's status document).
 
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/session.hpp>
 
 #include <chrono>
 

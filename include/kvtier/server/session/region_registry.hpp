@@ -18,8 +18,8 @@
 #include <kvtier/error.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/protocol/unique_fd.hpp>
-#include <kvtier/server/region_prefault.hpp>
-#include <kvtier/server/request_error.hpp>
+#include <kvtier/server/session/region_prefault.hpp>
+#include <kvtier/server/session/request_error.hpp>
 
 #include <atomic>
 #include <chrono>

@@ -1,5 +1,5 @@
 #pragma once
-// What a session shares with the server that owns it (server.hpp) and needs from it:
+// What a session shares with the server that owns it (server/server.hpp) and needs from it:
 //
 //   server_context   the server's state every session uses: configuration, the cache, the
 //                    registrations (region_registry.hpp), engines (engine_table.hpp) and
@@ -16,13 +16,13 @@
 #include <kvtier/bus/event_bus.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/fwd.hpp>
-#include <kvtier/server/any_cache.hpp>
-#include <kvtier/server/client_budget.hpp>
-#include <kvtier/server/engine_table.hpp>
-#include <kvtier/server/lookup_table.hpp>
-#include <kvtier/server/model_namespaces.hpp>
-#include <kvtier/server/region_registry.hpp>
-#include <kvtier/server/server_config.hpp>
+#include <kvtier/server/config/server_config.hpp>
+#include <kvtier/server/session/any_cache.hpp>
+#include <kvtier/server/session/client_budget.hpp>
+#include <kvtier/server/session/engine_table.hpp>
+#include <kvtier/server/session/lookup_table.hpp>
+#include <kvtier/server/session/model_namespaces.hpp>
+#include <kvtier/server/session/region_registry.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
@@ -51,7 +51,7 @@ struct server_hooks {
   /// without MADV_POPULATE_WRITE): a test blocks it here to see the server serve meanwhile.
   std::function<void(std::uint64_t client_id)> during_prefault;
   /// Called on the L1 prefault's thread before its first slice (it runs once the server
-  /// serves: l1_residency.hpp): a test blocks it here to see the server serve while L1 is not
+  /// serves: server/l1_residency.hpp): a test blocks it here to see the server serve while L1 is not
   /// resident yet.
   std::function<void()> during_l1_prefault;
 };

@@ -1,7 +1,7 @@
 #pragma once
 // region_prefault: faults a registered KV region's pages in AFTER its registration was
 // answered, in slices on the copy pool. (The server's own L1 arena is faulted in after the
-// server listens, on a thread of its own: l1_residency.hpp.)
+// server listens, on a thread of its own: server/l1_residency.hpp.)
 //
 // An engine's region is a sparse memfd: without a prefault, the first copies into or out of
 // it pay a page fault per 4 KiB (~0.25 ms per MiB, docs/performance.md). Prefaulting costs

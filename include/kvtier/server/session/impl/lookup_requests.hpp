@@ -1,5 +1,5 @@
 #pragma once
-// session (server/session.hpp): the lookups of one connection.
+// session (server/session/session.hpp): the lookups of one connection.
 //   lookup_request          checks it (model id, world size, max_lookups_per_client,
 //                           max_lookup_keys, the key budgets of client_budget.hpp), starts the
 //                           cache's lookup (its L1 prefix held at once, the rest prefetched in
@@ -17,7 +17,7 @@
 // along when it goes (release_owned_lookups). release_rank_holds gives back one rank's
 // holds when its retrieve ended (impl/copy_requests.hpp).
 
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/session.hpp>
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/bind_executor.hpp>

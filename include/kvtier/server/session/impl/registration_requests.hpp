@@ -1,5 +1,5 @@
 #pragma once
-// session (server/session.hpp): register_kv_request and unregister_kv_request. A registration
+// session (server/session/session.hpp): register_kv_request and unregister_kv_request. A registration
 // is checked and its KV region mapped by region_registry (region_registry.hpp: the contract's
 // checks, the fd's size and seals), on the copy pool (a map and fstat: quick, but a syscall
 // the I/O thread need not wait for). The region's pages are faulted in after the answer, in
@@ -18,8 +18,8 @@
 // unmapped, the connection keeping what it had).
 
 #include <kvtier/protocol/unix_socket.hpp>
-#include <kvtier/server/region_prefault.hpp>
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/region_prefault.hpp>
+#include <kvtier/server/session/session.hpp>
 
 #include <fmt/format.h>
 

@@ -1,5 +1,5 @@
 #pragma once
-// session (server/session.hpp): retrieve and store, the requests that copy between the
+// session (server/session/session.hpp): retrieve and store, the requests that copy between the
 // engine's KV region and L1. Each is one cache call, whose copies run on the server's copy
 // pool while the I/O thread serves the other connections:
 //   retrieve  tiered_cache::async_copy_out through the engine's lookup of the request (the
@@ -21,7 +21,7 @@
 // The close promise (session.hpp): copy_scope counts the copies in flight; no copy starts
 // once the connection is closing, and the socket closes only when the last one ended.
 
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/session.hpp>
 
 #include <kvtier/core/kv_transfer.hpp>
 

@@ -79,11 +79,11 @@
 #include <kvtier/protocol/connection.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/protocol/unique_fd.hpp>
-#include <kvtier/server/any_cache.hpp>
-#include <kvtier/server/lookup_table.hpp>
-#include <kvtier/server/region_registry.hpp>
-#include <kvtier/server/request_kinds.hpp>
-#include <kvtier/server/server_context.hpp>
+#include <kvtier/server/session/any_cache.hpp>
+#include <kvtier/server/session/lookup_table.hpp>
+#include <kvtier/server/session/region_registry.hpp>
+#include <kvtier/server/session/request_kinds.hpp>
+#include <kvtier/server/session/server_context.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 
@@ -466,9 +466,9 @@ class session : public std::enable_shared_from_this<session> {
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server
 
 // What each request does: members of session, one file per kind of request.
-#include <kvtier/server/impl/admin_requests.hpp>
-#include <kvtier/server/impl/control_requests.hpp>
-#include <kvtier/server/impl/copy_requests.hpp>
-#include <kvtier/server/impl/lookup_requests.hpp>
-#include <kvtier/server/impl/registration_requests.hpp>
-#include <kvtier/server/impl/request_checks.hpp>
+#include <kvtier/server/session/impl/admin_requests.hpp>
+#include <kvtier/server/session/impl/control_requests.hpp>
+#include <kvtier/server/session/impl/copy_requests.hpp>
+#include <kvtier/server/session/impl/lookup_requests.hpp>
+#include <kvtier/server/session/impl/registration_requests.hpp>
+#include <kvtier/server/session/impl/request_checks.hpp>
