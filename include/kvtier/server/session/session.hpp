@@ -7,7 +7,8 @@
 // in order, and how it closes. A frame goes, top to bottom:
 //
 //   run() (the reader: answers pings at once) -> lane() (the other frames, in order)
-//     -> handle_frame() (request events) -> dispatch() (decode) -> the handler of its kind:
+//     -> handle_frame() (request events) -> dispatch() (decode) -> handle() -> on(request,
+//        call), the handler of its kind, which answers a reply or `deferred`:
 //          register_kv, unregister_kv                        impl/registration_requests.hpp
 //          lookup, query_prefetch, free_lookup_locks, end      impl/lookup_requests.hpp
 //          retrieve, store (the copies, the generation fence) impl/copy_requests.hpp
@@ -82,6 +83,7 @@
 #include <kvtier/server/session/any_cache.hpp>
 #include <kvtier/server/session/lookup_table.hpp>
 #include <kvtier/server/session/region_registry.hpp>
+#include <kvtier/server/session/reply_or_deferred.hpp>
 #include <kvtier/server/session/request_kinds.hpp>
 #include <kvtier/server/session/server_context.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
@@ -112,6 +114,13 @@
 #include <variant>
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
+
+namespace detail {
+template <class T>
+inline constexpr bool is_awaitable = false;
+template <class T>
+inline constexpr bool is_awaitable<boost::asio::awaitable<T>> = true;
+}  // namespace detail
 
 class session : public std::enable_shared_from_this<session> {
  public:
@@ -154,39 +163,6 @@ class session : public std::enable_shared_from_this<session> {
   /// Why the session ended ("disconnected", "idle for ...", "protocol error: ...").
   [[nodiscard]] const std::string& close_reason() const noexcept { return close_reason_; }
   [[nodiscard]] std::uint64_t requests() const noexcept { return requests_; }
-
-  /// The answer to one frame (publishes server_request_started/finished), or nullopt for a
-  /// lookup that asked to be answered when decided (hold_lookup_answer) or a query_prefetch
-  /// of a lookup still deciding (answer_when_decided): answered later. Never throws.
-  boost::asio::awaitable<std::optional<protocol::message>> handle_frame(protocol::frame& f) {
-    ++requests_;
-    const bus::request_kind kind = request_kind_of(f.header.type);
-    const auto t0 = clock::now();
-    ctx_.bus.publish(bus::server_request_started{kind, id_});
-    protocol::message reply = co_await dispatch(f);
-    if (lookup_to_hold_) {  // a lookup that asked to be answered when decided
-      auto [key, cache_id] = std::move(*std::exchange(lookup_to_hold_, std::nullopt));
-      hold_lookup_answer(f.header.call_id, std::move(key), cache_id, t0);
-      co_return std::nullopt;
-    }
-    if (const auto* q = std::get_if<protocol::query_prefetch_response>(&reply);
-        q != nullptr && q->state == protocol::prefetch_state::pending) {
-      // No polling on the wire: the answer goes out when the prefetch is decided.
-      if (auto m = protocol::decode_message(f, conn_.frame_limits())) {
-        const std::string key = std::get<protocol::query_prefetch_request>(*m).request_key;
-        if (const lookup_table::entry* e = ctx_.lookups.find(scope_, key)) {
-          boost::asio::co_spawn(conn_.get_executor(),
-                                answer_when_decided(shared_from_this(), f.header.call_id, key, e->cache_id, t0),
-                                boost::asio::detached);
-          co_return std::nullopt;
-        }
-      }
-    }
-    const bool ok = !std::holds_alternative<protocol::error_response>(reply);
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
-    ctx_.bus.publish(bus::server_request_finished{kind, id_, ok, static_cast<std::uint64_t>(ns)});
-    co_return std::optional<protocol::message>(std::move(reply));
-  }
 
  private:
   // --- the loop ------------------------------------------------------------------------
@@ -234,9 +210,9 @@ class session : public std::enable_shared_from_this<session> {
       }
       last_activity_ = clock::now();
       if (f.header.type == protocol::message_type::ping_request) {
-        std::optional<protocol::message> reply = co_await handle_frame(f);  // never awaits a copy
-        if (reply) {
-          auto [wec] = co_await conn_.async_send(f.header.call_id, *reply, as_tuple(use_awaitable));
+        reply_or_deferred reply = co_await handle_frame(f);  // never awaits a copy, never deferred
+        if (!reply.is_deferred()) {
+          auto [wec] = co_await conn_.async_send(f.header.call_id, reply.reply(), as_tuple(use_awaitable));
           if (wec) {
             set_reason(closing_ ? "closed" : "write failed: " + wec.message());
             break;
@@ -272,13 +248,13 @@ class session : public std::enable_shared_from_this<session> {
       lane_.pop_front();
       lane_bytes_ -= f.body.size();
       reader_wake_.cancel();
-      std::optional<protocol::message> reply = co_await handle_frame(f);
+      reply_or_deferred reply = co_await handle_frame(f);
       if (closing_) {  // closed while a copy ran: the socket closes now, unanswered
         set_reason("closed");
         break;
       }
-      if (!reply) continue;  // answered when decided (a query_prefetch)
-      auto [wec] = co_await conn_.async_send(f.header.call_id, *reply, as_tuple(use_awaitable));
+      if (reply.is_deferred()) continue;  // answered when decided (a held lookup, a query)
+      auto [wec] = co_await conn_.async_send(f.header.call_id, reply.reply(), as_tuple(use_awaitable));
       if (wec) {
         set_reason(closing_ ? "closed" : "write failed: " + wec.message());
         break;
@@ -298,12 +274,37 @@ class session : public std::enable_shared_from_this<session> {
     if (close_reason_.empty()) close_reason_ = std::move(r);
   }
 
-  // --- dispatch ------------------------------------------------------------------------
+  // --- one call: decode, the handler of its kind, its answer ------------------------------
+  /// One call being answered: what its handler may need beside the request.
+  struct call {
+    std::uint64_t id = 0;         ///< the frame's call id: the answer and progress frames carry it
+    clock::time_point started{};  ///< when its handling began (server_request_finished)
+    protocol::unique_fd fd;       ///< the fd the frame carried (register_kv's region), else empty
+  };
+
   static protocol::error_response error(errc e, std::string_view text) {
     return protocol::error_response::make(e, text);
   }
 
-  boost::asio::awaitable<protocol::message> dispatch(protocol::frame& f) {
+  /// The answer to one frame (publishes server_request_started, and server_request_finished
+  /// unless deferred: a deferred answer publishes it when it goes out). Never throws.
+  boost::asio::awaitable<reply_or_deferred> handle_frame(protocol::frame& f) {
+    ++requests_;
+    const bus::request_kind kind = request_kind_of(f.header.type);
+    call c{f.header.call_id, clock::now(), std::move(f.fd)};
+    ctx_.bus.publish(bus::server_request_started{kind, id_});
+    reply_or_deferred reply = co_await dispatch(f, c);
+    if (reply.is_deferred()) co_return reply;
+    const bool ok = !std::holds_alternative<protocol::error_response>(reply.reply());
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - c.started).count();
+    ctx_.bus.publish(bus::server_request_finished{kind, id_, ok, static_cast<std::uint64_t>(ns)});
+    co_return reply;
+  }
+
+  /// Decodes the frame and hands the message to handle(): every kind of request the same
+  /// way. A frame that does not decode, and a message the server sends (a response), are
+  /// answered error_response; so is a handler that throws.
+  boost::asio::awaitable<reply_or_deferred> dispatch(const protocol::frame& f, call& c) {
     auto decoded = protocol::decode_message(f, conn_.frame_limits());
     if (!decoded) {
       const auto& e = decoded.error();
@@ -311,58 +312,10 @@ class session : public std::enable_shared_from_this<session> {
           e.code.category() == kvtier_category() ? static_cast<errc>(e.code.value()) : errc::protocol_error;
       co_return error(code, e.reason);
     }
-    if (protocol::from_server(f.header.type))
-      co_return error(errc::protocol_error, std::string(protocol::name(f.header.type)) +
-                                                " is the server's to send: a client sends requests only");
     std::string failure;
     errc failure_code = errc::invalid_argument;
     try {
-      // The requests that await the copy pool: a registration (its region's prefault), and
-      // the copies (one cache call each).
-      if (auto* m = std::get_if<protocol::register_kv_request>(&*decoded)) {
-        auto r = co_await on_register(*m, std::move(f.fd));
-        if (!r) co_return r.error().response();
-        co_return protocol::message(std::move(*r));
-      }
-      if (auto* m = std::get_if<protocol::retrieve_request>(&*decoded)) {
-        auto r = co_await on_retrieve(*m, f.header.call_id);
-        if (!r) co_return r.error().response();
-        co_return protocol::message(std::move(*r));
-      }
-      if (auto* m = std::get_if<protocol::store_request>(&*decoded)) {
-        auto r = co_await on_store(*m);
-        if (!r) co_return r.error().response();
-        co_return protocol::message(std::move(*r));
-      }
-      // The administration requests await the L2 backends (their listings and removals).
-      if (auto* m = std::get_if<protocol::list_objects_request>(&*decoded)) {
-        auto r = co_await on_list_objects(*m);
-        if (!r) co_return r.error().response();
-        co_return protocol::message(std::move(*r));
-      }
-      if (auto* m = std::get_if<protocol::evict_request>(&*decoded)) {
-        auto r = co_await on_evict(*m);
-        if (!r) co_return r.error().response();
-        co_return protocol::message(std::move(*r));
-      }
-      co_return std::visit(
-          [&](auto& m) -> protocol::message {
-            using T = std::decay_t<decltype(m)>;
-            if constexpr (!protocol::wire_request<T>) {
-              return error(errc::protocol_error, "not a request");
-            } else if constexpr (std::is_same_v<T, protocol::register_kv_request> ||
-                                 std::is_same_v<T, protocol::retrieve_request> ||
-                                 std::is_same_v<T, protocol::store_request> ||
-                                 std::is_same_v<T, protocol::list_objects_request> ||
-                                 std::is_same_v<T, protocol::evict_request>) {
-              return error(errc::protocol_error, "unreachable: handled above");
-            } else {
-              request_result<typename T::response_type> r = on(m);
-              if (!r) return r.error().response();
-              return protocol::message(std::move(*r));
-            }
-          },
-          *decoded);
+      co_return co_await std::visit([&](const auto& m) { return handle(m, c); }, *decoded);
     } catch (const std::bad_alloc&) {
       ctx_.log.error("client {}: out of memory handling {}", id_, protocol::name(f.header.type));
       failure_code = errc::out_of_memory;
@@ -374,6 +327,20 @@ class session : public std::enable_shared_from_this<session> {
     co_return error(failure_code, failure);
   }
 
+  /// The answer of the handler of `m`'s kind, on(m, c): awaited when it is a coroutine (it
+  /// awaits the copies, the copy pool or the L2 backends), taken as it is otherwise.
+  template <class Message>
+  boost::asio::awaitable<reply_or_deferred> handle(const Message& m, call& c) {
+    if constexpr (!protocol::wire_request<Message>) {
+      co_return error(errc::protocol_error, std::string(protocol::name(Message::type)) +
+                                                " is the server's to send: a client sends requests only");
+    } else if constexpr (detail::is_awaitable<decltype(on(m, c))>) {
+      co_return reply_or_deferred(co_await on(m, c));
+    } else {
+      co_return reply_or_deferred(on(m, c));
+    }
+  }
+
   // --- the checks every handler shares (impl/request_checks.hpp) ---------------------
   request_result<registration*> registered(std::string_view what);
   request_result<registration*> registered_with_region(std::string_view what);
@@ -382,17 +349,25 @@ class session : public std::enable_shared_from_this<session> {
   static std::uint64_t request_id_of(const std::string& request_key) noexcept;
   std::uint64_t request_model_id(const registration& reg, const std::string& salt);
 
-  // --- registration (impl/registration_requests.hpp) ------------------------------------
-  boost::asio::awaitable<request_result<protocol::register_kv_response>> on_register(
-      const protocol::register_kv_request& r, protocol::unique_fd fd);
+  // --- the handlers: on(request, call), one overload per kind of request ----------------
+  // Each answers a request_result (its response or its refusal), a reply_or_deferred (a
+  // lookup, a query: deferred when answered once decided), or an awaitable of one (a handler
+  // that awaits the copy pool, the copies or the L2 backends). dispatch() reaches all of
+  // them the same way (handle()).
+
+  // registration (impl/registration_requests.hpp)
+  boost::asio::awaitable<request_result<protocol::register_kv_response>> on(const protocol::register_kv_request& r,
+                                                                            call& c);
+  request_result<protocol::unregister_kv_response> on(const protocol::unregister_kv_request&, call&);
   template <class F>
   boost::asio::awaitable<std::invoke_result_t<F&>> on_copy_pool(F f);
-  request_result<protocol::unregister_kv_response> on(const protocol::unregister_kv_request&);
   void prefault_region(registration& g);
 
-  // --- lookups (impl/lookup_requests.hpp) ---------------------------------------------
-  request_result<protocol::lookup_response> on(const protocol::lookup_request& r);
-  request_result<protocol::query_prefetch_response> on(const protocol::query_prefetch_request& r);
+  // lookups (impl/lookup_requests.hpp)
+  reply_or_deferred on(const protocol::lookup_request& r, call& c);
+  reply_or_deferred on(const protocol::query_prefetch_request& r, call& c);
+  request_result<protocol::free_lookup_locks_response> on(const protocol::free_lookup_locks_request& r, call&);
+  request_result<protocol::end_request_response> on(const protocol::end_request_request& r, call&);
   static protocol::query_prefetch_response done_response(const cache::lookup_status& st);
   static protocol::lookup_response lookup_done(const cache::lookup_status& st);
   void hold_lookup_answer(std::uint64_t call_id, std::string key, std::uint64_t cache_id, clock::time_point t0);
@@ -401,37 +376,34 @@ class session : public std::enable_shared_from_this<session> {
   boost::asio::awaitable<void> answer_when_decided(std::shared_ptr<session> self, std::uint64_t call_id,
                                                    std::string request_key, std::uint64_t cache_id,
                                                    clock::time_point t0);
-  request_result<protocol::free_lookup_locks_response> on(const protocol::free_lookup_locks_request& r);
-  request_result<protocol::end_request_response> on(const protocol::end_request_request& r);
   void forget_lookup(const std::string& request_key);
   void release_owned_lookups();
   void release_rank_holds(const std::string& request_key, std::uint64_t cache_id, std::uint16_t rank);
 
-  // --- copies between the engine's region and L1 (impl/copy_requests.hpp) ---------------
+  // copies between the engine's region and L1 (impl/copy_requests.hpp)
   class copy_scope;
   class first_error;
   class progress_sender;
   static request_error closing_error(std::string_view what);
-  /// `call_id`: the frame's, which a retrieve's progress frames carry.
-  boost::asio::awaitable<request_result<protocol::retrieve_response>> on_retrieve(const protocol::retrieve_request& r,
-                                                                                  std::uint64_t call_id);
-  boost::asio::awaitable<request_result<protocol::store_response>> on_store(const protocol::store_request& r);
+  /// The call's id is the one its progress frames carry.
+  boost::asio::awaitable<request_result<protocol::retrieve_response>> on(const protocol::retrieve_request& r, call& c);
+  boost::asio::awaitable<request_result<protocol::store_response>> on(const protocol::store_request& r, call&);
 
-  // --- ping, clear, get_chunk_size, status (impl/control_requests.hpp) --------------------
-  request_result<protocol::ping_response> on(const protocol::ping_request&);
-  request_result<protocol::clear_response> on(const protocol::clear_request& r);
-  request_result<protocol::get_chunk_size_response> on(const protocol::get_chunk_size_request&);
-  request_result<protocol::status_response> on(const protocol::status_request&);
+  // ping, clear, get_chunk_size, status (impl/control_requests.hpp)
+  request_result<protocol::ping_response> on(const protocol::ping_request&, call&);
+  request_result<protocol::clear_response> on(const protocol::clear_request& r, call&);
+  request_result<protocol::get_chunk_size_response> on(const protocol::get_chunk_size_request&, call&);
+  request_result<protocol::status_response> on(const protocol::status_request&, call&);
 
-  // --- administration: list_objects, evict (impl/admin_requests.hpp) ------------------------
+  // administration: list_objects, evict (impl/admin_requests.hpp)
   /// The longest one backend operation of an administration request may take (a listing, a
   /// batch of removals): a listing of a million Redis keys takes ~1000 SCAN round trips.
   static constexpr auto admin_deadline = std::chrono::seconds(60);
   /// Null when this connection's peer is the server's owner or root; else the refusal.
   std::optional<request_error> admin_refusal(std::string_view what);
-  boost::asio::awaitable<request_result<protocol::list_objects_response>> on_list_objects(
-      const protocol::list_objects_request& r);
-  boost::asio::awaitable<request_result<protocol::evict_response>> on_evict(const protocol::evict_request& r);
+  boost::asio::awaitable<request_result<protocol::list_objects_response>> on(const protocol::list_objects_request& r,
+                                                                             call&);
+  boost::asio::awaitable<request_result<protocol::evict_response>> on(const protocol::evict_request& r, call&);
 
   // --- the connection's state, shared by the loop and the handlers ------------------------
   std::uint64_t id_;
@@ -459,8 +431,6 @@ class session : public std::enable_shared_from_this<session> {
     clock::time_point t0{};
   };
   std::unordered_map<std::string, held_lookup> held_lookups_;
-  /// Set by on(lookup_request) for handle_frame: the lookup whose answer to hold (key, cache id).
-  std::optional<std::pair<std::string, std::uint64_t>> lookup_to_hold_;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server

@@ -83,8 +83,8 @@ inline std::optional<request_error> session::admin_refusal(std::string_view what
                                    what, owner, peer->uid, owner)};
 }
 
-inline boost::asio::awaitable<request_result<protocol::list_objects_response>> session::on_list_objects(
-    const protocol::list_objects_request&) {
+inline boost::asio::awaitable<request_result<protocol::list_objects_response>> session::on(
+    const protocol::list_objects_request&, call&) {
   using boost::asio::as_tuple;
   using boost::asio::use_awaitable;
   using nlohmann::json;
@@ -166,8 +166,8 @@ inline boost::asio::awaitable<request_result<protocol::list_objects_response>> s
   co_return protocol::list_objects_response{std::move(text)};
 }
 
-inline boost::asio::awaitable<request_result<protocol::evict_response>> session::on_evict(
-    const protocol::evict_request& r) {
+inline boost::asio::awaitable<request_result<protocol::evict_response>> session::on(
+    const protocol::evict_request& r, call&) {
   using boost::asio::as_tuple;
   using boost::asio::use_awaitable;
   using nlohmann::json;

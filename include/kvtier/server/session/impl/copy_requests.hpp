@@ -154,8 +154,8 @@ inline request_error session::closing_error(std::string_view what) {
   return request_error{errc::shutting_down, std::string(what) + ": the connection is closing"};
 }
 
-inline boost::asio::awaitable<request_result<protocol::retrieve_response>> session::on_retrieve(
-    const protocol::retrieve_request& r, std::uint64_t call_id) {
+inline boost::asio::awaitable<request_result<protocol::retrieve_response>> session::on(
+    const protocol::retrieve_request& r, call& c) {
   using boost::asio::as_tuple;
   using boost::asio::use_awaitable;
   auto reg_r = registered_with_region("retrieve_request");
@@ -190,7 +190,7 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
   const transfer_options layer_write{reg.object_bytes >= transfer_streaming_threshold_bytes ? transfer_write::streaming
                                                                                              : transfer_write::cached};
   std::shared_ptr<progress_sender> progress;
-  if (r.progress) progress = std::make_shared<progress_sender>(shared_from_this(), call_id, n, by_layer ? layers : 1);
+  if (r.progress) progress = std::make_shared<progress_sender>(shared_from_this(), c.id, n, by_layer ? layers : 1);
   if (by_layer) {
     cr.parts = layers;
     cr.on_progress = [progress](std::size_t done) { progress->report(done); };
@@ -229,8 +229,8 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
   co_return protocol::retrieve_response{static_cast<std::uint32_t>(copied)};
 }
 
-inline boost::asio::awaitable<request_result<protocol::store_response>> session::on_store(
-    const protocol::store_request& r) {
+inline boost::asio::awaitable<request_result<protocol::store_response>> session::on(const protocol::store_request& r,
+                                                                                    call&) {
   using boost::asio::as_tuple;
   using boost::asio::use_awaitable;
   auto reg_r = registered_with_region("store_request");

@@ -37,8 +37,9 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
-inline boost::asio::awaitable<request_result<protocol::register_kv_response>> session::on_register(
-    const protocol::register_kv_request& r, protocol::unique_fd fd) {
+inline boost::asio::awaitable<request_result<protocol::register_kv_response>> session::on(
+    const protocol::register_kv_request& r, call& c) {
+  protocol::unique_fd fd = std::move(c.fd);
   const bool maps_region = static_cast<bool>(fd);
   auto make = [&] {
     if (maps_region && !kv_region::populate_supported() && ctx_.hooks.during_prefault)
@@ -124,7 +125,7 @@ boost::asio::awaitable<std::invoke_result_t<F&>> session::on_copy_pool(F f) {
       ctx_.copy_executor, [&f]() -> boost::asio::awaitable<result> { co_return f(); }, boost::asio::use_awaitable);
 }
 
-inline request_result<protocol::unregister_kv_response> session::on(const protocol::unregister_kv_request&) {
+inline request_result<protocol::unregister_kv_response> session::on(const protocol::unregister_kv_request&, call&) {
   auto reg = registered("unregister_kv_request");
   if (!reg) return reg.error();
   release_owned_lookups();
