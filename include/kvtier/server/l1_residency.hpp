@@ -1,33 +1,16 @@
 #pragma once
 // L1 residency: the server's one-time set-up of its L1 arena ("l1_prefault", default on),
-// done BEHIND the first requests: the server listens first (server.hpp, "Start-up").
-//   1. fault every page of the arena in (populate_l1): madvise(MADV_POPULATE_WRITE) (Linux
-//      5.14) in slices of 4 MiB, on a thread of its own at nice 10, so the I/O thread and the
-//      copies come first on a busy machine and no copy waits behind a slice. It changes no
-//      byte and never touches the memory itself, so it runs while slots are in use: a slot
-//      whose pages are not in yet takes them on its first use (a page fault per 4 KiB, inside
-//      the kernel's O_DIRECT page pinning for a load). Faulting 1 GiB in takes ~0.35-0.5 s
-//      here when the host has the memory ready, up to 4 s when it does not (minutes for
-//      hundreds of GiB): done before listening, it kept every restart deaf that long.
-//      Without MADV_POPULATE_WRITE (kernels before 5.14) the fallback writes to every page,
-//      which would overwrite a slot in use: it runs before the server accepts anything
-//      (prefault_l1_by_writing), and start-up waits for it as it used to;
-//   2. once every page is in, on the I/O thread (the thread of the disk backend's io_uring
-//      ring: a registration must not race a submission, io/uring_context.hpp), hand the arena
-//      to every L2 backend that reads into registered memory faster (l1_registration:
-//      any_backend::add_buffers, the disk backend's io_uring fixed buffers, READ_FIXED, so a
-//      1 MiB read pins no pages). Loads submitted before read with plain READ into the same
-//      memory. Registering pins every page, ~40-60 ms per GiB here: 8 GiB at once held the
-//      I/O thread 0.3-0.7 s, and from ~16 GiB it would pass a connector's 1 s ping timeout.
-//      So the arena goes in pieces of 256 MiB (~10-15 ms each), one per turn of the I/O
-//      thread, requests answered between them. Where the kernel has no sparse buffer table
-//      (before Linux 5.19) it is registered at once (any_backend::register_buffers). The
-//      kernel may refuse (RLIMIT_MEMLOCK for a user without CAP_IPC_LOCK): the backend then
-//      reads as before, and the refusal is reported (and counted:
-//      kvtier_io_fixed_buffer_registration_failures_total).
-// The server says where it stands: status "l1.residency" (l1_residency_state), the gauges
-// kvtier_server_l1_resident and kvtier_server_l1_prefaulted_bytes, and one log line when the
-// prefault ends (server::log_l1_residency).
+// done behind the first requests (docs/server.md, "Start-up", step 3):
+//   1. populate_l1: every page of the arena faulted in (MADV_POPULATE_WRITE in 4 MiB
+//      slices) on a thread of its own at nice 10; it changes no byte, so it runs while
+//      slots are in use. Without MADV_POPULATE_WRITE (before Linux 5.14) the fallback
+//      writes every page, so it runs before the server accepts anything;
+//   2. once every page is in, on the I/O thread (the disk backend's ring's thread), the
+//      arena registered with the L2 backends that read into registered memory faster, a
+//      piece of 256 MiB per turn of the I/O thread (l1_registration: 8 GiB at once held
+//      the thread 0.3-0.7 s, past a connector's ping timeout from ~16 GiB).
+// Status "l1.residency", the gauges kvtier_server_l1_resident and
+// kvtier_server_l1_prefaulted_bytes, and one log line say where it stands.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/kv_region.hpp>

@@ -1,29 +1,9 @@
 #pragma once
-// server: the kvtier cache server in one object. It owns
-//   - its io_context: ONE thread (run()) carries the protocol, the pipelines' coroutines,
-//     lookups and pings (docs/architecture.md);
-//   - the copy pool (copy_threads threads): the copies between engine regions and L1 of
-//     retrieves and stores (tiered_cache::async_copy_out / async_copy_in), so a large copy
-//     never holds up the I/O thread;
-//   - the event bus (metrics inline, logs on the bus's drain thread: the second thread);
-//   - the metrics registry (metrics(), metrics_text()) and, when metrics_port is set, the
-//     HTTP endpoint on this same executor: /metrics (Prometheus text), /healthz (200 with
-//     the boot token while serving, 503 while shutting down), /status (status_json());
-//   - the L2 backends (backend_factory), the tiered cache (any_cache), the registrations, the
-//     engines they form and their lookups (session/region_registry.hpp, session/engine_table.hpp,
-//     session/lookup_table.hpp), the listening socket and one session per connection;
-//   - a reaper timer: expires L1 locks and lookups past their TTL, and closes connections
-//     silent for client_reap_timeout (a connection that dies is reaped at once: EOF),
-//     releasing the lookups each one owned; like every close, on the I/O thread, and a
-//     connection with a copy in flight is closed once it ended, so no copy for the
-//     connection runs or starts after (session/session.hpp);
-//   - a random boot token, answered to ping and register (a new one reveals a restart);
-//   - who may connect: every accepted connection's peer is checked with SO_PEERCRED (the
-//     server's own uid, root, allowed_uids, allowed_gids) and against the connection caps
-//     (session/client_budget.hpp) before a byte of it is read; a refused peer gets one
-//     error_response saying why and is closed, with one (throttled) log line and a count in
-//     kvtier_server_connections_refused_total{reason}. The default socket's directory is
-//     created 0700 and verified at start (protocol/unix_socket.hpp).
+// server: the kvtier cache server in one object. It owns its I/O thread (run(): the
+// protocol, the pipelines' coroutines, lookups, pings), the copy pool, the event bus and
+// metrics registry, the HTTP endpoint (http_exporter.hpp), the L2 backends and the cache
+// (make_cache.hpp), the registrations, engines and lookups (session/), the listening socket
+// (listener.hpp) with one session per connection, the reaper, and a random boot token.
 //
 //   kvtier::server::server s(config);        // the checks, then the set-up: throws config_error,
 //                                             // std::runtime_error (socket, port), std::bad_alloc
@@ -31,28 +11,9 @@
 //   std::thread t([&] { s.run(); });          // or run() on the main thread
 //   s.stop();                                 // any thread: orderly shutdown, run() returns
 //
-// Start-up, in this order (docs/server.md, "Start-up"):
-//   1. the checks, each before any work, so a refused start says one thing and has done
-//      nothing: the configuration (validate), each L2 backend's (backend_spec::check: a disk
-//      directory's trust and lock), the metrics address and port (bound), the socket (its
-//      directory's trust, no live server there; bound and listening: a connection made from
-//      now on waits in the backlog). The signal handler is installed before the socket
-//      exists, so a SIGTERM from a client that just connected shuts down in order;
-//   2. the work the first request needs: the L2 backends built (a disk backend's recovery
-//      scan), the cache and its L1 arena (virtual memory: no page is touched);
-//   3. start(): accepting, the reaper, the HTTP endpoint; then L1 is faulted in behind the
-//      first requests on a thread of its own and registered with the L2 backends once resident,
-//      a piece per turn of the I/O thread (l1_residency.hpp), with log lines when done. Status "l1.residency" and
-//      kvtier_server_l1_resident say where it stands.
-// Nothing is logged before the checks passed.
-//
-// Shutdown (stop(), or SIGTERM/SIGINT when server_options::handle_signals): stop accepting,
-// close every connection (their registrations and lookups are reaped), release the
-// remaining lookups, wait for in-flight L2 work up to shutdown_timeout, stop the cache's
-// pipelines (queued stores dropped; operations in flight waited for, every coroutine of the
-// cache ended), remove the socket file, and return from run(). Logs are flushed when the
-// server is destroyed (the bus drains its queue).
-//
+// docs/server.md says what it does and in which order: "Start-up" (the checks before any
+// work, then the work the first request needs, then serving while L1 is faulted in),
+// "Threads", "Trust" (who may connect), "Reaping", "Shutdown", "The HTTP endpoint".
 
 #include <kvtier/bus/event_bus.hpp>
 #include <kvtier/config.hpp>
@@ -118,12 +79,13 @@ struct server_options {
 
 class server final : private session_host {
  public:
-  /// The start-up checks, then the set-up the first request needs ("Start-up" above): binds
-  /// the metrics port and the socket (connections wait in the backlog until start()). Throws
-  /// config_error for a configuration to change (a value that does not validate, a disk
-  /// directory that cannot be trusted), std::runtime_error saying what to change when the
-  /// socket or the port cannot be had or a backend cannot be built, std::invalid_argument or
-  /// std::bad_alloc when L1 cannot be set up; nothing is left behind then (no socket file).
+  /// The start-up checks, then the set-up the first request needs (docs/server.md,
+  /// "Start-up"): binds the metrics port and the socket (connections wait in the backlog
+  /// until start()). Throws config_error for a configuration to change (a value that does
+  /// not validate, a disk directory that cannot be trusted), std::runtime_error saying what
+  /// to change when the socket or the port cannot be had or a backend cannot be built,
+  /// std::invalid_argument or std::bad_alloc when L1 cannot be set up; nothing is left
+  /// behind then (no socket file).
   explicit server(server_config config, server_options options = {},
                   const backend_factory& factory = backend_factory::builtin())
       : config_((config.validate(factory), std::move(config))),
@@ -193,8 +155,8 @@ class server final : private session_host {
   }
 
   /// Serves: the accept loop (the socket listens since the constructor), the reaper, and the
-  /// L1 prefault behind the first requests ("Start-up" above). The requests are served
-  /// once run() runs the I/O thread.
+  /// L1 prefault behind the first requests (docs/server.md, "Start-up"). The requests are
+  /// served once run() runs the I/O thread.
   void start() {
     if (started_) return;
     started_ = true;
@@ -212,7 +174,7 @@ class server final : private session_host {
     return 0;
   }
 
-  /// Begins an orderly shutdown (see the header comment). Any thread; idempotent.
+  /// Begins an orderly shutdown (docs/server.md, "Shutdown"). Any thread; idempotent.
   void stop() {
     boost::asio::post(io_, [this] { begin_shutdown(); });
   }

@@ -195,6 +195,13 @@ struct server_config {
   [[nodiscard]] static std::chrono::nanoseconds seconds(double s) noexcept {
     return std::chrono::nanoseconds(static_cast<std::int64_t>(s * 1e9));
   }
+
+ private:
+  // merge_json's parts, in its order: who may connect and how much each may hold; L1, L2
+  // and the prefetch; the process (threads, logs, timeouts, the HTTP endpoint).
+  void merge_clients(json_object_reader& r);
+  void merge_cache(json_object_reader& r);
+  void merge_process(json_object_reader& r);
 };
 
 namespace detail {
@@ -275,6 +282,13 @@ inline std::optional<std::uint64_t> read_budget(json_object_reader& r, std::stri
 
 inline void server_config::merge_json(const nlohmann::json& j) {
   json_object_reader r(j, "");
+  merge_clients(r);
+  merge_cache(r);
+  merge_process(r);
+  r.finish();
+}
+
+inline void server_config::merge_clients(json_object_reader& r) {
   if (auto v = r.string("socket")) socket_path = *v;
   if (auto v =
           r.string("socket_mode", {}, "an octal mode such as \"0600\" (only this user) or \"0660\" (its group too)")) {
@@ -293,6 +307,9 @@ inline void server_config::merge_json(const nlohmann::json& j) {
   if (auto v = detail::read_budget(r, "max_lookup_keys", std::uint64_t{1} << 40, "or \"auto\"")) max_lookup_keys = *v;
   if (auto v = detail::read_budget(r, "max_lookup_keys_per_client", std::uint64_t{1} << 40, "or \"auto\""))
     max_lookup_keys_per_client = *v;
+}
+
+inline void server_config::merge_cache(json_object_reader& r) {
   if (auto v = r.integer("chunk_size", 1, 65536, "a multiple of the engine's block size, e.g. 256"))
     chunk_tokens = static_cast<std::uint32_t>(*v);
   if (auto v = read_size(r, "l1_size")) l1_size_bytes = *v;
@@ -331,6 +348,9 @@ inline void server_config::merge_json(const nlohmann::json& j) {
     prefetch_load_timeout_ms = static_cast<std::uint32_t>(*v);
   if (auto v = r.integer("prefetch_probe_every", 0, 1u << 20)) prefetch_probe_every = static_cast<std::uint32_t>(*v);
   if (auto v = r.integer("prefetch_probe_chunks", 0, 65536)) prefetch_probe_chunks = static_cast<std::uint32_t>(*v);
+}
+
+inline void server_config::merge_process(json_object_reader& r) {
   if (auto v = r.integer("copy_threads", 0, 256)) copy_threads = static_cast<std::uint32_t>(*v);
   if (auto v = r.string("log_level", {"trace", "debug", "info", "warn", "error", "off"}))
     log_level = *telemetry::parse_log_level(*v);
@@ -348,7 +368,6 @@ inline void server_config::merge_json(const nlohmann::json& j) {
   }
   if (auto v = r.string("metrics_address", {}, "an IP address, e.g. 127.0.0.1 (loopback) or 0.0.0.0 (every interface)"))
     metrics_address = *v;
-  r.finish();
 }
 
 inline void server_config::validate(const backend_factory& backends) const {

@@ -1,74 +1,18 @@
 #pragma once
-// session: one per accepted connection. A coroutine reads a frame, answers it, writes the
-// answer, and reads the next, all on the server's one I/O thread. docs/server.md has the
-// request semantics (the engine <-> server contract); here is how each is carried out.
-//
-// This file is the connection: its frames read, queued, handed to their handler and answered,
-// in order, and how it closes. A frame goes, top to bottom:
+// session: one per accepted connection, on the server's one I/O thread: its frames read,
+// queued, handed to their handler and answered in order, and how it closes. A frame goes:
 //
 //   run() (the reader: answers pings at once) -> lane() (the other frames, in order)
-//     -> handle_frame() (request events) -> dispatch() (decode) -> handle() -> on(request,
-//        call), the handler of its kind, which answers a reply or `deferred`:
-//          register_kv, unregister_kv                        impl/registration_requests.hpp
-//          lookup, query_prefetch, free_lookup_locks, end      impl/lookup_requests.hpp
-//          retrieve, store (the copies, the generation fence) impl/copy_requests.hpp
-//          ping, clear, get_chunk_size, status                impl/control_requests.hpp
-//          list_objects, evict (owner and root only)           impl/admin_requests.hpp
-//        with the checks they share (registration, region, block ids: impl/request_checks.hpp)
+//     -> handle_frame() (request events) -> dispatch() (decode) -> handle()
+//     -> on(request, call): the handler of its kind, in impl/ (registration_requests,
+//        lookup_requests, copy_requests, control_requests, admin_requests, with the checks
+//        they share in request_checks), answering a reply or `deferred` (reply_or_deferred.hpp)
 //     -> one call of the cache (any_cache.hpp -> cache::tiered_cache).
 //
-// Each handler file defines members of this class; the state they share is the members at
-// the end of the class.
-//
-// Every frame is answered:
-//   - a request: its response, or error_response{errc, message} when refused (not
-//     registered, counts that do not match the layout, block id out of range, rank not the
-//     registration's, ...). Lookups start a background prefetch and answer at once. A
-//     retrieve is decode -> one cache call (tiered_cache::async_copy_out: each chunk copied
-//     into the engine's blocks as soon as it is readable, an L2 load pipelined with the
-//     copies) -> encode; a store likewise (async_copy_in, the generation fence after the
-//     copies). The copies run on the server's copy pool (copy_threads), so the I/O thread
-//     keeps serving the other connections' protocol, pings and lookups meanwhile; this
-//     connection's next request is handled once the answer went out (its pings are
-//     answered meanwhile), as for every request.
-//   - a frame whose body does not decode (unknown type, truncated or oversized field,
-//     trailing bytes) or that carries a response type: error_response, and the connection
-//     goes on (its frame boundaries held; docs/protocol.md).
-//   - a broken stream (bad magic, other version, body above the frame limit, fd overflow):
-//     error_response with the call id when the header was readable (0 otherwise), then the
-//     connection is closed: the stream cannot be trusted any more.
-// One answer is in flight per connection (pings aside): the lane takes the next frame once
-// the previous answer was handed to the socket, and the reader reads at most
-// max_lane_frames / max_lane_bytes ahead of it. A client that stops reading its answers
-// therefore stops being read, sends nothing the server sees, and is reaped by the idle
-// timeout; it never holds more than its queued frames and one answer of server memory and
-// never blocks the I/O thread.
-//
-// Closing keeps a promise engines rely on (docs/protocol.md, "Closing a connection"): the
-// server closes a connection only after every copy it started between that connection's
-// KV region and L1 has ended, and starts none after it decided to close. An engine that
-// reads EOF on a connection therefore knows that no block it handed over on it can be
-// written any more, and releases the blocks it had quarantined for calls it gave up on
-// (engine/quarantine.hpp); breaking the promise lets a late copy write into blocks the
-// engine already reuses: wrong KV. Copies run on the copy pool, so the session keeps it
-// explicitly: it counts its copy operations in flight (copies_, on the I/O thread: a copy
-// operation counts from its start until its completion ran, by which time every sink and
-// source call of it returned); close() (reaper, shutdown, a broken stream: always on the I/O
-// thread) sets closing_ at once but defers the socket's close until copies_ is 0; no copy
-// starts once closing_ is set (the loop drops a frame read after it, and the copy handlers
-// check it); and the region is unmapped only in session_closed, after the loop ended, which
-// it cannot while it awaits a copy.
-//
-// Lookups belong to the connection's engine (lookup_table, keyed by the engine scope of
-// engine_table.hpp: the connections of one peer uid that registered with one engine id, or
-// this connection alone without one): any connection of the engine may query, free or end
-// a lookup, and a worker's retrieve copies through its engine's lookup (its scheduler's):
-// each chunk as its load lands, and the rank's holds given back when it ends. The issuing
-// connection keeps the lookup's budget and takes it along when it goes.
-//
-// A session never outlives its use of the server: the server owns it in a map, its
-// coroutine holds a shared_ptr, and when the coroutine ends it calls
-// session_host::session_closed(), which reaps the connection's registration and lookups.
+// docs/server.md has the contract it keeps ("Requests", "Errors and broken streams") and how
+// ("Inside a session": the lane and its backpressure, the closing promise about copies in
+// flight, who owns a session). Each impl/ file defines members of this class; the state they
+// share is the members at the end of the class.
 
 #include <kvtier/bus/event_bus.hpp>
 #include <kvtier/bus/events.hpp>
@@ -120,6 +64,7 @@ template <class T>
 inline constexpr bool is_awaitable = false;
 template <class T>
 inline constexpr bool is_awaitable<boost::asio::awaitable<T>> = true;
+struct tier_removal;  // impl/admin_requests.hpp
 }  // namespace detail
 
 class session : public std::enable_shared_from_this<session> {
@@ -147,7 +92,7 @@ class session : public std::enable_shared_from_this<session> {
 
   /// Closes the connection; the loop ends and the host reaps it. `reason` goes to the log.
   /// On the I/O thread. With a copy of this session in flight the socket closes when it
-  /// ended (the promise in the header comment); none starts after this call.
+  /// ended (the closing promise: docs/server.md, "Inside a session"); none starts after this call.
   void close(std::string reason) {
     if (close_reason_.empty()) close_reason_ = std::move(reason);
     closing_ = true;
@@ -203,7 +148,7 @@ class session : public std::enable_shared_from_this<session> {
         break;
       }
       // Closed meanwhile (reaped, shutting down): a frame read before the close is dropped,
-      // so no copy starts after it (the promise in the header comment).
+      // so no copy starts after it (the closing promise).
       if (closing_ || lane_done_) {
         set_reason("closed");
         break;
@@ -385,6 +330,8 @@ class session : public std::enable_shared_from_this<session> {
   class first_error;
   class progress_sender;
   static request_error closing_error(std::string_view what);
+  cache::copy_out_sink retrieve_sink(const registration& reg, const protocol::retrieve_request& r, bool by_layer,
+                                     std::shared_ptr<progress_sender> progress, first_error& refused);
   /// The call's id is the one its progress frames carry.
   boost::asio::awaitable<request_result<protocol::retrieve_response>> on(const protocol::retrieve_request& r, call& c);
   boost::asio::awaitable<request_result<protocol::store_response>> on(const protocol::store_request& r, call&);
@@ -404,6 +351,8 @@ class session : public std::enable_shared_from_this<session> {
   boost::asio::awaitable<request_result<protocol::list_objects_response>> on(const protocol::list_objects_request& r,
                                                                              call&);
   boost::asio::awaitable<request_result<protocol::evict_response>> on(const protocol::evict_request& r, call&);
+  boost::asio::awaitable<request_result<detail::tier_removal>> evict_from_backend(l2::any_backend& backend,
+                                                                                  const l2::key_filter& selected);
 
   // --- the connection's state, shared by the loop and the handlers ------------------------
   std::uint64_t id_;

@@ -1,36 +1,12 @@
 #pragma once
-// session (server/session/session.hpp): the administration requests (docs/server.md,
-// "Administration"; the `kvtier` program sends them):
-//
-//   list_objects_request  the objects of L1 and of every L2 backend, per model namespace (the
-//                         model id of their chunk keys) and tier: objects and bytes, with the
-//                         model name and salts the server learned for each id
-//                         (model_namespaces.hpp; "known": false for ids it has not met since
-//                         it started);
-//   evict_request         removes the objects of a selection (all; or model name, request
-//                         salt, model id, together) from the tiers named (default: every one).
-//
-// Who: the server's owner (its effective uid) and root only, by the connection's peer uid
-// (SO_PEERCRED). Another user admitted by allowed_uids / allowed_gids may register and look
-// up but is refused these with errc::permission_denied. No registration is needed: an
-// operator does not bring a KV region.
-//
-// Removal never takes bytes from under a reader, and never lets a wrong byte be served:
-//   - L1 (l1::tier::remove_if): an unlocked object goes at once; a locked one (a lookup's or
-//     copy's read hold, a write or load in flight) is kept and counted in use, or with
-//     `force` leaves the index at once while its memory waits for its last lock;
-//   - L2: the objects the backend lists under the selection are removed with async_remove,
-//     whose rule keeps what a prefetch pinned (`rejected`: counted in use) and what is being
-//     stored (the disk backend's `writing` entries are not listed). A load that races a
-//     removal finds the object gone (not_found: the engine recomputes); every load checks the
-//     object's header and checksum, so it never serves another object's bytes.
-// An object whose store to L2 was in flight may land in L2 after the eviction answered (its
-// L1 copy was locked by the store, so it was counted in use): list again, or stop the
-// engines first, when nothing may stay.
-//
-// Both requests await the L2 backends on the I/O thread's executor (the lane of this
-// connection waits; every other connection is served meanwhile), each backend operation
-// bounded by admin_deadline, and stop between batches when the connection closes.
+// session (server/session/session.hpp): the administration requests, which the `kvtier`
+// program sends:
+//   list_objects_request  the objects of L1 and of every L2 backend, per model namespace
+//                         (model_namespaces.hpp) and tier;
+//   evict_request         removes the objects of a selection from the tiers named.
+// For the server's owner and root only (admin_refusal). docs/server.md, "Administration",
+// has what each answers, how a removal never takes bytes from under a reader, and the
+// bounds (admin_deadline per backend operation, batches, a closing connection).
 
 #include <kvtier/protocol/unix_socket.hpp>
 #include <kvtier/server/session/session.hpp>
@@ -65,7 +41,163 @@ namespace detail {
 struct tier_usage {
   std::uint64_t objects = 0;
   std::uint64_t bytes = 0;
+
+  void add(const tier_usage& o) noexcept {
+    objects += o.objects;
+    bytes += o.bytes;
+  }
 };
+
+/// One model namespace of a listing: what the server learned of its id (`e`, null when it
+/// has not met it since it started) and its objects per tier (`per_tier[i]`: tier_names[i]).
+[[nodiscard]] inline nlohmann::json namespace_json(std::uint64_t id, const model_namespaces::entry* e,
+                                                   const std::vector<tier_usage>& per_tier,
+                                                   const std::vector<std::string>& tier_names) {
+  using nlohmann::json;
+  json n;
+  n["model_id"] = model_id_hex(id);
+  n["known"] = e != nullptr;
+  n["model"] = e ? json(e->model_name) : json(nullptr);
+  n["cache_salt"] = e ? json(e->cache_salt) : json(nullptr);
+  n["deployment_salt"] = e ? json(e->deployment_salt) : json(nullptr);
+  n["base_model_id"] = e ? json(model_id_hex(e->base_model_id)) : json(nullptr);
+  n["dtype"] = e ? json(std::string(name(e->dtype))) : json(nullptr);
+  n["layout"] = e ? json(std::string(name(e->layout))) : json(nullptr);
+  json t = json::object();
+  tier_usage all;
+  for (std::size_t i = 0; i < per_tier.size(); ++i) {
+    if (per_tier[i].objects == 0) continue;
+    t[tier_names[i]] = {{"objects", per_tier[i].objects}, {"bytes", per_tier[i].bytes}};
+    all.add(per_tier[i]);
+  }
+  n["tiers"] = std::move(t);
+  n["objects"] = all.objects;
+  n["bytes"] = all.bytes;
+  return n;
+}
+
+/// The listing's text, within protocol::max_status_json_bytes: with thousands of namespaces
+/// (unknown ids of a shared Redis), the largest that fit (`j["namespaces"]`: largest first).
+[[nodiscard]] inline std::string fit_listing(nlohmann::json& j) {
+  std::string text = j.dump();
+  std::size_t dropped = 0;
+  while (text.size() > protocol::max_status_json_bytes && !j["namespaces"].empty()) {
+    const std::size_t cut = std::max<std::size_t>(1, j["namespaces"].size() / 8);
+    for (std::size_t i = 0; i < cut; ++i) j["namespaces"].erase(j["namespaces"].size() - 1);
+    dropped += cut;
+    j["namespaces_truncated"] = dropped;
+    text = j.dump();
+  }
+  return text;
+}
+
+/// The tiers an evict_request names: L1 or not, and the indices of the L2 backends.
+struct evict_tiers {
+  bool l1 = false;
+  std::vector<std::size_t> backends;
+};
+
+/// evict_request.tiers ("l1" and the backends' names, comma-separated; empty: every tier),
+/// or the refusal naming a tier this server does not have.
+[[nodiscard]] inline request_result<evict_tiers> parse_evict_tiers(std::string_view list,
+                                                                   std::span<const l2::any_backend> backends) {
+  evict_tiers out;
+  if (list.empty()) {
+    out.l1 = true;
+    for (std::size_t b = 0; b < backends.size(); ++b) out.backends.push_back(b);
+    return out;
+  }
+  for (std::size_t at = 0;;) {
+    const auto comma = list.find(',', at);
+    std::string_view t = list.substr(at, comma == std::string_view::npos ? std::string_view::npos : comma - at);
+    while (!t.empty() && t.front() == ' ') t.remove_prefix(1);
+    while (!t.empty() && t.back() == ' ') t.remove_suffix(1);
+    if (t == "l1") {
+      out.l1 = true;
+    } else {
+      std::size_t b = 0;
+      while (b < backends.size() && backends[b].name() != t) ++b;
+      if (b == backends.size()) {
+        std::string known = "l1";
+        for (const auto& x : backends) known += ", " + std::string(x.name());
+        return request_error{errc::invalid_argument, fmt::format("evict_request.tiers: no tier named '{}' in '{}': "
+                                                                 "this server has {}",
+                                                                 t, list, known)};
+      }
+      if (std::find(out.backends.begin(), out.backends.end(), b) == out.backends.end()) out.backends.push_back(b);
+    }
+    if (comma == std::string_view::npos) break;
+    at = comma + 1;
+  }
+  return out;
+}
+
+/// The selection of an evict_request as a key filter. Names and salts resolve to the ids
+/// the server learned (model_namespaces.hpp) now, on the I/O thread: the filter runs on the
+/// backends' executors and touches nothing of the session.
+[[nodiscard]] inline l2::key_filter evict_filter(const protocol::evict_request& r, const model_namespaces& spaces) {
+  struct selection {
+    bool by_id = false;
+    std::uint64_t id = 0;
+    bool by_names = false;
+    std::unordered_set<std::uint64_t> named;
+  };
+  auto sel = std::make_shared<selection>();
+  sel->by_id = r.by_model_id;
+  sel->id = r.model_id;
+  if (r.by_model || r.by_salt) {
+    sel->by_names = true;
+    spaces.for_each([&](std::uint64_t id, const model_namespaces::entry& e) {
+      if (r.by_model && e.model_name != r.model_name) return;
+      if (r.by_salt && e.cache_salt != r.cache_salt) return;
+      sel->named.insert(id);
+    });
+  }
+  return [sel = std::shared_ptr<const selection>(sel)](const chunk_key& k) {
+    if (sel->by_id && k.model_id != sel->id) return false;
+    if (sel->by_names && !sel->named.contains(k.model_id)) return false;
+    return true;
+  };
+}
+
+/// What an evict_request removed from one tier: a row of its JSON.
+struct tier_removal {
+  std::string tier;
+  std::uint64_t removed = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t in_use = 0;
+  std::uint64_t failed = 0;
+  std::string error;
+};
+
+/// The evict_response of the tiers' removals: the sums, and one JSON row per tier.
+[[nodiscard]] inline protocol::evict_response evict_answer(std::vector<tier_removal> removals) {
+  protocol::evict_response out;
+  nlohmann::json rows = nlohmann::json::array();
+  for (auto& t : removals) {
+    out.removed_objects += t.removed;
+    out.removed_bytes += t.bytes;
+    out.in_use_objects += t.in_use;
+    out.failed_objects += t.failed;
+    rows.push_back({{"tier", std::move(t.tier)},
+                    {"removed_objects", t.removed},
+                    {"removed_bytes", t.bytes},
+                    {"in_use_objects", t.in_use},
+                    {"failed_objects", t.failed},
+                    {"error", std::move(t.error)}});
+  }
+  out.json = nlohmann::json{{"tiers", std::move(rows)}}.dump();
+  return out;
+}
+
+/// "model 'x', salt 'y'" or "every object": what an evict_request selects, for the log.
+[[nodiscard]] inline std::string evict_selection_text(const protocol::evict_request& r) {
+  std::string what = r.all ? std::string("every object") : std::string();
+  if (r.by_model) what += fmt::format("model '{}'", r.model_name);
+  if (r.by_salt) what += fmt::format("{}salt '{}'", what.empty() ? "" : ", ", r.cache_salt);
+  if (r.by_model_id) what += fmt::format("{}model id {}", what.empty() ? "" : ", ", model_id_hex(r.model_id));
+  return what;
+}
 
 }  // namespace detail
 
@@ -117,29 +249,9 @@ inline boost::asio::awaitable<request_result<protocol::list_objects_response>> s
   std::vector<detail::tier_usage> totals(tiers);
   std::vector<std::pair<std::uint64_t, json>> spaces;  // (bytes, namespace)
   for (const auto& [id, per_tier] : by_id) {
-    json n;
-    n["model_id"] = detail::model_id_hex(id);
-    const model_namespaces::entry* e = ctx_.namespaces.find(id);
-    n["known"] = e != nullptr;
-    n["model"] = e ? json(e->model_name) : json(nullptr);
-    n["cache_salt"] = e ? json(e->cache_salt) : json(nullptr);
-    n["deployment_salt"] = e ? json(e->deployment_salt) : json(nullptr);
-    n["base_model_id"] = e ? json(detail::model_id_hex(e->base_model_id)) : json(nullptr);
-    n["dtype"] = e ? json(std::string(name(e->dtype))) : json(nullptr);
-    n["layout"] = e ? json(std::string(name(e->layout))) : json(nullptr);
-    json t = json::object();
-    std::uint64_t objects = 0, bytes = 0;
-    for (std::size_t i = 0; i < tiers; ++i) {
-      if (per_tier[i].objects == 0) continue;
-      t[tier_names[i]] = {{"objects", per_tier[i].objects}, {"bytes", per_tier[i].bytes}};
-      objects += per_tier[i].objects;
-      bytes += per_tier[i].bytes;
-      totals[i].objects += per_tier[i].objects;
-      totals[i].bytes += per_tier[i].bytes;
-    }
-    n["tiers"] = std::move(t);
-    n["objects"] = objects;
-    n["bytes"] = bytes;
+    for (std::size_t i = 0; i < tiers; ++i) totals[i].add(per_tier[i]);
+    json n = detail::namespace_json(id, ctx_.namespaces.find(id), per_tier, tier_names);
+    const std::uint64_t bytes = n["bytes"].get<std::uint64_t>();
     spaces.emplace_back(bytes, std::move(n));
   }
   // Largest first; ties by id (the map's order), so the order is stable.
@@ -153,24 +265,11 @@ inline boost::asio::awaitable<request_result<protocol::list_objects_response>> s
   json list = json::array();
   for (auto& [bytes, n] : spaces) list.push_back(std::move(n));
   j["namespaces"] = std::move(list);
-  std::string text = j.dump();
-  // Thousands of namespaces (unknown ids of a shared Redis): keep the largest that fit.
-  std::size_t dropped = 0;
-  while (text.size() > protocol::max_status_json_bytes && !j["namespaces"].empty()) {
-    const std::size_t cut = std::max<std::size_t>(1, j["namespaces"].size() / 8);
-    for (std::size_t i = 0; i < cut; ++i) j["namespaces"].erase(j["namespaces"].size() - 1);
-    dropped += cut;
-    j["namespaces_truncated"] = dropped;
-    text = j.dump();
-  }
-  co_return protocol::list_objects_response{std::move(text)};
+  co_return protocol::list_objects_response{detail::fit_listing(j)};
 }
 
-inline boost::asio::awaitable<request_result<protocol::evict_response>> session::on(
-    const protocol::evict_request& r, call&) {
-  using boost::asio::as_tuple;
-  using boost::asio::use_awaitable;
-  using nlohmann::json;
+inline boost::asio::awaitable<request_result<protocol::evict_response>> session::on(const protocol::evict_request& r,
+                                                                                    call&) {
   if (auto refused = admin_refusal("evict_request")) co_return *refused;
   const bool selects = r.by_model || r.by_salt || r.by_model_id;
   if (r.all && selects)
@@ -180,129 +279,65 @@ inline boost::asio::awaitable<request_result<protocol::evict_response>> session:
   if (!r.all && !selects)
     co_return request_error{errc::invalid_argument,
                             "evict_request selects nothing: set `all`, or a model name, a salt or a model id"};
-
-  // The tiers: "l1" and the backends' names, comma-separated; empty: every tier.
   const std::span<l2::any_backend> backends = ctx_.cache.backends();
-  bool with_l1 = r.tiers.empty();
-  std::vector<std::size_t> chosen;
-  if (r.tiers.empty()) {
-    for (std::size_t b = 0; b < backends.size(); ++b) chosen.push_back(b);
-  } else {
-    std::string known = "l1";
-    for (const auto& b : backends) known += ", " + std::string(b.name());
-    const std::string_view list = r.tiers;
-    for (std::size_t at = 0;;) {
-      const auto comma = list.find(',', at);
-      std::string_view t = list.substr(at, comma == std::string_view::npos ? std::string_view::npos : comma - at);
-      while (!t.empty() && t.front() == ' ') t.remove_prefix(1);
-      while (!t.empty() && t.back() == ' ') t.remove_suffix(1);
-      if (t == "l1") {
-        with_l1 = true;
-      } else {
-        std::size_t b = 0;
-        while (b < backends.size() && backends[b].name() != t) ++b;
-        if (b == backends.size())
-          co_return request_error{errc::invalid_argument,
-                                  fmt::format("evict_request.tiers: no tier named '{}' in '{}': this server has {}", t,
-                                              list, known)};
-        if (std::find(chosen.begin(), chosen.end(), b) == chosen.end()) chosen.push_back(b);
-      }
-      if (comma == std::string_view::npos) break;
-      at = comma + 1;
-    }
-  }
+  auto tiers = detail::parse_evict_tiers(r.tiers, backends);
+  if (!tiers) co_return tiers.error();
+  const l2::key_filter selected = detail::evict_filter(r, ctx_.namespaces);
 
-  // The selection as a key filter. Names and salts resolve to the ids the server learned
-  // (model_namespaces.hpp) now, on this thread: the filter runs on the backends' executors
-  // and touches nothing of the session.
-  struct selection {
-    bool by_id = false;
-    std::uint64_t id = 0;
-    bool by_names = false;
-    std::unordered_set<std::uint64_t> named;
-  };
-  auto sel = std::make_shared<selection>();
-  sel->by_id = r.by_model_id;
-  sel->id = r.model_id;
-  if (r.by_model || r.by_salt) {
-    sel->by_names = true;
-    ctx_.namespaces.for_each([&](std::uint64_t id, const model_namespaces::entry& e) {
-      if (r.by_model && e.model_name != r.model_name) return;
-      if (r.by_salt && e.cache_salt != r.cache_salt) return;
-      sel->named.insert(id);
-    });
-  }
-  const l2::key_filter selected = [sel = std::shared_ptr<const selection>(sel)](const chunk_key& k) {
-    if (sel->by_id && k.model_id != sel->id) return false;
-    if (sel->by_names && !sel->named.contains(k.model_id)) return false;
-    return true;
-  };
-
-  protocol::evict_response out;
-  json tiers_json = json::array();
-  auto report = [&](std::string tier, std::uint64_t removed, std::uint64_t bytes, std::uint64_t in_use,
-                    std::uint64_t failed, std::string error) {
-    out.removed_objects += removed;
-    out.removed_bytes += bytes;
-    out.in_use_objects += in_use;
-    out.failed_objects += failed;
-    tiers_json.push_back({{"tier", std::move(tier)},
-                          {"removed_objects", removed},
-                          {"removed_bytes", bytes},
-                          {"in_use_objects", in_use},
-                          {"failed_objects", failed},
-                          {"error", std::move(error)}});
-  };
-  if (with_l1) {
+  std::vector<detail::tier_removal> removals;
+  if (tiers->l1) {
     const l1::removal_summary s = ctx_.cache.remove_l1_if(selected, r.force);
-    report("l1", s.removed, s.removed_bytes, s.locked, 0, {});
+    removals.push_back({"l1", s.removed, s.removed_bytes, s.locked, 0, {}});
   }
-  for (const std::size_t b : chosen) {
-    l2::any_backend& backend = backends[b];
-    std::string tier(backend.name());
-    auto [ec, listed] =
-        co_await backend.async_list(selected, l2::clock::now() + admin_deadline, as_tuple(use_awaitable));
+  for (const std::size_t b : tiers->backends) {
+    auto removal = co_await evict_from_backend(backends[b], selected);
+    if (!removal) co_return removal.error();
+    removals.push_back(std::move(*removal));
+  }
+  protocol::evict_response out = detail::evict_answer(std::move(removals));
+  ctx_.log.info("client {}: evicted {} ({}{}): {} objects, {} bytes removed, {} in use kept, {} failed", id_,
+                detail::evict_selection_text(r), r.tiers.empty() ? std::string("every tier") : "tiers " + r.tiers,
+                r.force ? ", forced" : "", out.removed_objects, out.removed_bytes, out.in_use_objects,
+                out.failed_objects);
+  co_return out;
+}
+
+/// Removes what `backend` lists under `selected`, in batches that bound one backend
+/// operation (a Redis pipeline, a disk unlink fan-out); closing_error when the connection
+/// closes meanwhile.
+inline boost::asio::awaitable<request_result<detail::tier_removal>> session::evict_from_backend(
+    l2::any_backend& backend, const l2::key_filter& selected) {
+  using boost::asio::as_tuple;
+  using boost::asio::use_awaitable;
+  detail::tier_removal out{std::string(backend.name())};
+  auto [ec, listed] = co_await backend.async_list(selected, l2::clock::now() + admin_deadline, as_tuple(use_awaitable));
+  if (closing_) co_return closing_error("evict_request");
+  if (ec) {
+    out.error = "cannot list its objects: " + ec.message();
+    co_return out;
+  }
+  constexpr std::size_t per_batch = 1024;
+  for (std::size_t first = 0; first < listed.size(); first += per_batch) {
+    const std::size_t n = std::min(per_batch, listed.size() - first);
+    std::vector<chunk_key> keys;
+    keys.reserve(n);
+    for (std::size_t i = 0; i < n; ++i) keys.push_back(listed[first + i].key);
+    auto [rec, res] = co_await backend.async_remove(keys, l2::clock::now() + admin_deadline, as_tuple(use_awaitable));
     if (closing_) co_return closing_error("evict_request");
-    if (ec) {
-      report(std::move(tier), 0, 0, 0, 0, "cannot list its objects: " + ec.message());
-      continue;
-    }
-    std::uint64_t removed = 0, bytes = 0, in_use = 0, failed = 0;
-    std::string error;
-    // Batches bound one backend operation (a Redis pipeline, a disk unlink fan-out).
-    constexpr std::size_t per_batch = 1024;
-    for (std::size_t first = 0; first < listed.size(); first += per_batch) {
-      const std::size_t n = std::min(per_batch, listed.size() - first);
-      std::vector<chunk_key> keys;
-      keys.reserve(n);
-      for (std::size_t i = 0; i < n; ++i) keys.push_back(listed[first + i].key);
-      auto [rec, res] =
-          co_await backend.async_remove(keys, l2::clock::now() + admin_deadline, as_tuple(use_awaitable));
-      if (closing_) co_return closing_error("evict_request");
-      for (std::size_t i = 0; i < n; ++i) {
-        const l2::key_outcome o = i < res.size() ? res.outcomes[i] : l2::key_outcome::timeout;
-        if (o == l2::key_outcome::ok) {
-          ++removed;
-          bytes += listed[first + i].bytes;
-        } else if (o == l2::key_outcome::rejected) {
-          ++in_use;  // pinned by a prefetch, or a store in flight
-        } else if (o != l2::key_outcome::not_found) {  // not_found: gone meanwhile
-          ++failed;
-          if (error.empty()) error = std::string(l2::name(o)) + (rec ? " (" + rec.message() + ")" : std::string());
-        }
+    for (std::size_t i = 0; i < n; ++i) {
+      const l2::key_outcome o = i < res.size() ? res.outcomes[i] : l2::key_outcome::timeout;
+      if (o == l2::key_outcome::ok) {
+        ++out.removed;
+        out.bytes += listed[first + i].bytes;
+      } else if (o == l2::key_outcome::rejected) {
+        ++out.in_use;  // pinned by a prefetch, or a store in flight
+      } else if (o != l2::key_outcome::not_found) {  // not_found: gone meanwhile
+        ++out.failed;
+        if (out.error.empty())
+          out.error = std::string(l2::name(o)) + (rec ? " (" + rec.message() + ")" : std::string());
       }
     }
-    report(std::move(tier), removed, bytes, in_use, failed, std::move(error));
   }
-
-  std::string what = r.all ? std::string("every object") : std::string();
-  if (r.by_model) what += fmt::format("model '{}'", r.model_name);
-  if (r.by_salt) what += fmt::format("{}salt '{}'", what.empty() ? "" : ", ", r.cache_salt);
-  if (r.by_model_id) what += fmt::format("{}model id {}", what.empty() ? "" : ", ", detail::model_id_hex(r.model_id));
-  ctx_.log.info("client {}: evicted {} ({}{}): {} objects, {} bytes removed, {} in use kept, {} failed", id_, what,
-                r.tiers.empty() ? std::string("every tier") : "tiers " + r.tiers, r.force ? ", forced" : "",
-                out.removed_objects, out.removed_bytes, out.in_use_objects, out.failed_objects);
-  out.json = json{{"tiers", std::move(tiers_json)}}.dump();
   co_return out;
 }
 
