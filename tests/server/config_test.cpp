@@ -118,6 +118,17 @@ TEST_CASE("metrics_port takes a port, 0 (off) or \"auto\" (any free port), and m
                     Catch::Contains("metrics_address (\"localhost\"): must be an IPv4 or IPv6 address"));
 }
 
+TEST_CASE("worker_threads sizes the worker pool, and copy_threads, its old name, is still read", "[server][config]") {
+  CHECK(server_config::parse(json{{"worker_threads", 3}}).worker_threads == 3);
+  CHECK(server_config::parse(json{{"copy_threads", 2}}).worker_threads == 2);
+  CHECK(server_config::parse(json{{"copy_threads", 2}}).worker_thread_count() == 2);
+  CHECK(server_config::parse(json::object()).to_json().contains("worker_threads"));
+  CHECK_FALSE(server_config::parse(json::object()).to_json().contains("copy_threads"));
+  CHECK(refusal(json{{"copy_threads", 2}, {"worker_threads", 2}}).find("old name of worker_threads") !=
+        std::string::npos);
+  CHECK(refusal(json{{"copy_threads", 1000}}).find("copy_threads") != std::string::npos);
+}
+
 TEST_CASE("a bad configuration is refused naming the key, the value and what to change", "[server][config]") {
   CHECK(refusal({{"chunk_sise", 256}}).starts_with("unknown key chunk_sise (256): remove it or check its spelling"));
   CHECK(refusal({{"chunk_size", 0}}) ==

@@ -444,7 +444,7 @@ TEST_CASE("a region unregistered while its pages are being faulted in stops the 
   CHECK(other.ping() == s.srv->boot_token());
 }
 
-TEST_CASE("a connection closed while its copy runs on the copy pool closes only once the copy ended",
+TEST_CASE("a connection closed while its copy runs on the worker pool closes only once the copy ended",
           "[server][concurrency]") {
   // The promise engines rely on (quarantine release): EOF on a connection proves that no
   // copy for it runs any more. The copy of chunk 0 blocks in the hook while the server

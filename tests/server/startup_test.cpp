@@ -150,7 +150,7 @@ TEST_CASE("the server answers before L1 is resident, and registers L1 with the d
   running_server s(
       [&](server::server_config& c) {
         c.l2_backends = {disk_backend(disk.path() / "l2")};
-        c.copy_threads = 1;  // the copies are not held up by the prefault (its own thread)
+        c.worker_threads = 1;  // the copies are not held up by the prefault (its own thread)
       },
       std::move(opts), disk_factory());
   REQUIRE(gate.wait_entered());  // the prefault began and is held: L1 is not resident

@@ -105,7 +105,7 @@ struct cache_options {
   /// first (a client that went away). Keeps the bookkeeping bounded however long we run.
   /// Measured on l1.clock. The L1 read TTL (l1.read_lock_ttl) does not apply to these holds.
   std::chrono::nanoseconds lookup_ttl = std::chrono::seconds(300);
-  /// Where async_copy_out's sinks and async_copy_in's sources run (the server's copy pool);
+  /// Where async_copy_out's sinks and async_copy_in's sources run (the server's worker pool);
   /// empty: the cache's own executor.
   boost::asio::any_io_executor copy_executor;
 };

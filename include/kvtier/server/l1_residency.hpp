@@ -38,7 +38,7 @@ namespace kvtier::inline KVTIER_ABI_TAG::server {
 /// and its page faults queue behind that writer. 4 MiB is ~1.5-4 ms of populating here
 /// (32 MiB slices were 12-30 ms, and a first lookup served during them 10-20 ms later).
 inline constexpr std::size_t l1_prefault_slice_bytes = std::size_t{4} << 20;
-/// The prefault thread's nice value: behind the I/O thread and the copy pool (nice 0) when
+/// The prefault thread's nice value: behind the I/O thread and the worker pool (nice 0) when
 /// the cores are busy, at full speed when they are not.
 inline constexpr int l1_prefault_nice = 10;
 

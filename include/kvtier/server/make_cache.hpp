@@ -128,7 +128,7 @@ std::unique_ptr<any_cache> make_cache_with(boost::asio::any_io_executor ex, cons
 }
 
 /// The cache a configuration asks for, over `backends`, publishing on `bus` (which must
-/// outlive it); its copies run on `copy_executor` (the server's copy pool; empty: `ex`).
+/// outlive it); its copies run on `copy_executor` (the server's worker pool; empty: `ex`).
 /// Throws std::invalid_argument for options L1 refuses, std::bad_alloc when the L1 arena
 /// cannot be allocated.
 [[nodiscard]] inline std::unique_ptr<any_cache> make_cache(const server_config& c, boost::asio::any_io_executor ex,

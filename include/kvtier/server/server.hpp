@@ -1,6 +1,6 @@
 #pragma once
 // server: the kvtier cache server in one object. It owns its I/O thread (run(): the
-// protocol, the pipelines' coroutines, lookups, pings), the copy pool, the event bus and
+// protocol, the pipelines' coroutines, lookups, pings), the worker pool, the event bus and
 // metrics registry, the HTTP endpoint (http_exporter.hpp), the L2 backends and the cache
 // (make_cache.hpp), the registrations, engines and lookups (session/), the listening socket
 // (listener.hpp) with one session per connection, the reaper, and a random boot token.
@@ -126,7 +126,7 @@ class server final : private session_host {
         backend_lines_.push_back(spec.name + " (" + spec.description + ")");
         backend_types_.push_back(spec.type);
       }
-      cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), copy_pool_.get_executor());
+      cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), worker_pool_.get_executor());
     } catch (...) {
       stop_http();
       throw;
@@ -134,7 +134,7 @@ class server final : private session_host {
     prepare_l1_residency();
     ctx_.emplace(server_context{
         config_, *cache_, clients_, lookups_, engines_, bus_, log_, boot_token_, options_.hooks, &budget_,
-        copy_pool_.get_executor(),
+        worker_pool_.get_executor(),
         std::chrono::duration_cast<std::chrono::milliseconds>(cache_options_from(config_).prefetch.load_timeout)});
     add_metrics();
   }
@@ -143,12 +143,12 @@ class server final : private session_host {
   server& operator=(const server&) = delete;
 
   ~server() {
-    // The L1 prefault's thread, and a task still on the copy pool (a registration's prefault
+    // The L1 prefault's thread, and a task still on the worker pool (a registration's prefault
     // that outlived the shutdown's wait for the sessions), refer to L1, or to the registry
     // and its session: they end first. (The copies ended when the cache stopped.)
     stop_l1_prefault();  // it stops before its next slice
     if (l1_prefault_thread_.joinable()) l1_prefault_thread_.join();
-    copy_pool_.join();
+    worker_pool_.join();
     // Sessions first (their sockets belong to io_), then the cache; io_ outlives both.
     sessions_.clear();
     signals_.reset();
@@ -252,7 +252,7 @@ class server final : private session_host {
   boost::asio::io_context io_{1};
   /// The copies' threads; before cache_, so destroyed (joined) after it: the cache's
   /// async_stop has waited for every copy by then.
-  boost::asio::thread_pool copy_pool_{config_.copy_thread_count()};
+  boost::asio::thread_pool worker_pool_{config_.worker_thread_count()};
   std::optional<http_exporter> http_;  ///< after io_: destroyed before it
   std::uint16_t metrics_port_ = 0;
   std::uint64_t boot_token_;

@@ -123,9 +123,11 @@ struct server_config {
   /// the backend's estimate keeps learning; 0: never probe). docs/pipelines.md.
   std::uint32_t prefetch_probe_every = 8;
   std::uint32_t prefetch_probe_chunks = 1;
-  /// "copy_threads": threads of the copy pool that moves chunks between the engines' regions
-  /// and L1 (retrieve, store), off the I/O thread; 0 = from the cores (copy_thread_count()).
-  std::uint32_t copy_threads = 0;
+  /// "worker_threads": threads of the worker pool, which runs what must not hold up the I/O
+  /// thread: the copies between the engines' regions and L1 (retrieve, store), a registered
+  /// region's mapping and prefault; 0 = from the cores (worker_thread_count()). The key was
+  /// "copy_threads" (named when the pool ran the copies alone): still read, as an alias.
+  std::uint32_t worker_threads = 0;
 
   // --- clients, logs, shutdown ---------------------------------------------------------
   telemetry::log_level log_level = telemetry::log_level::info;  ///< "log_level"
@@ -140,9 +142,9 @@ struct server_config {
   bool metrics_any_port = false;              ///< "metrics_port": "auto"
   std::string metrics_address = "127.0.0.1";  ///< "metrics_address": loopback unless told otherwise
 
-  /// The copy pool's size: copy_threads, or when 0 half the cores, between 1 and 8.
-  [[nodiscard]] std::uint32_t copy_thread_count() const noexcept {
-    if (copy_threads > 0) return copy_threads;
+  /// The worker pool's size: worker_threads, or when 0 half the cores, between 1 and 8.
+  [[nodiscard]] std::uint32_t worker_thread_count() const noexcept {
+    if (worker_threads > 0) return worker_threads;
     const unsigned cores = std::thread::hardware_concurrency();
     return std::clamp<std::uint32_t>(cores / 2, 1, 8);
   }
@@ -351,7 +353,12 @@ inline void server_config::merge_cache(json_object_reader& r) {
 }
 
 inline void server_config::merge_process(json_object_reader& r) {
-  if (auto v = r.integer("copy_threads", 0, 256)) copy_threads = static_cast<std::uint32_t>(*v);
+  // "copy_threads": worker_threads' old name, still read (not both).
+  const nlohmann::json* old_name = r.raw("copy_threads");
+  if (old_name != nullptr && r.raw("worker_threads") != nullptr)
+    throw r.error("copy_threads", *old_name, "is the old name of worker_threads: give worker_threads only");
+  if (auto v = r.integer(old_name != nullptr ? "copy_threads" : "worker_threads", 0, 256))
+    worker_threads = static_cast<std::uint32_t>(*v);
   if (auto v = r.string("log_level", {"trace", "debug", "info", "warn", "error", "off"}))
     log_level = *telemetry::parse_log_level(*v);
   if (auto v = r.number("client_reap_timeout", 0.001, 1e7, "in seconds, e.g. 30")) client_reap_timeout_s = *v;
@@ -468,7 +475,7 @@ inline nlohmann::json server_config::to_json() const {
   j["prefetch_load_timeout_ms"] = prefetch_load_timeout_ms;
   j["prefetch_probe_every"] = prefetch_probe_every;
   j["prefetch_probe_chunks"] = prefetch_probe_chunks;
-  j["copy_threads"] = copy_threads;
+  j["worker_threads"] = worker_threads;
   j["log_level"] = std::string(telemetry::to_string(log_level));
   j["client_reap_timeout"] = client_reap_timeout_s;
   j["max_lookups_per_client"] = max_lookups_per_client;

@@ -49,7 +49,7 @@ inline void server::start_l1_prefault() {
   if (l1_residency() != l1_residency_state::faulting || l1_prefault_thread_.joinable()) return;
   l1_prefault_thread_ = std::thread([this] {
     ::pthread_setname_np(::pthread_self(), "kvtier-l1-fault");
-    // Per-thread on Linux: the I/O thread and the copy pool keep nice 0.
+    // Per-thread on Linux: the I/O thread and the worker pool keep nice 0.
     (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), l1_prefault_nice);
     if (options_.hooks.during_l1_prefault) options_.hooks.during_l1_prefault();
     const l1_prefault_outcome o = populate_l1(cache_->l1_arena(), l1_prefault_stop_, l1_prefaulted_bytes_);

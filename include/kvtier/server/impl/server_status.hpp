@@ -136,11 +136,11 @@ inline std::string server::startup_line() const {
   for (const auto& b : backend_lines_) backends += (backends.empty() ? "" : ", ") + b;
   return fmt::format(
       "kvtier-server {} listening on {} (boot token {:016x}, pid {}): L1 {} MiB in {} slots of {} KiB, eviction {}, "
-      "chunk {} tokens, L2 backends: {}, store {}, prefetch {}, {} copy threads, metrics {}",
+      "chunk {} tokens, L2 backends: {}, store {}, prefetch {}, {} worker threads, metrics {}",
       version_string, config_.socket_path, boot_token_, ::getpid(), (cache_->slot_count() * cache_->slot_bytes()) >> 20,
       cache_->slot_count(), cache_->slot_bytes() >> 10, cache_->eviction_policy(), config_.chunk_tokens,
       backends.empty() ? std::string("none") : backends, name(config_.store_policy), name(config_.prefetch_policy),
-      config_.copy_thread_count(), metrics_port_ ? metrics_url() + "/metrics" : std::string("off"));
+      config_.worker_thread_count(), metrics_port_ ? metrics_url() + "/metrics" : std::string("off"));
 }
 
 namespace detail {

@@ -5,7 +5,7 @@
 // seals), maps the region (prefaulted later, in the background: region_prefault.hpp; or
 // now where the kernel cannot), and answers with a request_error
 // (request_error.hpp) that says what to change; it reads only the requirements, so it may
-// run on any thread (the server runs it on its copy pool). add() makes the result its
+// run on any thread (the server runs it on its worker pool). add() makes the result its
 // connection's registration, on the server's one I/O thread like every other member (no
 // locks; size() alone may be read from anywhere). The lookups of the clients are in
 // lookup_table.hpp.

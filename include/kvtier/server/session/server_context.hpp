@@ -43,10 +43,10 @@ struct server_hooks {
   /// before their block generations are re-read: a test bumps a generation here to play an
   /// engine that reused a block while the server copied it (fencing).
   std::function<void(std::uint64_t client_id, std::span<const std::uint32_t> block_ids)> after_store_copy;
-  /// Called on a copy-pool thread before each chunk a retrieve or store copies: a test
+  /// Called on a worker-pool thread before each chunk a retrieve or store copies: a test
   /// blocks a copy here to close its connection meanwhile.
   std::function<void(std::uint64_t client_id)> during_copy;
-  /// Called on a copy-pool thread before a registered region's pages are faulted in
+  /// Called on a worker-pool thread before a registered region's pages are faulted in
   /// (region_prefault.hpp: after the registration was answered; before it, on a kernel
   /// without MADV_POPULATE_WRITE): a test blocks it here to see the server serve meanwhile.
   std::function<void(std::uint64_t client_id)> during_prefault;
@@ -68,9 +68,9 @@ struct server_context {
   std::uint64_t boot_token = 0;
   const server_hooks& hooks;
   client_budget* budget = nullptr;  ///< lookup key budgets (client_budget.hpp); null: none
-  /// The copy pool (copy_threads): what may take long and must not hold up the I/O thread
+  /// The worker pool (worker_threads): what may take long and must not hold up the I/O thread
   /// runs there (the copies run there through the cache; a registration's prefault).
-  boost::asio::any_io_executor copy_executor;
+  boost::asio::any_io_executor worker_executor;
   /// The longest a retrieve may wait for its lookup's L2 loads: the prefetch load timeout
   /// (register_kv_response::load_budget_ms).
   std::chrono::milliseconds load_budget{0};

@@ -273,7 +273,7 @@ class session : public std::enable_shared_from_this<session> {
   }
 
   /// The answer of the handler of `m`'s kind, on(m, c): awaited when it is a coroutine (it
-  /// awaits the copies, the copy pool or the L2 backends), taken as it is otherwise.
+  /// awaits the copies, the worker pool or the L2 backends), taken as it is otherwise.
   template <class Message>
   boost::asio::awaitable<reply_or_deferred> handle(const Message& m, call& c) {
     if constexpr (!protocol::wire_request<Message>) {
@@ -297,7 +297,7 @@ class session : public std::enable_shared_from_this<session> {
   // --- the handlers: on(request, call), one overload per kind of request ----------------
   // Each answers a request_result (its response or its refusal), a reply_or_deferred (a
   // lookup, a query: deferred when answered once decided), or an awaitable of one (a handler
-  // that awaits the copy pool, the copies or the L2 backends). dispatch() reaches all of
+  // that awaits the worker pool, the copies or the L2 backends). dispatch() reaches all of
   // them the same way (handle()).
 
   // registration (impl/registration_requests.hpp)
@@ -305,7 +305,7 @@ class session : public std::enable_shared_from_this<session> {
                                                                             call& c);
   request_result<protocol::unregister_kv_response> on(const protocol::unregister_kv_request&, call&);
   template <class F>
-  boost::asio::awaitable<std::invoke_result_t<F&>> on_copy_pool(F f);
+  boost::asio::awaitable<std::invoke_result_t<F&>> on_worker_pool(F f);
   void prefault_region(registration& g);
 
   // lookups (impl/lookup_requests.hpp)

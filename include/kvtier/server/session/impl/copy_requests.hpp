@@ -194,7 +194,7 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
 }
 
 /// The sink of a retrieve: chunk i (layer `part` of it when `by_layer`) scattered into the
-/// engine's blocks, its first r.skip_tokens tokens skipped. It runs on the copy pool;
+/// engine's blocks, its first r.skip_tokens tokens skipped. It runs on the worker pool;
 /// everything it reads stays alive until the copy's completion (the retrieve's coroutine
 /// frame, the registration: the connection cannot unregister meanwhile).
 inline cache::copy_out_sink session::retrieve_sink(const registration& reg, const protocol::retrieve_request& r,
