@@ -6,16 +6,17 @@
 //      slots are in use. Without MADV_POPULATE_WRITE (before Linux 5.14) the fallback
 //      writes every page, so it runs before the server accepts anything;
 //   2. once every page is in, on the I/O thread (the disk backend's ring's thread), the
-//      arena registered with the L2 backends that read into registered memory faster, a
-//      piece of 256 MiB per turn of the I/O thread (l1_registration: 8 GiB at once held
-//      the thread 0.3-0.7 s, past a connector's ping timeout from ~16 GiB).
+//      arena registered with the L2 backends that read into registered memory faster:
+//      tiered_cache::register_l1_in_pieces (cache/l1_registration.hpp), a piece of 256 MiB
+//      per turn of the I/O thread (at once, 8 GiB held the thread 0.3-0.7 s, past a
+//      connector's ping timeout from ~16 GiB).
 // Status "l1.residency", the gauges kvtier_server_l1_resident and
 // kvtier_server_l1_prefaulted_bytes, and one log line say where it stands.
 
+#include <kvtier/cache/l1_registration.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/core/kv_region.hpp>
 #include <kvtier/error.hpp>
-#include <kvtier/l2/any_backend.hpp>
 
 #include <unistd.h>
 
@@ -29,7 +30,6 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <vector>
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
@@ -41,9 +41,6 @@ inline constexpr std::size_t l1_prefault_slice_bytes = std::size_t{4} << 20;
 /// The prefault thread's nice value: behind the I/O thread and the worker pool (nice 0) when
 /// the cores are busy, at full speed when they are not.
 inline constexpr int l1_prefault_nice = 10;
-
-/// The piece of L1 one registration step pins: ~10-15 ms of the I/O thread here.
-inline constexpr std::size_t l1_register_piece_bytes = std::size_t{256} << 20;
 
 /// Where the L1 arena stands (status "l1.residency").
 enum class l1_residency_state : std::uint8_t {
@@ -73,11 +70,7 @@ struct l1_residency_report {
   bool populated = false;        ///< MADV_POPULATE_WRITE did it (false: the write loop, or not all)
   bool behind_requests = false;  ///< in the background, while the server served
   std::string error;             ///< why the pages were left to first use (empty: they were not)
-  double register_ms = 0;        ///< the registration's steps together (on the I/O thread)
-  double longest_step_ms = 0;    ///< the longest of them
-  std::size_t steps = 0;
-  std::vector<std::string> registered;  ///< backends that took the arena
-  std::vector<std::string> refused;     ///< "name: reason" of backends that refused it
+  cache::l1_registration_report registration;  ///< the registration's steps (on the I/O thread)
 };
 
 /// How populate_l1 ended.
@@ -120,56 +113,5 @@ inline l1_residency_report prefault_l1_by_writing(std::span<std::byte> arena) {
   r.prefault_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }
-
-/// The registration of L1 with the L2 backends, a piece of l1_register_piece_bytes per
-/// step() (any_backend::add_buffers), so that no call holds the thread long; a backend that
-/// cannot take pieces (errc::unsupported: before Linux 5.19) gets the whole arena at its
-/// first step (register_buffers). Call step() on the thread of the backends' io_uring rings
-/// (the server's I/O thread, one step per turn), or before it runs anything. The arena and
-/// the backends must outlive it.
-class l1_registration {
- public:
-  l1_registration(std::span<std::byte> arena, std::span<l2::any_backend> backends)
-      : arena_(arena), backends_(backends), state_(backends.size(), state::pieces) {}
-
-  /// Registers the next piece with every backend still taking pieces; records who took the
-  /// arena and who refused it in `r` once done. Returns false when nothing is left to do.
-  bool step(l1_residency_report& r) {
-    if (next_ >= arena_.size()) return false;
-    const auto t0 = std::chrono::steady_clock::now();
-    const std::span<std::byte> piece = arena_.subspan(next_, std::min(l1_register_piece_bytes, arena_.size() - next_));
-    for (std::size_t i = 0; i < backends_.size(); ++i) {
-      if (state_[i] != state::pieces) continue;
-      l2::any_backend& b = backends_[i];
-      error_code ec = b.add_buffers(piece);
-      if (ec == make_error_code(errc::unsupported) && next_ == 0) {
-        ec = b.register_buffers(arena_);  // all at once
-        if (!ec) state_[i] = state::whole;
-      }
-      if (ec == make_error_code(errc::unsupported)) {
-        state_[i] = state::none;  // nothing to register (a memory backend)
-      } else if (ec) {
-        state_[i] = state::refused;
-        r.refused.push_back(std::string(b.name()) + ": " + ec.message());
-      }
-    }
-    next_ += piece.size();
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    r.register_ms += ms;
-    r.longest_step_ms = std::max(r.longest_step_ms, ms);
-    ++r.steps;
-    if (next_ < arena_.size()) return true;
-    for (std::size_t i = 0; i < backends_.size(); ++i)
-      if (state_[i] == state::pieces || state_[i] == state::whole) r.registered.emplace_back(backends_[i].name());
-    return false;
-  }
-
- private:
-  enum class state : std::uint8_t { pieces, whole, none, refused };
-  std::span<std::byte> arena_;
-  std::span<l2::any_backend> backends_;
-  std::vector<state> state_;
-  std::size_t next_ = 0;  ///< the next piece's offset
-};
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server

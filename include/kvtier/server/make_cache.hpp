@@ -90,6 +90,7 @@ class cache_model final : public any_cache {
   std::string_view eviction_policy() const noexcept override { return Eviction::name; }
   std::span<std::byte> l1_arena() noexcept override { return cache_.l1().arena(); }
   std::span<l2::any_backend> backends() noexcept override { return cache_.backends(); }
+  cache::l1_registration register_l1_in_pieces() override { return cache_.register_l1_in_pieces(); }
 
  private:
   const typename cache_type::tier_type& l1() const noexcept {

@@ -280,7 +280,7 @@ class server final : private session_host {
   std::thread l1_prefault_thread_;
   /// The registration with the L2 backends, a piece per turn, and what the log line will say
   /// (I/O thread).
-  std::optional<l1_registration> l1_registration_;
+  std::optional<cache::l1_registration> l1_registration_;
   l1_residency_report l1_report_;
   std::atomic<std::size_t> connections_{0};
   std::atomic<std::uint64_t> reaped_{0};

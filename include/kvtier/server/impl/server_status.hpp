@@ -42,13 +42,14 @@ inline void server::log_l1_residency(const l1_residency_report& r) {
     log_.info("L1 prefaulted: {} MiB in {:.0f} ms ({}{})", r.bytes >> 20, r.prefault_ms,
               r.populated ? "MADV_POPULATE_WRITE" : "a write per page",
               r.behind_requests ? ", behind the first requests" : ", before serving");
-  if (!r.registered.empty())
+  const cache::l1_registration_report& g = r.registration;
+  if (!g.registered.empty())
     log_.info(
         "L1 registered with L2 backend(s) {} (io_uring fixed buffers) in {:.0f} ms ({} steps, the longest "
         "{:.0f} ms)",
-        fmt::join(r.registered, ", "), r.register_ms, r.steps, r.longest_step_ms);
-  if (!r.refused.empty())
-    log_.warn("L1 refused by {}: reads into L1 pin their pages per read", fmt::join(r.refused, "; "));
+        fmt::join(g.registered, ", "), g.register_ms, g.steps, g.longest_step_ms);
+  if (!g.refused.empty())
+    log_.warn("L1 refused by {}: reads into L1 pin their pages per read", fmt::join(g.refused, "; "));
 }
 
 /// The server's own series (kvtier_server_*, kvtier_http_*) and the collectors of the cache

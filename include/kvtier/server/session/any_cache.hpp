@@ -101,9 +101,11 @@ class any_cache {
   [[nodiscard]] virtual std::size_t slot_bytes() const noexcept = 0;
   [[nodiscard]] virtual std::size_t slot_count() const noexcept = 0;
   [[nodiscard]] virtual std::string_view eviction_policy() const noexcept = 0;
-  /// The L1 arena and the L2 backends, for the one-time set-up at start (server/l1_residency.hpp).
+  /// The L1 arena, faulted in at start (server/l1_residency.hpp), and the L2 backends.
   [[nodiscard]] virtual std::span<std::byte> l1_arena() noexcept = 0;
   [[nodiscard]] virtual std::span<l2::any_backend> backends() noexcept = 0;
+  /// tiered_cache::register_l1_in_pieces: L1 registered with the L2 backends, a piece per step.
+  [[nodiscard]] virtual cache::l1_registration register_l1_in_pieces() = 0;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server
