@@ -1,7 +1,7 @@
-// kvtier_bench_copy_pool: what the server's copy pool buys, and what the I/O thread still
+// kvtier_bench_copy_pool: what the server's worker pool buys, and what the I/O thread still
 // answers while it is saturated (issue 17, "copies off the I/O thread").
 //
-// An in-process server::server with copy_threads = W (1, then 2, interleaved repeats) and
+// An in-process server::server with worker_threads = W (1, then 2, interleaved repeats) and
 // one stored 10k-token request (39 chunks of 256 tokens, 0.5B shape: 3 MiB chunks, 117 MiB)
 // in L1. C engine clients (threads, each its own connection and its own sealed memfd region
 // of the same model) retrieve it over and over for S seconds: lookup, query_prefetch,
@@ -109,7 +109,7 @@ run_result run_once(std::uint32_t workers, int clients, double seconds, std::uin
                    ("kvtier-bench-copy-pool-" + std::to_string(::getpid()) + "-" + std::to_string(seed));
   std::filesystem::create_directories(dir);
   server::server_config cfg = bench::one_request_server_config(dir, chunk_tokens, object, chunks);
-  cfg.copy_threads = workers;
+  cfg.worker_threads = workers;
   server::server srv(cfg);
   srv.start();
   std::thread io([&] { srv.run(); });

@@ -53,7 +53,7 @@ import torch  # noqa: E402
 import kvtier  # noqa: E402
 
 
-def start_server(binary: Path, sock: Path, chunk_tokens: int, slot_bytes: int, l1_mb: int, copy_threads: int):
+def start_server(binary: Path, sock: Path, chunk_tokens: int, slot_bytes: int, l1_mb: int, worker_threads: int):
     proc = subprocess.Popen(
         [
             str(binary),
@@ -65,8 +65,8 @@ def start_server(binary: Path, sock: Path, chunk_tokens: int, slot_bytes: int, l
             str(slot_bytes),
             "--l1-size-mb",
             str(l1_mb),
-            "--copy-threads",
-            str(copy_threads),
+            "--worker-threads",
+            str(worker_threads),
             "--log-level",
             "warn",
         ],
@@ -118,7 +118,8 @@ def main() -> None:
     ap.add_argument("--prompt-chunks", type=int, default=8, help="chunks of the cached prefix")
     ap.add_argument("--new-tokens", type=int, default=1,
                     help="tokens computed after the prefix (1: a whole-prompt hit, where vLLM computes the last token)")
-    ap.add_argument("--copy-threads", type=int, default=1, help="the server's copy threads")
+    ap.add_argument("--worker-threads", "--copy-threads", dest="worker_threads", type=int, default=1,
+                    help="the server's worker threads")
     ap.add_argument("--compute-ratio", type=float, default=1.0, help="one layer's compute / one layer's copy")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     args = ap.parse_args()
@@ -147,7 +148,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-layerwise-"))
     sock = tmp / "kvtier.sock"
     l1_mb = max(64, (nchunks * chunk.object_bytes * 2) >> 20)
-    proc = start_server(server_bin, sock, CT, chunk.object_bytes, l1_mb, args.copy_threads)
+    proc = start_server(server_bin, sock, CT, chunk.object_bytes, l1_mb, args.worker_threads)
     try:
         o = kvtier.ConnectorOptions()
         o.socket_path = str(sock)
@@ -272,7 +273,7 @@ def main() -> None:
     print(
         f"# {L} layers, {H} KV heads x {D} fp32, {nchunks} chunks of {CT} tokens cached "
         f"({nchunks * chunk.object_bytes / 2**20:.0f} MiB), {args.new_tokens} new tokens, MLP {mlp}, "
-        f"server copy threads {args.copy_threads}, torch threads {args.threads}, {args.repeats} repeats; "
+        f"server worker threads {args.worker_threads}, torch threads {args.threads}, {args.repeats} repeats; "
         f"progress messages {stats['progress_messages']}"
     )
     print(f"# whole ttft per repeat (ms): {' '.join(f'{v * 1e3:.1f}' for v in whole)}")

@@ -1,5 +1,5 @@
 // kvtier_bench_server: how long the server takes for the copies of one 10k-token request
-// (the copies run on the server's copy pool, copy_threads; kvtier_bench_copy_pool measures
+// (the copies run on the server's worker pool, worker_threads; kvtier_bench_copy_pool measures
 // what the pool's size buys). An in-process server::server and a protocol client on a
 // sealed memfd region, as an engine worker would use them:
 //

@@ -4,7 +4,7 @@
 // evicts below it (watermark 1.0), warnings only in the log.
 
 #include <kvtier/core/buffer.hpp>
-#include <kvtier/server/server_config.hpp>
+#include <kvtier/server/config/server_config.hpp>
 
 #include <cstddef>
 #include <cstdint>

@@ -14,11 +14,11 @@
 // exits 1 with one line. Every check comes before any start-up work (server.hpp,
 // "Start-up"), so a refused start prints its line and nothing else. SIGTERM or SIGINT shut
 // down in order and exit 0.
-#include <kvtier/server/server_config.hpp>
-#include <kvtier/server/disk_backend_type.hpp>
+#include <kvtier/server/config/disk_backend_type.hpp>
+#include <kvtier/server/config/server_config.hpp>
 #include <kvtier/server/server.hpp>
 #if KVTIER_SERVER_WITH_REDIS
-#include <kvtier/server/redis_backend_type.hpp>
+#include <kvtier/server/config/redis_backend_type.hpp>
 #endif
 
 #include <kvtier_program/server_instance.hpp>
@@ -39,6 +39,7 @@
 #include <new>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace {
@@ -62,7 +63,7 @@ struct flag {
 
 // A value given on the command line as JSON: numbers become numbers; anything else stays
 // text, so that the configuration reader refuses it with its own message; text that is not
-// UTF-8 is refused (server/server_config_json.hpp).
+// UTF-8 is refused (server/config/server_config_json.hpp).
 json flag_value(const flag& f) { return kvtier::server::flag_value(f.name, f.value, f.type == kind::number); }
 
 json read_json_file(const std::string& path) {
@@ -196,11 +197,13 @@ int main(int argc, char** argv) {
        kind::number,
        "load-or-recompute gate: chunks a probing lookup loads",
        {}},
-      {"--copy-threads",
-       "copy_threads",
+      {"--worker-threads",
+       "worker_threads",
        kind::number,
-       "threads copying chunks between engine regions and L1 (0: half the cores, 1 to 8)",
+       "threads of the worker pool: the copies between engine regions and L1, a region's mapping and prefault "
+       "(0: half the cores, 1 to 8)",
        {}},
+      {"--copy-threads", "copy_threads", kind::number, "the old name of --worker-threads", {}},
       {"--log-level", "log_level", kind::text, "trace, debug, info, warn, error or off", {}},
       {"--client-reap-timeout",
        "client_reap_timeout",
@@ -261,10 +264,15 @@ int main(int argc, char** argv) {
     if (size_flags.size() > 1)
       throw config_error(size_flags[0] + " and " + size_flags[1], "both given",
                          "give the L1 size once: --l1-size-gb or --l1-size-mb");
+    if (app.count("--worker-threads") != 0 && app.count("--copy-threads") != 0)
+      throw config_error("--worker-threads and --copy-threads", "both given",
+                         "--copy-threads is the old name of --worker-threads: give --worker-threads only");
     for (const auto& f : flags) {
       if (app.count(f.name) == 0) continue;
       if (std::string(f.key).starts_with("l1_size_"))
         for (const char* k : {"l1_size_gb", "l1_size_mb", "l1_size_bytes"}) j.erase(k);
+      if (std::string_view(f.key) == "worker_threads" || std::string_view(f.key) == "copy_threads")
+        for (const char* k : {"worker_threads", "copy_threads"}) j.erase(k);  // the flag overrides either key
       j[f.key] = flag_value(f);
       flag_of_key[f.key] = f.name;
     }

@@ -277,4 +277,34 @@ TEST_CASE("two lookups prefetching the same document at once share the load and 
   CHECK(f.cache->l1().usage().slots_used == 0);  // temporary: freed with the last reader
 }
 
+TEST_CASE("register_l1 hands L1 to a disk backend as io_uring fixed buffers, and says who took it",
+          "[cache][disk]") {
+  // What a program embedding the cache does once L1 is resident (the server does the same,
+  // a piece per turn of its I/O thread).
+  test::temp_dir dir{"kvtier-register-l1"};
+  asio::io_context io;
+  telemetry::registry reg;
+  metrics_bus events{telemetry::metrics_subscriber{reg}};
+  l2::disk_backend_options d;
+  d.path = dir.path() / "l2";
+  d.capacity_bytes = std::uint64_t{64} << 20;
+  auto disk = std::make_shared<l2::disk_backend>(io.get_executor(), d);
+  telemetry::collect_io(reg, disk->file_io_kind() == kvtier::io::file_io_kind::uring, disk->shared_io_stats());
+  cache::cache_options o;
+  o.l1.slot_bytes = object_bytes;
+  o.l1.slot_count = 8;
+  cache::tiered_cache<traits<>> c(io.get_executor(), o, events,
+                                  std::vector<l2::any_backend>{l2::any_backend(disk)});
+  const cache::l1_registration_report r = c.register_l1();
+  CHECK(r.steps == 1);  // 2 MiB of L1: one piece
+  CHECK(r.registered.size() + r.refused.size() <= 1);
+  if (r.registered.empty()) {
+    // The pread fallback has nothing to register; RLIMIT_MEMLOCK may refuse it.
+    WARN("the disk backend took no fixed buffers here: " << (r.refused.empty() ? "no io_uring" : r.refused[0]));
+    return;
+  }
+  CHECK(r.registered[0] == "disk");
+  CHECK(reg.value("kvtier_io_fixed_buffer_bytes", {}).value_or(0) == static_cast<double>(8 * object_bytes));
+}
+
 }  // namespace file_disk_pipeline_test

@@ -1,15 +1,15 @@
-// Fuzz target: the server's JSON configuration (server/server_config.hpp, server_config_json.hpp) and the
-// L2 backend descriptions (server/backend_factory.hpp with the memory, disk and redis types:
-// server/disk_backend_json.hpp, server/redis_options_json.hpp), read the way kvtier-server
+// Fuzz target: the server's JSON configuration (server/config/server_config.hpp, server_config_json.hpp) and the
+// L2 backend descriptions (server/config/backend_factory.hpp with the memory, disk and redis types:
+// server/config/disk_backend_json.hpp, server/config/redis_options_json.hpp), read the way kvtier-server
 // reads them (examples/server/main.cpp).
 //
 // Input: one byte of choice (mode % 4), then text.
-//   0, 2: the text is a --config file: parse_config_text (server/server_config_json.hpp, what
+//   0, 2: the text is a --config file: parse_config_text (server/config/server_config_json.hpp, what
 //         main() calls), then server_config::parse;
 //   1:    the text is one --l2-backend flag: json::parse without exceptions (a discarded
 //         value is main()'s exit 2), then the backend factory parses it;
 //   3:    [1] picks a key of the configuration, the rest is its value given as a flag
-//         (flag_value, server/server_config_json.hpp, what main() calls), then server_config::parse.
+//         (flag_value, server/config/server_config_json.hpp, what main() calls), then server_config::parse.
 // The seeds' first byte is an ASCII digit: '0' file, '1' backend, '3' flag (cli-flag-*).
 //
 // Oracle: whatever the text, the only exception is config_error, whose message names what
@@ -17,12 +17,12 @@
 // configuration that is accepted survives to_json() and parse() unchanged (the documented
 // round trip), and prints (--print-config dumps it).
 
-#include <kvtier/server/backend_factory.hpp>
-#include <kvtier/server/server_config.hpp>
-#include <kvtier/server/server_config_json.hpp>
-#include <kvtier/server/disk_backend_type.hpp>
+#include <kvtier/server/config/backend_factory.hpp>
+#include <kvtier/server/config/disk_backend_type.hpp>
+#include <kvtier/server/config/server_config.hpp>
+#include <kvtier/server/config/server_config_json.hpp>
 #if KVTIER_FUZZ_WITH_REDIS
-#include <kvtier/server/redis_backend_type.hpp>
+#include <kvtier/server/config/redis_backend_type.hpp>
 #endif
 
 #include "fuzz_support.hpp"

@@ -10,7 +10,7 @@
 #include <kvtier/core/model_id.hpp>
 #include <kvtier/l2/fault_injecting_backend.hpp>
 #include <kvtier/l2/memory_backend.hpp>
-#include <kvtier/server/disk_backend_type.hpp>
+#include <kvtier/server/config/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
 
 #include <catch2/catch.hpp>

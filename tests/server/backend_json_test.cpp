@@ -1,8 +1,8 @@
-// The server's readers of the L2 backends' JSON objects (server/disk_backend_json.hpp,
-// server/redis_options_json.hpp): every key read, every mistake refused with a message that
+// The server's readers of the L2 backends' JSON objects (server/config/disk_backend_json.hpp,
+// server/config/redis_options_json.hpp): every key read, every mistake refused with a message that
 // names the key.
-#include <kvtier/server/disk_backend_json.hpp>
-#include <kvtier/server/redis_options_json.hpp>
+#include <kvtier/server/config/disk_backend_json.hpp>
+#include <kvtier/server/config/redis_options_json.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -1,6 +1,6 @@
 // client_budget: connection caps per server and per uid, lookup key budgets per connection
 // and per server with the fair share that keeps one abuser from locking others out.
-#include <kvtier/server/client_budget.hpp>
+#include <kvtier/server/session/client_budget.hpp>
 
 #include <catch2/catch.hpp>
 

@@ -1,13 +1,13 @@
 // server_config and backend_factory: defaults, JSON in and out, and every refusal saying
 // what to change (the program's flags map onto the same keys: process_test.cpp).
-#include <kvtier/server/server_config.hpp>
+#include <kvtier/server/config/server_config.hpp>
 
 #include <kvtier/server/make_cache.hpp>
 
 #include <kvtier/pipeline/policies.hpp>
-#include <kvtier/server/backend_factory.hpp>
-#include <kvtier/server/server_config_json.hpp>
-#include <kvtier/server/runtime_policies.hpp>
+#include <kvtier/server/config/backend_factory.hpp>
+#include <kvtier/server/config/runtime_policies.hpp>
+#include <kvtier/server/config/server_config_json.hpp>
 
 #include <catch2/catch.hpp>
 
@@ -116,6 +116,17 @@ TEST_CASE("metrics_port takes a port, 0 (off) or \"auto\" (any free port), and m
                     Catch::Contains("metrics_port (\"any\"): must be an integer in 0..65535"));
   CHECK_THROWS_WITH(server_config::parse(json{{"metrics_port", 9464}, {"metrics_address", "localhost"}}),
                     Catch::Contains("metrics_address (\"localhost\"): must be an IPv4 or IPv6 address"));
+}
+
+TEST_CASE("worker_threads sizes the worker pool, and copy_threads, its old name, is still read", "[server][config]") {
+  CHECK(server_config::parse(json{{"worker_threads", 3}}).worker_threads == 3);
+  CHECK(server_config::parse(json{{"copy_threads", 2}}).worker_threads == 2);
+  CHECK(server_config::parse(json{{"copy_threads", 2}}).worker_thread_count() == 2);
+  CHECK(server_config::parse(json::object()).to_json().contains("worker_threads"));
+  CHECK_FALSE(server_config::parse(json::object()).to_json().contains("copy_threads"));
+  CHECK(refusal(json{{"copy_threads", 2}, {"worker_threads", 2}}).find("old name of worker_threads") !=
+        std::string::npos);
+  CHECK(refusal(json{{"copy_threads", 1000}}).find("copy_threads") != std::string::npos);
 }
 
 TEST_CASE("a bad configuration is refused naming the key, the value and what to change", "[server][config]") {

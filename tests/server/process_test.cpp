@@ -139,6 +139,12 @@ TEST_CASE("kvtier-server refuses a bad configuration with exit status 2 and says
   CHECK(j["chunk_size"] == 64);
   CHECK(j["l1_size_bytes"] == 64 << 20);
   CHECK(j["eviction_policy"] == "arc");
+  // --copy-threads, the old name of --worker-threads, still works and overrides the file's key.
+  std::ofstream(file) << R"({"worker_threads": 3})";
+  const auto old = run_server(fmt::format("{}--config '{}' --copy-threads 2 --print-config", s, file));
+  INFO(old.output);
+  REQUIRE(old.exit_code == 0);
+  CHECK(json::parse(old.output)["worker_threads"] == 2);
 }
 
 TEST_CASE("kvtier-server refuses a --config file with a number out of a double's range with exit status 2",

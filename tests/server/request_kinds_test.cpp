@@ -1,6 +1,6 @@
 // request_kind_of: every request and its response map onto their bus request kind; the
 // error response and unknown values onto `other`.
-#include <kvtier/server/request_kinds.hpp>
+#include <kvtier/server/session/request_kinds.hpp>
 
 #include <catch2/catch.hpp>
 

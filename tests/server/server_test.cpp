@@ -2,7 +2,7 @@
 // protocol clients with engine regions: registration, every request's semantics (the
 // engine <-> server contract in docs/server.md), fencing, world size 2, lock release,
 // reaping, and hostile clients that must never disturb another client.
-#include <kvtier/server/disk_backend_type.hpp>
+#include <kvtier/server/config/disk_backend_type.hpp>
 #include <kvtier/server/server.hpp>
 
 #include <catch2/catch.hpp>
@@ -444,7 +444,7 @@ TEST_CASE("a region unregistered while its pages are being faulted in stops the 
   CHECK(other.ping() == s.srv->boot_token());
 }
 
-TEST_CASE("a connection closed while its copy runs on the copy pool closes only once the copy ended",
+TEST_CASE("a connection closed while its copy runs on the worker pool closes only once the copy ended",
           "[server][concurrency]") {
   // The promise engines rely on (quarantine release): EOF on a connection proves that no
   // copy for it runs any more. The copy of chunk 0 blocks in the hook while the server

@@ -112,7 +112,7 @@ inline constexpr std::size_t connector_outcome_count = 5;
   return n[static_cast<std::size_t>(o)];
 }
 
-/// The request types of the cache server (server/request_kinds.hpp maps the wire messages
+/// The request types of the cache server (server/session/request_kinds.hpp maps the wire messages
 /// onto these).
 enum class request_kind : std::uint8_t {
   register_kv,

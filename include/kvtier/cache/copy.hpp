@@ -12,7 +12,7 @@
 //       abandons (never readable) each key.
 //
 // The sink and the source run on the copy executor (cache_options::copy_executor: the
-// server's copy pool; the cache's own executor when none is given), several at once when it
+// server's worker pool; the cache's own executor when none is given), several at once when it
 // has several threads; they must not call into the cache. Every object they touch stays
 // locked in L1 (read-pinned for a copy out, write-locked for a copy in) until they returned.
 

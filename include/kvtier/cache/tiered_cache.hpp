@@ -9,6 +9,7 @@
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
 #include <kvtier/cache/copy.hpp>
+#include <kvtier/cache/l1_registration.hpp>
 #include <kvtier/cache/traits.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
@@ -58,7 +59,7 @@ struct cache_options {
   /// first (a client that went away). Keeps the bookkeeping bounded however long we run.
   /// Measured on l1.clock. The L1 read TTL (l1.read_lock_ttl) does not apply to these holds.
   std::chrono::nanoseconds lookup_ttl = std::chrono::seconds(300);
-  /// Where async_copy_out's sinks and async_copy_in's sources run (the server's copy pool);
+  /// Where async_copy_out's sinks and async_copy_in's sources run (the server's worker pool);
   /// empty: the cache's own executor.
   boost::asio::any_io_executor copy_executor;
 };
@@ -367,6 +368,19 @@ class tiered_cache {
 
   [[nodiscard]] tier_type& l1() noexcept { return l1_; }
   [[nodiscard]] std::vector<l2::any_backend>& backends() noexcept { return backends_; }
+
+  /// Registers L1's arena with the L2 backends that read into registered memory faster
+  /// (cache/l1_registration.hpp), all at once: on this cache's executor or before it runs
+  /// anything, best once L1's pages are in (registering pins, so allocates, every page). A
+  /// program that serves meanwhile takes register_l1_in_pieces() and runs a step per turn.
+  l1_registration_report register_l1() {
+    l1_registration_report r;
+    for (l1_registration reg = register_l1_in_pieces(); reg.step(r);) {
+    }
+    return r;
+  }
+  /// The same registration, a piece (l1_register_piece_bytes) per l1_registration::step().
+  [[nodiscard]] l1_registration register_l1_in_pieces() { return l1_registration(l1_.arena(), backends_); }
   [[nodiscard]] store_controller_type& store() noexcept { return store_; }
   [[nodiscard]] prefetch_controller_type& prefetch() noexcept { return prefetch_; }
   [[nodiscard]] bus_type& bus() noexcept { return bus_; }

@@ -1,34 +1,18 @@
 #pragma once
 // http_exporter: a small HTTP/1.1 server (Boost.Beast) for /metrics and friends, running on
-// the host's executor (the cache server's one I/O thread): no thread of its own. It is the
-// server's (server.hpp serves /metrics, /healthz and /status with it): the socket code stays
-// in server/, and telemetry/ only writes the exposition text it serves.
+// the host's executor (the cache server's one I/O thread): no thread of its own. The server
+// serves /metrics, /healthz and /status with it (server.hpp); telemetry/ only writes the
+// exposition text it serves.
 //
 //   server::http_exporter http(executor, {.address = "127.0.0.1", .port = 9100});
 //   http.route("/metrics", [&] { return http_response::metrics(registry); });
 //   http.route("/healthz", [&] { return http_response::json(200, R"({"status":"serving"})"); });
 //   auto port = http.start();      // result<std::uint16_t>: the bound port (0 asks for any)
 //
-// GET and HEAD only: every other method is answered 405 (Allow: GET, HEAD) and the
-// connection closed, whatever body the request carries (it is never read: a short lingering
-// drain after the answer lets the client see the 405 before the close). 404 for unknown
-// paths, 400 for a malformed or oversized header (8 KiB), a query string is ignored.
-//
-// Nobody can starve it (the endpoint is how operators and probes see the server):
-//   - a request's header must be complete header_timeout (5 s) after its connection opened
-//     or its first byte came: a slowloris client holds a connection at most that long;
-//   - a kept-alive connection waits idle_timeout (30 s) for its next request, a response
-//     write (a client that does not read) write_timeout (10 s);
-//   - at max_connections (64) a new connection closes the connection that has waited
-//     longest for a request, idle ones (no byte of a request yet) first, then those still
-//     sending their header; connections being answered are never closed for room. So a
-//     probe gets in whatever the number of silent or slow connections, as long as it sends
-//     its request at once.
-// Every read and write is async; stats() counts what was closed and why.
-// Route handlers run on the executor and must be quick (they build a response string).
-//
-// Threading: start() and stop() on the executor's thread or before it runs; stop() closes
-// the listener and every connection.
+// GET and HEAD only; nobody can starve it (header, idle and write timeouts, the oldest
+// waiting connection closed for room): docs/server.md, "The HTTP endpoint", and the
+// options below. Route handlers run on the executor and must be quick. start() and stop()
+// on the executor's thread or before it runs; stop() closes every connection.
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
@@ -212,6 +196,48 @@ class http_exporter {
     return true;
   }
 
+  /// The 400 answered to a malformed or oversized header; the connection closes after it.
+  static boost::beast::http::response<boost::beast::http::string_body> bad_request() {
+    namespace http = boost::beast::http;
+    http::response<http::string_body> bad{http::status::bad_request, 11};
+    bad.set(http::field::server, "kvtier");
+    bad.set(http::field::content_type, "text/plain; charset=utf-8");
+    bad.body() = "bad request\n";
+    bad.keep_alive(false);
+    bad.prepare_payload();
+    return bad;
+  }
+
+  /// The answer to a request whose header was read: its route's (GET, HEAD), 404, or 405
+  /// for another method; kept alive only for GET and HEAD without a body.
+  boost::beast::http::response<boost::beast::http::string_body> answer(
+      const boost::beast::http::request<boost::beast::http::empty_body>& req, bool has_body) {
+    namespace http = boost::beast::http;
+    http::response<http::string_body> res;
+    res.version(req.version());
+    res.set(http::field::server, "kvtier");
+    const bool allowed = req.method() == http::verb::get || req.method() == http::verb::head;
+    if (!allowed) {
+      res.result(http::status::method_not_allowed);
+      res.set(http::field::allow, "GET, HEAD");
+      res.set(http::field::content_type, "text/plain; charset=utf-8");
+      res.body() = "method not allowed\n";
+    } else {
+      std::string_view target = req.target();
+      if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
+      auto it = routes_.find(std::string(target));
+      http_response r =
+          it == routes_.end() ? http_response{404, "text/plain; charset=utf-8", "not found\n"} : it->second();
+      res.result(r.status);
+      res.set(http::field::content_type, r.content_type);
+      res.body() = std::move(r.body);
+    }
+    res.keep_alive(req.keep_alive() && allowed && !has_body);
+    res.prepare_payload();
+    if (req.method() == http::verb::head) res.body().clear();  // Content-Length stays that of GET
+    return res;
+  }
+
   boost::asio::awaitable<void> serve(connection_ptr c) {
     namespace http = boost::beast::http;
     using boost::asio::as_tuple;
@@ -251,40 +277,13 @@ class http_exporter {
             rec == http::error::end_of_stream)
           break;
         bump(counters_.bad_requests);
-        http::response<http::string_body> bad{http::status::bad_request, 11};
-        bad.set(http::field::server, "kvtier");
-        bad.set(http::field::content_type, "text/plain; charset=utf-8");
-        bad.body() = "bad request\n";
-        bad.keep_alive(false);
-        bad.prepare_payload();
+        auto bad = bad_request();
         co_await write(c, bad);
         break;
       }
-      const auto& req = parser.get();
       // A body is never read: the answer closes the connection when the request has one.
       const bool has_body = parser.chunked() || (parser.content_length() && *parser.content_length() > 0);
-      http::response<http::string_body> res;
-      res.version(req.version());
-      res.set(http::field::server, "kvtier");
-      const bool allowed = req.method() == http::verb::get || req.method() == http::verb::head;
-      if (!allowed) {
-        res.result(http::status::method_not_allowed);
-        res.set(http::field::allow, "GET, HEAD");
-        res.set(http::field::content_type, "text/plain; charset=utf-8");
-        res.body() = "method not allowed\n";
-      } else {
-        std::string_view target = req.target();
-        if (auto q = target.find('?'); q != std::string_view::npos) target = target.substr(0, q);
-        auto it = routes_.find(std::string(target));
-        http_response r = it == routes_.end() ? http_response{404, "text/plain; charset=utf-8", "not found\n"}
-                                              : it->second();
-        res.result(r.status);
-        res.set(http::field::content_type, r.content_type);
-        res.body() = std::move(r.body);
-      }
-      res.keep_alive(req.keep_alive() && allowed && !has_body);
-      res.prepare_payload();
-      if (req.method() == http::verb::head) res.body().clear();  // Content-Length stays that of GET
+      auto res = answer(parser.get(), has_body);
       bump(counters_.requests);
       if (!co_await write(c, res) || !res.keep_alive()) {
         if (has_body) co_await drain(c, buffer);

@@ -1,38 +1,22 @@
 #pragma once
 // L1 residency: the server's one-time set-up of its L1 arena ("l1_prefault", default on),
-// done BEHIND the first requests: the server listens first (server.hpp, "Start-up").
-//   1. fault every page of the arena in (populate_l1): madvise(MADV_POPULATE_WRITE) (Linux
-//      5.14) in slices of 4 MiB, on a thread of its own at nice 10, so the I/O thread and the
-//      copies come first on a busy machine and no copy waits behind a slice. It changes no
-//      byte and never touches the memory itself, so it runs while slots are in use: a slot
-//      whose pages are not in yet takes them on its first use (a page fault per 4 KiB, inside
-//      the kernel's O_DIRECT page pinning for a load). Faulting 1 GiB in takes ~0.35-0.5 s
-//      here when the host has the memory ready, up to 4 s when it does not (minutes for
-//      hundreds of GiB): done before listening, it kept every restart deaf that long.
-//      Without MADV_POPULATE_WRITE (kernels before 5.14) the fallback writes to every page,
-//      which would overwrite a slot in use: it runs before the server accepts anything
-//      (prefault_l1_by_writing), and start-up waits for it as it used to;
-//   2. once every page is in, on the I/O thread (the thread of the disk backend's io_uring
-//      ring: a registration must not race a submission, io/uring_context.hpp), hand the arena
-//      to every L2 backend that reads into registered memory faster (l1_registration:
-//      any_backend::add_buffers, the disk backend's io_uring fixed buffers, READ_FIXED, so a
-//      1 MiB read pins no pages). Loads submitted before read with plain READ into the same
-//      memory. Registering pins every page, ~40-60 ms per GiB here: 8 GiB at once held the
-//      I/O thread 0.3-0.7 s, and from ~16 GiB it would pass a connector's 1 s ping timeout.
-//      So the arena goes in pieces of 256 MiB (~10-15 ms each), one per turn of the I/O
-//      thread, requests answered between them. Where the kernel has no sparse buffer table
-//      (before Linux 5.19) it is registered at once (any_backend::register_buffers). The
-//      kernel may refuse (RLIMIT_MEMLOCK for a user without CAP_IPC_LOCK): the backend then
-//      reads as before, and the refusal is reported (and counted:
-//      kvtier_io_fixed_buffer_registration_failures_total).
-// The server says where it stands: status "l1.residency" (l1_residency_state), the gauges
-// kvtier_server_l1_resident and kvtier_server_l1_prefaulted_bytes, and one log line when the
-// prefault ends (server::log_l1_residency).
+// done behind the first requests (docs/server.md, "Start-up", step 3):
+//   1. populate_l1: every page of the arena faulted in (MADV_POPULATE_WRITE in 4 MiB
+//      slices) on a thread of its own at nice 10; it changes no byte, so it runs while
+//      slots are in use. Without MADV_POPULATE_WRITE (before Linux 5.14) the fallback
+//      writes every page, so it runs before the server accepts anything;
+//   2. once every page is in, on the I/O thread (the disk backend's ring's thread), the
+//      arena registered with the L2 backends that read into registered memory faster:
+//      tiered_cache::register_l1_in_pieces (cache/l1_registration.hpp), a piece of 256 MiB
+//      per turn of the I/O thread (at once, 8 GiB held the thread 0.3-0.7 s, past a
+//      connector's ping timeout from ~16 GiB).
+// Status "l1.residency", the gauges kvtier_server_l1_resident and
+// kvtier_server_l1_prefaulted_bytes, and one log line say where it stands.
 
+#include <kvtier/cache/l1_registration.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/core/kv_region.hpp>
 #include <kvtier/error.hpp>
-#include <kvtier/l2/any_backend.hpp>
 
 #include <unistd.h>
 
@@ -46,7 +30,6 @@
 #include <span>
 #include <string>
 #include <string_view>
-#include <vector>
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
@@ -55,12 +38,9 @@ namespace kvtier::inline KVTIER_ABI_TAG::server {
 /// and its page faults queue behind that writer. 4 MiB is ~1.5-4 ms of populating here
 /// (32 MiB slices were 12-30 ms, and a first lookup served during them 10-20 ms later).
 inline constexpr std::size_t l1_prefault_slice_bytes = std::size_t{4} << 20;
-/// The prefault thread's nice value: behind the I/O thread and the copy pool (nice 0) when
+/// The prefault thread's nice value: behind the I/O thread and the worker pool (nice 0) when
 /// the cores are busy, at full speed when they are not.
 inline constexpr int l1_prefault_nice = 10;
-
-/// The piece of L1 one registration step pins: ~10-15 ms of the I/O thread here.
-inline constexpr std::size_t l1_register_piece_bytes = std::size_t{256} << 20;
 
 /// Where the L1 arena stands (status "l1.residency").
 enum class l1_residency_state : std::uint8_t {
@@ -90,11 +70,7 @@ struct l1_residency_report {
   bool populated = false;        ///< MADV_POPULATE_WRITE did it (false: the write loop, or not all)
   bool behind_requests = false;  ///< in the background, while the server served
   std::string error;             ///< why the pages were left to first use (empty: they were not)
-  double register_ms = 0;        ///< the registration's steps together (on the I/O thread)
-  double longest_step_ms = 0;    ///< the longest of them
-  std::size_t steps = 0;
-  std::vector<std::string> registered;  ///< backends that took the arena
-  std::vector<std::string> refused;     ///< "name: reason" of backends that refused it
+  cache::l1_registration_report registration;  ///< the registration's steps (on the I/O thread)
 };
 
 /// How populate_l1 ended.
@@ -137,56 +113,5 @@ inline l1_residency_report prefault_l1_by_writing(std::span<std::byte> arena) {
   r.prefault_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   return r;
 }
-
-/// The registration of L1 with the L2 backends, a piece of l1_register_piece_bytes per
-/// step() (any_backend::add_buffers), so that no call holds the thread long; a backend that
-/// cannot take pieces (errc::unsupported: before Linux 5.19) gets the whole arena at its
-/// first step (register_buffers). Call step() on the thread of the backends' io_uring rings
-/// (the server's I/O thread, one step per turn), or before it runs anything. The arena and
-/// the backends must outlive it.
-class l1_registration {
- public:
-  l1_registration(std::span<std::byte> arena, std::span<l2::any_backend> backends)
-      : arena_(arena), backends_(backends), state_(backends.size(), state::pieces) {}
-
-  /// Registers the next piece with every backend still taking pieces; records who took the
-  /// arena and who refused it in `r` once done. Returns false when nothing is left to do.
-  bool step(l1_residency_report& r) {
-    if (next_ >= arena_.size()) return false;
-    const auto t0 = std::chrono::steady_clock::now();
-    const std::span<std::byte> piece = arena_.subspan(next_, std::min(l1_register_piece_bytes, arena_.size() - next_));
-    for (std::size_t i = 0; i < backends_.size(); ++i) {
-      if (state_[i] != state::pieces) continue;
-      l2::any_backend& b = backends_[i];
-      error_code ec = b.add_buffers(piece);
-      if (ec == make_error_code(errc::unsupported) && next_ == 0) {
-        ec = b.register_buffers(arena_);  // all at once
-        if (!ec) state_[i] = state::whole;
-      }
-      if (ec == make_error_code(errc::unsupported)) {
-        state_[i] = state::none;  // nothing to register (a memory backend)
-      } else if (ec) {
-        state_[i] = state::refused;
-        r.refused.push_back(std::string(b.name()) + ": " + ec.message());
-      }
-    }
-    next_ += piece.size();
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    r.register_ms += ms;
-    r.longest_step_ms = std::max(r.longest_step_ms, ms);
-    ++r.steps;
-    if (next_ < arena_.size()) return true;
-    for (std::size_t i = 0; i < backends_.size(); ++i)
-      if (state_[i] == state::pieces || state_[i] == state::whole) r.registered.emplace_back(backends_[i].name());
-    return false;
-  }
-
- private:
-  enum class state : std::uint8_t { pieces, whole, none, refused };
-  std::span<std::byte> arena_;
-  std::span<l2::any_backend> backends_;
-  std::vector<state> state_;
-  std::size_t next_ = 0;  ///< the next piece's offset
-};
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server

@@ -1,24 +1,19 @@
 #pragma once
 // listener: the server's listening socket and who may connect (server.hpp owns one).
 //
-//   listen()   creates the socket at config.socket_path (mode socket_mode); the default
-//              socket's directory is created 0700 and used only when it is ours and nobody
-//              else may write in it (protocol/unix_socket.hpp); a live server's socket is
-//              never taken over. Throws std::runtime_error saying what to change. One of the
-//              server's start-up checks (server.hpp, "Start-up"): it runs before any start-up
-//              work, and a connection made before start() waits in the backlog;
+//   listen()   creates the socket at config.socket_path (mode socket_mode; the default
+//              socket's directory created 0700 and trusted only when it is ours:
+//              protocol/unix_socket.hpp); a live server's socket is never taken over. One of
+//              the start-up checks (docs/server.md, "Start-up"): a connection made before
+//              start() waits in the backlog. Throws std::runtime_error saying what to change;
 //   start(f)   the accept loop: every accepted connection is checked before a byte of it is
-//              read: its peer's uid with SO_PEERCRED (the server's own uid, root,
-//              allowed_uids, allowed_gids) and the connection caps (client_budget.hpp). A
-//              refused peer gets one error_response saying why and is closed, with one
-//              (throttled) log line and a count in kvtier_server_connections_refused_total
-//              {reason} (client_budget counts them). An admitted one goes to f with its new
-//              client id: the server opens its session (session.hpp).
-//   close()    stops accepting (shutdown).
-//   remove_socket()  removes the socket file if it is still the one listen() made (another
-//              server may have replaced it once this one stopped listening: a restart's new
-//              server must keep its socket). The destructor does it too, so a server whose
-//              start-up failed after listen() leaves no socket file behind.
+//              read, its peer's uid (SO_PEERCRED) and the connection caps
+//              (session/client_budget.hpp); a refused peer gets one error_response saying
+//              why and is closed (docs/server.md, "Trust"); an admitted one goes to f with
+//              its new client id;
+//   close()    stops accepting (shutdown);
+//   remove_socket()  removes the socket file if it is still the one listen() made (a
+//              restart's new server keeps its socket); the destructor does it too.
 //
 // On the server's I/O thread (the executor given at construction), like everything it calls.
 
@@ -27,8 +22,8 @@
 #include <kvtier/protocol/codec.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/protocol/unix_socket.hpp>
-#include <kvtier/server/client_budget.hpp>
-#include <kvtier/server/server_config.hpp>
+#include <kvtier/server/config/server_config.hpp>
+#include <kvtier/server/session/client_budget.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <boost/asio/any_io_executor.hpp>

@@ -1,9 +1,9 @@
 #pragma once
 // make_cache(config, ...): the server's cache for a configuration, a cache::tiered_cache
-// behind any_cache (any_cache.hpp). tiered_cache is instantiated once per shipped eviction
+// behind any_cache (session/any_cache.hpp). tiered_cache is instantiated once per shipped eviction
 // policy (lru, s3fifo, arc, noop); the store and prefetch-wait policies differ only in a
 // flag and a few numbers, so they are one run-time policy each (runtime_store_policy,
-// runtime_wait_policy: runtime_policies.hpp) and cost no instantiation. Only the server
+// runtime_wait_policy: config/runtime_policies.hpp) and cost no instantiation. Only the server
 // (server.hpp) includes this file.
 
 #include <kvtier/bus/event_bus.hpp>
@@ -16,9 +16,9 @@
 #include <kvtier/l1/policy/s3fifo.hpp>
 #include <kvtier/l2/any_backend.hpp>
 #include <kvtier/pipeline/policies.hpp>
-#include <kvtier/server/any_cache.hpp>
-#include <kvtier/server/runtime_policies.hpp>
-#include <kvtier/server/server_config.hpp>
+#include <kvtier/server/config/runtime_policies.hpp>
+#include <kvtier/server/config/server_config.hpp>
+#include <kvtier/server/session/any_cache.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 
@@ -90,6 +90,7 @@ class cache_model final : public any_cache {
   std::string_view eviction_policy() const noexcept override { return Eviction::name; }
   std::span<std::byte> l1_arena() noexcept override { return cache_.l1().arena(); }
   std::span<l2::any_backend> backends() noexcept override { return cache_.backends(); }
+  cache::l1_registration register_l1_in_pieces() override { return cache_.register_l1_in_pieces(); }
 
  private:
   const typename cache_type::tier_type& l1() const noexcept {
@@ -128,7 +129,7 @@ std::unique_ptr<any_cache> make_cache_with(boost::asio::any_io_executor ex, cons
 }
 
 /// The cache a configuration asks for, over `backends`, publishing on `bus` (which must
-/// outlive it); its copies run on `copy_executor` (the server's copy pool; empty: `ex`).
+/// outlive it); its copies run on `copy_executor` (the server's worker pool; empty: `ex`).
 /// Throws std::invalid_argument for options L1 refuses, std::bad_alloc when the L1 arena
 /// cannot be allocated.
 [[nodiscard]] inline std::unique_ptr<any_cache> make_cache(const server_config& c, boost::asio::any_io_executor ex,

@@ -1,29 +1,9 @@
 #pragma once
-// server: the kvtier cache server in one object. It owns
-//   - its io_context: ONE thread (run()) carries the protocol, the pipelines' coroutines,
-//     lookups and pings (docs/architecture.md);
-//   - the copy pool (copy_threads threads): the copies between engine regions and L1 of
-//     retrieves and stores (tiered_cache::async_copy_out / async_copy_in), so a large copy
-//     never holds up the I/O thread;
-//   - the event bus (metrics inline, logs on the bus's drain thread: the second thread);
-//   - the metrics registry (metrics(), metrics_text()) and, when metrics_port is set, the
-//     HTTP endpoint on this same executor: /metrics (Prometheus text), /healthz (200 with
-//     the boot token while serving, 503 while shutting down), /status (status_json());
-//   - the L2 backends (backend_factory), the tiered cache (any_cache), the registrations, the
-//     engines they form and their lookups (region_registry.hpp, engine_table.hpp,
-//     lookup_table.hpp), the listening socket and one session per connection;
-//   - a reaper timer: expires L1 locks and lookups past their TTL, and closes connections
-//     silent for client_reap_timeout (a connection that dies is reaped at once: EOF),
-//     releasing the lookups each one owned; like every close, on the I/O thread, and a
-//     connection with a copy in flight is closed once it ended, so no copy for the
-//     connection runs or starts after (session.hpp);
-//   - a random boot token, answered to ping and register (a new one reveals a restart);
-//   - who may connect: every accepted connection's peer is checked with SO_PEERCRED (the
-//     server's own uid, root, allowed_uids, allowed_gids) and against the connection caps
-//     (client_budget.hpp) before a byte of it is read; a refused peer gets one
-//     error_response saying why and is closed, with one (throttled) log line and a count in
-//     kvtier_server_connections_refused_total{reason}. The default socket's directory is
-//     created 0700 and verified at start (protocol/unix_socket.hpp).
+// server: the kvtier cache server in one object. It owns its I/O thread (run(): the
+// protocol, the pipelines' coroutines, lookups, pings), the worker pool, the event bus and
+// metrics registry, the HTTP endpoint (http_exporter.hpp), the L2 backends and the cache
+// (make_cache.hpp), the registrations, engines and lookups (session/), the listening socket
+// (listener.hpp) with one session per connection, the reaper, and a random boot token.
 //
 //   kvtier::server::server s(config);        // the checks, then the set-up: throws config_error,
 //                                             // std::runtime_error (socket, port), std::bad_alloc
@@ -31,47 +11,28 @@
 //   std::thread t([&] { s.run(); });          // or run() on the main thread
 //   s.stop();                                 // any thread: orderly shutdown, run() returns
 //
-// Start-up, in this order (docs/server.md, "Start-up"):
-//   1. the checks, each before any work, so a refused start says one thing and has done
-//      nothing: the configuration (validate), each L2 backend's (backend_spec::check: a disk
-//      directory's trust and lock), the metrics address and port (bound), the socket (its
-//      directory's trust, no live server there; bound and listening: a connection made from
-//      now on waits in the backlog). The signal handler is installed before the socket
-//      exists, so a SIGTERM from a client that just connected shuts down in order;
-//   2. the work the first request needs: the L2 backends built (a disk backend's recovery
-//      scan), the cache and its L1 arena (virtual memory: no page is touched);
-//   3. start(): accepting, the reaper, the HTTP endpoint; then L1 is faulted in behind the
-//      first requests on a thread of its own and registered with the L2 backends once resident,
-//      a piece per turn of the I/O thread (l1_residency.hpp), with log lines when done. Status "l1.residency" and
-//      kvtier_server_l1_resident say where it stands.
-// Nothing is logged before the checks passed.
-//
-// Shutdown (stop(), or SIGTERM/SIGINT when server_options::handle_signals): stop accepting,
-// close every connection (their registrations and lookups are reaped), release the
-// remaining lookups, wait for in-flight L2 work up to shutdown_timeout, stop the cache's
-// pipelines (queued stores dropped; operations in flight waited for, every coroutine of the
-// cache ended), remove the socket file, and return from run(). Logs are flushed when the
-// server is destroyed (the bus drains its queue).
-//
+// docs/server.md says what it does and in which order: "Start-up" (the checks before any
+// work, then the work the first request needs, then serving while L1 is faulted in),
+// "Threads", "Trust" (who may connect), "Reaping", "Shutdown", "The HTTP endpoint".
 
 #include <kvtier/bus/event_bus.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/fwd.hpp>
 #include <kvtier/protocol/limits.hpp>
-#include <kvtier/server/any_cache.hpp>
-#include <kvtier/server/backend_factory.hpp>
-#include <kvtier/server/client_budget.hpp>
-#include <kvtier/server/engine_table.hpp>
+#include <kvtier/server/config/backend_factory.hpp>
+#include <kvtier/server/config/server_config.hpp>
 #include <kvtier/server/http_exporter.hpp>
 #include <kvtier/server/l1_residency.hpp>
 #include <kvtier/server/listener.hpp>
-#include <kvtier/server/lookup_table.hpp>
 #include <kvtier/server/make_cache.hpp>
-#include <kvtier/server/region_registry.hpp>
-#include <kvtier/server/server_config.hpp>
-#include <kvtier/server/server_context.hpp>
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/any_cache.hpp>
+#include <kvtier/server/session/client_budget.hpp>
+#include <kvtier/server/session/engine_table.hpp>
+#include <kvtier/server/session/lookup_table.hpp>
+#include <kvtier/server/session/region_registry.hpp>
+#include <kvtier/server/session/server_context.hpp>
+#include <kvtier/server/session/session.hpp>
 #include <kvtier/telemetry/exposition.hpp>
 #include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
@@ -118,12 +79,13 @@ struct server_options {
 
 class server final : private session_host {
  public:
-  /// The start-up checks, then the set-up the first request needs ("Start-up" above): binds
-  /// the metrics port and the socket (connections wait in the backlog until start()). Throws
-  /// config_error for a configuration to change (a value that does not validate, a disk
-  /// directory that cannot be trusted), std::runtime_error saying what to change when the
-  /// socket or the port cannot be had or a backend cannot be built, std::invalid_argument or
-  /// std::bad_alloc when L1 cannot be set up; nothing is left behind then (no socket file).
+  /// The start-up checks, then the set-up the first request needs (docs/server.md,
+  /// "Start-up"): binds the metrics port and the socket (connections wait in the backlog
+  /// until start()). Throws config_error for a configuration to change (a value that does
+  /// not validate, a disk directory that cannot be trusted), std::runtime_error saying what
+  /// to change when the socket or the port cannot be had or a backend cannot be built,
+  /// std::invalid_argument or std::bad_alloc when L1 cannot be set up; nothing is left
+  /// behind then (no socket file).
   explicit server(server_config config, server_options options = {},
                   const backend_factory& factory = backend_factory::builtin())
       : config_((config.validate(factory), std::move(config))),
@@ -164,7 +126,7 @@ class server final : private session_host {
         backend_lines_.push_back(spec.name + " (" + spec.description + ")");
         backend_types_.push_back(spec.type);
       }
-      cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), copy_pool_.get_executor());
+      cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), worker_pool_.get_executor());
     } catch (...) {
       stop_http();
       throw;
@@ -172,7 +134,7 @@ class server final : private session_host {
     prepare_l1_residency();
     ctx_.emplace(server_context{
         config_, *cache_, clients_, lookups_, engines_, bus_, log_, boot_token_, options_.hooks, &budget_,
-        copy_pool_.get_executor(),
+        worker_pool_.get_executor(),
         std::chrono::duration_cast<std::chrono::milliseconds>(cache_options_from(config_).prefetch.load_timeout)});
     add_metrics();
   }
@@ -181,20 +143,20 @@ class server final : private session_host {
   server& operator=(const server&) = delete;
 
   ~server() {
-    // The L1 prefault's thread, and a task still on the copy pool (a registration's prefault
+    // The L1 prefault's thread, and a task still on the worker pool (a registration's prefault
     // that outlived the shutdown's wait for the sessions), refer to L1, or to the registry
     // and its session: they end first. (The copies ended when the cache stopped.)
     stop_l1_prefault();  // it stops before its next slice
     if (l1_prefault_thread_.joinable()) l1_prefault_thread_.join();
-    copy_pool_.join();
+    worker_pool_.join();
     // Sessions first (their sockets belong to io_), then the cache; io_ outlives both.
     sessions_.clear();
     signals_.reset();
   }
 
   /// Serves: the accept loop (the socket listens since the constructor), the reaper, and the
-  /// L1 prefault behind the first requests ("Start-up" above). The requests are served
-  /// once run() runs the I/O thread.
+  /// L1 prefault behind the first requests (docs/server.md, "Start-up"). The requests are
+  /// served once run() runs the I/O thread.
   void start() {
     if (started_) return;
     started_ = true;
@@ -212,7 +174,7 @@ class server final : private session_host {
     return 0;
   }
 
-  /// Begins an orderly shutdown (see the header comment). Any thread; idempotent.
+  /// Begins an orderly shutdown (docs/server.md, "Shutdown"). Any thread; idempotent.
   void stop() {
     boost::asio::post(io_, [this] { begin_shutdown(); });
   }
@@ -290,7 +252,7 @@ class server final : private session_host {
   boost::asio::io_context io_{1};
   /// The copies' threads; before cache_, so destroyed (joined) after it: the cache's
   /// async_stop has waited for every copy by then.
-  boost::asio::thread_pool copy_pool_{config_.copy_thread_count()};
+  boost::asio::thread_pool worker_pool_{config_.worker_thread_count()};
   std::optional<http_exporter> http_;  ///< after io_: destroyed before it
   std::uint16_t metrics_port_ = 0;
   std::uint64_t boot_token_;
@@ -318,7 +280,7 @@ class server final : private session_host {
   std::thread l1_prefault_thread_;
   /// The registration with the L2 backends, a piece per turn, and what the log line will say
   /// (I/O thread).
-  std::optional<l1_registration> l1_registration_;
+  std::optional<cache::l1_registration> l1_registration_;
   l1_residency_report l1_report_;
   std::atomic<std::size_t> connections_{0};
   std::atomic<std::uint64_t> reaped_{0};

@@ -1,7 +1,7 @@
 #pragma once
 // redis_backend_options: the configuration of l2::redis_backend. Each field maps 1:1 onto a
 // key of the backend's JSON object in the server configuration (same name; durations are
-// integers in milliseconds, as the _ms suffix says); server/redis_options_json.hpp reads that object.
+// integers in milliseconds, as the _ms suffix says); server/config/redis_options_json.hpp reads that object.
 // Standard library only.
 //
 // There is deliberately no password field: a password on a command line or in a config file

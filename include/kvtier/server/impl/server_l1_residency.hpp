@@ -7,7 +7,8 @@
 //   start_l1_prefault()     start(): the prefault on its own thread (nice 10);
 //   l1_prefault_ended(o)    on the I/O thread (the io_uring rings' thread) when it ends;
 //   register_l1_step()      the registration with the L2 backends, a piece per turn of the
-//                           I/O thread (l1_registration); then the state and the log lines;
+//                           I/O thread (tiered_cache::register_l1_in_pieces); then the state
+//                           and the log lines;
 //   stop_l1_prefault()      the shutdown and the destructor: it stops before its next slice
 //                           (the destructor joins the thread).
 
@@ -37,8 +38,7 @@ inline void server::prepare_l1_residency() {
   // nothing is in L1 (start-up waits for it, as it used to); io_ runs nothing yet, so the
   // registration may happen here too.
   l1_residency_report r = prefault_l1_by_writing(arena);
-  l1_registration reg(arena, cache_->backends());
-  while (reg.step(r)) {
+  for (cache::l1_registration reg = cache_->register_l1_in_pieces(); reg.step(r.registration);) {
   }
   l1_prefaulted_bytes_.store(arena.size(), std::memory_order_relaxed);
   l1_residency_.store(l1_residency_state::resident, std::memory_order_release);
@@ -49,7 +49,7 @@ inline void server::start_l1_prefault() {
   if (l1_residency() != l1_residency_state::faulting || l1_prefault_thread_.joinable()) return;
   l1_prefault_thread_ = std::thread([this] {
     ::pthread_setname_np(::pthread_self(), "kvtier-l1-fault");
-    // Per-thread on Linux: the I/O thread and the copy pool keep nice 0.
+    // Per-thread on Linux: the I/O thread and the worker pool keep nice 0.
     (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), l1_prefault_nice);
     if (options_.hooks.during_l1_prefault) options_.hooks.during_l1_prefault();
     const l1_prefault_outcome o = populate_l1(cache_->l1_arena(), l1_prefault_stop_, l1_prefaulted_bytes_);
@@ -82,7 +82,7 @@ inline void server::l1_prefault_ended(l1_prefault_outcome o) {
     return;
   }
   l1_residency_.store(l1_residency_state::registering, std::memory_order_release);
-  l1_registration_.emplace(arena, cache_->backends());
+  l1_registration_.emplace(cache_->register_l1_in_pieces());
   register_l1_step();
 }
 
@@ -92,7 +92,7 @@ inline void server::register_l1_step() {
     return;
   }
   // Here: the thread of the backends' rings.
-  if (l1_registration_->step(l1_report_)) {
+  if (l1_registration_->step(l1_report_.registration)) {
     boost::asio::post(io_, [this] { register_l1_step(); });  // the next piece on the next turn
     return;
   }

@@ -4,7 +4,7 @@
 //                     expires L1 locks and lookups past their TTL, forgets the lookups the
 //                     cache forgot, and closes the connections silent for
 //                     client_reap_timeout (session::close: a connection with a copy in
-//                     flight closes once it ended, session.hpp);
+//                     flight closes once it ended, session/session.hpp);
 //   session_closed()  a session's loop ended (EOF, a broken stream, reaped, shutdown): its
 //                     lookups are released, its registration dropped (its region unmapped),
 //                     the connection caps given back, one log line.

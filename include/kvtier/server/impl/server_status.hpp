@@ -42,13 +42,14 @@ inline void server::log_l1_residency(const l1_residency_report& r) {
     log_.info("L1 prefaulted: {} MiB in {:.0f} ms ({}{})", r.bytes >> 20, r.prefault_ms,
               r.populated ? "MADV_POPULATE_WRITE" : "a write per page",
               r.behind_requests ? ", behind the first requests" : ", before serving");
-  if (!r.registered.empty())
+  const cache::l1_registration_report& g = r.registration;
+  if (!g.registered.empty())
     log_.info(
         "L1 registered with L2 backend(s) {} (io_uring fixed buffers) in {:.0f} ms ({} steps, the longest "
         "{:.0f} ms)",
-        fmt::join(r.registered, ", "), r.register_ms, r.steps, r.longest_step_ms);
-  if (!r.refused.empty())
-    log_.warn("L1 refused by {}: reads into L1 pin their pages per read", fmt::join(r.refused, "; "));
+        fmt::join(g.registered, ", "), g.register_ms, g.steps, g.longest_step_ms);
+  if (!g.refused.empty())
+    log_.warn("L1 refused by {}: reads into L1 pin their pages per read", fmt::join(g.refused, "; "));
 }
 
 /// The server's own series (kvtier_server_*, kvtier_http_*) and the collectors of the cache
@@ -136,24 +137,80 @@ inline std::string server::startup_line() const {
   for (const auto& b : backend_lines_) backends += (backends.empty() ? "" : ", ") + b;
   return fmt::format(
       "kvtier-server {} listening on {} (boot token {:016x}, pid {}): L1 {} MiB in {} slots of {} KiB, eviction {}, "
-      "chunk {} tokens, L2 backends: {}, store {}, prefetch {}, {} copy threads, metrics {}",
+      "chunk {} tokens, L2 backends: {}, store {}, prefetch {}, {} worker threads, metrics {}",
       version_string, config_.socket_path, boot_token_, ::getpid(), (cache_->slot_count() * cache_->slot_bytes()) >> 20,
       cache_->slot_count(), cache_->slot_bytes() >> 10, cache_->eviction_policy(), config_.chunk_tokens,
       backends.empty() ? std::string("none") : backends, name(config_.store_policy), name(config_.prefetch_policy),
-      config_.copy_thread_count(), metrics_port_ ? metrics_url() + "/metrics" : std::string("off"));
+      config_.worker_thread_count(), metrics_port_ ? metrics_url() + "/metrics" : std::string("off"));
 }
+
+namespace detail {
+
+/// One connection in the status document's "clients".
+[[nodiscard]] inline nlohmann::json client_status(std::uint64_t id, const session& s, const registration* reg,
+                                                  const lookup_table& lookups, const engine_table& engines,
+                                                  std::chrono::steady_clock::time_point now) {
+  using nlohmann::json;
+  json c;
+  c["client_id"] = id;
+  c["registered"] = reg != nullptr;
+  if (reg) {
+    c["instance_id"] = reg->instance_id;
+    c["rank"] = reg->rank;
+    c["world_size"] = reg->world_size;
+    c["model"] = reg->model_name;
+    c["model_id"] = reg->model_id;
+    c["region_kind"] = std::string(protocol::name(reg->kind));
+    c["dtype"] = std::string(name(reg->chunk.model.dtype));
+    c["layout_kind"] = std::string(name(reg->layout.kind()));
+    c["prefill_tokens_per_second"] = reg->prefill_tokens_per_second;
+    c["num_blocks"] = reg->layout.num_blocks;
+    c["block_size"] = reg->layout.block_size;
+    c["region_bytes"] = reg->region.bytes();
+  } else {
+    c["instance_id"] = nullptr;
+    c["rank"] = nullptr;
+    c["world_size"] = nullptr;
+    c["model"] = nullptr;
+    c["model_id"] = nullptr;
+  }
+  c["idle_s"] = std::chrono::duration<double>(now - s.last_activity()).count();
+  c["requests"] = s.requests();
+  c["lookups"] = lookups.owned(id);
+  c["engine_id"] = std::string(engines.engine_id_of(id));
+  c["engine_connections"] = engines.members_with(id);
+  return c;
+}
+
+/// The status document's "backends": each L2 backend's usage and health, with its type.
+[[nodiscard]] inline nlohmann::json backends_status(const cache::cache_status& cs,
+                                                    const std::vector<std::string>& types) {
+  nlohmann::json backends = nlohmann::json::array();
+  for (std::size_t b = 0; b < cs.backends.size(); ++b) {
+    const auto& x = cs.backends[b];
+    backends.push_back({{"name", x.name},
+                        {"type", b < types.size() ? types[b] : std::string()},
+                        {"bytes_used", x.usage.bytes_used},
+                        {"bytes_capacity", x.usage.bytes_capacity},
+                        {"objects", x.usage.objects},
+                        {"healthy", x.health.healthy},
+                        {"reason", x.health.reason}});
+  }
+  return backends;
+}
+
+}  // namespace detail
 
 /// The status document (status_request): I/O thread only.
 inline std::string server::status_json() {
   using nlohmann::json;
   const auto now = std::chrono::steady_clock::now();
-  auto secs = [](auto d) { return std::chrono::duration<double>(d).count(); };
   json j;
   j["boot_token"] = boot_token_;
   j["version"] = version_string;
   j["protocol_version"] = protocol::protocol_version;
   j["pid"] = ::getpid();
-  j["uptime_s"] = secs(now - started_at_);
+  j["uptime_s"] = std::chrono::duration<double>(now - started_at_).count();
   j["socket"] = config_.socket_path;
   j["metrics_url"] = metrics_url();
   j["connections"] = sessions_.size();
@@ -161,43 +218,12 @@ inline std::string server::status_json() {
   j["eviction_policy"] = std::string(cache_->eviction_policy());
   j["store_policy"] = std::string(name(config_.store_policy));
   j["prefetch_policy"] = std::string(name(config_.prefetch_policy));
-  json clients = json::array();
   std::vector<std::uint64_t> ids;
   for (const auto& [id, s] : sessions_) ids.push_back(id);
   std::sort(ids.begin(), ids.end());
-  for (std::uint64_t id : ids) {
-    const session& s = *sessions_.at(id);
-    json c;
-    c["client_id"] = id;
-    const registration* reg = clients_.find(id);
-    c["registered"] = reg != nullptr;
-    if (reg) {
-      c["instance_id"] = reg->instance_id;
-      c["rank"] = reg->rank;
-      c["world_size"] = reg->world_size;
-      c["model"] = reg->model_name;
-      c["model_id"] = reg->model_id;
-      c["region_kind"] = std::string(protocol::name(reg->kind));
-      c["dtype"] = std::string(name(reg->chunk.model.dtype));
-      c["layout_kind"] = std::string(name(reg->layout.kind()));
-      c["prefill_tokens_per_second"] = reg->prefill_tokens_per_second;
-      c["num_blocks"] = reg->layout.num_blocks;
-      c["block_size"] = reg->layout.block_size;
-      c["region_bytes"] = reg->region.bytes();
-    } else {
-      c["instance_id"] = nullptr;
-      c["rank"] = nullptr;
-      c["world_size"] = nullptr;
-      c["model"] = nullptr;
-      c["model_id"] = nullptr;
-    }
-    c["idle_s"] = secs(now - s.last_activity());
-    c["requests"] = s.requests();
-    c["lookups"] = lookups_.owned(id);
-    c["engine_id"] = std::string(engines_.engine_id_of(id));
-    c["engine_connections"] = engines_.members_with(id);
-    clients.push_back(std::move(c));
-  }
+  json clients = json::array();
+  for (std::uint64_t id : ids)
+    clients.push_back(detail::client_status(id, *sessions_.at(id), clients_.find(id), lookups_, engines_, now));
   j["clients"] = std::move(clients);
   j["lookups"] = lookups_.size();
   j["engines"] = engines_.size();
@@ -214,18 +240,7 @@ inline std::string server::status_json() {
              {"cache_lookups", cs.lookups},
              {"residency", std::string(name(l1_residency()))},
              {"prefaulted_bytes", l1_prefaulted_bytes_.load(std::memory_order_relaxed)}};
-  json backends = json::array();
-  for (std::size_t b = 0; b < cs.backends.size(); ++b) {
-    const auto& x = cs.backends[b];
-    backends.push_back({{"name", x.name},
-                        {"type", b < backend_types_.size() ? backend_types_[b] : std::string()},
-                        {"bytes_used", x.usage.bytes_used},
-                        {"bytes_capacity", x.usage.bytes_capacity},
-                        {"objects", x.usage.objects},
-                        {"healthy", x.health.healthy},
-                        {"reason", x.health.reason}});
-  }
-  j["backends"] = std::move(backends);
+  j["backends"] = detail::backends_status(cs, backend_types_);
   j["prefetch"] = {{"active", cs.prefetches_active}, {"inflight_bytes", cs.prefetch_inflight_bytes}};
   j["store"] = {{"inflight_tasks", cs.store_inflight_tasks},
                 {"inflight_bytes", cs.store_inflight_bytes},

@@ -16,7 +16,7 @@
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
-#include <kvtier/server/request_error.hpp>
+#include <kvtier/server/session/request_error.hpp>
 
 #include <sys/types.h>
 

@@ -1,7 +1,7 @@
 #pragma once
 // any_cache: the server's cache::tiered_cache behind a small virtual interface, so the
 // eviction policy (a compile-time parameter of l1::tier, intrusive hooks in every slot) can
-// be chosen by configuration at run time (make_cache.hpp instantiates the tiered_cache of
+// be chosen by configuration at run time (server/make_cache.hpp instantiates the tiered_cache of
 // each shipped policy behind it). The sessions, which are most of the server's code, are
 // compiled once, against this interface alone: a file that includes it instantiates no
 // cache. A virtual call per request (not per key) is the price.
@@ -101,9 +101,11 @@ class any_cache {
   [[nodiscard]] virtual std::size_t slot_bytes() const noexcept = 0;
   [[nodiscard]] virtual std::size_t slot_count() const noexcept = 0;
   [[nodiscard]] virtual std::string_view eviction_policy() const noexcept = 0;
-  /// The L1 arena and the L2 backends, for the one-time set-up at start (l1_residency.hpp).
+  /// The L1 arena, faulted in at start (server/l1_residency.hpp), and the L2 backends.
   [[nodiscard]] virtual std::span<std::byte> l1_arena() noexcept = 0;
   [[nodiscard]] virtual std::span<l2::any_backend> backends() noexcept = 0;
+  /// tiered_cache::register_l1_in_pieces: L1 registered with the L2 backends, a piece per step.
+  [[nodiscard]] virtual cache::l1_registration register_l1_in_pieces() = 0;
 };
 
 }  // namespace kvtier::inline KVTIER_ABI_TAG::server

@@ -124,7 +124,7 @@ class lookup_table {
   }
   [[nodiscard]] std::size_t size() const noexcept { return entries_.size(); }
   /// Chunk keys (chunks x world size) the lookups `owner` issued hold; of all lookups
-  /// (budgets, server/client_budget.hpp).
+  /// (budgets, server/session/client_budget.hpp).
   [[nodiscard]] std::uint64_t owned_keys(std::uint64_t owner) const {
     auto it = owned_keys_.find(owner);
     return it == owned_keys_.end() ? 0 : it->second;

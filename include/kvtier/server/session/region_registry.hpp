@@ -5,7 +5,7 @@
 // seals), maps the region (prefaulted later, in the background: region_prefault.hpp; or
 // now where the kernel cannot), and answers with a request_error
 // (request_error.hpp) that says what to change; it reads only the requirements, so it may
-// run on any thread (the server runs it on its copy pool). add() makes the result its
+// run on any thread (the server runs it on its worker pool). add() makes the result its
 // connection's registration, on the server's one I/O thread like every other member (no
 // locks; size() alone may be read from anywhere). The lookups of the clients are in
 // lookup_table.hpp.
@@ -18,12 +18,13 @@
 #include <kvtier/error.hpp>
 #include <kvtier/protocol/messages.hpp>
 #include <kvtier/protocol/unique_fd.hpp>
-#include <kvtier/server/region_prefault.hpp>
-#include <kvtier/server/request_error.hpp>
+#include <kvtier/server/session/region_prefault.hpp>
+#include <kvtier/server/session/request_error.hpp>
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -96,33 +97,8 @@ class region_registry {
                                                                const protocol::register_kv_request& r,
                                                                protocol::unique_fd fd) const {
     using protocol::region_kind;
-    if (r.world_size > max_world_size)
-      return fail(errc::invalid_argument,
-                  "world_size " + std::to_string(r.world_size) + " is above " + std::to_string(max_world_size));
-    if (r.world_size == 0 || r.rank >= r.world_size)
-      return fail(errc::invalid_argument,
-                  "rank " + std::to_string(r.rank) + " is not below world_size " + std::to_string(r.world_size));
-    if (r.model_name.empty()) return fail(errc::invalid_argument, "model_name is empty: send the model's name");
-    if (auto e = r.model.validation_error(); !e.empty()) return fail(errc::invalid_argument, "model shape: " + e);
-    if (r.chunk_tokens != req_.chunk_tokens)
-      return fail(errc::layout_mismatch, "chunk_tokens " + std::to_string(r.chunk_tokens) +
-                                             " differs from the server's chunk size " +
-                                             std::to_string(req_.chunk_tokens) +
-                                             ": hash with the server's chunk size (get_chunk_size) or restart the "
-                                             "server with --chunk-size " +
-                                             std::to_string(r.chunk_tokens));
+    if (auto e = shape_error(r)) return *e;
     const chunk_layout chunk{r.model, req_.chunk_tokens};
-    if (chunk.object_bytes() > req_.slot_bytes)
-      return fail(errc::layout_mismatch,
-                  "a chunk of this model is " + std::to_string(chunk.object_bytes()) +
-                      " bytes, above the server's L1 slot size of " + std::to_string(req_.slot_bytes) +
-                      " bytes: restart the server with --l1-slot-bytes " + std::to_string(chunk.object_bytes()) +
-                      " or more (JSON key l1_slot_bytes)");
-    if (r.layout_kind == kv_layout_kind::mla && r.model.attention != attention_kind::mla)
-      return fail(errc::invalid_argument, "layout kind MLA needs an MLA model shape (attention mla)");
-    if (r.layout_kind == kv_layout_kind::hnd && r.model.attention == attention_kind::mha && !supports_hnd)
-      return fail(errc::unsupported, "layout kind HND is not supported by this server: register NHD blocks");
-
     registration reg;
     reg.client_id = client_id;
     reg.instance_id = r.instance_id;
@@ -133,58 +109,20 @@ class region_registry {
     reg.chunk = chunk;
     reg.object_bytes = chunk.object_bytes();
     reg.prefill_tokens_per_second = r.prefill_tokens_per_second;
+    std::optional<request_error> refused;
     switch (r.region) {
-      case region_kind::none: {
-        // A scheduler: no memory, so nothing to map; its model id is the workers' (same name,
-        // shape, layout kind and salt), so its lookups prefetch their chunks.
-        if (fd)
-          return fail(errc::invalid_argument,
-                      "a registration with region kind none (a scheduler) carries no fd: send region cpu_memfd "
-                      "with the memfd, or none without it");
-        if (r.block_size != 0 || r.num_blocks != 0 || r.region_bytes != 0 || !r.region_descriptor.empty() ||
-            !r.strides.dense())
-          return fail(errc::invalid_argument,
-                      "a registration with region kind none describes no blocks: send block_size, num_blocks, "
-                      "region_bytes 0, strides 0 and no region_descriptor");
-        reg.layout = paged_kv_layout{r.model, 0, 0, r.layout_kind};
+      case region_kind::none:
+        refused = describe_scheduler(r, fd, reg);
         break;
-      }
       case region_kind::cuda_ipc:
         return fail(errc::unsupported,
                     "this kvtier-server was built without CUDA and cannot open a cuda_ipc region: stage the KV in a "
                     "cpu_memfd region, or run a CUDA build of the server");
-      case region_kind::cpu_memfd: {
-        if (!fd)
-          return fail(errc::invalid_argument, "register_kv_request came without the region's memfd (SCM_RIGHTS)");
-        // With explicit strides, validation_error() also checks that every row lies within
-        // 1 PiB, that no two rows overlap and that layout_kind is the strides' order; its
-        // messages name the shape and the strides.
-        const paged_kv_layout layout = r.layout();
-        if (auto e = layout.validation_error(); !e.empty()) return fail(errc::invalid_argument, "KV layout: " + e);
-        if (auto e = layout.compatibility_error(chunk); !e.empty()) return fail(errc::layout_mismatch, e);
-        const std::size_t bytes = kv_region::bytes_for(layout);
-        if (r.region_bytes != bytes)
-          return fail(errc::layout_mismatch, "region_bytes " + std::to_string(r.region_bytes) + " is not the " +
-                                                 std::to_string(bytes) + " bytes a region of this layout has (" +
-                                                 layout.describe() + ")");
-        if (!r.region_descriptor.empty())
-          return fail(errc::invalid_argument, "a cpu_memfd registration carries no region_descriptor");
-        const bool background = kv_region::populate_supported();
-        auto region = kv_region::open(fd.release(), layout, !background);
-        if (!region) {
-          if (region.error() == errc::layout_mismatch)
-            return fail(errc::layout_mismatch, "the fd is not a memfd of " + std::to_string(bytes) +
-                                                   " bytes sealed against resizing (F_SEAL_SHRINK|F_SEAL_GROW|"
-                                                   "F_SEAL_SEAL): create the region with kv_region::create");
-          return fail(errc::invalid_argument, "cannot map the region: " + region.error().message());
-        }
-        reg.layout = layout;
-        reg.blocks_per_chunk = req_.chunk_tokens / r.block_size;
-        reg.region = std::move(*region);
-        reg.prefault_pending = background;
+      case region_kind::cpu_memfd:
+        refused = map_memfd_region(r, chunk, std::move(fd), reg);
         break;
-      }
     }
+    if (refused) return *refused;
     reg.model_id = make_model_id(r.model_name, r.model, r.layout_kind, r.cache_salt);
     reg.cache_salt = r.cache_salt;
     reg.registered_at = std::chrono::steady_clock::now();
@@ -219,6 +157,91 @@ class region_registry {
 
  private:
   static request_error fail(errc e, std::string m) { return request_error{e, std::move(m)}; }
+
+  /// The checks of everything but the region: rank and world size, the model's name and
+  /// shape, the chunk size and the slot size, the layout kind.
+  [[nodiscard]] std::optional<request_error> shape_error(const protocol::register_kv_request& r) const {
+    if (r.world_size > max_world_size)
+      return fail(errc::invalid_argument,
+                  "world_size " + std::to_string(r.world_size) + " is above " + std::to_string(max_world_size));
+    if (r.world_size == 0 || r.rank >= r.world_size)
+      return fail(errc::invalid_argument,
+                  "rank " + std::to_string(r.rank) + " is not below world_size " + std::to_string(r.world_size));
+    if (r.model_name.empty()) return fail(errc::invalid_argument, "model_name is empty: send the model's name");
+    if (auto e = r.model.validation_error(); !e.empty()) return fail(errc::invalid_argument, "model shape: " + e);
+    if (r.chunk_tokens != req_.chunk_tokens)
+      return fail(errc::layout_mismatch, "chunk_tokens " + std::to_string(r.chunk_tokens) +
+                                             " differs from the server's chunk size " +
+                                             std::to_string(req_.chunk_tokens) +
+                                             ": hash with the server's chunk size (get_chunk_size) or restart the "
+                                             "server with --chunk-size " +
+                                             std::to_string(r.chunk_tokens));
+    const chunk_layout chunk{r.model, req_.chunk_tokens};
+    if (chunk.object_bytes() > req_.slot_bytes)
+      return fail(errc::layout_mismatch,
+                  "a chunk of this model is " + std::to_string(chunk.object_bytes()) +
+                      " bytes, above the server's L1 slot size of " + std::to_string(req_.slot_bytes) +
+                      " bytes: restart the server with --l1-slot-bytes " + std::to_string(chunk.object_bytes()) +
+                      " or more (JSON key l1_slot_bytes)");
+    if (r.layout_kind == kv_layout_kind::mla && r.model.attention != attention_kind::mla)
+      return fail(errc::invalid_argument, "layout kind MLA needs an MLA model shape (attention mla)");
+    if (r.layout_kind == kv_layout_kind::hnd && r.model.attention == attention_kind::mha && !supports_hnd)
+      return fail(errc::unsupported, "layout kind HND is not supported by this server: register NHD blocks");
+    return std::nullopt;
+  }
+
+  /// Region kind none (a scheduler): no memory, so nothing to map; its model id is the
+  /// workers' (same name, shape, layout kind and salt), so its lookups prefetch their chunks.
+  [[nodiscard]] static std::optional<request_error> describe_scheduler(const protocol::register_kv_request& r,
+                                                                      const protocol::unique_fd& fd,
+                                                                      registration& reg) {
+    if (fd)
+      return fail(errc::invalid_argument,
+                  "a registration with region kind none (a scheduler) carries no fd: send region cpu_memfd "
+                  "with the memfd, or none without it");
+    if (r.block_size != 0 || r.num_blocks != 0 || r.region_bytes != 0 || !r.region_descriptor.empty() ||
+        !r.strides.dense())
+      return fail(errc::invalid_argument,
+                  "a registration with region kind none describes no blocks: send block_size, num_blocks, "
+                  "region_bytes 0, strides 0 and no region_descriptor");
+    reg.layout = paged_kv_layout{r.model, 0, 0, r.layout_kind};
+    return std::nullopt;
+  }
+
+  /// Region kind cpu_memfd: the layout checked against the chunk and the fd's size and
+  /// seals, the region mapped (prefaulted now where the kernel cannot do it behind).
+  [[nodiscard]] std::optional<request_error> map_memfd_region(const protocol::register_kv_request& r,
+                                                              const chunk_layout& chunk, protocol::unique_fd fd,
+                                                              registration& reg) const {
+    if (!fd) return fail(errc::invalid_argument, "register_kv_request came without the region's memfd (SCM_RIGHTS)");
+    // With explicit strides, validation_error() also checks that every row lies within
+    // 1 PiB, that no two rows overlap and that layout_kind is the strides' order; its
+    // messages name the shape and the strides.
+    const paged_kv_layout layout = r.layout();
+    if (auto e = layout.validation_error(); !e.empty()) return fail(errc::invalid_argument, "KV layout: " + e);
+    if (auto e = layout.compatibility_error(chunk); !e.empty()) return fail(errc::layout_mismatch, e);
+    const std::size_t bytes = kv_region::bytes_for(layout);
+    if (r.region_bytes != bytes)
+      return fail(errc::layout_mismatch, "region_bytes " + std::to_string(r.region_bytes) + " is not the " +
+                                             std::to_string(bytes) + " bytes a region of this layout has (" +
+                                             layout.describe() + ")");
+    if (!r.region_descriptor.empty())
+      return fail(errc::invalid_argument, "a cpu_memfd registration carries no region_descriptor");
+    const bool background = kv_region::populate_supported();
+    auto region = kv_region::open(fd.release(), layout, !background);
+    if (!region) {
+      if (region.error() == errc::layout_mismatch)
+        return fail(errc::layout_mismatch, "the fd is not a memfd of " + std::to_string(bytes) +
+                                               " bytes sealed against resizing (F_SEAL_SHRINK|F_SEAL_GROW|"
+                                               "F_SEAL_SEAL): create the region with kv_region::create");
+      return fail(errc::invalid_argument, "cannot map the region: " + region.error().message());
+    }
+    reg.layout = layout;
+    reg.blocks_per_chunk = req_.chunk_tokens / r.block_size;
+    reg.region = std::move(*region);
+    reg.prefault_pending = background;
+    return std::nullopt;
+  }
 
   requirements req_;
   std::unordered_map<std::uint64_t, registration> regs_;

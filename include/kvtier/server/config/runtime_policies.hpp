@@ -2,14 +2,14 @@
 // The server's store and prefetch-wait policies, chosen by configuration at run time. The
 // shipped policies (pipeline/policies.hpp) are separate types, which would make the
 // server's cache a template instantiation per combination; these differ only in a flag and
-// a few numbers, so one type each covers them (make_cache.hpp instantiates only the eviction
+// a few numbers, so one type each covers them (server/make_cache.hpp instantiates only the eviction
 // policies).
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/chunk_key.hpp>
 #include <kvtier/pipeline/concepts.hpp>
-#include <kvtier/server/server_config.hpp>
+#include <kvtier/server/config/server_config.hpp>
 
 #include <algorithm>
 #include <chrono>

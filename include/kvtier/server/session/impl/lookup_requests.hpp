@@ -1,5 +1,5 @@
 #pragma once
-// session (server/session.hpp): the lookups of one connection.
+// session (server/session/session.hpp): the lookups of one connection.
 //   lookup_request          checks it (model id, world size, max_lookups_per_client,
 //                           max_lookup_keys, the key budgets of client_budget.hpp), starts the
 //                           cache's lookup (its L1 prefix held at once, the rest prefetched in
@@ -8,7 +8,7 @@
 //                           the prefetch is decided (hold_lookup_answer: one round trip, no
 //                           polling), else `pending`;
 //   query_prefetch_request  answers the decided hit count; a lookup still deciding is not
-//                           answered `pending`: handle_frame() hands it to
+//                           answered `pending`: the handler defers its answer to
 //                           answer_when_decided(), which answers once the prefetch decided;
 //   free_lookup_locks, end  release the lookup's holds.
 // Lookups are the engine's (lookup_table, keyed by this session's engine scope: scope_):
@@ -17,10 +17,12 @@
 // along when it goes (release_owned_lookups). release_rank_holds gives back one rank's
 // holds when its retrieve ended (impl/copy_requests.hpp).
 
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/session.hpp>
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/bind_executor.hpp>
+#include <boost/asio/co_spawn.hpp>
+#include <boost/asio/detached.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <chrono>
@@ -31,7 +33,7 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
-inline request_result<protocol::lookup_response> session::on(const protocol::lookup_request& r) {
+inline reply_or_deferred session::on(const protocol::lookup_request& r, call& c) {
   auto reg_r = registered("lookup_request");
   if (!reg_r) return reg_r.error();
   const registration& reg = **reg_r;
@@ -85,19 +87,24 @@ inline request_result<protocol::lookup_response> session::on(const protocol::loo
     answer_held_lookup(r.request_key, {});  // the replaced lookup's answer, if held: unknown
     ctx_.cache.release_all(old->cache_id);
   }
-  if (auto st = ctx_.cache.poll(id)) return lookup_done(*st);             // decided at once (an L1 hit)
-  if (r.answer_when_decided) lookup_to_hold_.emplace(r.request_key, id);  // handle_frame holds it
-  return protocol::lookup_response{protocol::prefetch_state::pending, 0, 0};
+  if (auto st = ctx_.cache.poll(id)) return lookup_done(*st);  // decided at once (an L1 hit)
+  if (!r.answer_when_decided) return protocol::lookup_response{protocol::prefetch_state::pending, 0, 0};
+  hold_lookup_answer(c.id, r.request_key, id, c.started);
+  return reply_or_deferred::deferred();
 }
 
-inline request_result<protocol::query_prefetch_response> session::on(const protocol::query_prefetch_request& r) {
+inline reply_or_deferred session::on(const protocol::query_prefetch_request& r, call& c) {
   auto reg = registered("query_prefetch_request");
   if (!reg) return reg.error();
   const lookup_table::entry* e = ctx_.lookups.find(scope_, r.request_key);
   if (e == nullptr) return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
   if (auto st = ctx_.cache.poll(e->cache_id)) return done_response(*st);
-  if (ctx_.cache.known(e->cache_id))  // not decided yet: dispatch() answers it when it is
-    return protocol::query_prefetch_response{protocol::prefetch_state::pending, 0, 0};
+  if (ctx_.cache.known(e->cache_id)) {  // not decided yet: no polling on the wire, answered when it is
+    boost::asio::co_spawn(conn_.get_executor(),
+                          answer_when_decided(shared_from_this(), c.id, r.request_key, e->cache_id, c.started),
+                          boost::asio::detached);
+    return reply_or_deferred::deferred();
+  }
   ctx_.lookups.take(scope_, r.request_key);  // expired in the cache (lookup_ttl)
   return protocol::query_prefetch_response{protocol::prefetch_state::unknown, 0, 0};
 }
@@ -168,14 +175,15 @@ inline boost::asio::awaitable<void> session::answer_when_decided(std::shared_ptr
   if (!closing_) co_await conn_.async_send(call_id, protocol::message(reply), as_tuple(use_awaitable));
 }
 
-inline request_result<protocol::free_lookup_locks_response> session::on(const protocol::free_lookup_locks_request& r) {
+inline request_result<protocol::free_lookup_locks_response> session::on(const protocol::free_lookup_locks_request& r,
+                                                                        call&) {
   auto reg = registered("free_lookup_locks_request");
   if (!reg) return reg.error();
   forget_lookup(r.request_key);
   return protocol::free_lookup_locks_response{};
 }
 
-inline request_result<protocol::end_request_response> session::on(const protocol::end_request_request& r) {
+inline request_result<protocol::end_request_response> session::on(const protocol::end_request_request& r, call&) {
   auto reg = registered("end_request_request");
   if (!reg) return reg.error();
   forget_lookup(r.request_key);

@@ -14,15 +14,15 @@
 //
 // builtin() has "memory" (l2/memory_backend.hpp, with its bandwidth and latency model): it
 // needs nothing beyond kvtier::kvtier. The other shipped types live in their own headers,
-// because they link more: "disk" (server/disk_backend_type.hpp, kvtier::uring) and "redis"
-// (server/redis_backend_type.hpp, kvtier::redis, i.e. hiredis). The kvtier-server program
+// because they link more: "disk" (server/config/disk_backend_type.hpp, kvtier::uring) and "redis"
+// (server/config/redis_backend_type.hpp, kvtier::redis, i.e. hiredis). The kvtier-server program
 // registers all three. A program with its own backend type builds its own factory:
 // `auto f = backend_factory::builtin_copy(); f.add_type(...)`.
 
 #include <kvtier/config.hpp>
 #include <kvtier/l2/any_backend.hpp>
 #include <kvtier/l2/memory_backend.hpp>
-#include <kvtier/server/server_config_json.hpp>
+#include <kvtier/server/config/server_config_json.hpp>
 #include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/registry.hpp>
 
@@ -67,7 +67,7 @@ struct backend_spec {
   /// The backend's start-up checks that need no work (a disk directory: whose it is, who may
   /// write it, whether another process holds it), run with the final name before the server
   /// binds anything or builds any backend, so a refusal is the only line a refused start
-  /// prints (server.hpp, "Start-up"). Throws config_error for a configuration to change
+  /// prints (server/server.hpp, "Start-up"). Throws config_error for a configuration to change
   /// (the program exits 2), std::runtime_error for what stops this start (exit 1); create()
   /// makes the same checks again. Empty: none.
   std::function<void(const std::string& name)> check;

@@ -15,14 +15,14 @@
 //                 never exceed twice lookup_keys_total. A refused lookup is
 //                 error_response{over_budget, "..."} naming the key to raise.
 //
-// The peer check (allowed uids and gids) is made by the listener (listener.hpp) before
+// The peer check (allowed uids and gids) is made by the listener (server/listener.hpp) before
 // admit(); its refusals are counted here with the others
 // (kvtier_server_connections_refused_total).
 
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
-#include <kvtier/server/lookup_table.hpp>
-#include <kvtier/server/request_error.hpp>
+#include <kvtier/server/session/lookup_table.hpp>
+#include <kvtier/server/session/request_error.hpp>
 
 #include <sys/types.h>
 

@@ -1,5 +1,5 @@
 #pragma once
-// session (server/session.hpp): the checks the request handlers share, each answering a
+// session (server/session/session.hpp): the checks the request handlers share, each answering a
 // request_error that names the request and says what to change:
 //   registered()              the connection registered (register_kv_request) before;
 //   registered_with_region()  ... and brought a KV region (retrieve and store need one; a
@@ -12,7 +12,7 @@
 // one kind of request only stay in its handler (a lookup's model id, world size and key
 // budgets: impl/lookup_requests.hpp).
 
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/session.hpp>
 
 #include <functional>
 #include <optional>

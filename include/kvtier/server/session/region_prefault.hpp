@@ -1,7 +1,7 @@
 #pragma once
 // region_prefault: faults a registered KV region's pages in AFTER its registration was
-// answered, in slices on the copy pool. (The server's own L1 arena is faulted in after the
-// server listens, on a thread of its own: l1_residency.hpp.)
+// answered, in slices on the worker pool. (The server's own L1 arena is faulted in after the
+// server listens, on a thread of its own: server/l1_residency.hpp.)
 //
 // An engine's region is a sparse memfd: without a prefault, the first copies into or out of
 // it pay a page fault per 4 KiB (~0.25 ms per MiB, docs/performance.md). Prefaulting costs
@@ -13,7 +13,7 @@
 //   - with madvise(MADV_POPULATE_WRITE) only (kv_region::populate): it changes no byte and
 //     never touches the memory itself, so copies may run into the same pages meanwhile, and
 //     a region unmapped under it (the registration went) makes it fail, not crash;
-//   - in slices of `slice_bytes`, each a task of its own on the copy pool, so a copy queued
+//   - in slices of `slice_bytes`, each a task of its own on the worker pool, so a copy queued
 //     meanwhile waits for one slice at most (~8 ms), not for the whole region;
 //   - stopped before its next slice when its registration goes (prefault_token).
 // Where the kernel lacks MADV_POPULATE_WRITE (before Linux 5.14), the registry prefaults

@@ -1,7 +1,7 @@
 #pragma once
 // Reading configuration out of JSON objects with messages that say what to change: the
-// server's configuration file (server/server_config.hpp) and every L2 backend description
-// (server/backend_factory.hpp) go through json_object_reader, so a wrong key, type or value
+// server's configuration file (server/config/server_config.hpp) and every L2 backend description
+// (server/config/backend_factory.hpp) go through json_object_reader, so a wrong key, type or value
 // is reported the same way everywhere:
 //
 //   <what> (<value>): <what to change>

@@ -13,8 +13,8 @@
 
 #include <kvtier/config.hpp>
 #include <kvtier/protocol/unix_socket.hpp>
-#include <kvtier/server/backend_factory.hpp>
-#include <kvtier/server/server_config_json.hpp>
+#include <kvtier/server/config/backend_factory.hpp>
+#include <kvtier/server/config/server_config_json.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <nlohmann/json.hpp>
@@ -103,7 +103,7 @@ struct server_config {
   /// "l1_prefault": once the server serves, fault every page of L1 in behind the first
   /// requests, then register L1 with the L2 backends that read into it faster so (the disk
   /// backend's io_uring fixed buffers): no page fault or page pinning on a load. Costs no
-  /// start-up time (l1_residency.hpp) and makes all of L1 resident.
+  /// start-up time (server/l1_residency.hpp) and makes all of L1 resident.
   bool l1_prefault = true;
 
   // --- L2 and pipelines ----------------------------------------------------------------
@@ -123,9 +123,11 @@ struct server_config {
   /// the backend's estimate keeps learning; 0: never probe). docs/pipelines.md.
   std::uint32_t prefetch_probe_every = 8;
   std::uint32_t prefetch_probe_chunks = 1;
-  /// "copy_threads": threads of the copy pool that moves chunks between the engines' regions
-  /// and L1 (retrieve, store), off the I/O thread; 0 = from the cores (copy_thread_count()).
-  std::uint32_t copy_threads = 0;
+  /// "worker_threads": threads of the worker pool, which runs what must not hold up the I/O
+  /// thread: the copies between the engines' regions and L1 (retrieve, store), a registered
+  /// region's mapping and prefault; 0 = from the cores (worker_thread_count()). The key was
+  /// "copy_threads" (named when the pool ran the copies alone): still read, as an alias.
+  std::uint32_t worker_threads = 0;
 
   // --- clients, logs, shutdown ---------------------------------------------------------
   telemetry::log_level log_level = telemetry::log_level::info;  ///< "log_level"
@@ -140,9 +142,9 @@ struct server_config {
   bool metrics_any_port = false;              ///< "metrics_port": "auto"
   std::string metrics_address = "127.0.0.1";  ///< "metrics_address": loopback unless told otherwise
 
-  /// The copy pool's size: copy_threads, or when 0 half the cores, between 1 and 8.
-  [[nodiscard]] std::uint32_t copy_thread_count() const noexcept {
-    if (copy_threads > 0) return copy_threads;
+  /// The worker pool's size: worker_threads, or when 0 half the cores, between 1 and 8.
+  [[nodiscard]] std::uint32_t worker_thread_count() const noexcept {
+    if (worker_threads > 0) return worker_threads;
     const unsigned cores = std::thread::hardware_concurrency();
     return std::clamp<std::uint32_t>(cores / 2, 1, 8);
   }
@@ -195,6 +197,13 @@ struct server_config {
   [[nodiscard]] static std::chrono::nanoseconds seconds(double s) noexcept {
     return std::chrono::nanoseconds(static_cast<std::int64_t>(s * 1e9));
   }
+
+ private:
+  // merge_json's parts, in its order: who may connect and how much each may hold; L1, L2
+  // and the prefetch; the process (threads, logs, timeouts, the HTTP endpoint).
+  void merge_clients(json_object_reader& r);
+  void merge_cache(json_object_reader& r);
+  void merge_process(json_object_reader& r);
 };
 
 namespace detail {
@@ -275,6 +284,13 @@ inline std::optional<std::uint64_t> read_budget(json_object_reader& r, std::stri
 
 inline void server_config::merge_json(const nlohmann::json& j) {
   json_object_reader r(j, "");
+  merge_clients(r);
+  merge_cache(r);
+  merge_process(r);
+  r.finish();
+}
+
+inline void server_config::merge_clients(json_object_reader& r) {
   if (auto v = r.string("socket")) socket_path = *v;
   if (auto v =
           r.string("socket_mode", {}, "an octal mode such as \"0600\" (only this user) or \"0660\" (its group too)")) {
@@ -293,6 +309,9 @@ inline void server_config::merge_json(const nlohmann::json& j) {
   if (auto v = detail::read_budget(r, "max_lookup_keys", std::uint64_t{1} << 40, "or \"auto\"")) max_lookup_keys = *v;
   if (auto v = detail::read_budget(r, "max_lookup_keys_per_client", std::uint64_t{1} << 40, "or \"auto\""))
     max_lookup_keys_per_client = *v;
+}
+
+inline void server_config::merge_cache(json_object_reader& r) {
   if (auto v = r.integer("chunk_size", 1, 65536, "a multiple of the engine's block size, e.g. 256"))
     chunk_tokens = static_cast<std::uint32_t>(*v);
   if (auto v = read_size(r, "l1_size")) l1_size_bytes = *v;
@@ -331,7 +350,15 @@ inline void server_config::merge_json(const nlohmann::json& j) {
     prefetch_load_timeout_ms = static_cast<std::uint32_t>(*v);
   if (auto v = r.integer("prefetch_probe_every", 0, 1u << 20)) prefetch_probe_every = static_cast<std::uint32_t>(*v);
   if (auto v = r.integer("prefetch_probe_chunks", 0, 65536)) prefetch_probe_chunks = static_cast<std::uint32_t>(*v);
-  if (auto v = r.integer("copy_threads", 0, 256)) copy_threads = static_cast<std::uint32_t>(*v);
+}
+
+inline void server_config::merge_process(json_object_reader& r) {
+  // "copy_threads": worker_threads' old name, still read (not both).
+  const nlohmann::json* old_name = r.raw("copy_threads");
+  if (old_name != nullptr && r.raw("worker_threads") != nullptr)
+    throw r.error("copy_threads", *old_name, "is the old name of worker_threads: give worker_threads only");
+  if (auto v = r.integer(old_name != nullptr ? "copy_threads" : "worker_threads", 0, 256))
+    worker_threads = static_cast<std::uint32_t>(*v);
   if (auto v = r.string("log_level", {"trace", "debug", "info", "warn", "error", "off"}))
     log_level = *telemetry::parse_log_level(*v);
   if (auto v = r.number("client_reap_timeout", 0.001, 1e7, "in seconds, e.g. 30")) client_reap_timeout_s = *v;
@@ -348,7 +375,6 @@ inline void server_config::merge_json(const nlohmann::json& j) {
   }
   if (auto v = r.string("metrics_address", {}, "an IP address, e.g. 127.0.0.1 (loopback) or 0.0.0.0 (every interface)"))
     metrics_address = *v;
-  r.finish();
 }
 
 inline void server_config::validate(const backend_factory& backends) const {
@@ -449,7 +475,7 @@ inline nlohmann::json server_config::to_json() const {
   j["prefetch_load_timeout_ms"] = prefetch_load_timeout_ms;
   j["prefetch_probe_every"] = prefetch_probe_every;
   j["prefetch_probe_chunks"] = prefetch_probe_chunks;
-  j["copy_threads"] = copy_threads;
+  j["worker_threads"] = worker_threads;
   j["log_level"] = std::string(telemetry::to_string(log_level));
   j["client_reap_timeout"] = client_reap_timeout_s;
   j["max_lookups_per_client"] = max_lookups_per_client;

@@ -21,26 +21,37 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
+namespace detail {
+
+/// The error of key `key`: "redis backend: "<key>" <what>" (the key quoted as an excerpt: an
+/// unknown key may be of any length).
+[[nodiscard]] inline std::invalid_argument redis_key_error(const std::string& key, const std::string& what) {
+  const std::string k = key.size() <= 80 ? key : key.substr(0, 60) + "... (" + std::to_string(key.size()) + " bytes)";
+  return std::invalid_argument("redis backend: \"" + k + "\" " + what);
+}
+
+[[nodiscard]] inline std::string redis_string(const std::string& key, const nlohmann::json& v) {
+  if (!v.is_string()) throw redis_key_error(key, "must be a string");
+  return v.get<std::string>();
+}
+
+[[nodiscard]] inline std::uint32_t redis_uint(const std::string& key, const nlohmann::json& v) {
+  if (!v.is_number_integer() || v.get<std::int64_t>() < 0 ||
+      v.get<std::int64_t>() > std::numeric_limits<std::uint32_t>::max())
+    throw redis_key_error(key, "must be a non-negative integer");
+  return static_cast<std::uint32_t>(v.get<std::int64_t>());
+}
+
+}  // namespace detail
+
 [[nodiscard]] inline l2::redis_backend_options redis_options_from_json(const nlohmann::json& j) {
   if (!j.is_object()) throw std::invalid_argument("redis backend: the configuration must be a JSON object");
   l2::redis_backend_options o;
-  auto fail = [](const std::string& key, const std::string& what) {
-    // A key is quoted as an excerpt: an unknown key may be of any length.
-    const std::string k = key.size() <= 80 ? key : key.substr(0, 60) + "... (" + std::to_string(key.size()) + " bytes)";
-    return std::invalid_argument("redis backend: \"" + k + "\" " + what);
-  };
-  auto get_string = [&](const std::string& key, const nlohmann::json& v) {
-    if (!v.is_string()) throw fail(key, "must be a string");
-    return v.get<std::string>();
-  };
-  auto get_uint = [&](const std::string& key, const nlohmann::json& v) -> std::uint32_t {
-    if (!v.is_number_integer() || v.get<std::int64_t>() < 0 ||
-        v.get<std::int64_t>() > std::numeric_limits<std::uint32_t>::max())
-      throw fail(key, "must be a non-negative integer");
-    return static_cast<std::uint32_t>(v.get<std::int64_t>());
-  };
-  auto get_ms = [&](const std::string& key, const nlohmann::json& v) {
-    return std::chrono::milliseconds(get_uint(key, v));
+  const auto fail = detail::redis_key_error;
+  const auto get_string = detail::redis_string;
+  const auto get_uint = detail::redis_uint;
+  auto get_ms = [](const std::string& key, const nlohmann::json& v) {
+    return std::chrono::milliseconds(detail::redis_uint(key, v));
   };
   for (const auto& [key, v] : j.items()) {
     if (key == "type") {

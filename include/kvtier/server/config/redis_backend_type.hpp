@@ -3,15 +3,15 @@
 //
 //   {"type": "redis", "nodes": ["10.0.0.5:6379"], "cluster": false, "ttl_seconds": 86400}
 //
-// The keys are the fields of l2::redis_backend_options (server/redis_options_json.hpp). Needs
+// The keys are the fields of l2::redis_backend_options (server/config/redis_options_json.hpp). Needs
 // kvtier::redis (hiredis). The backend's kvtier_l2_redis_* series (telemetry/collectors.hpp)
 // go to the server's registry. Several servers may share one Redis: every server sees what
 // the others stored.
 
 #include <kvtier/config.hpp>
 #include <kvtier/l2/redis/redis_backend.hpp>
-#include <kvtier/server/backend_factory.hpp>
-#include <kvtier/server/redis_options_json.hpp>
+#include <kvtier/server/config/backend_factory.hpp>
+#include <kvtier/server/config/redis_options_json.hpp>
 #include <kvtier/telemetry/collectors.hpp>
 
 #include <memory>

@@ -1,27 +1,20 @@
 #pragma once
-// session (server/session.hpp): retrieve and store, the requests that copy between the
+// session (server/session/session.hpp): retrieve and store, the requests that copy between the
 // engine's KV region and L1. Each is one cache call, whose copies run on the server's copy
 // pool while the I/O thread serves the other connections:
 //   retrieve  tiered_cache::async_copy_out through the engine's lookup of the request (the
-//             scheduler's, on another connection of the same engine: engine_table.hpp): each
-//             chunk scattered into the engine's blocks as soon as L1 has it (an L2 load
-//             pipelined with the copies); answers the contiguous prefix copied; then every
-//             hold of this rank in that lookup goes back (release_rank_holds). With
-//             retrieve_request::progress a retrieve_progress frame goes out each time more
-//             leading chunks are done (chunks_ready) and, for a model of several layers,
-//             the copy has one part per layer, so when every chunk is readable at once (an
-//             L1 hit) it goes part-major, layer 0 of every chunk first, and progress tells
-//             the leading layers done for every chunk (layers_ready). At most one progress
-//             frame is queued per retrieve (it carries the latest counts); none goes out
-//             after the response;
+//             scheduler's: engine_table.hpp): each chunk scattered into the engine's blocks
+//             as soon as L1 has it; answers the contiguous prefix copied; then this rank's
+//             holds in that lookup go back (release_rank_holds). With
+//             retrieve_request::progress, retrieve_progress frames tell the leading chunks
+//             (and, layer-wise, layers) done, at most one queued, none after the response;
 //   store     the generation fence before (chunks whose blocks the engine reused already are
 //             not copied) and after (async_copy_in's fence: a block reused while we copied
-//             is never stored under the old key), the copies gathered from the engine's
-//             blocks in between.
-// The close promise (session.hpp): copy_scope counts the copies in flight; no copy starts
-// once the connection is closing, and the socket closes only when the last one ended.
+//             is never stored under the old key), the copies gathered in between.
+// docs/server.md, "Retrieve" and "Store", has the contract; copy_scope keeps the closing
+// promise ("Inside a session").
 
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/session.hpp>
 
 #include <kvtier/core/kv_transfer.hpp>
 
@@ -154,8 +147,8 @@ inline request_error session::closing_error(std::string_view what) {
   return request_error{errc::shutting_down, std::string(what) + ": the connection is closing"};
 }
 
-inline boost::asio::awaitable<request_result<protocol::retrieve_response>> session::on_retrieve(
-    const protocol::retrieve_request& r, std::uint64_t call_id) {
+inline boost::asio::awaitable<request_result<protocol::retrieve_response>> session::on(
+    const protocol::retrieve_request& r, call& c) {
   using boost::asio::as_tuple;
   using boost::asio::use_awaitable;
   auto reg_r = registered_with_region("retrieve_request");
@@ -177,26 +170,46 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
   const std::uint64_t lookup = cr.lookup;
   cr.keys = keys;
   cr.object_bytes = reg.object_bytes;
-  // The sink runs on the copy pool; everything it reads stays alive until the completion
-  // (this coroutine's frame, the registration: this connection cannot unregister meanwhile).
-  const paged_kv_view view = reg.region.view();
-  const chunk_layout& chunk = reg.chunk;
-  const std::uint32_t ct = reg.chunk.chunk_tokens;
-  const std::size_t bpc = reg.blocks_per_chunk;
-  // Layer-wise: one part per layer. The layer copies write around the cache as the whole
-  // chunk's would (chosen by the object's size, not the layer's).
-  const std::uint32_t layers = chunk.model.num_layers;
-  const bool by_layer = r.progress && layers > 1;
-  const transfer_options layer_write{reg.object_bytes >= transfer_streaming_threshold_bytes ? transfer_write::streaming
-                                                                                             : transfer_write::cached};
+  const std::uint32_t layers = reg.chunk.model.num_layers;
+  const bool by_layer = r.progress && layers > 1;  // layer-wise: one part per layer
   std::shared_ptr<progress_sender> progress;
-  if (r.progress) progress = std::make_shared<progress_sender>(shared_from_this(), call_id, n, by_layer ? layers : 1);
+  if (r.progress) progress = std::make_shared<progress_sender>(shared_from_this(), c.id, n, by_layer ? layers : 1);
   if (by_layer) {
     cr.parts = layers;
     cr.on_progress = [progress](std::size_t done) { progress->report(done); };
   }
   first_error refused;
-  cache::copy_out_sink sink = [&](std::size_t i, std::size_t part, std::span<const std::byte> object) {
+  cache::copy_out_sink sink = retrieve_sink(reg, r, by_layer, progress, refused);
+  std::size_t copied = 0;
+  {
+    copy_scope scope(*this);
+    auto [ec, count] = co_await ctx_.cache.async_copy_out(std::move(cr), std::move(sink), as_tuple(use_awaitable));
+    copied = ec ? 0 : count;
+  }
+  if (progress) progress->finish();  // on the I/O thread, before the response is queued
+  // This rank is done with the lookup: its holds on the chunks it did not ask for go too.
+  if (lookup != 0) release_rank_holds(r.request_key, lookup, r.rank);
+  if (const std::error_code e = refused.get()) ctx_.log.error("client {}: retrieve copy refused: {}", id_, e.message());
+  co_return protocol::retrieve_response{static_cast<std::uint32_t>(copied)};
+}
+
+/// The sink of a retrieve: chunk i (layer `part` of it when `by_layer`) scattered into the
+/// engine's blocks, its first r.skip_tokens tokens skipped. It runs on the worker pool;
+/// everything it reads stays alive until the copy's completion (the retrieve's coroutine
+/// frame, the registration: the connection cannot unregister meanwhile).
+inline cache::copy_out_sink session::retrieve_sink(const registration& reg, const protocol::retrieve_request& r,
+                                                   bool by_layer, std::shared_ptr<progress_sender> progress,
+                                                   first_error& refused) {
+  const paged_kv_view view = reg.region.view();
+  const chunk_layout& chunk = reg.chunk;
+  const std::uint32_t ct = reg.chunk.chunk_tokens;
+  const std::size_t bpc = reg.blocks_per_chunk;
+  // The layer copies write around the cache as the whole chunk's would (chosen by the
+  // object's size, not the layer's).
+  const transfer_options layer_write{reg.object_bytes >= transfer_streaming_threshold_bytes ? transfer_write::streaming
+                                                                                             : transfer_write::cached};
+  return [this, &r, &chunk, &refused, view, ct, bpc, by_layer, layer_write, progress = std::move(progress)](
+             std::size_t i, std::size_t part, std::span<const std::byte> object) {
     if (part == 0 && ctx_.hooks.during_copy) ctx_.hooks.during_copy(id_);
     const std::uint64_t done = std::uint64_t{ct} * i;
     const std::uint64_t skip = r.skip_tokens > done ? std::min<std::uint64_t>(r.skip_tokens - done, ct) : 0;
@@ -216,21 +229,10 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
     if (progress) progress->copied(i, part);
     return true;
   };
-  std::size_t copied = 0;
-  {
-    copy_scope scope(*this);
-    auto [ec, count] = co_await ctx_.cache.async_copy_out(std::move(cr), std::move(sink), as_tuple(use_awaitable));
-    copied = ec ? 0 : count;
-  }
-  if (progress) progress->finish();  // on the I/O thread, before the response is queued
-  // This rank is done with the lookup: its holds on the chunks it did not ask for go too.
-  if (lookup != 0) release_rank_holds(r.request_key, lookup, r.rank);
-  if (const std::error_code e = refused.get()) ctx_.log.error("client {}: retrieve copy refused: {}", id_, e.message());
-  co_return protocol::retrieve_response{static_cast<std::uint32_t>(copied)};
 }
 
-inline boost::asio::awaitable<request_result<protocol::store_response>> session::on_store(
-    const protocol::store_request& r) {
+inline boost::asio::awaitable<request_result<protocol::store_response>> session::on(const protocol::store_request& r,
+                                                                                    call&) {
   using boost::asio::as_tuple;
   using boost::asio::use_awaitable;
   auto reg_r = registered_with_region("store_request");

@@ -3,7 +3,7 @@
 //
 //   {"type": "disk", "name": "nvme0", "path": "/mnt/nvme/kvtier", "capacity_gb": 512}
 //
-// The keys are those of server/disk_backend_json.hpp (path, capacity_gb | capacity_bytes,
+// The keys are those of server/config/disk_backend_json.hpp (path, capacity_gb | capacity_bytes,
 // o_direct, io, eviction, watermarks, queue_depth, part_kib, pread_threads, sync,
 // preallocate, verify_on_start). Needs kvtier::uring (liburing). create() throws config_error
 // for a directory the backend does not trust (another user owns it, or group or others may
@@ -13,8 +13,8 @@
 
 #include <kvtier/config.hpp>
 #include <kvtier/l2/disk/disk_backend.hpp>
-#include <kvtier/server/backend_factory.hpp>
-#include <kvtier/server/disk_backend_json.hpp>
+#include <kvtier/server/config/backend_factory.hpp>
+#include <kvtier/server/config/disk_backend_json.hpp>
 #include <kvtier/telemetry/collectors.hpp>
 
 #include <fcntl.h>

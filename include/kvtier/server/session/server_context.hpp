@@ -1,5 +1,5 @@
 #pragma once
-// What a session shares with the server that owns it (server.hpp) and needs from it:
+// What a session shares with the server that owns it (server/server.hpp) and needs from it:
 //
 //   server_context   the server's state every session uses: configuration, the cache, the
 //                    registrations (region_registry.hpp), engines (engine_table.hpp) and
@@ -16,13 +16,13 @@
 #include <kvtier/bus/event_bus.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/fwd.hpp>
-#include <kvtier/server/any_cache.hpp>
-#include <kvtier/server/client_budget.hpp>
-#include <kvtier/server/engine_table.hpp>
-#include <kvtier/server/lookup_table.hpp>
-#include <kvtier/server/model_namespaces.hpp>
-#include <kvtier/server/region_registry.hpp>
-#include <kvtier/server/server_config.hpp>
+#include <kvtier/server/config/server_config.hpp>
+#include <kvtier/server/session/any_cache.hpp>
+#include <kvtier/server/session/client_budget.hpp>
+#include <kvtier/server/session/engine_table.hpp>
+#include <kvtier/server/session/lookup_table.hpp>
+#include <kvtier/server/session/model_namespaces.hpp>
+#include <kvtier/server/session/region_registry.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
@@ -43,15 +43,15 @@ struct server_hooks {
   /// before their block generations are re-read: a test bumps a generation here to play an
   /// engine that reused a block while the server copied it (fencing).
   std::function<void(std::uint64_t client_id, std::span<const std::uint32_t> block_ids)> after_store_copy;
-  /// Called on a copy-pool thread before each chunk a retrieve or store copies: a test
+  /// Called on a worker-pool thread before each chunk a retrieve or store copies: a test
   /// blocks a copy here to close its connection meanwhile.
   std::function<void(std::uint64_t client_id)> during_copy;
-  /// Called on a copy-pool thread before a registered region's pages are faulted in
+  /// Called on a worker-pool thread before a registered region's pages are faulted in
   /// (region_prefault.hpp: after the registration was answered; before it, on a kernel
   /// without MADV_POPULATE_WRITE): a test blocks it here to see the server serve meanwhile.
   std::function<void(std::uint64_t client_id)> during_prefault;
   /// Called on the L1 prefault's thread before its first slice (it runs once the server
-  /// serves: l1_residency.hpp): a test blocks it here to see the server serve while L1 is not
+  /// serves: server/l1_residency.hpp): a test blocks it here to see the server serve while L1 is not
   /// resident yet.
   std::function<void()> during_l1_prefault;
 };
@@ -68,9 +68,9 @@ struct server_context {
   std::uint64_t boot_token = 0;
   const server_hooks& hooks;
   client_budget* budget = nullptr;  ///< lookup key budgets (client_budget.hpp); null: none
-  /// The copy pool (copy_threads): what may take long and must not hold up the I/O thread
+  /// The worker pool (worker_threads): what may take long and must not hold up the I/O thread
   /// runs there (the copies run there through the cache; a registration's prefault).
-  boost::asio::any_io_executor copy_executor;
+  boost::asio::any_io_executor worker_executor;
   /// The longest a retrieve may wait for its lookup's L2 loads: the prefetch load timeout
   /// (register_kv_response::load_budget_ms).
   std::chrono::milliseconds load_budget{0};

@@ -1,27 +1,15 @@
 #pragma once
-// l2::disk_backend_options from the server's JSON configuration (one entry of its "l2_backends"
-// list; the server's disk backend type, disk_backend_type.hpp, reads it here, so l2/ needs no
-// JSON library):
+// l2::disk_backend_options from the server's JSON configuration (one entry of its
+// "l2_backends" list; the server's disk backend type, disk_backend_type.hpp, reads it here,
+// so l2/ needs no JSON library):
 //
 //   {"type": "disk", "name": "nvme0", "path": "/mnt/nvme/kvtier", "capacity_gb": 512,
 //    "o_direct": true, "io": "auto", "eviction": "lru"}
 //
-// Keys (all but path and one capacity are optional; defaults: disk_backend.hpp):
-//   type             "disk" (checked when present)
-//   name             string, the backend's name in metrics and logs ("disk")
-//   path             string, the directory (required)
-//   capacity_gb      number in (0, 1048576], GiB (2^30 bytes) the objects may allocate, or
-//   capacity_bytes   integer > 0 (exactly one of the two)
-//   o_direct         bool (true)
-//   io               "auto" | "uring" | "pread" ("auto": KVTIER_IO_BACKEND, else the probe)
-//   eviction         "lru" | "fifo" | "none" ("lru"; none: a full tier refuses stores)
-//   high_watermark, low_watermark   numbers in (0, 1] (0.95, 0.90)
-//   queue_depth      integer 1..256 (16);  part_kib  integer, KiB per read/write (1024)
-//   pread_threads    integer 1..64 (16)
-//   sync             "data" | "none" ("data": fdatasync + directory fsync per batch)
-//   preallocate      bool (true);  verify_on_start  bool (false)
-// Unknown keys are errors (a typo must not silently fall back to a default). Every error
-// is a std::invalid_argument that names the key and what to write instead.
+// The keys and their defaults: docs/l2-disk.md ("Options and JSON keys"), docs/server.md
+// ("L2 backends"); their ranges below. Unknown keys are errors (a typo must not silently
+// fall back to a default); every error is a std::invalid_argument that names the key and
+// what to write instead.
 
 #include <kvtier/config.hpp>
 #include <kvtier/io/probe.hpp>
@@ -86,14 +74,10 @@ inline double json_fraction(const nlohmann::json& v, const char* key) {
 
 }  // namespace detail
 
-/// The options one JSON entry describes; throws std::invalid_argument naming the bad key.
-[[nodiscard]] inline l2::disk_backend_options disk_backend_options_from_json(const nlohmann::json& j) {
-  using l2::disk_backend_options;
-  using l2::disk_eviction;
-  using l2::disk_sync;
-  using detail::json_excerpt;
-  using detail::json_fail;
-  if (!j.is_object()) json_fail("expected an object, got " + json_excerpt(j));
+namespace detail {
+
+/// Refuses a key the disk backend does not read (a typo must not fall back to a default).
+inline void check_disk_keys(const nlohmann::json& j) {
   static constexpr std::string_view known[] = {
       "type",        "name",        "path",        "capacity_gb",   "capacity_bytes", "o_direct",
       "io",          "eviction",    "high_watermark", "low_watermark", "queue_depth", "part_kib",
@@ -107,7 +91,55 @@ inline double json_fraction(const nlohmann::json& v, const char* key) {
       json_fail("unknown key '" + json_excerpt(k) + "' (known: " + list + ")");
     }
   }
-  disk_backend_options out;
+}
+
+/// The capacity: exactly one of capacity_gb (GiB, may be fractional) and capacity_bytes.
+[[nodiscard]] inline std::uint64_t disk_capacity_from_json(const nlohmann::json& j) {
+  const auto* gb = json_find(j, "capacity_gb");
+  const auto* bytes = json_find(j, "capacity_bytes");
+  if ((gb == nullptr) == (bytes == nullptr))
+    json_fail(gb == nullptr ? "the capacity is missing: set 'capacity_gb' (GiB) or 'capacity_bytes'"
+                            : "both 'capacity_gb' and 'capacity_bytes' are set: keep one");
+  if (gb == nullptr) return json_uint(*bytes, "capacity_bytes", 1, UINT64_MAX);
+  // 2^20 GiB (1 PiB) and more is a typo, and past 2^34 GiB the bytes would not fit 64 bits.
+  constexpr double max_gb = double(std::uint64_t{1} << 20);
+  if (!gb->is_number() || !(gb->get<double>() > 0) || !std::isfinite(gb->get<double>()))
+    json_fail("'capacity_gb' must be a number > 0, got " + json_excerpt(*gb));
+  if (gb->get<double>() > max_gb)
+    json_fail("'capacity_gb' = " + json_excerpt(*gb) + " is more than 1048576 (1 PiB): give the GiB the tier may use");
+  const auto out = static_cast<std::uint64_t>(gb->get<double>() * static_cast<double>(std::uint64_t{1} << 30));
+  if (out == 0) json_fail("'capacity_gb' = " + json_excerpt(*gb) + " is less than one byte");
+  return out;
+}
+
+/// The keys that choose how it reads and writes, and what it evicts: io, eviction.
+inline void disk_choices_from_json(const nlohmann::json& j, l2::disk_backend_options& out) {
+  using l2::disk_eviction;
+  if (const auto* v = json_find(j, "io")) {
+    const auto s = json_string(*v, "io");
+    const auto c = io::parse_file_io_choice(s);
+    if (!c || s.empty()) json_fail("'io' is \"" + json_excerpt(s) + "\": use \"auto\", \"uring\" or \"pread\"");
+    out.io = *c;
+  }
+  if (const auto* v = json_find(j, "eviction")) {
+    const auto s = json_string(*v, "eviction");
+    if (s == "lru") out.eviction = disk_eviction::lru;
+    else if (s == "fifo") out.eviction = disk_eviction::fifo;
+    else if (s == "none") out.eviction = disk_eviction::none;
+    else
+      json_fail("'eviction' is \"" + json_excerpt(s) + "\": use \"lru\", \"fifo\" or \"none\"");
+  }
+}
+
+}  // namespace detail
+
+/// The options one JSON entry describes; throws std::invalid_argument naming the bad key.
+[[nodiscard]] inline l2::disk_backend_options disk_backend_options_from_json(const nlohmann::json& j) {
+  using detail::json_excerpt;
+  using detail::json_fail;
+  if (!j.is_object()) json_fail("expected an object, got " + json_excerpt(j));
+  detail::check_disk_keys(j);
+  l2::disk_backend_options out;
   if (const auto* v = detail::json_find(j, "type")) {
     if (detail::json_string(*v, "type") != "disk")
       json_fail("'type' is " + json_excerpt(*v) + ": this parser reads \"disk\" backends only");
@@ -118,41 +150,10 @@ inline double json_fraction(const nlohmann::json& v, const char* key) {
   if (path == nullptr) json_fail("'path' is missing: the directory of the disk tier, e.g. \"/mnt/nvme/kvtier\"");
   out.path = detail::json_string(*path, "path");
   if (out.path.empty()) json_fail("'path' is empty");
-
-  const auto* gb = detail::json_find(j, "capacity_gb");
-  const auto* bytes = detail::json_find(j, "capacity_bytes");
-  if ((gb == nullptr) == (bytes == nullptr))
-    json_fail(gb == nullptr ? "the capacity is missing: set 'capacity_gb' (GiB) or 'capacity_bytes'"
-                            : "both 'capacity_gb' and 'capacity_bytes' are set: keep one");
-  if (gb != nullptr) {
-    // 2^20 GiB (1 PiB) and more is a typo, and past 2^34 GiB the bytes would not fit 64 bits.
-    constexpr double max_gb = double(std::uint64_t{1} << 20);
-    if (!gb->is_number() || !(gb->get<double>() > 0) || !std::isfinite(gb->get<double>()))
-      json_fail("'capacity_gb' must be a number > 0, got " + json_excerpt(*gb));
-    if (gb->get<double>() > max_gb)
-      json_fail("'capacity_gb' = " + json_excerpt(*gb) +
-                " is more than 1048576 (1 PiB): give the GiB the tier may use");
-    out.capacity_bytes = static_cast<std::uint64_t>(gb->get<double>() * static_cast<double>(std::uint64_t{1} << 30));
-    if (out.capacity_bytes == 0) json_fail("'capacity_gb' = " + json_excerpt(*gb) + " is less than one byte");
-  } else {
-    out.capacity_bytes = detail::json_uint(*bytes, "capacity_bytes", 1, UINT64_MAX);
-  }
+  out.capacity_bytes = detail::disk_capacity_from_json(j);
 
   if (const auto* v = detail::json_find(j, "o_direct")) out.o_direct = detail::json_bool(*v, "o_direct");
-  if (const auto* v = detail::json_find(j, "io")) {
-    const auto s = detail::json_string(*v, "io");
-    const auto c = io::parse_file_io_choice(s);
-    if (!c || s.empty()) json_fail("'io' is \"" + detail::json_excerpt(s) + "\": use \"auto\", \"uring\" or \"pread\"");
-    out.io = *c;
-  }
-  if (const auto* v = detail::json_find(j, "eviction")) {
-    const auto s = detail::json_string(*v, "eviction");
-    if (s == "lru") out.eviction = disk_eviction::lru;
-    else if (s == "fifo") out.eviction = disk_eviction::fifo;
-    else if (s == "none") out.eviction = disk_eviction::none;
-    else
-      json_fail("'eviction' is \"" + detail::json_excerpt(s) + "\": use \"lru\", \"fifo\" or \"none\"");
-  }
+  detail::disk_choices_from_json(j, out);
   if (const auto* v = detail::json_find(j, "high_watermark")) out.high_watermark = detail::json_fraction(*v, "high_watermark");
   if (const auto* v = detail::json_find(j, "low_watermark")) out.low_watermark = detail::json_fraction(*v, "low_watermark");
   if (out.low_watermark > out.high_watermark)
@@ -166,10 +167,10 @@ inline double json_fraction(const nlohmann::json& v, const char* key) {
     out.pread_threads = static_cast<unsigned>(detail::json_uint(*v, "pread_threads", 1, 64));
   if (const auto* v = detail::json_find(j, "sync")) {
     const auto s = detail::json_string(*v, "sync");
-    if (s == "data") out.sync = disk_sync::data;
-    else if (s == "none") out.sync = disk_sync::none;
+    if (s == "data") out.sync = l2::disk_sync::data;
+    else if (s == "none") out.sync = l2::disk_sync::none;
     else
-      json_fail("'sync' is \"" + detail::json_excerpt(s) + "\": use \"data\" or \"none\"");
+      json_fail("'sync' is \"" + json_excerpt(s) + "\": use \"data\" or \"none\"");
   }
   if (const auto* v = detail::json_find(j, "preallocate")) out.preallocate = detail::json_bool(*v, "preallocate");
   if (const auto* v = detail::json_find(j, "verify_on_start"))

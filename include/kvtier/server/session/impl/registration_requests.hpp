@@ -1,11 +1,11 @@
 #pragma once
-// session (server/session.hpp): register_kv_request and unregister_kv_request. A registration
+// session (server/session/session.hpp): register_kv_request and unregister_kv_request. A registration
 // is checked and its KV region mapped by region_registry (region_registry.hpp: the contract's
-// checks, the fd's size and seals), on the copy pool (a map and fstat: quick, but a syscall
+// checks, the fd's size and seals), on the worker pool (a map and fstat: quick, but a syscall
 // the I/O thread need not wait for). The region's pages are faulted in after the answer, in
 // the background (region_prefault.hpp: ~0.25 ms per MiB, tens of seconds for a large KV
 // cache, beyond the connector's deadline for a registration); where the kernel cannot do
-// that safely, the registry prefaults before answering, still on the copy pool, so the I/O
+// that safely, the registry prefaults before answering, still on the worker pool, so the I/O
 // thread serves every connection meanwhile (this one's pings too: its reader answers them;
 // its other requests wait for the answer, in order). A registration belongs
 // to its connection until it unregisters or goes (session_closed reaps it). Unregistering
@@ -18,8 +18,8 @@
 // unmapped, the connection keeping what it had).
 
 #include <kvtier/protocol/unix_socket.hpp>
-#include <kvtier/server/region_prefault.hpp>
-#include <kvtier/server/session.hpp>
+#include <kvtier/server/session/region_prefault.hpp>
+#include <kvtier/server/session/session.hpp>
 
 #include <fmt/format.h>
 
@@ -37,18 +37,19 @@
 
 namespace kvtier::inline KVTIER_ABI_TAG::server {
 
-inline boost::asio::awaitable<request_result<protocol::register_kv_response>> session::on_register(
-    const protocol::register_kv_request& r, protocol::unique_fd fd) {
+inline boost::asio::awaitable<request_result<protocol::register_kv_response>> session::on(
+    const protocol::register_kv_request& r, call& c) {
+  protocol::unique_fd fd = std::move(c.fd);
   const bool maps_region = static_cast<bool>(fd);
   auto make = [&] {
     if (maps_region && !kv_region::populate_supported() && ctx_.hooks.during_prefault)
       ctx_.hooks.during_prefault(id_);
     return ctx_.clients.make_registration(id_, r, std::move(fd));
   };
-  // A region is mapped on the copy pool (see the header comment).
+  // A region is mapped on the worker pool (see the header comment).
   request_result<registration> made = request_error{};
   if (maps_region)
-    made = co_await on_copy_pool(make);
+    made = co_await on_worker_pool(make);
   else
     made = make();
   if (!made) {
@@ -97,14 +98,14 @@ inline boost::asio::awaitable<request_result<protocol::register_kv_response>> se
                                            static_cast<std::uint32_t>(budget_ms)};
 }
 
-/// Faults the pages of `g`'s region in on the copy pool, behind the registration's answer
+/// Faults the pages of `g`'s region in on the worker pool, behind the registration's answer
 /// (region_prefault.hpp); stops when the registration goes.
 inline void session::prefault_region(registration& g) {
   g.prefault_pending = false;
   std::function<void()> before;
   if (ctx_.hooks.during_prefault) before = [hook = ctx_.hooks.during_prefault, id = id_] { hook(id); };
-  telemetry::logger& log = ctx_.log;  // the server's: outlives its copy pool
-  prefault_in_background(ctx_.copy_executor, g.region.data(), g.region.bytes(), g.prefault.watch(), std::move(before),
+  telemetry::logger& log = ctx_.log;  // the server's: outlives its worker pool
+  prefault_in_background(ctx_.worker_executor, g.region.data(), g.region.bytes(), g.prefault.watch(), std::move(before),
                          [&log, id = id_](prefault_outcome o) {
                            const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(o.elapsed).count();
                            if (o.complete)
@@ -115,16 +116,16 @@ inline void session::prefault_region(registration& g) {
                          });
 }
 
-/// Runs f() on the copy pool and resumes on the I/O thread with its result (an exception f
+/// Runs f() on the worker pool and resumes on the I/O thread with its result (an exception f
 /// throws is rethrown here). f runs while this coroutine waits: it may refer to its locals.
 template <class F>
-boost::asio::awaitable<std::invoke_result_t<F&>> session::on_copy_pool(F f) {
+boost::asio::awaitable<std::invoke_result_t<F&>> session::on_worker_pool(F f) {
   using result = std::invoke_result_t<F&>;
   co_return co_await boost::asio::co_spawn(
-      ctx_.copy_executor, [&f]() -> boost::asio::awaitable<result> { co_return f(); }, boost::asio::use_awaitable);
+      ctx_.worker_executor, [&f]() -> boost::asio::awaitable<result> { co_return f(); }, boost::asio::use_awaitable);
 }
 
-inline request_result<protocol::unregister_kv_response> session::on(const protocol::unregister_kv_request&) {
+inline request_result<protocol::unregister_kv_response> session::on(const protocol::unregister_kv_request&, call&) {
   auto reg = registered("unregister_kv_request");
   if (!reg) return reg.error();
   release_owned_lookups();
