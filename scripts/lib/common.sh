@@ -8,7 +8,7 @@ KVTIER_BUILD_PACKAGES=(
   libcli11-dev libhiredis-dev libbenchmark-dev catch2
 )
 # Servers and tools the test suite drives.
-KVTIER_TEST_PACKAGES=(prometheus redis-server redis-tools fio curl jq procps util-linux)
+KVTIER_TEST_PACKAGES=(prometheus redis-server redis-tools fio curl jq procps util-linux universal-ctags cscope)
 # The Python package (python/, KVTIER_BUILD_PYTHON) and its tests, for /usr/bin/python3.
 KVTIER_PYTHON_PACKAGES=(python3-dev pybind11-dev python3-torch python3-numpy python3-pytest python3-xxhash
   python3-pip python3-venv python3-setuptools python3-wheel)
