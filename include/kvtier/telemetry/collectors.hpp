@@ -255,7 +255,11 @@ void collect_disk_backend(registry& reg, const Backend& backend) {
   };
   counter("kvtier_l2_disk_enospc_total", "Stores failed because the file system was full (ENOSPC, EDQUOT)", st->enospc);
   for (std::size_t o = 0; o < stats_type::op_count; ++o) {
-    label_pairs lo = l;
+    // Built with its final size reserved: g++ 12 at -O1 reported a false -Wstringop-overflow
+    // for a copy followed by emplace_back here.
+    label_pairs lo;
+    lo.reserve(l.size() + 1);
+    lo.insert(lo.end(), l.begin(), l.end());
     lo.emplace_back("op", std::string(stats_type::op_name(o)));
     add("kvtier_l2_disk_io_errors_total", "Keys failed by an I/O error of the file system or device",
         metric_type::counter, st->io_errors[o], lo);
