@@ -1,59 +1,9 @@
 #pragma once
 // cuda/kv_transfer: the GPU gather/scatter between an engine's paged KV cache (device memory)
-// and contiguous chunk objects. The same functions as core/kv_transfer.hpp with a stream
-// appended; compiled by nvcc. Standard library and the CUDA runtime only.
-//
-//   layer_table                  the device-resident table of layer base pointers, uploaded
-//                                once when a KV cache is registered (vLLM's per-layer tensors
-//                                never move); its null check happens there
-//   paged_kv_view                layout + that table (the device twin of kvtier::paged_kv_view)
-//   gather_chunk / gather_chunks    paged KV -> chunk object(s), on a stream
-//   scatter_chunk / scatter_chunks  chunk object(s) -> paged KV, on a stream
-//   check_transfer               the host-side checks alone (core/kv_transfer.hpp's)
-//
-// Layouts, skip_tokens and the error codes are those of core/kv_transfer.hpp (read its header
-// comment): every call validates all its arguments on the host and returns the same
-// transfer_errc before anything is enqueued; a batch enqueues nothing when one item is
-// invalid. A CUDA failure to launch comes back as a cuda_category() code. The copy is ordered
-// on `stream` (nullptr: the legacy default stream) and complete when the stream gets there;
-// nothing waits on the host, nothing allocates.
-//
-// Memory: `cache.layers` and every block live on the current device; `object` is any address
-// a kernel of that device can use: device memory (the staging buffer of copy_engine) or
-// pinned host memory (cudaHostAlloc, or cudaHostRegister'ed where the device can use host
-// pointers: the zero-copy path, every access crosses PCIe/NVLink-C2C). The object must not
-// overlap the paged cache. The caller sets the current device (cudaSetDevice) to the one
-// that owns the cache and the stream.
-//
-// The kernel: one CTA (256 threads) copies one block segment, i.e. one (item, layer, plane,
-// block), with vector accesses as wide as every address and size allows: 16 bytes for
-// bf16/fp16 models whose heads * head_dim is a multiple of 8 (all the common ones), else 8,
-// 4, 2 or 1. Each thread keeps 4 loads in flight before storing: 16 KiB per CTA, up to 8
-// CTAs per SM, so a zero-copy scatter keeps megabytes of PCIe reads in flight, well above
-// the bandwidth-delay product (~55 GB/s * ~1.5 us = ~80 KiB).
-// Layouts: where a segment is contiguous in object order (paged_kv_layout::
-// segment_contiguous(): every dense NHD, HND and MLA layout, and strides dense inside a
-// block) the CTA copies it whole, from layer + plane * strides.plane + block *
-// strides.block; only the first block of a piece whose skip ends inside it differs: NHD and
-// MLA skip one leading run of token rows, HND the leading rows of each head's run (the CTA
-// then copies kv_heads runs, each without its skipped rows; segment_copy::runs). Otherwise
-// (K|V packed per token, vLLM's CPU layout, ...) the CTA copies the segment's rows in object
-// order, as core/kv_transfer.hpp's row path does: `runs` outer runs (tokens for NHD and MLA,
-// heads for HND) of `rows` inner rows (heads, tokens), the inner rows coalesced into one
-// piece where their paged stride is one row; the CTA's threads share the segment's vectors
-// across all pieces, so short rows (256 bytes: 16 of 16-byte vectors) still keep every
-// thread busy.
-// One launch covers a whole batch: grid = pieces * layers * planes * blocks. The block ids,
-// object pointers and offsets travel in the kernel's parameter block (under 4 KiB, passed
-// as __grid_constant__ so threads read it in place); a batch larger than one parameter block
-// (576 block ids: 36 chunks of 16 blocks) takes several launches, in order on the stream.
-//
-// Scatter and repeated block ids: CTAs of one launch run in any order, so two writes of the
-// same block in one launch would race, while the CPU scatter promises "the last occurrence
-// wins". The launcher therefore cuts a scatter launch before a block id that the launch
-// already writes (a fixed-size hash set of the ids on the host); the later write then
-// runs in a later launch on the same stream. vLLM never repeats a block in one request, so
-// this costs nothing there.
+// and contiguous chunk objects: core/kv_transfer.hpp's functions with a cudaStream_t appended,
+// over a paged_kv_view whose table of layer bases lives on the device (layer_table). Compiled
+// by nvcc; standard library and the CUDA runtime only. The contract, memory, kernel and
+// launches: docs/integration.md, "The copy functions" ("On the GPU").
 
 #include <kvtier/cuda/check.cuh>
 
