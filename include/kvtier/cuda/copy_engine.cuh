@@ -57,8 +57,7 @@ class copy_engine {
     c.mode_ = options.mode;
     c.device_ = options.device;
     auto fail = [&](cudaError_t e) {
-      (void)cudaGetLastError();
-      ec = make_error_code(e);
+      ec = detail::cuda_fail(e);
       return copy_engine{};  // c's destructor frees what was made
     };
     if (c.device_ < 0)
@@ -134,9 +133,9 @@ class copy_engine {
   /// Blocks until everything enqueued so far has completed.
   [[nodiscard]] std::error_code synchronize() noexcept {
     if (kernel_stream_)
-      if (const cudaError_t e = cudaStreamSynchronize(kernel_stream_); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamSynchronize(kernel_stream_); e != cudaSuccess) return detail::cuda_fail(e);
     if (copy_stream_)
-      if (const cudaError_t e = cudaStreamSynchronize(copy_stream_); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamSynchronize(copy_stream_); e != cudaSuccess) return detail::cuda_fail(e);
     return {};
   }
 
@@ -167,9 +166,10 @@ class copy_engine {
   [[nodiscard]] std::error_code transfer(std::span<const Item> items, cudaEvent_t after, cudaEvent_t done) noexcept {
     constexpr bool is_store = std::is_same_v<Item, gather_item>;
     if (auto ec = validate(items)) return ec;
-    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return fail(e);
+    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return detail::cuda_fail(e);
     if (after)
-      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, after, 0); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, after, 0); e != cudaSuccess)
+        return detail::cuda_fail(e);
     if (mode_ == copy_mode::zero_copy) {
       if constexpr (is_store) {
         if (auto ec = gather_chunks(cache_, chunk_, items, {}, kernel_stream_)) return ec;
@@ -186,12 +186,14 @@ class copy_engine {
       std::byte* staging = staging_ + next_ * chunk_.object_bytes();
       next_ = (next_ + 1) % ring_.size();
       // The buffer's previous content has left (its DMA or scatter is done).
-      if (const cudaError_t e = cudaStreamWaitEvent(fill_stream, r.free, 0); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamWaitEvent(fill_stream, r.free, 0); e != cudaSuccess)
+        return detail::cuda_fail(e);
       if (auto ec = fill_staging(it, staging)) return ec;
-      if (const cudaError_t e = cudaEventRecord(r.filled, fill_stream); e != cudaSuccess) return fail(e);
-      if (const cudaError_t e = cudaStreamWaitEvent(empty_stream, r.filled, 0); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaEventRecord(r.filled, fill_stream); e != cudaSuccess) return detail::cuda_fail(e);
+      if (const cudaError_t e = cudaStreamWaitEvent(empty_stream, r.filled, 0); e != cudaSuccess)
+        return detail::cuda_fail(e);
       if (auto ec = empty_staging(it, staging)) return ec;
-      if (const cudaError_t e = cudaEventRecord(r.free, empty_stream); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaEventRecord(r.free, empty_stream); e != cudaSuccess) return detail::cuda_fail(e);
     }
     return record(done, empty_stream);
   }
@@ -203,13 +205,13 @@ class copy_engine {
   /// The second stage of a staged store: the DMA staging -> L1 slot.
   [[nodiscard]] std::error_code empty_staging(const gather_item& it, const std::byte* staging) noexcept {
     if (const cudaError_t e = dma(it.object, staging, it.skip_tokens, cudaMemcpyDeviceToHost); e != cudaSuccess)
-      return fail(e);
+      return detail::cuda_fail(e);
     return {};
   }
   /// The first stage of a staged retrieve: the DMA L1 slot -> staging.
   [[nodiscard]] std::error_code fill_staging(const scatter_item& it, std::byte* staging) noexcept {
     if (const cudaError_t e = dma(staging, it.object, it.skip_tokens, cudaMemcpyHostToDevice); e != cudaSuccess)
-      return fail(e);
+      return detail::cuda_fail(e);
     return {};
   }
   /// The second stage of a staged retrieve: the scatter kernel, staging -> paged blocks.
@@ -225,14 +227,9 @@ class copy_engine {
     return {};
   }
 
-  [[nodiscard]] static std::error_code fail(cudaError_t e) noexcept {
-    (void)cudaGetLastError();
-    return make_error_code(e);
-  }
-
   [[nodiscard]] static std::error_code record(cudaEvent_t done, cudaStream_t s) noexcept {
     if (done)
-      if (const cudaError_t e = cudaEventRecord(done, s); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaEventRecord(done, s); e != cudaSuccess) return detail::cuda_fail(e);
     return {};
   }
 

@@ -33,10 +33,7 @@ namespace kvtier::inline KVTIER_ABI_TAG::cuda {
 /// The UUID of device `device` (an ordinal of this process).
 [[nodiscard]] inline std::error_code get_device_uuid(int device, device_uuid& out) noexcept {
   cudaDeviceProp prop{};
-  if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return make_error_code(e);
-  }
+  if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) return detail::cuda_fail(e);
   static_assert(sizeof(prop.uuid.bytes) == 16);
   std::memcpy(out.data(), prop.uuid.bytes, 16);
   return {};
@@ -113,11 +110,6 @@ namespace detail {
   base = reinterpret_cast<std::byte*>(b);
   size = s;
   return {};
-}
-
-[[nodiscard]] inline std::error_code cuda_fail(cudaError_t e) noexcept {
-  (void)cudaGetLastError();
-  return make_error_code(e);
 }
 
 }  // namespace detail

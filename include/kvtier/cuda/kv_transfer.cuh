@@ -72,8 +72,7 @@ class layer_table {
     }
     void* d = nullptr;
     if (const cudaError_t e = cudaMalloc(&d, layers.size() * sizeof(std::byte*)); e != cudaSuccess) {
-      (void)cudaGetLastError();
-      ec = make_error_code(e);
+      ec = detail::cuda_fail(e);
       return t;
     }
     t.data_ = static_cast<std::byte**>(d);
@@ -81,8 +80,7 @@ class layer_table {
     t.alignment_ = static_cast<std::uint32_t>(bits & (~bits + 1));  // lowest set bit, <= 16
     if (const cudaError_t e = cudaMemcpy(d, layers.data(), layers.size() * sizeof(std::byte*), cudaMemcpyHostToDevice);
         e != cudaSuccess) {
-      (void)cudaGetLastError();
-      ec = make_error_code(e);
+      ec = detail::cuda_fail(e);
       return layer_table{};  // t frees the table
     }
     return t;

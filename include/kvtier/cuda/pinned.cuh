@@ -43,8 +43,7 @@ class pinned_buffer {
     if (bytes == 0) return b;
     void* p = nullptr;
     if (const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped); e != cudaSuccess) {
-      (void)cudaGetLastError();
-      ec = make_error_code(e);
+      ec = detail::cuda_fail(e);
       return b;
     }
     b.data_ = static_cast<std::byte*>(p);
@@ -244,8 +243,7 @@ class host_registration {
     }
     void* d = nullptr;
     if (const cudaError_t e = cudaHostGetDevicePointer(&d, p, 0); e != cudaSuccess) {
-      (void)cudaGetLastError();
-      ec = make_error_code(e);
+      ec = detail::cuda_fail(e);
       return nullptr;
     }
     return d;
