@@ -84,6 +84,17 @@ inline void throw_on_error(cudaError_t e, const char* what) {
 /// The error of the last launch on this thread, cleared (cudaGetLastError after <<<>>>).
 [[nodiscard]] inline std::error_code last_launch_error() noexcept { return make_error_code(cudaGetLastError()); }
 
+namespace detail {
+
+/// The code of a call that failed with e, the thread's last error (which the failed call also
+/// set) cleared: what the cuda/ functions return for a CUDA error.
+[[nodiscard]] inline std::error_code cuda_fail(cudaError_t e) noexcept {
+  (void)cudaGetLastError();
+  return make_error_code(e);
+}
+
+}  // namespace detail
+
 /// What cudaGetDeviceCount said.
 struct device_probe {
   int count = 0;          ///< devices this process sees (0 when error is set)
@@ -106,8 +117,7 @@ struct device_probe {
   int n = 0;
   const cudaError_t e = cudaGetDeviceCount(&n);
   if (e != cudaSuccess) {
-    (void)cudaGetLastError();  // the failed call also set the thread's last error
-    p.error = make_error_code(e);
+    p.error = detail::cuda_fail(e);
     return p;
   }
   p.count = n;

@@ -1,58 +1,10 @@
 #pragma once
-// cuda/copy_engine: moves chunks between a registered GPU KV cache and pinned L1 slots on
-// streams of its own, ordered by events. What the cache server runs for a store (paged KV ->
-// L1) and a retrieve (L1 -> paged KV). Standard library and the CUDA runtime only.
-//
-// Two ways, chosen per engine (copy_mode):
-//
-//   staged (default)  store:    gather kernel, paged blocks -> device staging buffer (HBM to
-//                               HBM), then cudaMemcpyAsync staging -> pinned L1 slot (DMA);
-//                     retrieve: cudaMemcpyAsync L1 slot -> staging (DMA), then scatter
-//                               kernel staging -> paged blocks.
-//                     The kernels run on the kernel stream, the DMA on the copy stream; a
-//                     ring of `staging_chunks` buffers lets chunk i+1 be gathered while
-//                     chunk i is in flight over the bus.
-//   zero_copy         one batch kernel reads the paged blocks and writes the pinned L1 slots
-//                     directly (or the reverse): every access crosses the bus.
-//
-// Why staged is the default, on paper (H100/H200 SXM: PCIe Gen5 x16 ~55 GB/s per direction
-// for DMA, HBM3/3e 3.3-4.8 TB/s): a 32 MiB chunk (8B model) takes ~600 us over PCIe either
-// way; staged adds 64 MiB of HBM traffic, ~15-20 us of kernel, hidden behind the previous
-// chunk's DMA (ring), so the batch costs about the DMA time plus one gather. What decides
-// is what else the GPU is doing: the engine's own kernels. Without MPS, kernels of
-// different processes do not share the SMs at the same time (the GPU time-slices between
-// contexts), whereas DMA runs on the copy engines: staged holds the SMs ~3% of the transfer
-// time, zero-copy for all of it (its CTAs wait on PCIe round trips of ~1-2 us). vLLM found
-// the same end to end (DMA beat custom copy kernels end to end because it interferes less
-// with compute). bench/cuda measures both modes' bandwidth; their
-// interference with a running engine is still to be measured. Zero-copy wins where the
-// latency of small transfers matters more than SM time (no staging hop, one launch) and
-// needs no device memory: it stays available as an option.
-// The staging ring costs staging_chunks * chunk.object_bytes() of device memory (3 x 32 MiB
-// for the 8B model).
-//
-// skip_tokens: a store leaves the skipped bytes of the L1 object untouched and a retrieve
-// does not read them: the DMA is then a cudaMemcpy2DAsync over the object's (layer, plane)
-// slabs, skipping the first skip_tokens tokens of each. In an HND object a skip that ends
-// inside a block is not a prefix of the slab (it leads each head's run of that block): a
-// retrieve then moves that whole block into the staging buffer (the scatter kernel never
-// reads the skipped rows), a store its runs without their skipped rows (one
-// cudaMemcpy3DAsync over every slab) and the blocks after it.
-//
-// Ordering: `after` (may be null) is an event the work waits for (the engine's forward
-// step, an interprocess event: ipc_region.cuh); `done` (may be null) is recorded when the
-// whole batch has landed, and is what a server waits on (cudaEventQuery, a host function
-// after cudaStreamWaitEvent) before it publishes L1 objects (store) or answers (retrieve).
-// Streams are non-blocking (they never wait for the legacy default stream).
-//
-// Errors: the arguments of a whole batch are checked before anything is enqueued (the
-// transfer_errc codes of core/kv_transfer.hpp); a CUDA error while enqueuing (rare: a
-// sticky error of the context) returns at once, leaving the items before it enqueued, and
-// `done` not recorded: treat the batch as failed.
-//
-// Not thread-safe: one engine per server worker thread and registered KV cache. Objects
-// must be pinned host memory (pinned.cuh); for zero_copy, device-accessible at their host
-// address (checked once: cudaDevAttrCanUseHostPointerForRegisteredMem).
+// cuda/copy_engine: moves a batch of chunks between a registered GPU KV cache and pinned L1
+// slots on streams of its own, ordered by events: what the cache server runs for a store
+// (paged KV -> L1) and a retrieve (L1 -> paged KV), staged (kernel + DMA through a device
+// ring, the default) or zero-copy. Standard library and the CUDA runtime only. The modes and
+// why staged is the default, skip_tokens, ordering, errors and threads: docs/integration.md,
+// "The copy path on the server".
 
 #include <kvtier/cuda/check.cuh>
 #include <kvtier/cuda/kv_transfer.cuh>
@@ -105,8 +57,7 @@ class copy_engine {
     c.mode_ = options.mode;
     c.device_ = options.device;
     auto fail = [&](cudaError_t e) {
-      (void)cudaGetLastError();
-      ec = make_error_code(e);
+      ec = detail::cuda_fail(e);
       return copy_engine{};  // c's destructor frees what was made
     };
     if (c.device_ < 0)
@@ -182,9 +133,9 @@ class copy_engine {
   /// Blocks until everything enqueued so far has completed.
   [[nodiscard]] std::error_code synchronize() noexcept {
     if (kernel_stream_)
-      if (const cudaError_t e = cudaStreamSynchronize(kernel_stream_); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamSynchronize(kernel_stream_); e != cudaSuccess) return detail::cuda_fail(e);
     if (copy_stream_)
-      if (const cudaError_t e = cudaStreamSynchronize(copy_stream_); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamSynchronize(copy_stream_); e != cudaSuccess) return detail::cuda_fail(e);
     return {};
   }
 
@@ -215,9 +166,10 @@ class copy_engine {
   [[nodiscard]] std::error_code transfer(std::span<const Item> items, cudaEvent_t after, cudaEvent_t done) noexcept {
     constexpr bool is_store = std::is_same_v<Item, gather_item>;
     if (auto ec = validate(items)) return ec;
-    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return fail(e);
+    if (const cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return detail::cuda_fail(e);
     if (after)
-      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, after, 0); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamWaitEvent(kernel_stream_, after, 0); e != cudaSuccess)
+        return detail::cuda_fail(e);
     if (mode_ == copy_mode::zero_copy) {
       if constexpr (is_store) {
         if (auto ec = gather_chunks(cache_, chunk_, items, {}, kernel_stream_)) return ec;
@@ -234,12 +186,14 @@ class copy_engine {
       std::byte* staging = staging_ + next_ * chunk_.object_bytes();
       next_ = (next_ + 1) % ring_.size();
       // The buffer's previous content has left (its DMA or scatter is done).
-      if (const cudaError_t e = cudaStreamWaitEvent(fill_stream, r.free, 0); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaStreamWaitEvent(fill_stream, r.free, 0); e != cudaSuccess)
+        return detail::cuda_fail(e);
       if (auto ec = fill_staging(it, staging)) return ec;
-      if (const cudaError_t e = cudaEventRecord(r.filled, fill_stream); e != cudaSuccess) return fail(e);
-      if (const cudaError_t e = cudaStreamWaitEvent(empty_stream, r.filled, 0); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaEventRecord(r.filled, fill_stream); e != cudaSuccess) return detail::cuda_fail(e);
+      if (const cudaError_t e = cudaStreamWaitEvent(empty_stream, r.filled, 0); e != cudaSuccess)
+        return detail::cuda_fail(e);
       if (auto ec = empty_staging(it, staging)) return ec;
-      if (const cudaError_t e = cudaEventRecord(r.free, empty_stream); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaEventRecord(r.free, empty_stream); e != cudaSuccess) return detail::cuda_fail(e);
     }
     return record(done, empty_stream);
   }
@@ -251,13 +205,13 @@ class copy_engine {
   /// The second stage of a staged store: the DMA staging -> L1 slot.
   [[nodiscard]] std::error_code empty_staging(const gather_item& it, const std::byte* staging) noexcept {
     if (const cudaError_t e = dma(it.object, staging, it.skip_tokens, cudaMemcpyDeviceToHost); e != cudaSuccess)
-      return fail(e);
+      return detail::cuda_fail(e);
     return {};
   }
   /// The first stage of a staged retrieve: the DMA L1 slot -> staging.
   [[nodiscard]] std::error_code fill_staging(const scatter_item& it, std::byte* staging) noexcept {
     if (const cudaError_t e = dma(staging, it.object, it.skip_tokens, cudaMemcpyHostToDevice); e != cudaSuccess)
-      return fail(e);
+      return detail::cuda_fail(e);
     return {};
   }
   /// The second stage of a staged retrieve: the scatter kernel, staging -> paged blocks.
@@ -273,20 +227,15 @@ class copy_engine {
     return {};
   }
 
-  [[nodiscard]] static std::error_code fail(cudaError_t e) noexcept {
-    (void)cudaGetLastError();
-    return make_error_code(e);
-  }
-
   [[nodiscard]] static std::error_code record(cudaEvent_t done, cudaStream_t s) noexcept {
     if (done)
-      if (const cudaError_t e = cudaEventRecord(done, s); e != cudaSuccess) return fail(e);
+      if (const cudaError_t e = cudaEventRecord(done, s); e != cudaSuccess) return detail::cuda_fail(e);
     return {};
   }
 
   /// The DMA of one object's bytes that are not skipped, on the copy stream: one contiguous
-  /// copy, or one 2D copy over the (layer, plane) slabs when tokens are skipped (the file's
-  /// header comment: an HND skip inside a block).
+  /// copy, or one 2D copy over the (layer, plane) slabs when tokens are skipped (an HND skip
+  /// inside a block: docs/integration.md, "The copy path on the server", skip_tokens).
   template <class Dst, class Src>
   [[nodiscard]] cudaError_t dma(Dst* dst, Src* src, std::uint32_t skip_tokens, cudaMemcpyKind kind) noexcept {
     if (skip_tokens == 0) return cudaMemcpyAsync(dst, src, chunk_.object_bytes(), kind, copy_stream_);

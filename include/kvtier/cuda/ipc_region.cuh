@@ -1,51 +1,10 @@
 #pragma once
 // cuda/ipc_region: a GPU engine's paged KV cache shared with the cache server through CUDA
-// IPC, the GPU counterpart of the CPU memfd kv_region. Standard library and CUDA only.
-//
-//   engine side   kv_region           allocates the paged KV (one cudaMalloc, layer l at l *
-//                                     the layer stride: back to back for dense layouts; any
-//                                     kv_strides, one tensor for all layers included) or
-//                                     adopts the engine's own per-layer tensors, and
-//                                     exports them: one IPC handle per distinct allocation
-//                                     (cudaIpcGetMemHandle), the device UUID, the layout.
-//   the wire      region_descriptor   those facts as bytes the connector's register message
-//                                     carries (serialize / parse, every count and offset
-//                                     checked): a fixed 104-byte header (the layout and its
-//                                     kv_strides), then the allocations,
-//                                     then one entry per layer. Standard library only, in
-//                                     cuda/ipc_descriptor.hpp (included here), so the parser
-//                                     builds and is fuzzed without CUDA.
-//   server side   opened_kv_region    parses, finds the device by UUID among the devices the
-//                                     server sees, opens every handle (cudaIpcOpenMemHandle),
-//                                     checks each opened allocation is as large as claimed,
-//                                     uploads the layer table: paged_kv_view for copy_engine.
-//                                     Closes the handles on destruction.
-//   both          ipc_event           an interprocess event (cudaEventInterprocess): the
-//                                     engine records it after a forward step and the server's
-//                                     streams wait on it before reading blocks (and back).
-//
-// Why per-allocation handles and per-layer offsets: vLLM allocates one tensor per layer
-// through PyTorch's caching allocator, so a layer's data pointer is usually not the base of
-// a cudaMalloc allocation, and several layers can share one. An IPC handle names a whole
-// allocation, and the importing process gets that allocation's base, so the descriptor
-// carries (allocation, offset) per layer. kv_region::adopt finds each pointer's allocation
-// with the driver's cuMemGetAddressRange, reached through cudaGetDriverEntryPoint so that
-// nothing links libcuda directly. Memory from cudaMallocAsync pools or from the virtual
-// memory API (PyTorch's expandable_segments) cannot be exported with cudaIpcGetMemHandle:
-// adopt then fails with the runtime's error (see docs/integration.md).
-//
-// Why the UUID: device ordinals depend on CUDA_VISIBLE_DEVICES, which the engine and the
-// server need not share; the UUID names the same GPU in both. The server must see that GPU.
-//
-// Event ordering across processes: cudaStreamWaitEvent waits for the most recent record of
-// the event at the time of the wait call. The engine records, then sends its request; the
-// server waits when the request arrives: it waits for that record or a later one, never an
-// earlier one. One event per direction per connection is therefore enough; a later record
-// only makes a wait longer, never wrong.
-//
-// Lifetime: the exporting allocation must outlive every importer's mapping (CUDA: freeing
-// it while mapped elsewhere is undefined); the connector unregisters before the engine frees
-// its KV cache, and a server reaps the registration of an engine that stopped pinging.
+// IPC, the GPU counterpart of the CPU memfd kv_region: kv_region (engine side: allocate or
+// adopt, export), opened_kv_region (server side: open, the layer table for copy_engine) and
+// ipc_event (interprocess events). The descriptor's bytes: cuda/ipc_descriptor.hpp. Standard
+// library and CUDA only. docs/integration.md, "Registering the region" and "Ordering between
+// engine and server", holds the rest.
 
 #include <kvtier/cuda/check.cuh>
 #include <kvtier/cuda/ipc_descriptor.hpp>
@@ -74,10 +33,7 @@ namespace kvtier::inline KVTIER_ABI_TAG::cuda {
 /// The UUID of device `device` (an ordinal of this process).
 [[nodiscard]] inline std::error_code get_device_uuid(int device, device_uuid& out) noexcept {
   cudaDeviceProp prop{};
-  if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) {
-    (void)cudaGetLastError();
-    return make_error_code(e);
-  }
+  if (const cudaError_t e = cudaGetDeviceProperties(&prop, device); e != cudaSuccess) return detail::cuda_fail(e);
   static_assert(sizeof(prop.uuid.bytes) == 16);
   std::memcpy(out.data(), prop.uuid.bytes, 16);
   return {};
@@ -154,11 +110,6 @@ namespace detail {
   base = reinterpret_cast<std::byte*>(b);
   size = s;
   return {};
-}
-
-[[nodiscard]] inline std::error_code cuda_fail(cudaError_t e) noexcept {
-  (void)cudaGetLastError();
-  return make_error_code(e);
 }
 
 }  // namespace detail

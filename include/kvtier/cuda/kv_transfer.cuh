@@ -1,59 +1,9 @@
 #pragma once
 // cuda/kv_transfer: the GPU gather/scatter between an engine's paged KV cache (device memory)
-// and contiguous chunk objects. The same functions as core/kv_transfer.hpp with a stream
-// appended; compiled by nvcc. Standard library and the CUDA runtime only.
-//
-//   layer_table                  the device-resident table of layer base pointers, uploaded
-//                                once when a KV cache is registered (vLLM's per-layer tensors
-//                                never move); its null check happens there
-//   paged_kv_view                layout + that table (the device twin of kvtier::paged_kv_view)
-//   gather_chunk / gather_chunks    paged KV -> chunk object(s), on a stream
-//   scatter_chunk / scatter_chunks  chunk object(s) -> paged KV, on a stream
-//   check_transfer               the host-side checks alone (core/kv_transfer.hpp's)
-//
-// Layouts, skip_tokens and the error codes are those of core/kv_transfer.hpp (read its header
-// comment): every call validates all its arguments on the host and returns the same
-// transfer_errc before anything is enqueued; a batch enqueues nothing when one item is
-// invalid. A CUDA failure to launch comes back as a cuda_category() code. The copy is ordered
-// on `stream` (nullptr: the legacy default stream) and complete when the stream gets there;
-// nothing waits on the host, nothing allocates.
-//
-// Memory: `cache.layers` and every block live on the current device; `object` is any address
-// a kernel of that device can use: device memory (the staging buffer of copy_engine) or
-// pinned host memory (cudaHostAlloc, or cudaHostRegister'ed where the device can use host
-// pointers: the zero-copy path, every access crosses PCIe/NVLink-C2C). The object must not
-// overlap the paged cache. The caller sets the current device (cudaSetDevice) to the one
-// that owns the cache and the stream.
-//
-// The kernel: one CTA (256 threads) copies one block segment, i.e. one (item, layer, plane,
-// block), with vector accesses as wide as every address and size allows: 16 bytes for
-// bf16/fp16 models whose heads * head_dim is a multiple of 8 (all the common ones), else 8,
-// 4, 2 or 1. Each thread keeps 4 loads in flight before storing: 16 KiB per CTA, up to 8
-// CTAs per SM, so a zero-copy scatter keeps megabytes of PCIe reads in flight, well above
-// the bandwidth-delay product (~55 GB/s * ~1.5 us = ~80 KiB).
-// Layouts: where a segment is contiguous in object order (paged_kv_layout::
-// segment_contiguous(): every dense NHD, HND and MLA layout, and strides dense inside a
-// block) the CTA copies it whole, from layer + plane * strides.plane + block *
-// strides.block; only the first block of a piece whose skip ends inside it differs: NHD and
-// MLA skip one leading run of token rows, HND the leading rows of each head's run (the CTA
-// then copies kv_heads runs, each without its skipped rows; segment_copy::runs). Otherwise
-// (K|V packed per token, vLLM's CPU layout, ...) the CTA copies the segment's rows in object
-// order, as core/kv_transfer.hpp's row path does: `runs` outer runs (tokens for NHD and MLA,
-// heads for HND) of `rows` inner rows (heads, tokens), the inner rows coalesced into one
-// piece where their paged stride is one row; the CTA's threads share the segment's vectors
-// across all pieces, so short rows (256 bytes: 16 of 16-byte vectors) still keep every
-// thread busy.
-// One launch covers a whole batch: grid = pieces * layers * planes * blocks. The block ids,
-// object pointers and offsets travel in the kernel's parameter block (under 4 KiB, passed
-// as __grid_constant__ so threads read it in place); a batch larger than one parameter block
-// (576 block ids: 36 chunks of 16 blocks) takes several launches, in order on the stream.
-//
-// Scatter and repeated block ids: CTAs of one launch run in any order, so two writes of the
-// same block in one launch would race, while the CPU scatter promises "the last occurrence
-// wins". The launcher therefore cuts a scatter launch before a block id that the launch
-// already writes (a fixed-size hash set of the ids on the host); the later write then
-// runs in a later launch on the same stream. vLLM never repeats a block in one request, so
-// this costs nothing there.
+// and contiguous chunk objects: core/kv_transfer.hpp's functions with a cudaStream_t appended,
+// over a paged_kv_view whose table of layer bases lives on the device (layer_table). Compiled
+// by nvcc; standard library and the CUDA runtime only. The contract, memory, kernel and
+// launches: docs/integration.md, "The copy functions" ("On the GPU").
 
 #include <kvtier/cuda/check.cuh>
 
@@ -122,8 +72,7 @@ class layer_table {
     }
     void* d = nullptr;
     if (const cudaError_t e = cudaMalloc(&d, layers.size() * sizeof(std::byte*)); e != cudaSuccess) {
-      (void)cudaGetLastError();
-      ec = make_error_code(e);
+      ec = detail::cuda_fail(e);
       return t;
     }
     t.data_ = static_cast<std::byte**>(d);
@@ -131,8 +80,7 @@ class layer_table {
     t.alignment_ = static_cast<std::uint32_t>(bits & (~bits + 1));  // lowest set bit, <= 16
     if (const cudaError_t e = cudaMemcpy(d, layers.data(), layers.size() * sizeof(std::byte*), cudaMemcpyHostToDevice);
         e != cudaSuccess) {
-      (void)cudaGetLastError();
-      ec = make_error_code(e);
+      ec = detail::cuda_fail(e);
       return layer_table{};  // t frees the table
     }
     return t;
@@ -259,6 +207,63 @@ struct segment_copy {
   }
 };
 
+/// A block segment's shape on both sides, before the direction makes one the source: the
+/// bytes its first t0 tokens take (left alone), and segment_copy's runs, rows and strides.
+struct segment_shape {
+  std::uint64_t paged_skip = 0, obj_skip = 0;
+  std::uint32_t runs = 1, rows = 1;
+  std::uint64_t len = 0;
+  std::uint64_t paged_run = 0, obj_run = 0, paged_row = 0, obj_row = 0;
+};
+
+/// A segment contiguous in object order (p.contiguous), copied whole, or its tail after t0
+/// skipped tokens.
+__host__ __device__ __forceinline__ segment_shape whole_segment_shape(const launch_params& p, std::uint32_t t0) {
+  segment_shape s;
+  // The bytes of each run left alone: t0 token rows (NHD, MLA) or t0 rows of each head.
+  const std::uint64_t offset = t0 * (p.hnd ? p.row_bytes : p.token_bytes);
+  s.paged_skip = s.obj_skip = offset;
+  // Skipped rows lead every run: with several runs (HND) the CTA copies each run's tail.
+  const bool split = offset != 0 && p.segment_runs > 1;
+  s.runs = split ? p.segment_runs : 1;
+  s.len = split ? p.run_bytes - offset : p.segment_bytes - offset;
+  s.paged_run = s.obj_run = p.run_bytes;
+  return s;
+}
+
+/// The row path of an HND object: heads as runs, tokens t0.. of each as rows.
+__host__ __device__ __forceinline__ segment_shape hnd_rows_shape(const launch_params& p, std::uint32_t t0) {
+  segment_shape s;
+  s.paged_skip = t0 * p.token_stride;
+  s.obj_skip = t0 * p.row_bytes;
+  s.runs = p.heads;
+  s.paged_run = p.head_stride;
+  s.obj_run = std::uint64_t{p.block_size} * p.row_bytes;
+  const std::uint32_t n = p.block_size - t0;
+  const bool adjacent = n == 1 || p.token_stride == p.row_bytes;
+  s.rows = adjacent ? 1 : n;
+  s.len = adjacent ? n * p.row_bytes : p.row_bytes;
+  s.paged_row = p.token_stride;
+  s.obj_row = p.row_bytes;
+  return s;
+}
+
+/// The row path of an NHD or MLA object: tokens t0.. as runs, the heads of each as rows.
+__host__ __device__ __forceinline__ segment_shape nhd_rows_shape(const launch_params& p, std::uint32_t t0) {
+  segment_shape s;
+  s.paged_skip = t0 * p.token_stride;
+  s.obj_skip = t0 * p.token_bytes;
+  s.runs = p.block_size - t0;
+  s.paged_run = p.token_stride;
+  s.obj_run = p.token_bytes;
+  const bool adjacent = p.heads == 1 || p.head_stride == p.row_bytes;
+  s.rows = adjacent ? 1 : p.heads;
+  s.len = adjacent ? p.token_bytes : p.row_bytes;
+  s.paged_row = p.head_stride;
+  s.obj_row = p.row_bytes;
+  return s;
+}
+
 /// The block segment of CTA `cta`: cta = ((piece * num_layers + layer) * planes + plane) *
 /// max_piece_blocks + k, block position begin + k of the piece. Host and device (tests
 /// replay a launch on the host with it).
@@ -276,53 +281,23 @@ __host__ __device__ __forceinline__ segment_copy locate_segment(const launch_par
   // begin_tokens: the tokens of the piece's first block left alone (a skip).
   const std::uint32_t t0 = k == 0 ? pc.begin_tokens : 0;
   const std::uint64_t id = p.ids[pc.ids_base + k];
-  std::byte* paged = p.layers[layer] + plane * p.plane_stride + id * p.block_stride;
-  std::byte* obj = pc.object + (std::uint64_t{layer} * p.planes + plane) * p.slab_bytes + j * p.segment_bytes;
+  const segment_shape s = p.contiguous ? whole_segment_shape(p, t0)
+                          : p.hnd      ? hnd_rows_shape(p, t0)
+                                       : nhd_rows_shape(p, t0);
+  std::byte* paged = p.layers[layer] + plane * p.plane_stride + id * p.block_stride + s.paged_skip;
+  std::byte* obj =
+      pc.object + (std::uint64_t{layer} * p.planes + plane) * p.slab_bytes + j * p.segment_bytes + s.obj_skip;
   segment_copy c;
   c.active = true;
-  std::uint64_t paged_run = 0, obj_run = 0, paged_row = 0, obj_row = 0;
-  if (p.contiguous) {
-    // The bytes of each run left alone: t0 token rows (NHD, MLA) or t0 rows of each head.
-    const std::uint64_t offset = t0 * (p.hnd ? p.row_bytes : p.token_bytes);
-    paged += offset;
-    obj += offset;
-    // Skipped rows lead every run: with several runs (HND) the CTA copies each run's tail.
-    const bool split = offset != 0 && p.segment_runs > 1;
-    c.runs = split ? p.segment_runs : 1;
-    c.len = split ? p.run_bytes - offset : p.segment_bytes - offset;
-    paged_run = obj_run = p.run_bytes;
-  } else if (p.hnd) {
-    // Heads as runs, tokens t0.. of each as rows.
-    paged += t0 * p.token_stride;
-    obj += t0 * p.row_bytes;
-    c.runs = p.heads;
-    paged_run = p.head_stride;
-    obj_run = std::uint64_t{p.block_size} * p.row_bytes;
-    const std::uint32_t n = p.block_size - t0;
-    const bool adjacent = n == 1 || p.token_stride == p.row_bytes;
-    c.rows = adjacent ? 1 : n;
-    c.len = adjacent ? n * p.row_bytes : p.row_bytes;
-    paged_row = p.token_stride;
-    obj_row = p.row_bytes;
-  } else {
-    // Tokens t0.. as runs, the heads of each as rows.
-    paged += t0 * p.token_stride;
-    obj += t0 * p.token_bytes;
-    c.runs = p.block_size - t0;
-    paged_run = p.token_stride;
-    obj_run = p.token_bytes;
-    const bool adjacent = p.heads == 1 || p.head_stride == p.row_bytes;
-    c.rows = adjacent ? 1 : p.heads;
-    c.len = adjacent ? p.token_bytes : p.row_bytes;
-    paged_row = p.head_stride;
-    obj_row = p.row_bytes;
-  }
+  c.runs = s.runs;
+  c.rows = s.rows;
+  c.len = s.len;
   if constexpr (Gather) {
     c.dst = obj, c.src = paged;
-    c.dst_stride = obj_run, c.src_stride = paged_run, c.dst_row_stride = obj_row, c.src_row_stride = paged_row;
+    c.dst_stride = s.obj_run, c.src_stride = s.paged_run, c.dst_row_stride = s.obj_row, c.src_row_stride = s.paged_row;
   } else {
     c.dst = paged, c.src = obj;
-    c.dst_stride = paged_run, c.src_stride = obj_run, c.dst_row_stride = paged_row, c.src_row_stride = obj_row;
+    c.dst_stride = s.paged_run, c.src_stride = s.obj_run, c.dst_row_stride = s.paged_row, c.src_row_stride = s.obj_row;
   }
   return c;
 }
@@ -423,16 +398,10 @@ struct no_id_set {
   bool insert(std::uint32_t) noexcept { return true; }
 };
 
-/// Packs validated items into parameter blocks and calls launch(params, vector_bytes) for
-/// each full one, in order; stops at the first launch that fails. The library passes a
-/// launcher that enqueues copy_segments_kernel; tests pass one that replays the launch on the
-/// host with locate_segment.
-template <bool Gather, class Item, class Launch>
-[[nodiscard]] inline std::error_code pack(const paged_kv_view& cache, const chunk_layout& chunk,
-                                          std::span<const Item> items, Launch&& launch) noexcept {
+/// Fills the fields of `p` that every parameter block of a batch shares: the layer table and
+/// the layout's sizes and strides (not the pieces and ids).
+inline void set_batch_shape(launch_params& p, const paged_kv_view& cache, const chunk_layout& chunk) noexcept {
   const paged_kv_layout& layout = cache.layout;
-  const std::uint32_t nblocks = chunk.chunk_tokens / layout.block_size;
-  launch_params p;
   const kv_strides strides = layout.effective_strides();
   p.layers = cache.layers.device_data;
   p.segment_bytes = layout.segment_bytes();
@@ -451,6 +420,14 @@ template <bool Gather, class Item, class Launch>
   p.hnd = layout.kind() == kv_layout_kind::hnd ? 1 : 0;
   p.planes = layout.model.planes();
   p.num_layers = layout.model.num_layers;
+}
+
+/// The bits every offset the kernel forms for this shape is a multiple of, OR-ed with the
+/// layer table's alignment: the launch's vector width is vector_bytes() of these and of the
+/// objects of its pieces. `p` holds the batch shape (set_batch_shape).
+[[nodiscard]] inline std::uintptr_t shape_alignment_bits(const launch_params& p, const paged_kv_view& cache) noexcept {
+  const paged_kv_layout& layout = cache.layout;
+  const kv_strides strides = layout.effective_strides();
   // Every offset the kernel forms is a multiple of one of these: whole segments move by
   // token_plane_bytes (NHD, MLA) or head_row_bytes (HND) within a block, and by the plane and
   // block strides between blocks; rows by the token and head strides and whole rows (a
@@ -466,6 +443,21 @@ template <bool Gather, class Item, class Launch>
     if (layout.block_size > 1) base_bits |= strides.token;
     if (layout.model.num_kv_heads > 1) base_bits |= strides.head;
   }
+  return base_bits;
+}
+
+/// Packs validated items into parameter blocks and calls launch(params, vector_bytes) for
+/// each full one, in order; stops at the first launch that fails. The library passes a
+/// launcher that enqueues copy_segments_kernel; tests pass one that replays the launch on the
+/// host with locate_segment.
+template <bool Gather, class Item, class Launch>
+[[nodiscard]] inline std::error_code pack(const paged_kv_view& cache, const chunk_layout& chunk,
+                                          std::span<const Item> items, Launch&& launch) noexcept {
+  const paged_kv_layout& layout = cache.layout;
+  const std::uint32_t nblocks = chunk.chunk_tokens / layout.block_size;
+  launch_params p;
+  set_batch_shape(p, cache, chunk);
+  const std::uintptr_t base_bits = shape_alignment_bits(p, cache);
   std::uintptr_t bits = base_bits;
   std::uint32_t num_ids = 0;
   // Only a scatter needs the set (10 KiB of stack, no allocation).

@@ -1,29 +1,8 @@
 #pragma once
-// cuda/pinned: page-locked host memory for the L1 tier and for staging. Standard library and
-// the CUDA runtime only.
-//
-//   pinned_buffer       an owned cudaHostAlloc allocation (portable, mapped): staging buffers,
-//                       small pools, tests.
-//   host_registration   cudaHostRegister of memory that already exists (the L1 arena that
-//                       slot_allocator::arena() hands out), in pieces registered by N host
-//                       threads at once, timed; cudaHostUnregister of every piece on
-//                       destruction, in parallel too.
-//
-// Why pieces and threads: one cudaHostRegister call pins every page of its range on one
-// thread (fault it in, lock it, map it for the devices), so a multi-TB CPU KV region blocks
-// engine start-up for minutes (vllm#42632). The kernel pins pages under
-// the process's mmap lock taken for reading, so disjoint pieces pin in parallel on as many
-// cores as are given. The time is measured and reported (registration_stats, the log
-// callback) so a deployment sees what start-up costs; figures on the GPU machines are still
-// to be measured (docs/performance.md, "CUDA").
-//
-// A device copy must not span two pieces (each piece is its own registration): pieces start
-// at multiples of `piece_alignment`, so pass the L1 slot size there and no slot straddles
-// two registrations. Flags: portable (every context of the process sees the pages as pinned)
-// and mapped (kernels can read and write the pages: the zero-copy path of copy_engine).
-// Device code reaches registered pages at the host address only where
-// cudaDevAttrCanUseHostPointerForRegisteredMem is 1 (x86-64 Linux with UVA: every supported
-// data-centre GPU); host_registration::device_pointer() answers that.
+// cuda/pinned: page-locked host memory for the L1 tier and for staging: pinned_buffer (an
+// owned cudaHostAlloc) and host_registration (cudaHostRegister of an existing range, the L1
+// arena, in pieces on several threads, timed). Standard library and the CUDA runtime only.
+// Why pieces, the flags and piece_alignment: docs/integration.md, "Pinned memory sizing".
 
 #include <kvtier/cuda/check.cuh>
 
@@ -64,8 +43,7 @@ class pinned_buffer {
     if (bytes == 0) return b;
     void* p = nullptr;
     if (const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocPortable | cudaHostAllocMapped); e != cudaSuccess) {
-      (void)cudaGetLastError();
-      ec = make_error_code(e);
+      ec = detail::cuda_fail(e);
       return b;
     }
     b.data_ = static_cast<std::byte*>(p);
@@ -265,8 +243,7 @@ class host_registration {
     }
     void* d = nullptr;
     if (const cudaError_t e = cudaHostGetDevicePointer(&d, p, 0); e != cudaSuccess) {
-      (void)cudaGetLastError();
-      ec = make_error_code(e);
+      ec = detail::cuda_fail(e);
       return nullptr;
     }
     return d;
