@@ -21,7 +21,9 @@
 #define KVTIER_ABI_TAG abi_v1
 #endif
 
-namespace kvtier::inline KVTIER_ABI_TAG::config {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace config {
 
 /// True when compiled under AddressSanitizer or ThreadSanitizer (g++ and clang spellings).
 inline constexpr bool asan_build =
@@ -58,4 +60,6 @@ inline constexpr int timeout_scale = tsan_build ? 10 : (asan_build ? 4 : 1);
 /// interference_size warns under g++ 12 when used in headers).
 inline constexpr unsigned cache_line_size = 64;
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::config
+}  // namespace config
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

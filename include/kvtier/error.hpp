@@ -11,7 +11,8 @@
 #include <string>
 #include <type_traits>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 using error_code = boost::system::error_code;
 
@@ -99,7 +100,8 @@ inline error_code make_error_code(errc e) noexcept { return {static_cast<int>(e)
 template <class T>
 using result = boost::system::result<T, error_code>;
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 template <>
 struct boost::system::is_error_code_enum<kvtier::errc> : std::true_type {};

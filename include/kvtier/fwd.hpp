@@ -6,7 +6,8 @@
 
 #include <kvtier/config.hpp>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 struct hash128;
 struct chunk_key;
@@ -90,4 +91,5 @@ class logging_subscriber;
 /// The bus of a process that exports metrics (inline, exact) and writes logs (deferred).
 using default_event_bus = bus::basic_event_bus<telemetry::metrics_subscriber, telemetry::logging_subscriber>;
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -6,7 +6,9 @@
 
 #include <concepts>
 
-namespace kvtier::inline KVTIER_ABI_TAG::bus {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace bus {
 
 /// How a subscriber receives events.
 enum class delivery {
@@ -52,4 +54,6 @@ struct event_bus_archetype {
 };
 static_assert(event_bus<event_bus_archetype>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::bus
+}  // namespace bus
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

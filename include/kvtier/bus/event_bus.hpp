@@ -30,7 +30,9 @@
 #include <utility>
 #include <variant>
 
-namespace kvtier::inline KVTIER_ABI_TAG::bus {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace bus {
 
 struct bus_options {
   std::size_t queue_capacity = 8192;  ///< deferred events held at most (rounded up to 2^k)
@@ -242,4 +244,6 @@ class basic_event_bus {
 
 static_assert(event_bus<basic_event_bus<>>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::bus
+}  // namespace bus
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -10,7 +10,9 @@
 #include <optional>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::bus {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace bus {
 
 enum class event_type : std::uint16_t {
   // L1 tier (l1::tier)
@@ -109,4 +111,6 @@ inline constexpr std::array<std::string_view, event_type_count> event_type_names
   return std::nullopt;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::bus
+}  // namespace bus
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

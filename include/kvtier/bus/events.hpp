@@ -21,7 +21,9 @@
 #include <tuple>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::bus {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace bus {
 
 /// A short name owned by value (backend names, reasons): at most 31 bytes, longer is cut.
 class short_name {
@@ -418,13 +420,21 @@ concept event = requires {
   { E::type } -> std::convertible_to<event_type>;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::bus
+}  // namespace bus
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
-namespace kvtier::inline KVTIER_ABI_TAG::bus::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace bus {
+namespace detail {
 template <std::size_t... I>
 consteval bool events_in_type_order(std::index_sequence<I...>) {
   return ((std::tuple_element_t<I, all_events>::type == static_cast<event_type>(I)) && ...);
 }
 static_assert(events_in_type_order(std::make_index_sequence<event_type_count>{}),
               "all_events lists the event structs in event_type order");
-}  // namespace kvtier::inline KVTIER_ABI_TAG::bus::detail
+}  // namespace detail
+}  // namespace bus
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

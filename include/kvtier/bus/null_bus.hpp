@@ -4,7 +4,9 @@
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/config.hpp>
 
-namespace kvtier::inline KVTIER_ABI_TAG::bus {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace bus {
 
 struct null_bus {
   template <event E>
@@ -16,4 +18,6 @@ struct null_bus {
 
 static_assert(event_bus<null_bus>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::bus
+}  // namespace bus
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

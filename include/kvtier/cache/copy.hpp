@@ -25,7 +25,9 @@
 #include <functional>
 #include <span>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cache {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cache {
 
 /// Copies part `part` (of copy_out_request::parts) of key `index`'s object (all its bytes:
 /// `object`) to the destination. false: this key's copy failed (the copied prefix ends there).
@@ -68,4 +70,6 @@ struct copy_in_result {
   std::size_t failed = 0;           ///< no memory, the copy failed, or fenced
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cache
+}  // namespace cache
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

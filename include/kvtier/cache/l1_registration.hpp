@@ -21,7 +21,9 @@
 #include <string>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cache {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cache {
 
 /// The piece of L1 one registration step pins: ~10-15 ms of a thread here.
 inline constexpr std::size_t l1_register_piece_bytes = std::size_t{256} << 20;
@@ -86,4 +88,6 @@ class l1_registration {
   std::size_t next_ = 0;  ///< the next piece's offset
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cache
+}  // namespace cache
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -48,7 +48,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cache {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cache {
 
 struct cache_options {
   l1::tier_options l1;
@@ -514,7 +516,9 @@ class tiered_cache {
   std::atomic<lookup_id> next_id_{1};
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cache
+}  // namespace cache
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 #include <kvtier/cache/impl/copy_ops.hpp>
 #include <kvtier/cache/impl/tiered_cache.hpp>

@@ -13,7 +13,9 @@
 #include <kvtier/l1/policy/lru.hpp>
 #include <kvtier/pipeline/policies.hpp>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cache {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cache {
 
 struct default_traits {
   using eviction_policy = l1::lru;                      ///< l1::eviction_policy
@@ -24,4 +26,6 @@ struct default_traits {
   using wait_policy = pipeline::timeout_wait;           ///< pipeline::prefetch_wait_policy
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cache
+}  // namespace cache
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -13,7 +13,8 @@
 #include <string>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 class bitmap {
  public:
@@ -140,4 +141,5 @@ class bitmap {
   std::size_t size_ = 0;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -10,7 +10,8 @@
 #include <span>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 /// Alignment of every buffer, slot and on-disk object: the page size, which is what O_DIRECT
 /// wants for buffers, offsets and lengths on ext4 and tmpfs (EINVAL otherwise).
@@ -67,4 +68,5 @@ class aligned_buffer {
   std::byte* data_ = nullptr;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

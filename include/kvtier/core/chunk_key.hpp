@@ -15,7 +15,8 @@
 #include <string>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 /// A 128-bit hash value (the rolling prefix hash of a chunk).
 struct hash128 {
@@ -125,7 +126,8 @@ struct chunk_key_hash {
   }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 template <>
 struct std::hash<kvtier::chunk_key> : kvtier::chunk_key_hash {};

@@ -17,7 +17,8 @@
 #include <string>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 enum class attention_kind : std::uint8_t {
   mha = 0,  ///< separate K and V per KV head (also GQA/MQA)
@@ -424,4 +425,5 @@ struct paged_kv_layout {
   }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -26,7 +26,8 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 class kv_region {
  public:
@@ -196,4 +197,5 @@ class kv_region {
   std::atomic<std::uint64_t>* generations_ = nullptr;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

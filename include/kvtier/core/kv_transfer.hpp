@@ -20,7 +20,8 @@
 #include <system_error>
 #include <type_traits>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 /// Why a gather or scatter refused to copy. Values are stable: append, never renumber.
 enum class transfer_errc : int {
@@ -74,12 +75,14 @@ class transfer_category_impl final : public std::error_category {
   return {static_cast<int>(e), transfer_category()};
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 template <>
 struct std::is_error_code_enum<kvtier::transfer_errc> : std::true_type {};
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 /// An engine's paged KV cache as the copies see it: the layout plus one base pointer per
 /// layer (vLLM keeps one tensor per layer; a kvtier CPU kv region puts them back to back).
@@ -601,4 +604,5 @@ template <detail::checkable_kv_view View>
   return detail::transfer_chunks<false>(cache, chunk, items, options);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -15,7 +15,8 @@
 #include <cstdint>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 namespace detail {
 
@@ -75,4 +76,5 @@ inline void put_le64(std::byte* p, std::uint64_t v) noexcept {
   return XXH3_64bits_digest(&state);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -15,7 +15,8 @@
 #include <string>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 /// Index of a slot in its allocator.
 using slot_id = std::uint32_t;
@@ -95,4 +96,5 @@ class slot_allocator {
   std::vector<bool> in_use_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -26,7 +26,8 @@
 
 #include <openssl/evp.h>
 
-namespace kvtier::inline KVTIER_ABI_TAG {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
 
 using token_id = std::uint32_t;
 
@@ -162,4 +163,5 @@ class token_hasher {
   hash_algorithm algorithm_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -30,7 +30,9 @@
 #include <string>
 #include <system_error>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cuda {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cuda {
 
 namespace detail {
 
@@ -124,4 +126,6 @@ struct device_probe {
   return p;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cuda
+}  // namespace cuda
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -23,7 +23,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cuda {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cuda {
 
 enum class copy_mode : std::uint8_t {
   staged = 0,     ///< kernel to/from a device staging buffer + DMA to/from the pinned slot
@@ -304,4 +306,6 @@ class copy_engine {
   std::size_t next_ = 0;  ///< the ring entry the next chunk uses
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cuda
+}  // namespace cuda
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

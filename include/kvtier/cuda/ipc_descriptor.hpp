@@ -27,7 +27,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cuda {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cuda {
 
 /// Why a descriptor or region was refused. Values are stable: append, never renumber.
 enum class region_errc : int {
@@ -81,12 +83,16 @@ class region_category_impl final : public std::error_category {
   return {static_cast<int>(e), region_category()};
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cuda
+}  // namespace cuda
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 template <>
 struct std::is_error_code_enum<kvtier::cuda::region_errc> : std::true_type {};
 
-namespace kvtier::inline KVTIER_ABI_TAG::cuda {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cuda {
 
 /// A GPU's 16-byte UUID (cudaDeviceProp::uuid), the same in every process.
 using device_uuid = std::array<std::uint8_t, 16>;
@@ -231,4 +237,6 @@ struct region_descriptor {
   }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cuda
+}  // namespace cuda
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -28,7 +28,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cuda {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cuda {
 
 /// The UUID of device `device` (an ordinal of this process).
 [[nodiscard]] inline std::error_code get_device_uuid(int device, device_uuid& out) noexcept {
@@ -432,4 +434,6 @@ class ipc_event {
   ipc_event_handle handle_{};
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cuda
+}  // namespace cuda
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -22,7 +22,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cuda {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cuda {
 
 /// A device-resident array of layer base pointers, as kernels see it. Never dereferenced on
 /// the host.
@@ -567,4 +569,6 @@ using ::kvtier::check_transfer;
   return detail::enqueue<false, scatter_item>(cache, chunk, items, stream);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cuda
+}  // namespace cuda
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

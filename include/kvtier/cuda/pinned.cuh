@@ -22,7 +22,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cuda {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cuda {
 
 /// An owned page-locked host allocation (cudaHostAlloc, portable | mapped). Move-only.
 class pinned_buffer {
@@ -295,4 +297,6 @@ class host_registration {
   unsigned threads_ = 1;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cuda
+}  // namespace cuda
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

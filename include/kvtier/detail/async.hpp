@@ -23,7 +23,9 @@
 #include <tuple>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace detail {
 
 namespace asio = boost::asio;
 
@@ -60,4 +62,6 @@ auto async_run(Executor executor, asio::awaitable<result_tuple_t<Signature>> op,
       token, std::move(op));
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::detail
+}  // namespace detail
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -40,7 +40,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
 
 /// Counters for diagnostics and tests (a snapshot).
 struct connector_stats {
@@ -307,7 +309,9 @@ class connector final : private detail::link_owner {
   detail::server_link link_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 #include <kvtier/engine/impl/connector.hpp>
 #include <kvtier/engine/impl/connector_lookups.hpp>

@@ -23,7 +23,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
 
 /// What get_finished returns: ids finished sending (stores over, blocks may be freed) and
 /// finished receiving (loads over, the request may run).
@@ -228,4 +230,6 @@ class finished_tracker {
   std::uint64_t ignored_reports_ = 0;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

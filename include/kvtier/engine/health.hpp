@@ -22,7 +22,9 @@
 #include <stdexcept>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
 
 enum class health_state : std::uint8_t {
   starting,   ///< no connection yet, no failure yet (the engine may wait_ready)
@@ -86,4 +88,6 @@ class breaker {
   std::uint32_t consecutive_ = 0;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

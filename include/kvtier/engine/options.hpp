@@ -16,7 +16,9 @@
 #include <optional>
 #include <string>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
 
 /// Every deadline and period of the connector. The values are the unscaled ones: the
 /// connector multiplies each by connector_options::timeout_scale (config::timeout_scale by
@@ -174,4 +176,6 @@ struct connector_options {
   }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -29,7 +29,9 @@
 #include <unordered_map>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
 
 class quarantine {
  public:
@@ -137,4 +139,6 @@ class quarantine {
   std::size_t quarantined_ = 0;       ///< blocks with holds_ != 0
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

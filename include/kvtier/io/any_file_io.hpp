@@ -32,7 +32,9 @@
 #include <utility>
 #include <variant>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
 
 struct any_file_io_options {
   /// automatic: KVTIER_IO_BACKEND, else the probe. uring: fail where io_uring is refused.
@@ -139,4 +141,6 @@ class any_file_io : public detail::file_io_operations<any_file_io> {
 
 static_assert(file_io<any_file_io>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -18,7 +18,9 @@
 #include <span>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
 
 /// Which implementation of file_io does the I/O.
 enum class file_io_kind : std::uint8_t {
@@ -108,4 +110,6 @@ struct file_io_archetype {
 };
 static_assert(file_io<file_io_archetype>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -23,7 +23,9 @@
 #include <type_traits>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
 
 struct object_io_options {
   /// Bytes per part (rounded up to 4 KiB). 1 MiB: docs/io.md, "Operations".
@@ -128,4 +130,6 @@ auto async_write_all(Io& io, int fd, std::span<const std::byte> buffer, std::uin
   return async_write_all(io, fd, buffer, offset, object_io_options{}, std::forward<Token>(token));
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -33,7 +33,9 @@
 #include <type_traits>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
 
 /// The most parts async_run_parts keeps in flight.
 inline constexpr unsigned max_parts_in_flight_limit = 256;
@@ -297,4 +299,6 @@ auto async_run_parts(Io& io, Plan plan, unsigned max_in_flight, Token&& token) {
                                                                       std::move(plan), max_in_flight);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -40,7 +40,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
 
 struct pread_pool_options {
   /// Worker threads: one blocking syscall each at a time. 2 matches the target machines'
@@ -348,4 +350,6 @@ inline void detail::pool_cancel_handler::operator()(boost::asio::cancellation_ty
 
 static_assert(file_io<pread_pool>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

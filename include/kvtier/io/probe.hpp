@@ -25,7 +25,9 @@
 #include <string>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
 
 /// What the configuration asks for.
 enum class file_io_choice : std::uint8_t {
@@ -182,4 +184,6 @@ struct file_io_selection {
   return s;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -9,7 +9,9 @@
 #include <atomic>
 #include <cstdint>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
 
 struct io_stats {
   /// Operations started (every async_xxx call, including those refused after shutdown).
@@ -61,4 +63,6 @@ inline void bump_shared(std::atomic<std::int64_t>& a, std::int64_t n) noexcept {
 
 }  // namespace detail
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

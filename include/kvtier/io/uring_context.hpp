@@ -29,7 +29,9 @@
 #include <type_traits>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
 
 class any_file_io;
 
@@ -130,4 +132,6 @@ class uring_context : public detail::file_io_operations<uring_context> {
 
 static_assert(file_io<uring_context>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -6,7 +6,9 @@
 #include <cstdint>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
 
 /// How the kernel runs the work that turns a finished I/O into a CQE (io_uring_setup(2)).
 /// All three post CQEs that the ring's eventfd announces, so all three work with the Asio
@@ -46,4 +48,6 @@ struct uring_options {
   bool fixed_buffers = true;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -14,7 +14,9 @@
 #include <type_traits>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 /// A victim predicate as select_victims receives it: callable with a const hook&, true when
 /// the object may be evicted now. The tier passes a lambda; policies take it as a template
@@ -59,4 +61,6 @@ struct eviction_policy_archetype {
 static_assert(eviction_policy<eviction_policy_archetype>);
 static_assert(!capacity_aware_policy<eviction_policy_archetype>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

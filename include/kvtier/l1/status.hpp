@@ -11,7 +11,9 @@
 #include <cstdint>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 /// The answer of a batch operation for one key. Values are stable (they may travel in
 /// protocol replies): append, never renumber. LMCache's names in parentheses.
@@ -118,4 +120,6 @@ inline constexpr std::size_t object_state_count = 5;
   return i < object_state_count ? n[i] : std::string_view{"unknown"};
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

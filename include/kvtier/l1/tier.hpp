@@ -31,7 +31,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 using clock_type = std::chrono::steady_clock;
 
@@ -485,6 +487,8 @@ class tier {
   std::vector<std::size_t> prefix_read_positions_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 #include <kvtier/l1/impl/tier.hpp>

@@ -24,7 +24,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 class any_backend {
  public:
@@ -198,4 +200,6 @@ class any_backend {
 
 static_assert(l2_backend<any_backend> && listing_backend<any_backend>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -20,7 +20,9 @@
 #include <string_view>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 namespace detail {
 // Archetype completion handlers: the concept is checked with plain callbacks, which every
@@ -92,9 +94,13 @@ concept corruptible_backend = l2_backend<B> && requires(B& b, const chunk_key& k
   { b.corrupt_stored(k) } -> std::same_as<bool>;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 /// The smallest type that models l2_backend, for checking the concept without a backend.
 struct l2_backend_archetype {
@@ -114,4 +120,6 @@ struct l2_backend_archetype {
 };
 static_assert(l2_backend<l2_backend_archetype>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -26,7 +26,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 enum class fault_op : std::uint8_t { lookup, load, store, remove };
 enum class fault_kind : std::uint8_t { fail, delay, corrupt, hang };
@@ -258,4 +260,6 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   std::list<boost::asio::steady_timer*> hung_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -44,7 +44,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 struct memory_backend_options {
   std::string name = "memory";
@@ -316,4 +318,6 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
 
 static_assert(corruptible_backend<memory_backend> && listing_backend<memory_backend>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

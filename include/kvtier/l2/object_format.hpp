@@ -23,7 +23,9 @@
 #include <optional>
 #include <span>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 inline constexpr std::uint64_t object_magic = 0x4B5654494552424FULL;
 inline constexpr std::uint32_t object_format_version = 1;
@@ -90,4 +92,6 @@ inline void encode_header(const object_header& h, std::span<std::byte, object_he
   return h;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

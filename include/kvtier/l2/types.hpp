@@ -15,7 +15,9 @@
 #include <string_view>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 using clock = std::chrono::steady_clock;
 
@@ -103,4 +105,6 @@ struct listed_object {
 /// backend, and should be cheap (it sees every stored object).
 using key_filter = std::function<bool(const chunk_key&)>;
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -19,7 +19,9 @@
 #include <span>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace pipeline {
 
 /// What a store or an admission decision knows about the chunks being written.
 struct write_context {
@@ -78,4 +80,6 @@ static_assert(store_policy<store_policy_archetype>);
 static_assert(admission_policy<admission_archetype>);
 static_assert(prefetch_wait_policy<prefetch_wait_archetype>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::pipeline
+}  // namespace pipeline
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

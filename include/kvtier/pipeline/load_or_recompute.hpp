@@ -15,7 +15,9 @@
 #include <memory>
 #include <span>
 
-namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace pipeline {
 
 /// What the gate knows of one backend's loads.
 struct load_estimate {
@@ -142,4 +144,6 @@ struct prefix_choice {
   return c;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::pipeline
+}  // namespace pipeline
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -21,7 +21,9 @@
 #include <span>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace pipeline {
 
 struct prefetch_plan {
   std::vector<bitmap> per_backend;  ///< disjoint; bit i of [b]: load key i from backend b
@@ -108,4 +110,6 @@ template <prefetch_plan_policy Policy>
   return p.found_any - p.submitted();
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::pipeline
+}  // namespace pipeline
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

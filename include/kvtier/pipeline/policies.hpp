@@ -24,7 +24,9 @@
 #include <unordered_map>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace pipeline {
 
 struct first_backend_plan {
   void plan(std::span<const bitmap> found, std::vector<bitmap>& plan) {
@@ -129,4 +131,6 @@ static_assert(prefetch_wait_policy<best_effort>);
 static_assert(prefetch_wait_policy<wait_complete>);
 static_assert(prefetch_wait_policy<timeout_wait>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::pipeline
+}  // namespace pipeline
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -46,7 +46,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace pipeline {
 
 struct prefetch_options {
   std::size_t max_in_flight = 8;  ///< requests past their lookup at once (LMCache's default)
@@ -458,6 +460,8 @@ class prefetch_controller {
   std::unordered_map<chunk_key, shared_load, chunk_key_hash> inflight_;  ///< keys our loads write
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::pipeline
+}  // namespace pipeline
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 #include <kvtier/pipeline/impl/prefetch_controller.hpp>

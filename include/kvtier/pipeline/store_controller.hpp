@@ -33,7 +33,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace pipeline {
 
 struct store_options {
   std::size_t max_batch_keys = 64;                   ///< keys per backend store task
@@ -371,4 +373,6 @@ class store_controller {
   std::vector<boost::asio::steady_timer*> idle_waiters_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::pipeline
+}  // namespace pipeline
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -30,7 +30,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace pipeline {
 
 class work_tracker {
  public:
@@ -119,4 +121,6 @@ class work_tracker {
   std::vector<std::pair<idle_handler, boost::asio::any_io_executor>> waiters_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::pipeline
+}  // namespace pipeline
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -28,7 +28,9 @@
 #include <variant>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace protocol {
 
 /// Bytes of msg's body.
 template <wire_message T>
@@ -145,4 +147,6 @@ decode_result<message> decode_any(message_type t, std::span<const std::byte> bod
   return decode_message(f.header, f.body, lim);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol
+}  // namespace protocol
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -44,7 +44,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace protocol {
 
 /// Most fds one recvmsg accepts; more in one message is MSG_CTRUNC, a protocol error (the
 /// protocol sends one).
@@ -373,4 +375,6 @@ class basic_connection {
 /// The connection over the default executor.
 using connection = basic_connection<>;
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol
+}  // namespace protocol
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

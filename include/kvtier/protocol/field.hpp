@@ -21,7 +21,9 @@
 #include <tuple>
 #include <type_traits>
 
-namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace protocol {
 
 /// A fixed-size field (T may be const: the same list serves encode and decode).
 template <class T>
@@ -70,4 +72,6 @@ requires std::same_as<std::remove_const_t<S>, model_shape>
                     enumerated("attention", s.attention, attention_kind::mla)};
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol
+}  // namespace protocol
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

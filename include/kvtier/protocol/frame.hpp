@@ -32,7 +32,9 @@
 #include <string>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace protocol {
 
 /// Why a frame or message was refused.
 ///   errc::protocol_error     malformed: bad magic, truncated field, bad enum/bool value,
@@ -134,4 +136,6 @@ inline void encode_header(const frame_header& h, std::span<std::byte, frame_head
   return std::nullopt;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol
+}  // namespace protocol
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

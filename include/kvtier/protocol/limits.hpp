@@ -9,7 +9,9 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace protocol {
 
 /// The first four bytes of every frame: "KVT1".
 inline constexpr std::array<std::byte, 4> frame_magic = {std::byte{'K'}, std::byte{'V'}, std::byte{'T'},
@@ -63,4 +65,6 @@ struct limits {
   std::uint32_t max_body_bytes = default_max_body_bytes;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol
+}  // namespace protocol
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

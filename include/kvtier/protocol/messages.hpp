@@ -29,7 +29,9 @@
 #include <variant>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace protocol {
 
 /// The message type in the frame header. Values are stable: append, never renumber.
 /// A response is its request's value | 0x8000; error_response (0x8000) answers any request.
@@ -730,4 +732,6 @@ static_assert(wire_request<register_kv_request> && wire_request<unregister_kv_re
               wire_request<get_chunk_size_request> && wire_request<status_request> &&
               wire_request<list_objects_request> && wire_request<evict_request>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol
+}  // namespace protocol
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -10,7 +10,9 @@
 
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace protocol {
 
 class unique_fd {
  public:
@@ -45,4 +47,6 @@ class unique_fd {
   int fd_ = -1;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol
+}  // namespace protocol
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

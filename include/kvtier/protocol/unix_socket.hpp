@@ -33,7 +33,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::protocol {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace protocol {
 
 struct listen_options {
   /// Permission bits of the socket file.
@@ -258,4 +260,6 @@ auto async_connect_unix(const Executor& ex, const std::string& path, Token&& tok
       detail::connect_op<socket_type>{std::move(socket), detail::unix_endpoint(path)}, token, io);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol
+}  // namespace protocol
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

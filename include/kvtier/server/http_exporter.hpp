@@ -46,7 +46,9 @@
 #include <string_view>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 struct http_response {
   unsigned status = 200;
@@ -338,4 +340,6 @@ class http_exporter {
   counters counters_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -31,7 +31,9 @@
 #include <string>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// The prefault's slice: MADV_POPULATE_WRITE holds the process's mmap lock (for reading)
 /// through a slice, so an mmap, munmap or brk of the I/O thread waits for the slice to end,
@@ -114,4 +116,6 @@ inline l1_residency_report prefault_l1_by_writing(std::span<std::byte> arena) {
   return r;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -54,7 +54,9 @@
 #include <string>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 class listener {
  public:
@@ -208,4 +210,6 @@ class listener {
   bool closed_ = false;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -36,7 +36,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// The traits of the server's cache for one eviction policy.
 template <class Eviction>
@@ -157,4 +159,6 @@ std::unique_ptr<any_cache> make_cache_with(boost::asio::any_io_executor ex, cons
   throw std::invalid_argument("kvtier::server::make_cache: unknown eviction policy");
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

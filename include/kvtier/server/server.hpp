@@ -62,7 +62,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// How the server is embedded (not configuration: the program or the test decides).
 struct server_options {
@@ -286,7 +288,9 @@ class server final : private session_host {
   std::atomic<std::uint64_t> reaped_{0};
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 #include <kvtier/server/impl/server_l1_residency.hpp>
 #include <kvtier/server/impl/server_reaper.hpp>

@@ -19,7 +19,9 @@
 #include <string_view>
 #include <type_traits>
 
-namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace telemetry {
 
 namespace detail {
 
@@ -354,4 +356,6 @@ void collect_bus(registry& reg, const Bus& b) {
                    metric_type::counter, {}, [&b] { return detail::metric_value(b.delivered()); });
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry
+}  // namespace telemetry
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

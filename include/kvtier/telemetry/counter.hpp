@@ -10,7 +10,9 @@
 #include <atomic>
 #include <cstdint>
 
-namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace telemetry {
 
 class counter {
  public:
@@ -33,4 +35,6 @@ class counter {
   std::array<detail::counter_cell, detail::max_shards + 1> cells_{};
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry
+}  // namespace telemetry
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

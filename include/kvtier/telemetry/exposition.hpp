@@ -12,7 +12,9 @@
 #include <string>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace telemetry {
 
 /// The Content-Type of the text format.
 inline constexpr std::string_view prometheus_content_type = "text/plain; version=0.0.4; charset=utf-8";
@@ -130,4 +132,6 @@ inline void append_prometheus_text(const registry& reg, std::string& out) {
   return out;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry
+}  // namespace telemetry
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -8,7 +8,9 @@
 
 #include <atomic>
 
-namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace telemetry {
 
 class gauge {
  public:
@@ -25,4 +27,6 @@ class gauge {
   std::atomic<double> value_{0.0};
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry
+}  // namespace telemetry
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -16,7 +16,9 @@
 #include <stdexcept>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace telemetry {
 
 /// Default latency buckets in seconds: 100 us to 10 s.
 inline const std::vector<double>& latency_buckets_seconds() {
@@ -97,4 +99,6 @@ class histogram {
   std::atomic<std::uint64_t>* cells_ = nullptr;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry
+}  // namespace telemetry
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -19,7 +19,9 @@
 #include <string_view>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace telemetry {
 
 enum class log_level : std::uint8_t { trace, debug, info, warn, error, off };
 
@@ -139,4 +141,6 @@ class log_throttle {
   std::uint64_t suppressed_ = 0;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry
+}  // namespace telemetry
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -17,7 +17,9 @@
 #include <memory>
 #include <string>
 
-namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace telemetry {
 
 class logging_subscriber {
  public:
@@ -229,4 +231,6 @@ class logging_subscriber {
   std::shared_ptr<request_throttles> request_failures_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry
+}  // namespace telemetry
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

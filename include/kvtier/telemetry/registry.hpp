@@ -25,7 +25,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::telemetry {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace telemetry {
 
 /// Label names and values of one child, e.g. {{"backend", "disk"}}.
 using label_pairs = std::vector<std::pair<std::string, std::string>>;
@@ -248,4 +250,6 @@ class registry {
   std::vector<std::unique_ptr<metric_family>> families_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry
+}  // namespace telemetry
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

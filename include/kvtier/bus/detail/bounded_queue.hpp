@@ -14,7 +14,10 @@
 #include <stdexcept>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::bus::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace bus {
+namespace detail {
 
 template <class T>
 class bounded_queue {
@@ -96,4 +99,7 @@ class bounded_queue {
   alignas(config::cache_line_size) std::atomic<std::size_t> dequeue_{0};
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::bus::detail
+}  // namespace detail
+}  // namespace bus
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -28,7 +28,9 @@
 
 #include <limits>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cache {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cache {
 
 template <class Traits>
 class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<copy_out_op> {
@@ -403,4 +405,6 @@ void tiered_cache<Traits>::start_copy_in(copy_in_request r, copy_in_source sourc
   op->start();
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cache
+}  // namespace cache
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

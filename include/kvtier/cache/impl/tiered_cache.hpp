@@ -4,7 +4,9 @@
 
 #include <kvtier/cache/tiered_cache.hpp>
 
-namespace kvtier::inline KVTIER_ABI_TAG::cache {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace cache {
 
 // --- lookups ------------------------------------------------------------------------------
 
@@ -452,4 +454,6 @@ void tiered_cache<Traits>::wait_for_work() {
   tracker_.wait_idle();  // another thread runs the executor
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::cache
+}  // namespace cache
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

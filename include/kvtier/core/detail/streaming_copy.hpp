@@ -35,7 +35,9 @@
 #define KVTIER_DETAIL_X86_STREAMING 0
 #endif
 
-namespace kvtier::inline KVTIER_ABI_TAG::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace detail {
 
 /// Copies n bytes from src to dst (not overlapping).
 using copy_function = void (*)(std::byte* dst, const std::byte* src, std::size_t n) noexcept;
@@ -229,6 +231,8 @@ inline void store_fence() noexcept {}
   return copies.size() > 1 ? &copies[1] : nullptr;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::detail
+}  // namespace detail
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 #undef KVTIER_DETAIL_X86_STREAMING

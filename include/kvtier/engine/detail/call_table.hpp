@@ -22,7 +22,10 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
+namespace detail {
 
 /// What a call is for: decides whether its timeout counts towards the breaker.
 enum class call_kind : std::uint8_t { control, ping, lookup, query, retrieve, store, notify };
@@ -115,4 +118,7 @@ class call_table {
   std::unordered_map<std::uint64_t, call_ptr> calls_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine::detail
+}  // namespace detail
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

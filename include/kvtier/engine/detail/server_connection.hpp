@@ -21,7 +21,10 @@
 #include <string>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
+namespace detail {
 
 /// EOF, or its forms on the write side and after a crash: the server closed its end.
 [[nodiscard]] inline bool closed_by_peer(const boost::system::error_code& ec) noexcept {
@@ -67,4 +70,7 @@ struct server_connection {
   }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine::detail
+}  // namespace detail
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -38,7 +38,10 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
+namespace detail {
 
 /// What the owner (the connector) does at the link's edges. Every function runs on the
 /// link's thread with the link's mutex held, never after server_link::stop() returned.
@@ -222,6 +225,9 @@ class server_link {
   link_stats stats_{};
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine::detail
+}  // namespace detail
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 #include <kvtier/engine/detail/impl/server_link.hpp>

@@ -18,7 +18,10 @@
 
 #include <cerrno>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
+namespace detail {
 
 /// The pid of the peer of the connected Unix socket `fd`; 0 when unknown (another pid
 /// namespace, or the call failed).
@@ -44,4 +47,7 @@ namespace kvtier::inline KVTIER_ABI_TAG::engine::detail {
 #endif
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine::detail
+}  // namespace detail
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -22,7 +22,9 @@
 #include <utility>
 #include <variant>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
 
 // ---------------------------------------------------------------------------------------
 // Construction, destruction, health
@@ -299,4 +301,6 @@ boost::asio::awaitable<void> connector<Bus>::housekeeping() {
   }
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -14,7 +14,9 @@
 #include <variant>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
 
 // ---------------------------------------------------------------------------------------
 // Scheduler side
@@ -191,4 +193,6 @@ void connector<Bus>::on_lookup_reply_io(const std::string& id, std::uint64_t ser
   if (link_.state_locked() == health_state::healthy) issue_query_locked(id, serial);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -13,7 +13,9 @@
 #include <variant>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
 
 // ---------------------------------------------------------------------------------------
 // Worker side
@@ -286,4 +288,6 @@ void connector<Bus>::publish_quarantine_locked(std::size_t held, std::size_t rel
                                                  static_cast<std::uint32_t>(quarantine_.size())});
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -27,7 +27,10 @@
 #include <span>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
+namespace detail {
 
 template <class Derived>
 class file_io_operations {
@@ -125,4 +128,7 @@ class file_io_operations {
   }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io::detail
+}  // namespace detail
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -26,7 +26,10 @@
 #include <cstdio>
 #include <tuple>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
+namespace detail {
 
 /// A result value no kernel returns: the op was refused because its file I/O is shutting down.
 inline constexpr int res_shutting_down = INT_MIN;
@@ -212,4 +215,7 @@ struct op_unlinkat : returns_nothing {
   [[nodiscard]] long perform() const noexcept { return retry_eintr([&] { return ::unlinkat(dirfd, path, flags); }); }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io::detail
+}  // namespace detail
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

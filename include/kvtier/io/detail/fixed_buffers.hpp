@@ -28,7 +28,10 @@
 #include <string>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
+namespace detail {
 
 /// The kernel's limit on one registered buffer (io_uring rejects a longer iovec with
 /// EFAULT, measured on 6.18): a larger region is registered as several buffers.
@@ -172,4 +175,7 @@ class fixed_buffers {
   bool failure_logged_ = false;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io::detail
+}  // namespace detail
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

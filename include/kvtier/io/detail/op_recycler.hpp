@@ -16,7 +16,10 @@
 #include <cstdint>
 #include <new>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
+namespace detail {
 
 class op_recycler {
  public:
@@ -119,4 +122,7 @@ class recycling_op_allocator {
   op_recycler* r_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io::detail
+}  // namespace detail
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -55,7 +55,10 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
+namespace detail {
 
 class uring_core {
  public:
@@ -466,4 +469,7 @@ struct uring_cancel_handler {
   }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io::detail
+}  // namespace detail
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -22,7 +22,10 @@
 #include <type_traits>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
+namespace detail {
 
 /// A handler with its arguments, ready to be posted or dispatched as a nullary function.
 /// Keeps the handler's allocator (so Asio's own queueing uses it).
@@ -133,4 +136,7 @@ class uring_handler_op final : public uring_op {
   slot_type slot_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io::detail
+}  // namespace detail
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

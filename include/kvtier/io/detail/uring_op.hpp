@@ -10,7 +10,10 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
+namespace detail {
 
 class uring_core;
 
@@ -84,4 +87,7 @@ class op_list {
   std::size_t size_ = 0;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io::detail
+}  // namespace detail
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -14,7 +14,10 @@
 #include <cerrno>
 #include <string>
 
-namespace kvtier::inline KVTIER_ABI_TAG::io::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace io {
+namespace detail {
 
 /// Names of the setup flags that matter here, for the log.
 [[nodiscard]] inline std::string describe_setup_flags(unsigned f) {
@@ -93,4 +96,7 @@ struct ring_holder {
   }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::io::detail
+}  // namespace detail
+}  // namespace io
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

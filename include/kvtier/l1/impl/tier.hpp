@@ -30,7 +30,9 @@
 #include <string>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 inline void tier_options::validate() const {
   auto fail = [](const std::string& what) { throw std::invalid_argument("kvtier::l1::tier_options: " + what); };
@@ -181,4 +183,6 @@ usage_info tier<Policy, Bus>::usage() const {
   return u;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

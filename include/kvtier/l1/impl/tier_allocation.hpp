@@ -9,7 +9,9 @@
 #include <cstddef>
 #include <mutex>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::evict() {
@@ -88,4 +90,6 @@ void tier<Policy, Bus>::place_new_keys(std::span<const chunk_key> keys, std::siz
   }
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

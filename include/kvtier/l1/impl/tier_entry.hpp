@@ -11,7 +11,9 @@
 #include <cstdint>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 template <class Policy, class Bus>
 object_state tier<Policy, Bus>::state_of(const entry& e) noexcept {
@@ -162,4 +164,6 @@ void tier<Policy, Bus>::free_removed(entry& e) {
   free_slot(e);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

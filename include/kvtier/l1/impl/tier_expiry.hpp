@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <cstddef>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::expire_locks() {
@@ -50,4 +52,6 @@ std::size_t tier<Policy, Bus>::expire_all(lazy_now& now, tally& t) {
   return n;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

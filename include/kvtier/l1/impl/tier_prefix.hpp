@@ -9,7 +9,9 @@
 #include <optional>
 #include <stdexcept>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 template <class Policy, class Bus>
 template <class Loadable, class Waitable>
@@ -173,4 +175,6 @@ void tier<Policy, Bus>::give_back_prefix_reads(std::size_t cut, lock_lifetime re
   }
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -7,7 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::reserve_read(std::span<const chunk_key> keys, std::uint32_t extra_count,
@@ -66,4 +68,6 @@ std::size_t tier<Policy, Bus>::touch(std::span<const chunk_key> keys) {
   });
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

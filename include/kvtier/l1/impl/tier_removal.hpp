@@ -7,7 +7,9 @@
 
 #include <cstddef>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::remove(std::span<const chunk_key> keys, bool force, std::span<status> out) {
@@ -84,4 +86,6 @@ void tier<Policy, Bus>::for_each_object(F&& f) {
   });
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -9,7 +9,9 @@
 #include <stdexcept>
 #include <string>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::reserve_write(std::span<const chunk_key> keys, std::size_t object_bytes,
@@ -165,4 +167,6 @@ std::size_t tier<Policy, Bus>::abandon_write(std::span<const chunk_key> keys, st
   });
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -11,7 +11,9 @@
 #include <string_view>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 class noop {
  public:
@@ -28,4 +30,6 @@ class noop {
 
 static_assert(eviction_policy<noop>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -32,7 +32,9 @@
 #include <string_view>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
 
 struct s3fifo_options {
   double small_ratio = 0.1;            ///< share of the capacity for S, in (0, 1)
@@ -178,4 +180,6 @@ class s3fifo {
 
 static_assert(capacity_aware_policy<s3fifo>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

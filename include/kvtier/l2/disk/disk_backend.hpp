@@ -42,7 +42,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 /// What a store makes durable before it answers ok.
 enum class disk_sync : std::uint8_t {
@@ -366,6 +368,8 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
 
 static_assert(corruptible_backend<disk_backend> && listing_backend<disk_backend>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 #include <kvtier/l2/disk/impl/disk_backend.hpp>

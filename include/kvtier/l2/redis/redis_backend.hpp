@@ -33,7 +33,9 @@
 #include <string_view>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 /// Operations may be started from any thread (the state lives on a strand of the executor
 /// given) and complete on the caller's associated executor; unpin(), usage(), health() and
@@ -137,4 +139,6 @@ class redis_backend : public detail::coroutine_backend<redis_backend> {
 
 static_assert(l2_backend<redis_backend> && listing_backend<redis_backend>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -16,7 +16,9 @@
 #include <string>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 struct redis_backend_options {
   /// The backend's name in metrics, logs and status ("backend" label).
@@ -96,4 +98,6 @@ struct redis_backend_options {
   }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -12,7 +12,9 @@
 #include <cstdint>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 /// The `kind` label of kvtier_l2_redis_errors_total. Connection kinds count connections;
 /// the others count keys (one batch of 100 keys that times out counts 100 timeouts).
@@ -73,4 +75,6 @@ struct redis_counters {
   }
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -5,7 +5,9 @@
 
 #include <kvtier/pipeline/prefetch_controller.hpp>
 
-namespace kvtier::inline KVTIER_ABI_TAG::pipeline {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace pipeline {
 
 template <class Tier, prefetch_plan_policy PlanPolicy, bus::event_bus Bus>
 boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::run(std::shared_ptr<state> sp) {
@@ -323,4 +325,6 @@ void prefetch_controller<Tier, PlanPolicy, Bus>::finalize(const std::shared_ptr<
   for (state* j : woken) j->signal.cancel();
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::pipeline
+}  // namespace pipeline
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -24,7 +24,10 @@
 #include <type_traits>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::protocol::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace protocol {
+namespace detail {
 
 template <class T>
 concept wire_unsigned = std::same_as<T, std::uint8_t> || std::same_as<T, std::uint16_t> ||
@@ -320,4 +323,7 @@ bool read_fields(wire_reader& r, const Tuple& fields) {
   return std::apply([&](const auto&... f) { return (read_field(r, f) && ...); }, fields);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::protocol::detail
+}  // namespace detail
+}  // namespace protocol
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -43,7 +43,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// What a backend is built with.
 struct backend_context {
@@ -234,4 +236,6 @@ inline backend_factory backend_factory::make_builtin() {
   return f;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

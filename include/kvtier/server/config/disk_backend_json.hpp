@@ -23,7 +23,9 @@
 #include <string>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 namespace detail {
 
@@ -179,4 +181,6 @@ inline void disk_choices_from_json(const nlohmann::json& j, l2::disk_backend_opt
   return out;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

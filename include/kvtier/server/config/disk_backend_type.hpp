@@ -31,7 +31,9 @@
 #include <string>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// The disk backend's start-up checks, made without building or creating anything (the
 /// backend's constructor makes them again, then does the work: creating the directories,
@@ -126,4 +128,6 @@ inline void add_disk_backend_type(backend_factory& f) {
              });
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

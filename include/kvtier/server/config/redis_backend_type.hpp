@@ -18,7 +18,9 @@
 #include <stdexcept>
 #include <string>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 inline void add_redis_backend_type(backend_factory& f) {
   f.add_type("redis",
@@ -48,4 +50,6 @@ inline void add_redis_backend_type(backend_factory& f) {
              });
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

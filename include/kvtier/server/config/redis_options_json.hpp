@@ -19,7 +19,9 @@
 #include <stdexcept>
 #include <string>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 namespace detail {
 
@@ -106,4 +108,6 @@ namespace detail {
   return o;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

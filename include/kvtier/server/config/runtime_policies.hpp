@@ -17,7 +17,9 @@
 #include <span>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// write_through or skip_l1, chosen at run time: every admitted key to every backend; L1
 /// keeps it or drops it once every backend stored it.
@@ -52,4 +54,6 @@ struct runtime_wait_policy {
 };
 static_assert(pipeline::prefetch_wait_policy<runtime_wait_policy>);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -39,7 +39,9 @@
 #include <thread>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// The L1 eviction policies the server is built with (l1/policy/).
 enum class eviction_kind : std::uint8_t { lru, s3fifo, arc, noop };
@@ -488,4 +490,6 @@ inline nlohmann::json server_config::to_json() const {
   return j;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

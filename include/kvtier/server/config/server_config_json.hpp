@@ -34,7 +34,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// Nesting depth accepted in configuration JSON (the real configuration needs 4).
 inline constexpr int max_config_depth = 32;
@@ -256,4 +258,6 @@ class json_object_reader {
   return s;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -25,7 +25,9 @@
 #include <thread>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 inline void server::prepare_l1_residency() {
   const auto arena = cache_->l1_arena();
@@ -101,4 +103,6 @@ inline void server::register_l1_step() {
   log_l1_residency(l1_report_);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -21,7 +21,9 @@
 #include <memory>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 inline boost::asio::awaitable<void> server::reap_loop() {
   using boost::asio::as_tuple;
@@ -69,4 +71,6 @@ inline void server::session_closed(std::uint64_t id) noexcept {
            released ? fmt::format("; {} lookups released", released) : std::string());
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

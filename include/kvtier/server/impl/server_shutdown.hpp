@@ -29,7 +29,9 @@
 #include <memory>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 inline void server::begin_shutdown() {
   if (stopping_) return;
@@ -82,4 +84,6 @@ inline boost::asio::awaitable<void> server::shutdown() {
   io_.stop();
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -28,7 +28,9 @@
 #include <string_view>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// The log lines of l1_prefault (l1_residency.hpp), when the prefault ended: how long, and
 /// which backends read into registered memory.
@@ -281,4 +283,6 @@ inline void server::stop_http() {
   if (http_) http_->stop();
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -24,7 +24,9 @@
 #include <string_view>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// The tiered_cache façade as the sessions use it: whole operations only (a lookup, its
 /// decided answer, a copy out, a copy in; see cache/tiered_cache.hpp for each member's
@@ -108,4 +110,6 @@ class any_cache {
   [[nodiscard]] virtual cache::l1_registration register_l1_in_pieces() = 0;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

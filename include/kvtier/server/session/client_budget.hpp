@@ -36,7 +36,9 @@
 #include <string_view>
 #include <unordered_map>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 class client_budget {
  public:
@@ -135,4 +137,6 @@ class client_budget {
   std::atomic<std::uint64_t> lookups_refused_{0};
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

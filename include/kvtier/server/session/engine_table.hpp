@@ -28,7 +28,9 @@
 #include <unordered_map>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 class engine_table {
  public:
@@ -133,4 +135,6 @@ class engine_table {
   std::uint64_t next_engine_ = 1;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -23,7 +23,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// The lookups the server holds for engines, by (engine scope, request_key).
 class lookup_table {
@@ -154,4 +156,6 @@ class lookup_table {
   std::uint64_t keys_ = 0;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -29,7 +29,9 @@
 #include <unordered_map>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 class model_namespaces {
  public:
@@ -79,4 +81,6 @@ class model_namespaces {
   std::deque<std::uint64_t> order_;  ///< learned first, forgotten first
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -33,7 +33,9 @@
 #include <memory>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// Owned by a registration: when it goes (destroyed, replaced), the background prefault of
 /// its region stops before its next slice.
@@ -114,4 +116,6 @@ inline void prefault_in_background(boost::asio::any_io_executor pool, std::byte*
   boost::asio::post(pool, [t = std::move(t)]() mutable { task::step(std::move(t)); });
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -30,7 +30,9 @@
 #include <unordered_map>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// One registered engine process (one connection): a worker with its KV region, or a
 /// scheduler without one (region_kind::none: lookups only).
@@ -248,4 +250,6 @@ class region_registry {
   std::atomic<std::size_t> count_{0};
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

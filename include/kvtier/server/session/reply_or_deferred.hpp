@@ -11,7 +11,9 @@
 #include <optional>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// A handler's answer to one call: a reply to send now, or deferred (sent later by what the
 /// handler set up; docs/server.md, "Every frame is answered").
@@ -42,4 +44,6 @@ class reply_or_deferred {
   std::optional<protocol::message> reply_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

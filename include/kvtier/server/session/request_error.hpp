@@ -12,7 +12,9 @@
 
 #include <string>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// A refused request: the code and the reason sent back in error_response.
 struct request_error {
@@ -30,4 +32,6 @@ struct request_error {
 template <class T>
 using request_result = boost::system::result<T, request_error>;
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -9,7 +9,9 @@
 
 #include <cstdint>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// The request a wire type belongs to (a response maps to its request), for the server's
 /// request events and metrics; error_response and unknown values are `other`.
@@ -50,4 +52,6 @@ namespace kvtier::inline KVTIER_ABI_TAG::server {
   }
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

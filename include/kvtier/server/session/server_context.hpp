@@ -33,7 +33,9 @@
 #include <span>
 #include <string>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// Hooks into request handling, run on the server's I/O thread (during_copy and
 /// during_prefault: on a copy thread; during_l1_prefault: on the L1 prefault's thread). For
@@ -91,4 +93,6 @@ class session_host {
   ~session_host() = default;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

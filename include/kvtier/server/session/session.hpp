@@ -57,7 +57,9 @@
 #include <utility>
 #include <variant>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 namespace detail {
 template <class T>
@@ -382,7 +384,9 @@ class session : public std::enable_shared_from_this<session> {
   std::unordered_map<std::string, held_lookup> held_lookups_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 // What each request does: members of session, one file per kind of request.
 #include <kvtier/server/session/impl/admin_requests.hpp>

@@ -17,7 +17,10 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace kvtier::inline KVTIER_ABI_TAG::telemetry::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace telemetry {
+namespace detail {
 
 inline constexpr std::size_t max_shards = 16;
 inline constexpr std::size_t overflow_shard = max_shards;
@@ -70,4 +73,7 @@ inline void add_to_cell(std::atomic<std::uint64_t>& cell, std::size_t shard, std
   else cell.fetch_add(n, std::memory_order_relaxed);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::telemetry::detail
+}  // namespace detail
+}  // namespace telemetry
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

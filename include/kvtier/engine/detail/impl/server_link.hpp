@@ -17,7 +17,10 @@
 #include <exception>
 #include <variant>
 
-namespace kvtier::inline KVTIER_ABI_TAG::engine::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace engine {
+namespace detail {
 
 /// co_spawn completion: a coroutine of the connector that throws is a bug; fail loudly.
 inline void rethrow_if(std::exception_ptr e) {
@@ -528,4 +531,7 @@ inline boost::asio::awaitable<void> server_link::lifecycle() {
   }
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::engine::detail
+}  // namespace detail
+}  // namespace engine
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

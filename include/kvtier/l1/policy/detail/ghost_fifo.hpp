@@ -17,7 +17,10 @@
 #include <cstdint>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
+namespace detail {
 
 /// A 64-bit fingerprint of a key, never 0 (0 marks an empty table slot). Collisions (2^-64
 /// per pair) only make a ghost hit wrong, never an answer of the tier.
@@ -172,4 +175,7 @@ class ghost_fifo {
   std::uint64_t seq_ = 0;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1::detail
+}  // namespace detail
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -7,7 +7,10 @@
 
 #include <cstddef>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l1::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l1 {
+namespace detail {
 
 struct list_node {
   list_node* prev = nullptr;
@@ -74,4 +77,7 @@ class intrusive_list {
   std::size_t size_ = 0;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l1::detail
+}  // namespace detail
+}  // namespace l1
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -14,7 +14,9 @@
 #include <unordered_map>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 /// Which object goes first when room is needed.
 enum class disk_eviction : std::uint8_t {
@@ -23,9 +25,14 @@ enum class disk_eviction : std::uint8_t {
   none,  ///< never evict: a full backend answers no_space until objects are removed
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
+namespace detail {
 
 enum class entry_state : std::uint8_t { writing, ready, removing, stuck };
 
@@ -236,4 +243,7 @@ class disk_index {
   std::uint64_t ready_objects_ = 0;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
+}  // namespace detail
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

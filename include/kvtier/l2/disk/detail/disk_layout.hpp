@@ -27,7 +27,10 @@
 #include <span>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
+namespace detail {
 
 /// The unit of O_DIRECT alignment and of the file layout.
 inline constexpr std::size_t disk_block_bytes = 4096;
@@ -163,4 +166,7 @@ enum class object_check : std::uint8_t {
   return object_check::ok;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
+}  // namespace detail
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

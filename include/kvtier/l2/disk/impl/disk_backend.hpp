@@ -33,7 +33,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 namespace detail {
 
@@ -498,7 +500,9 @@ inline boost::asio::awaitable<std::tuple<error_code, std::vector<listed_object>>
   co_return std::tuple{error_code{}, std::move(out)};
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 // The paths, each in its own file; after the shared definitions above, which they use.
 #include <kvtier/l2/disk/impl/disk_directory.hpp>

@@ -24,7 +24,9 @@
 #include <string_view>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 namespace detail {
 
@@ -330,4 +332,6 @@ inline void disk_backend::drop_at_start(recovery_scan& scan, int dirfd, const st
   if (scan.logged++ < 8) log_->warn("disk backend '{}': dropped {} at start-up: {}", options_.name, name, why);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

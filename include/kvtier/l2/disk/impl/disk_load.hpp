@@ -27,7 +27,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 struct disk_backend::load_item : object_item {
   std::span<std::byte> dst;
@@ -274,4 +276,6 @@ inline boost::asio::awaitable<void> disk_backend::drop(std::vector<std::pair<chu
   stats_->dropped_objects.fetch_add(dropped, std::memory_order_relaxed);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -29,7 +29,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2 {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
 
 struct disk_backend::store_item : object_item {
   std::span<const std::byte> src;
@@ -314,4 +316,6 @@ inline boost::asio::awaitable<void> disk_backend::commit_stored(store_item& it, 
   count_success();
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -26,7 +26,10 @@
 #include <string>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
+namespace detail {
 
 class redis_client;
 
@@ -101,6 +104,9 @@ class redis_batch final : public redis_reply_sink {
   boost::asio::steady_timer wake_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
+}  // namespace detail
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 #include <kvtier/l2/redis/detail/redis_client.hpp>

@@ -44,7 +44,10 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
+namespace detail {
 
 class redis_client final : public std::enable_shared_from_this<redis_client>, private redis_link_owner {
  public:
@@ -514,6 +517,9 @@ class redis_client final : public std::enable_shared_from_this<redis_client>, pr
   std::shared_ptr<counters> counters_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
+}  // namespace detail
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
 
 #include <kvtier/l2/redis/detail/impl/redis_batch.hpp>

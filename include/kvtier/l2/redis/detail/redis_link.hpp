@@ -41,7 +41,10 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
+namespace detail {
 
 class redis_link final : public std::enable_shared_from_this<redis_link>, private redis_reply_sink {
  public:
@@ -568,4 +571,7 @@ class redis_link final : public std::enable_shared_from_this<redis_link>, privat
   std::string fatal_;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
+}  // namespace detail
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

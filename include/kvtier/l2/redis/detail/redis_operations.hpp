@@ -33,7 +33,10 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
+namespace detail {
 
 using redis_lookup_tuple = std::tuple<error_code, bitmap>;
 using redis_batch_tuple = std::tuple<error_code, batch_result>;
@@ -387,4 +390,7 @@ inline boost::asio::awaitable<redis_list_tuple> redis_list(std::shared_ptr<redis
   co_return redis_list_tuple{error_code{}, std::move(out)};
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
+}  // namespace detail
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -18,7 +18,10 @@
 #include <string>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
+namespace detail {
 
 /// What came back for one request.
 struct redis_reply_event {
@@ -98,4 +101,7 @@ struct redis_link_options {
   std::size_t max_inflight_bytes = std::size_t{4} << 20;
 };
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
+}  // namespace detail
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -15,7 +15,10 @@
 #include <cstdint>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
+namespace detail {
 
 inline constexpr std::uint16_t redis_cluster_slots = 16384;
 
@@ -59,4 +62,7 @@ inline constexpr std::array<std::uint16_t, 256> crc16_table = make_crc16_table()
 static_assert(redis_crc16("123456789") == 0x31C3);
 static_assert(redis_key_slot("123456789") == 12739);
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
+}  // namespace detail
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -21,7 +21,10 @@
 #include <system_error>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
+namespace detail {
 
 struct redis_reply_deleter {
   void operator()(redisReply* r) const noexcept {
@@ -244,4 +247,7 @@ struct redis_slot_range {
   return out;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
+}  // namespace detail
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

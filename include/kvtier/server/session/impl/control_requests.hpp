@@ -7,7 +7,9 @@
 
 #include <chrono>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 inline request_result<protocol::ping_response> session::on(const protocol::ping_request&, call&) {
   const auto now = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now().time_since_epoch()).count();
@@ -28,4 +30,6 @@ inline request_result<protocol::status_response> session::on(const protocol::sta
   return protocol::status_response{host_.status_json()};
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -30,7 +30,9 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// Copies of this session in flight: counted from the start of a copy operation until its
 /// completion ran; the last one to end closes the socket when close() came meanwhile.
@@ -301,4 +303,6 @@ inline boost::asio::awaitable<request_result<protocol::store_response>> session:
   co_return out;
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -31,7 +31,9 @@
 #include <string>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 inline reply_or_deferred session::on(const protocol::lookup_request& r, call& c) {
   auto reg_r = registered("lookup_request");
@@ -218,4 +220,6 @@ inline void session::release_rank_holds(const std::string& request_key, std::uin
   ctx_.cache.release(cache_id, keys);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -35,7 +35,9 @@
 #include <type_traits>
 #include <utility>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 inline boost::asio::awaitable<request_result<protocol::register_kv_response>> session::on(
     const protocol::register_kv_request& r, call& c) {
@@ -136,4 +138,6 @@ inline request_result<protocol::unregister_kv_response> session::on(const protoc
   return protocol::unregister_kv_response{};
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

@@ -20,7 +20,9 @@
 #include <string>
 #include <string_view>
 
-namespace kvtier::inline KVTIER_ABI_TAG::server {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace server {
 
 /// The connection's registration, or not_registered naming the request.
 inline request_result<registration*> session::registered(std::string_view what) {
@@ -78,4 +80,6 @@ inline std::uint64_t session::request_id_of(const std::string& request_key) noex
   return static_cast<std::uint64_t>(std::hash<std::string>{}(request_key));
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::server
+}  // namespace server
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier

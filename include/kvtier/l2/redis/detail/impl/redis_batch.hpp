@@ -19,7 +19,10 @@
 #include <utility>
 #include <vector>
 
-namespace kvtier::inline KVTIER_ABI_TAG::l2::detail {
+namespace kvtier {
+inline namespace KVTIER_ABI_TAG {
+namespace l2 {
+namespace detail {
 
 inline redis_batch::redis_batch(redis_client& c, deadline d) : client_(c), deadline_(d), wake_(c.strand()) {}
 
@@ -166,4 +169,7 @@ inline void redis_batch::abandon_all() {
   for (auto& [link, req] : out) link->abandon(req);
 }
 
-}  // namespace kvtier::inline KVTIER_ABI_TAG::l2::detail
+}  // namespace detail
+}  // namespace l2
+}  // namespace KVTIER_ABI_TAG
+}  // namespace kvtier
