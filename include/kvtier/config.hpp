@@ -7,9 +7,12 @@
 //                      when it comes first); the cuda/ headers refuse to build without it.
 //                      It changes no type outside cuda/; it is part of the ABI tag below.
 //
-// Every declaration lives in `namespace kvtier::inline KVTIER_ABI_TAG`, an inline namespace
-// whose name encodes the switches that change types or layouts, so two translation units
-// built with different switches fail to link instead of silently mixing.
+// Every declaration lives in the inline namespace `kvtier::KVTIER_ABI_TAG`, whose name
+// encodes the switches that change types or layouts, so two translation units built with
+// different switches fail to link instead of silently mixing. Headers open it nested, one
+// namespace a line (`namespace kvtier {`, `inline namespace KVTIER_ABI_TAG {`,
+// `namespace x {`), the form code tools read (docs/architecture.md, "Namespaces spelled
+// nested").
 
 #ifndef KVTIER_WITH_CUDA
 #define KVTIER_WITH_CUDA 0
