@@ -1,8 +1,9 @@
 #pragma once
-// Forward declarations of kvtier's main types (those of the kvtier::kvtier target, as
-// <kvtier/kvtier.hpp> includes them) and the default aliases hosts use. Templates whose
-// parameters are constrained by a concept are left out (a declaration would have to repeat
-// the constraint); so are the io_uring, Redis, CUDA and server parts (their own targets).
+// Forward declarations of kvtier's main types and the default aliases hosts use: those of
+// the kvtier::kvtier target (as <kvtier/kvtier.hpp> includes them) and, as declarations only,
+// kvtier::engine's token_hasher and engine:: types (defining them needs that target). Templates
+// whose parameters are constrained by a concept are left out (a declaration would have to
+// repeat the constraint); so are the io_uring, Redis, CUDA and server parts.
 
 #include <kvtier/config.hpp>
 
