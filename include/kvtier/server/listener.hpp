@@ -24,6 +24,7 @@
 #include <kvtier/protocol/unix_socket.hpp>
 #include <kvtier/server/config/server_config.hpp>
 #include <kvtier/server/session/client_budget.hpp>
+#include <kvtier/telemetry/log_escaped.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
 #include <boost/asio/any_io_executor.hpp>
@@ -32,7 +33,6 @@
 #include <boost/asio/basic_socket_acceptor.hpp>
 #include <boost/asio/basic_stream_socket.hpp>
 #include <boost/asio/co_spawn.hpp>
-#include <boost/asio/detached.hpp>
 #include <boost/asio/error.hpp>
 #include <boost/asio/local/stream_protocol.hpp>
 #include <boost/asio/steady_timer.hpp>
@@ -101,7 +101,7 @@ class listener {
   /// Starts the accept loop (after listen()): each admitted connection goes to on_accept.
   void start(accept_handler on_accept) {
     on_accept_ = std::move(on_accept);
-    boost::asio::co_spawn(ex_, accept_loop(), boost::asio::detached);
+    boost::asio::co_spawn(ex_, accept_loop(), telemetry::log_escaped{&log_, "accept loop"});
   }
 
   /// Stops accepting: the accept loop ends, no connection is handed over after this call.

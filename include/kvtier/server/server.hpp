@@ -34,6 +34,7 @@
 #include <kvtier/server/session/server_context.hpp>
 #include <kvtier/server/session/session.hpp>
 #include <kvtier/telemetry/exposition.hpp>
+#include <kvtier/telemetry/log_escaped.hpp>
 #include <kvtier/telemetry/logger.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
@@ -41,7 +42,6 @@
 
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/co_spawn.hpp>
-#include <boost/asio/detached.hpp>
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/signal_set.hpp>
@@ -164,7 +164,7 @@ class server final : private session_host {
     started_ = true;
     bus_.start_drain_thread();
     listener_.start([this](std::uint64_t id, listener::socket_type socket) { open_session(id, std::move(socket)); });
-    boost::asio::co_spawn(io_, reap_loop(), boost::asio::detached);
+    boost::asio::co_spawn(io_, reap_loop(), telemetry::log_escaped{&log_, "reaper"});
     start_l1_prefault();
     log_.debug("{}", startup_line());
   }

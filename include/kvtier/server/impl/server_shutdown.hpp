@@ -17,6 +17,7 @@
 //      and stop the io_context: run() returns.
 
 #include <kvtier/server/server.hpp>
+#include <kvtier/telemetry/log_escaped.hpp>
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/co_spawn.hpp>
@@ -38,7 +39,7 @@ inline void server::begin_shutdown() {
   stopping_ = true;
   listener_.close();   // at once: no connection is admitted once the shutdown began
   stop_l1_prefault();  // before its next slice; nothing is registered
-  boost::asio::co_spawn(io_, shutdown(), boost::asio::detached);
+  boost::asio::co_spawn(io_, shutdown(), telemetry::log_escaped{&log_, "shutdown"});
 }
 
 inline boost::asio::awaitable<void> server::shutdown() {

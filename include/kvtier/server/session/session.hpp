@@ -30,6 +30,7 @@
 #include <kvtier/server/session/reply_or_deferred.hpp>
 #include <kvtier/server/session/request_kinds.hpp>
 #include <kvtier/server/session/server_context.hpp>
+#include <kvtier/telemetry/log_escaped.hpp>
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 
@@ -37,7 +38,6 @@
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/co_spawn.hpp>
-#include <boost/asio/detached.hpp>
 #include <boost/asio/error.hpp>
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/use_awaitable.hpp>
@@ -90,7 +90,10 @@ class session : public std::enable_shared_from_this<session> {
   session& operator=(const session&) = delete;
 
   /// Starts the read loop on the connection's executor.
-  void start() { boost::asio::co_spawn(conn_.get_executor(), run(shared_from_this()), boost::asio::detached); }
+  void start() {
+    boost::asio::co_spawn(conn_.get_executor(), run(shared_from_this()),
+                          telemetry::log_escaped{&ctx_.log, "session reader"});
+  }
 
   /// Closes the connection; the loop ends and the host reaps it. `reason` goes to the log.
   /// On the I/O thread. With a copy of this session in flight the socket closes when it
@@ -125,7 +128,7 @@ class session : public std::enable_shared_from_this<session> {
   boost::asio::awaitable<void> run(std::shared_ptr<session> self) {
     using boost::asio::as_tuple;
     using boost::asio::use_awaitable;
-    boost::asio::co_spawn(conn_.get_executor(), lane(self), boost::asio::detached);
+    boost::asio::co_spawn(conn_.get_executor(), lane(self), telemetry::log_escaped{&ctx_.log, "session lane"});
     bool drain = false;  // EOF: the frames the client sent before closing are still handled
     for (;;) {
       auto [ec, f] = co_await conn_.async_read_frame(as_tuple(use_awaitable));

@@ -18,11 +18,11 @@
 // holds when its retrieve ended (impl/copy_requests.hpp).
 
 #include <kvtier/server/session/session.hpp>
+#include <kvtier/telemetry/log_escaped.hpp>
 
 #include <boost/asio/as_tuple.hpp>
 #include <boost/asio/bind_executor.hpp>
 #include <boost/asio/co_spawn.hpp>
-#include <boost/asio/detached.hpp>
 #include <boost/asio/use_awaitable.hpp>
 
 #include <chrono>
@@ -104,7 +104,7 @@ inline reply_or_deferred session::on(const protocol::query_prefetch_request& r, 
   if (ctx_.cache.known(e->cache_id)) {  // not decided yet: no polling on the wire, answered when it is
     boost::asio::co_spawn(conn_.get_executor(),
                           answer_when_decided(shared_from_this(), c.id, r.request_key, e->cache_id, c.started),
-                          boost::asio::detached);
+                          telemetry::log_escaped{&ctx_.log, "query_prefetch answer"});
     return reply_or_deferred::deferred();
   }
   ctx_.lookups.take(scope_, r.request_key);  // expired in the cache (lookup_ttl)
