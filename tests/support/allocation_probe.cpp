@@ -8,14 +8,7 @@
 #include <cstdlib>
 #include <new>
 
-// g++ defines __SANITIZE_*__; clang 14 only answers __has_feature.
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
-#define KVTIER_TEST_SANITIZER_OPERATOR_NEW 1
-#endif
-#endif
-#if defined(KVTIER_TEST_SANITIZER_OPERATOR_NEW)
-#elif defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#if KVTIER_ASAN_BUILD || KVTIER_TSAN_BUILD
 #define KVTIER_TEST_SANITIZER_OPERATOR_NEW 1
 #else
 #define KVTIER_TEST_SANITIZER_OPERATOR_NEW 0

@@ -294,8 +294,8 @@ class session : public std::enable_shared_from_this<session> {
   // --- the checks every handler shares (impl/request_checks.hpp) ---------------------
   request_result<registration*> registered(std::string_view what);
   request_result<registration*> registered_with_region(std::string_view what);
-  static std::optional<request_error> check_blocks(const registration& reg, std::string_view what, std::uint16_t rank,
-                                                   std::size_t chunks, std::span<const std::uint32_t> block_ids);
+  request_result<registration*> copy_target(std::string_view what, std::uint16_t rank, std::size_t chunks,
+                                            std::span<const std::uint32_t> block_ids);
   static std::uint64_t request_id_of(const std::string& request_key) noexcept;
   std::uint64_t request_model_id(const registration& reg, const std::string& salt);
 

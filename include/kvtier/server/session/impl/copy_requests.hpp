@@ -153,11 +153,10 @@ inline boost::asio::awaitable<request_result<protocol::retrieve_response>> sessi
     const protocol::retrieve_request& r, call& c) {
   using boost::asio::as_tuple;
   using boost::asio::use_awaitable;
-  auto reg_r = registered_with_region("retrieve_request");
+  auto reg_r = copy_target("retrieve_request", r.rank, r.chunk_hashes.size(), r.block_ids);
   if (!reg_r) co_return reg_r.error();
   registration& reg = **reg_r;
   const std::size_t n = r.chunk_hashes.size();
-  if (auto e = check_blocks(reg, "retrieve_request", r.rank, n, r.block_ids)) co_return *e;
   if (n == 0) co_return protocol::retrieve_response{0};
   if (closing_) co_return closing_error("retrieve_request");  // no copy starts after the close
 
@@ -237,11 +236,10 @@ inline boost::asio::awaitable<request_result<protocol::store_response>> session:
                                                                                     call&) {
   using boost::asio::as_tuple;
   using boost::asio::use_awaitable;
-  auto reg_r = registered_with_region("store_request");
+  auto reg_r = copy_target("store_request", r.rank, r.chunk_hashes.size(), r.block_ids);
   if (!reg_r) co_return reg_r.error();
   registration& reg = **reg_r;
   const std::size_t n = r.chunk_hashes.size();
-  if (auto e = check_blocks(reg, "store_request", r.rank, n, r.block_ids)) co_return *e;
   const std::uint64_t mid = request_model_id(reg, r.cache_salt);
   const std::size_t bpc = reg.blocks_per_chunk;
   auto blocks_of = [&](std::size_t i) { return std::span(r.block_ids).subspan(i * bpc, bpc); };

@@ -4,8 +4,9 @@
 //   registered()              the connection registered (register_kv_request) before;
 //   registered_with_region()  ... and brought a KV region (retrieve and store need one; a
 //                             scheduler's connection, region kind none, has none);
-//   check_blocks()            a retrieve's or store's rank is the registration's, it carries
-//                             blocks_per_chunk block ids per chunk hash, each in the region;
+//   copy_target()             a retrieve's or store's: registered with a region, its rank
+//                             the registration's, blocks_per_chunk block ids per chunk hash,
+//                             each in the region;
 // and request_model_id(), the model id of a request's keys, learned in the server's model
 // namespaces on the way (model_namespaces.hpp: an operator's list names it).
 // The checks of a registration itself are region_registry's (region_registry.hpp); those of
@@ -44,11 +45,15 @@ inline request_result<registration*> session::registered_with_region(std::string
   return *reg;
 }
 
-/// The checks shared by retrieve and store: the rank is the registration's, there are
-/// blocks_per_chunk block ids per chunk hash, and every block id is in the region.
-inline std::optional<request_error> session::check_blocks(const registration& reg, std::string_view what,
-                                                          std::uint16_t rank, std::size_t chunks,
-                                                          std::span<const std::uint32_t> block_ids) {
+/// The checks shared by retrieve and store: registered_with_region, the rank is the
+/// registration's, there are blocks_per_chunk block ids per chunk hash, and every block id is
+/// in the region. The registration the copies go through, or the first check's error.
+inline request_result<registration*> session::copy_target(std::string_view what, std::uint16_t rank,
+                                                         std::size_t chunks,
+                                                         std::span<const std::uint32_t> block_ids) {
+  auto found = registered_with_region(what);
+  if (!found) return found;
+  const registration& reg = **found;
   if (rank != reg.rank)
     return request_error{errc::invalid_argument, std::string(what) + ".rank " + std::to_string(rank) +
                                                      " differs from the registration's rank " +
@@ -64,7 +69,7 @@ inline std::optional<request_error> session::check_blocks(const registration& re
       return request_error{errc::invalid_argument, std::string(what) + ": block id " + std::to_string(b) +
                                                        " is out of range (the region has " +
                                                        std::to_string(reg.layout.num_blocks) + " blocks)"};
-  return std::nullopt;
+  return found;
 }
 
 /// The model id of a request's chunk keys (registration::model_id_for its salt), recorded in
