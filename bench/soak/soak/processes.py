@@ -1,0 +1,228 @@
+"""The processes a soak runs beside the engines: redis-server, the disk L2's small file
+system, the mini engine (C++), and what /proc says of a process (RSS, open descriptors)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import List, Optional
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_kib(pid: int) -> Optional[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def open_fds(pid: int) -> Optional[int]:
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+
+
+class RedisProcess:
+    """A redis-server on loopback with no persistence: a restart comes back empty, as a
+    Redis that lost its memory does."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: Optional[subprocess.Popen] = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.workdir), "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.02)
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.running():
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait()
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.running():
+            self.proc.send_signal(signal.SIGCONT)
+
+
+class DiskDir:
+    """The disk L2's directory: a small tmpfs of its own when this user may mount one (so
+    that a full disk is a real ENOSPC, and filling it touches nothing else), else a plain
+    temporary directory (then the full-disk fault is not available, and the summary says so)."""
+
+    def __init__(self, parent: Path, size_mb: int) -> None:
+        self.path = parent / "disk-l2"
+        self.path.mkdir()
+        self.mounted = False
+        if os.geteuid() == 0:
+            r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "kvtier-soak", str(self.path)],
+                               capture_output=True)
+            self.mounted = r.returncode == 0
+
+    def fill(self) -> int:
+        """Fills the file system to its last byte; returns the bytes taken."""
+        if not self.mounted:
+            return 0
+        target = self.path / ".soak-filler"
+        taken = 0
+        with open(target, "wb") as f:
+            block = b"\0" * (1 << 20)
+            try:
+                while True:
+                    f.write(block)
+                    f.flush()
+                    taken += len(block)
+            except OSError:
+                pass
+        # tmpfs may still have room for less than a block
+        try:
+            with open(target, "ab") as f:
+                while True:
+                    f.write(b"\0" * 4096)
+                    f.flush()
+                    taken += 4096
+        except OSError:
+            pass
+        return taken
+
+    def unfill(self) -> None:
+        try:
+            (self.path / ".soak-filler").unlink()
+        except FileNotFoundError:
+            pass
+
+    def object_files(self) -> List[Path]:
+        out = []
+        for root, _dirs, files in os.walk(self.path):
+            for f in files:
+                if f.endswith(".kvo"):  # <path>/objects/<ss>/<key>.kvo (docs/l2-disk.md)
+                    out.append(Path(root) / f)
+        return out
+
+    def close(self) -> None:
+        if self.mounted:
+            subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+
+
+class MiniEngine:
+    """The C++ mini engine (examples/mini_engine), one short job at a time: documents it
+    sends twice (the second round hits), every retrieved row checked against recomputation.
+    A job the soak killed is not judged; every other one must report ok."""
+
+    def __init__(self, binary: Path, socket_path: Path, workdir: Path, chunk_tokens: int) -> None:
+        self.binary = binary
+        self.socket_path = socket_path
+        self.workdir = workdir
+        self.chunk_tokens = chunk_tokens
+        self.proc: Optional[subprocess.Popen] = None
+        self.jobs = 0
+        self.killed = 0
+        self.ok = 0
+        self.report_path = workdir / "mini-engine.json"
+        self.log_path = workdir / "mini-engine.log"
+        self._killed_this = False
+
+    def start(self, rng) -> None:
+        self.jobs += 1
+        self._killed_this = False
+        try:
+            self.report_path.unlink()
+        except FileNotFoundError:
+            pass
+        args = [str(self.binary), "--socket", str(self.socket_path), "--documents", str(rng.randint(2, 6)),
+                "--tokens", str(rng.choice([200, 600, 1500])), "--rounds", "2", "--tokens-per-second", "0",
+                "--world-size", str(rng.choice([1, 2])), "--layers", "2", "--kv-heads", "2", "--head-dim", "8",
+                "--num-blocks", "2048", "--chunk-size", str(self.chunk_tokens), "--model", "soak/mini-engine",
+                "--json", str(self.report_path)]
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL)
+        log.close()
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> bool:
+        if not self.running():
+            return False
+        self.proc.kill()
+        self.proc.wait()
+        self._killed_this = True
+        self.killed += 1
+        return True
+
+    def poll(self) -> Optional[str]:
+        """None while running or idle; after a job ended: "" when it was ok (or killed by the
+        soak), else what went wrong."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        rc = self.proc.returncode
+        self.proc = None
+        if self._killed_this:
+            return ""
+        try:
+            report = json.loads(self.report_path.read_text())
+        except (OSError, ValueError) as e:
+            return f"mini engine exited {rc} without a report ({e}); log: {self._log_tail()}"
+        if rc != 0 or not report.get("ok"):
+            rounds = [{k: r.get(k) for k in ("completed", "wrong_outputs", "corrupt_rows", "duplicate_finished")}
+                      for r in report.get("rounds", [])]
+            return f"mini engine job failed (exit {rc}): {rounds}; log: {self._log_tail()}"
+        self.ok += 1
+        self.tokens_from_cache = getattr(self, "tokens_from_cache", 0) + sum(
+            r.get("tokens_from_cache", 0) for r in report.get("rounds", []))
+        return ""
+
+    def wait(self, timeout_s: float) -> Optional[str]:
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                return f"mini engine job did not end within {timeout_s:.0f} s"
+        return self.poll()
+
+    def _log_tail(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-800:]
+        except OSError:
+            return ""

@@ -1,0 +1,325 @@
+"""The soak's main loop: start everything, step the engines, inject the faults the schedule
+draws, sample the server, and stop at quiet points to check the invariants."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import struct
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import kvtier
+from kvtier_testing import FAST_TIMEOUTS_MS, ServerProcess, status as socket_status
+
+from . import invariants as inv
+from .faults import FaultSchedule
+from .processes import DiskDir, MiniEngine, RedisProcess, open_fds, rss_kib
+from .report import Record, Sample, growth_per_hour, svg, table, write_json
+from .workload import EngineSpec, PromptPool, ReplayDriver
+
+CHUNK_TOKENS = 16
+ENGINES = (
+    EngineSpec("tp2-nhd", world_size=2, layout="NHD", block_size=4, num_blocks=1024, salts=("", "tenant-a")),
+    EngineSpec("tp1-hnd", world_size=1, layout="HND", block_size=8, num_blocks=512, dtype="float16", salts=("", "tenant-b", "tenant-c")),
+)
+
+
+class Soak:
+    def __init__(self, args, out: Path) -> None:
+        self.a = args
+        self.out = out
+        self.rng = random.Random(args.seed)
+        self.record = Record(args.seed, args.duration)
+        self.t0 = time.monotonic()
+        self.boot = 0
+        self.redis: Optional[RedisProcess] = None
+        self.disk: Optional[DiskDir] = None
+        self.server: Optional[ServerProcess] = None
+        self.mini: Optional[MiniEngine] = None
+        self.drivers: List[ReplayDriver] = []
+        self.quiet_points = 0
+        self.fd_base = {}  # boot -> descriptors not owed to a connection or a registration, first quiet point
+        self.metrics_url = ""
+        dur = args.duration
+        self.quiet_every = args.quiet_every or min(300.0, max(20.0, dur / 3))
+        self.schedule = FaultSchedule(self.rng, args.fault_every or (4.0 if dur < 300 else 15.0), dur,
+                                      dur * args.server_faults_until)
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    # --- start and stop --------------------------------------------------------------------
+    def start(self) -> None:
+        build = self.a.build_dir
+        redis_bin = shutil.which("redis-server")
+        if redis_bin is None:
+            raise RuntimeError("no redis-server on PATH (Debian: redis-server)")
+        self.redis = RedisProcess(redis_bin, self.out)
+        self.disk = DiskDir(self.out, size_mb=48)
+        if not self.disk.mounted:
+            self.schedule.unavailable = ("disk_full",)
+            print("kvtier_soak: no tmpfs of its own (not root, or mount refused): the full-disk fault is left out", flush=True)
+        disk = {"type": "disk", "name": "disk", "path": str(self.disk.path), "capacity_bytes": 40 << 20, "o_direct": False}
+        redis = {"type": "redis", "name": "redis", "nodes": [f"127.0.0.1:{self.redis.port}"], "key_prefix": "soak:"}
+        args = ["--chunk-size", str(CHUNK_TOKENS), "--l1-slot-bytes", str(16 << 10), "--l1-size-mb", "8",
+                "--metrics-port", "auto", "--log-level", "warn", "--client-reap-timeout", "10",
+                "--l2-backend", json.dumps(disk), "--l2-backend", json.dumps(redis)]
+        self.server = ServerProcess(build / "examples" / "kvtier-server", self.out / "server.sock", args, self.out / "server.log")
+        self._booted()
+        pool = PromptPool(random.Random(self.a.seed * 7919 + 1))
+        timeouts = dict(FAST_TIMEOUTS_MS)
+        for spec in ENGINES:
+            self.drivers.append(ReplayDriver(spec, str(self.server.socket_path), random.Random(self.rng.random()), pool,
+                                             CHUNK_TOKENS, timeouts))
+        self.mini = MiniEngine(build / "examples" / "kvtier_mini_engine", self.server.socket_path, self.out, CHUNK_TOKENS)
+
+    def _booted(self) -> None:
+        self.boot += 1
+        self.metrics_url = socket_status(self.server.socket_path)["metrics_url"]
+
+    def close(self) -> None:
+        for d in self.drivers:
+            try:
+                d.close()
+            except Exception:
+                pass
+        if self.mini is not None:
+            self.mini.kill()
+        if self.server is not None:
+            self.server.terminate()
+        if self.redis is not None:
+            self.redis.kill()
+        if self.disk is not None:
+            self.disk.close()
+
+    # --- the loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        next_quiet = self.quiet_every
+        next_sample = 0.0
+        while self.now() < self.a.duration:
+            now = self.now()
+            self.schedule.end_due(now)
+            kind = self.schedule.draw(now)
+            if kind is not None:
+                self.inject(kind)
+            for d in self.drivers:
+                d.tick(admit=True)
+                self._take_failures(d)
+            self._mini_tick(start=True)
+            if now >= next_sample:
+                self.sample(quiet=False)
+                next_sample = now + self.a.sample_every
+            if now >= next_quiet:
+                self.quiet_point()
+                next_quiet = self.now() + self.quiet_every
+            if self.a.stop_on_failure and self.record.failures:
+                return
+        self.quiet_point()
+
+    def _take_failures(self, d: ReplayDriver) -> None:
+        for f in d.failures:
+            self.record.fail(self.now(), "engine_kv", f)
+        d.failures.clear()
+
+    def _mini_tick(self, start: bool) -> None:
+        res = self.mini.poll()
+        if res:
+            self.record.fail(self.now(), "engine_kv", res)
+        if start and not self.mini.running():
+            self.mini.start(self.rng)
+
+    # --- faults -----------------------------------------------------------------------------
+    def inject(self, kind: str) -> None:
+        now, r, s = self.now(), self.rng, self.schedule
+        if kind in ("server_kill", "server_restart"):
+            s.end_due(now, everything=True)  # a stopped server is resumed first (a restart needs it alive)
+            if kind == "server_kill":
+                self.server.kill()
+            else:
+                self.server.terminate()
+            self.server.start()
+            self._booted()
+            s.record(now, kind, f"boot {self.boot}")
+        elif kind == "server_stop":
+            self.server.pause()
+            s.record(now, kind, "", r.uniform(0.5, 4.0), self.server.resume)
+        elif kind == "engine_kill":
+            if self.mini.running() and r.random() < 0.4:
+                self.mini.kill()
+                s.record(now, kind, "mini engine")
+            else:
+                d = r.choice(self.drivers)
+                d.arm_kill()
+                s.record(now, kind, f"{d.spec.name}: a worker in its next loading step")
+        elif kind == "client_disconnect":
+            s.record(now, kind, self._raw_client(r))
+        elif kind in ("disk_corrupt", "disk_delete"):
+            files = self.disk.object_files()
+            picked = r.sample(files, min(len(files), r.randint(1, 4)))
+            for f in picked:
+                try:
+                    if kind == "disk_delete":
+                        f.unlink()
+                    else:
+                        size = f.stat().st_size
+                        with open(f, "r+b") as fh:
+                            fh.seek(r.randrange(max(size, 1)))
+                            b = fh.read(1)
+                            fh.seek(-len(b), os.SEEK_CUR)
+                            fh.write(bytes([(b[0] if b else 0) ^ 0x5A]))
+                except OSError:
+                    pass
+            s.record(now, kind, f"{len(picked)} objects")
+        elif kind == "disk_full":
+            taken = self.disk.fill()
+            s.record(now, kind, f"{taken >> 20} MiB filler", r.uniform(2.0, 8.0), self.disk.unfill)
+        elif kind == "redis_restart":
+            self.redis.kill()
+            s.record(now, kind, "", r.uniform(0.2, 2.0), self.redis.start)
+        elif kind == "redis_stop":
+            self.redis.pause()
+            s.record(now, kind, "", r.uniform(0.5, 4.0), self.redis.resume)
+
+    def _raw_client(self, r: random.Random) -> str:
+        """A client that leaves at some point of a request's life (docs/protocol.md frames)."""
+        header = struct.Struct("<4sHHQI")
+        status_req = header.pack(b"KVT1", kvtier.PROTOCOL_VERSION, 0x000C, 1, 0)
+        how = r.choice(["connect_close", "half_header", "header_then_short_body", "request_then_close", "garbage"])
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.settimeout(2)
+                c.connect(str(self.server.socket_path))
+                if how == "half_header":
+                    c.sendall(status_req[:7])
+                elif how == "header_then_short_body":
+                    c.sendall(header.pack(b"KVT1", kvtier.PROTOCOL_VERSION, 0x000C, 2, 4096) + b"\x01" * 100)
+                elif how == "request_then_close":
+                    c.sendall(status_req)
+                elif how == "garbage":
+                    c.sendall(bytes(r.randrange(256) for _ in range(64)))
+        except OSError as e:
+            return f"{how} ({e})"
+        return how
+
+    # --- samples and quiet points ----------------------------------------------------------
+    def sample(self, quiet: bool) -> Optional[Sample]:
+        try:
+            st = inv.status(self.metrics_url)
+            m = inv.scrape(self.metrics_url)
+        except OSError:
+            return None  # a stopped server: no sample now
+        pid = self.server.pid
+        regs = sum(1 for c in st.get("clients", []) if c.get("registered"))
+        smp = Sample(round(self.now(), 1), self.boot, rss_kib(pid) or 0, open_fds(pid) or 0, st.get("connections", 0), regs,
+                     inv.total(m, "kvtier_lookup_hit_tokens_total"), inv.total(m, "kvtier_lookup_requested_tokens_total"), quiet)
+        self.record.samples.append(smp)
+        return smp
+
+    def quiet_point(self) -> None:
+        t = self.now()
+        self.quiet_points += 1
+        self.schedule.end_due(t, everything=True)
+        res = self.mini.wait(300)
+        if res:
+            self.record.fail(self.now(), "engine_kv", res)
+        for d in self.drivers:
+            try:
+                d.drain(timeout_s=300)
+            except AssertionError as e:
+                self.record.fail(self.now(), "engine_drains", f"{d.spec.name}: {e}")
+            self._take_failures(d)
+        deadline = time.monotonic() + 60
+        while not all(d.healthy() for d in self.drivers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if not all(d.healthy() for d in self.drivers):
+            self.record.fail(self.now(), "engines_reconnect", "an engine's connection is not healthy 60 s after the faults ended")
+        held, st, m = self._wait_server_idle(60)
+        if held:
+            self.record.fail(self.now(), "server_idle", "; ".join(held))
+        for b in inv.books(m):
+            self.record.fail(self.now(), "books", b)
+        for d in self.drivers:
+            state = d.idle_state()
+            bad = {k: v for k, v in state.items() if v}
+            if bad:
+                self.record.fail(self.now(), "engine_idle", f"{d.spec.name}: {bad}")
+        smp = self.sample(quiet=True)
+        if smp is not None:
+            base = smp.fds - smp.connections - smp.registrations
+            first = self.fd_base.setdefault(self.boot, base)
+            if base != first:
+                self.record.fail(self.now(), "server_fds", f"boot {self.boot}: {base} descriptors besides connections and "
+                                 f"registrations at this quiet point, {first} at the boot's first")
+        print(f"[{self.now():8.1f} s] quiet point {self.quiet_points}: boot {self.boot}, "
+              f"rss {smp.rss_kib if smp else '?'} KiB, fds {smp.fds if smp else '?'}, "
+              f"{sum(d.finished for d in self.drivers)} replay requests, {self.mini.ok} mini jobs ok, "
+              f"{len(self.schedule.injected)} faults, {len(self.record.failures)} broken", flush=True)
+
+    def _wait_server_idle(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            st = inv.status(self.metrics_url)
+            m = inv.scrape(self.metrics_url)
+            held = inv.held_now(st, m)
+            if not held or time.monotonic() > deadline:
+                return held, st, m
+            time.sleep(0.1)
+
+    # --- the end ------------------------------------------------------------------------------
+    def summarize(self) -> int:
+        rec, sched = self.record, self.schedule
+        rec.write_csv(self.out / "samples.csv")
+        with open(self.out / "faults.csv", "w") as f:
+            f.write("t,kind,detail\n")
+            for x in sched.injected:
+                f.write(f"{x.t:.1f},{x.kind},{x.detail}\n")
+        measured_from = self.a.duration * self.a.server_faults_until
+        last_boot = [s for s in rec.samples if s.boot == self.boot and s.t >= measured_from]
+        warm = [s for s in last_boot if s.t >= measured_from + min(600.0, 0.1 * self.a.duration)]
+        rss_growth = growth_per_hour([(s.t, s.rss_kib) for s in warm if s.quiet] or [(s.t, s.rss_kib) for s in warm])
+        if rss_growth is not None and rss_growth >= 0.02:
+            rec.fail(self.now(), "server_rss", f"RSS grows {rss_growth * 100:.2f}% per hour in the measured run (bound 2%)")
+        wrong = sum(1 for f in rec.failures if f.invariant == "engine_kv")
+        leaks = sum(1 for f in rec.failures if f.invariant in ("server_idle", "engine_idle", "server_fds", "books", "server_rss"))
+        hits = sum(s.hit_tokens for s in self._last_of_each_boot())
+        req = sum(s.requested_tokens for s in self._last_of_each_boot())
+        rows = [
+            ("seed", self.a.seed), ("duration_s", round(self.now(), 1)), ("server boots", self.boot),
+            ("quiet points", self.quiet_points),
+            ("replay requests finished", sum(d.finished for d in self.drivers)),
+            ("replay requests aborted / preempted", f"{sum(d.aborted for d in self.drivers)} / {sum(d.preempted for d in self.drivers)}"),
+            ("replay engines killed and restarted", sum(d.killed for d in self.drivers)),
+            ("mini engine jobs ok / killed", f"{self.mini.ok} / {self.mini.killed}"),
+            ("faults injected", len(sched.injected)),
+        ] + [(f"  {k}", v) for k, v in sched.counts().items()] + [
+            ("token hit rate (server, all boots)", f"{hits / req:.3f}" if req else "n/a"),
+            ("server RSS first / last (MiB)", f"{rec.samples[0].rss_kib / 1024:.1f} / {rec.samples[-1].rss_kib / 1024:.1f}" if rec.samples else "n/a"),
+            ("server RSS growth, measured run", f"{rss_growth * 100:.2f}% per hour" if rss_growth is not None else "n/a (under 10 min of one boot)"),
+            ("wrong KV (engine checks failed)", wrong),
+            ("leaks and imbalances", leaks),
+        ]
+        print("\nkvtier_soak summary\n" + table(rows), flush=True)
+        svg(rec.samples, [(x.t, x.kind) for x in sched.injected], self.out / "soak.svg",
+            f"kvtier_soak seed {self.a.seed}: {self.now() / 3600:.2f} h, {len(sched.injected)} faults, {self.boot} server boots")
+        write_json(self.out / "soak.json", {"summary": dict((str(k).strip(), v) for k, v in rows),
+                                             "failures": [f.__dict__ for f in rec.failures]})
+        print(f"files: {self.out}", flush=True)
+        if rec.failures:
+            f = rec.failures[0]
+            print(f"\nFIRST BROKEN: {f.invariant} at {f.t} s: {f.detail}\n"
+                  f"replay: /usr/bin/python3 bench/soak/kvtier_soak.py --seed {self.a.seed} --duration {self.a.duration:g}"
+                  f" (it broke {f.t} s in)", flush=True)
+            return 1
+        return 0
+
+    def _last_of_each_boot(self) -> List[Sample]:
+        last = {}
+        for s in self.record.samples:
+            last[s.boot] = s
+        return list(last.values())
