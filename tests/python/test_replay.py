@@ -2,14 +2,18 @@
 and one or two worker processes (TP=2), chunked prefill, preemption, abort, and the server
 killed, stopped and restarted mid-run. The workers' synthetic model checks, every step, that
 every KV row of every scheduled request is its token's (replay/model.py), so a wrong load, a
-block overwritten by a late copy or reused while quarantined shows up as a violation."""
+block overwritten by a late copy or reused while quarantined shows up as a violation. The KV
+caches are float32 unless a test says otherwise (vLLM's float16 and bfloat16 caches: the
+last section)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvtier_testing import FAST_TIMEOUTS_MS, wait_until
 from replay.engine import ReplayEngine
+from replay.model import KV_DTYPES, PagedKV, SyntheticRunner, make_kv_caches
 from replay.vllm_shapes import RequestStatus
 
 CT = 16
@@ -372,3 +376,107 @@ def test_layerwise_a_stopped_server_costs_a_recomputation_and_no_block_goes_free
         assert e.violations == []  # never a quarantined block in the free pool, never a wrong row
         assert_never_receiving(e)
         assert_clean(e, srv)
+
+
+# --- KV cache dtypes: vLLM's float16 and bfloat16 KV caches (model dtype, cache_dtype "auto") ---
+
+#: The kvtier dtype kind each KV cache dtype registers as.
+DTYPE_KIND = {"float32": "FP32", "float16": "FP16", "bfloat16": "BF16"}
+
+
+@pytest.mark.parametrize(
+    "dtype,world_size,layout",
+    [
+        ("float32", 1, "NHD"),
+        ("float16", 1, "NHD"),
+        ("bfloat16", 1, "HND"),
+        ("float16", 2, "HND"),
+        ("bfloat16", 2, "NHD"),
+    ],
+)
+def test_a_prefix_stored_by_one_engine_loads_exactly_into_another_of_its_kv_dtype(servers, dtype, world_size, layout):
+    srv = servers.start(chunk_tokens=CT)
+    d = doc(64, 31)
+    with engine(srv, dtype=dtype, world_size=world_size, layout=layout) as first:
+        # The workers' tensors are of the dtype, and kvtier registered them (and the
+        # scheduler keys its lookups) as that dtype.
+        assert [o["kv_dtype"] for o in first.worker_state()] == [DTYPE_KIND[dtype]] * world_size
+        assert first.connector.scheduler_side.config.model.dtype.name == DTYPE_KIND[dtype]
+        first.add("a", d + [1], 2)
+        first.run()
+        assert first.sched.finished["a"].num_external_computed_tokens == 0
+        assert_clean(first, srv)
+    # A fresh engine (its own engine id and worker processes, zeroed caches) on the same server.
+    with engine(srv, dtype=dtype, world_size=world_size, layout=layout) as second:
+        wait_until(second.all_healthy, what="the second engine registered")
+        second.add("b", d + [2], 2)
+        second.run()
+        b = second.sched.finished["b"]
+        assert b.num_external_computed_tokens == 64 and len(b.output_token_ids) == 2
+        assert_clean(second, srv, loaded=["b"])  # no violation: every row loaded is its token's
+
+
+def test_engines_of_another_kv_dtype_miss_the_chunks(servers):
+    """float16 and bfloat16 rows are both 2 bytes: only the dtype in the chunk keys keeps one
+    from loading the other's bits."""
+    srv = servers.start(chunk_tokens=CT)
+    d = doc(64, 32)
+    with engine(srv, dtype="bfloat16") as e:
+        e.add("a", d + [1], 1)
+        e.run()
+        assert_clean(e, srv)
+    for dtype, hit in (("float16", 0), ("float32", 0), ("bfloat16", 64)):
+        with engine(srv, dtype=dtype) as e:
+            wait_until(e.all_healthy, what="the engine registered")
+            e.add("b", d + [2], 1)
+            e.run()
+            assert e.sched.finished["b"].num_external_computed_tokens == hit, dtype
+            assert_clean(e, srv)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_synthetic_check_catches_a_wrong_row_in_a_16_bit_cache(dtype):
+    """The pattern is computed in float32 and cast; a row of another token, position, layer,
+    plane or rank, with its heads swapped or one element changed, differs after the cast and
+    is a bad row."""
+    heads, head_dim, bs = 4, 16, 4
+    runner = SyntheticRunner("NHD", 0, bs, heads, head_dim, dtype)
+    # Every identity's row (what a row's token, position, layer, plane and rank come to) is
+    # exact in the dtype and distinct from every other's.
+    every = torch.arange(65521)
+    rows = runner.rows(every)
+    assert torch.equal(rows.to(KV_DTYPES[dtype]).to(torch.float32), rows)
+    assert torch.unique(rows.flatten(1), dim=0).shape[0] == 65521
+    tensors = make_kv_caches("NHD", 2, 8, bs, heads, head_dim, dtype)
+    assert all(t.dtype == KV_DTYPES[dtype] for t in tensors.values())
+    caches = [PagedKV(t, "NHD", bs) for t in tensors.values()]
+    tokens, table = doc(12, 33), [5, 2, 7]
+    assert runner.forward(tokens, 0, 10, table, caches)[0] == 0
+    at = torch.tensor([6])
+    k, v = runner.pattern(tokens, at, 0, 0), runner.pattern(tokens, at, 0, 1)
+    one_off = k.clone()
+    one_off[0, 1, 5] += 1
+    wrong = {
+        "another token": runner.pattern([t + 1 for t in tokens], at, 0, 0),
+        "another position": runner.pattern(tokens, torch.tensor([5]), 0, 0),
+        "another layer": runner.pattern(tokens, at, 1, 0),
+        "the V row": v,
+        "another rank": SyntheticRunner("NHD", 1, bs, heads, head_dim, dtype).pattern(tokens, at, 0, 0),
+        "its heads swapped": k.flip(1),
+        "one element changed": one_off,
+    }
+    for what, row in wrong.items():
+        assert row.dtype == KV_DTYPES[dtype]
+        caches[0].write(table, at, row, v)
+        # The next step writes position 10 and checks 0..10: position 6 of layer 0 is bad.
+        assert runner.forward(tokens, 10, 11, table, caches)[0] == 1, what
+        caches[0].write(table, at, k, v)
+        assert runner.forward(tokens, 10, 11, table, caches)[0] == 0, what
+
+
+def test_the_tiny_decoder_refuses_a_16_bit_kv_cache():
+    for dtype in ("float16", "bfloat16"):
+        with pytest.raises(ValueError, match="TinyDecoder.*float32 KV caches only"):
+            ReplayEngine(socket_path=None, runner="model", dtype=dtype)
+    with pytest.raises(ValueError, match="float64"):
+        ReplayEngine(socket_path=None, dtype="float64")

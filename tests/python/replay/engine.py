@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector
 
+from .model import check_runner_dtype
 from .scheduler import MiniScheduler
 from .vllm_configs import full_attention_config
 from .vllm_shapes import KVConnectorOutput, Request, SchedulerOutput, vllm_config
@@ -79,10 +80,16 @@ class ReplayEngine:
         kv_role: str = "kv_both",
         kv_load_failure_policy: str = "recompute",
         engine_id: Optional[str] = None,
+        dtype: str = "float32",
     ) -> None:
         """``kv_load_failure_policy``: vLLM's default is "fail"; the replay runs "recompute"
         unless a test asks for "fail". ``engine_id``: vLLM's kv_transfer_config.engine_id (a
-        fresh uuid when None), the same in the scheduler and every worker of this engine."""
+        fresh uuid when None), the same in the scheduler and every worker of this engine.
+        ``dtype``: the model's dtype ("float32", "float16" or "bfloat16"), which vLLM's
+        KV caches have (``cache_dtype`` "auto"): the workers allocate them so and the
+        scheduler's and workers' vLLM configs say so; the TinyDecoder (``runner="model"``)
+        runs in float32 only (ValueError otherwise)."""
+        check_runner_dtype(runner, dtype)
         self.world_size = world_size
         self.kvtier = socket_path is not None
         self.engine_id = engine_id or str(uuid.uuid4())
@@ -115,6 +122,7 @@ class ReplayEngine:
                 kv_role=kv_role,
                 kv_load_failure_policy=kv_load_failure_policy,
                 engine_id=self.engine_id,
+                dtype=dtype,
             )
             parent, child = ctx.Pipe()
             p = ctx.Process(target=worker_main, args=(child, spec), daemon=True)
@@ -138,9 +146,10 @@ class ReplayEngine:
                 kv_role=kv_role,
                 kv_load_failure_policy=kv_load_failure_policy,
                 engine_id=self.engine_id,
+                dtype=dtype,
             )
             kv_cache_config = full_attention_config(
-                _layer_names(num_layers), num_blocks, block_size, kv_heads // world_size, head_dim
+                _layer_names(num_layers), num_blocks, block_size, kv_heads // world_size, head_dim, dtype
             )
             self.connector = KVTierConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config)
         self.sched = MiniScheduler(

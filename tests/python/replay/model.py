@@ -29,6 +29,12 @@
 * :class:`SyntheticRunner`: no model: each token's KV is a pattern of (token, position,
   layer, plane, rank, head, dim); every step checks that every position of every scheduled
   request holds its pattern (what was loaded, computed, or kept by vLLM's prefix cache).
+  It runs on KV caches of any of :data:`KV_DTYPES` (vLLM allocates its KV cache in the
+  model's dtype): the pattern is computed in float32 and cast to the cache's dtype, both
+  where it is written and where it is checked, so the check stays exact.
+
+The TinyDecoder computes in float32 and runs on float32 KV caches only
+(:func:`check_runner_dtype`).
 """
 
 from __future__ import annotations
@@ -60,10 +66,38 @@ def _kv_cache_shape(layout: str, num_blocks: int, block_size: int, heads: int, h
     return (2, num_blocks, heads, block_size, head_dim)
 
 
-def make_kv_caches(layout: str, num_layers: int, num_blocks: int, block_size: int, heads: int, head_dim: int):
-    """vLLM's per-layer KV cache tensors (zeros), by layer name."""
+#: The KV cache dtypes the replay allocates, by the name vLLM's model config gives them (with
+#: ``cache_dtype`` "auto" vLLM's KV cache has the model's dtype).
+KV_DTYPES: Dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def kv_dtype(name: str) -> torch.dtype:
+    """The torch dtype of the KV cache dtype ``name`` (a key of :data:`KV_DTYPES`)."""
+    if name not in KV_DTYPES:
+        raise ValueError(f"replay: KV cache dtype {name!r} is not one of {', '.join(KV_DTYPES)}")
+    return KV_DTYPES[name]
+
+
+def check_runner_dtype(runner: str, dtype: str) -> None:
+    """Refuses a runner that cannot run on KV caches of ``dtype``: the TinyDecoder ("model")
+    computes in float32 and its logits are compared bit for bit, so it runs on float32 KV
+    only; the synthetic runner runs on every dtype of :data:`KV_DTYPES`."""
+    kv_dtype(dtype)
+    if runner == "model" and dtype != "float32":
+        raise ValueError(
+            f"replay: the TinyDecoder (runner='model') runs on float32 KV caches only, not {dtype}: "
+            "use runner='synthetic' for float16 or bfloat16 KV caches"
+        )
+
+
+def make_kv_caches(
+    layout: str, num_layers: int, num_blocks: int, block_size: int, heads: int, head_dim: int, dtype: str = "float32"
+):
+    """vLLM's per-layer KV cache tensors (zeros) of ``dtype`` (a :data:`KV_DTYPES` name), by
+    layer name."""
     shape = _kv_cache_shape(layout, num_blocks, block_size, heads, head_dim)
-    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.float32) for i in range(num_layers)}
+    t = kv_dtype(dtype)
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=t) for i in range(num_layers)}
 
 
 class PagedKV:
@@ -261,19 +295,52 @@ class TinyDecoder:
 
 
 class SyntheticRunner:
-    """KV that is a pattern of each token's identity; checks every position each step."""
+    """KV that is a pattern of each token's identity; checks every position each step.
 
-    def __init__(self, layout: str, rank: int, block_size: int, heads: int, head_dim: int) -> None:
+    A row's identity is ``(token * 7919 + position * 104729 + layer * 31 + plane * 17 + rank
+    * 7) % 65521`` (:meth:`identity`); :meth:`rows` turns identities into (heads, head_dim)
+    rows, in float32; :meth:`pattern` is them cast to the cache's dtype, what is written and
+    what every row read back is compared with (``!=``: exact).
+
+    * float32: ``identity + head * 0.25 + dim / 64`` (exact in float32).
+    * float16, bfloat16: that float32 pattern does not survive the cast (bfloat16 keeps 8
+      significant bits, so near 60000 its steps are 256 apart; float16 keeps 11 and rounds
+      65520 up to inf): many identities would round to one row, and a wrong block could
+      pass. Instead element ``i`` of the flattened row (``head * head_dim + dim``) holds
+      ``16 * nibble(identity, i % 4) + (dim + 3 * head) % 16``: integers 0..255, which both
+      dtypes hold exactly, so the cast is exact; every row carries its identity's four
+      nibbles (rows of different identities differ) and each element a tag of its place
+      (heads swapped differ up to 16 heads, dims moved by less than 16 differ). Needs
+      ``heads * head_dim >= 4``.
+    """
+
+    def __init__(self, layout: str, rank: int, block_size: int, heads: int, head_dim: int, dtype: str = "float32") -> None:
         self.layout, self.rank, self.bs = layout, rank, block_size
         self.heads, self.head_dim = heads, head_dim
+        self.dtype = kv_dtype(dtype)
         self._hd = torch.arange(heads, dtype=torch.float32)[:, None] * 0.25 + torch.arange(
             head_dim, dtype=torch.float32
         )[None, :] * (1.0 / 64)
+        if self.dtype != torch.float32:
+            assert heads * head_dim >= 4, "a 16-bit row holds its identity's 4 nibbles in 4 elements"
+            i = torch.arange(heads * head_dim, dtype=torch.long)
+            self._shift, self._tag = 4 * (i % 4), (i % head_dim + 3 * (i // head_dim)) % 16
+
+    def identity(self, tokens: List[int], positions: torch.Tensor, layer: int, plane: int) -> torch.Tensor:
+        """The identity (0..65520) of each row: (len(positions),) int64."""
+        tok = torch.tensor(tokens, dtype=torch.long)[positions]
+        return (tok * 7919 + positions * 104729 + layer * 31 + plane * 17 + self.rank * 7) % 65521
+
+    def rows(self, identity: torch.Tensor) -> torch.Tensor:
+        """The float32 rows (n, heads, head_dim) of identities (n,)."""
+        if self.dtype == torch.float32:
+            return identity.to(torch.float32)[:, None, None] + self._hd[None, :, :]
+        nibbles = (identity[:, None] >> self._shift[None, :]) & 0xF
+        return (nibbles * 16 + self._tag[None, :]).to(torch.float32).view(-1, self.heads, self.head_dim)
 
     def pattern(self, tokens: List[int], positions: torch.Tensor, layer: int, plane: int) -> torch.Tensor:
-        tok = torch.tensor(tokens, dtype=torch.long)[positions]
-        base = (tok * 7919 + positions * 104729 + layer * 31 + plane * 17 + self.rank * 7) % 65521
-        return base.to(torch.float32)[:, None, None] + self._hd[None, :, :]
+        """The rows of ``positions``, in the cache's dtype (computed in float32, then cast)."""
+        return self.rows(self.identity(tokens, positions, layer, plane)).to(self.dtype)
 
     def forward(self, tokens: List[int], start: int, end: int, table: List[int], caches: List[PagedKV]) -> Tuple[int, int]:
         """Writes positions start..end-1, then checks 0..end-1. Returns (mismatched rows,

@@ -101,12 +101,18 @@ class KVCacheConfig:
     kv_cache_groups: List[KVCacheGroupSpec]
 
 
+#: Bytes per element of the KV cache dtypes the specs name (AttentionSpec.dtype; vLLM's is a
+#: torch.dtype and its page size is computed from that dtype's element size).
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
 def full_attention_config(
-    layer_names: List[str], num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    layer_names: List[str], num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: str = "float32"
 ) -> KVCacheConfig:
-    """The KVCacheConfig of a model whose layers are all full attention (one group)."""
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size)
-    page = 2 * block_size * num_kv_heads * head_size * 4
+    """The KVCacheConfig of a model whose layers are all full attention (one group), with KV
+    caches of ``dtype``."""
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size, dtype=dtype)
+    page = 2 * block_size * num_kv_heads * head_size * _DTYPE_BYTES[dtype]
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[KVCacheTensor(num_blocks * page, [n]) for n in layer_names],

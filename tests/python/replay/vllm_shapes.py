@@ -231,7 +231,11 @@ def vllm_config(
     kv_load_failure_policy: str = "fail",
     engine_id: Optional[str] = None,
 ) -> SimpleNamespace:
-    """A VllmConfig with the attributes KVTierConnector reads (vllm/config)."""
+    """A VllmConfig with the attributes KVTierConnector reads (vllm/config).
+
+    ``dtype``: the model's (``model_config.dtype``); ``cache_config.cache_dtype`` stays
+    "auto", vLLM's default, under which the KV cache has the model's dtype: the connector
+    keys chunks by it (``config_from_vllm``) and checks the registered tensors against it."""
     return SimpleNamespace(
         model_config=_ModelConfig(model, num_layers, num_kv_heads, head_size, dtype),
         cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto", enable_prefix_caching=True),

@@ -12,8 +12,9 @@ A step with no scheduled token takes vLLM's ``kv_connector_no_forward`` path: th
 without the forward pass and without ``wait_for_save``.
 
 The model is the synthetic KV pattern or the TinyDecoder (replay/model.py); the KV cache
-tensors are made the way vLLM makes them (zeros, per layer) and handed to
-``register_kv_caches``, which moves them into the kvtier region.
+tensors are made the way vLLM makes them (zeros, per layer, of the model's dtype: vLLM's
+``cache_dtype`` "auto") and handed to ``register_kv_caches``, which moves them into the
+kvtier region.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class WorkerSpec:
     kv_role: str = "kv_both"
     kv_load_failure_policy: str = "recompute"
     engine_id: Optional[str] = None
+    dtype: str = "float32"  # the model's dtype, so the KV caches' (replay.model.KV_DTYPES; the TinyDecoder: float32)
 
 
 def _layer_names(n: int) -> List[str]:
@@ -53,14 +55,17 @@ class Worker:
     def __init__(self, spec: WorkerSpec) -> None:
         from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector
 
-        from .model import PagedKV, RequestInputs, SyntheticRunner, TinyDecoder, make_kv_caches
+        from .model import PagedKV, RequestInputs, SyntheticRunner, TinyDecoder, check_runner_dtype, make_kv_caches
         from .vllm_configs import full_attention_config
         from .vllm_shapes import vllm_config
 
         torch.set_num_threads(1)
+        check_runner_dtype(spec.runner, spec.dtype)
         self.spec = spec
         heads = spec.kv_heads // spec.world_size
-        self.kv_caches = make_kv_caches(spec.layout, spec.num_layers, spec.num_blocks, spec.block_size, heads, spec.head_dim)
+        self.kv_caches = make_kv_caches(
+            spec.layout, spec.num_layers, spec.num_blocks, spec.block_size, heads, spec.head_dim, spec.dtype
+        )
         self.connector: Optional[KVTierConnector] = None
         if spec.kvtier:
             cfg = vllm_config(
@@ -75,9 +80,10 @@ class Worker:
                 kv_role=spec.kv_role,
                 kv_load_failure_policy=spec.kv_load_failure_policy,
                 engine_id=spec.engine_id,
+                dtype=spec.dtype,
             )
             kv_cache_config = full_attention_config(
-                list(self.kv_caches), spec.num_blocks, spec.block_size, heads, spec.head_dim
+                list(self.kv_caches), spec.num_blocks, spec.block_size, heads, spec.head_dim, spec.dtype
             )
             self.connector = KVTierConnector(cfg, KVConnectorRole.WORKER, kv_cache_config)
             self.connector.register_kv_caches(self.kv_caches)
@@ -107,7 +113,7 @@ class Worker:
                 all_reduce=all_reduce,
             )
         else:
-            self.model = SyntheticRunner(spec.layout, spec.rank, spec.block_size, heads, spec.head_dim)
+            self.model = SyntheticRunner(spec.layout, spec.rank, spec.block_size, heads, spec.head_dim, spec.dtype)
         self.tables: Dict[str, List[int]] = {}
         # What vLLM's worker keeps of each request from its NewRequestData until it finishes.
         self._inputs_of = RequestInputs
@@ -180,6 +186,7 @@ class Worker:
             out["fence_refusals"] = ws.fence_refusals
             out["held"] = ws.held()
             out["healthy"] = ws.connector.healthy
+            out["kv_dtype"] = ws.region.layout.model.dtype.name  # the dtype kind kvtier registered this rank's KV as
         return out
 
     def shutdown(self) -> None:
