@@ -56,10 +56,10 @@ int main(int argc, char** argv) {
   events.publish(bus::cache_write_reserved{chunks, 0});
   events.publish(bus::l1_write_finished{chunks});
   events.publish(bus::cache_write_finished{chunks, 0});
-  events.publish(bus::l1_read_reserved{chunks, 0});
+  events.publish(bus::l1_read_reserved{chunks, 0, chunks});
   events.publish(bus::l2_store_submitted{0, "disk", chunks, bytes});
   events.publish(bus::l2_store_completed{0, "disk", chunks, 0, bytes, 90'000'000});
-  events.publish(bus::l1_read_finished{chunks});
+  events.publish(bus::l1_read_finished{chunks, chunks});
 
   // 2. Memory pressure: L1 evicts the prompt; it stays on disk.
   events.publish(bus::l1_keys_evicted{chunks, bytes, bus::removal_reason::evicted});
@@ -71,10 +71,10 @@ int main(int argc, char** argv) {
   events.publish(bus::l1_write_reserved{chunks, 0, bus::allocation_purpose::prefetch});
   events.publish(bus::l2_prefetch_load_submitted{2, chunks, 1, 0, bytes});
   events.publish(bus::l2_backend_load_completed{0, "disk", chunks, chunks, bytes, 60'000'000});
-  events.publish(bus::l1_write_finished_and_read_reserved{chunks});
+  events.publish(bus::l1_write_finished_and_read_reserved{chunks, chunks});
   events.publish(bus::l2_prefetch_load_completed{2, chunks, 0, bytes, 61'000'000});
   events.publish(bus::cache_read_prefetched{chunks, 0});
-  events.publish(bus::l1_read_finished{chunks});
+  events.publish(bus::l1_read_finished{chunks, chunks});
   events.publish(bus::l1_keys_evicted{chunks, bytes, bus::removal_reason::temporary});
 
   events.stop_drain_thread();  // delivers the log lines still queued

@@ -36,6 +36,7 @@ struct l1_counts {
   std::atomic<std::uint64_t> write_reserved{0}, write_refused{0}, write_reserved_events{0};
   std::atomic<std::uint64_t> write_finished{0}, finished_and_read_reserved{0};
   std::atomic<std::uint64_t> read_reserved{0}, read_refused{0}, read_finished{0};
+  std::atomic<std::uint64_t> read_holds_taken{0}, read_holds_released{0}, read_holds_expired{0};
   std::array<std::atomic<std::uint64_t>, bus::removal_reason_count> removed{};
   std::array<std::atomic<std::uint64_t>, bus::removal_reason_count> removed_bytes{};
   std::array<std::atomic<std::uint64_t>, bus::allocation_purpose_count> allocation_failed_keys{};
@@ -64,12 +65,17 @@ struct l1_recorder {
   void on(const bus::l1_write_finished& e) { c->write_finished.fetch_add(e.key_count, relaxed); }
   void on(const bus::l1_write_finished_and_read_reserved& e) {
     c->finished_and_read_reserved.fetch_add(e.key_count, relaxed);
+    c->read_holds_taken.fetch_add(e.holds, relaxed);
   }
   void on(const bus::l1_read_reserved& e) {
     c->read_reserved.fetch_add(e.key_count, relaxed);
     c->read_refused.fetch_add(e.failed_count, relaxed);
+    c->read_holds_taken.fetch_add(e.holds, relaxed);
   }
-  void on(const bus::l1_read_finished& e) { c->read_finished.fetch_add(e.key_count, relaxed); }
+  void on(const bus::l1_read_finished& e) {
+    c->read_finished.fetch_add(e.key_count, relaxed);
+    c->read_holds_released.fetch_add(e.holds, relaxed);
+  }
   void on(const bus::l1_keys_evicted& e) {
     c->removed[static_cast<std::size_t>(e.reason)].fetch_add(e.key_count, relaxed);
     c->removed_bytes[static_cast<std::size_t>(e.reason)].fetch_add(e.bytes, relaxed);
@@ -80,6 +86,7 @@ struct l1_recorder {
   }
   void on(const bus::l1_lock_expired& e) {
     c->expired[static_cast<std::size_t>(e.lock)].fetch_add(e.key_count, relaxed);
+    c->read_holds_expired.fetch_add(e.holds, relaxed);
   }
 };
 

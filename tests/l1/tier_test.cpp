@@ -315,6 +315,42 @@ TEST_CASE("reserve_read answers not_found and not_readable", "[l1][tier]") {
   CHECK(f.counts->read_refused == 2);
 }
 
+// The soak's books (bench/soak): the key counts of the read events do not balance when a key
+// is held for several readers (extra_count, a prefetch load feeding several waiters) or
+// written for none; the hold counts do: taken = released + expired + held now.
+TEST_CASE("read holds balance: taken = released + expired, whatever the readers per key", "[l1][tier][books]") {
+  fixture f;
+  make_ready(f, keys({1, 2, 3}));
+  const auto& c = *f.counts;
+  REQUIRE(f.read(keys({1, 2}), 1) == all(2, status::success));  // two readers each: 4 holds
+  REQUIRE(f.unread(keys({1}), 1) == all(1, status::success));
+  REQUIRE(f.unread(keys({2})) == all(1, status::success));  // one reader at a time
+  REQUIRE(f.unread(keys({2})) == all(1, status::success));
+  CHECK(c.read_holds_taken == 4);
+  CHECK(c.read_holds_released == 4);
+
+  // A load landing for two waiters of key 4, and for nobody of key 5 (its reader gave up).
+  const auto ks = keys({4, 5});
+  REQUIRE(f.write(ks) == all(2, status::success));
+  const std::vector<std::uint32_t> holds = {2, 0};
+  std::vector<status> out(2);
+  REQUIRE(f.l1->finish_write_and_reserve_read(ks, holds, lock_lifetime::expiring, out) == 2);
+  REQUIRE(f.unread(keys({4})) == all(1, status::success));
+  REQUIRE(f.unread(keys({4})) == all(1, status::success));
+  CHECK(c.read_holds_taken == 6);
+  CHECK(c.read_holds_released == 6);
+
+  // Three expiring readers that go away: their TTL releases all three.
+  REQUIRE(f.read(keys({3}), 2) == all(1, status::success));
+  f.clock.advance(f.options.read_lock_ttl + seconds(1));
+  f.l1->expire_locks();
+  CHECK(c.read_holds_taken == 9);
+  CHECK(c.read_holds_expired == 3);
+  CHECK(c.read_holds_taken == c.read_holds_released + c.read_holds_expired);
+  // The key counts alone: 3 keys read-locked + 2 written and read-locked, 5 released + 1 expired.
+  CHECK(c.read_reserved + c.finished_and_read_reserved != c.read_finished + c.expired_as(bus::lock_kind::read));
+}
+
 TEST_CASE("finish_read releases exactly the holds of the given lifetime", "[l1][tier]") {
   fixture f;
   make_ready(f, keys({1, 2}));

@@ -101,6 +101,16 @@ TEST_CASE("L1 events move exactly their counters", "[telemetry][metrics_subscrib
                {"kvtier_l1_allocation_failed_keys_total{purpose=prefetch}", 8}});
   CHECK(f.publish(bus::l1_lock_expired{2, bus::lock_kind::write}) ==
         values{{"kvtier_l1_lock_expired_keys_total{lock=write}", 2}});
+  // Read holds: keys x readers, taken by reads and by prefetch loads, released or expired.
+  CHECK(f.publish(bus::l1_read_reserved{2, 0, 6}) ==
+        values{{"kvtier_l1_read_reserved_keys_total", 2}, {"kvtier_l1_read_holds_taken_total", 6}});
+  CHECK(f.publish(bus::l1_write_finished_and_read_reserved{2, 3}) ==
+        values{{"kvtier_l1_write_keys_total", 2}, {"kvtier_l1_prefetched_keys_total", 2},
+               {"kvtier_l1_read_holds_taken_total", 3}});
+  CHECK(f.publish(bus::l1_read_finished{2, 4}) ==
+        values{{"kvtier_l1_read_keys_total", 2}, {"kvtier_l1_read_holds_released_total", 4}});
+  CHECK(f.publish(bus::l1_lock_expired{1, bus::lock_kind::read, 5}) ==
+        values{{"kvtier_l1_lock_expired_keys_total{lock=read}", 1}, {"kvtier_l1_read_holds_expired_total", 5}});
 }
 
 TEST_CASE("cache facade events move exactly their counters", "[telemetry][metrics_subscriber]") {

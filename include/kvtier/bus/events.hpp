@@ -149,10 +149,12 @@ struct l1_read_reserved {
   static constexpr event_type type = event_type::l1_read_reserved;
   std::uint32_t key_count = 0;     ///< keys now read-locked
   std::uint32_t failed_count = 0;  ///< keys that were absent or not readable
+  std::uint32_t holds = 0;         ///< read holds taken: key_count x readers per key
 };
 struct l1_read_finished {
   static constexpr event_type type = event_type::l1_read_finished;
   std::uint32_t key_count = 0;  ///< read locks released
+  std::uint32_t holds = 0;      ///< read holds released: key_count x readers per key
 };
 struct l1_write_reserved {
   static constexpr event_type type = event_type::l1_write_reserved;
@@ -167,6 +169,7 @@ struct l1_write_finished {
 struct l1_write_finished_and_read_reserved {
   static constexpr event_type type = event_type::l1_write_finished_and_read_reserved;
   std::uint32_t key_count = 0;  ///< prefetched keys made readable and read-locked (not re-stored)
+  std::uint32_t holds = 0;      ///< read holds taken (a key several waiters read: one per waiter; none: 0)
 };
 struct l1_keys_evicted {
   static constexpr event_type type = event_type::l1_keys_evicted;
@@ -183,6 +186,7 @@ struct l1_lock_expired {
   static constexpr event_type type = event_type::l1_lock_expired;
   std::uint32_t key_count = 0;  ///< locks released by their TTL (a client that went away)
   lock_kind lock = lock_kind::read;
+  std::uint32_t holds = 0;  ///< read: the holds those locks had (every expiring reader of the key); write: 0
 };
 
 // ----------------------------------------------------------------------------------------

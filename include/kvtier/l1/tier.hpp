@@ -376,6 +376,7 @@ class tier {
     std::array<std::uint32_t, bus::removal_reason_count> removed_keys{};
     std::array<std::uint64_t, bus::removal_reason_count> removed_bytes{};
     std::array<std::uint32_t, bus::lock_kind_count> expired{};
+    std::uint32_t expired_read_holds = 0;
   };
 
   static bus::null_bus& null_bus_instance() noexcept {
@@ -460,7 +461,7 @@ class tier {
 
   std::size_t finish_write_impl(std::span<const chunk_key> keys, std::span<status> out, bool reserve_read,
                                 std::uint32_t extra_count, std::span<const std::uint32_t> holds,
-                                lock_lifetime read_lock);
+                                lock_lifetime read_lock, std::uint32_t& holds_taken);
 
   tier_options options_;
   Bus& bus_;

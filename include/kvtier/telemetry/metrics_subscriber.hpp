@@ -39,8 +39,12 @@ class metrics_subscriber {
   void on(const bus::l1_read_reserved& e) noexcept {
     s_->l1_read_reserved_keys.inc(e.key_count);
     s_->l1_read_failed_keys.inc(e.failed_count);
+    s_->l1_read_holds_taken.inc(e.holds);
   }
-  void on(const bus::l1_read_finished& e) noexcept { s_->l1_read_keys.inc(e.key_count); }
+  void on(const bus::l1_read_finished& e) noexcept {
+    s_->l1_read_keys.inc(e.key_count);
+    s_->l1_read_holds_released.inc(e.holds);
+  }
   void on(const bus::l1_write_reserved& e) noexcept {
     s_->l1_write_reserved_keys.inc(e.key_count);
     s_->l1_write_failed_keys.inc(e.failed_count);
@@ -49,6 +53,7 @@ class metrics_subscriber {
   void on(const bus::l1_write_finished_and_read_reserved& e) noexcept {
     s_->l1_write_keys.inc(e.key_count);
     s_->l1_prefetched_keys.inc(e.key_count);
+    s_->l1_read_holds_taken.inc(e.holds);
   }
   void on(const bus::l1_keys_evicted& e) noexcept {
     const auto r = static_cast<std::size_t>(e.reason);
@@ -62,6 +67,7 @@ class metrics_subscriber {
   }
   void on(const bus::l1_lock_expired& e) noexcept {
     s_->l1_lock_expired_keys[static_cast<std::size_t>(e.lock)]->inc(e.key_count);
+    s_->l1_read_holds_expired.inc(e.holds);
   }
 
   // --- cache facade --------------------------------------------------------------------
@@ -238,6 +244,11 @@ class metrics_subscriber {
     explicit l1_metrics(registry& r)
         : l1_read_keys(r.add_counter("kvtier_l1_read_keys_total", "L1 read locks released (keys read)")),
           l1_read_reserved_keys(r.add_counter("kvtier_l1_read_reserved_keys_total", "L1 keys read-locked")),
+          l1_read_holds_taken(r.add_counter("kvtier_l1_read_holds_taken_total",
+                                            "L1 read holds taken (a key read-locked for n readers counts n)")),
+          l1_read_holds_released(r.add_counter("kvtier_l1_read_holds_released_total", "L1 read holds released")),
+          l1_read_holds_expired(r.add_counter("kvtier_l1_read_holds_expired_total",
+                                              "L1 read holds released by their TTL (a reader that went away)")),
           l1_read_failed_keys(r.add_counter("kvtier_l1_read_failed_keys_total",
                                             "L1 read reservations refused (absent or not readable)")),
           l1_write_reserved_keys(r.add_counter("kvtier_l1_write_reserved_keys_total", "L1 keys write-locked")),
@@ -263,6 +274,9 @@ class metrics_subscriber {
               [](bus::lock_kind x) { return bus::name(x); })) {}
     counter& l1_read_keys;
     counter& l1_read_reserved_keys;
+    counter& l1_read_holds_taken;
+    counter& l1_read_holds_released;
+    counter& l1_read_holds_expired;
     counter& l1_read_failed_keys;
     counter& l1_write_reserved_keys;
     counter& l1_write_failed_keys;

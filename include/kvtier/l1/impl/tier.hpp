@@ -114,7 +114,10 @@ void tier<Policy, Bus>::publish(const tally& t) {
   }
   if constexpr (Bus::template handles_event<bus::l1_lock_expired>) {
     for (std::size_t k = 0; k < bus::lock_kind_count; ++k)
-      if (t.expired[k] > 0) bus_.publish(bus::l1_lock_expired{t.expired[k], static_cast<bus::lock_kind>(k)});
+      if (t.expired[k] > 0) {
+        const auto kind = static_cast<bus::lock_kind>(k);
+        bus_.publish(bus::l1_lock_expired{t.expired[k], kind, kind == bus::lock_kind::read ? t.expired_read_holds : 0});
+      }
   }
 }
 

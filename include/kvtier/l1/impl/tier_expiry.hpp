@@ -29,6 +29,7 @@ bool tier<Policy, Bus>::expire(entry& e, lazy_now& now, tally& t) {
   }
   if (e.expiring_readers > 0 && now() >= e.read_deadline) {
     ++t.expired[static_cast<std::size_t>(bus::lock_kind::read)];
+    t.expired_read_holds += e.expiring_readers;
     drop_readers(e, lock_lifetime::expiring, e.expiring_readers);
     return release_if_done(e, t);
   }

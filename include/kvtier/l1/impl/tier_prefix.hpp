@@ -48,7 +48,9 @@ prefix_result tier<Policy, Bus>::reserve_prefix(std::span<const chunk_key> keys,
     throw std::invalid_argument("kvtier::l1::tier::reserve_prefix: a loadable key needs object_bytes > 0");
   const bool refused = o.count_refused_read && taken.end != prefix_end::complete && taken.end != prefix_end::no_room &&
                        taken.length < keys.size();
-  if (held > 0 || refused) bus_.publish(bus::l1_read_reserved{static_cast<std::uint32_t>(held), refused ? 1U : 0U});
+  if (held > 0 || refused)
+    bus_.publish(bus::l1_read_reserved{static_cast<std::uint32_t>(held), refused ? 1U : 0U,
+                                       static_cast<std::uint32_t>(held * holds)});
   if (taken.writes > 0 || taken.short_of_room > 0)
     bus_.publish(bus::l1_write_reserved{static_cast<std::uint32_t>(taken.writes),
                                         static_cast<std::uint32_t>(taken.short_of_room), o.purpose});

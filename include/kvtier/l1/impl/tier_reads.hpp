@@ -23,7 +23,8 @@ std::size_t tier<Policy, Bus>::reserve_read(std::span<const chunk_key> keys, std
     if (e->in_policy) policy_.on_access(*e);
     return status::success;
   });
-  bus_.publish(bus::l1_read_reserved{static_cast<std::uint32_t>(ok), static_cast<std::uint32_t>(keys.size() - ok)});
+  bus_.publish(bus::l1_read_reserved{static_cast<std::uint32_t>(ok), static_cast<std::uint32_t>(keys.size() - ok),
+                                     static_cast<std::uint32_t>(ok * (1 + extra_count))});
   return ok;
 }
 
@@ -40,7 +41,7 @@ std::size_t tier<Policy, Bus>::finish_read(std::span<const chunk_key> keys, std:
     release_if_done(*e, t);
     return status::success;
   });
-  bus_.publish(bus::l1_read_finished{static_cast<std::uint32_t>(ok)});
+  bus_.publish(bus::l1_read_finished{static_cast<std::uint32_t>(ok), static_cast<std::uint32_t>(ok * (1 + extra_count))});
   return ok;
 }
 

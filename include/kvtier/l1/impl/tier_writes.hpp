@@ -102,7 +102,8 @@ typename tier<Policy, Bus>::entry* tier<Policy, Bus>::write_target(const chunk_k
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::finish_write(std::span<const chunk_key> keys, std::span<status> out) {
   check_span(keys.size(), out.size(), "out");
-  const std::size_t ok = finish_write_impl(keys, out, false, 0, {}, lock_lifetime::pinned);
+  std::uint32_t no_holds = 0;
+  const std::size_t ok = finish_write_impl(keys, out, false, 0, {}, lock_lifetime::pinned, no_holds);
   bus_.publish(bus::l1_write_finished{static_cast<std::uint32_t>(ok)});
   return ok;
 }
@@ -112,8 +113,9 @@ std::size_t tier<Policy, Bus>::finish_write_and_reserve_read(std::span<const chu
                                                              lock_lifetime read_lock, std::span<status> out) {
   check_span(keys.size(), out.size(), "out");
   check_extra(extra_count);
-  const std::size_t ok = finish_write_impl(keys, out, true, extra_count, {}, read_lock);
-  bus_.publish(bus::l1_write_finished_and_read_reserved{static_cast<std::uint32_t>(ok)});
+  std::uint32_t taken = 0;
+  const std::size_t ok = finish_write_impl(keys, out, true, extra_count, {}, read_lock, taken);
+  bus_.publish(bus::l1_write_finished_and_read_reserved{static_cast<std::uint32_t>(ok), taken});
   return ok;
 }
 
@@ -123,15 +125,17 @@ std::size_t tier<Policy, Bus>::finish_write_and_reserve_read(std::span<const chu
                                                              lock_lifetime read_lock, std::span<status> out) {
   check_span(keys.size(), out.size(), "out");
   check_span(keys.size(), holds.size(), "holds");
-  const std::size_t ok = finish_write_impl(keys, out, true, 0, holds, read_lock);
-  bus_.publish(bus::l1_write_finished_and_read_reserved{static_cast<std::uint32_t>(ok)});
+  std::uint32_t taken = 0;
+  const std::size_t ok = finish_write_impl(keys, out, true, 0, holds, read_lock, taken);
+  bus_.publish(bus::l1_write_finished_and_read_reserved{static_cast<std::uint32_t>(ok), taken});
   return ok;
 }
 
 template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys, std::span<status> out,
                                                  bool reserve_read, std::uint32_t extra_count,
-                                                 std::span<const std::uint32_t> holds, lock_lifetime read_lock) {
+                                                 std::span<const std::uint32_t> holds, lock_lifetime read_lock,
+                                                 std::uint32_t& holds_taken) {
   return for_each_key(keys, out, [&](entry* e, std::size_t i, lazy_now& now, tally& t) {
     if (e == nullptr) return status::not_found;
     if (e->removing) {
@@ -147,6 +151,7 @@ std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys
     if (!e->in_policy) policy_insert(*e);
     if (reserve_read) {
       const std::uint32_t n = holds.empty() ? 1 + extra_count : holds[i];
+      holds_taken += n;
       if (n > 0)
         add_readers(*e, read_lock, n, now);
       else
