@@ -43,6 +43,7 @@ def parse_args(argv):
     p.add_argument("--quiet-every", type=float, default=None, help="seconds between quiet points (default: duration/3, at most 300)")
     p.add_argument("--fault-every", type=float, default=None, help="mean seconds between faults (default: 4 in runs under 5 min, else 15)")
     p.add_argument("--server-faults-until", type=float, default=0.5, help="share of the run after which the server is no more killed or restarted (the measured run)")
+    p.add_argument("--faults", default="", help="only these fault kinds, comma-separated (default: all; soak/faults.py lists them)")
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS / fd / hit-rate samples")
     p.add_argument("--stop-on-failure", action="store_true", help="end at the first broken invariant")
     return p.parse_args(argv)

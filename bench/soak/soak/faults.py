@@ -42,12 +42,16 @@ class FaultSchedule:
     mean_interval_s: float
     duration_s: float
     server_faults_until_s: float
+    kinds: Tuple[str, ...] = ()  # only these (empty: every kind)
     unavailable: Tuple[str, ...] = ()
     injected: List[Fault] = field(default_factory=list)
     active: List[Tuple[Fault, Callable[[], None]]] = field(default_factory=list)
     next_at: float = 0.0
 
     def __post_init__(self) -> None:
+        unknown = [k for k in self.kinds if k not in KINDS]
+        if unknown:
+            raise ValueError(f"unknown fault kinds {unknown}: use {', '.join(KINDS)}")
         self.next_at = self.rng.expovariate(1.0 / self.mean_interval_s)
 
     def draw(self, now: float) -> Optional[str]:
@@ -55,7 +59,10 @@ class FaultSchedule:
         if now < self.next_at:
             return None
         self.next_at = now + self.rng.expovariate(1.0 / self.mean_interval_s)
-        kinds = [k for k in KINDS if k not in self.unavailable and (now < self.server_faults_until_s or k not in SERVER_ENDING)]
+        kinds = [k for k in KINDS if k not in self.unavailable and (not self.kinds or k in self.kinds)
+                 and (now < self.server_faults_until_s or k not in SERVER_ENDING)]
+        if not kinds:
+            return None
         return self.rng.choices(kinds, weights=[KINDS[k] for k in kinds])[0]
 
     def record(self, now: float, kind: str, detail: str = "", lasts_s: float = 0.0, end: Optional[Callable[[], None]] = None) -> None:

@@ -4,6 +4,8 @@ reading itself is no request in flight.
 
 The books (counters since the server process started; a restart starts them again):
 
+  l1_read_holds     kvtier_l1_read_holds_taken_total
+                    = kvtier_l1_read_holds_released_total + kvtier_l1_read_holds_expired_total
   l1_write_locks    kvtier_l1_write_reserved_keys_total
                     = kvtier_l1_write_keys_total + kvtier_l1_evicted_keys_total{reason=abandoned}
                       + kvtier_l1_lock_expired_keys_total{lock=write}
@@ -106,6 +108,9 @@ def books(s: Series) -> List[str]:
             bad.append(f"{name}: {lhs:.0f} != {rhs:.0f} ({how})")
 
     t = lambda n, **w: total(s, n, **w)  # noqa: E731
+    eq("l1_read_holds", t("kvtier_l1_read_holds_taken_total"),
+       t("kvtier_l1_read_holds_released_total") + t("kvtier_l1_read_holds_expired_total"),
+       "taken = released + expired (holds: keys x readers)")
     eq("l1_write_locks", t("kvtier_l1_write_reserved_keys_total"),
        t("kvtier_l1_write_keys_total") + t("kvtier_l1_evicted_keys_total", reason="abandoned")
        + t("kvtier_l1_lock_expired_keys_total", lock="write"),

@@ -38,6 +38,31 @@ def open_fds(pid: int) -> Optional[int]:
         return None
 
 
+def fd_kinds(pid: int) -> dict:
+    """Open descriptors by kind (socket, pipe, anon_inode:[eventfd], memfd, a path's
+    directory), to say what a growing count is made of."""
+    out: dict = {}
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for n in names:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{n}")
+        except OSError:
+            continue
+        if target.startswith(("socket:", "pipe:")):
+            kind = target.split(":")[0]
+        elif target.startswith("anon_inode:"):
+            kind = target
+        elif target.startswith("/memfd:"):
+            kind = "memfd"
+        else:
+            kind = os.path.dirname(target)
+        out[kind] = out.get(kind, 0) + 1
+    return out
+
+
 class RedisProcess:
     """A redis-server on loopback with no persistence: a restart comes back empty, as a
     Redis that lost its memory does."""
@@ -92,8 +117,7 @@ class DiskDir:
     temporary directory (then the full-disk fault is not available, and the summary says so)."""
 
     def __init__(self, parent: Path, size_mb: int) -> None:
-        self.path = parent / "disk-l2"
-        self.path.mkdir()
+        self.path = Path(tempfile.mkdtemp(prefix="disk-l2-", dir=parent))
         self.mounted = False
         if os.geteuid() == 0:
             r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "kvtier-soak", str(self.path)],
@@ -143,6 +167,7 @@ class DiskDir:
     def close(self) -> None:
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.path)], capture_output=True)
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 class MiniEngine:

@@ -19,7 +19,7 @@ from kvtier_testing import FAST_TIMEOUTS_MS, ServerProcess, status as socket_sta
 
 from . import invariants as inv
 from .faults import FaultSchedule
-from .processes import DiskDir, MiniEngine, RedisProcess, open_fds, rss_kib
+from .processes import DiskDir, MiniEngine, RedisProcess, fd_kinds, open_fds, rss_kib
 from .report import Record, Sample, growth_per_hour, svg, table, write_json
 from .workload import EngineSpec, PromptPool, ReplayDriver
 
@@ -34,7 +34,8 @@ class Soak:
     def __init__(self, args, out: Path) -> None:
         self.a = args
         self.out = out
-        self.rng = random.Random(args.seed)
+        self.rng = random.Random(args.seed)  # the faults: their kinds, times and details
+        self.mini_rng = random.Random(args.seed * 31 + 5)  # the mini engine's jobs
         self.record = Record(args.seed, args.duration)
         self.t0 = time.monotonic()
         self.boot = 0
@@ -49,7 +50,7 @@ class Soak:
         dur = args.duration
         self.quiet_every = args.quiet_every or min(300.0, max(20.0, dur / 3))
         self.schedule = FaultSchedule(self.rng, args.fault_every or (4.0 if dur < 300 else 15.0), dur,
-                                      dur * args.server_faults_until)
+                                      dur * args.server_faults_until, kinds=tuple(args.faults.split(",")) if args.faults else ())
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -75,7 +76,7 @@ class Soak:
         pool = PromptPool(random.Random(self.a.seed * 7919 + 1))
         timeouts = dict(FAST_TIMEOUTS_MS)
         for spec in ENGINES:
-            self.drivers.append(ReplayDriver(spec, str(self.server.socket_path), random.Random(self.rng.random()), pool,
+            self.drivers.append(ReplayDriver(spec, str(self.server.socket_path), random.Random(f"{self.a.seed}/{spec.name}"), pool,
                                              CHUNK_TOKENS, timeouts))
         self.mini = MiniEngine(build / "examples" / "kvtier_mini_engine", self.server.socket_path, self.out, CHUNK_TOKENS)
 
@@ -132,7 +133,7 @@ class Soak:
         if res:
             self.record.fail(self.now(), "engine_kv", res)
         if start and not self.mini.running():
-            self.mini.start(self.rng)
+            self.mini.start(self.mini_rng)
 
     # --- faults -----------------------------------------------------------------------------
     def inject(self, kind: str) -> None:
@@ -245,21 +246,33 @@ class Soak:
         for b in inv.books(m):
             self.record.fail(self.now(), "books", b)
         for d in self.drivers:
-            state = d.idle_state()
-            bad = {k: v for k, v in state.items() if v}
+            bad = self._engine_held(d, 10.0)
             if bad:
                 self.record.fail(self.now(), "engine_idle", f"{d.spec.name}: {bad}")
         smp = self.sample(quiet=True)
         if smp is not None:
             base = smp.fds - smp.connections - smp.registrations
-            first = self.fd_base.setdefault(self.boot, base)
+            kinds = fd_kinds(self.server.pid)
+            first, first_kinds = self.fd_base.setdefault(self.boot, (base, kinds))
             if base != first:
+                grown = {k: v - first_kinds.get(k, 0) for k, v in kinds.items() if v != first_kinds.get(k, 0)}
                 self.record.fail(self.now(), "server_fds", f"boot {self.boot}: {base} descriptors besides connections and "
-                                 f"registrations at this quiet point, {first} at the boot's first")
+                                 f"registrations at this quiet point, {first} at the boot's first; changed: {grown} "
+                                 f"({smp.connections} connections, {smp.registrations} registrations)")
         print(f"[{self.now():8.1f} s] quiet point {self.quiet_points}: boot {self.boot}, "
               f"rss {smp.rss_kib if smp else '?'} KiB, fds {smp.fds if smp else '?'}, "
               f"{sum(d.finished for d in self.drivers)} replay requests, {self.mini.ok} mini jobs ok, "
               f"{len(self.schedule.injected)} faults, {len(self.record.failures)} broken", flush=True)
+
+    @staticmethod
+    def _engine_held(d: ReplayDriver, timeout_s: float) -> dict:
+        """What the engine still holds, polled for ``timeout_s`` (a ping may be in flight)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            bad = {k: v for k, v in d.idle_state().items() if v}
+            if not bad or time.monotonic() > deadline:
+                return bad
+            time.sleep(0.1)
 
     def _wait_server_idle(self, timeout_s: float):
         deadline = time.monotonic() + timeout_s

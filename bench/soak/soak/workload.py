@@ -161,7 +161,15 @@ class ReplayDriver:
         outs = self.engine.worker_state()
         self._check_violations()
         sched = self.engine.sched
+        conns = [self.engine.scheduler_connector_stats()] + [o.get("connector_stats", {}) for o in outs]
         return {
+            # kvtier.Connector.stats() of the scheduler's connection and each worker's: calls
+            # waiting for a reply, requests tracked for get_finished, lookup entries, and
+            # connections kept open for late replies besides the current one.
+            "connector_pending_calls": sum(c.get("pending_calls", 0) for c in conns),
+            "connector_tracked_requests": sum(c.get("tracked_requests", 0) for c in conns),
+            "connector_lookups": sum(c.get("lookups", 0) for c in conns),
+            "connector_connections_kept": sum(max(c.get("open_connections", 1) - 1, 0) for c in conns),
             "scheduler_holds": sched.holds(),
             "scheduler_waiting_for_kv": sum(1 for q in sched.waiting if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS),
             "worker_quarantined_blocks": sum(len(o.get("quarantined", ())) for o in outs),
