@@ -147,7 +147,8 @@ void client(Tier& t, unsigned seed, int ops, std::size_t key_space, const atomic
       (void)(rng() % 2 ? t.evict() : t.expire_locks());
     } else {
       const auto u = t.usage();
-      if (u.slots_used != u.objects + u.removing || u.slots_used > t.slot_count() || u.evictable > u.objects)
+      if (u.slots_used != u.objects + u.removing || u.slots_used > t.slot_count() || u.evictable > u.objects ||
+          u.read_locked > u.slots_used || u.write_locked > u.slots_used)
         st.fail(__LINE__);
     }
   }
@@ -215,6 +216,8 @@ TEMPLATE_TEST_CASE("concurrent clients keep the tier consistent while it evicts 
   CHECK(u.removing == 0);
   CHECK(u.slots_used == 0);
   CHECK(u.evictable == 0);
+  CHECK(u.read_locked == 0);
+  CHECK(u.write_locked == 0);
   // Each object created went away exactly once, whatever the reason.
   CHECK(counts->removed_total() == sum.created);
   CHECK(counts->write_reserved == sum.reserved);

@@ -233,7 +233,7 @@ TEST_CASE("an object goes absent, write_locked, ready, read_locked, ready, absen
   CHECK(c.removed_bytes[static_cast<std::size_t>(bus::removal_reason::deleted)] == 1000);
 }
 
-TEST_CASE("usage counts objects, slots and bytes through the states", "[l1][tier]") {
+TEST_CASE("usage counts objects, slots, bytes and locked objects through the states", "[l1][tier]") {
   fixture f;
   REQUIRE(f.write(keys({1, 2, 3}), {}, 3000) == all(3, status::success));
   auto u = f.l1->usage();
@@ -242,10 +242,22 @@ TEST_CASE("usage counts objects, slots and bytes through the states", "[l1][tier
   CHECK(u.bytes_used == 3 * 4096);
   CHECK(u.object_bytes == 9000);
   CHECK(u.evictable == 0);  // write-locked
+  CHECK(u.write_locked == 3);
+  CHECK(u.read_locked == 0);
   REQUIRE(f.finish(keys({1, 2})) == all(2, status::success));
   CHECK(f.l1->usage().evictable == 2);
+  CHECK(f.l1->usage().write_locked == 1);
   REQUIRE(f.read(keys({1})) == all(1, status::success));
-  CHECK(f.l1->usage().evictable == 1);
+  REQUIRE(f.read(keys({1})) == all(1, status::success));  // a second hold: still one object
+  u = f.l1->usage();
+  CHECK(u.evictable == 1);
+  CHECK(u.read_locked == 1);
+  REQUIRE(f.unread(keys({1})) == all(1, status::success));
+  CHECK(f.l1->usage().read_locked == 1);
+  REQUIRE(f.unread(keys({1})) == all(1, status::success));
+  CHECK(f.l1->usage().read_locked == 0);
+  REQUIRE(f.abandon(keys({3})) == all(1, status::success));
+  CHECK(f.l1->usage().write_locked == 0);
 }
 
 TEST_CASE("mode new refuses existing keys and a key repeated in the batch", "[l1][tier]") {

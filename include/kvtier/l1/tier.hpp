@@ -113,6 +113,8 @@ struct usage_info {
   std::size_t removing = 0;        ///< removed while locked, memory freed at the last unlock
   std::size_t object_bytes = 0;    ///< sum of the objects' sizes (<= bytes_used)
   std::size_t evictable = 0;       ///< ready, unlocked objects the policy may take
+  std::size_t read_locked = 0;     ///< entries with a read hold (removing ones included)
+  std::size_t write_locked = 0;    ///< entries write-locked: being written, not readable yet
 };
 
 /// What remove_if removed and what it had to leave.
@@ -403,7 +405,8 @@ class tier {
   entry* lookup(const chunk_key& key, lazy_now& now, tally& t);
   void publish(const tally& t);
 
-  // Leaf mutators (impl/tier_entry.hpp): each keeps evictable_ exact, none calls another.
+  // Leaf mutators (impl/tier_entry.hpp): each keeps evictable_, read_locked_ and
+  // write_locked_ exact (through adjust), none calls another.
   template <class F>
   void adjust(entry& e, F&& f);
   void lock_write(entry& e, lock_lifetime lifetime, lazy_now& now);
@@ -476,6 +479,8 @@ class tier {
   std::size_t object_bytes_ = 0;
   std::size_t removing_ = 0;
   std::size_t evictable_ = 0;
+  std::size_t read_locked_ = 0;   ///< entries with readers() > 0
+  std::size_t write_locked_ = 0;  ///< entries with write_locked
   /// No expiring lock has a deadline before this (a lower bound: sweeps are skipped until
   /// then, so a tier whose locks are all pinned never sweeps).
   time_point earliest_deadline_ = time_point::max();

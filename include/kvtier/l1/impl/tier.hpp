@@ -4,7 +4,8 @@
 //   impl/tier.hpp             construction, argument checks, the frame every operation runs
 //                             in (mutex, clock, events published after), queries
 //   impl/tier_entry.hpp       one entry's lock state: the leaf mutators that keep
-//                             evictable_ exact, and an entry leaving the tier
+//                             evictable_, read_locked_ and write_locked_ exact, and an
+//                             entry leaving the tier
 //   impl/tier_writes.hpp      reserve_write, finish_write(_and_reserve_read), abandon_write
 //   impl/tier_reads.hpp       reserve_read, finish_read, read_views, touch
 //   impl/tier_prefix.hpp      reserve_prefix
@@ -183,6 +184,8 @@ usage_info tier<Policy, Bus>::usage() const {
   u.removing = removing_;
   u.object_bytes = object_bytes_;
   u.evictable = evictable_;
+  u.read_locked = read_locked_;
+  u.write_locked = write_locked_;
   return u;
 }
 

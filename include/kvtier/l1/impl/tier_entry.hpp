@@ -1,8 +1,8 @@
 #pragma once
 // l1::tier, one entry's lock state (part of kvtier/l1/impl/tier.hpp): the leaf mutators, each
-// keeping the count of evictable entries exact and none calling another, and the steps by
-// which an entry leaves the tier (removed now, or marked removing and freed at its last
-// unlock).
+// keeping the counts of evictable, read-locked and write-locked entries exact and none
+// calling another, and the steps by which an entry leaves the tier (removed now, or marked
+// removing and freed at its last unlock).
 
 #include <kvtier/l1/tier.hpp>
 
@@ -23,18 +23,24 @@ object_state tier<Policy, Bus>::state_of(const entry& e) noexcept {
 }
 
 // ---------------------------------------------------------------------------------------
-// leaf mutators (each keeps evictable_ exact)
+// leaf mutators (each keeps evictable_, read_locked_ and write_locked_ exact)
 // ---------------------------------------------------------------------------------------
 template <class Policy, class Bus>
 template <class F>
 void tier<Policy, Bus>::adjust(entry& e, F&& f) {
-  const bool before = evictable(e);
+  const bool evictable_before = evictable(e);
+  const bool read_before = e.readers() > 0;
+  const bool write_before = e.write_locked;
   std::forward<F>(f)();
-  const bool after = evictable(e);
-  if (before && !after)
-    --evictable_;
-  else if (!before && after)
-    ++evictable_;
+  const auto recount = [](std::size_t& n, bool before, bool after) {
+    if (before && !after)
+      --n;
+    else if (!before && after)
+      ++n;
+  };
+  recount(evictable_, evictable_before, evictable(e));
+  recount(read_locked_, read_before, e.readers() > 0);
+  recount(write_locked_, write_before, e.write_locked);
 }
 
 template <class Policy, class Bus>

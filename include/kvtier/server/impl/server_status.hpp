@@ -23,9 +23,13 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 namespace kvtier {
@@ -201,6 +205,28 @@ namespace detail {
   return backends;
 }
 
+/// The status document's "held": what the server hands out and gets back, each read where
+/// it is held (not from event counters); all 0 on an idle server (docs/server.md, "Status
+/// JSON").
+[[nodiscard]] inline nlohmann::json held_status(
+    const cache::cache_status& cs, const lookup_table& lookups,
+    const std::unordered_map<std::uint64_t, std::shared_ptr<session>>& sessions) {
+  std::size_t requests = 0;
+  std::size_t copies = 0;
+  for (const auto& entry : sessions) {
+    requests += entry.second->requests_in_flight();
+    copies += entry.second->copies_in_flight();
+  }
+  nlohmann::json h;
+  h["l1_read_locked"] = cs.l1.read_locked;          // l1::tier::usage()
+  h["l1_write_locked"] = cs.l1.write_locked;        // l1::tier::usage()
+  h["lookup_keys"] = lookups.keys();                // lookup_table: what client_budget counts
+  h["requests_in_flight"] = requests;               // session::requests_in_flight()
+  h["copies_in_flight"] = copies;                   // session::copies_in_flight() (copy_scope)
+  h["store_staged_bytes"] = cs.store_staged_bytes;  // store_controller::staged_bytes()
+  return h;
+}
+
 }  // namespace detail
 
 /// The status document (status_request): I/O thread only.
@@ -247,6 +273,7 @@ inline std::string server::status_json() {
   j["store"] = {{"inflight_tasks", cs.store_inflight_tasks},
                 {"inflight_bytes", cs.store_inflight_bytes},
                 {"pending_keys", cs.store_pending_keys}};
+  j["held"] = detail::held_status(cs, lookups_, sessions_);
   std::string text = j.dump();
   if (text.size() > protocol::max_status_json_bytes) {
     // Thousands of connections: keep the totals, drop the per-client list.

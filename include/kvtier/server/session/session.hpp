@@ -43,6 +43,7 @@
 #include <boost/asio/use_awaitable.hpp>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <exception>
@@ -67,6 +68,23 @@ inline constexpr bool is_awaitable = false;
 template <class T>
 inline constexpr bool is_awaitable<boost::asio::awaitable<T>> = true;
 struct tier_removal;  // impl/admin_requests.hpp
+
+/// One in a session's count of waiting requests while it lives (I/O thread). Movable, so
+/// that a coroutine's frame may own it (answer_when_decided).
+class waiting_request {
+ public:
+  explicit waiting_request(std::size_t& n) noexcept : n_(&n) { ++*n_; }
+  waiting_request(waiting_request&& o) noexcept : n_(std::exchange(o.n_, nullptr)) {}
+  waiting_request(const waiting_request&) = delete;
+  waiting_request& operator=(const waiting_request&) = delete;
+  waiting_request& operator=(waiting_request&&) = delete;
+  ~waiting_request() {
+    if (n_) --*n_;
+  }
+
+ private:
+  std::size_t* n_;
+};
 }  // namespace detail
 
 class session : public std::enable_shared_from_this<session> {
@@ -106,6 +124,14 @@ class session : public std::enable_shared_from_this<session> {
 
   /// Copy operations of this session in flight (I/O thread).
   [[nodiscard]] std::size_t copies_in_flight() const noexcept { return copies_; }
+  /// Requests of this connection received and not answered yet (I/O thread): queued for the
+  /// lane, awaiting in their handler (the copies, the worker pool, the L2 backends), or
+  /// answered once decided (a held lookup answer, a query of a lookup still deciding). A
+  /// handler that answers without awaiting is never seen here: nothing else runs on the I/O
+  /// thread meanwhile (so the status request being answered does not count itself).
+  [[nodiscard]] std::size_t requests_in_flight() const noexcept {
+    return lane_.size() + waiting_ + held_lookups_.size();
+  }
 
   [[nodiscard]] std::uint64_t id() const noexcept { return id_; }
   /// When the last complete frame arrived (or the connection was accepted).
@@ -285,6 +311,7 @@ class session : public std::enable_shared_from_this<session> {
       co_return error(errc::protocol_error, std::string(protocol::name(Message::type)) +
                                                 " is the server's to send: a client sends requests only");
     } else if constexpr (detail::is_awaitable<decltype(on(m, c))>) {
+      const detail::waiting_request waiting(waiting_);
       co_return reply_or_deferred(co_await on(m, c));
     } else {
       co_return reply_or_deferred(on(m, c));
@@ -323,9 +350,9 @@ class session : public std::enable_shared_from_this<session> {
   void hold_lookup_answer(std::uint64_t call_id, std::string key, std::uint64_t cache_id, clock::time_point t0);
   void answer_held_lookup(const std::string& key, protocol::lookup_response reply,
                           std::optional<std::uint64_t> cache_id = std::nullopt);
-  boost::asio::awaitable<void> answer_when_decided(std::shared_ptr<session> self, std::uint64_t call_id,
-                                                   std::string request_key, std::uint64_t cache_id,
-                                                   clock::time_point t0);
+  boost::asio::awaitable<void> answer_when_decided(std::shared_ptr<session> self, detail::waiting_request waiting,
+                                                   std::uint64_t call_id, std::string request_key,
+                                                   std::uint64_t cache_id, clock::time_point t0);
   void forget_lookup(const std::string& request_key);
   void release_owned_lookups();
   void release_rank_holds(const std::string& request_key, std::uint64_t cache_id, std::uint16_t rank);
@@ -378,6 +405,9 @@ class session : public std::enable_shared_from_this<session> {
   boost::asio::steady_timer lane_wake_{conn_.get_executor(), boost::asio::steady_timer::time_point::max()};
   boost::asio::steady_timer reader_wake_{conn_.get_executor(), boost::asio::steady_timer::time_point::max()};
   std::uint64_t requests_ = 0;
+  /// Requests whose handler awaits (handle()) or whose answer waits for its lookup's decision
+  /// (answer_when_decided): counted by detail::waiting_request.
+  std::size_t waiting_ = 0;
   /// Lookup answers held until decided (hold_lookup_answer), by request key.
   struct held_lookup {
     std::uint64_t call_id = 0;

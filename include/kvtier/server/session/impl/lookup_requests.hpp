@@ -103,7 +103,8 @@ inline reply_or_deferred session::on(const protocol::query_prefetch_request& r, 
   if (auto st = ctx_.cache.poll(e->cache_id)) return done_response(*st);
   if (ctx_.cache.known(e->cache_id)) {  // not decided yet: no polling on the wire, answered when it is
     boost::asio::co_spawn(conn_.get_executor(),
-                          answer_when_decided(shared_from_this(), c.id, r.request_key, e->cache_id, c.started),
+                          answer_when_decided(shared_from_this(), detail::waiting_request(waiting_), c.id,
+                                              r.request_key, e->cache_id, c.started),
                           telemetry::log_escaped{&ctx_.log, "query_prefetch answer"});
     return reply_or_deferred::deferred();
   }
@@ -153,12 +154,14 @@ inline void session::answer_held_lookup(const std::string& key, protocol::lookup
 /// most), while this connection's next frames are read and answered (answers carry their
 /// call id). A lookup replaced meanwhile is waited for in its turn; one released or
 /// reaped meanwhile answers unknown.
-inline boost::asio::awaitable<void> session::answer_when_decided(std::shared_ptr<session> self, std::uint64_t call_id,
+inline boost::asio::awaitable<void> session::answer_when_decided(std::shared_ptr<session> self,
+                                                                 detail::waiting_request waiting, std::uint64_t call_id,
                                                                  std::string request_key, std::uint64_t cache_id,
                                                                  clock::time_point t0) {
   using boost::asio::as_tuple;
   using boost::asio::use_awaitable;
-  (void)self;  // keeps the session alive until the answer went out
+  (void)self;     // keeps the session alive until the answer went out
+  (void)waiting;  // counts the query in requests_in_flight() until then (the frame owns it)
   protocol::query_prefetch_response reply{protocol::prefetch_state::unknown, 0, 0};
   for (;;) {
     auto [ec, st] = co_await ctx_.cache.async_wait(cache_id, as_tuple(use_awaitable));
