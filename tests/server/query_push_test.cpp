@@ -147,3 +147,26 @@ TEST_CASE("a lookup that asks to be answered when decided costs one round trip, 
     CHECK(std::get<p::lookup_response>(m) == p::lookup_response{p::prefetch_state::done, 0, 0});
   }
 }
+
+// Found by the soak (bench/soak, a server SIGSTOPped: the engines' lookups timed out and their
+// connections closed with the answers still held): a held answer dropped with its connection
+// must still end its request, or kvtier_server_requests_in_flight{type="lookup"} stays up
+// for ever.
+TEST_CASE("a connection closed with a lookup answer held leaves no request in flight", "[server]") {
+  held_server s;
+  const auto model = s.reg.model_id;
+  REQUIRE_FALSE(s.client->send(1'000'000, p::lookup_request{"req-1", model, 1, chunk_hashes(31, 3), "", true}));
+  REQUIRE(s.wait_held());
+  const auto lookups_in_flight = [&] {
+    return metric_value(s.srv.metrics_text(), R"(kvtier_server_requests_in_flight{type="lookup"})").value_or(-1);
+  };
+  CHECK(lookups_in_flight() == 1);
+  s.client.reset();  // the engine gives up and closes its connection
+
+  raw_client other(s.server.path());
+  wait_for_status(other, [](const json& j) { return j["connections"] == 1; });  // the old session was reaped
+  CHECK(lookups_in_flight() == 0);
+  CHECK(other.status()["held"]["requests_in_flight"] == 0);
+  s.backend->release_lookups();
+  CHECK(other.ping() == s.srv.boot_token());
+}

@@ -130,24 +130,13 @@ class DiskDir:
             return 0
         target = self.path / ".soak-filler"
         taken = 0
-        with open(target, "wb") as f:
-            block = b"\0" * (1 << 20)
+        for block in (1 << 20, 4096):  # then what is left of less than a block
             try:
-                while True:
-                    f.write(block)
-                    f.flush()
-                    taken += len(block)
-            except OSError:
+                with open(target, "ab", buffering=0) as f:
+                    while True:
+                        taken += f.write(b"\0" * block)
+            except OSError:  # ENOSPC: full (already full: not even the file could be made)
                 pass
-        # tmpfs may still have room for less than a block
-        try:
-            with open(target, "ab") as f:
-                while True:
-                    f.write(b"\0" * 4096)
-                    f.flush()
-                    taken += 4096
-        except OSError:
-            pass
         return taken
 
     def unfill(self) -> None:

@@ -108,7 +108,10 @@ class Soak:
             self.schedule.end_due(now)
             kind = self.schedule.draw(now)
             if kind is not None:
-                self.inject(kind)
+                try:
+                    self.inject(kind)
+                except OSError as e:  # the soak's own tools (a file, a process): said, and the run goes on
+                    print(f"[{now:8.1f} s] could not inject {kind}: {e}", flush=True)
             for d in self.drivers:
                 d.tick(admit=True)
                 self._take_failures(d)

@@ -273,6 +273,10 @@ class ReplayEngine:
         on its own backoff, apart from the workers')."""
         return self.connector is not None and self.connector._scheduler.connector.healthy
 
+    def scheduler_connector_stats(self) -> Dict[str, int]:
+        """The scheduler connection's own counters (kvtier.Connector.stats())."""
+        return self.connector._scheduler.connector.stats() if self.connector is not None else {}
+
     def all_healthy(self) -> bool:
         """The scheduler's connection and every worker's: a lookup made now can hit."""
         return self.scheduler_healthy() and all(o["healthy"] for o in self.worker_state())

@@ -186,6 +186,7 @@ class Worker:
             out["fence_refusals"] = ws.fence_refusals
             out["held"] = ws.held()
             out["healthy"] = ws.connector.healthy
+            out["connector_stats"] = ws.connector.stats()
             out["kv_dtype"] = ws.region.layout.model.dtype.name  # the dtype kind kvtier registered this rank's KV as
         return out
 

@@ -210,6 +210,7 @@ class session : public std::enable_shared_from_this<session> {
     lane_wake_.cancel();
     while (!lane_done_) co_await reader_wake_.async_wait(as_tuple(use_awaitable));
     conn_.close();
+    drop_held_lookup_answers();
     host_.session_closed(id_);
   }
 
@@ -350,6 +351,7 @@ class session : public std::enable_shared_from_this<session> {
   void hold_lookup_answer(std::uint64_t call_id, std::string key, std::uint64_t cache_id, clock::time_point t0);
   void answer_held_lookup(const std::string& key, protocol::lookup_response reply,
                           std::optional<std::uint64_t> cache_id = std::nullopt);
+  void drop_held_lookup_answers();
   boost::asio::awaitable<void> answer_when_decided(std::shared_ptr<session> self, detail::waiting_request waiting,
                                                    std::uint64_t call_id, std::string request_key,
                                                    std::uint64_t cache_id, clock::time_point t0);

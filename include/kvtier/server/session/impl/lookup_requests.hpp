@@ -149,6 +149,17 @@ inline void session::answer_held_lookup(const std::string& key, protocol::lookup
   if (!closing_) conn_.async_send(h.call_id, protocol::message(reply), [](error_code) {});
 }
 
+/// The connection closed with lookup answers held: each request ends unanswered (its
+/// server_request_finished, not ok), so that requests in flight go back to 0.
+inline void session::drop_held_lookup_answers() {
+  const auto now = clock::now();
+  for (const auto& [key, h] : held_lookups_) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now - h.t0).count();
+    ctx_.bus.publish(bus::server_request_finished{bus::request_kind::lookup, id_, false, static_cast<std::uint64_t>(ns)});
+  }
+  held_lookups_.clear();
+}
+
 /// A query of a lookup still deciding: answered once it is decided (tiered_cache::
 /// async_wait; the prefetch decides within its wait budget, prefetch_timeout_cap_ms at
 /// most), while this connection's next frames are read and answered (answers carry their
