@@ -235,8 +235,9 @@ class Soak:
         for d in self.drivers:
             try:
                 d.drain(timeout_s=300)
-            except AssertionError as e:
+            except AssertionError as e:  # what vLLM would have died of: said, and a fresh engine goes on
                 self.record.fail(self.now(), "engine_drains", f"{d.spec.name}: {e}")
+                d.restart()
             self._take_failures(d)
         deadline = time.monotonic() + 60
         while not all(d.healthy() for d in self.drivers) and time.monotonic() < deadline:
