@@ -56,6 +56,7 @@ def assert_clean(e: ReplayEngine, srv=None, loaded=()) -> None:
     assert sorted(s.reports["recving"]) == sorted(set(s.reports["recving"])), "an id finished receiving twice"
     for rid in loaded:
         assert s.reports["recving"].count(rid) == 1
+    assert e.partial_reports() == {}, "ids only some ranks reported finished"
     if e.connector is not None:
         assert e.connector.scheduler_side.tracked() == 0
     if srv is not None and srv.running():
@@ -246,6 +247,44 @@ def test_a_stopped_server_keeps_the_blocks_of_its_load_quarantined_until_it_answ
             srv.resume()
         e.run()
         assert len(e.sched.finished["b"].output_token_ids) == 2
+        assert_clean(e, srv, loaded=["b"])
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_request_aborted_while_its_held_load_report_waits_gets_one_last_report(servers, world_size):
+    """Found by the soak (bench/soak, a server SIGSTOPped): the load's blocks quarantined, the
+    request's receiving report held back; the request is aborted, so its sending report comes
+    and is held back too. When the quarantine ends both were released in one get_finished, and
+    vLLM, which frees a finished request on finished_recving, then asserted on the
+    finished_sending of a request it no longer holds."""
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv, world_size=world_size) as e:
+        d = doc(64, 9)
+        e.add("warm", d + [1], 1)
+        e.run()
+
+        def pause_and_note_blocks(so):
+            srv.pause()
+            return [op.block_ids for op in so.kv_connector_metadata.plan.loads]
+
+        stop_at_load, stopped = at_first_load(pause_and_note_blocks)
+        e.add("b", d + [2], 2)
+        e.run(before_workers=stop_at_load, until=lambda: bool(stopped))
+        (blocks,) = stopped[0]
+        try:
+            wait_until(
+                lambda: all(set(blocks) <= set(o["quarantined"]) for o in e.worker_state()),
+                what="the load's blocks quarantined",
+            )
+            e.sched.abort("b")  # the user gives up while the load's report is held back
+            for _ in range(5):
+                e.step()
+        finally:
+            srv.resume()
+        e.run()
+        assert e.violations == []
+        assert e.sched.finished["b"].status == RequestStatus.FINISHED_ABORTED
+        assert "b" not in e.sched.requests
         assert_clean(e, srv, loaded=["b"])
 
 

@@ -173,6 +173,7 @@ class MiniEngine:
         self.jobs = 0
         self.killed = 0
         self.ok = 0
+        self.requests = 0  # requests of the jobs that ended ok, every output verified
         self.report_path = workdir / "mini-engine.json"
         self.log_path = workdir / "mini-engine.log"
         self._killed_this = False
@@ -223,8 +224,7 @@ class MiniEngine:
                       for r in report.get("rounds", [])]
             return f"mini engine job failed (exit {rc}): {rounds}; log: {self._log_tail()}"
         self.ok += 1
-        self.tokens_from_cache = getattr(self, "tokens_from_cache", 0) + sum(
-            r.get("tokens_from_cache", 0) for r in report.get("rounds", []))
+        self.requests += sum(r.get("completed", 0) for r in report.get("rounds", []))
         return ""
 
     def wait(self, timeout_s: float) -> Optional[str]:

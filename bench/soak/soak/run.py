@@ -236,7 +236,8 @@ class Soak:
             try:
                 d.drain(timeout_s=300)
             except AssertionError as e:  # what vLLM would have died of: said, and a fresh engine goes on
-                self.record.fail(self.now(), "engine_drains", f"{d.spec.name}: {e}")
+                v = d.engine.violations
+                self.record.fail(self.now(), "engine_drains", f"{d.spec.name}: {v[-1] if v else e}")
                 d.restart()
             self._take_failures(d)
         deadline = time.monotonic() + 60
@@ -255,18 +256,33 @@ class Soak:
                 self.record.fail(self.now(), "engine_idle", f"{d.spec.name}: {bad}")
         smp = self.sample(quiet=True)
         if smp is not None:
-            base = smp.fds - smp.connections - smp.registrations
-            kinds = fd_kinds(self.server.pid)
-            first, first_kinds = self.fd_base.setdefault(self.boot, (base, kinds))
-            if base != first:
-                grown = {k: v - first_kinds.get(k, 0) for k, v in kinds.items() if v != first_kinds.get(k, 0)}
-                self.record.fail(self.now(), "server_fds", f"boot {self.boot}: {base} descriptors besides connections and "
-                                 f"registrations at this quiet point, {first} at the boot's first; changed: {grown} "
-                                 f"({smp.connections} connections, {smp.registrations} registrations)")
+            self._check_fds()
         print(f"[{self.now():8.1f} s] quiet point {self.quiet_points}: boot {self.boot}, "
               f"rss {smp.rss_kib if smp else '?'} KiB, fds {smp.fds if smp else '?'}, "
               f"{sum(d.finished for d in self.drivers)} replay requests, {self.mini.ok} mini jobs ok, "
               f"{len(self.schedule.injected)} faults, {len(self.record.failures)} broken", flush=True)
+
+    def _check_fds(self) -> None:
+        """The server's descriptors at a quiet point: those that are not sockets exactly as at
+        the boot's first quiet point; sockets beside its connections too, once the HTTP
+        connections of this very check have closed (polled for 5 s)."""
+        deadline = time.monotonic() + 5
+        while True:
+            kinds = fd_kinds(self.server.pid)
+            conns = inv.status(self.metrics_url).get("connections", 0)
+            now = {"files": sum(v for k, v in kinds.items() if k != "socket"), "sockets_beside_connections": kinds.get("socket", 0) - conns}
+            if self.boot not in self.fd_base:
+                print(f"[{self.now():8.1f} s] boot {self.boot}: server descriptors at its first quiet point: {kinds}, "
+                      f"{conns} connections", flush=True)
+            first, first_kinds = self.fd_base.setdefault(self.boot, (now, kinds))
+            if now == first:
+                return
+            if time.monotonic() > deadline:
+                grown = {k: v - first_kinds.get(k, 0) for k, v in kinds.items() if v != first_kinds.get(k, 0)}
+                self.record.fail(self.now(), "server_fds", f"boot {self.boot}: {now} at this quiet point, {first} at the "
+                                 f"boot's first; by kind: {grown}")
+                return
+            time.sleep(0.1)
 
     @staticmethod
     def _engine_held(d: ReplayDriver, timeout_s: float) -> dict:
@@ -313,6 +329,7 @@ class Soak:
             ("replay requests aborted / preempted", f"{sum(d.aborted for d in self.drivers)} / {sum(d.preempted for d in self.drivers)}"),
             ("replay engines killed and restarted", sum(d.killed for d in self.drivers)),
             ("mini engine jobs ok / killed", f"{self.mini.ok} / {self.mini.killed}"),
+            ("mini engine requests (in jobs ok)", self.mini.requests),
             ("faults injected", len(sched.injected)),
         ] + [(f"  {k}", v) for k, v in sched.counts().items()] + [
             ("token hit rate (server, all boots)", f"{hits / req:.3f}" if req else "n/a"),
@@ -326,6 +343,14 @@ class Soak:
             f"kvtier_soak seed {self.a.seed}: {self.now() / 3600:.2f} h, {len(sched.injected)} faults, {self.boot} server boots")
         write_json(self.out / "soak.json", {"summary": dict((str(k).strip(), v) for k, v in rows),
                                              "failures": [f.__dict__ for f in rec.failures]})
+        served = sum(d.finished for d in self.drivers) + self.mini.requests
+        results = {"soak_requests_served": served, "soak_faults_injected": len(sched.injected), "soak_wrong_kv": wrong,
+                   "soak_leaks": leaks, "soak_broken_invariants": len(rec.failures),
+                   "soak_token_hit_rate": round(hits / req, 4) if req else 0}
+        if rss_growth is not None:
+            results["soak_rss_growth_pct_per_hour"] = round(rss_growth * 100, 3)
+        for k, v in results.items():
+            print(f"RESULT {k}={v}")
         print(f"files: {self.out}", flush=True)
         if rec.failures:
             f = rec.failures[0]

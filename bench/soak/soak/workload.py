@@ -126,7 +126,8 @@ class ReplayDriver:
             self.engine.step(self._before_workers)
         except (EOFError, BrokenPipeError, ConnectionResetError, AssertionError, OSError) as e:
             if not self._killed_now:
-                self.failures.append(f"{self.spec.name}: a step failed: {type(e).__name__}: {e}")
+                last = self.engine.violations[self._seen_violations:]  # the replay's own account, when it has one
+                self.failures.append(f"{self.spec.name}: a step failed: {last[-1] if last else f'{type(e).__name__}: {e}'}")
             self.restart()
             return
         self.finished += len(self.engine.sched.finished) - before
@@ -171,6 +172,7 @@ class ReplayDriver:
             "connector_lookups": sum(c.get("lookups", 0) for c in conns),
             "connector_connections_kept": sum(max(c.get("open_connections", 1) - 1, 0) for c in conns),
             "scheduler_holds": sched.holds(),
+            "aggregator_partial_reports": sum(len(v) for v in self.engine.partial_reports().values()),
             "scheduler_waiting_for_kv": sum(1 for q in sched.waiting if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS),
             "worker_quarantined_blocks": sum(len(o.get("quarantined", ())) for o in outs),
             "worker_held": sum(int(o.get("held", 0)) for o in outs),

@@ -342,7 +342,11 @@ class WorkerSide:
 
         out_recv = st.unissued + [r for r in st.held_recving if ready(r)]
         st.unissued = []
-        out_send = [r for r in st.held_sending if ready(r)]
+        # An id released from both holds at once (its receiving report was held back, then the
+        # engine finished it: an abort while its load's blocks were quarantined) gets one
+        # last report, receiving: vLLM frees a finished request on finished_recving and
+        # asserts on a later finished_sending of it (the tracker's rule, engine/finished_tracker.hpp).
+        out_send = [r for r in st.held_sending if ready(r) and r not in out_recv]
         st.held_recving = [r for r in st.held_recving if not ready(r)]
         st.held_sending = [r for r in st.held_sending if not ready(r)]
         for rid in out_recv + out_send:

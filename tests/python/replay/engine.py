@@ -170,6 +170,8 @@ class ReplayEngine:
         self.ttft: Dict[str, float] = {}
         self._arrival: Dict[str, float] = {}
         self._agg: Dict[str, Counter] = {"sending": Counter(), "recving": Counter()}
+        self._sent_by_rank: List[set] = [set() for _ in range(world_size)]  # ids each rank reported finished sending
+        self.reports_by_id: Dict[str, List[Tuple[int, int, str]]] = {}  # id -> (step, rank, "sending"/"recving")
         self.steps: List[StepRecord] = []
         self.keep_records = False
 
@@ -200,7 +202,14 @@ class ReplayEngine:
             pipe.send(("step", so))
         outs = [self._recv(pipe)[1] for pipe in self._pipes]
         kv = KVConnectorOutput(finished_sending=set(), finished_recving=set(), invalid_block_ids=set())
-        for out in outs:
+        for rank, out in enumerate(outs):
+            for which in ("sending", "recving"):
+                for rid in out.get(f"finished_{which}") or ():
+                    self.reports_by_id.setdefault(rid, []).append((self.sched.step_count, rank, which))
+            for rid in out.get("finished_sending") or ():
+                if rid in self._sent_by_rank[rank]:
+                    self.violations.append(f"step {self.sched.step_count}: rank {rank} reported {rid} finished sending twice")
+                self._sent_by_rank[rank].add(rid)
             stats = out.get("kv_connector_stats")
             if stats is not None:
                 kv.kv_connector_stats = stats if kv.kv_connector_stats is None else kv.kv_connector_stats.aggregate(stats)
@@ -222,7 +231,11 @@ class ReplayEngine:
         try:
             discarded = self.sched.update_from_output(so, sampled, kv if self.kvtier else None)
         except AssertionError as e:
-            self.violations.append(f"step {self.sched.step_count}: {e}")
+            rid = str(e).split(" ")[0]
+            history = self.reports_by_id.get(rid, [])
+            req = self.sched.finished.get(rid) or self.sched.requests.get(rid)
+            self.violations.append(f"step {self.sched.step_count}: {e} (reports (step, rank, kind): {history}; "
+                                   f"status {req.status.name if req is not None else None})")
             raise
         # What vLLM keeps of the step: not the output of a request it rolled back (a synchronous
         # load with failed blocks); anything wrong in what it keeps is a violation.
@@ -272,6 +285,11 @@ class ReplayEngine:
         """Whether the scheduler's own connection is registered with a server (it reconnects
         on its own backoff, apart from the workers')."""
         return self.connector is not None and self.connector._scheduler.connector.healthy
+
+    def partial_reports(self) -> Dict[str, Dict[str, int]]:
+        """Ids some ranks but not all reported finished (vLLM's KVOutputAggregator keeps their
+        counts until the rest come): none at idle, or the aggregator holds them for ever."""
+        return {which: dict(c) for which, c in self._agg.items() if c}
 
     def scheduler_connector_stats(self) -> Dict[str, int]:
         """The scheduler connection's own counters (kvtier.Connector.stats())."""
