@@ -717,3 +717,47 @@ def test_a_short_request_writing_a_preempted_requests_blocks_fences_them_so_its_
         e.add("c", d[:16] + [3], 1)  # hits a's chunk 0 if it was stored
         e.run()
         assert e.violations == []
+
+
+class _ScriptedConnector:
+    """A worker's kvtier.Connector whose get_finished answers come from a script (the C++
+    tracker's reports of one rank), with nothing quarantined."""
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def get_finished(self, finished_by_engine):
+        return self.script.pop(0) if self.script else ([], [])
+
+    def quarantined_blocks(self):
+        return []
+
+    def blocks_reused(self, blocks):
+        return []
+
+
+def test_a_rank_whose_receiving_report_went_before_the_abort_reports_nothing_more(tmp_path):
+    """Found by the soak (TP=2, a server SIGSTOPped): rank 0's load ended before the abort
+    (receiving reported), rank 1's after it (its last report: receiving). Rank 0's tracker
+    then gives sending as its last report; vLLM frees the request on the aggregated
+    finished_recving, and rank 0's finished_sending stayed in its KVOutputAggregator for
+    ever. With the scheduler's recv_last, rank 0 reports nothing more."""
+    from kvtier.integrations.config import KVTierConfig
+    from kvtier.integrations.plan import StepPlan
+    from kvtier.integrations.worker_side import WorkerSide
+
+    def rank(script):
+        ws = WorkerSide(KVTierConfig(socket_path=str(tmp_path / "none.sock"), model_name="m", chunk_tokens=16,
+                                     block_size=4))
+        ws.connector = _ScriptedConnector(script)
+        return ws
+
+    rank0 = rank([([], ["r"]), (["r"], [])])  # receiving before the abort, then sending
+    rank1 = rank([([], []), ([], ["r"])])  # its load still pending at the abort: receiving last
+    assert rank0.finished([]) == (None, {"r"})
+    assert rank1.finished([]) == (None, None)
+    for ws in (rank0, rank1):  # the step after the abort: the plan says r's last report is receiving
+        ws.start_step(StepPlan(recv_last=["r"]))
+    assert rank0.finished(["r"]) == (None, None)
+    assert rank1.finished(["r"]) == (None, {"r"})
+    assert rank0.held() == 0 and rank1.held() == 0

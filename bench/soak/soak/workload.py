@@ -13,8 +13,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+import torch
+
 from replay.engine import ReplayEngine
-from replay.vllm_shapes import RequestStatus
+from replay.vllm_shapes import LoRARequest, MultiModalFeatureSpec, PlaceholderRange, RequestStatus
 
 
 @dataclass
@@ -32,8 +34,27 @@ class PromptPool:
         self.prefixes = [tok(r.randrange(16, 97)) for _ in range(8)]
         self.documents = [tok(r.randrange(20, 400)) for _ in range(40)] + [tok(r.randrange(1000, 2400)) for _ in range(8)]
 
-    def prompt(self) -> List[int]:
-        r = self.rng
+    def inputs(self, r: random.Random, prompt: List[int]) -> Dict[str, Any]:
+        """What else a request may carry (vLLM's keys cover them): a LoRA adapter (1 in 10),
+        an image over some of its positions (1 in 20), or only prompt embeddings (1 in 30).
+        The synthetic KV does not depend on them; they exercise the key paths under faults."""
+        x = r.random()
+        if x < 0.10:
+            n = r.randrange(2)
+            return {"lora_request": LoRARequest(f"soak-adapter-{n}", n + 1)}
+        if x < 0.15 and len(prompt) > 40:
+            at, length = 8, 24
+            prompt[at : at + length] = [7] * length
+            n = r.randrange(3)
+            rows = torch.randn(length, 32, generator=torch.Generator().manual_seed(n))
+            return {"mm_features": [MultiModalFeatureSpec(rows, "image", f"soak-image-{n}", PlaceholderRange(at, length))]}
+        if x < 0.183:
+            n = r.randrange(2)
+            return {"prompt_embeds": torch.randn(len(prompt), 32, generator=torch.Generator().manual_seed(100 + n))}
+        return {}
+
+    def prompt(self, r: random.Random) -> List[int]:
+        """A prompt drawn with the engine's own stream (a seed replays it)."""
         doc = self.documents[min(int(r.paretovariate(1.2)) - 1, len(self.documents) - 1)] if r.random() < 0.7 else r.choice(self.documents)
         return r.choice(self.prefixes) + doc + [r.randrange(1, 30000) for _ in range(r.randrange(1, 20))]
 
@@ -85,7 +106,11 @@ class ReplayDriver:
             rid = f"req-{self.next_id}"
             self.next_id += 1
             salt = self.rng.choice(self.spec.salts)
-            self.engine.add(rid, self.pool.prompt(), max_tokens=self.rng.randrange(1, 9), cache_salt=salt or None)
+            prompt = self.pool.prompt(self.rng)
+            inputs = self.pool.inputs(self.rng, prompt)
+            if "prompt_embeds" in inputs:
+                prompt = None  # an embeddings-only prompt
+            self.engine.add(rid, prompt, max_tokens=self.rng.randrange(1, 9), cache_salt=salt or None, **inputs)
             self.added += 1
 
     def _disturb(self) -> None:
@@ -172,7 +197,9 @@ class ReplayDriver:
             "connector_lookups": sum(c.get("lookups", 0) for c in conns),
             "connector_connections_kept": sum(max(c.get("open_connections", 1) - 1, 0) for c in conns),
             "scheduler_holds": sched.holds(),
-            "aggregator_partial_reports": sum(len(v) for v in self.engine.partial_reports().values()),
+            # ids only some ranks reported, with every report of theirs (step, rank, kind)
+            "aggregator_partial_reports": {which: {rid: self.engine.reports_by_id.get(rid) for rid in ids}
+                                           for which, ids in self.engine.partial_reports().items()},
             "scheduler_waiting_for_kv": sum(1 for q in sched.waiting if q.status == RequestStatus.WAITING_FOR_REMOTE_KVS),
             "worker_quarantined_blocks": sum(len(o.get("quarantined", ())) for o in outs),
             "worker_held": sum(int(o.get("held", 0)) for o in outs),

@@ -42,12 +42,17 @@ class StepPlan:
     """What every worker does in one step (vLLM's KV connector metadata).
 
     ``fence_blocks``: blocks this step writes (tokens computed, retrieve destinations); the
-    worker fences each before the forward pass. ``preempted``: ids preempted this step."""
+    worker fences each before the forward pass. ``preempted``: ids preempted this step.
+    ``recv_last``: ids the engine finished while it still waited for their receiving report
+    (aborted while loading): every rank's last report of them is receiving, never sending
+    (vLLM frees them on the aggregated finished_recving; a rank's sending report would stay
+    in its KVOutputAggregator for ever)."""
 
     loads: List[LoadOp] = field(default_factory=list)
     stores: List[StoreOp] = field(default_factory=list)
     fence_blocks: List[int] = field(default_factory=list)
     preempted: List[str] = field(default_factory=list)
+    recv_last: List[str] = field(default_factory=list)
 
 
 @dataclass

@@ -67,6 +67,8 @@ class SchedulerSide:
         self._requests: Dict[str, _Request] = {}
         self._planned: List[str] = []  # ids with a load planned, in order
         self._loaded: Set[str] = set()  # ids that had a load (until request_finished)
+        self._awaiting_recv: Set[str] = set()  # ids with an asynchronous load vLLM has no finished_recving of yet
+        self._recv_last: List[str] = []  # finished while awaiting it: told to the workers in the next plan
         self._warned: Set[str] = set()  # reasons of uncacheable requests already logged
         # Counters (for the connector's stats): lookups sent, the tokens they asked for, the
         # tokens the server answered as present.
@@ -207,7 +209,10 @@ class SchedulerSide:
             st.load = None
             st.load_issued = True
             self._loaded.add(rid)
+            if self._async:
+                self._awaiting_recv.add(rid)
         self._planned.clear()
+        plan.recv_last, self._recv_last = self._recv_last, []
         for sr in step.scheduled:
             st = self._requests.get(sr.request_id)
             if st is None:
@@ -247,6 +252,10 @@ class SchedulerSide:
         return plan
 
     # -- vLLM: update_connector_output -----------------------------------------------------
+    def on_finished_recving(self, request_ids: Iterable[str]) -> None:
+        """vLLM's aggregated finished_recving of a step: every rank reported these."""
+        self._awaiting_recv.difference_update(request_ids)
+
     def on_load_errors(self, invalid_block_ids: Iterable[int]) -> None:
         """The workers' load errors of a step (vLLM's ``invalid_block_ids``): a request that
         ran a step on blocks that did not land (a synchronous load) recomputes from its first
@@ -267,6 +276,9 @@ class SchedulerSide:
         st = self._requests.pop(request_id, None)
         if st is not None and st.lookup_sent:
             self.connector.end_request(request_id)
+        if request_id in self._awaiting_recv:  # aborted while loading: its last report is receiving
+            self._awaiting_recv.discard(request_id)
+            self._recv_last.append(request_id)
         if request_id in self._planned:
             self._planned.remove(request_id)
         self._loaded.discard(request_id)
@@ -279,7 +291,7 @@ class SchedulerSide:
 
     def tracked(self) -> int:
         """Requests with state here (for tests: 0 once every request finished)."""
-        return len(self._requests) + len(self._loaded)
+        return len(self._requests) + len(self._loaded) + len(self._awaiting_recv)
 
     def shutdown(self) -> None:
         self.connector.close()

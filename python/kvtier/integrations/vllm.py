@@ -187,6 +187,7 @@ class KVTierConnector(KVConnectorBase_V1):
         invalid = getattr(connector_output, "invalid_block_ids", None)
         if invalid:
             self.scheduler_side.on_load_errors(invalid)
+        self.scheduler_side.on_finished_recving(getattr(connector_output, "finished_recving", None) or ())
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[Dict[str, Any]]]:
         # block_ids (the computed prefix, a partial tail included) are not what kvtier stores:

@@ -25,6 +25,7 @@ class _WorkerState:
     held_recving: List[str] = field(default_factory=list)
     held_sending: List[str] = field(default_factory=list)
     unissued: List[str] = field(default_factory=list)  # loads not sent: finished receiving at once
+    recv_last: Set[str] = field(default_factory=set)  # StepPlan.recv_last: never reported sending
     extra_errors: Set[int] = field(default_factory=set)
     stored_plan: Optional["StepPlan"] = None  # the plan whose stores were issued
     step_loads: List[str] = field(default_factory=list)  # layerwise: this step's retrieves in flight
@@ -249,6 +250,7 @@ class WorkerSide:
                 )
         st.step_loads = []
         st.step_failed = set()
+        st.recv_last.update(plan.recv_last)
         for op in plan.loads:
             st.extra_errors.update(op.error_blocks)
             if op.error_blocks:
@@ -346,11 +348,16 @@ class WorkerSide:
         # engine finished it: an abort while its load's blocks were quarantined) gets one
         # last report, receiving: vLLM frees a finished request on finished_recving and
         # asserts on a later finished_sending of it (the tracker's rule, engine/finished_tracker.hpp).
-        out_send = [r for r in st.held_sending if ready(r) and r not in out_recv]
+        # The same for an id the scheduler says vLLM still awaits receiving of (StepPlan.recv_last):
+        # this rank's receiving report may have gone before the abort, another rank's not; the
+        # aggregated finished_recving frees it, so this rank reports nothing more.
+        released_send = [r for r in st.held_sending if ready(r)]
+        out_send = [r for r in released_send if r not in out_recv and r not in st.recv_last]
         st.held_recving = [r for r in st.held_recving if not ready(r)]
         st.held_sending = [r for r in st.held_sending if not ready(r)]
-        for rid in out_recv + out_send:
+        for rid in out_recv + released_send:
             st.load_blocks.pop(rid, None)
+            st.recv_last.discard(rid)
         return (set(out_send) or None, set(out_recv) or None)
 
     # -- vLLM: get_block_ids_with_load_errors ----------------------------------------------
@@ -364,8 +371,9 @@ class WorkerSide:
         return out
 
     def held(self) -> int:
-        """Finished reports held back for quarantined blocks (for tests)."""
-        return len(self._st.held_recving) + len(self._st.held_sending)
+        """Finished reports held back for quarantined blocks, and ids whose last report is
+        still to come as receiving (StepPlan.recv_last); 0 at idle (for tests)."""
+        return len(self._st.held_recving) + len(self._st.held_sending) + len(self._st.recv_last)
 
     def shutdown(self) -> None:
         if self.connector is not None:
