@@ -20,14 +20,9 @@ time to replay it); 2: the soak could not start.
 from __future__ import annotations
 
 import argparse
-import os
-import random
-import shutil
 import signal
-import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -63,6 +58,8 @@ def main(argv=None) -> int:
     out = a.out or Path(tempfile.mkdtemp(prefix="kvtier-soak-"))
     out.mkdir(parents=True, exist_ok=True)
     soak = Soak(a, out)
+    # SIGTERM (ctest's timeout, kill) ends it like Ctrl-C: the servers stop, the tmpfs goes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         soak.start()
     except Exception as e:  # a missing program, a port, a server refusing its configuration
