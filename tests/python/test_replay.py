@@ -216,27 +216,40 @@ def test_the_server_killed_with_loads_in_flight_costs_recomputation_only(servers
         assert_clean(e, srv)
 
 
+def load_with_the_server_stopped(e: ReplayEngine, srv, seed: int) -> list:
+    """Stores a 64-token document, then sends request "b" (the document again) and stops the
+    server in the step that loads it. Returns the load's blocks once every rank has them
+    quarantined (the connectors found the server hung: the retrieve is a load error whose
+    blocks the server may still write). The caller resumes the server."""
+    d = doc(64, seed)
+    e.add("warm", d + [1], 1)
+    e.run()
+
+    def pause_and_note_blocks(so):
+        srv.pause()
+        return [op.block_ids for op in so.kv_connector_metadata.plan.loads]
+
+    stop_at_load, stopped = at_first_load(pause_and_note_blocks)
+    e.add("b", d + [2], 2)
+    e.run(before_workers=stop_at_load, until=lambda: bool(stopped))
+    (blocks,) = stopped[0]
+    try:
+        wait_until(
+            lambda: all(set(blocks) <= set(o["quarantined"]) for o in e.worker_state()),
+            what="the load's blocks quarantined",
+        )
+    except BaseException:
+        srv.resume()
+        raise
+    return blocks
+
+
 def test_a_stopped_server_keeps_the_blocks_of_its_load_quarantined_until_it_answers(servers):
     srv = servers.start(chunk_tokens=CT)
     with engine(srv, world_size=2) as e:
-        d = doc(64, 7)
-        e.add("warm", d + [1], 1)
-        e.run()
-        def pause_and_note_blocks(so):
-            srv.pause()
-            return [op.block_ids for op in so.kv_connector_metadata.plan.loads]
-
-        stop_at_load, stopped = at_first_load(pause_and_note_blocks)
-        e.add("b", d + [2], 2)
-        e.run(before_workers=stop_at_load, until=lambda: bool(stopped))
-        (blocks,) = stopped[0]
+        blocks = load_with_the_server_stopped(e, srv, 7)
         try:
-            # The connectors find the server hung (ping timeout): the retrieve is a load error
-            # whose blocks stay quarantined, and the request's report is held back.
-            wait_until(
-                lambda: all(set(blocks) <= set(o["quarantined"]) for o in e.worker_state()),
-                what="the load's blocks quarantined",
-            )
+            # The request's report is held back while its blocks are quarantined.
             for _ in range(20):
                 outs = e.step().worker_outputs
                 assert e.sched.requests["b"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -259,23 +272,8 @@ def test_a_request_aborted_while_its_held_load_report_waits_gets_one_last_report
     finished_sending of a request it no longer holds."""
     srv = servers.start(chunk_tokens=CT)
     with engine(srv, world_size=world_size) as e:
-        d = doc(64, 9)
-        e.add("warm", d + [1], 1)
-        e.run()
-
-        def pause_and_note_blocks(so):
-            srv.pause()
-            return [op.block_ids for op in so.kv_connector_metadata.plan.loads]
-
-        stop_at_load, stopped = at_first_load(pause_and_note_blocks)
-        e.add("b", d + [2], 2)
-        e.run(before_workers=stop_at_load, until=lambda: bool(stopped))
-        (blocks,) = stopped[0]
+        load_with_the_server_stopped(e, srv, 9)
         try:
-            wait_until(
-                lambda: all(set(blocks) <= set(o["quarantined"]) for o in e.worker_state()),
-                what="the load's blocks quarantined",
-            )
             e.sched.abort("b")  # the user gives up while the load's report is held back
             # vLLM has no finished_recving of it: every rank's last report is receiving.
             assert e.step().output.kv_connector_metadata.plan.recv_last == ["b"]
