@@ -119,25 +119,33 @@ class DiskDir:
     def __init__(self, parent: Path, size_mb: int) -> None:
         self.path = Path(tempfile.mkdtemp(prefix="disk-l2-", dir=parent))
         self.mounted = False
+        self.size_bytes = size_mb << 20
         if os.geteuid() == 0:
             r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "kvtier-soak", str(self.path)],
                                capture_output=True)
             self.mounted = r.returncode == 0
 
     def fill(self) -> int:
-        """Fills the file system to its last byte; returns the bytes taken."""
-        if not self.mounted:
+        """Fills the file system to its last byte; returns the bytes taken. Only its own tmpfs,
+        still mounted and of its size: never the disk under it (an unmounted directory)."""
+        if not self.mounted or not self.is_own_mount():
             return 0
         target = self.path / ".soak-filler"
         taken = 0
         for block in (1 << 20, 4096):  # then what is left of less than a block
             try:
                 with open(target, "ab", buffering=0) as f:
-                    while True:
+                    while taken + block <= self.size_bytes:
                         taken += f.write(b"\0" * block)
             except OSError:  # ENOSPC: full (already full: not even the file could be made)
                 pass
         return taken
+
+    def is_own_mount(self) -> bool:
+        if not os.path.ismount(self.path):
+            return False
+        st = os.statvfs(self.path)
+        return st.f_blocks * st.f_frsize <= self.size_bytes
 
     def unfill(self) -> None:
         try:
