@@ -230,7 +230,8 @@ class MiniEngine:
         if rc != 0 or not report.get("ok"):
             rounds = [{k: r.get(k) for k in ("completed", "wrong_outputs", "corrupt_rows", "duplicate_finished")}
                       for r in report.get("rounds", [])]
-            return f"mini engine job failed (exit {rc}): {rounds}; log: {self._log_tail()}"
+            wrong = any(r["wrong_outputs"] or r["corrupt_rows"] for r in rounds)
+            return f"mini engine job failed{' with wrong KV' if wrong else ''} (exit {rc}): {rounds}; log: {self._log_tail()}"
         self.ok += 1
         self.requests += sum(r.get("completed", 0) for r in report.get("rounds", []))
         return ""

@@ -127,13 +127,13 @@ class Soak:
 
     def _take_failures(self, d: ReplayDriver) -> None:
         for f in d.failures:
-            self.record.fail(self.now(), "engine_kv", f)
+            self.record.fail(self.now(), _engine_invariant(f), f)
         d.failures.clear()
 
     def _mini_tick(self, start: bool) -> None:
         res = self.mini.poll()
         if res:
-            self.record.fail(self.now(), "engine_kv", res)
+            self.record.fail(self.now(), _engine_invariant(res), res)
         if start and not self.mini.running():
             self.mini.start(self.mini_rng)
 
@@ -230,7 +230,7 @@ class Soak:
         self.schedule.end_due(t, everything=True)
         res = self.mini.wait(300)
         if res:
-            self.record.fail(self.now(), "engine_kv", res)
+            self.record.fail(self.now(), _engine_invariant(res), res)
         for d in self.drivers:
             try:
                 d.drain(timeout_s=300)
@@ -318,6 +318,7 @@ class Soak:
         if rss_growth is not None and rss_growth >= 0.02:
             rec.fail(self.now(), "server_rss", f"RSS grows {rss_growth * 100:.2f}% per hour in the measured run (bound 2%)")
         wrong = sum(1 for f in rec.failures if f.invariant == "engine_kv")
+        contract = sum(1 for f in rec.failures if f.invariant in ("engine_contract", "engine_drains", "engines_reconnect"))
         leaks = sum(1 for f in rec.failures if f.invariant in ("server_idle", "engine_idle", "server_fds", "books", "server_rss"))
         hits = sum(s.hit_tokens for s in self._last_of_each_boot())
         req = sum(s.requested_tokens for s in self._last_of_each_boot())
@@ -335,6 +336,7 @@ class Soak:
             ("server RSS first / last (MiB)", f"{rec.samples[0].rss_kib / 1024:.1f} / {rec.samples[-1].rss_kib / 1024:.1f}" if rec.samples else "n/a"),
             ("server RSS growth, measured run", f"{rss_growth * 100:.2f}% per hour" if rss_growth is not None else "n/a (under 10 min of one boot)"),
             ("wrong KV (engine checks failed)", wrong),
+            ("engine contract breaks (vLLM would assert, a step failed)", contract),
             ("leaks and imbalances", leaks),
         ]
         print("\nkvtier_soak summary\n" + table(rows), flush=True)
@@ -344,6 +346,7 @@ class Soak:
                                              "failures": [f.__dict__ for f in rec.failures]})
         served = sum(d.finished for d in self.drivers) + self.mini.requests
         results = {"soak_requests_served": served, "soak_faults_injected": len(sched.injected), "soak_wrong_kv": wrong,
+                   "soak_engine_contract_breaks": contract,
                    "soak_leaks": leaks, "soak_broken_invariants": len(rec.failures),
                    "soak_token_hit_rate": round(hits / req, 4) if req else 0}
         if rss_growth is not None:
@@ -364,3 +367,12 @@ class Soak:
         for s in self.record.samples:
             last[s.boot] = s
         return list(last.values())
+
+
+def _engine_invariant(message: str) -> str:
+    """``engine_kv`` when an engine read KV that was not its own (a replay worker's row check,
+    the mini engine's wrong outputs or corrupt rows), else ``engine_contract`` (what vLLM
+    asserts, a failed step, a job that did not complete)."""
+    wrong = "KV rows not their token's" in message or message.startswith("mini engine job failed with wrong KV")
+    return "engine_kv" if wrong else "engine_contract"
+
