@@ -263,6 +263,13 @@ class session : public std::enable_shared_from_this<session> {
     return protocol::error_response::make(e, text);
   }
 
+  /// Publishes server_request_finished of a `kind` request whose handling began at `started`
+  /// (answered now, deferred and answered now, or dropped unanswered: `ok` false).
+  void finish_request(bus::request_kind kind, bool ok, clock::time_point started) {
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - started).count();
+    ctx_.bus.publish(bus::server_request_finished{kind, id_, ok, static_cast<std::uint64_t>(ns)});
+  }
+
   /// The answer to one frame (publishes server_request_started, and server_request_finished
   /// unless deferred: a deferred answer publishes it when it goes out). Never throws.
   boost::asio::awaitable<reply_or_deferred> handle_frame(protocol::frame& f) {
@@ -272,9 +279,7 @@ class session : public std::enable_shared_from_this<session> {
     ctx_.bus.publish(bus::server_request_started{kind, id_});
     reply_or_deferred reply = co_await dispatch(f, c);
     if (reply.is_deferred()) co_return reply;
-    const bool ok = !std::holds_alternative<protocol::error_response>(reply.reply());
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - c.started).count();
-    ctx_.bus.publish(bus::server_request_finished{kind, id_, ok, static_cast<std::uint64_t>(ns)});
+    finish_request(kind, !std::holds_alternative<protocol::error_response>(reply.reply()), c.started);
     co_return reply;
   }
 

@@ -144,19 +144,14 @@ inline void session::answer_held_lookup(const std::string& key, protocol::lookup
   if (it == held_lookups_.end() || (cache_id && it->second.cache_id != *cache_id)) return;
   const held_lookup h = it->second;
   held_lookups_.erase(it);
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - h.t0).count();
-  ctx_.bus.publish(bus::server_request_finished{bus::request_kind::lookup, id_, true, static_cast<std::uint64_t>(ns)});
+  finish_request(bus::request_kind::lookup, true, h.t0);
   if (!closing_) conn_.async_send(h.call_id, protocol::message(reply), [](error_code) {});
 }
 
 /// The connection closed with lookup answers held: each request ends unanswered (its
 /// server_request_finished, not ok), so that requests in flight go back to 0.
 inline void session::drop_held_lookup_answers() {
-  const auto now = clock::now();
-  for (const auto& [key, h] : held_lookups_) {
-    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(now - h.t0).count();
-    ctx_.bus.publish(bus::server_request_finished{bus::request_kind::lookup, id_, false, static_cast<std::uint64_t>(ns)});
-  }
+  for (const auto& [key, h] : held_lookups_) finish_request(bus::request_kind::lookup, false, h.t0);
   held_lookups_.clear();
 }
 
@@ -185,9 +180,7 @@ inline boost::asio::awaitable<void> session::answer_when_decided(std::shared_ptr
     if (!ec) reply = done_response(st);
     break;
   }
-  const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - t0).count();
-  ctx_.bus.publish(
-      bus::server_request_finished{bus::request_kind::query_prefetch, id_, true, static_cast<std::uint64_t>(ns)});
+  finish_request(bus::request_kind::query_prefetch, true, t0);
   if (!closing_) co_await conn_.async_send(call_id, protocol::message(reply), as_tuple(use_awaitable));
 }
 
