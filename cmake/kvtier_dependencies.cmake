@@ -14,11 +14,13 @@ find_package(PkgConfig REQUIRED)
 #   OpenSSL's libcrypto  kvtier::engine  SHA-256 in core/token_hasher.hpp (engine/ includes it)
 #   liburing             kvtier::uring   io/, l2/disk/
 #   hiredis              kvtier::redis   l2/redis/
+#   libzmq and cppzmq    kvtier::kv_events  kv_events/publisher.hpp (the KV event publisher)
 # Where one is missing its target is not defined (our build: kvtier_optional_target in
 # CMakeLists.txt) or its component is not found (an installed kvtier: find_package(kvtier
 # COMPONENTS engine uring redis) names the package).
 # KVTIER_REQUIRE_ENGINE_AND_URING (our build, when it builds its own programs, which link
-# kvtier::engine and kvtier::uring) makes the first two REQUIRED; hiredis stays optional.
+# kvtier::engine and kvtier::uring) makes the first two REQUIRED; hiredis and libzmq stay
+# optional.
 if(KVTIER_REQUIRE_ENGINE_AND_URING)
   set(_kvtier_optional REQUIRED)
 else()
@@ -31,6 +33,10 @@ if(NOT TARGET PkgConfig::URING)
 endif()
 if(NOT TARGET PkgConfig::HIREDIS)
   pkg_check_modules(HIREDIS QUIET IMPORTED_TARGET GLOBAL hiredis)
+endif()
+# cppzmq (zmq.hpp, header-only; its .pc requires libzmq's): one target for both.
+if(NOT TARGET PkgConfig::ZMQ)
+  pkg_check_modules(ZMQ QUIET IMPORTED_TARGET GLOBAL libzmq cppzmq)
 endif()
 
 # xxHash is used header-only (XXH_INLINE_ALL), so only its header has to be present.

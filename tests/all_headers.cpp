@@ -11,6 +11,11 @@
 #include <kvtier/engine/options.hpp>
 #include <kvtier/engine/quarantine.hpp>
 
+// kv_events/: vLLM's KV event format, standard library only (its publisher.hpp needs libzmq,
+// which this binary does not link: tests/kv_events/ and the header check compile it).
+#include <kvtier/kv_events/msgpack_writer.hpp>
+#include <kvtier/kv_events/vllm_format.hpp>
+
 #include <catch2/catch.hpp>
 
 TEST_CASE("the umbrella header exposes the library and its version", "[odr]") {

@@ -5,13 +5,13 @@
 KVTIER_BUILD_PACKAGES=(
   cmake ninja-build g++ make pkg-config ccache
   libboost1.81-dev liburing-dev libfmt-dev nlohmann-json3-dev libxxhash-dev libssl-dev
-  libcli11-dev libhiredis-dev libbenchmark-dev catch2
+  libcli11-dev libhiredis-dev libbenchmark-dev catch2 libzmq3-dev cppzmq-dev
 )
 # Servers and tools the test suite drives.
 KVTIER_TEST_PACKAGES=(prometheus redis-server redis-tools fio curl jq procps util-linux universal-ctags cscope)
 # The Python package (python/, KVTIER_BUILD_PYTHON) and its tests, for /usr/bin/python3.
 KVTIER_PYTHON_PACKAGES=(python3-dev pybind11-dev python3-torch python3-numpy python3-pytest python3-xxhash
-  python3-pip python3-venv python3-setuptools python3-wheel)
+  python3-pip python3-venv python3-setuptools python3-wheel python3-zmq python3-msgpack)
 # clang 14 and its libFuzzer/sanitizer runtimes: the fuzz targets (scripts/fuzz.sh) and the
 # sanitizer builds of scripts/test.sh.
 KVTIER_CLANG_PACKAGES=(clang-14 libclang-rt-14-dev)
