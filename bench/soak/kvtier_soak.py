@@ -41,7 +41,11 @@ def parse_args(argv):
     p.add_argument("--faults", default="", help="only these fault kinds, comma-separated (default: all; soak/faults.py lists them)")
     p.add_argument("--sample-every", type=float, default=5.0, help="seconds between RSS / fd / hit-rate samples")
     p.add_argument("--stop-on-failure", action="store_true", help="end at the first broken invariant")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    # The options given on the command line (the replay line repeats them).
+    given = argv if argv is not None else sys.argv[1:]
+    a.explicit = {x.lstrip("-").split("=", 1)[0].replace("-", "_") for x in given if x.startswith("--")}
+    return a
 
 
 def main(argv=None) -> int:

@@ -21,14 +21,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rss_kib(pid: int) -> Optional[int]:
+def resident_set(pid: int) -> Optional[dict]:
+    """The process's resident set (KiB) and its parts, from /proc/PID/status: "rss" (VmRSS) =
+    "anon" (its private memory: heap, stacks, L1) + "file" (its binary and libraries) +
+    "shmem" (shared memory it touched: for the server, the pages of the engines' registered
+    KV regions it copied to or from, which belong to the engines' memfds)."""
+    names = {"VmRSS:": "rss", "RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    out = {}
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
+            key = names.get(line.split(":", 1)[0] + ":")
+            if key:
+                out[key] = int(line.split()[1])
     except OSError:
         return None
-    return None
+    return out if "rss" in out else None
 
 
 def open_fds(pid: int) -> Optional[int]:

@@ -15,6 +15,10 @@ class Sample:
     t: float
     boot: int
     rss_kib: int
+    rss_anon_kib: int  # the server's private memory (RssAnon)
+    rss_shmem_kib: int  # engines' region pages it touched (RssShmem): theirs, not its own
+    heap_in_use_kib: int  # the server's malloc heap handed out (/status "memory"); 0 if not glibc
+    heap_free_kib: int  # free inside its arenas, kept by the allocator (RSS holds it)
     fds: int
     connections: int
     registrations: int
@@ -77,32 +81,46 @@ def growth_per_hour(points: List[tuple]) -> Optional[float]:
     return slope * 3600 / points[0][1]
 
 
+def pct_per_hour(growth: Optional[float]) -> str:
+    return f"{growth * 100:.2f}% per hour" if growth is not None else "n/a (under 10 min of one boot)"
+
+
 def svg(samples: List[Sample], faults: List[tuple], path: Path, title: str) -> None:
-    """Three stacked panels: server RSS (MiB), open descriptors, hit rate; fault marks on top."""
+    """Three stacked panels: server memory (RSS, its own part, the heap in use; MiB), open
+    descriptors, hit rate; fault marks on top."""
     if not samples:
         return
     W, H, pad, gap = 900, 520, 60, 30
     ph = (H - 2 * pad - 2 * gap) / 3
     t1 = max(s.t for s in samples) or 1.0
+    # Each panel: its name and its lines (label, colour, points); the first line is the
+    # panel's scale.
+    memory = [("RSS", "#1f77b4", [(s.t, s.rss_kib / 1024) for s in samples])]
+    if any(s.rss_anon_kib for s in samples):
+        memory.append(("own (RssAnon)", "#ff7f0e", [(s.t, s.rss_anon_kib / 1024) for s in samples]))
+    if any(s.heap_in_use_kib for s in samples):
+        memory.append(("heap in use", "#2ca02c", [(s.t, s.heap_in_use_kib / 1024) for s in samples]))
     panels = [
-        ("server RSS (MiB)", [(s.t, s.rss_kib / 1024) for s in samples]),
-        ("server open fds", [(s.t, s.fds) for s in samples]),
-        ("token hit rate", hit_rate_series(samples)),
+        ("server memory (MiB): " + ", ".join(f"{label} ({'blue' if c == '#1f77b4' else 'orange' if c == '#ff7f0e' else 'green'})"
+                                            for label, c, _ in memory), memory),
+        ("server open fds", [("fds", "#1f77b4", [(s.t, s.fds) for s in samples])]),
+        ("token hit rate", [("hit rate", "#1f77b4", hit_rate_series(samples))]),
     ]
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="11">',
            f'<rect width="{W}" height="{H}" fill="white"/>',
            f'<text x="{pad}" y="20" font-size="13">{title}</text>']
-    for i, (name, pts) in enumerate(panels):
+    for i, (name, lines) in enumerate(panels):
         top = pad + i * (ph + gap)
         out.append(f'<rect x="{pad}" y="{top:.0f}" width="{W - 2 * pad}" height="{ph:.0f}" fill="none" stroke="#999"/>')
-        if not pts:
+        if not lines[0][2]:
             continue
         lo = 0.0
-        hi = max(p[1] for p in pts) * 1.1 or 1.0
+        hi = max(p[1] for p in lines[0][2]) * 1.1 or 1.0
         if name == "token hit rate":
             hi = 1.0
-        xy = " ".join(f"{pad + (t / t1) * (W - 2 * pad):.1f},{top + ph - (v - lo) / (hi - lo) * ph:.1f}" for t, v in pts)
-        out.append(f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.2" points="{xy}"/>')
+        for _, colour, pts in lines:
+            xy = " ".join(f"{pad + (t / t1) * (W - 2 * pad):.1f},{top + ph - (v - lo) / (hi - lo) * ph:.1f}" for t, v in pts)
+            out.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.2" points="{xy}"/>')
         out.append(f'<text x="{pad + 4}" y="{top + 12:.0f}">{name}</text>')
         out.append(f'<text x="{pad - 4}" y="{top + 10:.0f}" text-anchor="end">{hi:.4g}</text>')
         out.append(f'<text x="{pad - 4}" y="{top + ph:.0f}" text-anchor="end">0</text>')

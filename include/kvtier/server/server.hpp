@@ -22,6 +22,7 @@
 #include <kvtier/protocol/limits.hpp>
 #include <kvtier/server/config/backend_factory.hpp>
 #include <kvtier/server/config/server_config.hpp>
+#include <kvtier/server/heap_trim.hpp>
 #include <kvtier/server/http_exporter.hpp>
 #include <kvtier/server/l1_residency.hpp>
 #include <kvtier/server/listener.hpp>
@@ -270,6 +271,7 @@ class server final : private session_host {
   std::optional<server_context> ctx_;
   std::optional<boost::asio::signal_set> signals_;
   boost::asio::steady_timer reap_timer_;
+  heap_trimmer heap_trimmer_;  ///< the reaper gives the heap's free pages back (heap_trim.hpp)
   std::unordered_map<std::uint64_t, std::shared_ptr<session>> sessions_;
   bool started_ = false;
   bool stopping_ = false;

@@ -4,7 +4,9 @@
 //                     expires L1 locks and lookups past their TTL, forgets the lookups the
 //                     cache forgot, and closes the connections silent for
 //                     client_reap_timeout (session::close: a connection with a copy in
-//                     flight closes once it ended, session/session.hpp);
+//                     flight closes once it ended, session/session.hpp), and, at a tick
+//                     with no request in flight, gives the heap's free pages back when it
+//                     holds many (heap_trim.hpp);
 //   session_closed()  a session's loop ended (EOF, a broken stream, reaped, shutdown): its
 //                     lookups are released, its registration dropped (its region unmapped),
 //                     the connection caps given back, one log line.
@@ -47,6 +49,9 @@ inline boost::asio::awaitable<void> server::reap_loop() {
       reaped_.fetch_add(1, std::memory_order_relaxed);
       s->close(fmt::format("reaped: silent for more than {} s (client_reap_timeout)", config_.client_reap_timeout_s));
     }
+    const bool nothing_in_flight = std::ranges::all_of(
+        sessions_, [](const auto& e) { return e.second->requests_in_flight() == 0 && e.second->copies_in_flight() == 0; });
+    heap_trimmer_.maybe_trim(now, nothing_in_flight);
   }
 }
 

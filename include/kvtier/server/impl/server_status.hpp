@@ -87,6 +87,23 @@ inline void server::add_metrics() {
   registry_.add_callback("kvtier_server_l1_prefaulted_bytes", "Bytes of L1 the start-up prefault has faulted in",
                          metric_type::gauge, {},
                          [this] { return static_cast<double>(l1_prefaulted_bytes_.load(std::memory_order_relaxed)); });
+  if (heap_usage().known) {
+    registry_.add_callback("kvtier_server_heap_in_use_bytes",
+                           "The C++ heap handed out (glibc mallinfo2, every arena; the L1 arena included when malloc "
+                           "mapped it): what a leak grows",
+                           metric_type::gauge, {}, [] { return static_cast<double>(heap_usage().in_use_bytes); });
+    registry_.add_callback("kvtier_server_heap_free_bytes",
+                           "Free memory the allocator keeps inside its arenas for reuse (resident until reused or "
+                           "trimmed)",
+                           metric_type::gauge, {}, [] { return static_cast<double>(heap_usage().free_bytes); });
+    registry_.add_callback("kvtier_server_heap_trims_total",
+                           "Times the reaper gave the arenas' free pages back (malloc_trim: more than 4 MiB free, no "
+                           "request in flight, at most every 10 s)",
+                           metric_type::counter, {}, [this] { return static_cast<double>(heap_trimmer_.trims()); });
+    registry_.add_callback("kvtier_server_heap_trim_seconds_total",
+                           "Time the heap trims took (the I/O thread, at moments no request was in flight)",
+                           metric_type::counter, {}, [this] { return heap_trimmer_.trim_seconds(); });
+  }
   registry_.add_callback("kvtier_server_clients_reaped_total",
                          "Connections closed by the server: idle past client_reap_timeout, or a broken stream",
                          metric_type::counter, {},
@@ -227,6 +244,19 @@ namespace detail {
   return h;
 }
 
+/// The status document's "memory": the C++ heap (heap_trim.hpp), to tell a leak (in use
+/// grows) from memory the allocator keeps for reuse; null where the C library is not glibc.
+[[nodiscard]] inline nlohmann::json memory_status(const heap_trimmer& trimmer) {
+  const heap_usage_info h = heap_usage();
+  if (!h.known) return nullptr;
+  return {{"heap_in_use_bytes", h.in_use_bytes},
+          {"heap_free_bytes", h.free_bytes},
+          {"heap_arena_bytes", h.arena_bytes},
+          {"heap_mmapped_bytes", h.mmapped_bytes},
+          {"heap_trims", trimmer.trims()},
+          {"heap_trim_seconds", trimmer.trim_seconds()}};
+}
+
 }  // namespace detail
 
 /// The status document (status_request): I/O thread only.
@@ -274,6 +304,7 @@ inline std::string server::status_json() {
                 {"inflight_bytes", cs.store_inflight_bytes},
                 {"pending_keys", cs.store_pending_keys}};
   j["held"] = detail::held_status(cs, lookups_, sessions_);
+  j["memory"] = detail::memory_status(heap_trimmer_);
   std::string text = j.dump();
   if (text.size() > protocol::max_status_json_bytes) {
     // Thousands of connections: keep the totals, drop the per-client list.
