@@ -13,7 +13,7 @@ import torch
 
 from kvtier_testing import FAST_TIMEOUTS_MS, wait_until
 from replay.engine import ReplayEngine
-from replay.model import KV_DTYPES, PagedKV, SyntheticRunner, make_kv_caches
+from replay.model import KV_DTYPES, PagedKV, RequestInputs, SyntheticRunner, make_kv_caches
 from replay.vllm_shapes import RequestStatus
 
 CT = 16
@@ -511,6 +511,73 @@ def test_the_synthetic_check_catches_a_wrong_row_in_a_16_bit_cache(dtype):
         assert runner.forward(tokens, 10, 11, table, caches)[0] == 1, what
         caches[0].write(table, at, k, v)
         assert runner.forward(tokens, 10, 11, table, caches)[0] == 0, what
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_synthetic_check_catches_kv_of_another_prefix_or_other_inputs(dtype):
+    """Like a real model's K/V, a row's pattern depends on every earlier token and on the
+    request's inputs at and before its position (adapter, image rows, prompt embeddings): a
+    chunk served under a key that failed to cover them is a bad row, in every position after
+    the difference; a difference only after the chunk changes nothing in it (causal)."""
+    heads, head_dim, bs = 4, 16, 4
+    runner = SyntheticRunner("NHD", 0, bs, heads, head_dim, dtype)
+    tokens = doc(40, 16)
+    torch.manual_seed(3)
+    image = torch.randn(4, 8)
+    embeds = torch.randn(16, 8)
+    base = RequestInputs(lora_name="a", mm=[(4, image)])
+    chunk = torch.arange(8, 12)  # the third block: after the image (positions 4..7)
+    expected = runner.pattern(tokens, chunk, 0, 0, base)
+    assert torch.equal(expected, runner.pattern(tokens, chunk, 0, 0, RequestInputs(lora_name="a", mm=[(4, image.clone())])))
+    differs = {
+        "an earlier token": (tokens[:2] + [tokens[2] + 1] + tokens[3:], base),
+        "another adapter": (tokens, RequestInputs(lora_name="b", mm=[(4, image)])),
+        "no adapter": (tokens, RequestInputs(mm=[(4, image)])),
+        "another image": (tokens, RequestInputs(lora_name="a", mm=[(4, image + 1)])),
+        "the image elsewhere": (tokens, RequestInputs(lora_name="a", mm=[(3, image)])),
+        "no inputs at all": (tokens, None),
+        "prompt embeddings": (tokens, RequestInputs(lora_name="a", mm=[(4, image)], prompt_embeds=embeds)),
+    }
+    for what, (toks, inputs) in differs.items():
+        got = runner.pattern(toks, chunk, 0, 0, inputs)
+        assert (got != expected).flatten(1).any(dim=1).all(), what
+    # A later difference (a token after the chunk, an image after it) leaves the chunk alone.
+    later = tokens[:14] + [tokens[14] + 1] + tokens[15:]
+    assert torch.equal(runner.pattern(later, chunk, 0, 0, RequestInputs(lora_name="a", mm=[(4, image), (13, image)])), expected)
+
+    # Through the cache: rows written for one request, checked as another's, are bad rows.
+    caches = [PagedKV(t, "NHD", bs) for t in make_kv_caches("NHD", 1, 8, bs, heads, head_dim, dtype).values()]
+    table = [3, 1, 6, 0]
+    assert runner.forward_batch([(tokens, 0, 16, table, base)], caches)[0][0] == 0
+    other = RequestInputs(lora_name="b", mm=[(4, image)])
+    assert runner.forward_batch([(tokens, 16, 16, table, other)], caches)[0][0] == 2 * 16  # K and V of all 16
+
+
+@pytest.mark.parametrize("keys_cover_the_adapter", [True, False])
+def test_the_synthetic_runner_shows_kv_served_under_a_key_that_missed_the_adapter(servers, monkeypatch, keys_cover_the_adapter):
+    """The soak's engines run the synthetic runner: a chunk key that failed to cover a
+    request's adapter (here: extras switched off) serves one adapter's KV to the other, and the
+    workers' checks see it, as the TinyDecoder's logits would."""
+    from replay.vllm_shapes import LoRARequest
+
+    if not keys_cover_the_adapter:
+        import kvtier.integrations.request_keys as request_keys
+
+        monkeypatch.setattr(request_keys, "chunk_extras", lambda *a, **k: None)
+    srv = servers.start(chunk_tokens=CT)
+    with engine(srv) as e:
+        d = doc(48, 5)
+        e.add("a", list(d), 2, lora_request=LoRARequest("adapter-a", 1))
+        e.run()
+        e.add("b", list(d), 2, lora_request=LoRARequest("adapter-b", 2))
+        e.run()
+        hit = e.sched.finished["b"].num_external_computed_tokens
+        if keys_cover_the_adapter:
+            assert hit == 0
+            assert e.violations == []
+        else:
+            assert hit == 47  # a's three chunks (the last token computed), under keys that name the tokens only
+            assert e.violations and all("KV rows not their token's" in v for v in e.violations), e.violations
 
 
 def test_the_tiny_decoder_refuses_a_16_bit_kv_cache():

@@ -298,9 +298,14 @@ class SyntheticRunner:
     """KV that is a pattern of each token's identity; checks every position each step.
 
     A row's identity is ``(token * 7919 + position * 104729 + layer * 31 + plane * 17 + rank
-    * 7) % 65521`` (:meth:`identity`); :meth:`rows` turns identities into (heads, head_dim)
-    rows, in float32; :meth:`pattern` is them cast to the cache's dtype, what is written and
-    what every row read back is compared with (``!=``: exact).
+    * 7 + context) % 65521`` (:meth:`identity`), where ``context`` (:meth:`context`) stands for
+    what a real model's K/V at a position depends on besides its own token: every earlier
+    token and the request's inputs at and before the position (its adapter, its images' rows,
+    its prompt embeddings). So KV served to a request whose prefix or inputs differ (a chunk
+    key that failed to cover them) is caught as a real model would show it. :meth:`rows`
+    turns identities into (heads, head_dim) rows, in float32; :meth:`pattern` is them cast to
+    the cache's dtype, what is written and what every row read back is compared with (``!=``:
+    exact).
 
     * float32: ``identity + head * 0.25 + dim / 64`` (exact in float32).
     * float16, bfloat16: that float32 pattern does not survive the cast (bfloat16 keeps 8
@@ -326,10 +331,58 @@ class SyntheticRunner:
             i = torch.arange(heads * head_dim, dtype=torch.long)
             self._shift, self._tag = 4 * (i % 4), (i % head_dim + 3 * (i // head_dim)) % 16
 
-    def identity(self, tokens: List[int], positions: torch.Tensor, layer: int, plane: int) -> torch.Tensor:
+    @staticmethod
+    def _digest(rows: torch.Tensor) -> torch.Tensor:
+        """(n,) int64 in 0..65520: an exact digest of each row of ``rows`` (n, ...) from its
+        bits (integer arithmetic: equal in every process for equal rows)."""
+        flat = rows.detach().reshape(rows.shape[0], -1).contiguous()
+        ints = flat.view(torch.int32 if flat.element_size() == 4 else torch.int16 if flat.element_size() == 2 else torch.int64)
+        ints = ints.to(torch.long) % 65521
+        weights = (torch.arange(1, ints.shape[1] + 1, dtype=torch.long) * 40503) % 65521
+        return (ints * weights[None, :]).sum(dim=1) % 65521
+
+    @classmethod
+    def _input_salt(cls, inputs: "RequestInputs", n: int) -> torch.Tensor:
+        """(n,) int64: what the request's inputs add at each position (cached on ``inputs``,
+        which lives as long as its request): its adapter's at every position, an image's at
+        each of its placeholder positions (its rows' digest and the place in it), a prompt
+        embedding's row digest at each prompt position."""
+        cached = getattr(inputs, "_synthetic_salt", None)
+        if cached is None or cached[0] < n:
+            covered = max([n] + [off + rows.shape[0] for off, rows in inputs.mm]
+                          + ([inputs.prompt_embeds.shape[0]] if inputs.prompt_embeds is not None else []))
+            salt = torch.zeros(covered, dtype=torch.long)
+            if inputs.lora_name is not None:
+                salt += int.from_bytes(hashlib.sha256(inputs.lora_name.encode()).digest()[:4], "little") % 65521
+            for off, rows in inputs.mm:
+                where = torch.arange(off, off + rows.shape[0])
+                salt[where] += cls._digest(rows) * 3 + (where - off) * 7 + 11
+            if inputs.prompt_embeds is not None:
+                salt[: inputs.prompt_embeds.shape[0]] += cls._digest(inputs.prompt_embeds) * 5
+            cached = (covered, salt % 65521)
+            inputs._synthetic_salt = cached  # type: ignore[attr-defined]
+        return cached[1][:n]
+
+    def context(self, tokens: List[int], n: int, inputs: Optional["RequestInputs"] = None) -> torch.Tensor:
+        """(n,) int64 in 0..65520: position p's context, a running sum over positions 0..p of
+        ``(token + input salt) * w(q)`` with a weight per position (1..65520, so mod the
+        prime 65521 a difference never cancels): any earlier token or input that differs, or
+        is moved, moves every later position's context."""
+        q = torch.arange(n, dtype=torch.long)
+        value = torch.tensor(tokens[:n], dtype=torch.long) % 65521
+        if inputs is not None:
+            value = (value + self._input_salt(inputs, n)) % 65521
+        weight = (q * 48271) % 65520 + 1
+        return torch.cumsum((value * weight) % 65521, 0) % 65521
+
+    def identity(
+        self, tokens: List[int], positions: torch.Tensor, layer: int, plane: int, inputs: Optional["RequestInputs"] = None
+    ) -> torch.Tensor:
         """The identity (0..65520) of each row: (len(positions),) int64."""
         tok = torch.tensor(tokens, dtype=torch.long)[positions]
-        return (tok * 7919 + positions * 104729 + layer * 31 + plane * 17 + self.rank * 7) % 65521
+        n = int(positions.max()) + 1 if positions.numel() else 0
+        ctx = self.context(tokens, n, inputs)[positions]
+        return (tok * 7919 + positions * 104729 + layer * 31 + plane * 17 + self.rank * 7 + ctx) % 65521
 
     def rows(self, identity: torch.Tensor) -> torch.Tensor:
         """The float32 rows (n, heads, head_dim) of identities (n,)."""
@@ -338,9 +391,11 @@ class SyntheticRunner:
         nibbles = (identity[:, None] >> self._shift[None, :]) & 0xF
         return (nibbles * 16 + self._tag[None, :]).to(torch.float32).view(-1, self.heads, self.head_dim)
 
-    def pattern(self, tokens: List[int], positions: torch.Tensor, layer: int, plane: int) -> torch.Tensor:
+    def pattern(
+        self, tokens: List[int], positions: torch.Tensor, layer: int, plane: int, inputs: Optional["RequestInputs"] = None
+    ) -> torch.Tensor:
         """The rows of ``positions``, in the cache's dtype (computed in float32, then cast)."""
-        return self.rows(self.identity(tokens, positions, layer, plane)).to(self.dtype)
+        return self.rows(self.identity(tokens, positions, layer, plane, inputs)).to(self.dtype)
 
     def forward(self, tokens: List[int], start: int, end: int, table: List[int], caches: List[PagedKV]) -> Tuple[int, int]:
         """Writes positions start..end-1, then checks 0..end-1. Returns (mismatched rows,
@@ -356,11 +411,11 @@ class SyntheticRunner:
         for layer, cache in enumerate(caches):
             if before_layer is not None:
                 before_layer(layer)
-            for j, (tokens, start, end, table, _) in enumerate(batch):
+            for j, (tokens, start, end, table, inputs) in enumerate(batch):
                 new = torch.arange(start, end)
-                cache.write(table, new, self.pattern(tokens, new, layer, 0), self.pattern(tokens, new, layer, 1))
+                cache.write(table, new, self.pattern(tokens, new, layer, 0, inputs), self.pattern(tokens, new, layer, 1, inputs))
                 every = torch.arange(end)
                 k, v = cache.read(table, end)
-                bad[j] += int((k != self.pattern(tokens, every, layer, 0)).flatten(1).any(dim=1).sum())
-                bad[j] += int((v != self.pattern(tokens, every, layer, 1)).flatten(1).any(dim=1).sum())
+                bad[j] += int((k != self.pattern(tokens, every, layer, 0, inputs)).flatten(1).any(dim=1).sum())
+                bad[j] += int((v != self.pattern(tokens, every, layer, 1, inputs)).flatten(1).any(dim=1).sum())
         return [(bad[j], (sum(tokens[-3:]) * 31 + end) % 101) for j, (tokens, _, end, _, _) in enumerate(batch)]
