@@ -14,7 +14,8 @@ The C++ core (``kvtier._kvtier``, pybind11) gives the pieces an engine needs to 
   its :class:`ConnectorOptions` / :class:`ConnectorTimeouts`.
 
 Engine adapters live in :mod:`kvtier.integrations` (vLLM's KV connector:
-``kvtier.integrations.vllm.KVTierConnector``). docs/python.md is the guide.
+``kvtier.integrations.vllm.KVTierConnector``); :mod:`kvtier.kv_events` decodes the KV events
+routers read (docs/kv-events.md). docs/python.md is the guide.
 """
 
 from ._kvtier import (

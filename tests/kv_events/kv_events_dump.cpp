@@ -6,6 +6,8 @@
 // writes them. The samples here and there must stay the same.
 #include <kvtier/kv_events/vllm_format.hpp>
 
+#include "kv_events/sample_events.hpp"
+
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -15,43 +17,7 @@
 namespace {
 
 using namespace kvtier::kv_events;
-
-std::string hex(const std::string& bytes) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string out;
-  for (const char c : bytes) {
-    const auto b = static_cast<unsigned char>(c);
-    out += digits[b >> 4];
-    out += digits[b & 15];
-  }
-  return out;
-}
-
-block_stored minimal_stored() {
-  block_stored e;
-  e.block_hashes = {byte_string{std::string(32, '\xab')}, std::uint64_t{0xfedcba9876543210ULL}};
-  e.token_ids = {1, 2, 151643};
-  e.block_size = 16;
-  e.medium = std::string(medium_cpu);
-  return e;
-}
-
-block_stored full_stored() {
-  block_stored e;
-  e.block_hashes = {std::int64_t{-5}, std::uint64_t{18446744073709551615ULL}};
-  e.parent_block_hash = byte_string{std::string("\x00\x01\x02", 3)};
-  e.token_ids = {7, 8, 9, 10};
-  e.block_size = 2;
-  e.lora_id = 3;
-  e.medium = std::string(medium_storage);
-  e.lora_name = "adapter";
-  e.extra_keys = std::vector<std::optional<std::vector<extra_key>>>{
-      std::nullopt, std::vector<extra_key>{std::string("salt"), std::int64_t{7}, byte_string{"\x01"}}};
-  e.group_idx = 0;
-  e.kv_cache_spec_kind = "full_attention";
-  e.kv_cache_spec_sliding_window = 4096;
-  return e;
-}
+using namespace kvtier::test::kv_event_samples;
 
 std::vector<std::pair<const char*, event_batch>> samples() {
   block_stored window_only = minimal_stored();

@@ -12,6 +12,8 @@
 // Options: --buffer-steps <n>, --form map|array, --topic <text>.
 #include <kvtier/kv_events/publisher.hpp>
 
+#include "kv_events/sample_events.hpp"
+
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -27,23 +29,7 @@
 namespace {
 
 using namespace kvtier::kv_events;
-
-block_stored full_stored() {
-  block_stored e;
-  e.block_hashes = {std::int64_t{-5}, std::uint64_t{18446744073709551615ULL}};
-  e.parent_block_hash = byte_string{std::string("\x00\x01\x02", 3)};
-  e.token_ids = {7, 8, 9, 10};
-  e.block_size = 2;
-  e.lora_id = 3;
-  e.medium = std::string(medium_storage);
-  e.lora_name = "adapter";
-  e.extra_keys = std::vector<std::optional<std::vector<extra_key>>>{
-      std::nullopt, std::vector<extra_key>{std::string("salt"), std::int64_t{7}, byte_string{"\x01"}}};
-  e.group_idx = 0;
-  e.kv_cache_spec_kind = "full_attention";
-  e.kv_cache_spec_sliding_window = 4096;
-  return e;
-}
+using kvtier::test::kv_event_samples::full_stored;
 
 // Offers one event and waits (30 s at most) until its batch went out.
 bool publish_one(kv_event_publisher& pub, kv_event ev) {

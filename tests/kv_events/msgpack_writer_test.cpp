@@ -2,6 +2,8 @@
 // its smallest form, at each boundary between two forms.
 #include <kvtier/kv_events/msgpack_writer.hpp>
 
+#include "kv_events/sample_events.hpp"
+
 #include <catch2/catch.hpp>
 
 #include <cstddef>
@@ -18,17 +20,7 @@ namespace file_msgpack_writer_test {
 using kvtier::kv_events::msgpack_writer;
 
 // Bytes as "c0 ff 01": a failure shows both sides readably.
-std::string hex(const std::string& bytes) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string out;
-  for (std::size_t i = 0; i < bytes.size(); ++i) {
-    if (i != 0) out += ' ';
-    const auto b = static_cast<unsigned char>(bytes[i]);
-    out += digits[b >> 4];
-    out += digits[b & 15];
-  }
-  return out;
-}
+std::string hex(const std::string& bytes) { return kvtier::test::kv_event_samples::hex(bytes, " "); }
 
 std::string bytes(std::initializer_list<int> list) {
   std::string out;

@@ -4,6 +4,8 @@
 // the omit_defaults rules, bytes against int hashes and nil fields are checked by structure.
 #include <kvtier/kv_events/vllm_format.hpp>
 
+#include "kv_events/sample_events.hpp"
+
 #include "kv_events/msgpack_reader.hpp"
 
 #include <catch2/catch.hpp>
@@ -15,34 +17,15 @@
 namespace file_vllm_format_test {
 
 using namespace kvtier::kv_events;
+using namespace kvtier::test::kv_event_samples;
 using kvtier::test::msgpack_reader;
 using kvtier::test::msgpack_value;
-
-std::string hex(const std::string& bytes) {
-  static constexpr char digits[] = "0123456789abcdef";
-  std::string out;
-  for (const char c : bytes) {
-    const auto b = static_cast<unsigned char>(c);
-    out += digits[b >> 4];
-    out += digits[b & 15];
-  }
-  return out;
-}
 
 std::string encoded_event(const kv_event& ev, event_form form) {
   std::string out;
   msgpack_writer w(out);
   write_event(w, ev, form);
   return out;
-}
-
-block_stored plain_stored() {
-  block_stored e;
-  e.block_hashes = {byte_string{std::string(32, '\xab')}, std::uint64_t{0xfedcba9876543210ULL}};
-  e.token_ids = {1, 2, 151643};
-  e.block_size = 16;
-  e.medium = std::string(medium_cpu);
-  return e;
 }
 
 TEST_CASE("an AllBlocksCleared batch is byte for byte what msgspec writes, in both forms", "[kv_events][format]") {
@@ -71,7 +54,7 @@ TEST_CASE("BlockRemoved: a missing medium (no default) is nil, a group index is 
 }
 
 TEST_CASE("BlockStored without optional fields: the seven without a default, nil where empty", "[kv_events][format]") {
-  const block_stored e = plain_stored();
+  const block_stored e = minimal_stored();
   std::string hashes = "92c420";  // [32 bytes of 0xab as bin8, 0xfedcba9876543210 as uint64]
   for (int i = 0; i < 32; ++i) hashes += "ab";
   hashes += "cffedcba9876543210";
@@ -84,7 +67,7 @@ TEST_CASE("BlockStored without optional fields: the seven without a default, nil
 }
 
 TEST_CASE("BlockStored's fields come in vLLM's declaration order after the type", "[kv_events][format]") {
-  block_stored e = plain_stored();
+  block_stored e = minimal_stored();
   e.extra_keys = std::vector<std::optional<std::vector<extra_key>>>{std::nullopt, std::nullopt};
   e.group_idx = 1;
   e.kv_cache_spec_kind = "full_attention";
@@ -107,7 +90,7 @@ TEST_CASE(
     "omit_defaults: the map form leaves out every defaulted field that is none, the array form only the "
     "trailing ones",
     "[kv_events][format]") {
-  block_stored e = plain_stored();
+  block_stored e = minimal_stored();
   SECTION("a group index of 0 is not the default (none) and is written") {
     e.group_idx = 0;
     const msgpack_value m = msgpack_reader::decode(encoded_event(e, event_form::map));
@@ -143,7 +126,7 @@ TEST_CASE(
 
 TEST_CASE("hashes: bytes are bin, ints are ints of their sign and size, a parent hash likewise",
           "[kv_events][format]") {
-  block_stored e = plain_stored();
+  block_stored e = minimal_stored();
   e.block_hashes = {byte_string{std::string("\x00\xff", 2)}, std::uint64_t{0xffffffffffffffffULL},
                     std::int64_t{-9'000'000'000'000'000'000LL}, std::int64_t{42}};
   e.parent_block_hash = std::int64_t{-5};
@@ -161,7 +144,7 @@ TEST_CASE("hashes: bytes are bin, ints are ints of their sign and size, a parent
 }
 
 TEST_CASE("BlockStored's optional text and numbers, and extra keys one entry per block", "[kv_events][format]") {
-  block_stored e = plain_stored();
+  block_stored e = minimal_stored();
   e.lora_id = 3;
   e.lora_name = "adapter";
   e.extra_keys = std::vector<std::optional<std::vector<extra_key>>>{
@@ -181,7 +164,7 @@ TEST_CASE("BlockStored's optional text and numbers, and extra keys one entry per
 
 TEST_CASE("a batch holds its events in order, with ts and the data-parallel rank", "[kv_events][format]") {
   event_batch batch{1'700'000'000.25,
-                    {plain_stored(), block_removed{{std::uint64_t{9}}, "STORAGE", std::nullopt}, all_blocks_cleared{}},
+                    {minimal_stored(), block_removed{{std::uint64_t{9}}, "STORAGE", std::nullopt}, all_blocks_cleared{}},
                     7};
   const msgpack_value m = msgpack_reader::decode(encode(batch, event_form::map));
   CHECK(m.keys() == std::vector<std::string>{"ts", "events", "data_parallel_rank"});
