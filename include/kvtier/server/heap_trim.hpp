@@ -1,26 +1,22 @@
 #pragma once
-// The server's C++ heap: what it holds, and giving back what it freed.
+// The server's C++ heap: what it holds, and giving back what it freed (docs/server.md,
+// "Memory").
 //
-// glibc's malloc keeps memory a program frees for reuse: a free chunk in the middle of an
-// arena stays resident until a later allocation reuses it; only the arena's top is returned
-// by itself. A server whose allocation pattern shifts (connections come and go, lookups and
-// copies of every size) sees its arenas reach a high-water mark well above what it uses,
-// and its RSS grow in steps for hours although nothing leaks (docs/performance.md, "Soak":
-// the heap in use flat at 12.0-12.2 MiB, the free space in the arenas growing from 10.7 to
-// 17.7 MiB in 40 minutes).
+// glibc's malloc keeps memory a program frees for reuse: a chunk freed in the middle of an
+// arena stays resident until reused; only the arena's top goes back by itself. As
+// connections, lookups and copies of every size come and go, the arenas reach a high-water
+// mark well above what is in use, and RSS grows in steps although nothing leaks
+// (docs/performance.md, "Soak": 12.0-12.2 MiB in use, 10.7 -> 17.7 MiB free in 40 min).
 //
 //   heap_usage()   mallinfo2 over every arena: handed out, free inside the arenas, mapped;
-//   heap_trimmer   on a timer (the server's reaper), at a moment no request is in flight:
-//                  when the arenas hold more than `threshold` bytes free, malloc_trim(0)
-//                  gives their whole free pages back to the system (madvise; the chunks stay
-//                  the allocator's). It walks every free chunk holding each arena's lock:
-//                  3-6 ms on a heap of 20,000 free chunks (19 MiB) on this 2-core VM, which
-//                  is why it waits for an idle moment and runs at most every 10 s. Counted,
-//                  with its time.
+//   heap_trimmer   on the reaper's timer, at a moment no request is in flight, at most every
+//                  10 s: when the arenas hold more than `threshold` free, malloc_trim(0)
+//                  gives their whole free pages back (madvise). It walks every free chunk
+//                  under its arena's lock: 3-6 ms on 20,000 free chunks (19 MiB) on this
+//                  2-core VM, hence the idle moment. Counted, with its time.
 //
-// Where the C library is not glibc (or an allocator such as jemalloc is preloaded, whose
-// free memory glibc does not see), heap_usage() says so (`known` false) and nothing is
-// trimmed: that allocator returns memory by its own rules.
+// Where the C library is not glibc (or another allocator is preloaded, whose free memory
+// glibc does not see), heap_usage() says so (`known` false) and nothing is trimmed.
 
 #include <kvtier/config.hpp>
 
