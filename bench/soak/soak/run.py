@@ -44,7 +44,7 @@ class Soak:
         self.mini: Optional[MiniEngine] = None
         self.drivers: List[ReplayDriver] = []
         self.quiet_points = 0
-        self.fd_base = {}  # boot -> descriptors not owed to a connection or a registration, first quiet point
+        self.fd_base = {}  # boot -> descriptors not owed to a connection or a registration, fewest seen at its quiet points (the first, or a later lower count)
         self.metrics_url = ""
         dur = args.duration
         self.quiet_every = args.quiet_every or min(300.0, max(20.0, dur / 3))
@@ -257,6 +257,7 @@ class Soak:
             bad = self._engine_held(d, 10.0)
             if bad:
                 self.record.fail(self.now(), "engine_idle", f"{d.spec.name}: {bad}")
+        self._wait_heap_given_back(15.0)
         smp = self.sample(quiet=True)
         if smp is not None:
             self._check_fds()
@@ -265,10 +266,34 @@ class Soak:
               f"{sum(d.finished for d in self.drivers)} replay requests, {self.mini.ok} mini jobs ok, "
               f"{len(self.schedule.injected)} faults, {len(self.record.failures)} broken", flush=True)
 
+    def _wait_heap_given_back(self, timeout_s: float) -> None:
+        """An idle server gives its heap's free pages back within 10 s (its reaper's trim:
+        docs/server.md, "Memory"); the quiet point's memory sample waits for that trim, so that
+        every quiet point measures the same thing (what an idle server holds), not whether a
+        trim happened to come before it. Nothing to wait for where the heap holds less than
+        the trim's threshold free, or where the server does not report its heap."""
+        try:
+            mem = inv.status(self.metrics_url).get("memory") or {}
+        except OSError:
+            return
+        if "heap_trims" not in mem or mem.get("heap_free_bytes", 0) <= 4 << 20:
+            return
+        trims = mem["heap_trims"]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            try:
+                if (inv.status(self.metrics_url).get("memory") or {}).get("heap_trims", trims) > trims:
+                    return
+            except OSError:
+                return
+
     def _check_fds(self) -> None:
-        """The server's descriptors at a quiet point: those that are not sockets exactly as at
-        the boot's first quiet point; sockets beside its connections too, once the HTTP
-        connections of this very check have closed (polled for 5 s)."""
+        """The server's descriptors at a quiet point: those that are not sockets, and its
+        sockets beside its connections, no more than at the boot's first quiet point once the
+        HTTP connections of this very check have closed (polled for 5 s). Fewer is no leak: a
+        socket of a fault that was still closing (a Redis reconnection, a raw client) may have
+        been counted at the first quiet point; the lower count becomes the boot's base."""
         deadline = time.monotonic() + 5
         while True:
             kinds = fd_kinds(self.server.pid)
@@ -278,7 +303,9 @@ class Soak:
                 print(f"[{self.now():8.1f} s] boot {self.boot}: server descriptors at its first quiet point: {kinds}, "
                       f"{conns} connections", flush=True)
             first, first_kinds = self.fd_base.setdefault(self.boot, (now, kinds))
-            if now == first:
+            if all(now[k] <= first[k] for k in now):
+                if now != first:
+                    self.fd_base[self.boot] = (now, kinds)
                 return
             if time.monotonic() > deadline:
                 grown = {k: v - first_kinds.get(k, 0) for k, v in kinds.items() if v != first_kinds.get(k, 0)}
