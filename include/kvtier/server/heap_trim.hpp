@@ -15,8 +15,8 @@
 //                  under its arena's lock: 3-6 ms on 20,000 free chunks (19 MiB) on this
 //                  2-core VM, hence the idle moment. Counted, with its time.
 //
-// Where the C library is not glibc (or another allocator is preloaded, whose free memory
-// glibc does not see), heap_usage() says so (`known` false) and nothing is trimmed.
+// Where malloc is not glibc's (another C library, jemalloc preloaded, a sanitizer's),
+// heap_usage() says so (`known` false) and nothing is trimmed.
 
 #include <kvtier/config.hpp>
 
@@ -39,7 +39,7 @@ namespace server {
 /// The C++ heap, every arena: what a leak grows (in_use_bytes) apart from what the allocator
 /// keeps for reuse (free_bytes: resident until reused or trimmed, nobody's).
 struct heap_usage_info {
-  bool known = false;              ///< false where the C library is not glibc >= 2.33
+  bool known = false;              ///< false where malloc is not glibc's (>= 2.33)
   std::size_t in_use_bytes = 0;    ///< handed out: the arenas' chunks in use + mmapped chunks
   std::size_t free_bytes = 0;      ///< free inside the arenas
   std::size_t arena_bytes = 0;     ///< the arenas' size (brk heap + thread heaps)
@@ -52,7 +52,9 @@ struct heap_usage_info {
   heap_usage_info h;
 #if KVTIER_HAVE_MALLINFO2
   const struct mallinfo2 mi = ::mallinfo2();
-  h.known = true;
+  // Nothing at all in glibc's arenas: malloc is another allocator's (jemalloc preloaded,
+  // a sanitizer's), whose memory glibc does not see.
+  h.known = mi.arena != 0 || mi.hblkhd != 0;
   h.in_use_bytes = mi.uordblks + mi.hblkhd;
   h.free_bytes = mi.fordblks;
   h.arena_bytes = mi.arena;

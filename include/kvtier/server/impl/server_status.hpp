@@ -245,7 +245,7 @@ namespace detail {
 }
 
 /// The status document's "memory": the C++ heap (heap_trim.hpp), to tell a leak (in use
-/// grows) from memory the allocator keeps for reuse; null where the C library is not glibc.
+/// grows) from memory the allocator keeps for reuse; null where malloc is not glibc's.
 [[nodiscard]] inline nlohmann::json memory_status(const heap_trimmer& trimmer) {
   const heap_usage_info h = heap_usage();
   if (!h.known) return nullptr;
