@@ -82,6 +82,12 @@ class RedisProcess:
         self.start()
 
     def start(self) -> None:
+        """Starts redis-server, or nothing where ours runs (two restart faults drawn close
+        together schedule two starts: a second redis-server would fail to bind, answer
+        nothing, and take the handle of the one that serves, which no fault would reach
+        again). Raises where the port answers but not from our process."""
+        if self.running():
+            return
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
              "--dir", str(self.workdir), "--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
@@ -92,13 +98,15 @@ class RedisProcess:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1) as s:
                     s.sendall(b"PING\r\n")
                     if s.recv(16).startswith(b"+PONG"):
-                        return
+                        if self.proc.poll() is None:
+                            return
+                        break  # another process serves the port
             except OSError:
                 pass
             if self.proc.poll() is not None:
                 break
             time.sleep(0.02)
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        raise RuntimeError(f"redis-server did not start on port {self.port}, or another process serves it")
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
