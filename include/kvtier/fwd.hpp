@@ -89,8 +89,16 @@ class metrics_subscriber;
 class logging_subscriber;
 }  // namespace telemetry
 
+namespace kv_events {
+class tier_key_relay;
+}  // namespace kv_events
+
 /// The bus of a process that exports metrics (inline, exact) and writes logs (deferred).
 using default_event_bus = bus::basic_event_bus<telemetry::metrics_subscriber, telemetry::logging_subscriber>;
+/// The cache server's bus: the default one, and the relay of the key events to the KV event
+/// publisher (kv_events/tier_key_relay.hpp; it wants nothing until a publisher attaches).
+using server_event_bus =
+    bus::basic_event_bus<telemetry::metrics_subscriber, telemetry::logging_subscriber, kv_events::tier_key_relay>;
 
 }  // namespace KVTIER_ABI_TAG
 }  // namespace kvtier

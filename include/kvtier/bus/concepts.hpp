@@ -45,6 +45,16 @@ concept event_bus = requires(B& b, const l1_read_finished& e) {
   { B::template handles_event<l1_read_finished> } -> std::convertible_to<bool>;
 };
 
+/// Whether `b` would deliver an event of type E now: false when no subscriber handles E;
+/// the bus's wants_kind<E>() when it has one (basic_event_bus); true otherwise. Publishers of
+/// events that cost something to build ask it first.
+template <event E, class B>
+[[nodiscard]] bool wants_kind(const B& b) noexcept {
+  if constexpr (!B::template handles_event<E>) return false;
+  else if constexpr (requires { b.template wants_kind<E>(); }) return b.template wants_kind<E>();
+  else return true;
+}
+
 /// An archetype event bus: the smallest type that models event_bus, for concept checks.
 struct event_bus_archetype {
   template <event E>

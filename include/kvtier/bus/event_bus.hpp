@@ -96,6 +96,22 @@ class basic_event_bus {
     }
   }
 
+  /// Whether an event of type E would reach some subscriber now: an immediate subscriber
+  /// handles E, or a deferred one handles it and wants it (asked with a default E, so wants()
+  /// of E must not depend on its content for this answer to be exact). Publishers of the
+  /// costly events (the key events: vectors) ask this before building one (bus::wants_kind).
+  template <event E>
+  [[nodiscard]] bool wants_kind() const noexcept {
+    if constexpr (!handles_event<E>) {
+      return false;
+    } else if constexpr (((handles<Subscribers, E> && delivery_of<Subscribers>() == delivery::immediate) || ...)) {
+      return true;
+    } else {
+      static const E probe{};
+      return deferred_wants(probe);
+    }
+  }
+
   /// Queues e for the deferred subscribers. Returns false, and counts a drop, when the queue
   /// is full. A no-op returning true when no deferred subscriber handles E or wants e.
   template <event E>

@@ -56,9 +56,14 @@ enum class event_type : std::uint16_t {
   l2_prefetch_declined,
   // cache facade, once per L2 backend at construction (appended: values are stable)
   cache_backend_attached,
+  // what each tier holds, key by key (appended; built only when a subscriber wants them:
+  // the KV events of issue 28, kv_events/)
+  tier_keys_stored,
+  tier_keys_removed,
+  chunks_described,
 };
 
-inline constexpr std::size_t event_type_count = static_cast<std::size_t>(event_type::cache_backend_attached) + 1;
+inline constexpr std::size_t event_type_count = static_cast<std::size_t>(event_type::chunks_described) + 1;
 
 namespace detail {
 inline constexpr std::array<std::string_view, event_type_count> event_type_names = {
@@ -95,6 +100,9 @@ inline constexpr std::array<std::string_view, event_type_count> event_type_names
     "connector.peer.refused",
     "l2.prefetch.declined",
     "cache.backend.attached",
+    "tier.keys.stored",
+    "tier.keys.removed",
+    "chunks.described",
 };
 }  // namespace detail
 

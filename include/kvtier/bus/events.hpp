@@ -1,7 +1,10 @@
 #pragma once
 // One aggregate struct per event type. Events own their data (no pointers into the
 // publisher), are cheap to copy (no heap), and carry the counts and ids their subscribers
-// need. Each has `static constexpr event_type type`.
+// need. Each has `static constexpr event_type type`. The exceptions are the three key events
+// at the end (tier_keys_stored, tier_keys_removed, chunks_described): they carry the keys
+// and tokens themselves (vectors), and a publisher builds them only when the bus wants them
+// (wants_kind below), so a bus without a key subscriber pays nothing for them.
 //
 // Counting rules (the prefetch counters; docs/metrics.md says what each series counts):
 //   l2_prefetch_lookup_completed::hit_count   the pure L2 contiguous prefix, before any L1
@@ -12,12 +15,15 @@
 
 #include <kvtier/bus/event_type.hpp>
 #include <kvtier/config.hpp>
+#include <kvtier/core/chunk_key.hpp>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <concepts>
+#include <vector>
 #include <tuple>
 #include <utility>
 
@@ -404,6 +410,66 @@ struct cache_backend_attached {
   short_name backend{};
 };
 
+/// The tier a key event is about: 0 is L1, 1 + b is L2 backend b (cache_backend_attached's
+/// backend_index + 1).
+inline constexpr std::uint8_t l1_tier = 0;
+[[nodiscard]] constexpr std::uint8_t l2_tier(std::size_t backend_index) noexcept {
+  return static_cast<std::uint8_t>(1 + backend_index);
+}
+
+/// Keys that entered a tier: in L1, objects made readable (written by a store, or landed by
+/// a prefetch from L2); in an L2 backend, objects whose store succeeded, and those a
+/// backend's start-up found. Published by the tier itself when its index changes, in the
+/// same order as its removals of the same keys (so a subscriber that applies stored and
+/// removed in queue order holds what the tier holds: what visit_l1 / async_list list).
+struct tier_keys_stored {
+  static constexpr event_type type = event_type::tier_keys_stored;
+  std::uint8_t tier = l1_tier;
+  std::vector<chunk_key> keys;
+};
+
+/// Why keys left a tier (tier_keys_removed).
+enum class key_removal : std::uint8_t {
+  evicted,  ///< the tier's capacity policy (L1 eviction, a disk backend's capacity eviction)
+  deleted,  ///< on request: an operator's evict, a clear, a store policy (skip_l1), a rewrite
+  corrupt,  ///< an object that failed its checks on load and was deleted
+  expired,  ///< a temporary object (a prefetch landed in L1) freed after its last reader
+};
+inline constexpr std::size_t key_removal_count = 4;
+[[nodiscard]] constexpr std::string_view name(key_removal r) noexcept {
+  constexpr std::array<std::string_view, key_removal_count> n = {"evicted", "deleted", "corrupt", "expired"};
+  return n[static_cast<std::size_t>(r)];
+}
+
+/// Keys that left a tier (every key a tier_keys_stored of the same tier announced before, and
+/// only those: a write abandoned before it became readable is not a removal).
+struct tier_keys_removed {
+  static constexpr event_type type = event_type::tier_keys_removed;
+  std::uint8_t tier = l1_tier;
+  key_removal reason = key_removal::evicted;
+  std::vector<chunk_key> keys;
+};
+
+/// What chunks hold, as an engine's scheduler described them (protocol describe_chunks):
+/// the token ids of consecutive chunks of one prompt, so a KV event can name each block's
+/// tokens. Chunk i's key is {model_id, world_size, rank, chunk_hashes[i]} for every rank.
+struct chunks_described {
+  static constexpr event_type type = event_type::chunks_described;
+  std::uint64_t model_id = 0;    ///< the chunks' model id (the request's salt folded in)
+  std::uint16_t world_size = 1;  ///< the engine's tensor-parallel size (the keys' world_size)
+  std::uint32_t chunk_tokens = 0;
+  std::uint32_t block_size = 0;  ///< the engine's tokens per block (divides chunk_tokens)
+  bool has_parent = false;       ///< chunk_hashes[0] follows a chunk (parent_hash) of the same prompt
+  hash128 parent_hash{};
+  std::vector<hash128> chunk_hashes;   ///< consecutive chunks of one prompt, in order
+  std::vector<std::uint32_t> token_ids;  ///< chunk_hashes.size() * chunk_tokens
+  std::string lora_name;                ///< empty: none
+  std::int64_t lora_id = -1;            ///< -1: none
+  /// vLLM's extra_keys of the blocks, one msgpack value per block of these chunks, written
+  /// into BlockStored as given (not read by kvtier); empty: none.
+  std::vector<std::string> block_extra_keys;
+};
+
 /// Every event type, in event_type order (the deferred queue stores a variant of these).
 using all_events =
     std::tuple<l1_read_reserved, l1_read_finished, l1_write_reserved, l1_write_finished,
@@ -414,7 +480,8 @@ using all_events =
                server_request_started, server_request_finished, connector_healthy, connector_unhealthy,
                connector_reconnected, connector_lookup_completed, connector_retrieve_completed,
                connector_store_completed, connector_load_error, connector_quarantine_changed, connector_peer_refused,
-               l2_prefetch_declined, cache_backend_attached>;
+               l2_prefetch_declined, cache_backend_attached, tier_keys_stored, tier_keys_removed,
+               chunks_described>;
 
 static_assert(std::tuple_size_v<all_events> == event_type_count, "one struct per event_type");
 
