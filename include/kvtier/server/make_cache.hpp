@@ -10,6 +10,7 @@
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/fwd.hpp>
+#include <kvtier/kv_events/tier_key_relay.hpp>
 #include <kvtier/l1/policy/arc.hpp>
 #include <kvtier/l1/policy/lru.hpp>
 #include <kvtier/l1/policy/noop.hpp>
@@ -44,7 +45,7 @@ namespace server {
 template <class Eviction>
 struct server_traits : cache::default_traits {
   using eviction_policy = Eviction;
-  using bus_type = default_event_bus;
+  using bus_type = server_event_bus;
   using store_policy = runtime_store_policy;
   using wait_policy = runtime_wait_policy;
 };
@@ -56,7 +57,7 @@ class cache_model final : public any_cache {
  public:
   using cache_type = cache::tiered_cache<server_traits<Eviction>>;
 
-  cache_model(boost::asio::any_io_executor ex, cache::cache_options o, default_event_bus& bus,
+  cache_model(boost::asio::any_io_executor ex, cache::cache_options o, server_event_bus& bus,
               std::vector<l2::any_backend> backends, typename cache_type::policies p)
       : cache_(std::move(ex), std::move(o), bus, std::move(backends), std::move(p)) {}
 
@@ -103,7 +104,7 @@ class cache_model final : public any_cache {
 
 template <class Eviction>
 std::unique_ptr<any_cache> make_cache_with(boost::asio::any_io_executor ex, const cache::cache_options& o,
-                                           default_event_bus& bus, std::vector<l2::any_backend> backends,
+                                           server_event_bus& bus, std::vector<l2::any_backend> backends,
                                            runtime_store_policy store, runtime_wait_policy wait) {
   typename cache_model<Eviction>::cache_type::policies p;
   p.store = store;
@@ -135,7 +136,7 @@ std::unique_ptr<any_cache> make_cache_with(boost::asio::any_io_executor ex, cons
 /// Throws std::invalid_argument for options L1 refuses, std::bad_alloc when the L1 arena
 /// cannot be allocated.
 [[nodiscard]] inline std::unique_ptr<any_cache> make_cache(const server_config& c, boost::asio::any_io_executor ex,
-                                                           default_event_bus& bus,
+                                                           server_event_bus& bus,
                                                            std::vector<l2::any_backend> backends,
                                                            boost::asio::any_io_executor copy_executor = {}) {
   cache::cache_options o = cache_options_from(c);

@@ -20,6 +20,7 @@
 #include <kvtier/error.hpp>
 #include <kvtier/fwd.hpp>
 #include <kvtier/protocol/limits.hpp>
+#include <kvtier/kv_events/tier_key_relay.hpp>
 #include <kvtier/server/config/backend_factory.hpp>
 #include <kvtier/server/config/server_config.hpp>
 #include <kvtier/server/heap_trim.hpp>
@@ -95,7 +96,7 @@ class server final : private session_host {
         options_(std::move(options)),
         log_(config_.log_level, "kvtier-server",
              options_.log_sink ? options_.log_sink : telemetry::logger::stderr_sink()),
-        bus_(telemetry::metrics_subscriber{registry_}, telemetry::logging_subscriber{log_}),
+        bus_(telemetry::metrics_subscriber{registry_}, telemetry::logging_subscriber{log_}, kv_events::tier_key_relay{}),
         boot_token_(make_boot_token()),
         started_at_(std::chrono::steady_clock::now()),
         clients_(region_registry::requirements{config_.chunk_tokens, static_cast<std::size_t>(config_.l1_slot_bytes)}),
@@ -187,7 +188,7 @@ class server final : private session_host {
   [[nodiscard]] boost::asio::io_context& io_context() noexcept { return io_; }
   [[nodiscard]] any_cache& cache() noexcept { return *cache_; }
   [[nodiscard]] telemetry::logger& log() noexcept { return log_; }
-  [[nodiscard]] default_event_bus& bus() noexcept { return bus_; }
+  [[nodiscard]] server_event_bus& bus() noexcept { return bus_; }
   /// The metrics registry (every kvtier_* series of this server).
   [[nodiscard]] telemetry::registry& metrics() noexcept { return registry_; }
   /// The Prometheus text exposition of metrics().
@@ -251,7 +252,7 @@ class server final : private session_host {
   server_options options_;
   telemetry::logger log_;
   telemetry::registry registry_;
-  default_event_bus bus_;
+  server_event_bus bus_;
   boost::asio::io_context io_{1};
   /// The copies' threads; before cache_, so destroyed (joined) after it: the cache's
   /// async_stop has waited for every copy by then.

@@ -16,6 +16,7 @@
 #include <kvtier/bus/event_bus.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/fwd.hpp>
+#include <kvtier/kv_events/tier_key_relay.hpp>
 #include <kvtier/server/config/server_config.hpp>
 #include <kvtier/server/session/any_cache.hpp>
 #include <kvtier/server/session/client_budget.hpp>
@@ -65,7 +66,7 @@ struct server_context {
   region_registry& clients;
   lookup_table& lookups;
   engine_table& engines;  ///< which connections are one engine (the scopes of the lookups)
-  default_event_bus& bus;
+  server_event_bus& bus;
   telemetry::logger& log;
   std::uint64_t boot_token = 0;
   const server_hooks& hooks;
