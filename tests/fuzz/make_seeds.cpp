@@ -87,6 +87,11 @@ struct filler {
     f.value = f.last;
   }
   template <class T>
+  void operator()(const p::string_list_field<T>& f) {
+    f.value.assign(std::min<std::size_t>(3, f.max), std::string());
+    for (auto& e : f.value) e = std::string("seed-").append(std::to_string(++n)).substr(0, f.max_bytes);
+  }
+  template <class T>
   void operator()(const p::bounded_field<T>& f) {
     if constexpr (std::is_same_v<T, std::string>) {
       f.value = std::string("seed-").append(std::to_string(++n)).substr(0, f.max);

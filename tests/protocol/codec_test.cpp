@@ -5,6 +5,8 @@
 #include "protocol/protocol_fixtures.hpp"
 #include "support/allocation_probe.hpp"
 
+#include <cstdint>
+#include <limits>
 #include <set>
 #include <string>
 #include <variant>
@@ -169,6 +171,33 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     CHECK(static_cast<std::uint16_t>(p::message_type::list_objects_request) == 0x000d);
     CHECK(static_cast<std::uint16_t>(p::message_type::list_objects_response) == 0x800d);
   }
+  SECTION("a describe_chunks request: type 0x000f, lora_id as a two's complement u64, extra keys as strings") {
+    p::describe_chunks_request d;
+    d.model_id = 5;
+    d.world_size = 2;
+    d.cache_salt = "s";
+    d.block_size = 1;
+    d.has_parent = true;
+    d.parent_hash = hash128{8, 9};
+    d.chunk_hashes = {hash128{1, 2}};
+    d.token_ids = {10, 11};
+    d.lora_name = "L";
+    d.lora_id = -1;
+    d.block_extra_keys = {"\xc0", "ab"};
+    auto bytes = p::encode_frame(4, d);
+    REQUIRE(bytes.has_value());
+    bytes_builder body;
+    body.u64(5).u16(2).str("s").u32(1).u8(1).u64(8).u64(9).u32(1).u64(1).u64(2).u32(2).u32(10).u32(11);
+    body.str("L").u64(0xffffffffffffffffULL).u32(2).str("\xc0").str("ab");
+    CHECK(*bytes == make_frame(p::message_type::describe_chunks_request, 4, body.bytes));
+    CHECK(static_cast<std::uint16_t>(p::message_type::describe_chunks_request) == 0x000f);
+    auto answer = p::encode_frame(4, p::describe_chunks_response{true});
+    REQUIRE(answer.has_value());
+    bytes_builder abody;
+    abody.u8(1);
+    CHECK(*answer == make_frame(p::message_type::describe_chunks_response, 4, abody.bytes));
+    CHECK(static_cast<std::uint16_t>(p::message_type::describe_chunks_response) == 0x800f);
+  }
   SECTION("a scheduler's register request: region none, salt, prefill rate and engine id") {
     p::register_kv_request r;
     r.instance_id = 9;
@@ -187,6 +216,25 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     body.u64(9).u16(0).u16(8).str("q").u32(24).u32(1).u32(64).u8(1).u8(0).u32(0).u32(0).u32(256).u64(0);
     body.u8(1).u8(0).str("").str("t").u64(50000).u64(0).u64(0).u64(0).u64(0).u64(0).str("e1");
     CHECK(*bytes == make_frame(p::message_type::register_kv_request, 2, body.bytes));
+  }
+}
+
+TEST_CASE("a signed field round-trips its extremes, -1 and 0 through its two's complement", "[protocol][codec]") {
+  for (const std::int64_t v : {std::int64_t{-1}, std::int64_t{0}, std::int64_t{1}, std::int64_t{-2},
+                               std::numeric_limits<std::int64_t>::min(), std::numeric_limits<std::int64_t>::max()}) {
+    INFO(v);
+    p::describe_chunks_request d;
+    d.lora_id = v;
+    auto bytes = p::encode_frame(1, d);
+    REQUIRE(bytes.has_value());
+    auto back = decode_whole(*bytes);
+    REQUIRE(back.has_value());
+    CHECK(std::get<p::describe_chunks_request>(*back).lora_id == v);
+    // The last field before the (empty) extra keys: its 8 bytes, little-endian.
+    const std::size_t at = bytes->size() - 4 - 8;
+    std::uint64_t wire = 0;
+    for (std::size_t i = 0; i < 8; ++i) wire |= std::uint64_t(std::to_integer<std::uint8_t>((*bytes)[at + i])) << (8 * i);
+    CHECK(wire == static_cast<std::uint64_t>(v));
   }
 }
 
@@ -249,6 +297,19 @@ TEST_CASE("every field limit accepts one below and at the limit and refuses one 
   check_field_limit(p::evict_request{}, "cache_salt", p::max_cache_salt_bytes,
                     resize_string(&p::evict_request::cache_salt));
   check_field_limit(p::evict_request{}, "tiers", p::max_tier_list_bytes, resize_string(&p::evict_request::tiers));
+  check_field_limit(p::describe_chunks_request{}, "cache_salt", p::max_cache_salt_bytes,
+                    resize_string(&p::describe_chunks_request::cache_salt));
+  check_field_limit(p::describe_chunks_request{}, "lora_name", p::max_lora_name_bytes,
+                    resize_string(&p::describe_chunks_request::lora_name));
+  check_field_limit(p::describe_chunks_request{}, "chunk_hashes", p::max_chunk_hashes,
+                    [](p::describe_chunks_request& m, std::size_t n) { m.chunk_hashes.assign(n, hash128{1, 2}); });
+  check_field_limit(p::describe_chunks_request{}, "token_ids", p::max_described_tokens,
+                    [](p::describe_chunks_request& m, std::size_t n) { m.token_ids.assign(n, 3u); });
+  check_field_limit(p::describe_chunks_request{}, "block_extra_keys", p::max_block_extra_keys,
+                    [](p::describe_chunks_request& m, std::size_t n) { m.block_extra_keys.assign(n, "\xc0"); });
+  check_field_limit(p::describe_chunks_request{{}, 1, {}, 0, false, {}, {}, {}, {}, -1, {"", "", ""}},
+                    "block_extra_keys", p::max_block_extra_key_bytes,
+                    [](p::describe_chunks_request& m, std::size_t n) { m.block_extra_keys[1].assign(n, 'x'); });
   check_field_limit(p::lookup_request{"r", 1, 1, {}}, "chunk_hashes", p::max_chunk_hashes,
                     [](p::lookup_request& m, std::size_t n) {
                       m.chunk_hashes.assign(n, hash128{1, 2});
@@ -311,6 +372,29 @@ TEST_CASE("a length that the body does not hold is refused before anything is al
     REQUIRE_FALSE(r.has_value());
     CHECK(r.error().code == errc::message_too_large);
     CHECK(largest < 4096);
+  }
+  SECTION("a string list whose count the body cannot hold (each string takes at least 4 bytes)") {
+    bytes_builder body;
+    body.u64(1).u16(1).str("").u32(1).u8(0).u64(0).u64(0).u32(0).u32(0).str("").u64(0);
+    body.u32(p::max_block_extra_keys).u32(0);  // claims 131072 strings, holds one (empty)
+    const auto frame = make_frame(p::message_type::describe_chunks_request, 5, body.bytes);
+    p::decode_result<p::message> r = p::message{};
+    const std::size_t largest = largest_allocation([&] { r = decode_whole(frame); });
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().reason.find("describe_chunks_request.block_extra_keys") != std::string::npos);
+    CHECK(largest < 4096);
+  }
+  SECTION("a string of a string list longer than the body") {
+    bytes_builder body;
+    body.u64(1).u16(1).str("").u32(1).u8(0).u64(0).u64(0).u32(0).u32(0).str("").u64(0);
+    body.u32(1).u32(p::max_block_extra_key_bytes).raw("ab");
+    const auto frame = make_frame(p::message_type::describe_chunks_request, 5, body.bytes);
+    p::decode_result<p::message> r = p::message{};
+    const std::size_t largest = largest_allocation([&] { r = decode_whole(frame); });
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(largest < 8192);
   }
   SECTION("a string length past the end of the body") {
     bytes_builder body;
@@ -424,6 +508,25 @@ TEST_CASE("malformed bodies are protocol errors with a reason", "[protocol][code
     auto r = decode_whole(encode_raw(s));
     REQUIRE_FALSE(r.has_value());
     CHECK(r.error().code == errc::protocol_error);
+  }
+  SECTION("a describe_chunks body cut inside its lora_id, and one with a bad has_parent byte") {
+    bytes_builder cut;
+    cut.u64(1).u16(1).str("").u32(1).u8(0).u64(0).u64(0).u32(0).u32(0).str("").u32(7);
+    auto r = decode_whole(make_frame(p::message_type::describe_chunks_request, 8, cut.bytes));
+    REQUIRE_FALSE(r.has_value());
+    CHECK(r.error().code == errc::protocol_error);
+    CHECK(r.error().reason.find("describe_chunks_request.lora_id") != std::string::npos);
+    bytes_builder flag;
+    flag.u64(1).u16(1).str("").u32(1).u8(2).u64(0).u64(0).u32(0).u32(0).str("").u64(0).u32(0);
+    auto f = decode_whole(make_frame(p::message_type::describe_chunks_request, 8, flag.bytes));
+    REQUIRE_FALSE(f.has_value());
+    CHECK(f.error().code == errc::protocol_error);
+    CHECK(f.error().reason.find("has_parent") != std::string::npos);
+    bytes_builder trailing;
+    trailing.u64(1).u16(1).str("").u32(1).u8(0).u64(0).u64(0).u32(0).u32(0).str("").u64(0).u32(0).u8(0);
+    auto t = decode_whole(make_frame(p::message_type::describe_chunks_request, 8, trailing.bytes));
+    REQUIRE_FALSE(t.has_value());
+    CHECK(t.error().reason.find("trailing") != std::string::npos);
   }
   SECTION("an unknown message type") {
     auto r = decode_whole(make_frame(static_cast<p::message_type>(0x0777), 8, {}));

@@ -75,6 +75,20 @@ inline std::vector<protocol::message> sample_messages() {
   m.emplace_back(p::evict_request{false, true, "meta-llama/Llama-3.1-8B", true, "tenant-a", false, 0, "l1,disk", true});
   m.emplace_back(p::list_objects_response{R"({"tiers":[{"name":"l1"}],"namespaces":[]})"});
   m.emplace_back(p::evict_response{12, 49152, 2, 1, R"({"tiers":[]})"});
+  p::describe_chunks_request d;
+  d.model_id = 0xfeedULL;
+  d.world_size = 4;
+  d.cache_salt = "salt-d";
+  d.block_size = 2;
+  d.has_parent = true;
+  d.parent_hash = hash128{0x55, 0x66};
+  d.chunk_hashes = {hash128{1, 2}, hash128{~0ULL, 3}};
+  d.token_ids = {1, 2, 3, 4, 0xffffffffu, 6, 7, 8};
+  d.lora_name = "adapter-a";
+  d.lora_id = -7;  // not a legal adapter id (the server refuses it): the codec keeps the sign
+  d.block_extra_keys = {std::string("\x91\xa1x", 3), "", std::string("\0\xff", 2), "\xc0"};
+  m.emplace_back(d);
+  m.emplace_back(p::describe_chunks_response{true});
   return m;
 }
 

@@ -8,8 +8,9 @@
 //   decode_message(frame[, limits])        -> decode_result<message>
 //
 // Wire encoding of the body (little-endian throughout): unsigned integers as themselves,
-// bool as u8 0/1, enums as u8, hash128 as lo then hi, strings as u32 length + bytes
-// (no terminator, not checked for UTF-8), vectors as u32 count + elements; nested structs
+// int64 as the u64 of its two's complement, bool as u8 0/1, enums as u8, hash128 as lo then
+// hi, strings as u32 length + bytes (no terminator, not checked for UTF-8), vectors as u32
+// count + elements (a list of strings: u32 count + each string); nested structs
 // (model_shape) inline. No padding, no optional fields: a body is exactly its fields, and
 // trailing bytes are an error.
 

@@ -4,12 +4,15 @@
 // limit checks from that one list. Names are only for error reasons ("lookup_request.
 // chunk_hashes: 70000 elements, limit 65536").
 //
-//   field(name, member)              an unsigned integer (u8..u64, LE), bool (u8 0/1),
-//                                    hash128 (lo then hi, LE) or a nested struct
-//                                    (model_shape)
+//   field(name, member)              an unsigned integer (u8..u64, LE), std::int64_t (its
+//                                    two's complement u64, LE), bool (u8 0/1), hash128 (lo
+//                                    then hi, LE) or a nested struct (model_shape)
 //   bounded(name, member, max)       std::string (u32 length + bytes) or std::vector of
 //                                    u32/u64/hash128 (u32 count + elements), at most `max`
 //                                    bytes/elements
+//   bounded_strings(name, member,    std::vector<std::string> (u32 count, then each string as
+//                   max, max_bytes)  a bounded string): at most `max` strings of at most
+//                                    `max_bytes` bytes each
 //   enumerated(name, member, last)   an enum with underlying type u8, wire values 0..last
 
 #include <kvtier/config.hpp>
@@ -17,9 +20,11 @@
 
 #include <concepts>
 #include <cstdint>
+#include <string>
 #include <string_view>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 namespace kvtier {
 inline namespace KVTIER_ABI_TAG {
@@ -40,6 +45,15 @@ struct bounded_field {
   std::uint32_t max;
 };
 
+/// A length-prefixed list of strings: at most `max` strings, each at most `max_bytes` bytes.
+template <class T>
+struct string_list_field {
+  std::string_view name;
+  T& value;
+  std::uint32_t max;
+  std::uint32_t max_bytes;
+};
+
 /// An enumeration sent as its u8 underlying value; values above `last` are refused.
 template <class E>
 struct enum_field {
@@ -55,6 +69,12 @@ template <class T>
 template <class T>
 [[nodiscard]] constexpr bounded_field<T> bounded(std::string_view name, T& value, std::uint32_t max) noexcept {
   return {name, value, max};
+}
+template <class T>
+requires std::same_as<std::remove_const_t<T>, std::vector<std::string>>
+[[nodiscard]] constexpr string_list_field<T> bounded_strings(std::string_view name, T& value, std::uint32_t max,
+                                                             std::uint32_t max_bytes) noexcept {
+  return {name, value, max, max_bytes};
 }
 template <class E>
 requires std::is_enum_v<std::remove_const_t<E>>

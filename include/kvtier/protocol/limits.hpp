@@ -54,6 +54,18 @@ inline constexpr std::uint32_t max_tier_list_bytes = 1024;
 inline constexpr std::uint32_t max_status_json_bytes = std::uint32_t{4} << 20;
 /// The text of an error reply.
 inline constexpr std::uint32_t max_error_message_bytes = 4096;
+/// Token ids in one describe_chunks_request (chunk_hashes.size() x chunk_tokens): 2M tokens,
+/// 8 MiB, so that a maximal description fits the default body limit beside its hashes and
+/// extra keys. A longer prompt is described in several requests (parent_hash links them).
+inline constexpr std::uint32_t max_described_tokens = std::uint32_t{1} << 21;
+/// A LoRA adapter's name in a describe_chunks_request (vLLM's lora_name).
+inline constexpr std::uint32_t max_lora_name_bytes = 256;
+/// Block extra keys in one describe_chunks_request (one per block, or none): 2M tokens in
+/// blocks of 16.
+inline constexpr std::uint32_t max_block_extra_keys = std::uint32_t{1} << 17;
+/// One block's extra keys (one msgpack value: vLLM's tuple of multimodal hashes and offsets,
+/// LoRA name, salt; ~100 bytes per image of the block).
+inline constexpr std::uint32_t max_block_extra_key_bytes = 4096;
 
 /// Default limit of one frame body: 16 MiB holds the largest legal store request (~13 MiB).
 inline constexpr std::uint32_t default_max_body_bytes = std::uint32_t{16} << 20;

@@ -52,6 +52,7 @@ enum class message_type : std::uint16_t {
   status_request = 0x000c,
   list_objects_request = 0x000d,
   evict_request = 0x000e,
+  describe_chunks_request = 0x000f,
 
   retrieve_progress = 0x4005,
 
@@ -70,6 +71,7 @@ enum class message_type : std::uint16_t {
   status_response = 0x800c,
   list_objects_response = 0x800d,
   evict_response = 0x800e,
+  describe_chunks_response = 0x800f,
 };
 
 /// Bit set in every response type.
@@ -287,6 +289,17 @@ struct evict_response {
                       field("in_use_objects", self.in_use_objects), field("failed_objects", self.failed_objects),
                       bounded("json", self.json, max_status_json_bytes)};
   }
+};
+
+/// Whether the server turned a describe_chunks_request into KV events.
+struct describe_chunks_response {
+  static constexpr message_type type = message_type::describe_chunks_response;
+  /// false: this server publishes no KV events (nothing was kept); the connection should
+  /// send no more descriptions (a later server on a new connection may publish).
+  bool described = false;
+
+  friend bool operator==(const describe_chunks_response&, const describe_chunks_response&) = default;
+  static constexpr auto fields(auto& self) noexcept { return std::tuple{field("described", self.described)}; }
 };
 
 // ---------------------------------------------------------------------------------------
@@ -589,6 +602,55 @@ struct evict_request {
   }
 };
 
+// --- KV events for routers (docs/integration.md, "Routers"; docs/kv-events.md).
+
+/// The token ids of chunks the engine looked up, so that a server publishing vLLM KV events
+/// can announce them (BlockStored needs every block's tokens; the server keys chunks by their
+/// prefix hashes and never sees tokens). The scheduler's connection sends it fire and forget
+/// beside its lookups; a worker's may too. The server checks it against the connection's
+/// registration (model id and world size as in lookup_request; token_ids holds exactly
+/// chunk_hashes.size() x the registration's chunk_tokens; block_size divides chunk_tokens;
+/// block_extra_keys is empty or one value per block; lora_id >= -1) and answers
+/// described=false, keeping nothing, when it publishes no KV events: the connection then stops
+/// sending them. The chunks' model id is the registration's salted with cache_salt, exactly
+/// as a lookup's.
+struct describe_chunks_request {
+  static constexpr message_type type = message_type::describe_chunks_request;
+  using response_type = describe_chunks_response;
+  std::uint64_t model_id = 0;    ///< from register_kv_response, as in lookup_request
+  std::uint16_t world_size = 1;  ///< the registration's
+  std::string cache_salt;        ///< the request's salt (vLLM cache_salt), <= max_cache_salt_bytes
+  std::uint32_t block_size = 0;  ///< the engine's tokens per block (divides chunk_tokens)
+  /// chunk_hashes[0] follows chunk parent_hash of the same prompt (the description does not
+  /// start at the prompt's first chunk); false: chunk_hashes[0] is the prompt's first chunk.
+  bool has_parent = false;
+  hash128 parent_hash{};
+  std::vector<hash128> chunk_hashes;     ///< consecutive chunks of one prompt, in order, <= max_chunk_hashes
+  std::vector<std::uint32_t> token_ids;  ///< every token of those chunks, <= max_described_tokens
+  std::string lora_name;                 ///< the LoRA adapter (vLLM lora_name); empty: none
+  std::int64_t lora_id = -1;             ///< vLLM's lora_int_id; -1: none
+  /// vLLM's extra_keys of each block of these chunks, one msgpack value per block (written
+  /// into BlockStored as given; the server only checks that each is one msgpack value), or
+  /// empty: none. <= max_block_extra_keys values of <= max_block_extra_key_bytes each.
+  std::vector<std::string> block_extra_keys;
+
+  friend bool operator==(const describe_chunks_request&, const describe_chunks_request&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{field("model_id", self.model_id),
+                      field("world_size", self.world_size),
+                      bounded("cache_salt", self.cache_salt, max_cache_salt_bytes),
+                      field("block_size", self.block_size),
+                      field("has_parent", self.has_parent),
+                      field("parent_hash", self.parent_hash),
+                      bounded("chunk_hashes", self.chunk_hashes, max_chunk_hashes),
+                      bounded("token_ids", self.token_ids, max_described_tokens),
+                      bounded("lora_name", self.lora_name, max_lora_name_bytes),
+                      field("lora_id", self.lora_id),
+                      bounded_strings("block_extra_keys", self.block_extra_keys, max_block_extra_keys,
+                                      max_block_extra_key_bytes)};
+  }
+};
+
 // ---------------------------------------------------------------------------------------
 // The variant and its vocabulary.
 // ---------------------------------------------------------------------------------------
@@ -601,7 +663,7 @@ using message = std::variant<register_kv_request, unregister_kv_request, lookup_
                              retrieve_response, store_response, free_lookup_locks_response, end_request_response,
                              ping_response, clear_response, get_chunk_size_response, status_response,
                              retrieve_progress, list_objects_request, evict_request, list_objects_response,
-                             evict_response>;
+                             evict_response, describe_chunks_request, describe_chunks_response>;
 
 /// A type that travels in a frame: an alternative of `message`.
 template <class T>
@@ -663,6 +725,8 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
       return "list_objects_request";
     case message_type::evict_request:
       return "evict_request";
+    case message_type::describe_chunks_request:
+      return "describe_chunks_request";
     case message_type::retrieve_progress:
       return "retrieve_progress";
     case message_type::error_response:
@@ -695,6 +759,8 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
       return "list_objects_response";
     case message_type::evict_response:
       return "evict_response";
+    case message_type::describe_chunks_response:
+      return "describe_chunks_response";
   }
   return "unknown";
 }
@@ -730,7 +796,8 @@ static_assert(wire_request<register_kv_request> && wire_request<unregister_kv_re
               wire_request<store_request> && wire_request<free_lookup_locks_request> &&
               wire_request<end_request_request> && wire_request<ping_request> && wire_request<clear_request> &&
               wire_request<get_chunk_size_request> && wire_request<status_request> &&
-              wire_request<list_objects_request> && wire_request<evict_request>);
+              wire_request<list_objects_request> && wire_request<evict_request> &&
+              wire_request<describe_chunks_request>);
 
 }  // namespace protocol
 }  // namespace KVTIER_ABI_TAG

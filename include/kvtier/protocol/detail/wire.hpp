@@ -32,6 +32,10 @@ namespace detail {
 template <class T>
 concept wire_unsigned = std::same_as<T, std::uint8_t> || std::same_as<T, std::uint16_t> ||
                         std::same_as<T, std::uint32_t> || std::same_as<T, std::uint64_t>;
+/// Signed integers travel as the u64 of their two's complement (C++20 defines both
+/// conversions), so -1 is ff ff ff ff ff ff ff ff.
+template <class T>
+concept wire_signed = std::same_as<T, std::int64_t>;
 
 /// Element types a bounded vector may hold.
 template <class T>
@@ -67,6 +71,12 @@ constexpr std::size_t wire_size(const enum_field<E>&) noexcept {
   static_assert(sizeof(E) == 1, "enumerations travel as one byte");
   return 1;
 }
+template <class T>
+constexpr std::size_t wire_size(const string_list_field<T>& f) noexcept {
+  std::size_t n = 4;
+  for (const std::string& e : f.value) n += 4 + e.size();
+  return n;
+}
 
 template <class Tuple>
 constexpr std::size_t fields_size(const Tuple& fields) noexcept {
@@ -78,6 +88,7 @@ constexpr std::size_t wire_size(const plain_field<T>& f) noexcept {
   using V = std::remove_const_t<T>;
   if constexpr (std::same_as<V, bool>) return 1;
   else if constexpr (wire_unsigned<V>) return sizeof(V);
+  else if constexpr (wire_signed<V>) return 8;
   else if constexpr (std::same_as<V, hash128>) return 16;
   else if constexpr (std::same_as<V, model_shape>) return fields_size(model_shape_fields(f.value));
   else static_assert(sizeof(V) == 0, "this type cannot travel as a plain field");
@@ -105,7 +116,11 @@ std::optional<limit_violation> check_limits(const Tuple& fields) noexcept;
 
 template <class F>
 std::optional<limit_violation> check_limit(const F& f) noexcept {
-  if constexpr (requires { f.max; }) {
+  if constexpr (requires { f.max_bytes; }) {  // a string list: its count, then each string
+    if (f.value.size() > f.max) return limit_violation{f.name, f.value.size(), f.max};
+    for (const std::string& e : f.value)
+      if (e.size() > f.max_bytes) return limit_violation{f.name, e.size(), f.max_bytes};
+  } else if constexpr (requires { f.max; }) {
     if (f.value.size() > f.max) return limit_violation{f.name, f.value.size(), f.max};
   } else if constexpr (requires { model_shape_fields(f.value); }) {
     return check_limits(model_shape_fields(f.value));
@@ -151,6 +166,7 @@ void write_field(wire_writer& w, const plain_field<T>& f) noexcept {
   using V = std::remove_const_t<T>;
   if constexpr (std::same_as<V, bool>) w.put<std::uint8_t>(f.value ? 1 : 0);
   else if constexpr (wire_unsigned<V>) w.put<V>(f.value);
+  else if constexpr (wire_signed<V>) w.put<std::uint64_t>(static_cast<std::uint64_t>(f.value));
   else if constexpr (std::same_as<V, hash128>) {
     w.put<std::uint64_t>(f.value.lo);
     w.put<std::uint64_t>(f.value.hi);
@@ -160,6 +176,15 @@ void write_field(wire_writer& w, const plain_field<T>& f) noexcept {
 template <class E>
 void write_field(wire_writer& w, const enum_field<E>& f) noexcept {
   w.put<std::uint8_t>(static_cast<std::uint8_t>(f.value));
+}
+
+template <class T>
+void write_field(wire_writer& w, const string_list_field<T>& f) noexcept {
+  w.put<std::uint32_t>(static_cast<std::uint32_t>(f.value.size()));
+  for (const std::string& e : f.value) {
+    w.put<std::uint32_t>(static_cast<std::uint32_t>(e.size()));
+    w.put_bytes(e.data(), e.size());
+  }
 }
 
 template <class T>
@@ -258,6 +283,11 @@ bool read_field(wire_reader& r, const plain_field<T>& f) {
     return true;
   } else if constexpr (wire_unsigned<T>) {
     return r.get(f.value, f.name);
+  } else if constexpr (wire_signed<T>) {
+    std::uint64_t u = 0;
+    if (!r.get(u, f.name)) return false;
+    f.value = static_cast<T>(u);
+    return true;
   } else if constexpr (std::same_as<T, hash128>) {
     return r.get(f.value.lo, f.name) && r.get(f.value.hi, f.name);
   } else {
@@ -316,6 +346,38 @@ bool read_field(wire_reader& r, const bounded_field<T>& f) {
     }
     return true;
   }
+}
+
+template <class T>
+bool read_field(wire_reader& r, const string_list_field<T>& f) {
+  std::uint32_t n = 0;
+  if (!r.get(n, f.name)) return false;
+  if (n > f.max) {
+    r.fail(errc::message_too_large, f.name, std::to_string(n) + " strings, limit " + std::to_string(f.max));
+    return false;
+  }
+  // Each string takes at least its u32 length: a count the body cannot hold is refused before
+  // the vector is allocated.
+  if (std::size_t{n} * 4 > r.remaining()) {
+    r.fail(errc::protocol_error, f.name,
+           "truncated: " + std::to_string(n) + " strings need at least " + std::to_string(std::size_t{n} * 4) +
+               " bytes, " + std::to_string(r.remaining()) + " left");
+    return false;
+  }
+  f.value.resize(n);
+  for (std::string& e : f.value) {
+    std::uint32_t len = 0;
+    if (!r.get(len, f.name)) return false;
+    if (len > f.max_bytes) {
+      r.fail(errc::message_too_large, f.name,
+             "a string of " + std::to_string(len) + " bytes, limit " + std::to_string(f.max_bytes));
+      return false;
+    }
+    const std::byte* p = r.take(len, f.name);
+    if (p == nullptr) return false;
+    e.assign(reinterpret_cast<const char*>(p), len);
+  }
+  return true;
 }
 
 template <class Tuple>
