@@ -20,6 +20,9 @@
 #if KVTIER_SERVER_WITH_REDIS
 #include <kvtier/server/config/redis_backend_type.hpp>
 #endif
+#if KVTIER_SERVER_WITH_KV_EVENTS
+#include <kvtier/kv_events/zmq_transport.hpp>
+#endif
 
 #include <kvtier_program/server_instance.hpp>
 
@@ -239,6 +242,14 @@ int main(int argc, char** argv) {
       // One JSON value per flag: CLI11 would otherwise take "[...]" for a list of values and
       // split it, recursively (100,000 nested arrays overflowed its stack).
       ->allow_extra_args(false);
+  std::string kv_events_json;
+  app.add_option("--kv-events", kv_events_json,
+                 "publish KV events for routers: the \"kv_events\" object as JSON, e.g. "
+                 "'{\"endpoint\":\"tcp://127.0.0.1:5557\",\"replay_endpoint\":\"tcp://127.0.0.1:5558\"}' "
+                 "(docs/kv-events.md)" +
+                     std::string(KVTIER_SERVER_WITH_KV_EVENTS ? "" : "; this build has no libzmq: refused"))
+      ->type_name("JSON")
+      ->allow_extra_args(false);
   app.add_flag("--print-config", print_config, "print the effective configuration as JSON and exit");
 
   try {
@@ -292,6 +303,10 @@ int main(int argc, char** argv) {
       }
       j["l2_backends"] = std::move(list);
     }
+    if (!kv_events_json.empty()) {
+      j["kv_events"] = kvtier::server::parse_config_text(kv_events_json, "--kv-events", "'" + kv_events_json + "'");
+      flag_of_key["kv_events"] = "--kv-events";
+    }
     config = srv::server_config::parse(j, program_backends());
   } catch (const config_error& e) {
     // Name the flag when the value came from one.
@@ -323,6 +338,19 @@ int main(int argc, char** argv) {
   try {
     srv::server_options options;
     options.handle_signals = true;
+#if KVTIER_SERVER_WITH_KV_EVENTS
+    options.kv_event_transport = [](const srv::kv_events_config& k) -> std::unique_ptr<kvtier::kv_events::kv_event_transport> {
+      kvtier::kv_events::kv_event_publisher_options o;
+      o.endpoint = k.endpoint;
+      o.replay_endpoint = k.replay_endpoint;
+      o.topic = k.topic;
+      o.form = *kvtier::kv_events::parse_event_form(k.form);
+      o.data_parallel_rank = k.data_parallel_rank;
+      o.buffer_steps = k.buffer_steps;
+      o.buffer_bytes = k.buffer_bytes;
+      return std::make_unique<kvtier::kv_events::zmq_transport>(std::move(o));
+    };
+#endif
     // Through kvtier_server_instance: the server's code is compiled once per build, shared
     // with the tests (kvtier_program/server_instance.hpp).
     auto server = kvtier::program::make_server(config, options, program_backends());

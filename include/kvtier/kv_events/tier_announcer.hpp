@@ -40,12 +40,27 @@ namespace kvtier {
 inline namespace KVTIER_ABI_TAG {
 namespace kv_events {
 
-/// Where the announcer's events go (the ZMQ publisher). offer() must never block.
+/// What a transport tells of itself (metrics, status).
+struct kv_event_transport_stats {
+  std::uint64_t events_published = 0;  ///< in batches sent
+  std::uint64_t events_dropped = 0;    ///< refused: queue full, stopped, or a batch the socket refused
+  std::uint64_t batches_published = 0;
+  std::uint64_t replay_requests = 0;
+  std::uint64_t replay_gaps = 0;  ///< replays that asked for batches no longer held
+  std::uint64_t replay_buffer_batches = 0;
+  std::uint64_t replay_buffer_bytes = 0;
+};
+
+/// Where the announcer's events go (the ZMQ publisher: zmq_transport.hpp). offer() must
+/// never block.
 class kv_event_transport {
  public:
   virtual ~kv_event_transport() = default;
   /// Queues one event; false when it was dropped (counted by the transport).
   virtual bool offer(kv_event ev) noexcept = 0;
+  [[nodiscard]] virtual kv_event_transport_stats stats() const { return {}; }
+  /// Where subscribers connect (the bound endpoints), for the start-up line.
+  [[nodiscard]] virtual std::string describe() const { return {}; }
 };
 
 /// Block i of the chunk `key` (its rank ignored), in vLLM's integer form.
@@ -95,6 +110,9 @@ class tier_announcer final : public tier_key_sink {
   [[nodiscard]] bool announces(std::uint8_t tier) const noexcept {
     return tier < options_.mediums.size() && !options_.mediums[tier].empty();
   }
+
+  /// Tier t's medium name (empty: not announced).
+  [[nodiscard]] const std::string& medium(std::uint8_t tier) const noexcept { return options_.mediums[tier]; }
 
   /// The start of a stream: a router forgets what it heard of this publisher before.
   void clear_all() {

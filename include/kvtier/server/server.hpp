@@ -20,6 +20,7 @@
 #include <kvtier/error.hpp>
 #include <kvtier/fwd.hpp>
 #include <kvtier/protocol/limits.hpp>
+#include <kvtier/kv_events/tier_announcer.hpp>
 #include <kvtier/kv_events/tier_key_relay.hpp>
 #include <kvtier/server/config/backend_factory.hpp>
 #include <kvtier/server/config/server_config.hpp>
@@ -41,6 +42,8 @@
 #include <kvtier/telemetry/logging_subscriber.hpp>
 #include <kvtier/telemetry/metrics_subscriber.hpp>
 #include <kvtier/telemetry/registry.hpp>
+
+#include <nlohmann/json.hpp>
 
 #include <boost/asio/awaitable.hpp>
 #include <boost/asio/co_spawn.hpp>
@@ -79,6 +82,9 @@ struct server_options {
   server_hooks hooks;
   /// Frame limits of every connection.
   protocol::limits frame_limits;
+  /// Builds the transport of the KV events for config.kv_events (kvtier-server: ZMQ,
+  /// kv_events/zmq_transport.hpp). Empty: a configuration with "kv_events" is refused.
+  std::function<std::unique_ptr<kv_events::kv_event_transport>(const kv_events_config&)> kv_event_transport;
 };
 
 class server final : private session_host {
@@ -131,7 +137,9 @@ class server final : private session_host {
         backend_types_.push_back(spec.type);
       }
       cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), worker_pool_.get_executor());
+      setup_kv_events();
     } catch (...) {
+      bus_.subscriber<kv_events::tier_key_relay>().attach(nullptr);
       stop_http();
       throw;
     }
@@ -141,6 +149,7 @@ class server final : private session_host {
         worker_pool_.get_executor(),
         std::chrono::duration_cast<std::chrono::milliseconds>(cache_options_from(config_).prefetch.load_timeout)});
     add_metrics();
+    add_kv_events_metrics();
   }
 
   server(const server&) = delete;
@@ -156,6 +165,10 @@ class server final : private session_host {
     // Sessions first (their sockets belong to io_), then the cache; io_ outlives both.
     sessions_.clear();
     signals_.reset();
+    // The announcer goes before the bus: nothing may reach it once it is detached.
+    bus_.stop_drain_thread();
+    bus_.drain();
+    bus_.subscriber<kv_events::tier_key_relay>().attach(nullptr);
   }
 
   /// Serves: the accept loop (the socket listens since the constructor), the reaper, and the
@@ -165,7 +178,21 @@ class server final : private session_host {
     if (started_) return;
     started_ = true;
     bus_.start_drain_thread();
-    listener_.start([this](std::uint64_t id, listener::socket_type socket) { open_session(id, std::move(socket)); });
+    auto accept = [this] {
+      listener_.start([this](std::uint64_t id, listener::socket_type socket) { open_session(id, std::move(socket)); });
+    };
+    if (kv_announcer_) {
+      // What the L2 tiers hold already goes out before anything a connection changes.
+      boost::asio::co_spawn(
+          io_,
+          [this, accept]() -> boost::asio::awaitable<void> {
+            co_await announce_l2_contents();
+            if (!stopping_) accept();
+          },
+          telemetry::log_escaped{&log_, "kv_events start"});
+    } else {
+      accept();
+    }
     boost::asio::co_spawn(io_, reap_loop(), telemetry::log_escaped{&log_, "reaper"});
     start_l1_prefault();
     log_.debug("{}", startup_line());
@@ -240,6 +267,12 @@ class server final : private session_host {
   void start_http();
   void stop_http();
 
+  // --- KV events for routers (impl/server_kv_events.hpp) ---------------------------------
+  void setup_kv_events();
+  boost::asio::awaitable<void> announce_l2_contents();
+  void add_kv_events_metrics();
+  [[nodiscard]] nlohmann::json kv_events_status() const;
+
   // --- the reaper (impl/server_reaper.hpp) ----------------------------------------------
   boost::asio::awaitable<void> reap_loop();
   void session_closed(std::uint64_t id) noexcept override;
@@ -264,6 +297,10 @@ class server final : private session_host {
   std::vector<std::string> backend_lines_;
   std::vector<std::string> backend_types_;
   std::unique_ptr<any_cache> cache_;
+  /// KV events (config kv_events): the transport, and the announcer the bus's key relay feeds
+  /// (detached by the destructor before either goes).
+  std::unique_ptr<kv_events::kv_event_transport> kv_transport_;
+  std::unique_ptr<kv_events::tier_announcer> kv_announcer_;
   region_registry clients_;
   lookup_table lookups_;
   engine_table engines_;
@@ -296,6 +333,7 @@ class server final : private session_host {
 }  // namespace kvtier
 
 #include <kvtier/server/impl/server_l1_residency.hpp>
+#include <kvtier/server/impl/server_kv_events.hpp>
 #include <kvtier/server/impl/server_reaper.hpp>
 #include <kvtier/server/impl/server_shutdown.hpp>
 #include <kvtier/server/impl/server_status.hpp>

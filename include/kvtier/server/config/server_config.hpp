@@ -14,6 +14,7 @@
 #include <kvtier/config.hpp>
 #include <kvtier/protocol/unix_socket.hpp>
 #include <kvtier/server/config/backend_factory.hpp>
+#include <kvtier/server/config/kv_events_config.hpp>
 #include <kvtier/server/config/server_config_json.hpp>
 #include <kvtier/telemetry/logger.hpp>
 
@@ -143,6 +144,8 @@ struct server_config {
   std::uint16_t metrics_port = 0;
   bool metrics_any_port = false;              ///< "metrics_port": "auto"
   std::string metrics_address = "127.0.0.1";  ///< "metrics_address": loopback unless told otherwise
+  /// "kv_events": KV events for routers (kv_events_config.hpp; off when absent or null).
+  kv_events_config kv_events;
 
   /// The worker pool's size: worker_threads, or when 0 half the cores, between 1 and 8.
   [[nodiscard]] std::uint32_t worker_thread_count() const noexcept {
@@ -377,6 +380,10 @@ inline void server_config::merge_process(json_object_reader& r) {
   }
   if (auto v = r.string("metrics_address", {}, "an IP address, e.g. 127.0.0.1 (loopback) or 0.0.0.0 (every interface)"))
     metrics_address = *v;
+  if (const nlohmann::json* v = r.raw("kv_events")) {
+    if (v->is_null()) kv_events = kv_events_config{};
+    else kv_events.merge_json(*v);
+  }
 }
 
 inline void server_config::validate(const backend_factory& backends) const {
@@ -433,6 +440,7 @@ inline void server_config::validate(const backend_factory& backends) const {
       throw config_error("metrics_address", "\"" + metrics_address + "\"",
                          "must be an IPv4 or IPv6 address, e.g. 127.0.0.1 (loopback) or 0.0.0.0 (every interface)");
   }
+  kv_events.validate();
   (void)backends.parse_all(l2_backends);
 }
 
@@ -487,6 +495,7 @@ inline nlohmann::json server_config::to_json() const {
   else
     j["metrics_port"] = metrics_port;
   j["metrics_address"] = metrics_address;
+  if (kv_events.enabled) j["kv_events"] = kv_events.to_json();
   return j;
 }
 

@@ -305,6 +305,7 @@ inline std::string server::status_json() {
                 {"pending_keys", cs.store_pending_keys}};
   j["held"] = detail::held_status(cs, lookups_, sessions_);
   j["memory"] = detail::memory_status(heap_trimmer_);
+  j["kv_events"] = kv_events_status();
   std::string text = j.dump();
   if (text.size() > protocol::max_status_json_bytes) {
     // Thousands of connections: keep the totals, drop the per-client list.
