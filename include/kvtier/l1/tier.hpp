@@ -137,6 +137,19 @@ struct object_info {
 
 /// The L1 tier. `Policy` models l1::eviction_policy; `Bus` models bus::event_bus and must
 /// outlive the tier. Not copyable or movable (the policy links hooks inside the tier).
+///
+/// Key events (tier bus::l1_tier), published only while bus::wants_kind says the bus wants
+/// them (never on bus::null_bus): bus::tier_keys_stored when objects become readable
+/// (finish_write, finish_write_and_reserve_read: a store written, a prefetch landed);
+/// bus::tier_keys_removed when an announced object leaves: evicted (the policy, above the
+/// watermark), deleted (remove, remove_if, clear, and a rewrite in update mode that is
+/// abandoned or whose write lock expires: the old object is lost), expired (a temporary
+/// object freed with its last read hold, or given none). A write that never became readable
+/// is neither; a rewrite keeps its key announced. They are queued while the tier's mutex is
+/// held, so the bus's queue has them in the order the index changed: a subscriber applying
+/// them in order holds what for_each_object lists, but for the new objects still being
+/// written (listed write-locked, announced when they become readable). Subscribers called
+/// at once (immediate delivery) run under that mutex and must not call into the tier.
 template <class Policy, class Bus>
 class tier {
   static_assert(eviction_policy<Policy>, "kvtier::l1::tier: Policy must model kvtier::l1::eviction_policy");
@@ -346,6 +359,7 @@ class tier {
     bool temporary = false;
     bool in_policy = false;  ///< on_insert was called and on_remove not yet
     bool removing = false;   ///< removed while locked; freed at the last unlock
+    bool announced = false;  ///< readable once (a key event said stored), not removed since
 
     [[nodiscard]] std::uint32_t readers() const noexcept { return expiring_readers + pinned_readers; }
     [[nodiscard]] bool locked() const noexcept { return write_locked || readers() > 0; }
@@ -373,12 +387,20 @@ class tier {
     bool read_ = false;
   };
 
-  // What one operation has to publish once the mutex is released.
+  // What one operation has to publish once the mutex is released (the counts), and whether
+  // it logs its key events (key_log_, published before the mutex is released).
   struct tally {
     std::array<std::uint32_t, bus::removal_reason_count> removed_keys{};
     std::array<std::uint64_t, bus::removal_reason_count> removed_bytes{};
     std::array<std::uint32_t, bus::lock_kind_count> expired{};
     std::uint32_t expired_read_holds = 0;
+    bool keys = false;  ///< the bus wants key events: log them in key_log_
+  };
+
+  // One change of the listing, in index order: stored (change 0) or removed (1 + reason).
+  struct key_record {
+    chunk_key key;
+    std::uint8_t change = 0;
   };
 
   static bus::null_bus& null_bus_instance() noexcept {
@@ -404,6 +426,11 @@ class tier {
   std::size_t for_each_key(std::span<const chunk_key> keys, std::span<status> out, PerKey&& per_key);
   entry* lookup(const chunk_key& key, lazy_now& now, tally& t);
   void publish(const tally& t);
+  // The key events (impl/tier.hpp): whether the bus wants them now; under the mutex, an
+  // entry announced (once) as readable, and the log published in runs of one change each.
+  [[nodiscard]] bool wants_key_events() const noexcept;
+  void announce_stored(entry& e, tally& t);
+  void publish_keys();
 
   // Leaf mutators (impl/tier_entry.hpp): each keeps evictable_, read_locked_ and
   // write_locked_ exact (through adjust), none calls another.
@@ -420,7 +447,7 @@ class tier {
   // An entry leaving the tier (impl/tier_entry.hpp).
   bool release_if_done(entry& e, tally& t);
   void drop_unfinished_write(entry& e, tally& t);
-  void count_removal(const entry& e, bus::removal_reason reason, tally& t);
+  void count_removal(entry& e, bus::removal_reason reason, tally& t);
   void remove_object(entry& e, bus::removal_reason reason, tally& t);
   void mark_removing(entry& e, tally& t);
   void free_removed(entry& e);
@@ -491,6 +518,7 @@ class tier {
   std::vector<typename Policy::hook*> victims_;
   std::vector<entry*> prefix_reads_;  ///< reserve_prefix: the read keys' entries, in order
   std::vector<std::size_t> prefix_read_positions_;
+  std::vector<key_record> key_log_;  ///< an operation's key events, when tally::keys
 };
 
 }  // namespace l1

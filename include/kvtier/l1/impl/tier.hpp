@@ -2,7 +2,8 @@
 // Definitions of l1::tier (declarations and documentation: kvtier/l1/tier.hpp), one file per
 // concern:
 //   impl/tier.hpp             construction, argument checks, the frame every operation runs
-//                             in (mutex, clock, events published after), queries
+//                             in (mutex, clock, key events published before the mutex is
+//                             released, count events after), queries
 //   impl/tier_entry.hpp       one entry's lock state: the leaf mutators that keep
 //                             evictable_, read_locked_ and write_locked_ exact, and an
 //                             entry leaving the tier
@@ -30,6 +31,7 @@
 #include <stdexcept>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace kvtier {
 inline namespace KVTIER_ABI_TAG {
@@ -78,7 +80,19 @@ auto tier<Policy, Bus>::run_locked(F&& f) {
   auto r = [&] {
     std::lock_guard g(mutex_);
     lazy_now now{options_.clock};
-    return std::forward<F>(f)(now, t);
+    t.keys = wants_key_events();
+    if (!t.keys) return std::forward<F>(f)(now, t);
+    // The key events go into the bus's queue before the mutex is released: two operations
+    // on one key (stored by one thread, removed by another) are queued in index order.
+    key_log_.clear();
+    try {
+      auto result = std::forward<F>(f)(now, t);
+      publish_keys();
+      return result;
+    } catch (...) {
+      publish_keys();  // what changed before the throw (a predicate of remove_if) changed
+      throw;
+    }
   }();
   publish(t);
   return r;
@@ -120,6 +134,49 @@ void tier<Policy, Bus>::publish(const tally& t) {
         bus_.publish(bus::l1_lock_expired{t.expired[k], kind, kind == bus::lock_kind::read ? t.expired_read_holds : 0});
       }
   }
+}
+
+template <class Policy, class Bus>
+bool tier<Policy, Bus>::wants_key_events() const noexcept {
+  if constexpr (Bus::template handles_event<bus::tier_keys_stored> ||
+                Bus::template handles_event<bus::tier_keys_removed>)
+    return bus::wants_kind<bus::tier_keys_stored>(bus_) || bus::wants_kind<bus::tier_keys_removed>(bus_);
+  else
+    return false;
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::announce_stored(entry& e, tally& t) {
+  if (e.announced) return;  // a rewrite: still the same key held
+  e.announced = true;
+  if (t.keys) key_log_.push_back({e.key, 0});
+}
+
+template <class Policy, class Bus>
+void tier<Policy, Bus>::publish_keys() {
+  if constexpr (Bus::template handles_event<bus::tier_keys_stored> ||
+                Bus::template handles_event<bus::tier_keys_removed>) {
+    const bool stored = bus::wants_kind<bus::tier_keys_stored>(bus_);
+    const bool removed = bus::wants_kind<bus::tier_keys_removed>(bus_);
+    // Runs of one change: one event per run, in log order.
+    for (std::size_t i = 0; i < key_log_.size();) {
+      const std::uint8_t change = key_log_[i].change;
+      std::size_t end = i;
+      while (end < key_log_.size() && key_log_[end].change == change) ++end;
+      if (change == 0 ? stored : removed) {
+        std::vector<chunk_key> keys;
+        keys.reserve(end - i);
+        for (std::size_t j = i; j < end; ++j) keys.push_back(key_log_[j].key);
+        if (change == 0)
+          bus_.publish(bus::tier_keys_stored{bus::l1_tier, std::move(keys)});
+        else
+          bus_.publish(
+              bus::tier_keys_removed{bus::l1_tier, static_cast<bus::key_removal>(change - 1), std::move(keys)});
+      }
+      i = end;
+    }
+  }
+  key_log_.clear();
 }
 
 // ---------------------------------------------------------------------------------------

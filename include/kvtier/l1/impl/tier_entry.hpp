@@ -106,7 +106,7 @@ void tier<Policy, Bus>::free_slot(entry& e) {
     e.bytes = 0;
     e.slot = s;
     e.expiring_readers = e.pinned_readers = 0;
-    e.write_locked = e.write_pinned = e.temporary = e.in_policy = e.removing = false;
+    e.write_locked = e.write_pinned = e.temporary = e.in_policy = e.removing = e.announced = false;
   });
 }
 
@@ -136,11 +136,22 @@ void tier<Policy, Bus>::drop_unfinished_write(entry& e, tally& t) {
     remove_object(e, bus::removal_reason::abandoned, t);
 }
 
+// Counts the removal for l1_keys_evicted and, when the object was announced, logs its key
+// event: it leaves the listing now (removed at once, or marked removing).
 template <class Policy, class Bus>
-void tier<Policy, Bus>::count_removal(const entry& e, bus::removal_reason reason, tally& t) {
+void tier<Policy, Bus>::count_removal(entry& e, bus::removal_reason reason, tally& t) {
   const auto r = static_cast<std::size_t>(reason);
   ++t.removed_keys[r];
   t.removed_bytes[r] += e.bytes;
+  if (!e.announced) return;  // never readable (a write abandoned or expired): never announced
+  e.announced = false;
+  if (!t.keys) return;
+  bus::key_removal why = bus::key_removal::deleted;  // deleted, and a rewrite abandoned (its old object)
+  if (reason == bus::removal_reason::evicted)
+    why = bus::key_removal::evicted;
+  else if (reason == bus::removal_reason::temporary)
+    why = bus::key_removal::expired;
+  key_log_.push_back({e.key, static_cast<std::uint8_t>(1 + static_cast<std::uint8_t>(why))});
 }
 
 template <class Policy, class Bus>

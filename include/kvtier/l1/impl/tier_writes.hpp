@@ -149,6 +149,7 @@ std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys
     if (!e->write_locked) return status::wrong_state;
     unlock_write(*e);
     if (!e->in_policy) policy_insert(*e);
+    announce_stored(*e, t);  // readable now (a rewrite stays announced)
     if (reserve_read) {
       const std::uint32_t n = holds.empty() ? 1 + extra_count : holds[i];
       holds_taken += n;
