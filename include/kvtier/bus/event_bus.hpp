@@ -118,7 +118,12 @@ class basic_event_bus {
   bool enqueue(const E& e) {
     if constexpr (defers_event<E>) {
       if (!deferred_wants(e)) return true;  // no deferred subscriber would use it: not queued
-      if (!queue_.try_push(queued_event{e})) {
+      // Copied before a cell is claimed (a copy may throw), then moved into the cell as the
+      // variant's alternative E: no variant is moved (bounded_queue::try_emplace).
+      static_assert(std::is_nothrow_move_constructible_v<E>,
+                    "an event's move must not throw (bounded_queue::try_emplace)");
+      E copy(e);
+      if (!queue_.try_emplace(std::in_place_type<E>, std::move(copy))) {
         dropped_.fetch_add(1, std::memory_order_relaxed);
         return false;
       }

@@ -12,6 +12,7 @@
 #include <new>
 #include <optional>
 #include <stdexcept>
+#include <type_traits>
 #include <utility>
 
 namespace kvtier {
@@ -39,24 +40,17 @@ class bounded_queue {
   [[nodiscard]] std::size_t capacity() const noexcept { return mask_ + 1; }
 
   /// Moves v in and returns true, or returns false (v untouched) when the queue is full.
-  bool try_push(T&& v) noexcept(std::is_nothrow_move_constructible_v<T>) {
-    std::size_t pos = enqueue_.load(std::memory_order_relaxed);
-    for (;;) {
-      cell& c = cells_[pos & mask_];
-      const std::size_t seq = c.sequence.load(std::memory_order_acquire);
-      const auto diff = static_cast<std::ptrdiff_t>(seq) - static_cast<std::ptrdiff_t>(pos);
-      if (diff == 0) {
-        if (enqueue_.compare_exchange_weak(pos, pos + 1, std::memory_order_relaxed)) {
-          ::new (static_cast<void*>(c.storage)) T(std::move(v));
-          c.sequence.store(pos + 1, std::memory_order_release);
-          return true;
-        }
-      } else if (diff < 0) {
-        return false;  // full
-      } else {
-        pos = enqueue_.load(std::memory_order_relaxed);
-      }
-    }
+  bool try_push(T&& v) noexcept(std::is_nothrow_move_constructible_v<T>) { return push(std::move(v)); }
+
+  /// Constructs a T from args in its cell and returns true, or returns false (nothing
+  /// constructed) when the queue is full. The construction must not throw (a T that would
+  /// leaves its claimed cell unpublished for ever): pass what T's constructor only moves. So a
+  /// std::variant T is built in place with its alternative known, never moved (g++ 12 at -O1
+  /// warns of a maybe-uninitialized member of another alternative when a variant temporary
+  /// is moved in).
+  template <class... Args>
+  bool try_emplace(Args&&... args) noexcept(std::is_nothrow_constructible_v<T, Args...>) {
+    return push(std::forward<Args>(args)...);
   }
 
   /// Pops the oldest element, or nullopt when empty.
@@ -88,6 +82,29 @@ class bounded_queue {
   }
 
  private:
+  // Claims a cell, constructs a T from args in it (must not throw once claimed: callers pass
+  // nothrow arguments), publishes it. False when full.
+  template <class... Args>
+  bool push(Args&&... args) noexcept(std::is_nothrow_constructible_v<T, Args...>) {
+    std::size_t pos = enqueue_.load(std::memory_order_relaxed);
+    for (;;) {
+      cell& c = cells_[pos & mask_];
+      const std::size_t seq = c.sequence.load(std::memory_order_acquire);
+      const auto diff = static_cast<std::ptrdiff_t>(seq) - static_cast<std::ptrdiff_t>(pos);
+      if (diff == 0) {
+        if (enqueue_.compare_exchange_weak(pos, pos + 1, std::memory_order_relaxed)) {
+          ::new (static_cast<void*>(c.storage)) T(std::forward<Args>(args)...);
+          c.sequence.store(pos + 1, std::memory_order_release);
+          return true;
+        }
+      } else if (diff < 0) {
+        return false;  // full
+      } else {
+        pos = enqueue_.load(std::memory_order_relaxed);
+      }
+    }
+  }
+
   struct cell {
     std::atomic<std::size_t> sequence;
     alignas(T) unsigned char storage[sizeof(T)];
