@@ -107,6 +107,12 @@ class any_backend {
   /// Whether async_list lists (else it answers errc::unsupported).
   [[nodiscard]] bool lists_objects() const noexcept { return impl_->lists_objects(); }
 
+  /// Sets the backend's key listener (key_announcing_backend, concepts.hpp; empty: none). A
+  /// backend that does not announce keys ignores it: nothing is ever called.
+  void set_key_listener(key_listener listener) { impl_->set_key_listener(std::move(listener)); }
+  /// Whether the backend tells a key listener its changes.
+  [[nodiscard]] bool announces_keys() const noexcept { return impl_->announces_keys(); }
+
   /// The concrete backend, when it is a B; nullptr otherwise.
   template <class B>
   [[nodiscard]] B* target() const noexcept {
@@ -134,6 +140,8 @@ class any_backend {
     virtual void remove(std::span<const chunk_key>, deadline, batch_handler) = 0;
     virtual void list(key_filter, deadline, list_handler) = 0;
     [[nodiscard]] virtual bool lists_objects() const noexcept = 0;
+    virtual void set_key_listener(key_listener) = 0;
+    [[nodiscard]] virtual bool announces_keys() const noexcept = 0;
   };
 
   template <class B>
@@ -192,13 +200,17 @@ class any_backend {
       }
     }
     bool lists_objects() const noexcept override { return listing_backend<B>; }
+    void set_key_listener(key_listener l) override {
+      if constexpr (key_announcing_backend<B>) backend->set_key_listener(std::move(l));
+    }
+    bool announces_keys() const noexcept override { return key_announcing_backend<B>; }
     std::shared_ptr<B> backend;
   };
 
   std::shared_ptr<interface> impl_;
 };
 
-static_assert(l2_backend<any_backend> && listing_backend<any_backend>);
+static_assert(l2_backend<any_backend> && listing_backend<any_backend> && key_announcing_backend<any_backend>);
 
 }  // namespace l2
 }  // namespace KVTIER_ABI_TAG

@@ -3,8 +3,8 @@
 // any of them) provides to the store and prefetch pipelines: async_lookup_and_pin, unpin,
 // async_load, async_store, async_remove (Asio-shaped, error_code first, each with a
 // deadline), usage, health, name; and the optional listing, observable-load,
-// buffer-registering and corruptible refinements. docs/pipelines.md, "L2 backends", holds
-// each operation's contract, the buffer contract and the threading rule.
+// buffer-registering, key-announcing and corruptible refinements. docs/pipelines.md, "L2
+// backends", holds each operation's contract, the buffer contract and the threading rule.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
@@ -86,6 +86,13 @@ template <class B>
 concept listing_backend = l2_backend<B> && requires(B& b, key_filter f, deadline d) {
   b.async_list(f, d, detail::list_handler_archetype{});
 };
+
+/// Backends that tell a key_listener (types.hpp) how their index changes:
+/// set_key_listener(listener) replaces the listener (empty: none); set it before the
+/// operations whose changes it should hear of. Once set_key_listener returns, the previous
+/// listener is not running and is never called again.
+template <class B>
+concept key_announcing_backend = l2_backend<B> && requires(B& b, key_listener l) { b.set_key_listener(l); };
 
 /// Backends that can damage their own stored copy of a key on command (for tests and the
 /// fault injector): the next load of that key must answer `corrupt`, never serve the bytes.

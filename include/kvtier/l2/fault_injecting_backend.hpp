@@ -85,6 +85,14 @@ class fault_injecting_backend : public detail::coroutine_backend<fault_injecting
   static constexpr bool lists_objects = listing_backend<Backend>;
   void unpin(std::span<const chunk_key> keys) { inner_->unpin(keys); }
 
+  /// The wrapped backend's key listener (key_announcing_backend): the index is the inner
+  /// backend's, and so are its changes (a failed or hung operation changes nothing).
+  void set_key_listener(key_listener l)
+    requires key_announcing_backend<Backend>
+  {
+    inner_->set_key_listener(std::move(l));
+  }
+
  private:
   friend class detail::coroutine_backend<fault_injecting_backend>;
 

@@ -8,6 +8,9 @@
 // other, so a deadline cuts a batch after the keys that fit. Data is copied when a key
 // "finishes", on the backend's executor: the buffer contract of l2_backend holds trivially.
 // Eviction: FIFO by insertion, skipping pinned objects, when a store needs room.
+// Key listener (key_announcing_backend): told under the backend's mutex as each store lands
+// (stored), each FIFO eviction (evicted), each object a load found corrupt (corrupt) and each
+// async_remove (deleted).
 // Cancellation (the handler's slot, terminal) ends the wait of the key in transfer: the
 // operation completes with operation_aborted (keys already done keep their outcome) and
 // copies nothing more.
@@ -124,6 +127,12 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
     return it == objects_.end() ? 0 : it->second.pins;
   }
 
+  /// Replaces the key listener (types.hpp; empty: none): called under the backend's mutex.
+  void set_key_listener(key_listener l) {
+    std::lock_guard g(mutex_);
+    listener_ = std::move(l);
+  }
+
  private:
   friend class detail::coroutine_backend<memory_backend>;
 
@@ -222,6 +231,7 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
     if (o.size != dst.size()) return key_outcome::rejected;
     if (payload_checksum({o.data.get(), o.size}) != o.checksum) {
       erase(it);  // a wrong byte is never served: drop the object
+      tell(key_change::removed, bus::key_removal::corrupt, {&key, 1});
       return key_outcome::corrupt;
     }
     std::memcpy(dst.data(), o.data.get(), o.size);
@@ -254,10 +264,14 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
     if (objects_.contains(key)) return key_outcome::exists;
     if (src.size() > options_.capacity_bytes) return key_outcome::no_space;
     // FIFO eviction of unpinned objects until the new one fits.
+    std::vector<chunk_key> evicted;
     for (auto it = fifo_.begin(); bytes_used_ + src.size() > options_.capacity_bytes && it != fifo_.end();) {
       auto obj = objects_.find(*it++);
-      if (obj->second.pins == 0) erase(obj);
+      if (obj->second.pins > 0) continue;
+      if (listener_) evicted.push_back(obj->first);
+      erase(obj);
     }
+    tell(key_change::removed, bus::key_removal::evicted, evicted);
     if (bytes_used_ + src.size() > options_.capacity_bytes) return key_outcome::no_space;
     object o;
     o.data = std::make_unique_for_overwrite<std::byte[]>(src.size());
@@ -267,6 +281,7 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
     o.fifo_pos = fifo_.insert(fifo_.end(), key);
     bytes_used_ += o.size;
     objects_.emplace(key, std::move(o));
+    tell(key_change::stored, {}, {&key, 1});
     return key_outcome::ok;
   }
 
@@ -278,6 +293,7 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
       co_return batch_tuple{unavailable_error(), r};
     }
     std::lock_guard g(mutex_);
+    std::vector<chunk_key> removed;
     for (std::size_t i = 0; i < keys.size(); ++i) {
       auto it = objects_.find(keys[i]);
       if (it == objects_.end()) continue;
@@ -286,8 +302,10 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
         continue;
       }
       erase(it);
+      if (listener_) removed.push_back(keys[i]);
       r.outcomes[i] = key_outcome::ok;
     }
+    tell(key_change::removed, bus::key_removal::deleted, removed);
     co_return batch_tuple{error_code{}, r};
   }
 
@@ -298,6 +316,11 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
     for (const auto& [k, o] : objects_)
       if (!filter || filter(k)) out.push_back({k, o.size});
     co_return std::tuple{error_code{}, std::move(out)};
+  }
+
+  // Tells the listener, when there is one and keys is not empty (under mutex_).
+  void tell(key_change c, bus::key_removal why, std::span<const chunk_key> keys) const {
+    if (listener_ && !keys.empty()) listener_(c, why, keys);
   }
 
   void erase(std::unordered_map<chunk_key, object, chunk_key_hash>::iterator it) {
@@ -314,9 +337,11 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
   std::uint64_t bytes_used_ = 0;
   clock::time_point channel_free_{};
   health_info health_;
+  key_listener listener_;
 };
 
-static_assert(corruptible_backend<memory_backend> && listing_backend<memory_backend>);
+static_assert(corruptible_backend<memory_backend> && listing_backend<memory_backend> &&
+              key_announcing_backend<memory_backend>);
 
 }  // namespace l2
 }  // namespace KVTIER_ABI_TAG

@@ -2,6 +2,7 @@
 // Vocabulary of the L2 tier: per-key outcomes, batch results, usage and health, and what a
 // listing returns.
 
+#include <kvtier/bus/events.hpp>
 #include <kvtier/config.hpp>
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/chunk_key.hpp>
@@ -11,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -104,6 +106,23 @@ struct listed_object {
 /// the backend's executor, possibly under the backend's lock: it must not call into the
 /// backend, and should be cheap (it sees every stored object).
 using key_filter = std::function<bool(const chunk_key&)>;
+
+/// How a backend's index changed (key_listener).
+enum class key_change : std::uint8_t {
+  stored,   ///< the keys became visible: a store of them succeeded (lookups find them, listings list them)
+  removed,  ///< the keys stopped being visible (the reason says why)
+};
+
+/// Told by a backend (key_announcing_backend, concepts.hpp), synchronously, on the thread that
+/// changes its index and at the moment it does, so that the calls of one backend come in the
+/// order of its index: applying them in order (stored: insert, removed: erase) to the keys
+/// async_list listed when the listener was set holds what async_list lists. `reason` is
+/// meaningful for removed only: bus::key_removal::evicted (its capacity), corrupt (an object
+/// that failed its checks on load, deleted), deleted (async_remove, and an object a load found
+/// gone). What a backend finds at start-up (the disk backend's scan) is not told: whoever
+/// sets the listener lists the backend first. It may run under the backend's lock: it must
+/// be cheap (queue an event), must not block and must not call into the backend.
+using key_listener = std::function<void(key_change, bus::key_removal reason, std::span<const chunk_key> keys)>;
 
 }  // namespace l2
 }  // namespace KVTIER_ABI_TAG

@@ -190,6 +190,14 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   /// register_buffers the whole arena instead).
   error_code add_buffers(std::span<std::byte> region);
 
+  /// Replaces the key listener (key_announcing_backend, types.hpp; empty: none). Told under
+  /// the backend's mutex as the index changes: stored when a store's rename committed;
+  /// removed when a ready object stops being served: evicted (capacity, chosen before its
+  /// unlink), deleted (async_remove; a file a load found gone), corrupt (a load found it
+  /// bad); stored again when such an unlink failed and the object is served again. The
+  /// start-up scan's objects are not told (the constructor runs before any listener).
+  void set_key_listener(key_listener l);
+
   /// Pins currently held on key (for tests).
   [[nodiscard]] std::uint32_t pins(const chunk_key& key) const;
   [[nodiscard]] const disk_stats& stats() const noexcept { return *stats_; }
@@ -331,8 +339,18 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   boost::asio::awaitable<std::vector<error_code>> unlink_all(int dirfd, std::vector<Name> names);
   /// Removes victims chosen by the index: unlink, then forget; counts evictions.
   boost::asio::awaitable<void> evict(std::vector<detail::disk_victim> victims);
+  /// An object a load found bad (why: corrupt, or deleted for a file gone behind our back).
+  struct bad_object {
+    chunk_key key;
+    std::uint64_t generation = 0;
+    bus::key_removal why = bus::key_removal::corrupt;
+  };
   /// Drops objects a load found bad, when the index still holds the same generation.
-  boost::asio::awaitable<void> drop(std::vector<std::pair<chunk_key, std::uint64_t>> bad);
+  boost::asio::awaitable<void> drop(std::vector<bad_object> bad);
+  /// Tells the key listener, if any, of keys (not empty) that changed (under the mutex).
+  void tell(key_change c, bus::key_removal why, std::span<const chunk_key> keys) const;
+  /// Tells it victims[from..] left (evicted), under the mutex.
+  void tell_evicted(const std::vector<detail::disk_victim>& victims, std::size_t from) const;
 
   void count_io_error(disk_stats::op op, const error_code& ec, const chunk_key& key);
   void count_enospc(const chunk_key& key);
@@ -354,6 +372,7 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
 
   mutable std::mutex mutex_;
   detail::disk_index index_;
+  key_listener listener_;  ///< guarded by mutex_, called under it
   std::uint64_t next_generation_ = 1;
   std::uint64_t next_temp_ = 1;
   unsigned consecutive_errors_ = 0;
@@ -366,7 +385,8 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   std::unique_ptr<io::any_file_io> file_io_;  // last: destroyed first (it waits for in-flight ops)
 };
 
-static_assert(corruptible_backend<disk_backend> && listing_backend<disk_backend>);
+static_assert(corruptible_backend<disk_backend> && listing_backend<disk_backend> &&
+              key_announcing_backend<disk_backend>);
 
 }  // namespace l2
 }  // namespace KVTIER_ABI_TAG

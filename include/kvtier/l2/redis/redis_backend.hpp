@@ -74,6 +74,14 @@ class redis_backend : public detail::coroutine_backend<redis_backend> {
   static constexpr bool lists_objects = true;
   void unpin(std::span<const chunk_key> keys) { client_->unpin(keys); }
 
+  /// Replaces the key listener (key_announcing_backend, types.hpp; empty: none), called on the
+  /// backend's strand as each reply arrives: stored when a SET (NX) answered OK, removed when a
+  /// DEL this backend sent deleted the key: deleted (async_remove), corrupt (a value a load
+  /// found bad). Only what this backend does is told: Redis's own evictions (maxmemory) and
+  /// expiries, and what other clients of the same Redis store or delete, are invisible here,
+  /// and so is a command whose reply never came (its deadline passed, its connection broke).
+  void set_key_listener(key_listener l) { client_->set_key_listener(std::move(l)); }
+
   [[nodiscard]] usage_info usage() const { return client_->usage(); }
   [[nodiscard]] health_info health() const { return client_->health(); }
   [[nodiscard]] redis_backend_stats stats() const { return client_->stats(); }
@@ -137,7 +145,7 @@ class redis_backend : public detail::coroutine_backend<redis_backend> {
   std::shared_ptr<detail::redis_client> client_;
 };
 
-static_assert(l2_backend<redis_backend> && listing_backend<redis_backend>);
+static_assert(l2_backend<redis_backend> && listing_backend<redis_backend> && key_announcing_backend<redis_backend>);
 
 }  // namespace l2
 }  // namespace KVTIER_ABI_TAG

@@ -213,6 +213,23 @@ inline void disk_backend::unpin(std::span<const chunk_key> keys) {
     if (auto* e = index_.find(k); e != nullptr && e->pins > 0) --e->pins;
 }
 
+inline void disk_backend::set_key_listener(key_listener l) {
+  std::lock_guard g(mutex_);
+  listener_ = std::move(l);
+}
+
+inline void disk_backend::tell(key_change c, bus::key_removal why, std::span<const chunk_key> keys) const {
+  if (listener_ && !keys.empty()) listener_(c, why, keys);
+}
+
+inline void disk_backend::tell_evicted(const std::vector<detail::disk_victim>& victims, std::size_t from) const {
+  if (!listener_ || from >= victims.size()) return;
+  std::vector<chunk_key> keys;
+  keys.reserve(victims.size() - from);
+  for (std::size_t i = from; i < victims.size(); ++i) keys.push_back(victims[i].key);
+  tell(key_change::removed, bus::key_removal::evicted, keys);
+}
+
 inline std::uint32_t disk_backend::pins(const chunk_key& key) const {
   std::lock_guard g(mutex_);
   const auto* e = index_.find(key);
@@ -418,17 +435,20 @@ inline boost::asio::awaitable<void> disk_backend::evict(std::vector<detail::disk
   std::size_t evicted = 0;
   {
     std::lock_guard g(mutex_);
+    std::vector<chunk_key> back;
     for (std::size_t i = 0; i < victims.size(); ++i) {
       const auto& v = victims[i];
       if (errors[i]) {
-        // Its file is still there and intact: it stays served and counted (not evicted).
-        index_.abort_remove(v.key, v.generation);
+        // Its file is still there and intact: it stays served and counted (not evicted), and
+        // is listed again.
+        if (index_.abort_remove(v.key, v.generation)) back.push_back(v.key);
         continue;
       }
       index_.finish_remove(v.key, v.generation);
       bytes += v.allocated_bytes;
       ++evicted;
     }
+    tell(key_change::stored, {}, back);
   }
   for (std::size_t i = 0; i < errors.size(); ++i)
     if (errors[i]) count_io_error(disk_stats::remove, errors[i], victims[i].key);
@@ -452,6 +472,7 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::remove_im
   std::vector<removal> gone;
   {
     std::lock_guard g(mutex_);
+    std::vector<chunk_key> unlisted;  // ready objects no longer served (a stuck one was not)
     for (std::size_t i = 0; i < keys.size(); ++i) {
       auto* e = index_.find(keys[i]);
       if (e == nullptr || e->state == detail::entry_state::removing) continue;
@@ -464,22 +485,26 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::remove_im
         gone.push_back({i, *gen, was_stuck});
         paths.push_back(detail::object_path_of(keys[i]));
         r.outcomes[i] = key_outcome::ok;
+        if (!was_stuck && listener_) unlisted.push_back(keys[i]);
       }
     }
+    tell(key_change::removed, bus::key_removal::deleted, unlisted);
   }
   if (gone.empty()) co_return batch_tuple{error_code{}, r};
   const auto errors = co_await unlink_all(objects_fd_, std::move(paths));
   {
     std::lock_guard g(mutex_);
+    std::vector<chunk_key> back;
     for (std::size_t j = 0; j < gone.size(); ++j) {
       const auto& x = gone[j];
       if (!errors[j])
         index_.finish_remove(keys[x.index], x.generation);
       else if (x.was_stuck)
         index_.mark_stuck(keys[x.index], x.generation);
-      else
-        index_.abort_remove(keys[x.index], x.generation);  // still there: still served
+      else if (index_.abort_remove(keys[x.index], x.generation))  // still there: still served
+        back.push_back(keys[x.index]);
     }
+    tell(key_change::stored, {}, back);
   }
   for (std::size_t j = 0; j < gone.size(); ++j)
     if (errors[j]) {

@@ -37,6 +37,8 @@ struct disk_backend::load_item : object_item {
   std::size_t parts_end = 0;              ///< one past this key's last part
   const load_observer* landed = nullptr;  ///< told when the key verified (the caller's observer)
   bool drop = false;                      ///< the object is bad: remove it
+  /// Why it is dropped (the key listener): corrupt, or deleted when its file was gone.
+  bus::key_removal drop_reason = bus::key_removal::corrupt;
 };
 
 /// The reads of a load: every part of every key, in key order (the prefix a prefetch needs
@@ -122,11 +124,11 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
   co_await run_parts(fs, d, load_plan{this, &items, &parts});
 
   // 5. Close, drop what was found bad, answer.
-  std::vector<std::pair<chunk_key, std::uint64_t>> bad;
+  std::vector<bad_object> bad;
   std::size_t timeouts = 0;
   for (auto& it : items) {
     if (it.fd >= 0) ::close(it.fd);
-    if (it.drop) bad.emplace_back(it.key, it.generation);
+    if (it.drop) bad.push_back({it.key, it.generation, it.drop_reason});
     if (it.outcome == key_outcome::timeout) ++timeouts;
     r.outcomes[it.index] = it.outcome;
   }
@@ -183,6 +185,7 @@ inline void disk_backend::fail_open(load_item& it, const error_code& ec) {
     it.failed = true;
     it.outcome = key_outcome::not_found;  // removed behind our back: forget it
     it.drop = true;
+    it.drop_reason = bus::key_removal::deleted;
     return;
   }
   fail_load(it, ec);
@@ -246,15 +249,16 @@ inline void disk_backend::verify_loaded(load_item& it) {
   if (it.landed != nullptr) (*it.landed)(it.index);  // every part landed: nothing writes dst any more
 }
 
-inline boost::asio::awaitable<void> disk_backend::drop(std::vector<std::pair<chunk_key, std::uint64_t>> bad) {
+inline boost::asio::awaitable<void> disk_backend::drop(std::vector<bad_object> bad) {
   std::vector<detail::object_path> paths;
   std::vector<std::pair<chunk_key, std::uint64_t>> gone;
   {
     std::lock_guard g(mutex_);
-    for (const auto& [k, gen] : bad)
-      if (index_.start_remove(k, gen)) {
-        gone.emplace_back(k, gen);
-        paths.push_back(detail::object_path_of(k));
+    for (const auto& b : bad)
+      if (index_.start_remove(b.key, b.generation)) {
+        gone.emplace_back(b.key, b.generation);
+        paths.push_back(detail::object_path_of(b.key));
+        tell(key_change::removed, b.why, {&b.key, 1});  // never served again, whatever the unlink does
       }
   }
   const auto errors = co_await unlink_all(objects_fd_, std::move(paths));

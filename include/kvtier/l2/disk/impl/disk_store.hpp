@@ -158,6 +158,7 @@ inline std::vector<disk_backend::store_item> disk_backend::plan_store(
   std::vector<store_item> items;
   items.reserve(keys.size());
   std::lock_guard g(mutex_);
+  const std::size_t first_victim = victims.size();
   for (std::size_t i = 0; i < keys.size(); ++i) {
     if (const auto* e = index_.find(keys[i])) {
       // Being removed, or a bad file that could not be deleted: refuse rather than race the
@@ -183,6 +184,7 @@ inline std::vector<disk_backend::store_item> disk_backend::plan_store(
     index_.begin_write(it.key, it.src.size(), need, it.generation);
     items.push_back(it);
   }
+  tell_evicted(victims, first_victim);  // no longer served from now on (their unlinks follow)
   return items;
 }
 
@@ -263,7 +265,9 @@ inline std::optional<std::vector<detail::disk_victim>> disk_backend::trim_victim
   if (static_cast<double>(index_.bytes_used()) <=
       options_.high_watermark * static_cast<double>(options_.capacity_bytes))
     return std::nullopt;
-  return index_.make_room(0, options_.capacity_bytes, options_.high_watermark, options_.low_watermark);
+  auto victims = index_.make_room(0, options_.capacity_bytes, options_.high_watermark, options_.low_watermark);
+  if (victims) tell_evicted(*victims, 0);
+  return victims;
 }
 
 inline void disk_backend::fail_store(store_item& it, const error_code& ec) {
@@ -308,7 +312,7 @@ inline boost::asio::awaitable<void> disk_backend::commit_stored(store_item& it, 
   }
   {
     std::lock_guard g(mutex_);
-    index_.commit(it.key, it.generation, allocated);
+    if (index_.commit(it.key, it.generation, allocated)) tell(key_change::stored, {}, {&it.key, 1});
   }
   it.committed = true;
   it.outcome = key_outcome::ok;

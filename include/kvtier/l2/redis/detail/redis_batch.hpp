@@ -69,7 +69,11 @@ class redis_batch final : public redis_reply_sink {
     std::array<std::byte, object_header_bytes> header{};  ///< set: the object header
     std::span<const std::byte> payload;                   ///< set: the caller's bytes
     std::span<std::byte> dst;                             ///< get: the caller's buffer
-    chunk_key expect;                                     ///< get: the key the object must carry
+    chunk_key expect;                                     ///< get: the object's key; set, del: the key told
+    /// set, del: tell the client's key listener when the reply says the key was stored
+    /// (set: OK) or deleted (del: 1), with this reason (del).
+    bool tell = false;
+    bus::key_removal removal = bus::key_removal::deleted;
 
     std::shared_ptr<redis_link> link;  ///< where the command is outstanding
     redis_request* req = nullptr;

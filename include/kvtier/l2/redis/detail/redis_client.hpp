@@ -215,6 +215,16 @@ class redis_client final : public std::enable_shared_from_this<redis_client>, pr
     usage_.bytes_used =
         static_cast<std::uint64_t>(std::max<std::int64_t>(0, static_cast<std::int64_t>(usage_.bytes_used) + bytes));
   }
+  /// Replaces the key listener (any thread; empty: none).
+  void set_key_listener(key_listener l) {
+    std::lock_guard g(listener_mutex_);
+    listener_ = std::move(l);
+  }
+  /// Tells the key listener that key changed (on the strand, as the server's reply arrives).
+  void tell(key_change c, bus::key_removal why, const chunk_key& key) const {
+    std::lock_guard g(listener_mutex_);
+    if (listener_) listener_(c, why, {&key, 1});
+  }
   /// Counts n failures of kind k and logs them (throttled per kind).
   void report(redis_error_kind k, std::uint64_t n, std::string_view detail) {
     if (n == 0) return;
@@ -515,6 +525,8 @@ class redis_client final : public std::enable_shared_from_this<redis_client>, pr
   usage_info usage_;
   health_info health_;
   std::shared_ptr<counters> counters_;
+  mutable std::mutex listener_mutex_;  ///< set_key_listener from any thread, calls on the strand
+  key_listener listener_;
 };
 
 }  // namespace detail

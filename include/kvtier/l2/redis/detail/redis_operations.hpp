@@ -171,6 +171,7 @@ inline boost::asio::awaitable<redis_batch_tuple> redis_load(std::shared_ptr<redi
   const error_code ec = co_await b.run();
   redis_outcome_tally tally;
   std::vector<std::string> corrupt;
+  std::vector<chunk_key> corrupt_keys;
   for (std::size_t i = 0; i < n; ++i) {
     auto& it = b.items()[i];
     using st = redis_reply_event::status;
@@ -183,6 +184,7 @@ inline boost::asio::awaitable<redis_batch_tuple> redis_load(std::shared_ptr<redi
     else if (it.done && it.result.st == st::object_corrupt) {
       r.outcomes[i] = key_outcome::corrupt;
       corrupt.push_back(it.key);
+      corrupt_keys.push_back(keys[i]);
       ++tally.corrupt;
     } else {
       r.outcomes[i] = redis_failure_outcome(it, tally);
@@ -195,7 +197,12 @@ inline boost::asio::awaitable<redis_batch_tuple> redis_load(std::shared_ptr<redi
     // A corrupt value is never served and is dropped, so that the next lookup misses it
     // (the caller may look it up again as soon as we answer: delete before answering).
     redis_batch del(c, d);
-    for (auto& k : corrupt) del.add(redis_batch::command::del, std::move(k));
+    for (std::size_t j = 0; j < corrupt.size(); ++j) {
+      auto& it = del.add(redis_batch::command::del, std::move(corrupt[j]));
+      it.expect = corrupt_keys[j];
+      it.tell = true;
+      it.removal = bus::key_removal::corrupt;
+    }
     co_await del.run();
   }
   co_return redis_batch_answer(ec, tally, n, std::move(r));
@@ -215,6 +222,8 @@ inline boost::asio::awaitable<redis_batch_tuple> redis_store(std::shared_ptr<red
   redis_batch b(c, d);
   for (std::size_t i = 0; i < n; ++i) {
     auto& it = b.add(redis_batch::command::set, c.key_of(keys[i]));
+    it.expect = keys[i];
+    it.tell = true;
     object_header h;
     h.key = keys[i];
     h.payload_bytes = src[i].size();
@@ -266,7 +275,11 @@ inline boost::asio::awaitable<redis_batch_tuple> redis_remove(std::shared_ptr<re
     else sent.push_back(i);
   }
   redis_batch b(c, d);
-  for (auto i : sent) b.add(redis_batch::command::del, c.key_of(keys[i]));
+  for (auto i : sent) {
+    auto& it = b.add(redis_batch::command::del, c.key_of(keys[i]));
+    it.expect = keys[i];
+    it.tell = true;  // deleted
+  }
   const error_code ec = co_await b.run();
   redis_outcome_tally tally;
   std::uint64_t removed = 0;

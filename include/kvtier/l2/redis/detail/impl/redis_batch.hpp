@@ -148,6 +148,15 @@ inline void redis_batch::finish(std::size_t i, redis_reply_event&& e) {
   if (it.done) return;
   it.done = true;
   it.result = std::move(e);
+  // The key listener hears of a change as its reply arrives (replies of one connection come
+  // in the order Redis applied the commands), not when the whole batch is over.
+  if (it.tell && it.result.st == redis_reply_event::status::reply && it.result.reply) {
+    const redisReply& r = *it.result.reply;
+    if (it.cmd == command::set && r.type == REDIS_REPLY_STATUS)
+      client_.tell(key_change::stored, {}, it.expect);
+    else if (it.cmd == command::del && r.type == REDIS_REPLY_INTEGER && r.integer > 0)
+      client_.tell(key_change::removed, it.removal, it.expect);
+  }
   if (--remaining_ == 0) wake_.cancel();
 }
 
