@@ -5,6 +5,9 @@
 // async_copy_out (a retrieve), async_copy_in (a store), release_all, async_stop.
 // docs/pipelines.md, "The façade", holds each call, how holds belong to their lookup, the
 // write path and threads; docs/architecture.md, "Shutdown", stopping and destroying it.
+// Key events (bus::tier_keys_stored / tier_keys_removed, when the bus wants them): L1's are
+// published by l1::tier itself (tier l1_tier); each backend's by the key listener the
+// constructor sets on it (tier l2_tier(b), see key_publisher) and the destructor clears.
 
 #include <kvtier/bus/concepts.hpp>
 #include <kvtier/bus/events.hpp>
@@ -147,8 +150,10 @@ class tiered_cache {
         prefetch_(executor_, l1_, backends_, bus, tracker_, std::move(p.plan), options_.prefetch),
         admission_(std::move(p.admission)),
         wait_(std::move(p.wait)) {
-    for (std::size_t b = 0; b < backends_.size(); ++b)
+    for (std::size_t b = 0; b < backends_.size(); ++b) {
       bus_.publish(bus::cache_backend_attached{static_cast<std::uint8_t>(b), backends_[b].name()});
+      if constexpr (publishes_key_events) backends_[b].set_key_listener(key_publisher(bus::l2_tier(b)));
+    }
   }
 
   tiered_cache(const tiered_cache&) = delete;
@@ -158,10 +163,14 @@ class tiered_cache {
   /// nothing runs, else stops the pipelines and waits until every coroutine ended.
   ~tiered_cache() {
     stopping_.store(true, std::memory_order_relaxed);
-    if (tracker_.idle()) return;
-    prefetch_.stop();
-    store_.stop();
-    wait_for_work();
+    if (!tracker_.idle()) {
+      prefetch_.stop();
+      store_.stop();
+      wait_for_work();
+    }
+    // The backends may outlive the cache (shared): they must stop calling into its bus.
+    if constexpr (publishes_key_events)
+      for (auto& b : backends_) b.set_key_listener({});
   }
 
   // --- lookups ------------------------------------------------------------------------
@@ -457,6 +466,23 @@ class tiered_cache {
       i = position_of(l, k);
     if (i < n) guess = i + l.group;
     return i;
+  }
+
+  // The L2 key events: each backend tells its own index changes (l2::key_listener), on its
+  // thread, and the listener publishes them on the bus as tier l2_tier(b), when the bus wants
+  // them (bus::wants_kind: a server without a key subscriber builds none). The store pipeline
+  // publishes no key event of its own: the backend is the one source, in its index's order.
+  static constexpr bool publishes_key_events = bus_type::template handles_event<bus::tier_keys_stored> ||
+                                               bus_type::template handles_event<bus::tier_keys_removed>;
+  l2::key_listener key_publisher(std::uint8_t tier) {
+    return [b = &bus_, tier](l2::key_change change, bus::key_removal why, std::span<const chunk_key> keys) {
+      if (change == l2::key_change::stored) {
+        if (bus::wants_kind<bus::tier_keys_stored>(*b))
+          b->publish(bus::tier_keys_stored{tier, std::vector<chunk_key>(keys.begin(), keys.end())});
+      } else if (bus::wants_kind<bus::tier_keys_removed>(*b)) {
+        b->publish(bus::tier_keys_removed{tier, why, std::vector<chunk_key>(keys.begin(), keys.end())});
+      }
+    };
   }
 
   bool any_staged() const noexcept { return staged_count_.load(std::memory_order_relaxed) > 0; }
