@@ -21,7 +21,7 @@ Needs ``msgpack`` (Debian: python3-msgpack) and, for :class:`Subscriber`, ``zmq`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 #: A block hash as the engine's router computes it: bytes (newer vLLM) or an int.
 BlockHash = Union[bytes, int]
@@ -33,6 +33,7 @@ __all__ = [
     "END_SEQ",
     "AllBlocksCleared",
     "BlockHash",
+    "BlockIndex",
     "BlockRemoved",
     "BlockStored",
     "EventBatch",
@@ -265,3 +266,84 @@ class Subscriber:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+class BlockIndex:
+    """What a router learns from one publisher: per medium the blocks held now, and for every
+    block ever stored its tokens and parent (so a chunk can be named by its whole prefix).
+
+    Feed it batches in sequence order with :meth:`apply`, or let :meth:`follow` read a
+    :class:`Subscriber` (live batches, a replay from 0 on any discontinuity). A restarted
+    publisher starts a new stream (seq 0, ``AllBlocksCleared`` first); seq alone cannot tell
+    it from a late duplicate, so whoever knows of a restart (kvtier-server's boot token in
+    ``/healthz``) calls :meth:`resync`."""
+
+    def __init__(self) -> None:
+        #: medium -> the block hashes held there now.
+        self.by_medium: Dict[Optional[str], Set[BlockHash]] = {}
+        #: block hash -> (parent block hash, its token ids), for every block ever stored.
+        self.blocks: Dict[BlockHash, Tuple[Optional[BlockHash], Tuple[int, ...]]] = {}
+        #: The sequence number expected next (None: nothing applied yet).
+        self.next_seq: Optional[int] = None
+        #: Replays that reported lost batches (their blocks are unknown to this index).
+        self.gaps: List[ReplayGap] = []
+
+    def apply(self, batch: EventBatch) -> None:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                bs = ev.block_size or 0
+                held = self.by_medium.setdefault(ev.medium, set())
+                for i, h in enumerate(ev.block_hashes):
+                    parent = ev.parent_block_hash if i == 0 else ev.block_hashes[i - 1]
+                    tokens = tuple(ev.token_ids[i * bs : (i + 1) * bs]) if ev.token_ids is not None and bs else ()
+                    self.blocks[h] = (parent, tokens)
+                    held.add(h)
+            elif isinstance(ev, BlockRemoved):
+                held = self.by_medium.get(ev.medium, set())
+                for h in ev.block_hashes:
+                    held.discard(h)
+            elif isinstance(ev, AllBlocksCleared):
+                self.by_medium.clear()
+
+    def prefix_tokens(self, block: BlockHash) -> List[int]:
+        """Every token from the sequence's start to the end of ``block`` (its parents' first)."""
+        parts: List[Tuple[int, ...]] = []
+        seen: Set[BlockHash] = set()
+        h: Optional[BlockHash] = block
+        while h is not None and h not in seen:
+            seen.add(h)
+            parent, tokens = self.blocks[h]
+            parts.append(tokens)
+            h = parent
+        return [t for part in reversed(parts) for t in part]
+
+    def resync(self, sub: "Subscriber", timeout_ms: int = 10_000) -> None:
+        """Forgets what is held and rebuilds it from a replay of everything the publisher
+        keeps (from seq 0)."""
+        self.by_medium.clear()
+        self.next_seq = None
+        for seq, batch in sub.replay(0, timeout_ms):
+            self.apply(batch)
+            self.next_seq = seq + 1
+        if sub.last_replay_gap is not None:
+            self.gaps.append(sub.last_replay_gap)
+        if self.next_seq is None:
+            self.next_seq = 0
+
+    def follow(self, sub: "Subscriber", idle_ms: int = 200) -> int:
+        """Applies live batches until none comes for ``idle_ms``; returns how many. A batch
+        past the one expected (a gap: ZMQ dropped, or the subscriber joined late) resyncs."""
+        n = 0
+        while True:
+            got = sub.recv(idle_ms)
+            if got is None:
+                return n
+            seq, batch = got
+            if self.next_seq is not None and seq < self.next_seq:
+                continue  # already applied (a replay covered it)
+            if self.next_seq is None or seq > self.next_seq:
+                self.resync(sub)
+                continue
+            self.apply(batch)
+            self.next_seq = seq + 1
+            n += 1

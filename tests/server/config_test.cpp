@@ -118,6 +118,45 @@ TEST_CASE("metrics_port takes a port, 0 (off) or \"auto\" (any free port), and m
                     Catch::Contains("metrics_address (\"localhost\"): must be an IPv4 or IPv6 address"));
 }
 
+TEST_CASE("kv_events: off when absent, loopback or ipc unless allow_remote, every key checked", "[server][config]") {
+  CHECK_FALSE(server_config::parse(json::object()).kv_events.enabled);
+  CHECK_FALSE(server_config::parse(json::object()).to_json().contains("kv_events"));
+  const server_config on = server_config::parse(json{{"kv_events", json::object()}});
+  CHECK(on.kv_events.enabled);
+  CHECK(on.kv_events.endpoint == "tcp://127.0.0.1:5557");
+  CHECK(on.kv_events.form == "map");
+  CHECK(server_config::parse(on.to_json()) == on);
+  const server_config full = server_config::parse(json{{"kv_events",
+                                                        {{"endpoint", "ipc:///tmp/kvtier-events"},
+                                                         {"replay_endpoint", "tcp://[::1]:5558"},
+                                                         {"topic", "kv"},
+                                                         {"form", "array"},
+                                                         {"tiers", {"l1"}},
+                                                         {"medium_names", {{"l1", "CPU_PINNED"}}},
+                                                         {"buffer_steps", 10},
+                                                         {"description_bytes", 1 << 20},
+                                                         {"data_parallel_rank", 2}}}});
+  CHECK(full.kv_events.tiers == std::vector<std::string>{"l1"});
+  CHECK(full.kv_events.medium_names.at("l1") == "CPU_PINNED");
+  CHECK(full.kv_events.data_parallel_rank == 2);
+  CHECK(server_config::parse(full.to_json()) == full);
+  CHECK_FALSE(server_config::parse(json{{"kv_events", nullptr}}).kv_events.enabled);
+  CHECK_THROWS_WITH(server_config::parse(json{{"kv_events", {{"endpoint", "tcp://0.0.0.0:5557"}}}}),
+                    Catch::Contains("kv_events.endpoint (\"tcp://0.0.0.0:5557\"): is reachable from other machines"));
+  CHECK_THROWS_WITH(server_config::parse(json{{"kv_events", {{"replay_endpoint", "tcp://10.0.0.1:5558"}}}}),
+                    Catch::Contains("kv_events.replay_endpoint"));
+  CHECK(server_config::parse(json{{"kv_events", {{"endpoint", "tcp://0.0.0.0:5557"}, {"allow_remote", true}}}})
+            .kv_events.allow_remote);
+  CHECK_THROWS_WITH(server_config::parse(json{{"kv_events", {{"form", "tuple"}}}}),
+                    Catch::Contains("kv_events.form (\"tuple\"): must be one of map, array, array_batch"));
+  CHECK_THROWS_WITH(server_config::parse(json{{"kv_events", {{"topics", "x"}}}}),
+                    Catch::Contains("unknown key kv_events.topics"));
+  CHECK_THROWS_WITH(server_config::parse(json{{"kv_events", {{"medium_names", {{"l1", ""}}}}}}),
+                    Catch::Contains("kv_events.medium_names"));
+  CHECK_THROWS_WITH(server_config::parse(json{{"kv_events", {{"endpoint", "tcp://127.0.0.1:1"}, {"replay_endpoint", "tcp://127.0.0.1:1"}}}}),
+                    Catch::Contains("must differ from kv_events.endpoint"));
+}
+
 TEST_CASE("worker_threads sizes the worker pool, and copy_threads, its old name, is still read", "[server][config]") {
   CHECK(server_config::parse(json{{"worker_threads", 3}}).worker_threads == 3);
   CHECK(server_config::parse(json{{"copy_threads", 2}}).worker_threads == 2);
