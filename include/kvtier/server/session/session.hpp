@@ -5,8 +5,9 @@
 //   run() (the reader: answers pings at once) -> lane() (the other frames, in order)
 //     -> handle_frame() (request events) -> dispatch() (decode) -> handle()
 //     -> on(request, call): the handler of its kind, in impl/ (registration_requests,
-//        lookup_requests, copy_requests, control_requests, admin_requests, with the checks
-//        they share in request_checks), answering a reply or `deferred` (reply_or_deferred.hpp)
+//        lookup_requests, copy_requests, control_requests, admin_requests, describe_requests,
+//        with the checks they share in request_checks), answering a reply or `deferred`
+//        (reply_or_deferred.hpp)
 //     -> one call of the cache (any_cache.hpp -> cache::tiered_cache).
 //
 // docs/server.md has the contract it keeps ("Requests", "Errors and broken streams") and how
@@ -381,6 +382,11 @@ class session : public std::enable_shared_from_this<session> {
   request_result<protocol::get_chunk_size_response> on(const protocol::get_chunk_size_request&, call&);
   request_result<protocol::status_response> on(const protocol::status_request&, call&);
 
+  // descriptions of chunks for the KV events (impl/describe_requests.hpp)
+  request_result<protocol::describe_chunks_response> on(const protocol::describe_chunks_request& r, call&);
+  static std::optional<request_error> description_error(const registration& reg,
+                                                        const protocol::describe_chunks_request& r);
+
   // administration: list_objects, evict (impl/admin_requests.hpp)
   /// The longest one backend operation of an administration request may take (a listing, a
   /// batch of removals): a listing of a million Redis keys takes ~1000 SCAN round trips.
@@ -432,6 +438,7 @@ class session : public std::enable_shared_from_this<session> {
 #include <kvtier/server/session/impl/admin_requests.hpp>
 #include <kvtier/server/session/impl/control_requests.hpp>
 #include <kvtier/server/session/impl/copy_requests.hpp>
+#include <kvtier/server/session/impl/describe_requests.hpp>
 #include <kvtier/server/session/impl/lookup_requests.hpp>
 #include <kvtier/server/session/impl/registration_requests.hpp>
 #include <kvtier/server/session/impl/request_checks.hpp>
