@@ -109,7 +109,9 @@ struct harness : kvtier::test::connector_harness {
 
 TEST_CASE("a lookup costs one request frame when the server's answer is ready", "[engine][connector][concurrency]") {
   harness h;
-  auto& c = h.connect();
+  auto o = h.options();
+  o.describe_chunks = false;  // a description is a frame of its own (its tests: connector_describe_test.cpp)
+  auto& c = h.connect(o);
   const auto toks = tokens(3 * ct, 21);
   h.store_prefix(c, "s", toks, 2);
   const std::size_t frames = h.server->received_work();
@@ -127,6 +129,7 @@ TEST_CASE("a lookup waits for the server's decision up to the lookup deadline, n
   harness h;
   auto o = h.options();
   o.timeouts.request_timeout = 500ms;  // the small calls' deadline: the lookup must not use it
+  o.describe_chunks = false;           // only the lookup's frames are counted
   auto& c = h.connect(o);
   h.server->hold(p::message_type::lookup_request);  // a server still deciding
   c.lookup("q", tokens(2 * ct, 1));

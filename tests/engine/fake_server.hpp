@@ -182,6 +182,13 @@ class fake_server {
     std::lock_guard g(m_);
     pending_answers_ = n;
   }
+  /// describe_chunks_request is answered described=`on` (default false: a server that
+  /// publishes no KV events), or refused with `refuse` when set.
+  void set_described(bool on, std::optional<errc> refuse = std::nullopt) {
+    std::lock_guard g(m_);
+    described_ = on;
+    refuse_descriptions_ = refuse;
+  }
   /// A happens-before edge with the server's copies (see the header comment).
   void sync() const { std::lock_guard g(m_); }
 
@@ -212,6 +219,11 @@ class fake_server {
   [[nodiscard]] std::vector<protocol::lookup_request> lookups() const {
     std::lock_guard g(m_);
     return lookup_requests_;
+  }
+  /// Every describe_chunks_request received, in order.
+  [[nodiscard]] std::vector<protocol::describe_chunks_request> descriptions() const {
+    std::lock_guard g(m_);
+    return descriptions_;
   }
   /// Every retrieve_request processed (answered), in order.
   [[nodiscard]] std::vector<protocol::retrieve_request> retrieves() const {
@@ -390,6 +402,11 @@ class fake_server {
           } else if constexpr (std::is_same_v<T, p::end_request_request>) {
             lookups_.erase(msg.request_key);
             return p::end_request_response{};
+          } else if constexpr (std::is_same_v<T, p::describe_chunks_request>) {
+            if (!s->registered) return error(errc::not_registered, "register first");
+            descriptions_.push_back(msg);
+            if (refuse_descriptions_) return error(*refuse_descriptions_, "refused by the test script");
+            return p::describe_chunks_response{described_};
           } else if constexpr (std::is_same_v<T, p::unregister_kv_request>) {
             s->registered = false;
             s->region.reset();
@@ -515,6 +532,9 @@ class fake_server {
   std::uint32_t load_budget_ms_ = 30000;
   std::map<protocol::message_type, std::size_t> received_;
   std::vector<protocol::lookup_request> lookup_requests_;
+  std::vector<protocol::describe_chunks_request> descriptions_;
+  bool described_ = false;
+  std::optional<errc> refuse_descriptions_;
   std::vector<protocol::store_request> stores_;
   std::vector<protocol::retrieve_request> retrieves_;
   std::map<chunk_key, std::vector<std::byte>> chunks_;

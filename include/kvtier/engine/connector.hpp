@@ -37,6 +37,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -55,6 +56,8 @@ struct connector_stats {
   std::size_t tracked_requests = 0;  ///< finished_tracker::tracked()
   std::size_t lookups = 0;           ///< lookup entries kept (pending or answered)
   std::size_t open_connections = 0;  ///< the current one plus those kept for late replies
+  std::uint64_t descriptions_sent = 0;  ///< describe_chunks_request frames sent
+  std::uint64_t chunks_described = 0;   ///< chunks in them
 };
 
 template <class Bus>
@@ -115,10 +118,25 @@ class connector final : private detail::link_owner {
   /// per request id: a second call while an entry exists does nothing. Never blocks.
   /// Throws std::logic_error on a connector that is not the scheduler.
   /// `cache_salt` (<= 256 bytes): the request's salt (vLLM's cache_salt); its retrieves and
-  /// stores must pass the same one.
+  /// stores must pass the same one. The looked-up chunks are also described
+  /// (describe_chunks, no extras) unless options().describe_chunks is false.
   void lookup(std::string_view request_id, std::span<const token_id> tokens, std::string_view cache_salt = {});
-  /// The same with the chunk hashes already computed (chunk_hashes(tokens)).
+  /// The same with the chunk hashes already computed (chunk_hashes(tokens)); describes
+  /// nothing (it has no tokens): call describe_chunks beside it.
   void lookup_hashes(std::string_view request_id, std::vector<hash128> hashes, std::string_view cache_salt = {});
+  /// Tells the server the token ids of consecutive chunks of one prompt (`hashes`, as a
+  /// lookup names them; `tokens`: at least hashes.size() x chunk_tokens, the chunks' tokens
+  /// from the first, the rest ignored), so that a server publishing KV events for routers can
+  /// announce them (docs/integration.md, "Routers"). Fire and forget, never blocks, any role.
+  /// Sends nothing while unhealthy, when options().describe_chunks is false, once this
+  /// connection's server answered that it publishes no KV events (until a reconnection), and
+  /// for the chunks (hash and salt) described on this connection recently
+  /// (described_chunks_window): the others go as runs of consecutive chunks, each with its
+  /// parent, split to fit the protocol's limits. Throws std::invalid_argument on malformed
+  /// arguments (too few tokens, a block size that does not divide chunk_tokens, extra keys
+  /// not one per block, a salt or LoRA name too long, lora_id below -1).
+  void describe_chunks(std::span<const hash128> hashes, std::span<const token_id> tokens,
+                       std::string_view cache_salt = {}, const chunk_description_extras& extras = {});
   /// Hit tokens (hit chunks x chunk_tokens, a chunk counting only when every rank has it)
   /// once answered; nullopt while pending. 0 when unhealthy, on any failure, and for ids
   /// never looked up (or whose answer was dropped by end_request or max_lookups). Stable
@@ -270,6 +288,11 @@ class connector final : private detail::link_owner {
   template <class Msg>
   void send_notify_locked(const Msg& m);
   void publish_quarantine_locked(std::size_t held, std::size_t released);
+  /// The described-chunks key of `h` under request salt `salt`.
+  [[nodiscard]] static hash128 described_key(const hash128& h, std::string_view salt) noexcept;
+  /// Marks `key` described on this connection; false when it was already.
+  bool mark_described_locked(const hash128& key);
+  void on_description_reply_io(std::uint64_t generation, const call_result& r);
   /// Waits on waits_cv_ until done() holds (true) or `timeout` passes (false).
   template <class Done>
   bool wait_for_locked(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout, Done done);
@@ -301,6 +324,20 @@ class connector final : private detail::link_owner {
   std::unordered_map<std::string, lookup_entry> lookups_;
   std::deque<std::pair<std::string, std::uint64_t>> answered_order_;  ///< (id, serial), oldest first
   std::unordered_map<std::uint64_t, load_in_flight> loads_;  ///< retrieves in flight, by call id
+  /// Descriptions on the current connection (reset at each registration: describe_generation_).
+  /// `off`: its server answered described=false (or refused one): no more on it.
+  enum class describe_state : std::uint8_t { unknown, on, off };
+  describe_state describe_state_ = describe_state::unknown;
+  std::uint64_t describe_generation_ = 0;  ///< bumped at each registration
+  struct hash128_hasher {
+    std::size_t operator()(const hash128& h) const noexcept {
+      return static_cast<std::size_t>(h.lo ^ (h.hi * 0x9e3779b97f4a7c15ULL));
+    }
+  };
+  std::unordered_set<hash128, hash128_hasher> described_;  ///< described on this connection
+  std::deque<hash128> described_order_;                    ///< oldest first (the window)
+  std::uint64_t descriptions_sent_ = 0;
+  std::uint64_t chunks_described_ = 0;
   /// Notified (mutex held) when a retrieve progresses or completes and when quarantined
   /// blocks are released: wait_layers, wait_retrieves, wait_released.
   std::condition_variable waits_cv_;
@@ -314,5 +351,6 @@ class connector final : private detail::link_owner {
 }  // namespace kvtier
 
 #include <kvtier/engine/impl/connector.hpp>
+#include <kvtier/engine/impl/connector_descriptions.hpp>
 #include <kvtier/engine/impl/connector_lookups.hpp>
 #include <kvtier/engine/impl/connector_transfers.hpp>

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace kvtier {
 inline namespace KVTIER_ABI_TAG {
@@ -88,6 +89,22 @@ struct retrieve_options {
   bool synchronous = false;
 };
 
+/// What a description of chunks (connector::describe_chunks) says beside their hashes and
+/// tokens: what vLLM's BlockStored event carries for routers (docs/integration.md, "Routers").
+struct chunk_description_extras {
+  /// The engine's tokens per block; 0: connector_options::block_size.
+  std::uint32_t block_size = 0;
+  /// The chunk before hashes[0] in the same prompt; none: hashes[0] is the prompt's first chunk.
+  std::optional<hash128> parent;
+  /// The LoRA adapter (vLLM's lora_request.lora_name), <= 256 bytes; empty: none.
+  std::string lora_name;
+  /// vLLM's lora_request.lora_int_id; -1: none.
+  std::int64_t lora_id = -1;
+  /// vLLM's extra_keys of each block of the chunks (one msgpack value each, <= 4096 bytes),
+  /// block by block; empty: none.
+  std::vector<std::string> block_extra_keys;
+};
+
 /// The connector's configuration. Construct, fill in, pass to engine::connector.
 struct connector_options {
   /// The server's Unix socket (protocol::default_socket_path() is the servers' default).
@@ -145,6 +162,17 @@ struct connector_options {
   /// Lookup answers kept for lookup_result after they arrive; the oldest go first past this
   /// (end_request removes an answer at once).
   std::size_t max_lookups = 65536;
+  /// Describe the chunks this connector looks up (their token ids: describe_chunks, sent by
+  /// lookup() itself) to the server, for the KV events it may publish for routers. Each
+  /// connection stops describing when the server answers that it publishes none.
+  bool describe_chunks = true;
+  /// The engine's tokens per block, sent in descriptions; 0: the region's block size, or
+  /// chunk_tokens for a connector without a region. Must divide chunk_tokens (and be the
+  /// region's block size for a connector with one).
+  std::uint32_t block_size = 0;
+  /// Chunks (hash and request salt) described on a connection that are not described again
+  /// on it: the most recent this many (65536 ~ 3 MiB); a reconnection forgets them.
+  std::size_t described_chunks_window = 65536;
 
   [[nodiscard]] bool is_scheduler() const noexcept { return scheduler.value_or(rank == 0); }
 
@@ -172,6 +200,8 @@ struct connector_options {
     if (breaker_threshold == 0) return "breaker_threshold must be >= 1";
     if (finished_window == 0) return "finished_window must be >= 1";
     if (max_lookups == 0) return "max_lookups must be >= 1";
+    if (block_size != 0 && chunk_tokens % block_size != 0) return "block_size must divide chunk_tokens (or be 0)";
+    if (described_chunks_window == 0) return "described_chunks_window must be >= 1";
     return {};
   }
 };

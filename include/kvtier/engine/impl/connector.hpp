@@ -52,6 +52,9 @@ connector_options connector<Bus>::validated(connector_options o, const kv_region
   if (o.chunk_tokens % layout.block_size != 0)
     fail("chunk_tokens (" + std::to_string(o.chunk_tokens) + ") must be a multiple of the region's block_size (" +
          std::to_string(layout.block_size) + ")");
+  if (o.block_size != 0 && o.block_size != layout.block_size)
+    fail("options.block_size (" + std::to_string(o.block_size) + ") differs from the region's (" +
+         std::to_string(layout.block_size) + "): leave it 0");
   return o;
 }
 
@@ -148,6 +151,8 @@ connector_stats connector<Bus>::stats() const {
   s.tracked_requests = tracker_.tracked();
   s.lookups = lookups_.size();
   s.open_connections = l.open_connections;
+  s.descriptions_sent = descriptions_sent_;
+  s.chunks_described = chunks_described_;
   return s;
 }
 
@@ -157,6 +162,12 @@ connector_stats connector<Bus>::stats() const {
 
 template <class Bus>
 void connector<Bus>::on_healthy_locked(bool reconnect, bool restarted, std::uint64_t unhealthy_ns) {
+  // A new connection (perhaps another server, which may publish KV events): it is asked
+  // afresh, and nothing counts as described on it.
+  ++describe_generation_;
+  describe_state_ = describe_state::unknown;
+  described_.clear();
+  described_order_.clear();
   if (reconnect) bus_.publish(bus::connector_reconnected{options_.rank, restarted});
   bus_.publish(bus::connector_healthy{options_.rank, unhealthy_ns});
 }

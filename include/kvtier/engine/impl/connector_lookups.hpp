@@ -39,7 +39,11 @@ void connector<Bus>::lookup(std::string_view request_id, std::span<const token_i
     std::lock_guard g(mu());
     if (lookups_.contains(std::string(request_id))) return;  // idempotent: do not even hash again
   }
-  lookup_hashes(request_id, hasher_.chunk_hashes(tokens), cache_salt);
+  std::vector<hash128> hashes = hasher_.chunk_hashes(tokens);
+  if (!options_.describe_chunks) return lookup_hashes(request_id, std::move(hashes), cache_salt);
+  lookup_hashes(request_id, hashes, cache_salt);
+  // After the lookup (its latency matters, the description's does not).
+  describe_chunks(hashes, tokens, cache_salt);
 }
 
 template <class Bus>
