@@ -224,6 +224,9 @@ class ConnectorOptions:
     breaker_threshold: int
     finished_window: int
     max_lookups: int
+    describe_chunks: bool
+    block_size: int
+    described_chunks_window: int
     def __init__(self) -> None: ...
     def is_scheduler(self) -> bool: ...
     def validation_error(self) -> str: ...
@@ -252,6 +255,23 @@ class Connector:
         (no extras: :meth:`TokenHasher.chunk_hashes` folds those)."""
     def lookup(self, request_id: str, tokens: _Tokens, cache_salt: str = "") -> None: ...
     def lookup_hashes(self, request_id: str, hashes: Iterable[int], cache_salt: str = "") -> None: ...
+    def describe_chunks(
+        self,
+        hashes: Iterable[int],
+        tokens: _Tokens,
+        cache_salt: str = "",
+        *,
+        block_size: int = 0,
+        parent: Optional[int] = None,
+        lora_name: str = "",
+        lora_id: int = -1,
+        block_extra_keys: Sequence[bytes] = ...,
+    ) -> None:
+        """Tells the server the token ids of consecutive chunks of one prompt (``tokens``: at
+        least ``len(hashes) * chunk_tokens``), for the KV events it may publish for routers.
+        Fire and forget; nothing is sent while unhealthy, with ``describe_chunks`` off, after
+        the connection's server said it publishes none, or for chunks described on the
+        connection recently."""
     def lookup_result(self, request_id: str) -> Optional[int]: ...
     def free_lookup_locks(self, request_id: str) -> None: ...
     def end_request(self, request_id: str) -> None: ...

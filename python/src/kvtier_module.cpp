@@ -521,6 +521,12 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_readwrite("breaker_threshold", &O::breaker_threshold)
       .def_readwrite("finished_window", &O::finished_window)
       .def_readwrite("max_lookups", &O::max_lookups)
+      .def_readwrite("describe_chunks", &O::describe_chunks,
+                     "describe looked-up chunks (their token ids) for a server's KV events; False: never")
+      .def_readwrite("block_size", &O::block_size,
+                     "the engine's tokens per block in descriptions; 0: the region's (chunk_tokens without one)")
+      .def_readwrite("described_chunks_window", &O::described_chunks_window,
+                     "chunks described on a connection that are not described again on it")
       .def("is_scheduler", &O::is_scheduler)
       .def("validation_error", &O::validation_error)
       .def("__repr__", &options_repr);
@@ -562,6 +568,8 @@ PYBIND11_MODULE(_kvtier, m) {
              d["tracked_requests"] = st.tracked_requests;
              d["lookups"] = st.lookups;
              d["open_connections"] = st.open_connections;
+             d["descriptions_sent"] = st.descriptions_sent;
+             d["chunks_described"] = st.chunks_described;
              return d;
            })
       .def(
@@ -586,6 +594,26 @@ PYBIND11_MODULE(_kvtier, m) {
             without_gil(s, [&](auto& c) { c.lookup_hashes(id, std::move(hs), salt); });
           },
           py::arg("request_id"), py::arg("hashes"), py::arg("cache_salt") = "")
+      .def(
+          "describe_chunks",
+          [](const py_connector& s, const py::iterable& hashes, const token_array& tokens, const std::string& salt,
+             std::uint32_t block_size, const std::optional<py::int_>& parent, const std::string& lora_name,
+             std::int64_t lora_id, const std::vector<std::string>& block_extra_keys) {
+            const auto hs = to_hashes(hashes);
+            const auto tk = tokens_of(tokens);
+            engine::chunk_description_extras x;
+            x.block_size = block_size;
+            if (parent) x.parent = to_hash(*parent);
+            x.lora_name = lora_name;
+            x.lora_id = lora_id;
+            x.block_extra_keys = block_extra_keys;
+            without_gil(s, [&](auto& c) { c.describe_chunks(hs, tk, salt, x); });
+          },
+          py::arg("hashes"), py::arg("tokens"), py::arg("cache_salt") = "", py::kw_only(), py::arg("block_size") = 0,
+          py::arg("parent") = py::none(), py::arg("lora_name") = "", py::arg("lora_id") = -1,
+          py::arg("block_extra_keys") = std::vector<std::string>{},
+          "Tells the server the token ids of consecutive chunks of one prompt (for the KV events it may "
+          "publish); fire and forget. tokens: at least len(hashes) * chunk_tokens.")
       .def(
           "lookup_result",
           [](const py_connector& s, const std::string& id) {

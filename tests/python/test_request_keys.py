@@ -260,6 +260,9 @@ def test_a_request_that_cannot_be_keyed_is_neither_looked_up_nor_stored(caplog):
         def lookup_hashes(self, rid, hashes, salt):
             self.asked.append(rid)
 
+        def describe_chunks(self, hashes, tokens, salt="", **extras):
+            self.asked.append(("described", list(hashes)))
+
         def lookup_result(self, rid):
             return 0
 
@@ -283,10 +286,14 @@ def test_the_key_material_is_built_once_per_lookup():
     class Pending:
         def __init__(self) -> None:
             self.asked = []
+            self.described = []
             self.polls = 0
 
         def lookup_hashes(self, rid, hashes, salt):
             self.asked.append((rid, list(hashes)))
+
+        def describe_chunks(self, hashes, tokens, salt="", **extras):
+            self.described.append((list(hashes), list(tokens)))
 
         def lookup_result(self, rid):
             self.polls += 1
@@ -310,6 +317,8 @@ def test_the_key_material_is_built_once_per_lookup():
     keys = request_keys(req, CT)
     assert conn.asked == [("w", h.chunk_hashes(keys.tokens, keys.extras))]
     assert conn.asked[0][1] != h.chunk_hashes([0] * 40)
+    # Described once too, with those hashes and the (zero) token ids of the 2 full chunks.
+    assert conn.described == [(conn.asked[0][1], [0] * 32)]
 
 
 _KEYS_SCRIPT = r"""

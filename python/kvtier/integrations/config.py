@@ -143,6 +143,8 @@ class KVTierConfig:
         o.cache_salt = self.cache_salt
         o.prefill_tokens_per_second = self.prefill_tokens_per_second
         o.engine_id = self.engine_id
+        if scheduler:
+            o.block_size = self.block_size  # in its chunk descriptions (a worker's is its region's)
         o.hash = self.hash_algorithm()
         t = o.timeouts
         for key, value in self.timeouts_ms.items():

@@ -101,13 +101,17 @@ class RequestKeys:
     ``extras``: one ``bytes`` per full chunk of ``tokens`` (``b""`` for a chunk that depends on
     its tokens alone), or ``None`` when no chunk has any (a plain prompt: the fast path).
     ``uncacheable``: why the request cannot be keyed safely (it is then neither looked up nor
-    stored), or ``None``."""
+    stored), or ``None``. ``lora_name`` and ``lora_id`` (vLLM's ``lora_request.lora_name`` and
+    ``lora_int_id``; ``None`` and -1 without an adapter) go into the chunks' descriptions for
+    a server's KV events (the name is in ``extras`` already)."""
 
     tokens: List[int]
     extras: Optional[List[bytes]]
     num_prompt_tokens: int
     cache_salt: str = ""
     uncacheable: Optional[str] = None
+    lora_name: Optional[str] = None
+    lora_id: int = -1
 
 
 def _u32(n: int) -> bytes:
@@ -217,11 +221,14 @@ def request_keys(request: Any, chunk_tokens: int) -> RequestKeys:
     salt = getattr(request, "cache_salt", None) or ""
     lora = getattr(request, "lora_request", None)
     lora_name = None
+    lora_id = -1
     if lora is not None:
         lora_name = getattr(lora, "lora_name", None)
         if lora_name is None:
             return RequestKeys(tokens, None, n_prompt, salt, "the request's lora_request has no lora_name")
         lora_name = str(lora_name)
+        int_id = getattr(lora, "lora_int_id", None)
+        lora_id = int(int_id) if isinstance(int_id, int) and int_id >= 0 else -1
     spans, why = _mm_spans(request)
     if why is not None:
         return RequestKeys(tokens, None, n_prompt, salt, why)
@@ -240,4 +247,4 @@ def request_keys(request: Any, chunk_tokens: int) -> RequestKeys:
         prompt_embeds=embeds,
         prompt_is_token_ids=mask,
     )
-    return RequestKeys(tokens, extras, n_prompt, salt)
+    return RequestKeys(tokens, extras, n_prompt, salt, lora_name=lora_name, lora_id=lora_id)

@@ -23,6 +23,9 @@ class _Request:
     num_prompt_tokens: int
     hashes: List[int]
     cache_salt: str
+    # What the chunks' description needs (the token ids the hashes were computed from, the
+    # LoRA adapter), kept only until the lookup is sent.
+    describe: Optional[Tuple[Sequence[int], Optional[str], int]] = None
     lookup_sent: bool = False
     hit: Optional[int] = None  # hit tokens, once answered
     blocks: List[int] = field(default_factory=list)
@@ -70,6 +73,7 @@ class SchedulerSide:
         self._awaiting_recv: Set[str] = set()  # ids with an asynchronous load vLLM has no finished_recving of yet
         self._recv_last: List[str] = []  # finished while awaiting it: told to the workers in the next plan
         self._warned: Set[str] = set()  # reasons of uncacheable requests already logged
+        self._describe_failed = False  # a description refused by the connector was logged
         # Counters (for the connector's stats): lookups sent, the tokens they asked for, the
         # tokens the server answered as present.
         self.lookups_sent = 0
@@ -116,8 +120,10 @@ class SchedulerSide:
                     return 0, False  # never looked up, never stored (no state: build_step skips it)
                 seq, extras = tokens.tokens, tokens.extras
                 num_prompt_tokens, cache_salt = tokens.num_prompt_tokens, tokens.cache_salt
+                lora_name, lora_id = tokens.lora_name, tokens.lora_id
             else:
                 seq, extras = tokens, None
+                lora_name, lora_id = None, -1
             n = len(seq)
             if n < self._ct:
                 return 0, False  # no full chunk: nothing to look up (or ever to store)
@@ -126,6 +132,7 @@ class SchedulerSide:
                 num_prompt_tokens=n if num_prompt_tokens is None else int(num_prompt_tokens),
                 hashes=self._hasher.chunk_hashes(seq, extras),
                 cache_salt=cache_salt or "",
+                describe=(seq, lora_name, lora_id),
             )
             self._requests[request_id] = st
         if not self.config.loads:
@@ -139,6 +146,7 @@ class SchedulerSide:
         if st.hit is None:
             if not st.lookup_sent:
                 self.connector.lookup_hashes(request_id, st.hashes, st.cache_salt)
+                self._describe(st)
                 st.lookup_sent = True
                 self.lookups_sent += 1
                 self.lookup_tokens += len(st.hashes) * self._ct
@@ -283,6 +291,38 @@ class SchedulerSide:
             self._planned.remove(request_id)
         self._loaded.discard(request_id)
         return True
+
+    def _describe(self, st: _Request) -> None:
+        """Describes the chunks just looked up (their token ids, the block size, the LoRA
+        adapter) for the KV events a server may publish for routers; the connector sends it
+        fire and forget, once per chunk per connection, and not at all to a server that
+        publishes none (docs/integration.md, "Routers").
+
+        No block extra keys: vLLM's extra keys of a block are its multimodal inputs' hashes
+        with their offsets in the block (plus the adapter's name and, in the first block, the
+        salt), and vLLM keeps them per block only inside its own hasher
+        (``generate_block_hash_extra_keys``); what the scheduler side holds is kvtier's own
+        per-chunk extras (request_keys.py), whose bytes are not vLLM's tuples. So a
+        description carries the tokens, the block size, the salt (in the model id) and
+        ``lora_name``/``lora_id``, and a router sees BlockStored without extra_keys."""
+        if st.describe is None:
+            return
+        seq, lora_name, lora_id = st.describe
+        st.describe = None  # the tokens are vLLM's request's: not kept past the lookup
+        n = len(st.hashes) * self._ct
+        try:
+            self.connector.describe_chunks(
+                st.hashes,
+                seq[:n],
+                st.cache_salt,
+                block_size=self._bs,
+                lora_name=lora_name or "",
+                lora_id=lora_id,
+            )
+        except ValueError as e:  # e.g. a LoRA name above 256 bytes: the lookup goes on without it
+            if not self._describe_failed:
+                self._describe_failed = True
+                log.warning("kvtier: a request's chunks cannot be described for KV events: %s (further ones are not logged)", e)
 
     def _warn_uncacheable(self, why: str) -> None:
         if why not in self._warned:
