@@ -237,6 +237,35 @@ TEST_CASE("describe_chunks carries the extras, sends runs of new chunks with the
   CHECK(h.server->received(p::message_type::describe_chunks_request) == 6);
 }
 
+TEST_CASE("a description above 4 MiB is split into requests that chain by their parents",
+          "[engine][connector][describe]") {
+  harness h;
+  h.start_server();
+  h.server->set_described(true);
+  auto& c = h.connect();
+  // 600 chunks of 2 blocks, each block with 4000 bytes of extra keys (a msgpack bin16):
+  // ~4.8 MiB, so two requests.
+  const auto t = tokens(600 * ct, 11);
+  const auto hs = c.chunk_hashes(t);
+  engine::chunk_description_extras x;
+  std::string key = "\xc5\x0f\x9d";
+  key.resize(4000, 'k');
+  x.block_extra_keys.assign(2 * 600, key);
+  c.describe_chunks(hs, t, "", x);
+  const auto d = h.descriptions(2);
+  REQUIRE(d.size() == 2);
+  CHECK(d[0].chunk_hashes.size() + d[1].chunk_hashes.size() == 600);
+  CHECK(d[0].chunk_hashes.size() > 400);
+  CHECK_FALSE(d[0].has_parent);
+  CHECK(d[1].has_parent);
+  CHECK(d[1].parent_hash == d[0].chunk_hashes.back());
+  CHECK(d[1].chunk_hashes.back() == hs.back());
+  CHECK(d[1].token_ids.size() == d[1].chunk_hashes.size() * ct);
+  CHECK(d[1].block_extra_keys.size() == 2 * d[1].chunk_hashes.size());
+  CHECK(p::body_size(d[0]) <= (std::size_t{4} << 20));
+  CHECK(c.stats().chunks_described == 600);
+}
+
 TEST_CASE("descriptions are off with the option, and skipped while unhealthy", "[engine][connector][describe]") {
   harness h;
   h.start_server();

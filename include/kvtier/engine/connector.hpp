@@ -288,6 +288,21 @@ class connector final : private detail::link_owner {
   template <class Msg>
   void send_notify_locked(const Msg& m);
   void publish_quarantine_locked(std::size_t held, std::size_t released);
+  /// describe_chunks's argument checks (std::invalid_argument); the block size it sends.
+  [[nodiscard]] std::uint32_t description_block_size(std::size_t chunks, std::size_t token_count,
+                                                     std::string_view cache_salt,
+                                                     const chunk_description_extras& extras) const;
+  /// The description of chunks [begin, end) of `hashes`.
+  [[nodiscard]] protocol::describe_chunks_request description_of(std::span<const hash128> hashes,
+                                                                 std::span<const token_id> tokens,
+                                                                 std::string_view cache_salt,
+                                                                 const chunk_description_extras& extras,
+                                                                 std::uint32_t block_size, std::size_t begin,
+                                                                 std::size_t end, std::uint64_t model_id) const;
+  /// Where the description of the run [begin, end) that starts at `begin` ends: within the
+  /// protocol's limits and max_description_body_bytes.
+  [[nodiscard]] std::size_t description_end(std::size_t begin, std::size_t end, std::uint32_t block_size,
+                                            const chunk_description_extras& extras) const;
   /// The described-chunks key of `h` under request salt `salt`.
   [[nodiscard]] static hash128 described_key(const hash128& h, std::string_view salt) noexcept;
   /// Marks `key` described on this connection; false when it was already.

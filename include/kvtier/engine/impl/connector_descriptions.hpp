@@ -47,27 +47,82 @@ bool connector<Bus>::mark_described_locked(const hash128& key) {
 }
 
 template <class Bus>
-void connector<Bus>::describe_chunks(std::span<const hash128> hashes, std::span<const token_id> tokens,
-                                     std::string_view cache_salt, const chunk_description_extras& extras) {
+std::uint32_t connector<Bus>::description_block_size(std::size_t chunks, std::size_t token_count,
+                                                     std::string_view cache_salt,
+                                                     const chunk_description_extras& extras) const {
   auto fail = [](const std::string& what) {
     throw std::invalid_argument("kvtier::engine::connector::describe_chunks: " + what);
   };
   const std::uint32_t ct = options_.chunk_tokens;
   check_salt(cache_salt);
-  if (tokens.size() < hashes.size() * ct)
-    fail(std::to_string(hashes.size()) + " chunks need " + std::to_string(hashes.size() * ct) + " tokens, got " +
-         std::to_string(tokens.size()));
+  if (token_count < chunks * ct)
+    fail(std::to_string(chunks) + " chunks need " + std::to_string(chunks * ct) + " tokens, got " +
+         std::to_string(token_count));
   std::uint32_t bs = extras.block_size != 0 ? extras.block_size : options_.block_size;
   if (bs == 0) bs = region_ != nullptr ? region_->layout().block_size : ct;
   if (ct % bs != 0) fail("block_size " + std::to_string(bs) + " does not divide chunk_tokens " + std::to_string(ct));
-  const std::size_t bpc = ct / bs;
-  if (!extras.block_extra_keys.empty() && extras.block_extra_keys.size() != hashes.size() * bpc)
-    fail(std::to_string(extras.block_extra_keys.size()) + " block extra keys for " +
-         std::to_string(hashes.size() * bpc) + " blocks: give one per block or none");
+  const std::size_t blocks = chunks * (ct / bs);
+  if (!extras.block_extra_keys.empty() && extras.block_extra_keys.size() != blocks)
+    fail(std::to_string(extras.block_extra_keys.size()) + " block extra keys for " + std::to_string(blocks) +
+         " blocks: give one per block or none");
   for (const std::string& k : extras.block_extra_keys)
     if (k.size() > protocol::max_block_extra_key_bytes) fail("a block's extra keys take more than 4096 bytes");
   if (extras.lora_name.size() > protocol::max_lora_name_bytes) fail("a LoRA name has at most 256 bytes");
   if (extras.lora_id < -1) fail("lora_id is -1 (none) or an adapter id >= 0");
+  return bs;
+}
+
+template <class Bus>
+protocol::describe_chunks_request connector<Bus>::description_of(std::span<const hash128> hashes,
+                                                                 std::span<const token_id> tokens,
+                                                                 std::string_view cache_salt,
+                                                                 const chunk_description_extras& extras,
+                                                                 std::uint32_t block_size, std::size_t begin,
+                                                                 std::size_t end, std::uint64_t model_id) const {
+  const std::size_t ct = options_.chunk_tokens;
+  const std::size_t bpc = ct / block_size;
+  auto at = [](auto& v, std::size_t i) { return v.begin() + static_cast<std::ptrdiff_t>(i); };
+  protocol::describe_chunks_request req;
+  req.model_id = model_id;
+  req.world_size = options_.world_size;
+  req.cache_salt = std::string(cache_salt);
+  req.block_size = block_size;
+  req.has_parent = begin > 0 || extras.parent.has_value();
+  if (req.has_parent) req.parent_hash = begin > 0 ? hashes[begin - 1] : *extras.parent;
+  req.chunk_hashes.assign(at(hashes, begin), at(hashes, end));
+  req.token_ids.assign(at(tokens, begin * ct), at(tokens, end * ct));
+  req.lora_name = extras.lora_name;
+  req.lora_id = extras.lora_id;
+  if (!extras.block_extra_keys.empty())
+    req.block_extra_keys.assign(at(extras.block_extra_keys, begin * bpc), at(extras.block_extra_keys, end * bpc));
+  return req;
+}
+
+template <class Bus>
+std::size_t connector<Bus>::description_end(std::size_t begin, std::size_t end, std::uint32_t block_size,
+                                            const chunk_description_extras& extras) const {
+  const std::size_t ct = options_.chunk_tokens;
+  const std::size_t bpc = ct / block_size;
+  const std::size_t max_chunks = std::min<std::size_t>(
+      {protocol::max_chunk_hashes, protocol::max_described_tokens / ct,
+       extras.block_extra_keys.empty() ? protocol::max_chunk_hashes : protocol::max_block_extra_keys / bpc});
+  std::size_t stop = begin;
+  std::size_t bytes = 0;
+  while (stop < end && stop - begin < max_chunks) {
+    std::size_t chunk_bytes = 16 + 4 * ct;
+    for (std::size_t b = stop * bpc; b < (stop + 1) * bpc && !extras.block_extra_keys.empty(); ++b)
+      chunk_bytes += 4 + extras.block_extra_keys[b].size();
+    if (stop > begin && bytes + chunk_bytes > detail::max_description_body_bytes) break;
+    bytes += chunk_bytes;
+    ++stop;
+  }
+  return stop;
+}
+
+template <class Bus>
+void connector<Bus>::describe_chunks(std::span<const hash128> hashes, std::span<const token_id> tokens,
+                                     std::string_view cache_salt, const chunk_description_extras& extras) {
+  const std::uint32_t bs = description_block_size(hashes.size(), tokens.size(), cache_salt, extras);
   if (!options_.describe_chunks || hashes.empty()) return;
 
   // Under the lock: the chunks not described on this connection yet (marked now), as runs of
@@ -90,48 +145,20 @@ void connector<Bus>::describe_chunks(std::span<const hash128> hashes, std::span<
     generation = describe_generation_;
     model_id = link_.model_id_locked();
   }
-  if (runs.empty()) return;
 
   // Outside it: the frames, each run split to fit the protocol's limits.
-  const std::size_t max_chunks = std::min<std::size_t>(
-      {protocol::max_chunk_hashes, protocol::max_described_tokens / ct,
-       extras.block_extra_keys.empty() ? protocol::max_chunk_hashes : protocol::max_block_extra_keys / bpc});
   std::vector<std::pair<std::uint64_t, std::vector<std::byte>>> frames;
   std::size_t described_chunks = 0;
   for (auto [begin, end] : runs) {
-    while (begin < end) {
-      std::size_t stop = begin;
-      std::size_t bytes = 0;
-      while (stop < end && stop - begin < max_chunks) {
-        std::size_t chunk_bytes = 16 + 4 * std::size_t{ct};
-        for (std::size_t b = stop * bpc; b < (stop + 1) * bpc && !extras.block_extra_keys.empty(); ++b)
-          chunk_bytes += 4 + extras.block_extra_keys[b].size();
-        if (stop > begin && bytes + chunk_bytes > detail::max_description_body_bytes) break;
-        bytes += chunk_bytes;
-        ++stop;
-      }
-      protocol::describe_chunks_request req;
-      req.model_id = model_id;
-      req.world_size = options_.world_size;
-      req.cache_salt = std::string(cache_salt);
-      req.block_size = bs;
-      req.has_parent = begin > 0 || extras.parent.has_value();
-      if (req.has_parent) req.parent_hash = begin > 0 ? hashes[begin - 1] : *extras.parent;
-      req.chunk_hashes.assign(hashes.begin() + static_cast<std::ptrdiff_t>(begin),
-                              hashes.begin() + static_cast<std::ptrdiff_t>(stop));
-      req.token_ids.assign(tokens.begin() + static_cast<std::ptrdiff_t>(begin * ct),
-                           tokens.begin() + static_cast<std::ptrdiff_t>(stop * ct));
-      req.lora_name = extras.lora_name;
-      req.lora_id = extras.lora_id;
-      if (!extras.block_extra_keys.empty())
-        req.block_extra_keys.assign(extras.block_extra_keys.begin() + static_cast<std::ptrdiff_t>(begin * bpc),
-                                    extras.block_extra_keys.begin() + static_cast<std::ptrdiff_t>(stop * bpc));
+    for (std::size_t stop = begin; begin < end; begin = stop) {
+      stop = description_end(begin, end, bs, extras);
       const std::uint64_t id = link_.next_call_id();
-      frames.emplace_back(id, detail::server_link::encode(id, req));
+      frames.emplace_back(id, detail::server_link::encode(
+                                  id, description_of(hashes, tokens, cache_salt, extras, bs, begin, stop, model_id)));
       described_chunks += stop - begin;
-      begin = stop;
     }
   }
+  if (frames.empty()) return;
 
   std::lock_guard g(mu());
   // Reconnected meanwhile (the new connection forgot what this one described), or told to
