@@ -102,6 +102,8 @@ def main() -> int:
 
         # One forbidden include (core/ including server/: up three floors) and one cycle
         # (bus/ including telemetry/, which includes bus/), each reported with file:line.
+        # core/ -> server/ closes a ring too, but bus/ includes core/ (the key events carry
+        # chunk keys), so both rings are one component, reported once by its shortest cycle.
         c = case_dir(root, include, "forbidden")
         c.add_header("core/zz_forbidden.hpp", "// core/ must not know the server", "#include <kvtier/server/server.hpp>")
         c.add_header("bus/zz_cycle.hpp", '#include "../telemetry/logger.hpp"')
@@ -112,7 +114,6 @@ def main() -> int:
             r"^cycle between modules: bus/ -> telemetry/ -> bus/$",
             r"^  .*bus/zz_cycle\.hpp:2: bus/ includes telemetry/",
             r"^  .*telemetry/[a-z_]+\.hpp:\d+: telemetry/ includes bus/",
-            r"^cycle between modules: core/ -> server/ -> core/$",
         ], in_process=False)
 
         # A header only some modules may include: the OpenSSL hasher from the server.

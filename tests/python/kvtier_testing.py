@@ -197,6 +197,37 @@ def status(socket_path: Path, timeout_s: float = DEADLINE_S) -> dict:
         return json.loads(body[4 : 4 + n])
 
 
+_LIST_KEYS_REQUEST = 0x0010
+_LIST_KEYS_RESPONSE = 0x8010
+
+
+def list_keys(socket_path: Path, tier: str, timeout_s: float = DEADLINE_S) -> List[dict]:
+    """The chunk keys tier ``tier`` ("l1" or a backend's name) of the server on
+    ``socket_path`` holds (list_keys_request), each as {"model_id", "world_size", "rank",
+    "hash"} (hex ids)."""
+    t = tier.encode()
+    body = struct.pack("<I", len(t)) + t + struct.pack("<I", 0)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout_s)
+        s.connect(str(socket_path))
+        s.sendall(_HEADER.pack(_MAGIC, kvtier.PROTOCOL_VERSION, _LIST_KEYS_REQUEST, 1, len(body)) + body)
+        magic, _version, mtype, _call, length = _HEADER.unpack(_read_exact(s, _HEADER.size))
+        assert magic == _MAGIC
+        reply = _read_exact(s, length)
+        if mtype == _ERROR_RESPONSE:
+            code, n = struct.unpack_from("<II", reply)
+            raise RuntimeError(f"list_keys refused ({code}): {reply[8:8 + n].decode()}")
+        assert mtype == _LIST_KEYS_RESPONSE, hex(mtype)
+        (n,) = struct.unpack_from("<I", reply)
+        doc = json.loads(reply[4 : 4 + n])
+    assert not doc["truncated"]
+    out = []
+    for k in doc["keys"]:
+        model_id, world_size, rank, h = k.split("/")
+        out.append({"model_id": model_id, "world_size": int(world_size), "rank": int(rank), "hash": h})
+    return out
+
+
 # --- connector options for tests ----------------------------------------------------------
 
 #: Short deadlines so that the fault tests see a hung or dead server within a second or two.

@@ -137,14 +137,16 @@ enum class request_kind : std::uint8_t {
   status,
   list_objects,
   evict,
+  describe_chunks,
+  list_keys,
   other,
 };
-inline constexpr std::size_t request_kind_count = 15;
+inline constexpr std::size_t request_kind_count = 17;
 [[nodiscard]] constexpr std::string_view name(request_kind k) noexcept {
   constexpr std::array<std::string_view, request_kind_count> n = {
       "register_kv", "unregister_kv",  "lookup", "query_prefetch", "retrieve", "store", "free_lookup_locks",
       "end_request", "ping",           "clear",  "get_chunk_size", "status",   "list_objects", "evict",
-      "other"};
+      "describe_chunks", "list_keys", "other"};
   return n[static_cast<std::size_t>(k)];
 }
 

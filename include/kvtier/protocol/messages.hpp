@@ -53,6 +53,7 @@ enum class message_type : std::uint16_t {
   list_objects_request = 0x000d,
   evict_request = 0x000e,
   describe_chunks_request = 0x000f,
+  list_keys_request = 0x0010,
 
   retrieve_progress = 0x4005,
 
@@ -72,6 +73,7 @@ enum class message_type : std::uint16_t {
   list_objects_response = 0x800d,
   evict_response = 0x800e,
   describe_chunks_response = 0x800f,
+  list_keys_response = 0x8010,
 };
 
 /// Bit set in every response type.
@@ -300,6 +302,20 @@ struct describe_chunks_response {
 
   friend bool operator==(const describe_chunks_response&, const describe_chunks_response&) = default;
   static constexpr auto fields(auto& self) noexcept { return std::tuple{field("described", self.described)}; }
+};
+
+/// The chunk keys one tier holds (list_keys_request).
+struct list_keys_response {
+  static constexpr message_type type = message_type::list_keys_response;
+  /// {"tier": name, "keys": ["<model id>/<world size>/<rank>/<hash>", ...] (chunk_key::
+  /// to_string, sorted), "total": objects the tier holds, "truncated": whether keys has fewer};
+  /// <= max_status_json_bytes
+  std::string json;
+
+  friend bool operator==(const list_keys_response&, const list_keys_response&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{bounded("json", self.json, max_status_json_bytes)};
+  }
 };
 
 // ---------------------------------------------------------------------------------------
@@ -614,6 +630,22 @@ struct evict_request {
 /// described=false, keeping nothing, when it publishes no KV events: the connection then stops
 /// sending them. The chunks' model id is the registration's salted with cache_salt, exactly
 /// as a lookup's.
+/// Lists the chunk keys of one tier ("l1" or an L2 backend's name): what a router's index of
+/// the KV events is checked against, and what one rebuilds from after a replay gap. At most
+/// max_keys keys (and what fits in max_status_json_bytes: ~60,000). Administration: the
+/// server's owner and root only. L1 lists readable objects (not writes in flight).
+struct list_keys_request {
+  static constexpr message_type type = message_type::list_keys_request;
+  using response_type = list_keys_response;
+  std::string tier;            ///< <= max_tier_list_bytes
+  std::uint32_t max_keys = 0;  ///< 0: as many as fit
+
+  friend bool operator==(const list_keys_request&, const list_keys_request&) = default;
+  static constexpr auto fields(auto& self) noexcept {
+    return std::tuple{bounded("tier", self.tier, max_tier_list_bytes), field("max_keys", self.max_keys)};
+  }
+};
+
 struct describe_chunks_request {
   static constexpr message_type type = message_type::describe_chunks_request;
   using response_type = describe_chunks_response;
@@ -663,7 +695,8 @@ using message = std::variant<register_kv_request, unregister_kv_request, lookup_
                              retrieve_response, store_response, free_lookup_locks_response, end_request_response,
                              ping_response, clear_response, get_chunk_size_response, status_response,
                              retrieve_progress, list_objects_request, evict_request, list_objects_response,
-                             evict_response, describe_chunks_request, describe_chunks_response>;
+                             evict_response, describe_chunks_request, describe_chunks_response,
+                             list_keys_request, list_keys_response>;
 
 /// A type that travels in a frame: an alternative of `message`.
 template <class T>
@@ -727,6 +760,8 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
       return "evict_request";
     case message_type::describe_chunks_request:
       return "describe_chunks_request";
+    case message_type::list_keys_request:
+      return "list_keys_request";
     case message_type::retrieve_progress:
       return "retrieve_progress";
     case message_type::error_response:
@@ -761,6 +796,8 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
       return "evict_response";
     case message_type::describe_chunks_response:
       return "describe_chunks_response";
+    case message_type::list_keys_response:
+      return "list_keys_response";
   }
   return "unknown";
 }
@@ -771,7 +808,8 @@ constexpr bool known_type(std::uint16_t t, std::index_sequence<I...>) noexcept {
 
 /// True for the administration requests: the server answers them to its owner and root only.
 [[nodiscard]] constexpr bool is_admin(message_type t) noexcept {
-  return t == message_type::list_objects_request || t == message_type::evict_request;
+  return t == message_type::list_objects_request || t == message_type::evict_request ||
+         t == message_type::list_keys_request;
 }
 
 namespace detail {
@@ -797,7 +835,7 @@ static_assert(wire_request<register_kv_request> && wire_request<unregister_kv_re
               wire_request<end_request_request> && wire_request<ping_request> && wire_request<clear_request> &&
               wire_request<get_chunk_size_request> && wire_request<status_request> &&
               wire_request<list_objects_request> && wire_request<evict_request> &&
-              wire_request<describe_chunks_request>);
+              wire_request<describe_chunks_request> && wire_request<list_keys_request>);
 
 }  // namespace protocol
 }  // namespace KVTIER_ABI_TAG

@@ -13,16 +13,6 @@ namespace kvtier {
 inline namespace KVTIER_ABI_TAG {
 namespace server {
 
-namespace detail {
-/// bus::request_kind::describe_chunks where the bus has it, else `other` (issue 28: the kind is
-/// the bus's to add; this mapping follows it without a change here).
-template <class K>
-[[nodiscard]] constexpr K describe_chunks_kind() noexcept {
-  if constexpr (requires { K::describe_chunks; }) return K::describe_chunks;
-  else return K::other;
-}
-}  // namespace detail
-
 /// The request a wire type belongs to (a response maps to its request), for the server's
 /// request events and metrics; error_response and unknown values are `other`.
 [[nodiscard]] constexpr bus::request_kind request_kind_of(protocol::message_type t) noexcept {
@@ -58,7 +48,9 @@ template <class K>
     case message_type::evict_request:
       return k::evict;
     case message_type::describe_chunks_request:
-      return detail::describe_chunks_kind<k>();
+      return k::describe_chunks;
+    case message_type::list_keys_request:
+      return k::list_keys;
     default:
       return k::other;
   }

@@ -387,7 +387,7 @@ class session : public std::enable_shared_from_this<session> {
   static std::optional<request_error> description_error(const registration& reg,
                                                         const protocol::describe_chunks_request& r);
 
-  // administration: list_objects, evict (impl/admin_requests.hpp)
+  // administration: list_objects, evict, list_keys (impl/admin_requests.hpp)
   /// The longest one backend operation of an administration request may take (a listing, a
   /// batch of removals): a listing of a million Redis keys takes ~1000 SCAN round trips.
   static constexpr auto admin_deadline = std::chrono::seconds(60);
@@ -396,6 +396,7 @@ class session : public std::enable_shared_from_this<session> {
   boost::asio::awaitable<request_result<protocol::list_objects_response>> on(const protocol::list_objects_request& r,
                                                                              call&);
   boost::asio::awaitable<request_result<protocol::evict_response>> on(const protocol::evict_request& r, call&);
+  boost::asio::awaitable<request_result<protocol::list_keys_response>> on(const protocol::list_keys_request& r, call&);
   boost::asio::awaitable<request_result<detail::tier_removal>> evict_from_backend(l2::any_backend& backend,
                                                                                   const l2::key_filter& selected);
 

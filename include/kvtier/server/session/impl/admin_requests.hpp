@@ -3,7 +3,9 @@
 // program sends:
 //   list_objects_request  the objects of L1 and of every L2 backend, per model namespace
 //                         (model_namespaces.hpp) and tier;
-//   evict_request         removes the objects of a selection from the tiers named.
+//   evict_request         removes the objects of a selection from the tiers named;
+//   list_keys_request     the chunk keys of one tier (what a router's index of the KV events
+//                         is checked against: docs/kv-events.md).
 // For the server's owner and root only (admin_refusal). docs/server.md, "Administration",
 // has what each answers, how a removal never takes bytes from under a reader, and the
 // bounds (admin_deadline per backend operation, batches, a closing connection).
@@ -268,6 +270,43 @@ inline boost::asio::awaitable<request_result<protocol::list_objects_response>> s
   for (auto& [bytes, n] : spaces) list.push_back(std::move(n));
   j["namespaces"] = std::move(list);
   co_return protocol::list_objects_response{detail::fit_listing(j)};
+}
+
+inline boost::asio::awaitable<request_result<protocol::list_keys_response>> session::on(
+    const protocol::list_keys_request& r, call&) {
+  using boost::asio::as_tuple;
+  using boost::asio::use_awaitable;
+  if (auto refused = admin_refusal("list_keys_request")) co_return *refused;
+  const std::span<l2::any_backend> backends = ctx_.cache.backends();
+  std::vector<chunk_key> keys;
+  if (r.tier == "l1") {
+    ctx_.cache.visit_l1([&](const chunk_key& k, std::size_t) { keys.push_back(k); });
+  } else {
+    std::size_t b = 0;
+    while (b < backends.size() && backends[b].name() != r.tier) ++b;
+    if (b == backends.size()) {
+      std::string known = "l1";
+      for (const auto& x : backends) known += ", " + std::string(x.name());
+      co_return request_error{errc::invalid_argument,
+                              fmt::format("list_keys_request.tier: no tier named '{}': this server has {}", r.tier, known)};
+    }
+    const l2::key_filter every;
+    auto [ec, listed] =
+        co_await backends[b].async_list(every, l2::clock::now() + admin_deadline, as_tuple(use_awaitable));
+    if (closing_) co_return closing_error("list_keys_request");
+    if (ec)
+      co_return request_error{errc::io_error, fmt::format("list_keys_request: cannot list {}: {}", r.tier, ec.message())};
+    keys.reserve(listed.size());
+    for (const auto& o : listed) keys.push_back(o.key);
+  }
+  std::sort(keys.begin(), keys.end());
+  // ~60 bytes a key: stop where the document would pass its bound.
+  const std::size_t fit = (protocol::max_status_json_bytes - 4096) / (chunk_key{}.to_string().size() + 3);
+  const std::size_t n = std::min({keys.size(), fit, r.max_keys == 0 ? keys.size() : std::size_t{r.max_keys}});
+  nlohmann::json list = nlohmann::json::array();
+  for (std::size_t i = 0; i < n; ++i) list.push_back(keys[i].to_string());
+  nlohmann::json j{{"tier", r.tier}, {"keys", std::move(list)}, {"total", keys.size()}, {"truncated", n < keys.size()}};
+  co_return protocol::list_keys_response{j.dump()};
 }
 
 inline boost::asio::awaitable<request_result<protocol::evict_response>> session::on(const protocol::evict_request& r,
