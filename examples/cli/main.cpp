@@ -235,6 +235,22 @@ bool report_list_errors(const json& l) {
   return !l["errors"].empty();
 }
 
+/// `ls --keys TIER`: the chunk keys one tier holds, one per line (list_keys_request): what a
+/// router's index of the KV events can be checked against or rebuilt from.
+int run_ls_keys(const options& o, const std::string& tier) {
+  admin_client c(o.socket);
+  const json l = json::parse(c.call(p::list_keys_request{tier, 0}, o.timeout(60)).json);
+  if (o.json_out) {
+    std::cout << l.dump(2) << "\n";
+  } else {
+    for (const auto& k : l["keys"]) std::cout << k.get<std::string>() << "\n";
+  }
+  if (l["truncated"].get<bool>())
+    std::fprintf(stderr, "kvtier: %zu of %llu keys listed (the listing is limited to 4 MiB)\n", l["keys"].size(),
+                 l["total"].get<unsigned long long>());
+  return exit_ok;
+}
+
 int run_ls(const options& o, const selection& sel) {
   admin_client c(o.socket);
   const json l = list_objects(c, o);
@@ -411,6 +427,12 @@ int main(int argc, char** argv) {
   auto* ls = app.add_subcommand("ls", "objects per model and salt, with their count and bytes in L1 and each L2 backend");
   ls_sel.model = ls->add_option("--model", ls_sel.model_name, "only this model name");
   ls_sel.salt = ls->add_option("--salt", ls_sel.cache_salt, "only this request salt ('' for unsalted requests)");
+  std::string ls_keys_tier;
+  ls->add_option("--keys", ls_keys_tier,
+                 "instead: the chunk keys of this tier (l1 or a backend's name), one per line as "
+                 "model_id/world_size/rank/hash (what a KV event router's index is checked against)")
+      ->excludes(ls_sel.model)
+      ->excludes(ls_sel.salt);
 
   selection clear_sel, evict_sel;
   auto add_selection = [](CLI::App* cmd, selection& sel) {
@@ -446,7 +468,7 @@ int main(int argc, char** argv) {
   try {
     const std::string cmd = app.get_subcommands().front()->get_name();
     if (cmd == "status") return run_status(o);
-    if (cmd == "ls") return run_ls(o, ls_sel);
+    if (cmd == "ls") return ls_keys_tier.empty() ? run_ls(o, ls_sel) : run_ls_keys(o, ls_keys_tier);
     if (cmd == "clear") return run_evict(o, clear_sel, true);
     if (cmd == "evict") return run_evict(o, evict_sel, false);
     return run_ping(o, count);

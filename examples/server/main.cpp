@@ -348,6 +348,7 @@ int main(int argc, char** argv) {
       o.data_parallel_rank = k.data_parallel_rank;
       o.buffer_steps = k.buffer_steps;
       o.buffer_bytes = k.buffer_bytes;
+      o.send_hwm = static_cast<int>(k.send_hwm);
       return std::make_unique<kvtier::kv_events::zmq_transport>(std::move(o));
     };
 #endif

@@ -171,6 +171,21 @@ TEST_CASE("the wire image of a message is pinned little-endian bytes", "[protoco
     CHECK(static_cast<std::uint16_t>(p::message_type::list_objects_request) == 0x000d);
     CHECK(static_cast<std::uint16_t>(p::message_type::list_objects_response) == 0x800d);
   }
+  SECTION("a list_keys request: type 0x0010, the tier and max_keys; its answer 0x8010, a JSON document") {
+    auto bytes = p::encode_frame(6, p::list_keys_request{"disk", 100});
+    REQUIRE(bytes.has_value());
+    bytes_builder body;
+    body.str("disk").u32(100);
+    CHECK(*bytes == make_frame(p::message_type::list_keys_request, 6, body.bytes));
+    CHECK(static_cast<std::uint16_t>(p::message_type::list_keys_request) == 0x0010);
+    auto answer = p::encode_frame(6, p::list_keys_response{"{}"});
+    REQUIRE(answer.has_value());
+    bytes_builder abody;
+    abody.str("{}");
+    CHECK(*answer == make_frame(p::message_type::list_keys_response, 6, abody.bytes));
+    CHECK(static_cast<std::uint16_t>(p::message_type::list_keys_response) == 0x8010);
+    CHECK(p::is_admin(p::message_type::list_keys_request));
+  }
   SECTION("a describe_chunks request: type 0x000f, lora_id as a two's complement u64, extra keys as strings") {
     p::describe_chunks_request d;
     d.model_id = 5;

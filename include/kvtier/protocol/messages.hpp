@@ -618,22 +618,11 @@ struct evict_request {
   }
 };
 
-// --- KV events for routers (docs/integration.md, "Routers"; docs/kv-events.md).
-
-/// The token ids of chunks the engine looked up, so that a server publishing vLLM KV events
-/// can announce them (BlockStored needs every block's tokens; the server keys chunks by their
-/// prefix hashes and never sees tokens). The scheduler's connection sends it fire and forget
-/// beside its lookups; a worker's may too. The server checks it against the connection's
-/// registration (model id and world size as in lookup_request; token_ids holds exactly
-/// chunk_hashes.size() x the registration's chunk_tokens; block_size divides chunk_tokens;
-/// block_extra_keys is empty or one value per block; lora_id >= -1) and answers
-/// described=false, keeping nothing, when it publishes no KV events: the connection then stops
-/// sending them. The chunks' model id is the registration's salted with cache_salt, exactly
-/// as a lookup's.
 /// Lists the chunk keys of one tier ("l1" or an L2 backend's name): what a router's index of
 /// the KV events is checked against, and what one rebuilds from after a replay gap. At most
 /// max_keys keys (and what fits in max_status_json_bytes: ~60,000). Administration: the
-/// server's owner and root only. L1 lists readable objects (not writes in flight).
+/// server's owner and root only. L1 lists every object it holds, writes in flight included
+/// (a router hears of those once they are readable).
 struct list_keys_request {
   static constexpr message_type type = message_type::list_keys_request;
   using response_type = list_keys_response;
@@ -646,6 +635,18 @@ struct list_keys_request {
   }
 };
 
+// --- KV events for routers (docs/integration.md, "Routers"; docs/kv-events.md).
+
+/// The token ids of chunks the engine looked up, so that a server publishing vLLM KV events
+/// can announce them (BlockStored needs every block's tokens; the server keys chunks by their
+/// prefix hashes and never sees tokens). The scheduler's connection sends it fire and forget
+/// beside its lookups; a worker's may too. The server checks it against the connection's
+/// registration (model id and world size as in lookup_request; token_ids holds exactly
+/// chunk_hashes.size() x the registration's chunk_tokens; block_size divides chunk_tokens;
+/// block_extra_keys is empty or one value per block; lora_id >= -1) and answers
+/// described=false, keeping nothing, when it publishes no KV events: the connection then stops
+/// sending them. The chunks' model id is the registration's salted with cache_salt, exactly
+/// as a lookup's.
 struct describe_chunks_request {
   static constexpr message_type type = message_type::describe_chunks_request;
   using response_type = describe_chunks_response;

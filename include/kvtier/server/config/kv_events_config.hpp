@@ -36,6 +36,9 @@ struct kv_events_config {
   std::uint64_t buffer_bytes = std::uint64_t{64} << 20;       ///< "buffer_bytes": and their bytes at most
   std::uint64_t description_bytes = std::uint64_t{64} << 20;  ///< "description_bytes": chunk descriptions kept
   std::int64_t data_parallel_rank = 0;               ///< "data_parallel_rank": written into every batch
+  /// "send_hwm": messages ZMQ queues per subscriber before it drops that subscriber's (a
+  /// subscriber that does not read loses batches, and sees the seq jump; the server is not told).
+  std::uint64_t send_hwm = 100'000;
   bool allow_remote = false;                         ///< "allow_remote": endpoints off loopback
 
   friend bool operator==(const kv_events_config&, const kv_events_config&) = default;
@@ -70,6 +73,7 @@ struct kv_events_config {
     if (auto v = r.integer("buffer_bytes", 0, std::uint64_t{1} << 40)) buffer_bytes = *v;
     if (auto v = r.integer("description_bytes", 0, std::uint64_t{1} << 40)) description_bytes = *v;
     if (auto v = r.integer("data_parallel_rank", 0, 1u << 20)) data_parallel_rank = static_cast<std::int64_t>(*v);
+    if (auto v = r.integer("send_hwm", 1, 1u << 30)) send_hwm = *v;
     if (auto v = r.boolean("allow_remote")) allow_remote = *v;
     r.finish();
   }
@@ -86,6 +90,7 @@ struct kv_events_config {
     j["buffer_bytes"] = buffer_bytes;
     j["description_bytes"] = description_bytes;
     j["data_parallel_rank"] = data_parallel_rank;
+    j["send_hwm"] = send_hwm;
     j["allow_remote"] = allow_remote;
     return j;
   }
