@@ -89,6 +89,8 @@ inline std::vector<protocol::message> sample_messages() {
   d.block_extra_keys = {std::string("\x91\xa1x", 3), "", std::string("\0\xff", 2), "\xc0"};
   m.emplace_back(d);
   m.emplace_back(p::describe_chunks_response{true});
+  m.emplace_back(p::list_keys_request{"disk", 10});
+  m.emplace_back(p::list_keys_response{R"({"tier":"disk","keys":[],"total":0,"truncated":false})"});
   return m;
 }
 

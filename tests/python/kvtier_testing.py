@@ -166,7 +166,6 @@ class ServerFactory:
 _MAGIC = b"KVT1"
 _HEADER = struct.Struct("<4sHHQI")
 _STATUS_REQUEST = 0x000C
-_STATUS_RESPONSE = 0x800C
 _ERROR_RESPONSE = 0x8000
 
 
@@ -180,25 +179,29 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def status(socket_path: Path, timeout_s: float = DEADLINE_S) -> dict:
-    """The status JSON of the server on ``socket_path``."""
+def _json_call(socket_path: Path, request: int, body: bytes, what: str, timeout_s: float) -> dict:
+    """Sends one request whose answer is a JSON document (a u32-length string) and returns it."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout_s)
         s.connect(str(socket_path))
-        s.sendall(_HEADER.pack(_MAGIC, kvtier.PROTOCOL_VERSION, _STATUS_REQUEST, 1, 0))
+        s.sendall(_HEADER.pack(_MAGIC, kvtier.PROTOCOL_VERSION, request, 1, len(body)) + body)
         magic, _version, mtype, _call, length = _HEADER.unpack(_read_exact(s, _HEADER.size))
         assert magic == _MAGIC
-        body = _read_exact(s, length)
+        reply = _read_exact(s, length)
         if mtype == _ERROR_RESPONSE:
-            code, n = struct.unpack_from("<II", body)
-            raise RuntimeError(f"status refused ({code}): {body[8:8 + n].decode()}")
-        assert mtype == _STATUS_RESPONSE, hex(mtype)
-        (n,) = struct.unpack_from("<I", body)
-        return json.loads(body[4 : 4 + n])
+            code, n = struct.unpack_from("<II", reply)
+            raise RuntimeError(f"{what} refused ({code}): {reply[8:8 + n].decode()}")
+        assert mtype == request | 0x8000, hex(mtype)
+        (n,) = struct.unpack_from("<I", reply)
+        return json.loads(reply[4 : 4 + n])
+
+
+def status(socket_path: Path, timeout_s: float = DEADLINE_S) -> dict:
+    """The status JSON of the server on ``socket_path``."""
+    return _json_call(socket_path, _STATUS_REQUEST, b"", "status", timeout_s)
 
 
 _LIST_KEYS_REQUEST = 0x0010
-_LIST_KEYS_RESPONSE = 0x8010
 
 
 def list_keys(socket_path: Path, tier: str, timeout_s: float = DEADLINE_S) -> List[dict]:
@@ -206,20 +209,8 @@ def list_keys(socket_path: Path, tier: str, timeout_s: float = DEADLINE_S) -> Li
     ``socket_path`` holds (list_keys_request), each as {"model_id", "world_size", "rank",
     "hash"} (hex ids)."""
     t = tier.encode()
-    body = struct.pack("<I", len(t)) + t + struct.pack("<I", 0)
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout_s)
-        s.connect(str(socket_path))
-        s.sendall(_HEADER.pack(_MAGIC, kvtier.PROTOCOL_VERSION, _LIST_KEYS_REQUEST, 1, len(body)) + body)
-        magic, _version, mtype, _call, length = _HEADER.unpack(_read_exact(s, _HEADER.size))
-        assert magic == _MAGIC
-        reply = _read_exact(s, length)
-        if mtype == _ERROR_RESPONSE:
-            code, n = struct.unpack_from("<II", reply)
-            raise RuntimeError(f"list_keys refused ({code}): {reply[8:8 + n].decode()}")
-        assert mtype == _LIST_KEYS_RESPONSE, hex(mtype)
-        (n,) = struct.unpack_from("<I", reply)
-        doc = json.loads(reply[4 : 4 + n])
+    doc = _json_call(socket_path, _LIST_KEYS_REQUEST, struct.pack("<I", len(t)) + t + struct.pack("<I", 0),
+                     "list_keys", timeout_s)
     assert not doc["truncated"]
     out = []
     for k in doc["keys"]:
