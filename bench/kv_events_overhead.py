@@ -11,15 +11,16 @@ stalled, off, on, ...):
   off      no kv_events
   on       kv_events on, a subscriber that reads every batch (a thread), L1 and the backend
            announced: every store is a BlockStored per tier, every eviction a BlockRemoved
-  stalled  kv_events on, a subscriber connected that never reads, send_hwm 64: ZMQ drops what
-           it cannot queue for it (the subscriber sees the seq jump); the server must not stall
+  stalled  kv_events on, a subscriber connected that never reads (its receive HWM 16), send_hwm
+           16: ZMQ drops what it cannot queue for it (the subscriber sees the seq jump); the
+           server must not stall
 
   KVTIER_BUILD_DIR=build bench/kv_events_overhead.py [--repeats 7] [--requests 200] ...
 
 Prints RESULT lines: kv_events_store_overhead (on's time over off's, the median of the
 per-repeat ratios; the target is <= 1.03), kv_events_stalled_overhead (stalled over off),
 kv_events_off_chunks_per_s, kv_events_on_chunks_per_s, kv_events_on_events_per_s (events the
-subscriber received per second of the run), kv_events_stalled_lost_batches (batches the stalled
+subscriber, a process of its own, received per second of the run), kv_events_stalled_lost_batches (batches the stalled
 subscriber lost, from the seq jumps it finds when it finally reads), kv_events_stalled_dropped
 (events the server counted dropped: its queue full; 0 when the publisher's thread kept up).
 """
@@ -34,7 +35,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -68,22 +68,23 @@ def start_server(sock: Path, args, events: dict | None) -> subprocess.Popen:
     return proc
 
 
-class Reader(threading.Thread):
-    """Reads every batch (the `on` subscriber), counting events."""
-
-    def __init__(self, endpoint: str) -> None:
-        super().__init__(daemon=True)
-        from kvtier.kv_events import Subscriber
-
-        self.sub = Subscriber(endpoint)
-        self.events = 0
-        self.stop = False
-
-    def run(self) -> None:
-        while not self.stop:
-            got = self.sub.recv(50)
-            if got is not None:
-                self.events += len(got[1].events)
+# The `on` subscriber: a process of its own, as a router is (a thread here would share the
+# engine's GIL). It decodes every batch and prints how many events it read once stdin closes.
+READER = r"""
+import select, sys
+sys.path.insert(0, sys.argv[2])
+from kvtier.kv_events import Subscriber
+sub = Subscriber(sys.argv[1])
+print("ready", flush=True)
+events = 0
+while True:
+    got = sub.recv(20)
+    if got is not None:
+        events += len(got[1].events)
+    elif select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.read(1):
+        break
+print(events, flush=True)
+"""
 
 
 def run_once(mode: str, args, tmp: Path, shape, prompts) -> dict:
@@ -93,17 +94,22 @@ def run_once(mode: str, args, tmp: Path, shape, prompts) -> dict:
     if mode == "on":
         events = {"endpoint": ev, "tiers": ["l1", "mem"]}
     elif mode == "stalled":
-        events = {"endpoint": ev, "tiers": ["l1", "mem"], "send_hwm": 64}
+        events = {"endpoint": ev, "tiers": ["l1", "mem"], "send_hwm": 16}
     proc = start_server(sock, args, events)
     reader = stalled = None
     try:
         if mode == "on":
-            reader = Reader(ev)
-            reader.start()
+            reader = subprocess.Popen([sys.executable, "-c", READER, ev, str(BUILD / "python")], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True)
+            assert reader.stdout.readline().strip() == "ready"
         elif mode == "stalled":
-            from kvtier.kv_events import Subscriber
+            import zmq
 
-            stalled = Subscriber(ev)
+            stalled = zmq.Context.instance().socket(zmq.SUB)
+            stalled.setsockopt(zmq.RCVHWM, 16)  # before connecting: the pipe's size
+            stalled.setsockopt(zmq.LINGER, 0)
+            stalled.connect(ev)
+            stalled.setsockopt(zmq.SUBSCRIBE, b"")
         time.sleep(0.2)  # let the subscription reach the publisher
         layout = kvtier.PagedKvLayout(shape, args.block_size, args.inflight * args.chunks * args.chunk_tokens // args.block_size,
                                       kvtier.KvLayoutKind.NHD)
@@ -143,19 +149,20 @@ def run_once(mode: str, args, tmp: Path, shape, prompts) -> dict:
         worker.close()
         sched.close()
         if reader is not None:
-            time.sleep(0.3)
-            reader.stop = True
-            reader.join()
-            out["events"] = reader.events
-            reader.sub.close()
+            time.sleep(0.3)  # what is in flight arrives
+            reader.stdin.close()
+            out["events"] = int(reader.stdout.readline())
+            reader.wait(30)
         if stalled is not None:
-            lost, last = 0, None
-            while (got := stalled.recv(200)) is not None:
-                seq = got[0]
+            lost, last, n = 0, None, 0
+            while stalled.poll(200):
+                seq = int.from_bytes(stalled.recv_multipart()[1], "big", signed=True)
+                n += 1
                 if last is not None and seq > last + 1:
                     lost += seq - last - 1
                 last = seq
             out["lost_batches"] = lost
+            out["received_batches"] = n
             stalled.close()
         return out
     finally:
@@ -204,6 +211,7 @@ def main() -> None:
     print(f"RESULT kv_events_on_chunks_per_s={rate('on'):.1f}")
     print(f"RESULT kv_events_on_events_per_s={statistics.median(x['events'] / x['elapsed'] for x in runs['on']):.1f}")
     print(f"RESULT kv_events_stalled_lost_batches={statistics.median(x['lost_batches'] for x in runs['stalled']):.0f}")
+    print(f"RESULT kv_events_stalled_received_batches={statistics.median(x['received_batches'] for x in runs['stalled']):.0f}")
     print(f"RESULT kv_events_stalled_dropped={statistics.median(x['dropped'] for x in runs['stalled']):.0f}")
 
 
