@@ -165,10 +165,6 @@ class server final : private session_host {
     // Sessions first (their sockets belong to io_), then the cache; io_ outlives both.
     sessions_.clear();
     signals_.reset();
-    // The announcer goes before the bus: nothing may reach it once it is detached.
-    bus_.stop_drain_thread();
-    bus_.drain();
-    bus_.subscriber<kv_events::tier_key_relay>().attach(nullptr);
   }
 
   /// Serves: the accept loop (the socket listens since the constructor), the reaper, and the
@@ -301,6 +297,22 @@ class server final : private session_host {
   /// (detached by the destructor before either goes).
   std::unique_ptr<kv_events::kv_event_transport> kv_transport_;
   std::unique_ptr<kv_events::tier_announcer> kv_announcer_;
+  /// Detaches the announcer from the bus before it goes (after the drain thread delivered
+  /// what was queued): declared after it, so destroyed first, also when a constructor step
+  /// after setup_kv_events throws.
+  struct announcer_detach {
+    server_event_bus& bus;
+    explicit announcer_detach(server_event_bus& b) noexcept : bus(b) {}
+    announcer_detach(const announcer_detach&) = delete;
+    announcer_detach& operator=(const announcer_detach&) = delete;
+    ~announcer_detach() {
+      auto& relay = bus.subscriber<kv_events::tier_key_relay>();
+      if (!relay.attached()) return;
+      bus.stop_drain_thread();
+      bus.drain();
+      relay.attach(nullptr);
+    }
+  } kv_detach_{bus_};
   region_registry clients_;
   lookup_table lookups_;
   engine_table engines_;
