@@ -15,6 +15,7 @@ ALLOWED = {
     "kv_layouts": set(),
     "request_keys": set(),
     "_vllm_standin": set(),
+    "_sglang_standin": set(),  # SGLang's HiCache storage interface (issue 29); no module of the package
     "vllm_plugin": set(),  # names "kvtier.integrations.vllm" as a string; vLLM imports it
     # the sides and what reads vLLM's objects
     "scheduler_side": {"config", "plan", "request_keys"},
