@@ -181,6 +181,8 @@ def test_a_routers_index_equals_what_each_tier_holds_through_evictions_corruptio
     for tier, medium in (("l1", "CPU"), ("disk", "DISK")):
         assert chunk_hashes_by_index(index, eng.sched, medium) == listed(srv.socket_path, tier), tier
     assert listed(srv.socket_path, "disk")  # the test tested something
+    with pytest.raises(RuntimeError, match=r"no tier named 'nope': this server has l1, disk"):
+        list_keys(srv.socket_path, "nope")
 
     # A subscriber that joins now fills the same index from the replay.
     late = BlockIndex()

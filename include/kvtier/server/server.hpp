@@ -138,8 +138,7 @@ class server final : private session_host {
       }
       cache_ = make_cache(config_, io_.get_executor(), bus_, std::move(backends), worker_pool_.get_executor());
       setup_kv_events();
-    } catch (...) {
-      bus_.subscriber<kv_events::tier_key_relay>().attach(nullptr);
+    } catch (...) {  // (kv_detach_ detaches the announcer as the members go)
       stop_http();
       throw;
     }

@@ -148,9 +148,6 @@ inline void server::add_kv_events_metrics() {
   registry_.add_callback("kvtier_kv_events_replay_gaps_total",
                          "Replays that asked for batches no longer held (reported as a ReplayGap)",
                          metric_type::counter, {}, transport(&ts::replay_gaps));
-  registry_.add_callback("kvtier_kv_events_bus_dropped_total",
-                         "Events of the bus's deferred path dropped for a full queue (key events and log lines)",
-                         metric_type::counter, {}, [this] { return static_cast<double>(bus_.dropped()); });
 }
 
 inline nlohmann::json server::kv_events_status() const {

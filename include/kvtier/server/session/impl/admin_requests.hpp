@@ -95,6 +95,20 @@ struct tier_usage {
   return text;
 }
 
+/// The index of the L2 backend named `name`, or backends.size() when none is.
+[[nodiscard]] inline std::size_t backend_named(std::string_view name, std::span<const l2::any_backend> backends) {
+  std::size_t b = 0;
+  while (b < backends.size() && backends[b].name() != name) ++b;
+  return b;
+}
+
+/// "l1, disk, redis": the tier names of this server, for a refusal that names a wrong one.
+[[nodiscard]] inline std::string tier_names_text(std::span<const l2::any_backend> backends) {
+  std::string known = "l1";
+  for (const auto& x : backends) known += ", " + std::string(x.name());
+  return known;
+}
+
 /// The tiers an evict_request names: L1 or not, and the indices of the L2 backends.
 struct evict_tiers {
   bool l1 = false;
@@ -119,14 +133,11 @@ struct evict_tiers {
     if (t == "l1") {
       out.l1 = true;
     } else {
-      std::size_t b = 0;
-      while (b < backends.size() && backends[b].name() != t) ++b;
+      const std::size_t b = backend_named(t, backends);
       if (b == backends.size()) {
-        std::string known = "l1";
-        for (const auto& x : backends) known += ", " + std::string(x.name());
         return request_error{errc::invalid_argument, fmt::format("evict_request.tiers: no tier named '{}' in '{}': "
                                                                  "this server has {}",
-                                                                 t, list, known)};
+                                                                 t, list, tier_names_text(backends))};
       }
       if (std::find(out.backends.begin(), out.backends.end(), b) == out.backends.end()) out.backends.push_back(b);
     }
@@ -282,13 +293,11 @@ inline boost::asio::awaitable<request_result<protocol::list_keys_response>> sess
   if (r.tier == "l1") {
     ctx_.cache.visit_l1([&](const chunk_key& k, std::size_t) { keys.push_back(k); });
   } else {
-    std::size_t b = 0;
-    while (b < backends.size() && backends[b].name() != r.tier) ++b;
+    const std::size_t b = detail::backend_named(r.tier, backends);
     if (b == backends.size()) {
-      std::string known = "l1";
-      for (const auto& x : backends) known += ", " + std::string(x.name());
       co_return request_error{errc::invalid_argument,
-                              fmt::format("list_keys_request.tier: no tier named '{}': this server has {}", r.tier, known)};
+                              fmt::format("list_keys_request.tier: no tier named '{}': this server has {}", r.tier,
+                                          detail::tier_names_text(backends))};
     }
     const l2::key_filter every;
     auto [ec, listed] =
