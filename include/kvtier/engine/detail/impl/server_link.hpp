@@ -360,8 +360,13 @@ inline void server_link::watch_process_io(const std::shared_ptr<server_connectio
 
 inline std::string server_link::fail_handshake_locked(std::uint64_t epoch, std::string_view reason,
                                                       std::string message) {
-  last_error_ = std::move(message);
-  fail_calls_io(epoch, call_status::closed);
+  // A server that refused the connection said why (error_response with call id 0, then it
+  // closed): that reason, not the handshake call it cut short ("released"), is the error.
+  if (auto it = connections_.find(epoch); it != connections_.end() && !it->second->refusal.empty())
+    last_error_ = "the server refused the connection: " + it->second->refusal;
+  else
+    last_error_ = std::move(message);
+  fail_calls_io(epoch, call_status::closed);  // (completions may change connections_: found again below)
   if (current_epoch_ == epoch) current_epoch_ = 0;
   if (auto it = connections_.find(epoch); it != connections_.end()) {
     it->second->broken = true;
