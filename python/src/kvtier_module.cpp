@@ -117,12 +117,17 @@ py::list to_list(const std::vector<hash128>& hs) {
 using region_ptr = std::shared_ptr<kv_region>;
 
 /// One layer's tensor as a writable byte buffer; keeps the region alive.
+/// One layer's bytes, or (`whole`) every layer's: from layer 0's base to the end of the last
+/// layer's last row (layouts whose layers interleave, such as SGLang's page-first host pool).
 struct layer_buffer {
   region_ptr region;
   std::uint32_t layer = 0;
+  bool whole = false;
 
   [[nodiscard]] std::byte* data() const { return region->layers()[layer]; }
-  [[nodiscard]] std::size_t size() const { return region->layout().layer_bytes(); }
+  [[nodiscard]] std::size_t size() const {
+    return whole ? region->layout().total_bytes() : region->layout().layer_bytes();
+  }
 };
 
 region_ptr create_region(const paged_kv_layout& layout, const std::string& name) {
@@ -468,6 +473,10 @@ PYBIND11_MODULE(_kvtier, m) {
           },
           py::arg("layer"), "Layer `layer`'s tensor as a writable byte buffer.")
       .def(
+          "data", [](const region_ptr& r) { return layer_buffer{r, 0, true}; },
+          "Every layer's KV as one writable byte buffer, from layer 0's base to the end of the last layer's "
+          "rows (for layouts whose layers interleave).")
+      .def(
           "begin_reuse",
           [](kv_region& r, std::uint32_t block) {
             check_block(r, block);
@@ -621,6 +630,14 @@ PYBIND11_MODULE(_kvtier, m) {
           },
           py::arg("request_id"), "Hit tokens once answered; None while pending.")
       .def(
+          "wait_lookups",
+          [](const py_connector& s, const std::vector<std::string>& ids, std::optional<double> timeout_s) {
+            const auto ms = wait_timeout(timeout_s);
+            return without_gil(s, [&](auto& c) { return c.wait_lookups(ids, ms); });
+          },
+          py::arg("request_ids"), py::arg("timeout_s") = py::none(),
+          "Blocks until every listed lookup is answered (True), or the timeout passes (False).")
+      .def(
           "free_lookup_locks",
           [](const py_connector& s, const std::string& id) {
             without_gil(s, [&](auto& c) { c.free_lookup_locks(id); });
@@ -705,6 +722,14 @@ PYBIND11_MODULE(_kvtier, m) {
           },
           py::arg("request_ids"), py::arg("timeout_s") = py::none(),
           "Blocks until no retrieve of the requests is in flight (True), or the timeout passes (False).")
+      .def(
+          "wait_stores",
+          [](const py_connector& s, const std::vector<std::string>& ids, std::optional<double> timeout_s) {
+            const auto ms = wait_timeout(timeout_s);
+            return without_gil(s, [&](auto& c) { return c.wait_stores(ids, ms); });
+          },
+          py::arg("request_ids"), py::arg("timeout_s") = py::none(),
+          "Blocks until no store of the requests is in flight (True), or the timeout passes (False).")
       .def(
           "wait_released",
           [](const py_connector& s, const std::vector<std::uint32_t>& blocks, std::optional<double> timeout_s) {

@@ -38,6 +38,9 @@ ALLOWED = {
         "vllm_scheduler_output",
         "connector_stats",
     },
+    # SGLang's HiCache storage backend (issue 29): the host pool's layout, the backend
+    "sglang_layouts": {"kv_layouts"},
+    "sglang": {"_sglang_standin", "config", "sglang_layouts"},
     "__init__": set(),
 }
 

@@ -142,6 +142,12 @@ class connector final : private detail::link_owner {
   /// never looked up (or whose answer was dropped by end_request or max_lookups). Stable
   /// once answered. The engine keeps at least one token to compute itself.
   [[nodiscard]] std::optional<std::size_t> lookup_result(std::string_view request_id) const;
+  /// Blocks until every listed lookup is answered (or has no entry: never looked up, or
+  /// dropped by end_request / max_lookups): true; false when `timeout` passed first. A
+  /// lookup is always answered by its deadline (lookup_timeout), so this never outlives it
+  /// by much. For engines that ask synchronously (SGLang's batch_exists). Throws
+  /// std::logic_error on a connector that is not the scheduler.
+  bool wait_lookups(std::span<const std::string> request_ids, std::chrono::milliseconds timeout);
   /// Releases the server's locks of chunks of the lookup that will never be retrieved.
   /// Fire and forget; skipped while unhealthy.
   void free_lookup_locks(std::string_view request_id);
@@ -177,6 +183,12 @@ class connector final : private detail::link_owner {
   /// The same with the hashes of the chunks stored.
   void store_hashes(std::string_view request_id, std::span<const hash128> hashes, std::uint32_t first_chunk,
                     std::span<const std::uint32_t> block_ids, std::string_view cache_salt = {});
+  /// Blocks until no store of the listed requests is in flight (true), or `timeout` passes
+  /// (false). A store is over when the server answered it (stored, refused, failed), timed
+  /// out or was released by the unhealthy edge; the server reads the blocks no more after
+  /// its answer, and a late copy of one given up on is fenced by block_reused. For engines
+  /// that reuse the blocks right after a store (SGLang's staging pages).
+  bool wait_stores(std::span<const std::string> request_ids, std::chrono::milliseconds timeout);
   /// vLLM's get_finished: `finished_by_engine` are the ids the engine finished this step.
   finished_requests get_finished(std::span<const std::string> finished_by_engine);
   /// Blocks whose KV did not land (each once; the set is cleared).
@@ -354,7 +366,8 @@ class connector final : private detail::link_owner {
   std::uint64_t descriptions_sent_ = 0;
   std::uint64_t chunks_described_ = 0;
   /// Notified (mutex held) when a retrieve progresses or completes and when quarantined
-  /// blocks are released: wait_layers, wait_retrieves, wait_released.
+  /// blocks are released, a lookup is answered or a store ends: wait_layers, wait_retrieves,
+  /// wait_released, wait_lookups, wait_stores.
   std::condition_variable waits_cv_;
   // The transport last: it starts after everything above exists and stops (~connector)
   // before any of it goes.

@@ -87,6 +87,18 @@ std::optional<std::size_t> connector<Bus>::lookup_result(std::string_view reques
 }
 
 template <class Bus>
+bool connector<Bus>::wait_lookups(std::span<const std::string> request_ids, std::chrono::milliseconds timeout) {
+  for (const std::string& id : request_ids) check_lookup(id);
+  std::unique_lock lock(mu());
+  return wait_for_locked(lock, timeout, [&] {
+    return std::none_of(request_ids.begin(), request_ids.end(), [&](const std::string& id) {
+      auto it = lookups_.find(id);
+      return it != lookups_.end() && !it->second.answered;
+    });
+  });
+}
+
+template <class Bus>
 void connector<Bus>::free_lookup_locks(std::string_view request_id) {
   check_request_id(request_id);
   std::lock_guard g(mu());
@@ -121,6 +133,7 @@ void connector<Bus>::answer_lookup_locked(const std::string& id, lookup_entry& e
                                           bus::connector_outcome outcome) {
   e.answered = true;
   e.tokens = tokens;
+  waits_cv_.notify_all();
   bus_.publish(bus::connector_lookup_completed{options_.rank, outcome, e.requested_chunks,
                                                static_cast<std::uint32_t>(tokens / options_.chunk_tokens),
                                                options_.chunk_tokens, detail::elapsed_ns(e.started)});

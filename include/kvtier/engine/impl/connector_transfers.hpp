@@ -223,7 +223,18 @@ void connector<Bus>::finish_store_locked(const store_info& info, const call_resu
   }
   e.duration_ns = detail::elapsed_ns(info.started);
   tracker_.store_done(info.request_id);
+  waits_cv_.notify_all();
   bus_.publish(e);
+}
+
+template <class Bus>
+bool connector<Bus>::wait_stores(std::span<const std::string> request_ids, std::chrono::milliseconds timeout) {
+  region_for("wait_stores");
+  std::unique_lock lock(mu());
+  return wait_for_locked(lock, timeout, [&] {
+    return std::none_of(request_ids.begin(), request_ids.end(),
+                        [&](const std::string& id) { return tracker_.pending_stores(id) != 0; });
+  });
 }
 
 template <class Bus>
