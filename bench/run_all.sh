@@ -11,7 +11,7 @@
 # $KVTIER_BUILD_DIR when set, else configures and builds build/ (Release). Installs missing
 # Debian packages (gnuplot-nox, fio, redis-server, redis-tools, python3) as the quick-start
 # scripts do (as root). Benchmarks: event_bus l1_policies gather server_copy copy_pool io l2_fio
-# l2_redis rpc server_start degraded longdoc layerwise scaling (--only picks some; the docs are regenerated from whatever results.json holds).
+# l2_redis rpc server_start degraded longdoc layerwise sglang scaling (--only picks some; the docs are regenerated from whatever results.json holds).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -256,6 +256,13 @@ bench_layerwise() {
   gather layerwise "$logs/layerwise.log"
 }
 
+bench_sglang() {
+  # The SGLang backend's staging copy (bench/sglang_hicache.py) against glibc memcpy.
+  local repeats=$((quick ? 5 : 7))
+  KVTIER_BUILD_DIR="$build" /usr/bin/python3 bench/sglang_hicache.py --repeats "$repeats" > "$logs/sglang.log" 2>&1
+  gather sglang "$logs/sglang.log"
+}
+
 bench_scaling() {
   bench/scaling.sh "$build" "$work/scaling" "$results" "${qflag[@]}" > "$logs/scaling.log" 2>&1
   gather scaling "$logs/scaling.log"
@@ -265,7 +272,7 @@ bench_scaling() {
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
 stages=(event_bus:50:50 l1_policies:15:5 gather:25:10 server_copy:20:2 copy_pool:25:10 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 server_start:150:60 degraded:85:35
-  longdoc:240:100 layerwise:40:25 scaling:20:10)
+  longdoc:240:100 layerwise:40:25 sglang:15:10 scaling:20:10)
 selected=()
 for s in "${stages[@]}"; do
   n=${s%%:*}

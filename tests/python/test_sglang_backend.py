@@ -418,3 +418,14 @@ def test_tiny_decoder_logits_through_kvtier_storage_equal_a_full_recompute_bit_f
         print()
         print(f"RESULT sglang_logits_max_abs_diff={diff:g}")
         print(f"RESULT sglang_hit_pages={hits}")
+
+
+def test_a_server_of_another_chunk_size_costs_misses_and_says_why(servers):
+    other = servers.start(chunk_tokens=16, name="chunk16")
+    storage = KVTierStorage(config(other.socket_path, ready_timeout_s=1), {})
+    storage.register_mem_pool_host(HostPool("layer_first", 3, 8, PAGE, head_num=2))
+    keys = page_keys(prompt(2, 9), PAGE)
+    assert storage.batch_exists(keys) == 0
+    assert storage.batch_set_v1(keys, host_indices([0, 1], PAGE)) == [False, False]
+    assert "chunk_tokens=16" in storage.worker.last_error
+    storage.close()
