@@ -221,11 +221,7 @@ class KVTierStorage(_BASE.HiCacheStorage):  # type: ignore[misc, valid-type]
         page_size = int(mem_pool_host.page_size)
         kind = pool_kind(mem_pool_host, self.mla)
         pages = page_view(mem_pool_host.kv_buffer, POOL_DIMS[kind], page_size)
-        e = pages.tensor.element_size()
-        page_bytes = e
-        for n in pages.page_shape():
-            page_bytes *= n
-        per_area = int(self.options.staging_mb * (1 << 20) // (2 * page_bytes))
+        per_area = int(self.options.staging_mb * (1 << 20) // (2 * pages.page_bytes))
         per_area = max(1, min(STORAGE_BATCH_SIZE, per_area))
         staging = StagingLayout.of(pages, 2 * per_area)
         config = KVTierConfig(
@@ -328,17 +324,14 @@ class KVTierStorage(_BASE.HiCacheStorage):  # type: ignore[misc, valid-type]
             raise ValueError(f"host pages outside the pool's {self.pages.num_pages}")
         return pages
 
-    def _lookup(self, hashes: List[int]) -> int:
-        """How many of ``hashes``, from the first, every rank's object of is stored."""
-        rid = self._rid("x")
+    def _lookup(self, rid: str, hashes: List[int]) -> int:
+        """Looks ``hashes`` up as request ``rid`` and waits for the answer: how many of them,
+        from the first, every rank's object of is stored. The caller ends ``rid``
+        (``end_request``) once done with the lookup (a retrieve copies through it)."""
         s = self.scheduler
         s.lookup_hashes(rid, hashes, "")
-        try:
-            s.wait_lookups([rid], self._bound_s("lookup_timeout_ms"))
-            hit = s.lookup_result(rid)
-        finally:
-            s.end_request(rid)
-        return min(len(hashes), int(hit or 0) // self.pages.page_size)
+        s.wait_lookups([rid], self._bound_s("lookup_timeout_ms"))
+        return min(len(hashes), int(s.lookup_result(rid) or 0) // self.pages.page_size)
 
     def _fetch(self, hashes: List[int], deliver: Callable[[Any, List[int], int], None]) -> int:
         """Loads ``hashes`` (in parts of the get area) and hands each part's landed leading
@@ -354,11 +347,9 @@ class KVTierStorage(_BASE.HiCacheStorage):  # type: ignore[misc, valid-type]
                     break  # every block waits for a hung server's answer: misses meanwhile
                 part = hashes[done : done + len(blocks)]
                 rid = self._rid("g")
-                s, w = self.scheduler, self.worker
-                s.lookup_hashes(rid, part, "")
+                w = self.worker
                 try:
-                    s.wait_lookups([rid], self._bound_s("lookup_timeout_ms"))
-                    hit = min(len(part), int(s.lookup_result(rid) or 0) // self.pages.page_size)
+                    hit = self._lookup(rid, part)
                     landed = 0
                     if hit:
                         w.retrieve_hashes(rid, part[:hit], done, blocks[:hit], 0, "", synchronous=True)
@@ -370,7 +361,7 @@ class KVTierStorage(_BASE.HiCacheStorage):  # type: ignore[misc, valid-type]
                             deliver(self._stage, blocks[:landed], done)
                             self._count(copy_out_ns=time.perf_counter_ns() - t0)
                 finally:
-                    s.end_request(rid)
+                    self.scheduler.end_request(rid)
                 done += landed
                 if landed < len(part):
                     break
@@ -416,7 +407,11 @@ class KVTierStorage(_BASE.HiCacheStorage):  # type: ignore[misc, valid-type]
             found = 0
             for i in range(0, len(hashes), 1024):
                 part = hashes[i : i + 1024]
-                n = self._lookup(part)
+                rid = self._rid("x")
+                try:
+                    n = self._lookup(rid, part)
+                finally:
+                    self.scheduler.end_request(rid)
                 found += n
                 if n < len(part):
                     break

@@ -99,6 +99,14 @@ class PoolPages:
         """One page's shape: the other dimensions, in the pool's order."""
         return tuple(int(n) for i, n in enumerate(self.tensor.shape) if i != self.page_dim)
 
+    @property
+    def page_bytes(self) -> int:
+        """The bytes of one page (SGLang's flat page)."""
+        n = self.tensor.element_size()
+        for x in self.page_shape():
+            n *= x
+        return n
+
 
 def page_view(kv_buffer: Any, dims: Tuple[str, ...], page_size: int) -> PoolPages:
     """``kv_buffer`` (dims ``dims``, :data:`POOL_DIMS`) with its token slots split into pages
