@@ -10,14 +10,14 @@
 //         other, each released once answered; bytes loaded / wall time of the phase;
 //   ours through the pread fallback (io = pread, pread_threads = the queue depth).
 // Stores: each repeat, fio rw=write (new files, fsync_on_close=1, fixedbufs=1) and our backend storing N
-//   objects in batches of `batch` (temporary file, O_DIRECT writes, fdatasync, rename,
-//   directory fsync per batch) into a fresh directory. Our backend writes the parts of a
-//   batch 16 at a time across its keys, then fdatasyncs every key of the batch at once (up
-//   to 64 in flight: disk_backend's commit fan-out; `batch` here). fio's store job does the
-//   same number of fsyncs at once: `batch` jobs (numjobs, each its own files), each with
-//   iodepth = depth / batch, so the same 16 writes are in flight in all, and each job's
-//   fsync at a file's close overlaps the other jobs' (--fio-store-jobs 1: one job of
-//   iodepth 16 whose fsyncs come one after the other, the pre-issue-17 baseline).
+//   objects in batches of `store_batch` (64, the store pipeline's batch; --store-batch),
+//   one batch after the other, into a fresh directory. Our backend takes 8 keys of a batch at
+//   once (depth / 2), each through its own pipeline (temporary file, 2 O_DIRECT writes in
+//   flight, rename, fdatasync), then fsyncs the touched directories once per batch. fio's
+//   store job does the same: 8 jobs (numjobs, each its own files) of iodepth 2, so the same
+//   16 writes and up to 8 fsyncs are in flight, each job's fsync at a file's close
+//   overlapping the other jobs' writes (--fio-store-jobs 1: one job of iodepth 16 whose
+//   fsyncs come one after the other, the pre-issue-17 baseline).
 // fio's own iodepth histogram (the share of its submissions issued at each depth) is printed
 //   for both jobs; RESULT fio_read_depth_full_pct (the share at the job's full depth, 16-31)
 //   shows whether fio keeps its queue full across file boundaries.
@@ -29,12 +29,13 @@
 // virtual disk's speed for recent files, not necessarily the device's.
 //
 // Usage: kvtier_bench_l2_disk [--dir DIR] [--gib X] [--repeats N] [--quick] [--fio PATH]
-//                             [--fio-store-jobs N]
+//                             [--fio-store-jobs N] [--store-batch N]
 //   DIR defaults to $KVTIER_BENCH_DIR, else ./l2-disk-bench (it must not be tmpfs for the
 //   figures to mean anything); X GiB per measurement (default 2); --quick: 0.25 GiB, 2 repeats.
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/l2/disk/disk_backend.hpp>
+#include <kvtier/pipeline/store_controller.hpp>
 
 #include <common/results.hpp>
 
@@ -70,9 +71,13 @@ struct bench_config {
   std::string fio = "fio";
   unsigned depth = 16;
   std::size_t part = std::size_t{1} << 20;
-  std::size_t batch = 8;
-  unsigned fio_store_jobs = 0;  ///< fio store jobs (concurrent fsyncs); 0: batch
-  [[nodiscard]] unsigned store_jobs() const { return fio_store_jobs ? fio_store_jobs : static_cast<unsigned>(batch); }
+  std::size_t batch = 8;  ///< keys per lookup (loads)
+  /// Keys per store: the store pipeline's batch (pipeline::store_options::max_batch_keys).
+  std::size_t store_batch = pipeline::store_options{}.max_batch_keys;
+  unsigned fio_store_jobs = 0;  ///< fio store jobs (concurrent fsyncs); 0: the backend's store lanes
+  /// The backend writes depth / 2 keys at once, 2 writes each (disk_backend::store_lanes):
+  /// as many fsyncs in flight as fio's jobs.
+  [[nodiscard]] unsigned store_jobs() const { return fio_store_jobs ? fio_store_jobs : std::max(1U, depth / 2); }
 };
 
 /// fio's iodepth histogram of one job ("1", "2", ... ">=64" -> percent of submissions).
@@ -157,20 +162,20 @@ l2::disk_backend_options backend_options(const bench_config& cfg, const fs::path
   return o;
 }
 
-/// Stores n objects in batches; returns bytes per second.
+/// Stores n objects in batches of cfg.store_batch, one batch after the other; returns bytes per second.
 double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes, std::size_t n,
                   std::vector<aligned_buffer>& sources) {
   asio::io_context io;
   l2::disk_backend b(io.get_executor(), backend_options(cfg, dir, object_bytes, n, io::file_io_choice::automatic));
   std::size_t ok = 0;
   const auto t0 = clock_type::now();
-  for (std::size_t first = 0; first < n; first += cfg.batch) {
-    const std::size_t m = std::min(cfg.batch, n - first);
+  for (std::size_t first = 0; first < n; first += cfg.store_batch) {
+    const std::size_t m = std::min(cfg.store_batch, n - first);
     std::vector<chunk_key> keys;
     std::vector<std::span<const std::byte>> src;
     for (std::size_t i = 0; i < m; ++i) {
       keys.push_back(key_of(object_bytes, first + i));
-      src.emplace_back(sources[i].data(), object_bytes);
+      src.emplace_back(sources[i % sources.size()].data(), object_bytes);
     }
     std::optional<l2::batch_result> r;
     b.async_store(keys, src, l2::clock::now() + std::chrono::minutes(5),
@@ -262,9 +267,10 @@ figures measure(const bench_config& cfg, std::size_t object_bytes) {
   const std::size_t n = std::max<std::size_t>(
       cfg.batch, static_cast<std::size_t>(cfg.gib * static_cast<double>(std::size_t{1} << 30)) / object_bytes);
   std::printf(
-      "== %s objects: %zu per measurement (%.2f GiB), batches of %zu, bs %zu KiB, depth %u; fio store: %u jobs of "
-      "depth %u\n",
-      size_label(object_bytes).c_str(), n, static_cast<double>(n * object_bytes) / (1 << 30), cfg.batch, cfg.part >> 10,
+      "== %s objects: %zu per measurement (%.2f GiB), lookups of %zu, stores of %zu, bs %zu KiB, depth %u; fio store: "
+      "%u jobs of depth %u\n",
+      size_label(object_bytes).c_str(), n, static_cast<double>(n * object_bytes) / (1 << 30), cfg.batch,
+      cfg.store_batch, cfg.part >> 10,
       cfg.depth, cfg.store_jobs(), std::max(1u, cfg.depth / cfg.store_jobs()));
   std::vector<aligned_buffer> sources;
   for (std::size_t i = 0; i < cfg.batch; ++i) {
@@ -340,16 +346,19 @@ int main(int argc, char** argv) try {
     else if (a == "--fio") cfg.fio = next();
     else if (a == "--fio-store-jobs")
       cfg.fio_store_jobs = static_cast<unsigned>(std::stoul(next()));
+    else if (a == "--store-batch")
+      cfg.store_batch = std::stoul(next());
     else if (a == "--quick") {
       cfg.gib = 0.25;
       cfg.repeats = 2;
     } else
       throw std::invalid_argument("unknown argument " + a +
                                   " (use --dir, --gib, --repeats, --quick, --fio, "
-                                  "--fio-store-jobs)");
+                                  "--fio-store-jobs, --store-batch)");
   }
   if (cfg.repeats < 1 || cfg.gib <= 0) throw std::invalid_argument("--repeats and --gib must be positive");
   if (cfg.fio_store_jobs > 64) throw std::invalid_argument("--fio-store-jobs must be at most 64");
+  if (cfg.store_batch == 0 || cfg.store_batch > 4096) throw std::invalid_argument("--store-batch must be in 1..4096");
   fs::create_directories(cfg.dir);
   std::printf("l2_disk_bench in %s (%s)\n", cfg.dir.c_str(), io::probe_uring().detail.c_str());
 

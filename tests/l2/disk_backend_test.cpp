@@ -749,20 +749,42 @@ TEST_CASE("a load cut by its deadline or cancelled completes only when no read c
 }
 
 TEST_CASE("a store cut by its deadline leaves no temporary file and no half object", "[l2][disk]") {
+  // Deadlines that fall in every step of a key's pipeline: its create, its writes, its rename
+  // and its fdatasync (a renamed key whose sync is cut must leave no object behind).
+  for (const int ms : {1, 3, 6, 12, 25, 50}) {
+    INFO("deadline " << ms << " ms");
+    temp_dir dir;
+    asio::io_context io;
+    auto opts = options_for(dir.path());
+    opts.queue_depth = 2;
+    l2::disk_backend b(io.get_executor(), opts);
+    const objects o(0, 4, 16 << 20);
+    auto r = store(io, b, o.keys, o.sources(), l2::clock::now() + std::chrono::milliseconds(ms));
+    CHECK(r.count(l2::key_outcome::ok) + r.count(l2::key_outcome::timeout) == 4);
+    CHECK(b.io_in_flight() == 0);
+    const auto d = scan(dir.path());
+    CHECK(d.temp_files == 0);
+    CHECK(d.objects == r.count(l2::key_outcome::ok));
+    CHECK(b.usage().bytes_used == d.allocated);
+    CHECK(check_all_served(io, b, o.keys, o.bytes) == r.count(l2::key_outcome::ok));
+  }
+}
+
+TEST_CASE("a batch of more keys than the store runs at once round-trips, each key committed on its own",
+          "[l2][disk]") {
+  // queue_depth 4: two keys at once (two writes each), so 11 keys go through in six rounds.
   temp_dir dir;
   asio::io_context io;
   auto opts = options_for(dir.path());
-  opts.queue_depth = 2;
+  opts.queue_depth = 4;
   l2::disk_backend b(io.get_executor(), opts);
-  const objects o(0, 4, 16 << 20);
-  auto r = store(io, b, o.keys, o.sources(), l2::clock::now() + std::chrono::milliseconds(3));
-  CHECK(r.count(l2::key_outcome::ok) + r.count(l2::key_outcome::timeout) == 4);
-  CHECK(b.io_in_flight() == 0);
+  const objects o(0, 11, (3 << 20) + 100);  // a partial last block too
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 11);
   const auto d = scan(dir.path());
   CHECK(d.temp_files == 0);
-  CHECK(d.objects == r.count(l2::key_outcome::ok));
+  CHECK(d.objects == 11);
   CHECK(b.usage().bytes_used == d.allocated);
-  CHECK(check_all_served(io, b, o.keys, o.bytes) == r.count(l2::key_outcome::ok));
+  CHECK(check_all_served(io, b, o.keys, o.bytes) == 11);
 }
 
 // --- crash recovery -----------------------------------------------------------------------------

@@ -315,8 +315,12 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   std::vector<store_item> plan_store(std::span<const chunk_key> keys,
                                      std::span<const std::span<const std::byte>> sources, batch_result& r,
                                      std::vector<detail::disk_victim>& victims);
-  /// Step 2: the parts of every item (payload, tail, header last), its blocks in `blocks`.
-  std::vector<part> store_parts(std::vector<store_item>& items, std::byte* blocks, std::vector<hash_state>& hashes);
+  /// Step 2: the parts of every item (payload, tail, header last), its blocks in `blocks`;
+  /// item j's parts are [first_parts[j], first_parts[j + 1]).
+  std::vector<part> store_parts(std::vector<store_item>& items, std::byte* blocks, std::vector<hash_state>& hashes,
+                                std::vector<std::size_t>& first_parts);
+  /// How many keys of a batch of `keys` go through their pipelines at once.
+  [[nodiscard]] unsigned store_lanes(std::size_t keys) const noexcept;
   /// Step 3: item's temporary file is open as fd; preallocates it (fails the item on ENOSPC).
   void adopt_temp_file(store_item& it, int fd);
   boost::asio::awaitable<void> commit_stored(store_item& it, fan_state& fs, unsigned lane);
@@ -324,9 +328,9 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   /// Step 6: closes every file and answers each key; what is left to clean up.
   store_leftovers close_stored(std::vector<store_item>& items, batch_result& r);
   /// Step 6, under the mutex: releases the room of the keys that did not commit, keeps counting
-  /// the temporary files that could not be deleted.
-  void release_uncommitted(const std::vector<store_item>& items, const std::vector<error_code>& temp_errors,
-                           const std::vector<std::uint64_t>& temp_bytes);
+  /// the files of theirs that could not be deleted.
+  void release_uncommitted(const std::vector<store_item>& items, const std::vector<error_code>& unlink_errors,
+                           const std::vector<std::uint64_t>& file_bytes);
   /// Step 7: fsyncs the shard directories in `dirty`, not stoppable.
   boost::asio::awaitable<void> sync_shards(std::bitset<detail::disk_shard_count> dirty);
   /// Step 8 (st_blocks above the estimates), and the start-up scan (a capacity lowered since

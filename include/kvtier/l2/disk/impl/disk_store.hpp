@@ -1,9 +1,9 @@
 #pragma once
 // The store path of l2::disk_backend (declarations: kvtier/l2/disk/disk_backend.hpp; docs/l2-disk.md,
-// "Writing an object"): per batch: plan and reserve room (evicting), create the
-// temporary files, write every part of every key through one queue (io::async_run_parts),
-// commit (fdatasync, rename into place), clean up what did not commit, fsync the touched
-// directories, trim back under the watermark.
+// "Writing an object"): per batch: plan and reserve room (evicting); then each key through
+// its own pipeline, several keys at once (create the temporary file, write its parts through
+// io::async_run_parts, commit: fdatasync, rename into place); clean up what did not commit,
+// fsync the touched directories, trim back under the watermark.
 
 #include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/l2/disk/impl/disk_backend.hpp>
@@ -37,24 +37,24 @@ struct disk_backend::store_item : object_item {
   std::span<const std::byte> src;
   detail::temp_name temp;
   bool created = false;  ///< the temporary file exists
+  bool renamed = false;  ///< it is objects/<path> now (not yet committed until synced)
   bool committed = false;
 };
 
-/// The writes of a store: every part of every key (its payload parts, its partial last block
-/// through a bounce block, then its header block), queue_depth at a time across keys. Parts
-/// begin in order, so each key's checksum is fed in order as its parts are issued, and its
-/// header (written last) carries the digest.
+/// The writes of one key of a store: its payload parts, its partial last block through a
+/// bounce block, then its header block. Parts begin in order, so the key's checksum is fed
+/// in order as its parts are issued, and its header (written last) carries the digest.
 struct disk_backend::store_plan {
   static constexpr bool writes = true;
   using signature = void(error_code);
   disk_backend* self;
   std::vector<store_item>* items;
-  const std::vector<part>* parts;
+  std::span<const part> parts;
 
-  [[nodiscard]] std::size_t part_count() const noexcept { return parts->size(); }
+  [[nodiscard]] std::size_t part_count() const noexcept { return parts.size(); }
 
   [[nodiscard]] std::optional<io::file_part> begin_part(std::size_t i) const noexcept {
-    const part& p = (*parts)[i];
+    const part& p = parts[i];
     store_item& it = (*items)[p.item];
     if (it.failed || it.fd < 0) return std::nullopt;
     if (p.kind == part_kind::header) {
@@ -73,7 +73,7 @@ struct disk_backend::store_plan {
   }
 
   bool end_part(std::size_t i, const error_code& ec, std::size_t) {
-    store_item& it = (*items)[(*parts)[i].item];
+    store_item& it = (*items)[parts[i].item];
     if (it.failed) return false;
     if (ec) self->fail_store(it, ec);  // (a write that stopped short ends with an error)
     else --it.parts_left;
@@ -83,11 +83,14 @@ struct disk_backend::store_plan {
   [[nodiscard]] std::tuple<error_code> result(const io::parts_outcome&) const noexcept { return {}; }
 };
 
-/// What step 6 of a store collects while it closes the files: the temporary files to remove
-/// (with the room each takes), the shard directories a rename touched, the keys that timed out.
+/// What step 6 of a store collects while it closes the files: the files of keys that did not
+/// commit, to remove (temporary files, and renamed ones whose sync failed), with the room each
+/// takes (temps first, then renamed), the shard directories a commit touched, the keys that
+/// timed out.
 struct disk_backend::store_leftovers {
   std::vector<detail::temp_name> temps;
-  std::vector<std::uint64_t> temp_bytes;
+  std::vector<detail::object_path> renamed;
+  std::vector<std::uint64_t> bytes;
   std::bitset<detail::disk_shard_count> dirty;
   std::size_t timeouts = 0;
 };
@@ -107,41 +110,47 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
 
   // 2. Parts: the payload in part_bytes parts, its partial last block through a bounce block,
   //    then the header block (written last: its checksum is computed while the payload's
-  //    writes are in flight).
+  //    writes are in flight). Key j's parts are parts[first[j], first[j + 1]).
   aligned_buffer blocks(items.size() * 2 * detail::disk_block_bytes);
   std::vector<hash_state> hashes(items.size());
-  const std::vector<part> parts = store_parts(items, blocks.data(), hashes);
+  std::vector<std::size_t> first;
+  const std::vector<part> parts = store_parts(items, blocks.data(), hashes, first);
 
+  // 3-5. Each key through its own pipeline, `lanes` keys at once, `depth` writes each (the
+  //      queue depth in all): create the temporary file (and allocate its blocks), write its
+  //      parts, commit it (fdatasync, rename into objects/). A key's fdatasync overlaps the
+  //      other keys' writes, as fio's jobs' fsyncs do: committing the batch's keys together
+  //      after all its writes left the device idle during the syncs.
+  const unsigned lanes = store_lanes(items.size());
+  const unsigned depth = std::max(1U, options_.queue_depth / lanes);
   fan_state fs;
-  // 3. Create the temporary files (and allocate their blocks).
-  auto open_body = [this, &items](std::size_t j, fan_state& f, unsigned lane) -> asio::awaitable<void> {
+  auto key_body = [this, &items, &parts, &first, depth](std::size_t j, fan_state& f,
+                                                        unsigned lane) -> asio::awaitable<void> {
     store_item& it = items[j];
     const int flags = O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | (it.direct ? O_DIRECT : 0);
     auto [ec, fd] = co_await file_io_->async_openat(tmp_fd_, it.temp.c_str(), flags, 0600, f.bind(lane));
-    if (ec)
+    if (ec) {
       fail_store(it, ec);
-    else
-      adopt_temp_file(it, fd);
-  };
-  co_await fan_out(fs, items.size(), 64, d, open_body);
-
-  // 4. Write every part, queue_depth at a time across keys.
-  co_await run_parts(fs, d, store_plan{this, &items, &parts});
-
-  // 5. Commit every written key at once: fdatasync, rename into objects/. In parallel, the
-  //    file system folds the syncs into a few journal commits.
-  auto commit_body = [this, &items](std::size_t j, fan_state& f, unsigned lane) -> asio::awaitable<void> {
-    store_item& it = items[j];
-    if (it.failed || it.fd < 0 || it.parts_left != 0) co_return;
+      co_return;
+    }
+    adopt_temp_file(it, fd);
+    if (it.failed) co_return;
+    const std::span<const part> own = std::span(parts).subspan(first[j], first[j + 1] - first[j]);
+    co_await io::async_run_parts(*file_io_, store_plan{this, &items, own}, depth, f.bind(lane));
+    if (it.failed || it.parts_left != 0) co_return;
     co_await commit_stored(it, f, lane);
   };
-  co_await fan_out(fs, items.size(), 64, d, commit_body);
+  co_await fan_out(fs, items.size(), lanes, d, key_body);
 
   // 6. Close; remove the temporary files of keys that did not commit; release their room.
   store_leftovers left = close_stored(items, r);
-  std::vector<error_code> temp_errors;
-  if (!left.temps.empty()) temp_errors = co_await unlink_all(tmp_fd_, std::move(left.temps));
-  release_uncommitted(items, temp_errors, left.temp_bytes);
+  std::vector<error_code> unlink_errors;
+  if (!left.temps.empty()) unlink_errors = co_await unlink_all(tmp_fd_, std::move(left.temps));
+  if (!left.renamed.empty()) {
+    const std::vector<error_code> e = co_await unlink_all(objects_fd_, std::move(left.renamed));
+    unlink_errors.insert(unlink_errors.end(), e.begin(), e.end());
+  }
+  release_uncommitted(items, unlink_errors, left.bytes);
 
   // 7. Durability of the renames: one fsync per touched shard directory, for the batch.
   if (options_.sync == disk_sync::data && left.dirty.any()) co_await sync_shards(left.dirty);
@@ -189,8 +198,10 @@ inline std::vector<disk_backend::store_item> disk_backend::plan_store(
 }
 
 inline std::vector<disk_backend::part> disk_backend::store_parts(std::vector<store_item>& items, std::byte* blocks,
-                                                                 std::vector<hash_state>& hashes) {
+                                                                 std::vector<hash_state>& hashes,
+                                                                 std::vector<std::size_t>& first_parts) {
   std::vector<part> parts;
+  first_parts.assign(1, 0);
   for (std::size_t j = 0; j < items.size(); ++j) {
     store_item& it = items[j];
     const auto item = static_cast<std::uint32_t>(j);
@@ -203,8 +214,16 @@ inline std::vector<disk_backend::part> disk_backend::store_parts(std::vector<sto
     add_payload_parts(parts, it, item, it.src.size());
     parts.push_back({item, part_kind::header, false, 0, detail::disk_block_bytes});
     it.parts_left = static_cast<unsigned>(parts.size() - first);
+    first_parts.push_back(parts.size());
   }
   return parts;
+}
+
+inline unsigned disk_backend::store_lanes(std::size_t keys) const noexcept {
+  // Two writes in flight per key (fio's store baseline: 8 jobs of depth 2 at depth 16), so
+  // that queue_depth / 2 keys sync at once; one key alone gets the whole depth.
+  const unsigned most = std::max(1U, options_.queue_depth / 2);
+  return static_cast<unsigned>(std::min<std::size_t>(keys, most));
 }
 
 inline void disk_backend::adopt_temp_file(store_item& it, int fd) {
@@ -222,28 +241,33 @@ inline disk_backend::store_leftovers disk_backend::close_stored(std::vector<stor
   store_leftovers left;
   for (auto& it : items) {
     if (it.fd >= 0) ::close(it.fd);
-    if (it.committed)
+    if (it.committed) {
       left.dirty.set(detail::shard_of(it.key));
-    else if (it.created) {
+    } else if (it.renamed) {
+      left.renamed.push_back(it.path);
+    } else if (it.created) {
       left.temps.push_back(it.temp);
-      left.temp_bytes.push_back(detail::object_file_bytes(it.src.size()));
+      left.bytes.push_back(detail::object_file_bytes(it.src.size()));
     }
     if (it.outcome == key_outcome::timeout) ++left.timeouts;
     r.outcomes[it.index] = it.outcome;
   }
+  for (const auto& it : items)
+    if (!it.committed && it.renamed) left.bytes.push_back(detail::object_file_bytes(it.src.size()));
   return left;
 }
 
 inline void disk_backend::release_uncommitted(const std::vector<store_item>& items,
-                                              const std::vector<error_code>& temp_errors,
-                                              const std::vector<std::uint64_t>& temp_bytes) {
+                                              const std::vector<error_code>& unlink_errors,
+                                              const std::vector<std::uint64_t>& file_bytes) {
   std::lock_guard g(mutex_);
   for (const auto& it : items)
     if (!it.committed) index_.abort_write(it.key, it.generation);
-  // A temporary file that could not be deleted still takes room: counted until the next
-  // start-up's scan deletes it.
-  for (std::size_t i = 0; i < temp_errors.size(); ++i)
-    if (temp_errors[i]) index_.keep_stray(temp_bytes[i]);
+  // A file that could not be deleted still takes room: counted until the next start-up's scan
+  // deletes it (a temporary file) or adopts it (a renamed one: complete, its checksum checked
+  // when loaded).
+  for (std::size_t i = 0; i < unlink_errors.size(); ++i)
+    if (unlink_errors[i]) index_.keep_stray(file_bytes[i]);
 }
 
 inline boost::asio::awaitable<void> disk_backend::sync_shards(std::bitset<detail::disk_shard_count> dirty) {
@@ -282,16 +306,13 @@ inline void disk_backend::fail_store(store_item& it, const error_code& ec) {
 }
 
 inline boost::asio::awaitable<void> disk_backend::commit_stored(store_item& it, fan_state& fs, unsigned lane) {
-  if (options_.sync == disk_sync::data) {
-    auto [ec] = co_await file_io_->async_fdatasync(it.fd, fs.bind(lane));
-    if (ec) {
-      fail_store(it, ec);
-      co_return;
-    }
-  }
-  struct ::stat st {};
-  const std::uint64_t allocated = ::fstat(it.fd, &st) == 0 ? static_cast<std::uint64_t>(st.st_blocks) * 512
-                                                           : detail::object_file_bytes(it.src.size());
+  // Rename first, then sync: the file's fdatasync then commits the rename with the file's own
+  // metadata (one journal commit: ext4 and xfs commit the running transaction), and the
+  // directory fsync at the batch's end finds nothing left to commit; synced first, the
+  // renames waited for a second commit per batch. The key counts as stored only once synced.
+  // A process that dies in between leaves a complete file (its writes had all completed),
+  // which a restart serves; a power failure may leave a torn one, which the load's checksum
+  // catches (never a wrong byte).
   auto [ec] = co_await file_io_->async_renameat(tmp_fd_, it.temp.c_str(), objects_fd_, it.path.c_str(),
                                                 detail::rename_noreplace, fs.bind(lane));
   if (detail::is_errno(ec, EEXIST)) {
@@ -310,6 +331,17 @@ inline boost::asio::awaitable<void> disk_backend::commit_stored(store_item& it, 
     fail_store(it, ec);
     co_return;
   }
+  it.renamed = true;  // from here on, a failure removes objects/<path> (close_stored)
+  if (options_.sync == disk_sync::data) {
+    std::tie(ec) = co_await file_io_->async_fdatasync(it.fd, fs.bind(lane));
+    if (ec) {
+      fail_store(it, ec);
+      co_return;
+    }
+  }
+  struct ::stat st {};
+  const std::uint64_t allocated = ::fstat(it.fd, &st) == 0 ? static_cast<std::uint64_t>(st.st_blocks) * 512
+                                                           : detail::object_file_bytes(it.src.size());
   {
     std::lock_guard g(mutex_);
     if (index_.commit(it.key, it.generation, allocated)) tell(key_change::stored, {}, {&it.key, 1});
