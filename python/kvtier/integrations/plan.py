@@ -4,9 +4,9 @@ connector metadata). Plain ints, strings and lists, so it pickles."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List
+from typing import List, Sequence, Tuple
 
-__all__ = ["LoadOp", "StoreOp", "StepPlan", "ScheduledRequest", "StepInput"]
+__all__ = ["LoadOp", "StoreOp", "StepPlan", "ScheduledRequest", "ScheduledRow", "StepInput"]
 
 
 @dataclass
@@ -69,6 +69,14 @@ class ScheduledRequest:
     num_computed_tokens: int
     num_scheduled_tokens: int
     replace_blocks: bool = False
+
+
+#: A :class:`ScheduledRequest`'s fields as a tuple, in its order: ``(request_id, block_ids,
+#: num_computed_tokens, num_scheduled_tokens, replace_blocks)``. What
+#: :meth:`~kvtier.integrations.scheduler_side.SchedulerSide.plan_step` takes: the vLLM
+#: connector reads one per running request every step, and a tuple costs a fraction of an
+#: object (docs/performance.md, "vLLM connector: cost per step").
+ScheduledRow = Tuple[str, Sequence[int], int, int, bool]
 
 
 @dataclass

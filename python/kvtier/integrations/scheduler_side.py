@@ -9,7 +9,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 
 from .._kvtier import AttentionKind, Connector, KvLayoutKind, TokenHasher
 from .config import KVTierConfig
-from .plan import LoadOp, StepInput, StepPlan, StoreOp
+from .plan import LoadOp, ScheduledRow, StepInput, StepPlan, StoreOp
 from .request_keys import RequestKeys
 
 __all__ = ["SchedulerSide"]
@@ -34,6 +34,10 @@ class _Request:
     locks_freed: bool = False
     scheduled: bool = False  # ran at least one step (a later lookup means a resumption)
     stored_chunks: Optional[int] = None  # leading chunks stored or not to store
+    # The most leading chunks a store can ever cover (full prompt chunks that have a hash):
+    # once stored_chunks reaches it, a step of the request has nothing to store (every
+    # decode step), which plan_step tells without computing the step's chunk count.
+    store_cap: int = 0
 
 
 class SchedulerSide:
@@ -127,12 +131,15 @@ class SchedulerSide:
             n = len(seq)
             if n < self._ct:
                 return 0, False  # no full chunk: nothing to look up (or ever to store)
+            n_prompt = n if num_prompt_tokens is None else int(num_prompt_tokens)
+            hashes = self._hasher.chunk_hashes(seq, extras)
             st = _Request(
                 num_tokens=n,
-                num_prompt_tokens=n if num_prompt_tokens is None else int(num_prompt_tokens),
-                hashes=self._hasher.chunk_hashes(seq, extras),
+                num_prompt_tokens=n_prompt,
+                hashes=hashes,
                 cache_salt=cache_salt or "",
                 describe=(seq, lora_name, lora_id),
+                store_cap=min(n_prompt // self._ct, len(hashes)),
             )
             self._requests[request_id] = st
         if not self.config.loads:
@@ -203,8 +210,23 @@ class SchedulerSide:
     # -- vLLM: build_connector_meta --------------------------------------------------------
     def build_step(self, step: StepInput) -> StepPlan:
         """This step's plan (consumes the loads planned since the last call)."""
-        plan = StepPlan(preempted=list(step.preempted))
-        for rid in step.preempted:
+        return self.plan_step(
+            step.preempted,
+            [(sr.request_id, sr.block_ids, sr.num_computed_tokens, sr.num_scheduled_tokens, sr.replace_blocks) for sr in step.scheduled],
+        )
+
+    def plan_step(self, preempted: Iterable[str], scheduled: Iterable[ScheduledRow]) -> StepPlan:
+        """:meth:`build_step` with each scheduled request as a tuple of
+        :class:`~kvtier.integrations.plan.ScheduledRequest`'s fields (:data:`~kvtier.
+        integrations.plan.ScheduledRow`), as :func:`~kvtier.integrations.vllm_scheduler_output.
+        scheduled_rows` reads them from vLLM's ``SchedulerOutput``.
+
+        Runs every step for every running request, so it does a constant amount of work per
+        request (docs/performance.md, "vLLM connector: cost per step"): a decode step appends
+        the request's new block ids, fences the block it writes and, its prompt's chunks all
+        stored, plans nothing else; no hash, no copy of its block table."""
+        plan = StepPlan(preempted=list(preempted))
+        for rid in plan.preempted:
             st = self._requests.get(rid)
             if st is not None:
                 self._forget(rid, st)
@@ -221,41 +243,43 @@ class SchedulerSide:
                 self._awaiting_recv.add(rid)
         self._planned.clear()
         plan.recv_last, self._recv_last = self._recv_last, []
-        for sr in step.scheduled:
-            st = self._requests.get(sr.request_id)
+        bs, ct, bpc = self._bs, self._ct, self._bpc
+        stores = self.config.stores
+        requests = self._requests
+        fence = plan.fence_blocks
+        fence_one = fence.append
+        for rid, block_ids, start, num, replace in scheduled:
+            st = requests.get(rid)
             if st is None:
                 # No full chunk in its prompt: nothing to store, but its writes are fenced like
                 # any other's (it may be handed a preempted request's blocks that a store still
                 # reads). Its new blocks, or those of the tokens it computes when the table is
                 # whole (a new or resumed request).
-                first = sr.num_computed_tokens // self._bs if sr.replace_blocks else 0
-                last = -(-(sr.num_computed_tokens + sr.num_scheduled_tokens) // self._bs) if sr.replace_blocks else None
-                plan.fence_blocks.extend(sr.block_ids[first:last])
+                fence.extend(block_ids[start // bs : -(-(start + num) // bs)] if replace else block_ids)
                 continue
-            if sr.replace_blocks:
-                st.blocks = list(sr.block_ids)
+            if replace:
+                blocks = st.blocks = list(block_ids)
             else:
-                st.blocks.extend(sr.block_ids)
+                blocks = st.blocks
+                if block_ids:
+                    blocks.extend(block_ids)
             st.scheduled = True
-            start = sr.num_computed_tokens
-            end = start + sr.num_scheduled_tokens
-            plan.fence_blocks.extend(st.blocks[start // self._bs : -(-end // self._bs)])
-            if not self.config.stores:
+            if num == 1:  # a decode step: the one block holding token `start`
+                first = start // bs
+                if first < len(blocks):
+                    fence_one(blocks[first])
+            else:
+                fence.extend(blocks[start // bs : -(-(start + num) // bs)])
+            if not stores:
                 continue  # kv_consumer: loads only, never stores
-            if st.stored_chunks is None:
-                st.stored_chunks = start // self._ct
-            done = min(min(end, st.num_prompt_tokens) // self._ct, len(st.hashes), len(st.blocks) // self._bpc)
-            if done > st.stored_chunks:
-                first = st.stored_chunks
-                plan.stores.append(
-                    StoreOp(
-                        sr.request_id,
-                        first,
-                        st.hashes[first:done],
-                        st.blocks[first * self._bpc : done * self._bpc],
-                        st.cache_salt,
-                    )
-                )
+            stored = st.stored_chunks
+            if stored is None:
+                stored = st.stored_chunks = start // ct
+            if stored >= st.store_cap:
+                continue  # every chunk it can store is stored (or not to store): every decode step
+            done = min(min(start + num, st.num_prompt_tokens) // ct, st.store_cap, len(blocks) // bpc)
+            if done > stored:
+                plan.stores.append(StoreOp(rid, stored, st.hashes[stored:done], blocks[stored * bpc : done * bpc], st.cache_salt))
                 st.stored_chunks = done
         return plan
 

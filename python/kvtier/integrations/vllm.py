@@ -68,7 +68,7 @@ from .vllm_base import (
     KVConnectorRole,
 )
 from .vllm_config import SERVED_KV_CACHE_SPECS, check_kv_cache_config, config_from_vllm
-from .vllm_scheduler_output import first_group, step_input_from
+from .vllm_scheduler_output import first_group, preempted_ids, scheduled_rows, step_input_from
 from .worker_side import WorkerSide
 
 __all__ = [
@@ -122,6 +122,7 @@ class KVTierConnector(KVConnectorBase_V1):
         # worker: chunk block sets of each retrieve not over yet, and whether each failed
         self._loads: Dict[str, List[List[Any]]] = {}
         self._recved: Set[str] = set()
+        self._layerwise = self._config.layerwise
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self._config)
         else:
@@ -176,9 +177,13 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler_side.after_alloc(request.request_id, first_group(blocks), int(num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
-        plan = self.scheduler_side.build_step(step_input_from(scheduler_output))
-        self._stats.add("load_chunks_planned", sum(len(op.hashes) for op in plan.loads))
-        self._stats.add("store_chunks_planned", sum(len(op.hashes) for op in plan.stores))
+        # Every step, over every running request: the rows are tuples, not StepInput's objects
+        # (docs/performance.md, "vLLM connector: cost per step").
+        plan = self.scheduler_side.plan_step(preempted_ids(scheduler_output), scheduled_rows(scheduler_output))
+        if plan.loads:
+            self._stats.add("load_chunks_planned", sum(len(op.hashes) for op in plan.loads))
+        if plan.stores:
+            self._stats.add("store_chunks_planned", sum(len(op.hashes) for op in plan.stores))
         return KVTierConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -239,8 +244,10 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Layerwise: until this layer of the step's retrieves landed; async: nothing (the
-        # loads completed between steps).
-        self.worker_side.wait_layer(layer_name)
+        # loads completed between steps). Called by every attention layer every step: the
+        # asynchronous mode returns before any other call.
+        if self._layerwise:
+            self.worker_side.wait_layer(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         # The KV already lives in the shared region and wait_for_save's stores never block the
@@ -266,10 +273,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self._stats.add("load_error_blocks", len(errors))
         # A retrieve is over once its id is reported finished receiving (asynchronous loads;
         # its errors come no later than that step, here) or, layerwise, at the end of its step.
-        over = set(self._loads) if self._config.layerwise else self._recved & set(self._loads)
-        for rid, chunks in self._loads.items():
-            for c in chunks:
-                c[1] = c[1] or bool(c[0] & errors)
+        over = set(self._loads) if self._layerwise else self._recved.intersection(self._loads)
+        if errors:
+            for rid, chunks in self._loads.items():
+                for c in chunks:
+                    c[1] = c[1] or bool(c[0] & errors)
         for rid in over:
             self._stats.add("loaded_chunks", sum(1 for _, failed in self._loads.pop(rid) if not failed))
         self._recved.clear()

@@ -1,20 +1,23 @@
 """vLLM's ``SchedulerOutput`` read as the scheduler side's
-:class:`~kvtier.integrations.plan.StepInput` (:func:`step_input_from`), and the block ids
-kvtier uses of vLLM's per-group ones (:func:`first_group`)."""
+:class:`~kvtier.integrations.plan.StepInput` (:func:`step_input_from`), or as the tuples the
+connector plans each step from (:func:`scheduled_rows`, :func:`preempted_ids`: no object per
+running request), and the block ids kvtier uses of vLLM's per-group ones (:func:`first_group`)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, List
 
-from .plan import ScheduledRequest, StepInput
+from .plan import ScheduledRequest, ScheduledRow, StepInput
 
-__all__ = ["first_group", "step_input_from"]
+__all__ = ["first_group", "preempted_ids", "scheduled_rows", "step_input_from"]
 
 
 def first_group(block_ids: Any) -> List[int]:
     """vLLM's block ids per KV cache group (a tuple of lists), or a plain list: group 0."""
     if block_ids is None:
         return []
+    if type(block_ids) is tuple:  # the SchedulerOutput's form, every step: the fast path
+        return list(block_ids[0]) if block_ids else []
     if hasattr(block_ids, "get_block_ids"):  # KVCacheBlocks
         block_ids = block_ids.get_block_ids()
     if isinstance(block_ids, tuple):
@@ -22,32 +25,42 @@ def first_group(block_ids: Any) -> List[int]:
     return list(block_ids)
 
 
+def preempted_ids(scheduler_output: Any) -> List[str]:
+    """The ids vLLM preempted in this step, sorted."""
+    return sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
+
+
+def scheduled_rows(scheduler_output: Any) -> List[ScheduledRow]:
+    """The requests vLLM's ``SchedulerOutput`` runs this step, one
+    :data:`~kvtier.integrations.plan.ScheduledRow` each: the new ones (their whole block table,
+    ``replace_blocks``), then the cached ones (their new blocks; the whole table when resumed
+    from a preemption). A running request that got no new block has ``()``."""
+    get = scheduler_output.num_scheduled_tokens.get
+    rows: List[ScheduledRow] = [
+        (new.req_id, first_group(new.block_ids), int(new.num_computed_tokens), int(get(new.req_id, 0)), True)
+        for new in scheduler_output.scheduled_new_reqs
+    ]
+    cached = scheduler_output.scheduled_cached_reqs
+    req_ids = cached.req_ids
+    resumed = getattr(cached, "resumed_req_ids", None)
+    if resumed is None:  # older vLLM: a flag per request
+        flags = getattr(cached, "resumed_from_preemption", None) or ()
+        resumed = {rid for rid, flag in zip(req_ids, flags) if flag}
+    # vLLM's lists hold ints (no int() per request: a sixth of this function's time at 256
+    # requests); a list comprehension, not a generator: a third faster.
+    rows += [
+        (rid, () if new is None else first_group(new), computed, get(rid, 0), rid in resumed)
+        for rid, new, computed in zip(req_ids, cached.new_block_ids, cached.num_computed_tokens)
+    ]
+    return rows
+
+
 def step_input_from(scheduler_output: Any) -> StepInput:
     """The :class:`~kvtier.integrations.core.StepInput` of vLLM's ``SchedulerOutput``."""
-    num_scheduled: Dict[str, int] = scheduler_output.num_scheduled_tokens
-    step = StepInput(preempted=sorted(getattr(scheduler_output, "preempted_req_ids", None) or ()))
-    for new in scheduler_output.scheduled_new_reqs:
-        step.scheduled.append(
-            ScheduledRequest(
-                new.req_id,
-                first_group(new.block_ids),
-                int(new.num_computed_tokens),
-                int(num_scheduled.get(new.req_id, 0)),
-                replace_blocks=True,
-            )
-        )
-    cached = scheduler_output.scheduled_cached_reqs
-    resumed_set = getattr(cached, "resumed_req_ids", None)
-    resumed_flags = getattr(cached, "resumed_from_preemption", None)  # older vLLM
-    for i, rid in enumerate(cached.req_ids):
-        resumed = (rid in resumed_set) if resumed_set is not None else bool(resumed_flags and resumed_flags[i])
-        step.scheduled.append(
-            ScheduledRequest(
-                rid,
-                first_group(cached.new_block_ids[i]),
-                int(cached.num_computed_tokens[i]),
-                int(num_scheduled.get(rid, 0)),
-                replace_blocks=resumed,
-            )
-        )
-    return step
+    return StepInput(
+        scheduled=[
+            ScheduledRequest(rid, blocks if type(blocks) is list else list(blocks), computed, num, replace_blocks=replace)
+            for rid, blocks, computed, num, replace in scheduled_rows(scheduler_output)
+        ],
+        preempted=preempted_ids(scheduler_output),
+    )

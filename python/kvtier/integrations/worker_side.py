@@ -352,7 +352,8 @@ class WorkerSide:
         # this rank's receiving report may have gone before the abort, another rank's not; the
         # aggregated finished_recving frees it, so this rank reports nothing more.
         released_send = [r for r in st.held_sending if ready(r)]
-        out_send = [r for r in released_send if r not in out_recv and r not in st.recv_last]
+        recv_now = set(out_recv)
+        out_send = [r for r in released_send if r not in recv_now and r not in st.recv_last]
         st.held_recving = [r for r in st.held_recving if not ready(r)]
         st.held_sending = [r for r in st.held_sending if not ready(r)]
         for rid in out_recv + released_send:

@@ -1,0 +1,585 @@
+#!/usr/bin/python3
+"""What KVTierConnector costs vLLM per engine step (issue 30, part 4).
+
+A kvtier-server (its own temporary directory, a Unix socket) and the two halves of the vLLM
+connector the way vLLM runs them: one ``KVTierConnector`` with the SCHEDULER role (no KV
+tensors) and one with the WORKER role, each with its own connection, registered as one engine.
+The worker's KV caches have the shape of one rank of an 8B model (Llama-3.1-8B, TP=1): 32
+layers of ``(2, blocks, 16, 8, 128)`` bf16 CPU tensors, which ``register_kv_caches`` moves into
+the kvtier region. A driver in this file plays vLLM's engine loop (vllm/v1/core/sched/
+scheduler.py + the worker's kv_connector_model_runner_mixin.py, at the commit
+``kvtier.integrations.vllm.VLLM_COMMIT``) and calls every connector method where vLLM does:
+
+  scheduler  get_num_new_matched_tokens (each waiting request, again while its lookup is
+             pending), update_state_after_alloc (each admitted one), build_connector_meta (the
+             SchedulerOutput: the running requests' decode tokens, the new requests' prefill),
+             request_finished (each request that finished), update_connector_output,
+             get_kv_connector_stats (+ aggregate with the worker's), take_events
+  metadata   pickle.dumps + pickle.loads of the connector metadata (vLLM's multiproc executor
+             sends the SchedulerOutput to the workers pickled)
+  worker     bind_connector_metadata, handle_preemptions, start_load_kv, per layer
+             wait_for_layer_load + save_kv_layer (32 layers), then (after the forward pass)
+             wait_for_save, get_finished, get_block_ids_with_load_errors,
+             get_kv_connector_stats, get_kv_connector_kv_cache_events,
+             build_connector_worker_meta, clear_connector_metadata
+
+The figure of a step is the wall time of all those calls (the three groups added: the
+scheduler and the workers run one after the other within a vLLM step); the driver's own work
+(building the SchedulerOutput, the block tables) is not counted. The forward pass is a wait
+of the assumed step time (below) between save_kv_layer and wait_for_save, during which the
+server does the step's I/O as it would while the GPU computes; it is not counted either. The
+wait spins (--wait spin, the default), as vLLM's processes do while the GPU computes (CUDA's
+default synchronization spins, the engine core polls its queues): a sleep hands the core to
+other processes, and on a shared 2-core machine the calls after it then run on cold caches,
+two to three times slower (--wait sleep shows it).
+
+--decode-only runs the n requests' decode steps back to back (nothing finishes or arrives, no
+forward-pass wait, so no I/O and warm caches): the floor of what a step of the connector
+costs, RESULT vllm_decode_step_us_<n> and vllm_decode_step_vs_budget_256.
+
+The workload: a steady state of n requests in the engine (n = 1, 64, 256). Each request has a
+prompt of --prompt-tokens tokens (520: 2 chunks of 256 tokens and 8 more) and generates
+--output-tokens tokens (256); a request that finishes is replaced by a new one at once, so
+about n / 256 requests arrive and finish per step and every other request runs a decode step
+(one token; a new block every 16 tokens). kvtier stores prompt chunks only, so a decode step
+does no I/O; the arrivals do, by scenario:
+
+  nohit   every new prompt is unseen: a lookup that misses, a prefill of 520 tokens, a store
+          of 2 chunks (64 MiB) at that step's wait_for_save
+  hit     every new prompt's first 512 tokens were stored before (a pool of 4 prefixes, put
+          in the server's L1 before the window): a lookup that hits, an asynchronous load of
+          2 chunks (64 MiB) into the request's blocks, a prefill of the last 8 tokens
+  mixed   new requests alternate between the two (the headline)
+
+The running population at the start of each n was admitted with its 512-token prefix in
+vLLM's own prefix cache (looked up, nothing loaded or stored), so setting it up costs no
+I/O; it turns over to the scenario's requests as the windows run.
+
+Block ids: the region holds --region-blocks blocks (768: 1.5 GiB, which the server
+prefaults); the driver hands out ids round robin over them, so requests share physical blocks
+(their KV contents are never checked). To the connector a block id is an int whatever memory
+it names, so its Python work is the same as with distinct blocks; every copy a store or load
+makes has the full size. (256 requests of 648 tokens each would need 20 GiB of KV at 128 KiB
+per token: more than this machine has.)
+
+Each configuration (n, scenario) runs --repeats windows, interleaved (n fixed, the scenarios
+in turn), of --steps measured steps after --warmup steps; the RESULT is the median of all its
+measured steps. The mean is printed too (vllm_step_overhead_mean_us_<n>): on a busy 2-core
+machine it is dominated by a few steps in which one call into the C++ connector took
+milliseconds instead of microseconds (seen in nearly all of them, trivial getters included:
+most likely the connector's I/O thread preempted while it holds the connector's lock, with the
+engine thread spinning on the other core), which the median leaves out. Comment lines give the split
+(scheduler, metadata, worker), p90, p99, the mean per window, the window's I/O, and the mean
+per step of each group of calls.
+
+The assumed decode step (the budget: 1% of it). A decode step of an 8B model on one H100 is
+bound by HBM bandwidth: it reads every weight once (Llama-3.1-8B: 8.03e9 parameters, 16.06 GB
+in bf16) and every running request's KV (32 layers x 8 KV heads x 128 x 2 (K, V) x 2 bytes =
+128 KiB per token; this workload's requests hold 520 + 256 / 2 = 648 tokens on average), at
+3.35 TB/s (H100 SXM5 HBM3, NVIDIA's datasheet):
+
+  n = 1:   16.1 GB + 0.08 GB  -> 4.8 ms
+  n = 64:  16.1 GB + 5.4 GB   -> 6.4 ms
+  n = 256: 16.1 GB + 21.7 GB  -> 11.3 ms   (compute: 2 x 8e9 x 256 = 4.1 TFLOP, ~4-6 ms at
+                                            the 700-990 TFLOPS bf16 an H100 reaches: below)
+
+That is the floor (real kernels reach ~80% of the bandwidth; vLLM's own CPU work and
+sampling add more), so 1% of it is a conservative budget: 48 us at n = 1, 64 us at 64, 113 us
+at 256. RESULT vllm_step_budget_us_<n> prints it.
+
+  KVTIER_BUILD_DIR=build bench/vllm_step_overhead.py [--quick] [--profile] [--decode-only] [--repeats 5] ...
+
+Prints RESULT lines: vllm_step_overhead_us_<n> (mixed, the headline), its mean
+vllm_step_overhead_mean_us_<n>, vllm_step_overhead_us_<n>_<scenario> for nohit, hit, mixed;
+vllm_step_budget_us_<n>; vllm_step_overhead_vs_budget_256 (the headline at 256 over its
+budget: <= 1 meets the target).
+``--profile`` runs cProfile over the connector calls of the n = 256 mixed windows (nothing
+else) and prints the top functions by total and by cumulative time instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pickle
+import pstats
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any, Deque, Dict, List, Optional, Set
+
+REPO = Path(__file__).resolve().parents[1]
+BUILD = Path(os.environ.get("KVTIER_BUILD_DIR", REPO / "build")).resolve()
+sys.path.insert(0, str(BUILD / "python"))
+sys.path.insert(0, str(REPO / "tests" / "python"))
+
+import torch  # noqa: E402
+
+import kvtier  # noqa: E402
+from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector  # noqa: E402
+from kvtier_testing import ServerFactory, server_binary  # noqa: E402
+from replay.vllm_configs import full_attention_config  # noqa: E402
+from replay.vllm_shapes import (  # noqa: E402
+    CachedRequestData,
+    KVCacheBlocks,
+    KVConnectorOutput,
+    NewRequestData,
+    Request,
+    SchedulerOutput,
+    vllm_config,
+)
+
+# One rank of Llama-3.1-8B at TP=1 (its config.json: 32 layers, 8 KV heads, head_dim 128).
+LAYERS, KV_HEADS, HEAD_DIM, BLOCK, CHUNK = 32, 8, 128, 16, 256
+KV_BYTES_PER_TOKEN = LAYERS * KV_HEADS * HEAD_DIM * 2 * 2  # K and V, bf16: 128 KiB
+WEIGHT_BYTES = 8.03e9 * 2  # bf16
+HBM_BYTES_PER_S = 3.35e12  # H100 SXM5 (NVIDIA's datasheet)
+NS = (1, 64, 256)
+SCENARIOS = ("nohit", "hit", "mixed")
+POOL = 4  # prefixes the hit scenario's prompts start with
+
+
+def assumed_step_s(n: int, context_tokens: float) -> float:
+    """The HBM-bandwidth floor of one decode step of n requests (module docstring)."""
+    return (WEIGHT_BYTES + n * context_tokens * KV_BYTES_PER_TOKEN) / HBM_BYTES_PER_S
+
+
+class Engine:
+    """vLLM's engine loop reduced to what the connector sees, with the connector calls timed."""
+
+    def __init__(self, sched: KVTierConnector, worker: KVTierConnector, layers: List[Any], args: Any) -> None:
+        self.sched = sched
+        self.worker = worker
+        self.layers = layers  # (name, tensor) per layer
+        self.args = args
+        self.rng = random.Random(1234)
+        self.region_blocks = args.region_blocks
+        self.next_block = 0
+        self.tables: Dict[str, List[int]] = {}
+        self.waiting: Deque[Request] = deque()
+        self.loading: Dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS
+        self.running: List[Request] = []
+        self.recv_done: Set[str] = set()
+        self.finished_ids: Set[str] = set()  # the next SchedulerOutput's finished_req_ids
+        self.count = 0
+        self.gap_s = 0.0
+        self.spin = args.wait == "spin"
+        self.scenario = "mixed"
+        self.pool = [self._tokens(2 * CHUNK) for _ in range(POOL)]
+        self.profiler: Optional[cProfile.Profile] = None
+        # the last step's times (ns) and the window's counters
+        self.sched_ns = self.xfer_ns = self.worker_ns = 0
+        self.arrived = self.hits = self.misses = 0
+        self.parts: Dict[str, int] = {}  # ns per group of calls, since the window began
+
+    # --- requests ---------------------------------------------------------------------
+    def _tokens(self, n: int) -> List[int]:
+        return [self.rng.randrange(1, 128000) for _ in range(n)]
+
+    def _request(self, prefix: List[int], target: int, local: int, tag: str) -> Request:
+        self.count += 1
+        rid = f"{tag}-{self.count}"
+        tail = self.args.prompt_tokens - len(prefix)
+        req = Request(rid, prefix + self._tokens(tail), target)
+        req.target = target  # type: ignore[attr-defined]
+        req.local = local  # type: ignore[attr-defined]  # tokens in vLLM's own prefix cache (block-aligned)
+        req.saw_hit = False  # type: ignore[attr-defined]
+        return req
+
+    def add_population(self, n: int) -> None:
+        """n requests whose 512-token prefix vLLM's prefix cache holds, finishing evenly
+        spread over the next --output-tokens steps."""
+        prefix = self._tokens(2 * CHUNK)
+        out = self.args.output_tokens
+        for i in range(n):
+            target = 10**9 if self.args.decode_only else 1 + (i * out) // n
+            self.waiting.append(self._request(prefix, target, 2 * CHUNK, "pop"))
+
+    def arrival(self, kind: Optional[str] = None) -> None:
+        """One new request of the scenario (``kind``: force hit or nohit)."""
+        if kind is None:
+            kind = self.scenario if self.scenario != "mixed" else ("hit" if self.arrived % 2 else "nohit")
+        self.arrived += 1
+        if kind == "hit":
+            req = self._request(self.pool[self.arrived % POOL], self.args.output_tokens, 0, "hit")
+        else:
+            req = self._request([], self.args.output_tokens, 0, "new")
+        self.waiting.append(req)
+
+    def alloc(self, n: int) -> List[int]:
+        first = self.next_block
+        self.next_block = (first + n) % self.region_blocks
+        return [(first + i) % self.region_blocks for i in range(n)]
+
+    # --- timing -----------------------------------------------------------------------
+    def _on(self) -> int:
+        if self.profiler is not None:
+            self.profiler.enable()
+        return time.perf_counter_ns()
+
+    def _off(self, t0: int, part: str) -> int:
+        dt = time.perf_counter_ns() - t0
+        if self.profiler is not None:
+            self.profiler.disable()
+        self.parts[part] = self.parts.get(part, 0) + dt
+        return dt
+
+    # --- one engine step --------------------------------------------------------------
+    def step(self) -> None:
+        s, w = self.sched, self.worker
+        sched_ns = 0
+        num_sched: Dict[str, int] = {}
+        new_reqs: List[NewRequestData] = []
+        cached = CachedRequestData()
+        # Running requests: one decode token each (a new block at each block boundary).
+        for req in self.running:
+            rid = req.request_id
+            pos = req.num_computed_tokens
+            table = self.tables[rid]
+            new = None
+            if pos // BLOCK >= len(table):
+                b = self.alloc(1)
+                table.extend(b)
+                new = (b,)
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(new)
+            cached.num_computed_tokens.append(pos)
+            cached.num_output_tokens.append(len(req.output_token_ids))
+            cached.new_token_ids.append([])
+            num_sched[rid] = req.num_tokens - pos
+        # Waiting requests: those whose load finished, then new ones (lookups).
+        admitted: List[Request] = []
+        for rid in [r for r in self.loading if r in self.recv_done]:
+            req = self.loading.pop(rid)
+            self.recv_done.discard(rid)
+            if req.num_computed_tokens >= req.num_tokens:
+                req.num_computed_tokens = req.num_tokens - 1
+            blocks = KVCacheBlocks(self.tables[rid])
+            t0 = self._on()
+            s.update_state_after_alloc(req, blocks, 0)
+            sched_ns += self._off(t0, "update_state_after_alloc")
+            admitted.append(req)
+        still: Deque[Request] = deque()
+        while self.waiting:
+            req = self.waiting.popleft()
+            local = req.local  # type: ignore[attr-defined]
+            t0 = self._on()
+            ext, load_async = s.get_num_new_matched_tokens(req, local)
+            sched_ns += self._off(t0, "get_num_new_matched_tokens")
+            if ext is None:
+                still.append(req)  # the lookup is pending: asked again next step
+                continue
+            if ext > 0:
+                req.saw_hit = True  # type: ignore[attr-defined]
+            if req.request_id.startswith(("new", "hit")):  # the scenario's arrivals
+                if ext > 0:
+                    self.hits += 1
+                else:
+                    self.misses += 1
+            table = self.alloc(-(-req.num_tokens // BLOCK))
+            self.tables[req.request_id] = table
+            blocks = KVCacheBlocks(table)
+            t0 = self._on()
+            s.update_state_after_alloc(req, blocks, ext)
+            sched_ns += self._off(t0, "update_state_after_alloc")
+            req.num_computed_tokens = local + ext
+            if load_async and ext > 0:
+                self.loading[req.request_id] = req
+            else:
+                admitted.append(req)
+        self.waiting = still
+        for req in admitted:
+            rid = req.request_id
+            new_reqs.append(NewRequestData(rid, list(req.prompt_token_ids), (list(self.tables[rid]),), req.num_computed_tokens))
+            num_sched[rid] = req.num_tokens - req.num_computed_tokens
+            self.running.append(req)
+        so = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_sched,
+            total_num_scheduled_tokens=sum(num_sched.values()),
+            finished_req_ids=self.finished_ids,
+            preempted_req_ids=set(),
+        )
+        self.finished_ids = set()
+        t0 = self._on()
+        meta = s.build_connector_meta(so)
+        sched_ns += self._off(t0, "build_connector_meta")
+        t0 = self._on()
+        meta = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
+        xfer_ns = self._off(t0, "metadata pickle")
+
+        # --- the worker: before and during the forward pass ---
+        t0 = self._on()
+        w.bind_connector_metadata(meta)
+        w.handle_preemptions(meta)
+        w.start_load_kv(None)
+        for name, kv in self.layers:
+            w.wait_for_layer_load(name)
+            w.save_kv_layer(name, kv, None)
+        worker_ns = self._off(t0, "worker: bind..save_kv_layer")
+        if self.gap_s > 0:  # the forward pass on the GPU
+            if self.spin:
+                deadline = time.perf_counter() + self.gap_s
+                while time.perf_counter() < deadline:
+                    pass
+            else:
+                time.sleep(self.gap_s)
+        t0 = self._on()
+        w.wait_for_save()
+        sending, recving = w.get_finished(so.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        wstats = w.get_kv_connector_stats()
+        w.get_kv_connector_kv_cache_events()
+        w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        worker_ns += self._off(t0, "worker: wait_for_save..clear")
+
+        # --- the scheduler: update_from_output ---
+        done: List[Request] = []
+        by_id = {r.request_id: r for r in self.running}
+        for rid, n in num_sched.items():
+            req = by_id[rid]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens >= req.num_tokens:
+                req.append_output_token(7)
+                if len(req.output_token_ids) >= req.target:  # type: ignore[attr-defined]
+                    done.append(req)
+        if done:
+            gone = {r.request_id for r in done}
+            self.running = [r for r in self.running if r.request_id not in gone]
+        for req in done:
+            table = self.tables[req.request_id]
+            t0 = self._on()
+            s.request_finished(req, table)
+            sched_ns += self._off(t0, "request_finished")
+            self.finished_ids.add(req.request_id)
+        kv_out = KVConnectorOutput(finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid or set())
+        t0 = self._on()
+        s.update_connector_output(kv_out)
+        sstats = s.get_kv_connector_stats()
+        if wstats is not None and sstats is not None:
+            wstats.aggregate(sstats)
+        s.take_events()
+        sched_ns += self._off(t0, "update_connector_output..take_events")
+        self.recv_done |= recving or set()
+        for rid in sending or ():
+            self.tables.pop(rid, None)
+        for rid in recving or ():
+            if rid not in self.loading:
+                self.tables.pop(rid, None)  # aborted while loading: its last report
+        for req in done:
+            if not req.request_id.startswith("prime"):
+                self.arrival()  # the steady state: a new request for each one that finished
+        self.sched_ns, self.xfer_ns, self.worker_ns = sched_ns, xfer_ns, worker_ns
+
+    def in_engine(self) -> int:
+        return len(self.running) + len(self.waiting) + len(self.loading)
+
+    def drain(self) -> None:
+        """Every request aborted (request_finished), then steps until the connector tracks
+        nothing (its reports all given)."""
+        for req in list(self.running) + list(self.loading.values()) + list(self.waiting):
+            self.sched.request_finished(req, self.tables.get(req.request_id, []))
+            self.finished_ids.add(req.request_id)
+        self.running, self.waiting = [], deque()
+        self.loading.clear()
+        for _ in range(2000):
+            if self.sched.scheduler_side.tracked() == 0 and self.worker.worker_side.held() == 0 and not self.finished_ids:
+                return
+            self.step()
+            time.sleep(0.002)
+        raise SystemExit("vllm_step_overhead: the connector still tracks requests after the drain")
+
+
+def prime(engine: Engine) -> None:
+    """Puts the hit pool's prefixes in the server's L1: requests of each prefix until a round
+    in which every one hit (the first round of an evicted prefix stores it)."""
+    for _ in range(10):
+        reqs = []
+        for p in engine.pool:
+            req = engine._request(p, 1, 0, "prime")
+            engine.waiting.append(req)
+            reqs.append(req)
+        ids = {r.request_id for r in reqs}
+        for _ in range(500):  # until each was admitted, ran, finished and was released
+            engine.step()
+            if not ids & (set(engine.tables) | set(engine.loading) | {r.request_id for r in engine.waiting}):
+                break
+            time.sleep(0.002)
+        if all(r.saw_hit for r in reqs):  # type: ignore[attr-defined]
+            return
+        time.sleep(0.2)  # the stores finish
+    raise SystemExit("vllm_step_overhead: the hit pool's prefixes do not stay in L1")
+
+
+def window(engine: Engine, scenario: str, steps: int, warmup: int, profiler: Optional[cProfile.Profile] = None) -> Dict[str, Any]:
+    """One window: the scenario's hit pool primed, ``warmup`` steps, then ``steps`` measured
+    steps (under ``profiler`` when given). Returns each measured step's times (us)."""
+    engine.scenario = scenario
+    if scenario in ("hit", "mixed"):
+        prime(engine)
+    for _ in range(warmup):
+        engine.step()
+    ws = engine.worker.worker_side
+    stores0, loads0, arrived0, hits0, misses0 = ws.stores_issued, ws.loads_issued, engine.arrived, engine.hits, engine.misses
+    out: Dict[str, Any] = {"total": [], "sched": [], "xfer": [], "worker": [], "parts": []}
+    engine.profiler = profiler
+    try:
+        for _ in range(steps):
+            engine.parts = {}
+            engine.step()
+            out["total"].append((engine.sched_ns + engine.xfer_ns + engine.worker_ns) / 1e3)
+            out["sched"].append(engine.sched_ns / 1e3)
+            out["xfer"].append(engine.xfer_ns / 1e3)
+            out["worker"].append(engine.worker_ns / 1e3)
+            out["parts"].append({k: v / 1e3 for k, v in engine.parts.items()})
+    finally:
+        engine.profiler = None
+    out.update(
+        stores=ws.stores_issued - stores0,
+        loads=ws.loads_issued - loads0,
+        arrived=engine.arrived - arrived0,
+        hits=engine.hits - hits0,
+        misses=engine.misses - misses0,
+    )
+    return out
+
+
+def report(n: int, scenario: str, windows: List[Dict[str, Any]], name: str = "vllm_step_overhead_us") -> float:
+    """Prints a configuration's comment lines and RESULT; returns its median step (us)."""
+    pooled = lambda key: sorted(x for w in windows for x in w[key])  # noqa: E731
+    total = pooled("total")
+    pct = lambda q: total[min(len(total) - 1, int(len(total) * q))]  # noqa: E731
+    med = statistics.median
+    means = [statistics.fmean(w["total"]) for w in windows]
+    per_window = lambda key: med(w[key] for w in windows)  # noqa: E731
+    print(f"# n={n} {scenario}: median step {med(total):.1f} us (scheduler {med(pooled('sched')):.1f}, metadata "
+          f"{med(pooled('xfer')):.1f}, worker {med(pooled('worker')):.1f}), p90 {pct(0.9):.1f}, p99 {pct(0.99):.1f}, "
+          f"mean {statistics.fmean(total):.1f} (per window: {' '.join(f'{m:.0f}' for m in means)}); per window of "
+          f"{len(windows[0]['total'])} steps: {per_window('arrived'):.0f} arrivals ({per_window('hits'):.0f} hits, "
+          f"{per_window('misses'):.0f} misses), {per_window('stores'):.0f} stores, {per_window('loads'):.0f} loads")
+    parts = sorted({k for w in windows for p in w["parts"] for k in p})
+    steps = [p for w in windows for p in w["parts"]]
+    mean_part = {k: statistics.fmean(p.get(k, 0.0) for p in steps) for k in parts}
+    print("#   mean us/step by call: " + ", ".join(f"{k} {mean_part[k]:.1f}" for k in sorted(parts, key=lambda k: -mean_part[k])))
+    print(f"RESULT {name}_{n}_{scenario}={med(total):.1f}" if scenario != "decode" else f"RESULT {name}_{n}={med(total):.1f}")
+    return med(total)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=5, help="windows per configuration, interleaved (>= 5; --quick: 3)")
+    ap.add_argument("--steps", type=int, default=64, help="measured steps per window")
+    ap.add_argument("--warmup", type=int, default=8, help="steps before each window")
+    ap.add_argument("--prompt-tokens", type=int, default=2 * CHUNK + 8)
+    ap.add_argument("--output-tokens", type=int, default=256)
+    ap.add_argument("--region-blocks", type=int, default=768, help="blocks of the KV region (2 MiB each)")
+    ap.add_argument("--l1-mb", type=int, default=2048)
+    ap.add_argument("--gap-scale", type=float, default=1.0, help="the emulated forward pass: this times the assumed step")
+    ap.add_argument("--wait", choices=("spin", "sleep", "none"), default="spin",
+                    help="how the engine waits out the emulated forward pass (none: steps back to back)")
+    ap.add_argument("--ns", default=",".join(map(str, NS)), help="running requests, comma-separated")
+    ap.add_argument("--quick", action="store_true", help="3 windows of 24 steps per configuration")
+    ap.add_argument("--profile", action="store_true", help="cProfile the n=256 mixed windows' connector calls")
+    ap.add_argument("--decode-only", action="store_true",
+                    help="decode steps back to back, nothing arriving (module docstring)")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats, args.steps, args.warmup = 3, 24, 4
+    elif args.repeats < 5:
+        raise SystemExit("vllm_step_overhead: --repeats must be >= 5 (or --quick)")
+    if args.prompt_tokens < 2 * CHUNK + 1:
+        raise SystemExit(f"vllm_step_overhead: --prompt-tokens must be > {2 * CHUNK}")
+    ns = [int(x) for x in args.ns.split(",")]
+    if args.profile:
+        ns = [max(ns)]
+    torch.set_num_threads(1)
+    context = args.prompt_tokens + args.output_tokens / 2
+
+    tmp = Path(tempfile.mkdtemp(prefix="kvtier-vllm-step-"))
+    factory = ServerFactory(server_binary(BUILD), tmp)
+    shape = kvtier.ModelShape(LAYERS, KV_HEADS, HEAD_DIM, kvtier.DtypeKind.BF16, kvtier.AttentionKind.MHA)
+    slot = kvtier.ChunkLayout(shape, CHUNK).object_bytes
+    srv = factory.start(chunk_tokens=CHUNK, slot_bytes=slot, l1_mb=args.l1_mb)
+    connectors: List[KVTierConnector] = []
+    try:
+        names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
+        extra = {"socket_path": str(srv.socket_path), "chunk_tokens": CHUNK, "kv_layout": "NHD", "ready_timeout_s": 30}
+        common = dict(model="bench/llama-3.1-8b", num_layers=LAYERS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
+                      block_size=BLOCK, dtype="bfloat16", engine_id="0b9f6c1e-5a7d-4c2b-9e13-7f0a6d2c4b81")
+        kcc = full_attention_config(names, args.region_blocks, BLOCK, KV_HEADS, HEAD_DIM, "bfloat16")
+        sched = KVTierConnector(vllm_config(extra=extra, **common), KVConnectorRole.SCHEDULER, kcc)
+        connectors.append(sched)
+        worker = KVTierConnector(vllm_config(extra=dict(extra, rank=0), **common), KVConnectorRole.WORKER, kcc)
+        connectors.append(worker)
+        kv = {n: torch.empty((2, args.region_blocks, BLOCK, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16) for n in names}
+        worker.register_kv_caches(kv)
+        if not (sched.scheduler_side.connector.healthy and worker.worker_side.connector.healthy):
+            raise SystemExit("vllm_step_overhead: the connectors did not register")
+        engine = Engine(sched, worker, list(kv.items()), args)
+        print(f"# vLLM connector cost per step: {LAYERS} layers x (2, {args.region_blocks}, {BLOCK}, {KV_HEADS}, "
+              f"{HEAD_DIM}) bf16, chunks of {CHUNK} tokens ({slot >> 20} MiB), prompts of {args.prompt_tokens} "
+              f"tokens, {args.output_tokens} output tokens; {args.repeats} windows x {args.steps} steps per configuration")
+        print(f"# python {sys.version.split()[0]}, torch {torch.__version__}, kvtier {kvtier.__version__}")
+        results: Dict[tuple, List[Dict[str, Any]]] = {}
+        profiler = cProfile.Profile() if args.profile else None
+        scenarios = ("decode",) if args.decode_only else ("mixed",) if args.profile else SCENARIOS
+        for n in ns:
+            engine.gap_s = 0.0 if args.wait == "none" or args.decode_only else assumed_step_s(n, context) * args.gap_scale
+            engine.add_population(n)
+            for _ in range(50):
+                engine.step()
+                if not any(r.request_id.startswith("pop") for r in engine.waiting):
+                    break
+                time.sleep(0.002)
+            else:
+                raise SystemExit(f"vllm_step_overhead: the population of {n} did not start")
+            for _ in range(args.repeats):
+                for scen in scenarios:
+                    results.setdefault((n, scen), []).append(window(engine, scen, args.steps, args.warmup, profiler))
+            engine.drain()
+        if args.profile:
+            for key in ("tottime", "cumulative"):
+                out = io.StringIO()
+                pstats.Stats(profiler, stream=out).sort_stats(key).print_stats(30)
+                print(f"# --- cProfile of the connector calls, n={ns[0]} mixed, {args.repeats * args.steps} steps, by {key} ---")
+                for line in out.getvalue().splitlines():
+                    if line.strip():
+                        print("# " + line)
+            return
+        if args.decode_only:
+            for n in ns:
+                budget = assumed_step_s(n, context) * 1e6 / 100
+                got = report(n, "decode", results[(n, "decode")], "vllm_decode_step_us")
+                print(f"# n={n}: assumed decode step {budget * 100 / 1e3:.2f} ms (HBM floor), budget (1%) {budget:.0f} us")
+                if n == 256:
+                    print(f"RESULT vllm_decode_step_vs_budget_256={got / budget:.3f}")
+            return
+        for n in ns:
+            budget = assumed_step_s(n, context) * 1e6 / 100
+            for scen in SCENARIOS:
+                got = report(n, scen, results[(n, scen)])
+                if scen == "mixed":
+                    headline = got
+                    mean = statistics.fmean(x for w in results[(n, scen)] for x in w["total"])
+            print(f"# n={n}: assumed decode step {budget * 100 / 1e3:.2f} ms (HBM floor), budget (1%) {budget:.0f} us")
+            print(f"RESULT vllm_step_overhead_us_{n}={headline:.1f}")
+            print(f"RESULT vllm_step_overhead_mean_us_{n}={mean:.1f}")
+            print(f"RESULT vllm_step_budget_us_{n}={budget:.0f}")
+            if n == 256:
+                print(f"RESULT vllm_step_overhead_vs_budget_256={headline / budget:.3f}")
+    finally:
+        for c in connectors:
+            c.shutdown()
+        factory.close()
+
+
+if __name__ == "__main__":
+    main()

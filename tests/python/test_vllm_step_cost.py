@@ -1,0 +1,272 @@
+"""What one engine step costs the vLLM connector's scheduler side, as properties that hold on
+any machine (the timings are bench/vllm_step_overhead.py's; docs/performance.md, "vLLM
+connector: cost per step"):
+
+* a decode step hashes nothing and reads no request's key material: a request's chunks are
+  hashed once, at its lookup, however long it runs;
+* the calls one step's plan makes do not grow with the requests' prompt length or age, and
+  grow linearly with the running requests;
+* the per-step path the connector takes (``plan_step`` over ``scheduled_rows``: tuples, no
+  object per request) plans exactly what ``build_step`` over ``step_input_from`` plans, on
+  random schedules with chunked prefill, hits, preemptions, resumptions, load errors and
+  requests too short to store.
+
+No server: the scheduler side runs on a stand-in of its connector (its lookups answer at once).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from typing import Any, Dict, List, Optional
+
+from kvtier.integrations.config import KVTierConfig
+from kvtier.integrations.scheduler_side import SchedulerSide
+from kvtier.integrations.vllm_scheduler_output import preempted_ids, scheduled_rows, step_input_from
+from replay.vllm_shapes import CachedRequestData, NewRequestData, SchedulerOutput
+
+BS, CT = 4, 16
+
+
+class Lookups:
+    """A scheduler connector whose lookups answer at once, with ``answer(request_id)`` tokens."""
+
+    def __init__(self, answer=lambda rid: 0) -> None:
+        self.answer = answer
+        self.answers: Dict[str, int] = {}
+
+    def lookup_hashes(self, rid: str, hashes: Any, salt: str) -> None:
+        self.answers[rid] = self.answer(rid)
+
+    def describe_chunks(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def lookup_result(self, rid: str) -> int:
+        return self.answers.get(rid, 0)
+
+    def free_lookup_locks(self, rid: str) -> None:
+        pass
+
+    def end_request(self, rid: str) -> None:
+        pass
+
+
+class CountingHasher:
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def chunk_hashes(self, tokens: Any, extras: Any = None) -> Any:
+        self.calls += 1
+        return self.inner.chunk_hashes(tokens, extras)
+
+
+def make_side(answer=lambda rid: 0, kv_role: str = "kv_both", load_mode: str = "async") -> SchedulerSide:
+    cfg = KVTierConfig(socket_path="/nonexistent", model_name="m", block_size=BS, chunk_tokens=CT, kv_role=kv_role,
+                       load_mode=load_mode)
+    return SchedulerSide(cfg, connector=Lookups(answer))
+
+
+def decode_output(tables: Dict[str, List[int]], computed: Dict[str, int]) -> SchedulerOutput:
+    """vLLM's SchedulerOutput of a step in which every request decodes one token (a new block
+    when its token starts one)."""
+    cached = CachedRequestData()
+    for rid, table in tables.items():
+        pos = computed[rid]
+        new = None
+        if pos // BS >= len(table):
+            table.append(1000 + len(table) + 100 * int(rid[1:]))
+            new = ([table[-1]],)
+        cached.req_ids.append(rid)
+        cached.new_block_ids.append(new)
+        cached.num_computed_tokens.append(pos)
+        cached.num_output_tokens.append(0)
+        cached.new_token_ids.append([])
+    return SchedulerOutput([], cached, {rid: 1 for rid in tables}, len(tables), set())
+
+
+def running(side: SchedulerSide, n: int, prompt_tokens: int):
+    """n requests looked up, admitted and prefilled whole (their full chunks stored); returns
+    their block tables and computed token counts."""
+    tables: Dict[str, List[int]] = {}
+    new = []
+    for i in range(n):
+        rid = f"r{i}"
+        tokens = [(i * 7919 + t) % 50000 + 1 for t in range(prompt_tokens)]
+        assert side.num_new_matched_tokens(rid, lambda t=tokens: t, 0) == (0, False)
+        tables[rid] = list(range(100 * i, 100 * i + -(-prompt_tokens // BS)))
+        side.after_alloc(rid, tables[rid], 0)
+        new.append(NewRequestData(rid, tokens, (list(tables[rid]),), 0))
+    so = SchedulerOutput(new, CachedRequestData(), {r: prompt_tokens for r in tables}, n * prompt_tokens, set())
+    plan = side.plan_step(preempted_ids(so), scheduled_rows(so))
+    assert len(plan.stores) == (n if prompt_tokens >= CT else 0)
+    return tables, {rid: prompt_tokens for rid in tables}
+
+
+def step_calls(side: SchedulerSide, so: SchedulerOutput) -> int:
+    """Python and C functions called while the scheduler side plans ``so``."""
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event in ("call", "c_call"):
+            calls += 1
+
+    sys.setprofile(count)
+    try:
+        side.plan_step(preempted_ids(so), scheduled_rows(so))
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_a_decode_step_hashes_nothing_and_reads_no_key_material():
+    side = make_side()
+    side._hasher = CountingHasher(side._hasher)
+    asked = []
+
+    def keys(tokens: List[int]):
+        def read() -> List[int]:
+            asked.append(1)
+            return tokens
+
+        return read
+
+    tables: Dict[str, List[int]] = {}
+    for i in range(8):
+        rid = f"r{i}"
+        tokens = list(range(i * 100 + 1, i * 100 + 1 + 5 * CT + 3))
+        side.num_new_matched_tokens(rid, keys(tokens), 0)
+        side.num_new_matched_tokens(rid, keys(tokens), 0)  # vLLM asks again: nothing recomputed
+        tables[rid] = list(range(100 * i, 100 * i + 21))
+        side.after_alloc(rid, tables[rid], 0)
+    assert side._hasher.calls == 8 and len(asked) == 8
+    computed = {rid: 5 * CT + 3 for rid in tables}
+    for _ in range(3 * CT):
+        plan = side.plan_step([], scheduled_rows(decode_output(tables, computed)))
+        assert plan.stores == [] and len(plan.fence_blocks) == 8
+        for rid in computed:
+            computed[rid] += 1
+    assert side._hasher.calls == 8 and len(asked) == 8  # decode steps hashed nothing
+
+
+def test_a_decode_steps_calls_do_not_grow_with_the_prompt_and_grow_linearly_with_the_requests():
+    def calls(n: int, prompt_tokens: int) -> int:
+        side = make_side()
+        tables, computed = running(side, n, prompt_tokens)
+        for rid in computed:  # off a block boundary: every request's step is the same
+            computed[rid] += 1
+        return step_calls(side, decode_output(tables, computed))
+
+    short, long = calls(32, CT + 1), calls(32, 40 * CT + 1)
+    assert short == long, (short, long)  # no per-step work proportional to the prompt
+    c16, c32, c64 = calls(16, 2 * CT + 1), calls(32, 2 * CT + 1), calls(64, 2 * CT + 1)
+    assert c64 - c32 == 2 * (c32 - c16), (c16, c32, c64)  # a constant per running request
+    assert (c32 - c16) / 16 <= 6, (c16, c32)  # and a small one (4 today: two dict lookups, a len, an append)
+
+
+def _random_schedule(seed: int, side: SchedulerSide, use_rows: bool) -> List[Any]:
+    """A random vLLM schedule (arrivals with a local prefix hit or a kvtier hit, chunked
+    prefill, decode with new blocks now and then, preemptions, resumptions, aborts, load
+    errors) fed to ``side``; returns each step's plan as plain values."""
+    rng = random.Random(seed)
+    reqs: Dict[str, Dict[str, Any]] = {}
+    next_block = [0]
+    plans = []
+
+    def alloc(n: int) -> List[int]:
+        first = next_block[0]
+        next_block[0] += n
+        return list(range(first, first + n))
+
+    for _ in range(40):
+        new_reqs, cached, num = [], CachedRequestData(), {}
+        preempted = set()
+        for _ in range(rng.randrange(0, 3)):
+            rid = f"q{len(reqs)}-{rng.randrange(10 ** 6)}"
+            tokens = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6 * CT))]
+            local = (rng.randrange(0, len(tokens)) // BS) * BS if rng.random() < 0.3 else 0
+            got: Optional[int] = side.num_new_matched_tokens(rid, tokens, local)[0]
+            ext = got or 0
+            table = alloc(-(-len(tokens) // BS))
+            side.after_alloc(rid, table, ext)
+            done = min(local + ext, len(tokens) - 1)
+            n = min(len(tokens) - done, rng.choice([1, CT, 3 * CT, 10 ** 6]))
+            reqs[rid] = {"tokens": tokens, "done": done, "table": table}
+            new_reqs.append(NewRequestData(rid, tokens, (list(table),), done))
+            num[rid] = n
+        for rid, r in list(reqs.items()):
+            if rid in num:
+                continue
+            if rng.random() < 0.05:
+                preempted.add(rid)
+                del reqs[rid]
+                continue
+            resumed = rng.random() < 0.05 and r["done"] > 0
+            if resumed:
+                n, new = 1, (list(r["table"]),)
+                cached.resumed_req_ids.add(rid)
+            else:
+                left = len(r["tokens"]) - r["done"]
+                n = 1 if left <= 1 else min(left, rng.choice([1, CT, 2 * CT]))
+                grow = -(-(r["done"] + n) // BS) - len(r["table"])
+                blocks = alloc(grow) if grow > 0 else []
+                r["table"] += blocks
+                new = (blocks,) if blocks or rng.random() < 0.5 else None
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(new)
+            cached.num_computed_tokens.append(r["done"])
+            cached.num_output_tokens.append(0)
+            cached.new_token_ids.append([])
+            num[rid] = n
+        so = SchedulerOutput(new_reqs, cached, num, sum(num.values()), set(), preempted_req_ids=preempted)
+        plan = side.plan_step(preempted_ids(so), scheduled_rows(so)) if use_rows else side.build_step(step_input_from(so))
+        plans.append(
+            (
+                [(o.request_id, o.first_chunk, list(o.hashes), o.block_ids, o.skip_tokens, o.error_blocks) for o in plan.loads],
+                [(o.request_id, o.first_chunk, list(o.hashes), o.block_ids) for o in plan.stores],
+                plan.fence_blocks,
+                plan.preempted,
+                plan.recv_last,
+            )
+        )
+        for rid, n in num.items():
+            r = reqs[rid]
+            r["done"] += n
+            if r["done"] >= len(r["tokens"]):
+                r["tokens"].append(7)
+        if reqs and rng.random() < 0.1:
+            rid = rng.choice(sorted(reqs))
+            side.request_finished(rid)
+            del reqs[rid]
+        if plan.fence_blocks and rng.random() < 0.05:
+            side.on_load_errors([rng.choice(plan.fence_blocks)])
+        side.on_finished_recving([rid for rid in sorted(reqs) if rng.random() < 0.5])
+    return plans
+
+
+def test_the_connectors_per_step_path_plans_what_build_step_plans():
+    stored = loaded = 0
+    for seed in range(40):
+        for kv_role in ("kv_both", "kv_consumer"):
+            for load_mode in ("async", "layerwise"):
+                def answer(rid: str) -> int:
+                    return random.Random(rid).choice([0, BS, CT, 3 * CT, 10 ** 6])
+
+                rows = _random_schedule(seed, make_side(answer, kv_role, load_mode), use_rows=True)
+                objects = _random_schedule(seed, make_side(answer, kv_role, load_mode), use_rows=False)
+                assert rows == objects, (seed, kv_role, load_mode)
+                stored += sum(len(p[1]) for p in rows)
+                loaded += sum(len(p[0]) for p in rows)
+    assert stored > 100 and loaded > 100  # the schedules exercised both
+
+
+def test_scheduled_rows_read_older_vllms_resumed_flags():
+    cached = CachedRequestData(req_ids=["a", "b"], new_block_ids=[([1, 2],), None], num_computed_tokens=[8, 4],
+                               num_output_tokens=[0, 0], new_token_ids=[[], []])
+    old = SchedulerOutput([], cached, {"a": 1, "b": 1}, 2, set())
+    del cached.resumed_req_ids
+    cached.resumed_from_preemption = [True, False]
+    assert scheduled_rows(old) == [("a", [1, 2], 8, 1, True), ("b", (), 4, 1, False)]
+    step = step_input_from(old)
+    assert [(s.request_id, s.block_ids, s.replace_blocks) for s in step.scheduled] == [("a", [1, 2], True), ("b", [], False)]
