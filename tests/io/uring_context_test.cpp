@@ -73,6 +73,33 @@ TEST_CASE("one io_uring_enter submits every operation started in the same turn",
   CHECK(test::matches_pattern(in.span(), 1));
 }
 
+TEST_CASE("max_bounded_workers raises io-wq's bounded-worker limit; 0 keeps the kernel's", "[io][uring]") {
+  KVTIER_REQUIRE_URING();
+  asio::io_context ctx;
+  io::uring_context plain(ctx.get_executor());
+  const unsigned kernel_default = plain.bounded_workers_limit();
+  if (kernel_default == 0) {
+    WARN("this kernel cannot report io-wq limits (before 5.15): skipped");
+    CHECK(plain.bounded_workers_limit() == 0);
+    return;
+  }
+  io::uring_options o;
+  o.max_bounded_workers = kernel_default + 37;
+  io::uring_context raised(ctx.get_executor(), o);
+  CHECK(raised.bounded_workers_limit() == kernel_default + 37);
+  // The raised ring still works.
+  test::temp_dir dir("kvtier-io");
+  const std::string path = (dir.path() / "f").string();
+  test::write_pattern_file(path, 4096, 3);
+  test::unique_fd fd = test::open_or_throw(path, O_RDONLY);
+  aligned_buffer in(4096);
+  op_result r;
+  raised.async_read(fd.get(), in.span(), 0, r.handler());
+  REQUIRE(test::run_until(ctx, [&] { return r.calls > 0 && raised.in_flight() == 0; }));
+  CHECK(r.n == 4096);
+  CHECK(test::matches_pattern(in.span(), 3));
+}
+
 TEST_CASE("operations beyond the completion queue wait in the ring and all complete", "[io][uring]") {
   KVTIER_REQUIRE_URING();
   asio::io_context ctx;

@@ -99,6 +99,9 @@ class uring_context : public detail::file_io_operations<uring_context> {
   [[nodiscard]] unsigned setup_flags() const noexcept { return core_.setup_flags(); }
   [[nodiscard]] taskrun_mode mode() const noexcept { return core_.mode(); }
   [[nodiscard]] unsigned sq_entries() const noexcept { return core_.sq_entries(); }
+  /// io-wq's bounded-worker limit as the kernel holds it (uring_options::max_bounded_workers;
+  /// 0 when the kernel cannot say).
+  [[nodiscard]] unsigned bounded_workers_limit() noexcept { return core_.bounded_workers_limit(); }
   [[nodiscard]] unsigned cq_entries() const noexcept { return core_.cq_entries(); }
 
  private:

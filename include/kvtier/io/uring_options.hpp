@@ -46,6 +46,13 @@ struct uring_options {
   taskrun_mode taskrun = taskrun_mode::coop;
   /// When false, register_buffers() registers nothing and every op uses plain READ/WRITE.
   bool fixed_buffers = true;
+  /// The most io-wq "bounded" workers: the kernel threads that run the regular-file work it
+  /// cannot complete inline (fsync, fdatasync, openat, renameat, an O_DIRECT write into blocks
+  /// not yet written, which ext4 refuses without waiting). 0 keeps the kernel's default,
+  /// 4 per CPU: 8 on a 2-CPU machine, fewer than one store's writes and syncs in flight, so
+  /// they queue behind each other (fio's jobs each have their own). Applied with
+  /// io_uring_register_iowq_max_workers(3); a kernel that refuses it (before 5.15) is logged.
+  unsigned max_bounded_workers = 0;
 };
 
 }  // namespace io

@@ -80,6 +80,12 @@ class uring_core {
                                   std::to_string(opts.entries));
     ring_.setup(opts.entries, opts.taskrun, log_);
     enabled_ = (ring_.flags & IORING_SETUP_R_DISABLED) == 0;
+    if (opts.max_bounded_workers > 0) {
+      unsigned limits[2] = {opts.max_bounded_workers, 0};  // {bounded, unbounded (0: unchanged)}
+      if (const int r = ::io_uring_register_iowq_max_workers(&ring_.ring, limits); r < 0 && log_ != nullptr)
+        log_->warn("io_uring: the kernel refused to raise io-wq's bounded workers to {}: {}", opts.max_bounded_workers,
+                   std::strerror(-r));
+    }
     const int efd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (efd < 0) throw boost::system::system_error(errno, boost::system::system_category(), "eventfd");
     if (const int r = ::io_uring_register_eventfd(&ring_.ring, efd); r < 0) {
@@ -139,6 +145,12 @@ class uring_core {
   [[nodiscard]] const std::shared_ptr<io_stats>& stats() const noexcept { return stats_; }
   [[nodiscard]] unsigned setup_flags() const noexcept { return ring_.flags; }
   [[nodiscard]] taskrun_mode mode() const noexcept { return ring_.mode; }
+  /// io-wq's bounded-worker limit for this ring as the kernel holds it (0 when it cannot say:
+  /// a kernel before 5.15).
+  [[nodiscard]] unsigned bounded_workers_limit() noexcept {
+    unsigned limits[2] = {0, 0};  // zeros change nothing and read the limits back
+    return ::io_uring_register_iowq_max_workers(&ring_.ring, limits) == 0 ? limits[0] : 0;
+  }
   [[nodiscard]] unsigned sq_entries() const noexcept { return ring_.ring.sq.ring_entries; }
   [[nodiscard]] unsigned cq_entries() const noexcept { return ring_.ring.cq.ring_entries; }
   [[nodiscard]] bool shutting_down() const noexcept { return shutting_down_; }

@@ -166,6 +166,10 @@ inline disk_backend::disk_backend(executor_type executor, disk_backend_options o
     eo.pool.threads = options_.pread_threads;
     // Room for two operations at full depth plus their metadata ops; more wait in the ring.
     eo.uring.entries = std::max(256U, 4 * options_.queue_depth);
+    // A store keeps queue_depth writes and queue_depth / 2 syncs in flight, a load queue_depth
+    // reads, and ext4 runs the writes into fresh blocks, the syncs, opens and renames on
+    // io-wq's bounded workers: room for all of them at once (the default is 4 per CPU).
+    eo.uring.max_bounded_workers = 4 * options_.queue_depth;
     file_io_ = std::make_unique<io::any_file_io>(executor_, eo, log_);
   } catch (...) {
     close_fds();
