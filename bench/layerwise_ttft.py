@@ -14,13 +14,22 @@ engine's blocks and computes the suffix, timed from the retrieve's issue to the 
               landed (Connector.wait_layers: vLLM's wait_for_layer_load), so layer 0 computes
               while the server copies layer 1 and on
 
+--l2: the same from an L2 (disk) hit. The server runs a disk L2 backend with
+``--l2-store-policy skip_l1`` (L1 drops a chunk once the disk has it); every run uses a
+prompt of its own, stored (to disk) before the repeats begin and never loaded before, so
+each run's prefix comes from the disk: the engine's scheduler connection looks it up (the
+server answers once the prefetch is decided, its loads in flight) and the worker retrieves
+it at once, as vLLM's worker does in the step after the scheduler's lookup; the retrieve
+copies each chunk as its load lands. The figures are named layerwise_l2_*; the bound is the same formula with the whole
+L2 retrieve's time as the load.
+
 Both orders alternate repeat by repeat (whole, layerwise, layerwise, whole, ...); the figures
 are medians. The MLP's width is calibrated at start so that one layer's compute of the new
 tokens takes about one layer's copy (the whole retrieve's time over the layer count), the
 case the issue asks about; --compute-ratio changes the balance. Both modes must produce the
 same logits bit for bit (checked every repeat).
 
-  KVTIER_BUILD_DIR=build bench/layerwise_ttft.py [--repeats 9] [--layers 16] ...
+  KVTIER_BUILD_DIR=build bench/layerwise_ttft.py [--repeats 9] [--layers 16] [--l2] ...
 
 Prints RESULT lines: layerwise_ttft_s, whole_ttft_s, layerwise_ttft_vs_whole (the median of
 the per-repeat ratios), whole_load_s (the whole retrieve alone), layer_compute_s (one layer's
@@ -47,13 +56,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 BUILD = Path(os.environ.get("KVTIER_BUILD_DIR", REPO / "build")).resolve()
 sys.path.insert(0, str(BUILD / "python"))
+sys.path.insert(0, str(REPO / "tests" / "python"))
 
 import torch  # noqa: E402
 
 import kvtier  # noqa: E402
+from kvtier_testing import status  # noqa: E402
 
 
-def start_server(binary: Path, sock: Path, chunk_tokens: int, slot_bytes: int, l1_mb: int, worker_threads: int):
+def start_server(binary: Path, sock: Path, chunk_tokens: int, slot_bytes: int, l1_mb: int, worker_threads: int,
+                 extra: list[str]):
     proc = subprocess.Popen(
         [
             str(binary),
@@ -69,6 +81,7 @@ def start_server(binary: Path, sock: Path, chunk_tokens: int, slot_bytes: int, l
             str(worker_threads),
             "--log-level",
             "warn",
+            *extra,
         ],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -122,6 +135,9 @@ def main() -> None:
                     help="the server's worker threads")
     ap.add_argument("--compute-ratio", type=float, default=1.0, help="one layer's compute / one layer's copy")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    ap.add_argument("--l2", action="store_true", help="an L2 (disk) hit instead of an L1 hit")
+    ap.add_argument("--disk-dir", default=os.environ.get("KVTIER_BENCH_DIR", ""),
+                    help="--l2: where the disk backend's directory goes (default: a temporary directory; not tmpfs)")
     args = ap.parse_args()
     if args.repeats < 5:
         raise SystemExit("layerwise_ttft: --repeats must be >= 5")
@@ -147,25 +163,70 @@ def main() -> None:
     server_bin = Path(os.environ.get("KVTIER_SERVER", BUILD / "examples" / "kvtier-server"))
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-layerwise-"))
     sock = tmp / "kvtier.sock"
+    extra: list[str] = []
+    if args.l2:
+        disk = Path(tempfile.mkdtemp(prefix="kvtier-layerwise-disk-", dir=args.disk_dir or None))
+        prompts = 5 + 2 * (args.repeats + 1)  # calibration, warm-up and every repeat: each its own
+        cap_gb = max(1, -(-(prompts * nchunks * (chunk.object_bytes + (1 << 20))) // (1 << 30)) + 1)
+        extra = ["--l2-backend", f'{{"type":"disk","path":"{disk}","capacity_gb":{cap_gb}}}',
+                 "--l2-store-policy", "skip_l1", "--eviction-policy", "lru"]
+    # L1: room for two prompts (L2 mode: the one loading and the one before; LRU drops the rest).
     l1_mb = max(64, (nchunks * chunk.object_bytes * 2) >> 20)
-    proc = start_server(server_bin, sock, CT, chunk.object_bytes, l1_mb, args.worker_threads)
+    proc = start_server(server_bin, sock, CT, chunk.object_bytes, l1_mb, args.worker_threads, extra)
     try:
         o = kvtier.ConnectorOptions()
         o.socket_path = str(sock)
         o.model_name = "bench/layerwise"
         o.chunk_tokens = CT
         o.scheduler = False
+        o.engine_id = "bench-layerwise"
         conn = kvtier.Connector(o, region)
         if not conn.wait_ready(30):
             raise SystemExit(f"layerwise_ttft: the connector did not register: {conn.last_error}")
-        tokens = [(i * 7919) % 50000 + 1 for i in range(context)]
-        hashes = conn.chunk_hashes(tokens)[:nchunks]
-        conn.store_hashes("store", hashes, 0, src[: nchunks * bpc])
-        deadline = time.monotonic() + 60
-        while "store" not in conn.get_finished(["store"])[0]:
-            if time.monotonic() > deadline:
-                raise SystemExit("layerwise_ttft: the store did not finish")
-            time.sleep(0.01)
+        sched = None
+        if args.l2:
+            # vLLM's scheduler: its own connection (same engine id), which looks the prompt up.
+            so = kvtier.ConnectorOptions()
+            so.socket_path = str(sock)
+            so.model_name = o.model_name
+            so.chunk_tokens = CT
+            so.scheduler = True
+            so.engine_id = o.engine_id
+            so.model = shape
+            sched = kvtier.Connector(so)
+            if not sched.wait_ready(30):
+                raise SystemExit(f"layerwise_ttft: the scheduler's connector did not register: {sched.last_error}")
+        def prompt_hashes(n: int) -> list[int]:
+            toks = [(i * 7919 + 104729 * n) % 50000 + 1 for i in range(context)]
+            return conn.chunk_hashes(toks)[:nchunks]
+
+        def store_and_wait(rid: str, h: list[int]) -> None:
+            conn.store_hashes(rid, h, 0, src[: nchunks * bpc])
+            deadline = time.monotonic() + 120
+            while rid not in conn.get_finished([rid])[0]:
+                if time.monotonic() > deadline:
+                    raise SystemExit("layerwise_ttft: the store did not finish")
+                time.sleep(0.01)
+
+        hashes = prompt_hashes(0)
+        fresh_prompts: list[list[int]] = []
+        if args.l2:
+            # Every run's prompt, stored now, one at a time: each waits until the disk has it
+            # and L1 dropped it (skip_l1), so that each run loads its prefix from the disk.
+            for n in range(1, prompts + 1):
+                fresh_prompts.append(prompt_hashes(n))
+                store_and_wait(f"prompt-{n}", fresh_prompts[-1])
+                deadline = time.monotonic() + 120
+                while True:
+                    st = status(sock)
+                    idle = st["store"]["inflight_tasks"] == 0 and st["store"]["pending_keys"] == 0
+                    if idle and st["l1"]["objects"] == 0:
+                        break
+                    if time.monotonic() > deadline:
+                        raise SystemExit("layerwise_ttft: a store to disk did not drain")
+                    time.sleep(0.02)
+        else:
+            store_and_wait("store", hashes)
         # The suffix's K/V (as the engine's earlier work would have them) sits after the
         # prefix in both block lists.
         with torch.no_grad():
@@ -179,8 +240,16 @@ def main() -> None:
 
         def load(rid: str) -> None:
             # Every retrieve reports its layers as they land (protocol 5); what differs between
-            # the two modes is what the caller then does (run below).
-            conn.retrieve_hashes(rid, hashes, 0, dst[: nchunks * bpc], 0, "", synchronous=True)
+            # the two modes is what the caller then does (run below). L2: a prompt never
+            # loaded before, looked up (its loads start) and retrieved at once.
+            if args.l2:
+                h = fresh_prompts.pop(0)
+                sched.lookup_hashes(rid, h)
+                if not sched.wait_lookups([rid], 30) or sched.lookup_result(rid) != nchunks * CT:
+                    raise SystemExit(f"layerwise_ttft: the lookup of {rid} found {sched.lookup_result(rid)} tokens")
+                conn.retrieve_hashes(rid, h, 0, dst[: nchunks * bpc], 0, "", synchronous=True)
+            else:
+                conn.retrieve_hashes(rid, hashes, 0, dst[: nchunks * bpc], 0, "", synchronous=True)
 
         # Calibration: the whole retrieve's time, then an MLP width whose layer compute takes
         # that time over the layer count (times --compute-ratio).
@@ -250,7 +319,7 @@ def main() -> None:
         # (wait_for_save -> WorkerSide.end_step -> store_hashes; the server copies afterwards,
         # the engine does not wait) and how long the server takes to finish it.
         issue, complete = [], []
-        for r in range(args.repeats):
+        for r in range(0 if args.l2 else args.repeats):
             fresh = [(i * 7919 + 31 * (r + 1)) % 50000 + 1 for i in range(context)]
             rid = f"store-{r}"
             t0 = time.perf_counter()
@@ -264,9 +333,15 @@ def main() -> None:
             complete.append(time.perf_counter() - t0)
         stats = conn.stats()
         conn.close()
+        if sched is not None:
+            sched.close()
     finally:
         proc.terminate()
         proc.wait(30)
+        if args.l2:
+            import shutil
+
+            shutil.rmtree(disk, ignore_errors=True)
 
     w, lw, ratio = statistics.median(whole), statistics.median(layer), statistics.median(ratios)
     bound = (max(load_s, compute_s * L) + min(load_s, compute_s * L) / L) / (load_s + compute_s * L)
@@ -278,6 +353,14 @@ def main() -> None:
     )
     print(f"# whole ttft per repeat (ms): {' '.join(f'{v * 1e3:.1f}' for v in whole)}")
     print(f"# layerwise ttft per repeat (ms): {' '.join(f'{v * 1e3:.1f}' for v in layer)}")
+    if args.l2:
+        print(f"RESULT layerwise_l2_whole_load_s={load_s:.6f}")
+        print(f"RESULT layerwise_l2_layer_compute_s={compute_s:.6f}")
+        print(f"RESULT layerwise_l2_whole_ttft_s={w:.6f}")
+        print(f"RESULT layerwise_l2_ttft_s={lw:.6f}")
+        print(f"RESULT layerwise_l2_ttft_vs_whole={ratio:.4f}")
+        print(f"RESULT layerwise_l2_bound_vs_whole={bound:.4f}")
+        return
     print(f"RESULT whole_load_s={load_s:.6f}")
     print(f"RESULT layer_compute_s={compute_s:.6f}")
     print(f"RESULT whole_ttft_s={w:.6f}")
