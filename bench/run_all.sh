@@ -11,7 +11,7 @@
 # $KVTIER_BUILD_DIR when set, else configures and builds build/ (Release). Installs missing
 # Debian packages (gnuplot-nox, fio, redis-server, redis-tools, python3) as the quick-start
 # scripts do (as root). Benchmarks: event_bus l1_policies gather server_copy copy_pool io l2_fio
-# l2_redis rpc server_start degraded longdoc layerwise sglang scaling (--only picks some; the docs are regenerated from whatever results.json holds).
+# l2_redis rpc server_start degraded longdoc layerwise sglang vllm_step scaling (--only picks some; the docs are regenerated from whatever results.json holds).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -181,7 +181,9 @@ stop_server() {
 # l2gated: L2 mode with the engine's prefill rate declared (--declare-prefill-rate): the
 # lookup offers from L2 only what loads faster than the engine computes it.
 # --max-inflight 1: a TTFT is one request's own service time, no queueing; --verify-every 256:
-# one checked token per chunk (the engine's check is not kvtier's time).
+# one checked token per chunk (the engine's check is not kvtier's time). l2: --io-bound-dir
+# pairs each query round with O_DIRECT probes of the same object files right before and
+# right after it (examples/long_doc_qa/main.cpp's header comment).
 longdoc_run() {
   local shape=$1 mode=$2 tokens=$3 docs=$4 trials=$5 suffix=${6:-}
   local slot
@@ -205,18 +207,23 @@ bench_longdoc() {
   trap 'kill "${server_pid:-}" 2>/dev/null || true' EXIT  # a background job keeps no trap of ours
   : > "$logs/longdoc.log"
   rm -f "$results/longdoc/"*.json  # the plots read every report there: none from an earlier run
-  local lengths_05b=(2576 5136 10000 20496) lengths_8b=(1040 2064 4112) trials=7 t
-  if [ $quick = 1 ]; then lengths_05b=(2576 10000); lengths_8b=(2064 4112); trials=5; fi
+  # L2 runs: one pair (disk probes right before and after the query round) per trial; the
+  # figures are medians over the pairs whose probes agree within 1.5x, and 7 such pairs are
+  # wanted: 9 trials (--quick: 7) leave room for split ones (the driver says when fewer agree).
+  local lengths_05b=(2576 5136 10000 20496) lengths_8b=(1040 2064 4112) trials=7 l2_trials=9 t
+  if [ $quick = 1 ]; then lengths_05b=(2576 10000); lengths_8b=(2064 4112); trials=5; l2_trials=7; fi
   for t in "${lengths_05b[@]}"; do
     for m in l1 l2; do
       echo "== 0.5b $m $t tokens" >> "$logs/longdoc.log"
-      longdoc_one 0.5b $m "$t" 4 "$trials" "$([ "$t" = 10000 ] && echo _05b || echo "_05b_$t")"
+      longdoc_one 0.5b $m "$t" 4 "$([ $m = l2 ] && echo $l2_trials || echo $trials)" \
+        "$([ "$t" = 10000 ] && echo _05b || echo "_05b_$t")"
     done
   done
   for t in "${lengths_8b[@]}"; do
     for m in l1 l2; do
       echo "== 8b $m $t tokens" >> "$logs/longdoc.log"
-      longdoc_one 8b $m "$t" 2 "$trials" "$([ "$t" = 4112 ] && echo "" || echo "_8b_$t")"
+      longdoc_one 8b $m "$t" 2 "$([ $m = l2 ] && echo $l2_trials || echo $trials)" \
+        "$([ "$t" = 4112 ] && echo "" || echo "_8b_$t")"
     done
   done
   # The 8B shape loads slower from this disk than the mini engine computes (50,000 tokens/s):
@@ -250,10 +257,23 @@ longdoc_one() {
 }
 
 bench_layerwise() {
-  # The torch model (bench/layerwise_ttft.py): an L1 hit loaded layer by layer against whole.
+  # The torch model (bench/layerwise_ttft.py): an L1 hit loaded layer by layer against whole,
+  # then the same from an L2 (disk) hit (--l2: layerwise_l2_*), its disk directory in $work.
   local repeats=$((quick ? 5 : 9))
   KVTIER_BUILD_DIR="$build" /usr/bin/python3 bench/layerwise_ttft.py --repeats "$repeats" > "$logs/layerwise.log" 2>&1
+  KVTIER_BUILD_DIR="$build" /usr/bin/python3 bench/layerwise_ttft.py --l2 --disk-dir "$work" --repeats "$repeats" \
+    >> "$logs/layerwise.log" 2>&1
   gather layerwise "$logs/layerwise.log"
+}
+
+bench_vllm_step() {
+  # The vLLM connector's cost per step (bench/vllm_step_overhead.py): the steady state with
+  # arrivals and I/O, then decode steps alone (the floor). Both RESULT sets go under one name.
+  KVTIER_BUILD_DIR="$build" /usr/bin/python3 bench/vllm_step_overhead.py "${qflag[@]}" > "$logs/vllm_step.log" 2>&1
+  gather vllm_step "$logs/vllm_step.log"
+  KVTIER_BUILD_DIR="$build" /usr/bin/python3 bench/vllm_step_overhead.py --decode-only "${qflag[@]}" \
+    > "$logs/vllm_decode_step.log" 2>&1
+  gather vllm_step "$logs/vllm_decode_step.log"
 }
 
 bench_sglang() {
@@ -272,7 +292,7 @@ bench_scaling() {
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
 stages=(event_bus:50:50 l1_policies:15:5 gather:25:10 server_copy:20:2 copy_pool:25:10 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 server_start:150:60 degraded:85:35
-  longdoc:240:100 layerwise:40:25 sglang:15:10 scaling:20:10)
+  longdoc:240:100 layerwise:70:45 sglang:15:10 vllm_step:60:25 scaling:20:10)
 selected=()
 for s in "${stages[@]}"; do
   n=${s%%:*}

@@ -24,19 +24,30 @@
 // twice may be served the second time by the first one's prefetch).
 //
 // --io-bound-dir DIR (with --l2-mode; DIR = the server's disk backend path): the end-to-end
-// L2-hit figure. Each trial, before the query round, measures memcpy bandwidth (the bytes a
-// request moves, copied in chunk-sized memcpy calls over a working set of up to 2 x 256 MiB,
-// pre-touched); after it, the disk's read bandwidth over the object files the query round
-// loaded (the newest files under DIR/objects, as many bytes as the round moved; O_DIRECT,
-// 1 MiB reads, 16 in flight: the depth the disk backend uses; one io_uring reading into a
-// registered buffer, as the server reads into its registered L1, else 16 threads). Per trial:
+// L2-hit figure, one *pair* per trial. Right before the query round: memcpy bandwidth (the
+// bytes of one request, copied in chunk-sized memcpy calls over a working set of up to
+// 2 x 256 MiB, pre-touched), then the disk's read bandwidth over the object files the round
+// loads (the warmup just stored them: the newest files under DIR/objects, as many bytes as the
+// round's documents; O_DIRECT, 1 MiB reads, 16 in flight: the depth the disk backend uses;
+// one io_uring reading into registered memory, as the server reads into its registered L1,
+// else 16 threads), twice: into small reused buffers (the earlier probe), then into a region
+// of one request's bytes in huge pages (the headline: where a read lands changes its speed by
+// up to 1.5x on the dev VM, disk_probe.hpp's probe_memory says why). Right after the round (once
+// the server is idle): the same files again, read the other way round (even pairs: forward
+// before, backward after; odd pairs the reverse), then memcpy again. Per pair:
 //   kvtier_s  = mean over query requests of (TTFT - computed tokens / --tokens-per-second)
 //   bytes     = mean over query requests of retrieved tokens x bytes per token
-//   io_bound  = bytes / disk read bandwidth + bytes / memcpy bandwidth
-// and prints RESULT l2_hit_ttft_vs_io_bound<--result-suffix>=median over trials of
-// kvtier_s / io_bound (1 = the path costs exactly one disk read plus one memcpy of its bytes,
-// done one after the other). Use --max-inflight 1 so a TTFT holds no queueing. The disk is
-// probed after the round, so a host cache can only favour the probe (a conservative ratio).
+//   disk_s    = bytes / mean of the two headline probes' bandwidths; copy_s likewise (memcpy)
+//   ratios    kvtier_s / disk_s, / max(disk_s, copy_s) (the overlap bound), / (disk_s + copy_s)
+// A pair whose two headline probes differ by more than 1.5x is *split* (the disk changed
+// around the round: the dev VM's throughput drifts by minutes) and kept out of the medians: `# split pair` lines name
+// them. RESULT l2_hit_ttft_vs_disk_time<--result-suffix> is the median over the agreeing pairs, with its spread (_p25,
+// _p75, _min, _max) and the counts (l2_hit_pairs, l2_hit_pairs_split); a `# ` line says when fewer than 7 pairs agree.
+// Use
+// --max-inflight 1 so a TTFT holds no queueing. The server's loads are O_DIRECT too
+// (l2::disk_backend): the probe before a round warms no page cache the round could use. Each
+// pair also says the server's CPU time per request and its time waiting for a CPU
+// (/proc/PID/task/*/schedstat, PID from the server's status).
 //
 // Retrieved KV is checked against recomputation on every --verify-every'th token (default 16,
 // one per block): checking costs the mini engine as much as computing, so checking every
@@ -48,7 +59,8 @@
 //
 // The parts: options.hpp (the command line, the engine's configuration fitted to the
 // server), rounds.hpp (query order, TTFT summaries, waiting for the server to go idle),
-// io_bound.hpp (the --io-bound-dir figure); here, one trial and the report.
+// io_bound.hpp (the --io-bound-dir pairs) over disk_probe.hpp (what a pair measures); here,
+// one trial and the report.
 #include <kvtier_program/stats.hpp>
 #include "../mini_engine/engine.hpp"
 #include "../mini_engine/workload.hpp"
@@ -88,6 +100,7 @@ struct qa_run {
   const long_doc_qa::workload_shape& shape;
   mini_engine::engine& eng;
   std::chrono::seconds drain_timeout;
+  long server_pid = 0;  ///< from the server's status (0: unknown): the io-bound pairs sample its CPU time
 };
 
 json config_json(const qa_run& run) {
@@ -172,13 +185,16 @@ std::optional<trial_result> run_trial(const qa_run& run, std::size_t t, trial_to
     }
   }
   const std::size_t query_requests = specs.size();
-  double memcpy_bps = 0;
-  if (!o.io_bound_dir.empty())
-    memcpy_bps = long_doc_qa::memcpy_bandwidth(full_chunks * run.shape.shard_bytes, run.shape.shard_bytes);
+  // Chunks the engine takes from the cache: it computes at least the last token itself.
+  const std::size_t usable = (o.tokens - 1) / cfg.chunk_tokens;
+  // The pair's first probes, right before the round: the files the warmup just stored (every
+  // chunk the round loads, once), memcpy of one request's bytes.
+  const bool probing = !o.io_bound_dir.empty();
+  if (probing)
+    io.before_round(t, o.io_bound_dir, o.documents * usable * cfg.chunk_tokens * cfg.shape.token_bytes(),
+                    full_chunks * run.shape.shard_bytes, run.shape.shard_bytes, run.server_pid);
   auto qrep = run.eng.run(std::move(specs));
   auto qsum = long_doc_qa::summarize("query", qrep, query_requests);
-  // Chunks the engine took from the cache: it computes at least the last token itself.
-  const std::size_t usable = (o.tokens - 1) / cfg.chunk_tokens;
   std::size_t warm_hits = 0;
   for (const auto& r : qrep.requests) totals.warm_retrieved_chunks += r.retrieved_tokens / cfg.chunk_tokens;
   for (const auto& r : qrep.requests) warm_hits += r.retrieved_tokens >= usable * cfg.chunk_tokens ? 1 : 0;
@@ -189,9 +205,9 @@ std::optional<trial_result> run_trial(const qa_run& run, std::size_t t, trial_to
   }
   wsum.print();
   qsum.print();
+  // The pair's second probes, right after the round (the server idle: nothing of it competes).
   json io_json = nullptr;
-  if (!o.io_bound_dir.empty() && !qrep.requests.empty())
-    io_json = io.measure(qrep, o.io_bound_dir, memcpy_bps, o.tokens_per_second, cfg.shape.token_bytes());
+  if (probing && !qrep.requests.empty()) io_json = io.after_round(qrep, o.tokens_per_second, cfg.shape.token_bytes());
   const double ratio = wsum.ttft.mean > 0 ? qsum.ttft.mean / wsum.ttft.mean : 0;
   totals.ratios.push_back(ratio);
   return trial_result{{{"warmup", wsum.to_json()},
@@ -245,6 +261,7 @@ int run_workload(const qa_run& run) {
   report["expect"] = expectations(run, totals);
   const double result = kvtier::program::median(totals.ratios);
   report["query_ttft_vs_warmup"] = result;
+  if (!io.empty()) report["l2_hit_pairs"] = io.summary();
   // L2 mode: every warm query must have been served whole from L2 (unless the engine declared
   // its prefill rate: then the gate may decline chunks, which the engine computes).
   const std::size_t usable = (o.tokens - 1) / cfg.chunk_tokens;
@@ -289,7 +306,7 @@ int main(int argc, char** argv) {
                    o.socket.c_str());
       return 2;
     }
-    return run_workload(qa_run{o, *mix, *shape, eng, drain_timeout});
+    return run_workload(qa_run{o, *mix, *shape, eng, drain_timeout, shape->server_pid});
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvtier_long_doc_qa: %s\n", e.what());
     return 2;

@@ -78,8 +78,9 @@ inline void add_cli_options(CLI::App& app, driver_options& o) {
   app.add_option("--drain-timeout", o.drain_timeout_s, "Seconds to wait for the server's stores to land")
       ->capture_default_str();
   app.add_option("--io-bound-dir", o.io_bound_dir,
-                 "With --l2-mode: the disk backend's path; measure the L2-hit TTFT against disk + memcpy time "
-                 "(RESULT l2_hit_ttft_vs_io_bound)");
+                 "With --l2-mode: the disk backend's path; each trial's L2-hit TTFT against the disk read time of "
+                 "its bytes, probed right before and right after its query round (RESULT "
+                 "l2_hit_ttft_vs_disk_time: the median over pairs whose probes agree within 1.5x)");
   app.add_option("--result-suffix", o.result_suffix, "Appended to the l2_hit_* RESULT names (e.g. _05b)");
   app.add_option("--json", o.json_path, "Write the JSON report here (\"-\": stdout)");
 }
@@ -154,6 +155,7 @@ struct workload_shape {
   mini_engine::engine_config cfg;  ///< with the server's chunk size and the blocks the rounds need
   std::size_t shard_bytes = 0;     ///< bytes of one chunk shard (one rank's share of a chunk)
   std::size_t full_chunks = 0;     ///< whole chunks per document
+  long server_pid = 0;             ///< the server's process (its status's "pid"; 0: not given)
 };
 
 /// Fits `cfg` to the server on o.socket: its chunk size, a slot for one chunk shard, and in
@@ -203,7 +205,8 @@ inline std::optional<workload_shape> fit_to_server(const driver_options& o, mini
   const std::size_t per_request_blocks = (o.tokens + o.output_tokens + cfg.block_size - 1) / cfg.block_size;
   cfg.num_blocks =
       o.num_blocks ? o.num_blocks : static_cast<std::uint32_t>(per_request_blocks * (o.max_inflight + 1) + 16);
-  return workload_shape{cfg, shard_bytes, o.tokens / cfg.chunk_tokens};
+  const long pid = status->contains("pid") && (*status)["pid"].is_number_integer() ? (*status)["pid"].get<long>() : 0;
+  return workload_shape{cfg, shard_bytes, o.tokens / cfg.chunk_tokens, pid};
 }
 
 }  // namespace long_doc_qa
