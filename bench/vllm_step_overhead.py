@@ -65,10 +65,12 @@ per token: more than this machine has.)
 Each configuration (n, scenario) runs --repeats windows, interleaved (n fixed, the scenarios
 in turn), of --steps measured steps after --warmup steps; the RESULT is the median of all its
 measured steps. The mean is printed too (vllm_step_overhead_mean_us_<n>): on a busy 2-core
-machine it is dominated by a few steps in which one call into the C++ connector took
-milliseconds instead of microseconds (seen in nearly all of them, trivial getters included:
-most likely the connector's I/O thread preempted while it holds the connector's lock, with the
-engine thread spinning on the other core), which the median leaves out. Comment lines give the split
+machine it is dominated by a few steps in which calls into the C++ connector took
+milliseconds instead of microseconds, which the median leaves out. They come in runs, after
+stores and loads were issued, when the server's copy threads (64 MiB per arrival) and other
+processes leave the engine thread and the connectors' threads one core: the engine thread
+waits for a core, or for the connector's mutex held by a connector thread that lost its core
+(docs/performance.md, "vLLM connector: cost per step"). Comment lines give the split
 (scheduler, metadata, worker), p90, p99, the mean per window, the window's I/O, and the mean
 per step of each group of calls.
 

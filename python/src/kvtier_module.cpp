@@ -755,12 +755,7 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "blocks_reused",
           [](const py_connector& s, const std::vector<std::uint32_t>& blocks) {
-            return without_gil(s, [&](auto& c) {
-              std::vector<std::uint32_t> refused;
-              for (std::uint32_t b : blocks)
-                if (!c.block_reused(b)) refused.push_back(b);
-              return refused;
-            });
+            return without_gil(s, [&](auto& c) { return c.blocks_reused(blocks); });
           },
           py::arg("blocks"), "block_reused for each; returns the quarantined ones (not fenced).");
 }

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -249,6 +250,14 @@ TEST_CASE("a timed-out retrieve is a load error and its blocks stay quarantined 
   CHECK_FALSE(c.block_reused(8));  // the engine must recompute elsewhere
   CHECK(h.region.generation(8) == g8);
   CHECK(c.block_reused(12));
+  // The same for a batch, in one call: the quarantined ones come back, the others are fenced.
+  const auto g12 = h.region.generation(12);
+  const auto g13 = h.region.generation(13);
+  CHECK(c.blocks_reused(blocks{12, 9, 13, 8}) == blocks{9, 8});
+  CHECK(h.region.generation(8) == g8);
+  CHECK(h.region.generation(12) != g12);
+  CHECK(h.region.generation(13) != g13);
+  CHECK_THROWS_AS(c.blocks_reused(blocks{14, 32}), std::out_of_range);
   CHECK(c.healthy());  // one slow call is not a dead server
   CHECK(h.rec.snapshot().quarantine.at(0).held_blocks == 4);
 
@@ -258,6 +267,50 @@ TEST_CASE("a timed-out retrieve is a load error and its blocks stay quarantined 
   CHECK(c.block_reused(8));
   CHECK(c.stats().late_replies == 1);
   CHECK(c.get_finished(ids{}).recving.empty());  // the late reply reports nothing again
+}
+
+TEST_CASE("load errors and quarantined blocks polled while the connector adds them: each taken once",
+          "[engine][connector][concurrency]") {
+  // Another thread polls take_load_error_blocks, quarantined_blocks and block_is_quarantined
+  // while the connector's thread adds load errors and quarantines blocks (retrieves that time
+  // out), as an engine's thread would. (They take the mutex: a caller that saw an event the
+  // connector published under it must see the state of the same critical section.)
+  harness h;
+  auto o = h.options();
+  o.timeouts.retrieve_timeout = 50ms;
+  o.breaker_threshold = 100;  // these timeouts are no dead server
+  auto& c = h.connect(o);
+  const auto toks = tokens(2 * ct, 4);
+  h.store_prefix(c, "s", toks, 2);
+  h.server->hold(p::message_type::retrieve_request);
+  std::atomic<bool> done{false};
+  blocks taken;
+  std::size_t polls = 0;
+  bool strange = false;  // (Catch's checks are for the test's thread)
+  std::thread poller([&] {
+    while (!done.load()) {
+      for (std::uint32_t b : c.take_load_error_blocks()) taken.push_back(b);
+      for (std::uint32_t b : c.quarantined_blocks()) strange = strange || b < 8 || b >= 24;
+      (void)c.block_is_quarantined(8);
+      ++polls;
+    }
+  });
+  constexpr std::uint32_t n = 4;
+  for (std::uint32_t i = 0; i < n; ++i) c.retrieve("t" + std::to_string(i), toks, 0, range(8 + 4 * i, 4));
+  REQUIRE(h.wait([&](const record& r) { return r.retrieves.size() == n; }));
+  done = true;
+  poller.join();
+  for (std::uint32_t b : c.take_load_error_blocks()) taken.push_back(b);
+  CHECK(polls > 0);
+  CHECK_FALSE(strange);
+  CHECK(sorted(taken) == range(8, 4 * n));  // each block once, whichever thread took it
+  CHECK(c.take_load_error_blocks().empty());
+  CHECK(sorted(c.quarantined_blocks()) == range(8, 4 * n));
+  CHECK(c.block_is_quarantined(23));
+  h.server->release_held();
+  REQUIRE(h.wait([&](const record& r) { return r.released_blocks() == 4 * n; }));
+  CHECK(c.quarantined_blocks().empty());
+  CHECK_FALSE(c.block_is_quarantined(8));
 }
 
 TEST_CASE("finished reporting: no id with a pending retrieve is finished sending, stores are waited for",

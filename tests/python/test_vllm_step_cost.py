@@ -270,3 +270,39 @@ def test_scheduled_rows_read_older_vllms_resumed_flags():
     assert scheduled_rows(old) == [("a", [1, 2], 8, 1, True), ("b", (), 4, 1, False)]
     step = step_input_from(old)
     assert [(s.request_id, s.block_ids, s.replace_blocks) for s in step.scheduled] == [("a", [1, 2], True), ("b", [], False)]
+
+
+class Describing(Lookups):
+    """Lookups that keep what describe_chunks was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.described: List[Any] = []
+
+    def describe_chunks(self, hashes: Any, tokens: Any, *args: Any, **kwargs: Any) -> None:
+        self.described.append((list(hashes), list(tokens)))
+
+
+def test_a_lookup_converts_its_tokens_once_and_hashes_and_describes_what_the_list_holds():
+    # The list of token ids becomes one array('I') that the hashing and the description both
+    # read (the bindings' conversion of a list is the costly part); the hashes and the
+    # described tokens are the list's. Ids that are no uint32 stay a list (the bindings decide).
+    from array import array
+
+    from kvtier import TokenHasher
+    from kvtier.integrations.scheduler_side import _token_array
+
+    hasher = TokenHasher(CT)
+    for tokens in ([(t * 7919) % 150000 + 1 for t in range(3 * CT + 5)], [2**32 - 1] * (2 * CT)):
+        conn = Describing()
+        side = SchedulerSide(KVTierConfig(socket_path="/nonexistent", model_name="m", block_size=BS, chunk_tokens=CT),
+                             connector=conn)
+        side._hasher = CountingHasher(side._hasher)
+        assert side.num_new_matched_tokens("r", lambda t=tokens: t, 0) == (0, False)
+        assert side._hasher.calls == 1
+        full = len(tokens) // CT
+        assert side._requests["r"].hashes == hasher.chunk_hashes(tokens)
+        assert conn.described == [(hasher.chunk_hashes(tokens), tokens[: full * CT])]
+        assert isinstance(_token_array(tokens), array)
+    for odd in ([-1] * CT, [2**32] * CT, [1.0] * CT, (1,) * CT):
+        assert _token_array(odd) is odd

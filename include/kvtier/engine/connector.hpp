@@ -152,7 +152,9 @@ class connector final : private detail::link_owner {
   /// Fire and forget; skipped while unhealthy.
   void free_lookup_locks(std::string_view request_id);
   /// The request is over: the server forgets its lookup, the connector its answer. Fire and
-  /// forget; skipped (only the local answer is dropped) while unhealthy.
+  /// forget; skipped (only the local answer is dropped) while unhealthy. Sent without waking
+  /// the connector's thread: with its next call that does, or when that thread runs anyway
+  /// (a reply, the next ping), so within ping_interval.
   void end_request(std::string_view request_id);
 
   // --- worker side ---------------------------------------------------------------------
@@ -220,6 +222,10 @@ class connector final : private detail::link_owner {
   /// that read the block earlier can no longer be stored. Returns false, and does nothing,
   /// when the block is quarantined (pick another block).
   [[nodiscard]] bool block_reused(std::uint32_t block);
+  /// block_reused for each of `blocks` in turn, in one critical section; returns the
+  /// quarantined ones (nothing done for them). Throws std::out_of_range at the first id out of
+  /// range (the blocks before it are fenced), as block_reused would.
+  [[nodiscard]] std::vector<std::uint32_t> blocks_reused(std::span<const std::uint32_t> blocks);
   /// Blocks until none of `blocks` is quarantined (true), or `timeout` passes (false). For an
   /// engine that must hand blocks back that a synchronous load it gave up on may still be
   /// written into (vLLM frees a preempted request's blocks at once). Bounded by
@@ -297,8 +303,9 @@ class connector final : private detail::link_owner {
   lookup_entry* find_lookup_locked(const std::string& id, std::uint64_t serial);
   void issue_query_locked(const std::string& id, std::uint64_t serial);
   void on_lookup_reply_io(const std::string& id, std::uint64_t serial, call_result& r, bool from_lookup);
+  /// `lazy`: server_link::issue_locked's (sent with the next call that wakes the link).
   template <class Msg>
-  void send_notify_locked(const Msg& m);
+  void send_notify_locked(const Msg& m, bool lazy = false);
   void publish_quarantine_locked(std::size_t held, std::size_t released);
   /// describe_chunks's argument checks (std::invalid_argument); the block size it sends.
   [[nodiscard]] std::uint32_t description_block_size(std::size_t chunks, std::size_t token_count,

@@ -4,6 +4,7 @@ per-step plan. The semantics are in :mod:`kvtier.integrations.core`'s docstring.
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
@@ -38,6 +39,20 @@ class _Request:
     # once stored_chunks reaches it, a step of the request has nothing to store (every
     # decode step), which plan_step tells without computing the step's chunk count.
     store_cap: int = 0
+
+
+def _token_array(seq: Sequence[int]) -> Sequence[int]:
+    """A list of token ids as an ``array('I')``, which the bindings read through the buffer
+    protocol: converting a list costs them (numpy) about 13 us per 520 tokens, the array 2 us,
+    and the lookup uses the tokens twice (the hashes, the description). Anything else, and a
+    list with an id that is not a uint32 (the bindings' own conversion then decides what
+    happens to it), is returned as it is."""
+    if type(seq) is not list:
+        return seq
+    try:
+        return array("I", seq)
+    except (OverflowError, TypeError):
+        return seq
 
 
 class SchedulerSide:
@@ -132,6 +147,7 @@ class SchedulerSide:
             if n < self._ct:
                 return 0, False  # no full chunk: nothing to look up (or ever to store)
             n_prompt = n if num_prompt_tokens is None else int(num_prompt_tokens)
+            seq = _token_array(seq)
             hashes = self._hasher.chunk_hashes(seq, extras)
             st = _Request(
                 num_tokens=n,

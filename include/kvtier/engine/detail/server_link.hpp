@@ -141,13 +141,26 @@ class server_link {
   }
   /// Issues call `id` (its frame `bytes`) on the current connection, expecting `expect`
   /// within `timeout` of its sending. `done` runs once when it completes, with the mutex
-  /// held, on the link's thread, never inside this call.
+  /// held, on the link's thread, never inside this call. The link's thread sends it; a
+  /// thread other than the link's must call wake() once it released the mutex (issue_lock
+  /// does both), so that waking the link's thread, a syscall, is not done under the mutex.
+  /// `lazy` (a notification nothing waits for, such as end_request): another thread does
+  /// not wake the link's thread for it; it goes with the next call that does, or when the
+  /// link's thread runs anyway (a reply read, the next ping: within ping_interval). Waking
+  /// the link's thread costs the caller more than the call itself (it usually takes the
+  /// caller's core for its turn).
   void issue_locked(std::uint64_t id, call_kind kind, protocol::message_type expect, std::vector<std::byte> bytes,
-                    clock::duration timeout, call_done done) {
-    issue_locked(id, kind, current_epoch_, expect, std::move(bytes), -1, timeout, std::move(done));
+                    clock::duration timeout, call_done done, bool lazy = false) {
+    issue_locked(id, kind, current_epoch_, expect, std::move(bytes), -1, timeout, std::move(done), lazy);
   }
   /// Closes the older connections the owner no longer awaits late replies on.
   void retire_connections_locked();
+
+  // --- without the mutex ---------------------------------------------------------------
+  /// Wakes the link's thread to send the calls issued since the last wake-up, when an
+  /// issue_locked on this or another thread asked for it. Never blocks; cheap when nothing
+  /// waits. Call it without the mutex held, and only while the link runs (before stop()).
+  void wake();
 
  private:
   struct call_waiter {
@@ -160,13 +173,18 @@ class server_link {
 
   // With mu_ held, on the link's thread (but issue_locked).
   void issue_locked(std::uint64_t id, call_kind kind, std::uint64_t epoch, protocol::message_type expect,
-                    std::vector<std::byte> bytes, int fd, clock::duration timeout, call_done done);
+                    std::vector<std::byte> bytes, int fd, clock::duration timeout, call_done done, bool lazy = false);
+  /// On the link's thread: sends what lazy issues left queued (a send_queued_io posted).
+  void send_lazy_locked();
   void complete_locked(pending_call& c, call_result r);
-  void send_io(std::uint64_t id);
+  /// Sends the calls queued by issue_locked, in their order: the checks and the deadlines
+  /// under the mutex, the writes (sendmsg, which wakes the server) after releasing it.
+  void send_queued_io();
   /// (Re)arms call `c`'s deadline timer to expire at `at`.
   void arm_deadline_locked(pending_call& c, clock::time_point at);
   void on_deadline_io(std::uint64_t id);
-  bool on_frame_io(server_connection& s, protocol::frame f);
+  /// A frame read on `s`, decoded (outside the mutex) into `decoded`.
+  bool on_frame_io(server_connection& s, std::uint64_t id, protocol::decode_result<protocol::message> decoded);
   /// A progress message for call `id` (moves its deadline on).
   void on_progress_io(server_connection& s, std::uint64_t id, const protocol::message& m);
   /// The reply to call `c`, taken from the calls in flight; false when it breaks the connection.
@@ -223,6 +241,27 @@ class server_link {
   call_table calls_;
   std::map<std::uint64_t, std::shared_ptr<server_connection>> connections_;
   link_stats stats_{};
+  std::vector<std::uint64_t> send_queue_;  ///< calls issued and not yet handed to send_queued_io
+  bool send_posted_ = false;               ///< a send_queued_io is posted or owed (wake_pending_)
+  // --- atomic ---
+  std::atomic<bool> wake_pending_{false};  ///< a send_queued_io owed by wake()
+};
+
+/// The link's mutex for a function of an engine's thread that issues calls: on leaving the
+/// scope it releases the mutex, then wakes the link's thread (server_link::wake).
+class issue_lock {
+ public:
+  explicit issue_lock(server_link& link) : link_(link), lock_(link.mutex()) {}
+  issue_lock(const issue_lock&) = delete;
+  issue_lock& operator=(const issue_lock&) = delete;
+  ~issue_lock() {
+    lock_.unlock();
+    link_.wake();
+  }
+
+ private:
+  server_link& link_;
+  std::unique_lock<std::mutex> lock_;
 };
 
 }  // namespace detail

@@ -160,7 +160,7 @@ void connector<Bus>::describe_chunks(std::span<const hash128> hashes, std::span<
   }
   if (frames.empty()) return;
 
-  std::lock_guard g(mu());
+  detail::issue_lock g(link_);
   // Reconnected meanwhile (the new connection forgot what this one described), or told to
   // stop: these go nowhere.
   if (generation != describe_generation_ || describe_state_ == describe_state::off ||

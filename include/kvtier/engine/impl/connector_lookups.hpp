@@ -54,7 +54,7 @@ void connector<Bus>::lookup_hashes(std::string_view request_id, std::vector<hash
   if (hashes.size() > protocol::max_chunk_hashes)
     throw std::invalid_argument("kvtier::engine::connector: more than 65536 chunks in one lookup");
   std::string key(request_id);
-  std::lock_guard g(mu());
+  detail::issue_lock g(link_);
   auto [it, inserted] = lookups_.try_emplace(key);
   if (!inserted) return;
   lookup_entry& e = it->second;
@@ -101,25 +101,27 @@ bool connector<Bus>::wait_lookups(std::span<const std::string> request_ids, std:
 template <class Bus>
 void connector<Bus>::free_lookup_locks(std::string_view request_id) {
   check_request_id(request_id);
-  std::lock_guard g(mu());
+  detail::issue_lock g(link_);
   send_notify_locked(protocol::free_lookup_locks_request{std::string(request_id)});
 }
 
 template <class Bus>
 void connector<Bus>::end_request(std::string_view request_id) {
   check_request_id(request_id);
-  std::lock_guard g(mu());
+  detail::issue_lock g(link_);
   lookups_.erase(std::string(request_id));
-  send_notify_locked(protocol::end_request_request{std::string(request_id)});
+  // Lazy: nothing waits for it, and waking the connector's thread for it would cost the
+  // engine's thread more than the call (server_link::issue_locked).
+  send_notify_locked(protocol::end_request_request{std::string(request_id)}, /*lazy=*/true);
 }
 
 template <class Bus>
 template <class Msg>
-void connector<Bus>::send_notify_locked(const Msg& m) {
+void connector<Bus>::send_notify_locked(const Msg& m, bool lazy) {
   if (link_.state_locked() != health_state::healthy || link_.stopping_locked()) return;
   const std::uint64_t id = link_.next_call_id();
   link_.issue_locked(id, call_kind::notify, Msg::response_type::type, detail::server_link::encode(id, m),
-                     scaled(options_.timeouts.request_timeout), {});
+                     scaled(options_.timeouts.request_timeout), {}, lazy);
 }
 
 template <class Bus>

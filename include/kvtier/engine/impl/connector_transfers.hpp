@@ -61,7 +61,7 @@ void connector<Bus>::retrieve_hashes(std::string_view request_id, std::span<cons
                                         skip_tokens,
                                         std::string(cache_salt),
                                         /*progress=*/true});
-  std::lock_guard g(mu());
+  detail::issue_lock g(link_);
   tracker_.retrieve_started(info->request_id, how.synchronous);
   if (info->chunks == 0) return finish_retrieve_locked(*info, 0, bus::connector_outcome::ok, nullptr);
   if (link_.state_locked() != health_state::healthy)
@@ -202,7 +202,7 @@ void connector<Bus>::store_hashes(std::string_view request_id, std::span<const h
                                      std::vector<hash128>(hashes.begin(), hashes.end()),
                                      std::vector<std::uint32_t>(block_ids.begin(), block_ids.end()),
                                      std::move(generations), std::string(cache_salt)});
-  std::lock_guard g(mu());
+  detail::issue_lock g(link_);
   tracker_.store_started(info->request_id);
   if (info->chunks == 0) return finish_store_locked(*info, nullptr, bus::connector_outcome::ok);
   if (link_.state_locked() != health_state::healthy)
@@ -280,6 +280,22 @@ bool connector<Bus>::block_reused(std::uint32_t block) {
   if (quarantine_.contains(block)) return false;
   region.begin_reuse(block);
   return true;
+}
+
+template <class Bus>
+std::vector<std::uint32_t> connector<Bus>::blocks_reused(std::span<const std::uint32_t> blocks) {
+  kv_region& region = region_for("blocks_reused");
+  std::vector<std::uint32_t> refused;
+  std::lock_guard g(mu());
+  for (std::uint32_t b : blocks) {
+    if (b >= region.layout().num_blocks)
+      throw std::out_of_range("kvtier::engine::connector::block_reused: block id out of range");
+    if (quarantine_.contains(b))
+      refused.push_back(b);
+    else
+      region.begin_reuse(b);
+  }
+  return refused;
 }
 
 template <class Bus>

@@ -101,7 +101,7 @@ inline void server_link::retire_connections_locked() {
 
 inline void server_link::issue_locked(std::uint64_t id, call_kind kind, std::uint64_t epoch,
                                       protocol::message_type expect, std::vector<std::byte> bytes, int fd,
-                                      clock::duration timeout, call_done done) {
+                                      clock::duration timeout, call_done done, bool lazy) {
   auto c = std::make_shared<pending_call>();
   c->id = id;
   c->kind = kind;
@@ -113,8 +113,30 @@ inline void server_link::issue_locked(std::uint64_t id, call_kind kind, std::uin
   c->done = std::move(done);
   calls_.insert(std::move(c));
   ++stats_.calls_issued;
-  // Never completes inside this call: the sending (and everything after) runs on the thread.
-  boost::asio::post(ex_, [this, id] { send_io(id); });
+  // Never completes inside this call: the sending (and everything after) runs on the thread,
+  // one send_queued_io for every call queued before it runs. On the link's thread the post
+  // costs nothing; another thread's would wake the link's thread under the mutex (a syscall,
+  // and a thread that runs only to wait for the mutex): wake() posts it after the unlock.
+  send_queue_.push_back(id);
+  if (send_posted_) return;
+  if (io_->get_executor().running_in_this_thread()) {
+    send_posted_ = true;
+    boost::asio::post(ex_, [this] { send_queued_io(); });
+  } else if (!lazy) {
+    send_posted_ = true;
+    wake_pending_.store(true, std::memory_order_release);
+  }
+}
+
+inline void server_link::send_lazy_locked() {
+  if (send_queue_.empty() || send_posted_) return;
+  send_posted_ = true;
+  boost::asio::post(ex_, [this] { send_queued_io(); });
+}
+
+inline void server_link::wake() {
+  if (wake_pending_.load(std::memory_order_acquire) && wake_pending_.exchange(false, std::memory_order_acq_rel))
+    boost::asio::post(ex_, [this] { send_queued_io(); });
 }
 
 inline void server_link::complete_locked(pending_call& c, call_result r) {
@@ -122,30 +144,50 @@ inline void server_link::complete_locked(pending_call& c, call_result r) {
   if (c.done) c.done(c, r);
 }
 
-inline void server_link::send_io(std::uint64_t id) {
-  std::lock_guard g(mu_);
-  if (stopping_) return;
-  std::shared_ptr<pending_call> c = calls_.find(id);
-  if (!c) return;  // released before it could be sent
-  auto sit = connections_.find(c->epoch);
-  if (sit == connections_.end() || sit->second->broken) {
-    calls_.take(id);
-    return complete_locked(*c, call_result{call_status::closed, {}, "connection gone"});
-  }
-  c->sent_at = clock::now();
-  arm_deadline_locked(*c, c->sent_at + c->timeout);
-  c->sent = true;
-  const std::uint64_t epoch = c->epoch;
-  sit->second->conn->async_write_frame(std::move(c->bytes), c->fd, [this, epoch](error_code ec) {
-    if (!ec || ec == boost::asio::error::operation_aborted) return;
-    std::lock_guard lg(mu_);
+inline void server_link::send_queued_io() {
+  struct frame_write {
+    std::shared_ptr<protocol::connection> conn;
+    std::uint64_t epoch = 0;
+    std::vector<std::byte> bytes;
+    int fd = -1;
+  };
+  std::vector<frame_write> writes;
+  {
+    std::lock_guard g(mu_);
+    send_posted_ = false;
     if (stopping_) return;
-    if (auto s = connections_.find(epoch); s != connections_.end()) {
-      const bool closed = closed_by_peer(ec);
-      last_error_ = closed ? "the server closed the connection" : "socket error: " + ec.message();
-      on_broken_io(*s->second, closed ? "eof" : "socket_error", closed);
+    std::vector<std::uint64_t> ids = std::exchange(send_queue_, {});
+    writes.reserve(ids.size());
+    for (std::uint64_t id : ids) {
+      std::shared_ptr<pending_call> c = calls_.find(id);
+      if (!c) continue;  // released before it could be sent
+      auto sit = connections_.find(c->epoch);
+      if (sit == connections_.end() || sit->second->broken) {
+        calls_.take(id);
+        complete_locked(*c, call_result{call_status::closed, {}, "connection gone"});
+        continue;
+      }
+      c->sent_at = clock::now();
+      arm_deadline_locked(*c, c->sent_at + c->timeout);
+      c->sent = true;
+      writes.push_back(frame_write{sit->second->conn, c->epoch, std::move(c->bytes), c->fd});
     }
-  });
+  }
+  // The writes without the mutex: a sendmsg wakes the server, which may take this core from
+  // this thread. The connections are used on this thread only (a close as well), so none
+  // changes under them; a call that completes meanwhile (only on this thread, after these)
+  // was sent, which its handling above allowed for already.
+  for (frame_write& w : writes)
+    w.conn->async_write_frame(std::move(w.bytes), w.fd, [this, epoch = w.epoch](error_code ec) {
+      if (!ec || ec == boost::asio::error::operation_aborted) return;
+      std::lock_guard lg(mu_);
+      if (stopping_) return;
+      if (auto s = connections_.find(epoch); s != connections_.end()) {
+        const bool closed = closed_by_peer(ec);
+        last_error_ = closed ? "the server closed the connection" : "socket error: " + ec.message();
+        on_broken_io(*s->second, closed ? "eof" : "socket_error", closed);
+      }
+    });
 }
 
 inline void server_link::arm_deadline_locked(pending_call& c, clock::time_point at) {
@@ -202,6 +244,9 @@ boost::asio::awaitable<call_result> server_link::async_call(call_kind kind, std:
 inline boost::asio::awaitable<void> server_link::reader(std::shared_ptr<server_connection> s) {
   for (;;) {
     auto [ec, f] = co_await s->conn->async_read_frame(boost::asio::as_tuple(boost::asio::use_awaitable));
+    // Decoded before taking the mutex: the engine's threads do not wait for it.
+    std::optional<protocol::decode_result<protocol::message>> decoded;
+    if (!ec) decoded.emplace(protocol::decode_message(f));
     std::lock_guard g(mu_);
     if (stopping_) co_return;
     if (ec) {
@@ -220,18 +265,18 @@ inline boost::asio::awaitable<void> server_link::reader(std::shared_ptr<server_c
       }
       co_return;
     }
-    if (!on_frame_io(*s, std::move(f))) co_return;
+    send_lazy_locked();  // the thread runs anyway: what lazy issues queued goes now
+    if (!on_frame_io(*s, f.header.call_id, std::move(*decoded))) co_return;
   }
 }
 
-inline bool server_link::on_frame_io(server_connection& s, protocol::frame f) {
-  auto decoded = protocol::decode_message(f);
+inline bool server_link::on_frame_io(server_connection& s, std::uint64_t id,
+                                     protocol::decode_result<protocol::message> decoded) {
   if (!decoded) {
     last_error_ = "bad reply from the server: " + decoded.error().reason;
     on_broken_io(s, "protocol_error", false);
     return false;
   }
-  const std::uint64_t id = f.header.call_id;
   // Call ids start at 1: an error with id 0 answers no call but the connection itself (the
   // server refuses it and closes it: say why in last_error()).
   if (id == 0 && protocol::type_of(*decoded) == protocol::message_type::error_response) {
