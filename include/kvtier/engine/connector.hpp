@@ -307,6 +307,8 @@ class connector final : private detail::link_owner {
   template <class Msg>
   void send_notify_locked(const Msg& m, bool lazy = false);
   void publish_quarantine_locked(std::size_t held, std::size_t released);
+  /// block_reused's work for one block, under mu(): fences it unless quarantined (false).
+  bool reuse_block_locked(kv_region& region, std::uint32_t block);
   /// describe_chunks's argument checks (std::invalid_argument); the block size it sends.
   [[nodiscard]] std::uint32_t description_block_size(std::size_t chunks, std::size_t token_count,
                                                      std::string_view cache_salt,

@@ -274,12 +274,8 @@ std::vector<std::uint32_t> connector<Bus>::quarantined_blocks() const {
 template <class Bus>
 bool connector<Bus>::block_reused(std::uint32_t block) {
   kv_region& region = region_for("block_reused");
-  if (block >= region.layout().num_blocks)
-    throw std::out_of_range("kvtier::engine::connector::block_reused: block id out of range");
   std::lock_guard g(mu());
-  if (quarantine_.contains(block)) return false;
-  region.begin_reuse(block);
-  return true;
+  return reuse_block_locked(region, block);
 }
 
 template <class Bus>
@@ -287,15 +283,18 @@ std::vector<std::uint32_t> connector<Bus>::blocks_reused(std::span<const std::ui
   kv_region& region = region_for("blocks_reused");
   std::vector<std::uint32_t> refused;
   std::lock_guard g(mu());
-  for (std::uint32_t b : blocks) {
-    if (b >= region.layout().num_blocks)
-      throw std::out_of_range("kvtier::engine::connector::block_reused: block id out of range");
-    if (quarantine_.contains(b))
-      refused.push_back(b);
-    else
-      region.begin_reuse(b);
-  }
+  for (std::uint32_t b : blocks)
+    if (!reuse_block_locked(region, b)) refused.push_back(b);
   return refused;
+}
+
+template <class Bus>
+bool connector<Bus>::reuse_block_locked(kv_region& region, std::uint32_t block) {
+  if (block >= region.layout().num_blocks)
+    throw std::out_of_range("kvtier::engine::connector::block_reused: block id out of range");
+  if (quarantine_.contains(block)) return false;
+  region.begin_reuse(block);
+  return true;
 }
 
 template <class Bus>

@@ -142,7 +142,8 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
   };
   co_await fan_out(fs, items.size(), lanes, d, key_body);
 
-  // 6. Close; remove the temporary files of keys that did not commit; release their room.
+  // 6. Close; remove the files of keys that did not commit (temporary, or renamed but not
+  //    synced); release their room.
   store_leftovers left = close_stored(items, r);
   std::vector<error_code> unlink_errors;
   if (!left.temps.empty()) unlink_errors = co_await unlink_all(tmp_fd_, std::move(left.temps));
@@ -239,12 +240,14 @@ inline void disk_backend::adopt_temp_file(store_item& it, int fd) {
 
 inline disk_backend::store_leftovers disk_backend::close_stored(std::vector<store_item>& items, batch_result& r) {
   store_leftovers left;
+  std::vector<std::uint64_t> renamed_bytes;
   for (auto& it : items) {
     if (it.fd >= 0) ::close(it.fd);
     if (it.committed) {
       left.dirty.set(detail::shard_of(it.key));
     } else if (it.renamed) {
       left.renamed.push_back(it.path);
+      renamed_bytes.push_back(detail::object_file_bytes(it.src.size()));
     } else if (it.created) {
       left.temps.push_back(it.temp);
       left.bytes.push_back(detail::object_file_bytes(it.src.size()));
@@ -252,8 +255,7 @@ inline disk_backend::store_leftovers disk_backend::close_stored(std::vector<stor
     if (it.outcome == key_outcome::timeout) ++left.timeouts;
     r.outcomes[it.index] = it.outcome;
   }
-  for (const auto& it : items)
-    if (!it.committed && it.renamed) left.bytes.push_back(detail::object_file_bytes(it.src.size()));
+  left.bytes.insert(left.bytes.end(), renamed_bytes.begin(), renamed_bytes.end());  // temps first, then renamed
   return left;
 }
 
