@@ -488,6 +488,93 @@ TEST_CASE("an abandoned update drops the object it was overwriting", "[l1][tier]
   CHECK(f.l1->usage().evictable == 0);
 }
 
+// ----------------------------------------------------------------------------------------
+// readers of a verified prefix (reserve_unfinished_read: the layer-wise L2 hit)
+// ----------------------------------------------------------------------------------------
+namespace {
+std::vector<status> read_unfinished(fixture& f, const std::vector<chunk_key>& ks,
+                                    std::vector<std::span<const std::byte>>& views) {
+  std::vector<status> out(ks.size());
+  views.assign(ks.size(), {});
+  f.l1->reserve_unfinished_read(ks, out, views);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("a key being written gives a prefix reader its memory and one pinned hold", "[l1][tier][unfinished]") {
+  fixture f;
+  std::vector<std::span<std::byte>> buffers(1);
+  std::vector<status> st(1);
+  REQUIRE(f.l1->reserve_write(keys({1}), 1000, {}, st, buffers) == 1);
+  make_ready(f, keys({2}));
+  std::vector<std::span<const std::byte>> views;
+  CHECK(read_unfinished(f, keys({1, 2, 9}), views) ==
+        std::vector<status>{status::success, status::wrong_state, status::not_found});
+  CHECK(views[0].data() == buffers[0].data());
+  CHECK(views[0].size() == 1000);
+  CHECK(views[1].empty());
+  CHECK(f.l1->state(key(1)) == object_state::write_locked);  // still being written, not readable
+  CHECK(f.read(keys({1})) == all(1, status::not_readable));
+  CHECK(f.counts->read_holds_taken == 1);
+  // The write finishes: the object is readable and the prefix reader's hold stays on it.
+  CHECK(f.finish(keys({1})) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::read_locked);
+  CHECK(f.unread(keys({1}), 0, lock_lifetime::pinned) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::ready);
+  CHECK(f.counts->read_holds_released == 1);
+}
+
+TEST_CASE("an abandoned write keeps its memory until its prefix readers let go", "[l1][tier][unfinished]") {
+  fixture f(2);
+  std::vector<std::span<std::byte>> buffers(1);
+  std::vector<status> st(1);
+  REQUIRE(f.l1->reserve_write(keys({1}), 1000, {}, st, buffers) == 1);
+  std::memset(buffers[0].data(), 0x5a, 1000);
+  std::vector<std::span<const std::byte>> views;
+  REQUIRE(read_unfinished(f, keys({1}), views) == all(1, status::success));
+  CHECK(f.abandon(keys({1})) == all(1, status::success));
+  // Gone for everyone else: lookups miss, a new write of the key is refused, nothing takes the slot.
+  CHECK(f.l1->state(key(1)) == object_state::removing);
+  CHECK(f.read(keys({1})) == all(1, status::not_found));
+  CHECK(f.write(keys({1})) == all(1, status::not_writable));
+  CHECK(f.l1->usage().slots_used == 1);
+  CHECK(f.counts->removed_as(bus::removal_reason::abandoned) == 1);
+  REQUIRE(f.write(keys({2})) == all(1, status::success));
+  CHECK(f.write(keys({3})) == all(1, status::out_of_memory));  // the abandoned slot is still taken
+  CHECK(std::all_of(views[0].begin(), views[0].end(), [](std::byte b) { return b == std::byte{0x5a}; }));
+  CHECK(read_unfinished(f, keys({1}), views) == all(1, status::not_found));  // no new readers
+  // The last hold frees it, counted once.
+  CHECK(f.unread(keys({1}), 0, lock_lifetime::pinned) == all(1, status::success));
+  CHECK(f.l1->state(key(1)) == object_state::absent);
+  CHECK(f.l1->usage().slots_used == 1);  // key 2's
+  CHECK(f.l1->usage().removing == 0);
+  CHECK(f.counts->removed_as(bus::removal_reason::abandoned) == 1);
+  CHECK(f.write(keys({1})) == all(1, status::success));
+}
+
+TEST_CASE("a write with a prefix reader that expires, or is removed, is freed with the last hold",
+          "[l1][tier][unfinished]") {
+  fixture f;
+  write_options expiring, pinned;
+  expiring.lock = lock_lifetime::expiring;
+  pinned.lock = lock_lifetime::pinned;
+  REQUIRE(f.write(keys({1}), expiring) == all(1, status::success));
+  REQUIRE(f.write(keys({2}), pinned) == all(1, status::success));
+  std::vector<std::span<const std::byte>> views;
+  REQUIRE(read_unfinished(f, keys({1, 2}), views) == all(2, status::success));
+  f.clock.advance(f.options.write_lock_ttl + seconds(1));
+  CHECK(f.l1->expire_locks() == 1);
+  CHECK(f.l1->state(key(1)) == object_state::removing);
+  CHECK(f.remove(keys({2}), true) == all(1, status::success));
+  CHECK(f.l1->clear(true) == 0);  // neither is counted again
+  CHECK(f.finish(keys({2})) == all(1, status::not_found));  // the write ends; the reader still holds it
+  CHECK(f.l1->usage().slots_used == 2);
+  CHECK(f.unread(keys({1, 2}), 0, lock_lifetime::pinned) == all(2, status::success));
+  CHECK(f.l1->usage().slots_used == 0);
+  CHECK(f.l1->usage().removing == 0);
+  CHECK(f.counts->removed_total() == 2);
+}
+
 TEST_CASE("finish_write_and_reserve_read is atomic and not counted as a finished write", "[l1][tier]") {
   fixture f;
   write_options o;

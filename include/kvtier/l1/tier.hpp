@@ -282,6 +282,19 @@ class tier {
   std::size_t read_views(std::span<const chunk_key> keys, std::span<status> out,
                          std::span<std::span<const std::byte>> views);
 
+  /// Takes one pinned read hold on each key being written and gives its memory (object_bytes
+  /// bytes): for a reader of the bytes its writer told final before the write finished (a
+  /// prefetch's load whose backend verified a prefix: l2::load_observer), the layer-wise L2
+  /// hit. The reader reads only those bytes; the writer keeps writing the rest. The hold keeps
+  /// the memory: a write that finishes leaves the hold on the now readable object; one that is
+  /// abandoned (a later part failed) or whose lock expires leaves the tier at once (lookups
+  /// miss, a new write of the key answers not_writable) and its memory is freed with the last
+  /// hold. Released with finish_read(keys, 0, pinned). Answers: not_found (absent or
+  /// removing), wrong_state (not being written). Publishes l1_read_reserved (the holds
+  /// balance finish_read's).
+  std::size_t reserve_unfinished_read(std::span<const chunk_key> keys, std::span<status> out,
+                                      std::span<std::span<const std::byte>> views);
+
   /// Counts a read of ready objects for the policy without locking them (LMCache's
   /// touch_keys). Returns how many were readable.
   std::size_t touch(std::span<const chunk_key> keys);
@@ -446,10 +459,12 @@ class tier {
 
   // An entry leaving the tier (impl/tier_entry.hpp).
   bool release_if_done(entry& e, tally& t);
-  void drop_unfinished_write(entry& e, tally& t);
+  /// Ends a write that never finished: the object leaves the tier, freed now, or with the
+  /// last hold of a reader of its verified prefix (reserve_unfinished_read). True when freed.
+  bool drop_unfinished_write(entry& e, tally& t);
   void count_removal(entry& e, bus::removal_reason reason, tally& t);
   void remove_object(entry& e, bus::removal_reason reason, tally& t);
-  void mark_removing(entry& e, tally& t);
+  void mark_removing(entry& e, tally& t, bus::removal_reason reason = bus::removal_reason::deleted);
   void free_removed(entry& e);
 
   // Expiry (impl/tier_expiry.hpp) and room for new objects (impl/tier_allocation.hpp).

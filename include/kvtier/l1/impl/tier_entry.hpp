@@ -128,12 +128,17 @@ bool tier<Policy, Bus>::release_if_done(entry& e, tally& t) {
 }
 
 template <class Policy, class Bus>
-void tier<Policy, Bus>::drop_unfinished_write(entry& e, tally& t) {
+bool tier<Policy, Bus>::drop_unfinished_write(entry& e, tally& t) {
   unlock_write(e);
+  if (e.readers() > 0) {  // a reader of its verified prefix still copies: freed at its last hold
+    if (!e.removing) mark_removing(e, t, bus::removal_reason::abandoned);
+    return false;
+  }
   if (e.removing)
     free_removed(e);  // already counted when it was removed
   else
     remove_object(e, bus::removal_reason::abandoned, t);
+  return true;
 }
 
 // Counts the removal for l1_keys_evicted and, when the object was announced, logs its key
@@ -165,8 +170,8 @@ void tier<Policy, Bus>::remove_object(entry& e, bus::removal_reason reason, tall
 }
 
 template <class Policy, class Bus>
-void tier<Policy, Bus>::mark_removing(entry& e, tally& t) {
-  count_removal(e, bus::removal_reason::deleted, t);
+void tier<Policy, Bus>::mark_removing(entry& e, tally& t, bus::removal_reason reason) {
+  count_removal(e, reason, t);
   policy_leave(e);
   e.removing = true;
   --objects_;

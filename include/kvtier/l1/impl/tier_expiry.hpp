@@ -24,8 +24,7 @@ bool tier<Policy, Bus>::expire(entry& e, lazy_now& now, tally& t) {
     // The writer went silent: its data never completed, so the object goes (an update
     // that expires loses the old object too, its memory was being overwritten).
     ++t.expired[static_cast<std::size_t>(bus::lock_kind::write)];
-    drop_unfinished_write(e, t);
-    return true;
+    return drop_unfinished_write(e, t);  // false: a prefix reader keeps it (removing)
   }
   if (e.expiring_readers > 0 && now() >= e.read_deadline) {
     ++t.expired[static_cast<std::size_t>(bus::lock_kind::read)];

@@ -61,6 +61,24 @@ std::size_t tier<Policy, Bus>::read_views(std::span<const chunk_key> keys, std::
 }
 
 template <class Policy, class Bus>
+std::size_t tier<Policy, Bus>::reserve_unfinished_read(std::span<const chunk_key> keys, std::span<status> out,
+                                                       std::span<std::span<const std::byte>> views) {
+  check_span(keys.size(), out.size(), "out");
+  check_span(keys.size(), views.size(), "views");
+  const std::size_t ok = for_each_key(keys, out, [&](entry* e, std::size_t i, lazy_now& now, tally&) {
+    views[i] = {};
+    if (e == nullptr || e->removing) return status::not_found;
+    if (!e->write_locked) return status::wrong_state;
+    add_readers(*e, lock_lifetime::pinned, 1, now);
+    views[i] = {slots_.data(e->slot), e->bytes};
+    return status::success;
+  });
+  bus_.publish(bus::l1_read_reserved{static_cast<std::uint32_t>(ok), static_cast<std::uint32_t>(keys.size() - ok),
+                                     static_cast<std::uint32_t>(ok)});
+  return ok;
+}
+
+template <class Policy, class Bus>
 std::size_t tier<Policy, Bus>::touch(std::span<const chunk_key> keys) {
   return for_each_key(keys, {}, [&](entry* e, std::size_t, lazy_now&, tally&) {
     if (e == nullptr || e->removing || e->write_locked || !e->in_policy) return status::not_found;

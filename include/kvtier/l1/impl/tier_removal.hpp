@@ -33,7 +33,7 @@ std::size_t tier<Policy, Bus>::clear(bool force) {
     for (std::size_t s = 0; s < options_.slot_count; ++s) {
       entry& e = entries_[s];
       if (!slots_.is_allocated(e.slot) || e.removing) continue;
-      if (expire(e, now, t)) continue;
+      if (expire(e, now, t) || e.removing) continue;  // gone, or left with a prefix reader
       if (!e.locked()) {
         remove_object(e, bus::removal_reason::deleted, t);
         ++removed;
@@ -54,7 +54,7 @@ removal_summary tier<Policy, Bus>::remove_if(Pred&& pred, bool force) {
     for (std::size_t s = 0; s < options_.slot_count; ++s) {
       entry& e = entries_[s];
       if (!slots_.is_allocated(e.slot) || e.removing) continue;
-      if (expire(e, now, t)) continue;
+      if (expire(e, now, t) || e.removing) continue;  // gone, or left with a prefix reader
       if (!pred(static_cast<const chunk_key&>(e.key))) continue;
       const std::size_t bytes = e.bytes;
       if (!e.locked()) {

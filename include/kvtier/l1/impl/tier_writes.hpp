@@ -139,10 +139,11 @@ std::size_t tier<Policy, Bus>::finish_write_impl(std::span<const chunk_key> keys
   return for_each_key(keys, out, [&](entry* e, std::size_t i, lazy_now& now, tally& t) {
     if (e == nullptr) return status::not_found;
     if (e->removing) {
-      // Removed while being written: the write is over, so its memory can go now.
+      // Removed while being written: the write is over, so its memory can go now (or with
+      // the last hold of a reader of its verified prefix).
       if (e->write_locked) {
         unlock_write(*e);
-        free_removed(*e);
+        if (e->readers() == 0) free_removed(*e);
       }
       return status::not_found;
     }
