@@ -7,7 +7,9 @@
 // Input: two bytes of choices, then the file's bytes.
 //   [0] bit 0  fix the header checksum (bytes 64..71 := XXH3-64 of bytes 0..63), so the
 //              fuzzer gets past it and exercises what follows
-//       bit 1  fix the payload checksum (bytes 56..63 := XXH3-64 of the payload)
+//       bit 1  fix the payload checksum (bytes 56..63 := XXH3-64 of the payload; for a
+//              segmented object (flags bit 0), fix each segment's checksum in the table and
+//              the table's checksum instead)
 //       bit 2  name the file after the key in its header (else after a fixed key)
 //       bit 3  put the file in the wrong shard directory
 //       bit 4  pad (or cut) the file to the size its header claims, when that is <= 64 KiB
@@ -19,8 +21,9 @@
 //       when odd
 //
 // Oracle: an independent check of the format (docs/l2-disk.md: magic, version, header size,
-// header checksum, key == the file name's key, flags 0, file size == 4 KiB + padded payload,
-// payload checksum) says whether the file is a servable object. decode_header and
+// header checksum, key == the file name's key, flags 0 or 1 (segmented: a valid segment table
+// whose checksum is the header's payload checksum), file size == 4 KiB + padded payload,
+// payload checksum or every segment's checksum) says whether the file is a servable object. decode_header and
 // check_object agree with it, and a decoded header re-encodes to the same 72 bytes; the
 // scan recovers the object exactly when it is servable (and then a load gives back exactly
 // its payload), and drops (deletes) the file otherwise. A name that parses re-encodes to
@@ -83,18 +86,38 @@ bool header_valid(const std::vector<std::byte>& f) {
   return f.size() >= 72 && le(f, 0, 8) == 0x4B5654494552424FULL && le(f, 8, 4) == 1 && le(f, 12, 4) == 72 &&
          le(f, 64, 8) == XXH3_64bits(f.data(), 64);
 }
-// Everything but the payload checksum (what check_object judges from the header block).
+// A segmented object's table (docs/l2-disk.md, "Segments"): at byte 72 the segment size (a
+// multiple of 4 KiB, > 0), at 80 the count (ceil(payload / size), 1..501), at 84 zero, then
+// the count's XXH3-64 of each segment; the header's payload checksum is the XXH3-64 of those
+// 16 + 8 * count bytes. 0: not a valid table; else the count.
+std::uint64_t table_segments(const std::vector<std::byte>& f) {
+  const std::uint64_t payload = le(f, 48, 8), seg = le(f, 72, 8), count = le(f, 80, 4);
+  if (seg == 0 || seg % 4096 != 0 || le(f, 84, 4) != 0 || payload == 0) return 0;
+  if (count != (payload + seg - 1) / seg || count > 501) return 0;
+  return le(f, 56, 8) == XXH3_64bits(f.data() + 72, 16 + 8 * count) ? count : 0;
+}
+// Everything but the payload's checksums (what check_object judges from the header block).
 bool header_ok(const std::vector<std::byte>& f, const chunk_key& named) {
   if (f.size() < 4096 || !header_valid(f)) return false;
   const auto k = named.encode();
   if (std::memcmp(f.data() + 16, k.data(), k.size()) != 0) return false;
-  if (le(f, 44, 4) != 0) return false;
+  const std::uint64_t flags = le(f, 44, 4);
+  if (flags > 1) return false;
   const std::uint64_t payload = le(f, 48, 8);
   if (payload > (std::uint64_t{1} << 40)) return false;
-  return f.size() == 4096 + (payload + 4095) / 4096 * 4096;
+  if (f.size() != 4096 + (payload + 4095) / 4096 * 4096) return false;
+  return flags == 0 || table_segments(f) != 0;
 }
 bool servable(const std::vector<std::byte>& f, const chunk_key& named) {
-  return header_ok(f, named) && le(f, 56, 8) == XXH3_64bits(f.data() + 4096, le(f, 48, 8));
+  if (!header_ok(f, named)) return false;
+  const std::uint64_t payload = le(f, 48, 8);
+  if (le(f, 44, 4) == 0) return le(f, 56, 8) == XXH3_64bits(f.data() + 4096, payload);
+  const std::uint64_t seg = le(f, 72, 8), count = table_segments(f);
+  for (std::uint64_t s = 0; s < count; ++s) {
+    const std::uint64_t len = std::min(seg, payload - s * seg);
+    if (le(f, 88 + 8 * s, 8) != XXH3_64bits(f.data() + 4096 + s * seg, len)) return false;
+  }
+  return true;
 }
 
 // The scan's directory: made once (mode 0700, ours), emptied after each input.
@@ -210,8 +233,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   if ((flags & 2) && file.size() >= 72) {
     const std::uint64_t payload = le(file, 48, 8);
-    if (payload <= file.size() - std::min<std::size_t>(file.size(), 4096) && file.size() >= 4096)
-      put_le(file, 56, XXH3_64bits(file.data() + 4096, payload));
+    if (payload <= file.size() - std::min<std::size_t>(file.size(), 4096) && file.size() >= 4096) {
+      const std::uint64_t seg = le(file, 72, 8), count = le(file, 80, 4);
+      if ((le(file, 44, 4) & 1) != 0 && seg != 0 && count <= 501 && count * seg >= payload) {
+        for (std::uint64_t s = 0; s < count && s * seg < payload; ++s)
+          put_le(file, 88 + 8 * s, XXH3_64bits(file.data() + 4096 + s * seg, std::min(seg, payload - s * seg)));
+        put_le(file, 56, XXH3_64bits(file.data() + 72, 16 + 8 * count));
+      } else {
+        put_le(file, 56, XXH3_64bits(file.data() + 4096, payload));
+      }
+    }
   }
   if ((flags & 1) && file.size() >= 72) put_le(file, 64, XXH3_64bits(file.data(), 64));
 

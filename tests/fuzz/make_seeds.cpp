@@ -237,6 +237,30 @@ void add_disk_objects(std::vector<seed>& out) {
   object("valid-empty-payload-scanned", 0x24, 0);
   object("valid-5000-byte-payload-scanned", 0x24, 5000);
   object("valid-4096-byte-payload-unscanned", 0x04, 4096);
+  // A segmented object, as the backend writes every non-empty one (3 segments of 4 KiB, the
+  // last short: the smallest a table allows); flags 0x26 = scan, named by its key, fix the
+  // segment checksums.
+  {
+    const std::size_t payload_bytes = 2 * 4096 + 100, seg = 4096;
+    bytes payload(payload_bytes);
+    for (std::size_t i = 0; i < payload.size(); ++i) payload[i] = static_cast<std::byte>(i * 13 + 1);
+    bytes file(l2::detail::object_file_bytes(payload.size()));
+    const auto table = std::span<std::byte>(file).subspan(l2::object_header_bytes, 4096 - l2::object_header_bytes);
+    l2::encode_segment_table(seg, 3, table);
+    for (std::size_t s = 0; s < 3; ++s)
+      l2::put_segment_checksum(
+          table, s, l2::payload_checksum(std::span<const std::byte>(payload).subspan(s * seg, std::min(seg, payload_bytes - s * seg))));
+    l2::object_header h;
+    h.key = kvtier::chunk_key{0xd15c, 2, 1, kvtier::hash128{0xabc, 0xdef}};
+    h.payload_bytes = payload.size();
+    h.flags = l2::object_flag_segmented;
+    h.payload_checksum = l2::segment_table_checksum(table, 3);
+    l2::encode_header(h, std::span<std::byte, l2::object_header_bytes>(file.data(), l2::object_header_bytes));
+    std::memcpy(file.data() + 4096, payload.data(), payload.size());
+    bytes s = of({0x26, 0});
+    append(s, file);
+    out.push_back({"disk_object/valid-segmented-scanned", std::move(s)});
+  }
   bytes name = of({0, 1});
   const auto p = l2::detail::object_path_of(kvtier::chunk_key{1, 1, 0, kvtier::hash128{2, 3}});
   append(name, p.view().substr(3));

@@ -6,7 +6,8 @@
 //            says when n have arrived);
 //   loads    copy the keys it holds (ok; the others not_found); a held load (one at a time)
 //            waits for the test to land or fail its keys one at a time and complete it (an
-//            observable_load_backend: it tells each key as it lands);
+//            observable_load_backend: it tells each key as it lands, and a verified prefix
+//            of a key when the test says so: verify);
 //   stores and removes succeed at once and change nothing.
 // A completion runs on the backend's executor, then on the handler's associated executor.
 
@@ -135,6 +136,17 @@ class stub_backend {
 
   /// Lands key j of the pending load (copies its bytes, tells the observer).
   void land(std::size_t j) { land(*load_, j); }
+  /// Verifies the first `bytes` bytes of key j of the pending load (copies them, tells the
+  /// observer that prefix), as the disk backend does segment by segment.
+  void verify(std::size_t j, std::size_t bytes) {
+    std::memcpy(load_->dst[j].data(), objects_.at(load_->keys[j]).data(), bytes);
+    if (load_->observer) load_->observer(j, bytes);
+  }
+  /// Writes `bytes` of garbage at `offset` of key j's destination (a read still landing
+  /// there), telling nobody.
+  void scribble(std::size_t j, std::size_t offset, std::size_t bytes) {
+    std::memset(load_->dst[j].data() + offset, 0xee, bytes);
+  }
   /// Fails key j of the pending load (told at the completion only, as a backend does).
   void fail(std::size_t j) { load_->result.outcomes[j] = l2::key_outcome::io_error; }
   /// Completes the pending load: keys neither landed nor failed answer timeout.
@@ -164,7 +176,7 @@ class stub_backend {
     const auto& bytes = objects_.at(l.keys[j]);
     std::memcpy(l.dst[j].data(), bytes.data(), bytes.size());
     l.result.outcomes[j] = l2::key_outcome::ok;
-    if (l.observer) l.observer(j);
+    if (l.observer) l.observer(j, l.dst[j].size());
   }
 
   /// Which of `keys` it holds.

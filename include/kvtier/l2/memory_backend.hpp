@@ -218,7 +218,7 @@ class memory_backend : public detail::coroutine_backend<memory_backend> {
       }
       if (!co_await wait_until(*finish)) co_return batch_tuple{boost::asio::error::operation_aborted, r};
       r.outcomes[i] = copy_out(keys[i], destinations[i]);
-      if (observer && r.outcomes[i] == key_outcome::ok) observer(i);
+      if (observer && r.outcomes[i] == key_outcome::ok) observer(i, destinations[i].size());
     }
     co_return batch_tuple{error_code{}, r};
   }

@@ -71,13 +71,20 @@ struct batch_result {
   }
 };
 
-/// Told, on the backend's executor, that key `index` of a load batch has landed and passed
-/// its integrity check: its outcome will be ok and nothing writes its destination any more,
-/// so the caller may read it before the whole batch completes (the pipelined L2 hit). A
-/// backend that supports it (observable_load_backend, concepts.hpp) calls it at most once per
-/// key, before the operation completes; keys it is not called for are settled by the
-/// completion as usual. It must not block: post the work elsewhere.
-using load_observer = std::function<void(std::size_t index)>;
+/// Told, on the backend's executor, how much of key `index` of a load batch has landed and
+/// passed its integrity check: bytes [0, verified_bytes) of its destination are final (they
+/// hold the stored object's bytes, checked, and nothing writes them any more), so the caller
+/// may read them before the key, or the whole batch, completes (the pipelined L2 hit; a
+/// layer-wise retrieve reads the first layers of a chunk before its last ones land).
+/// verified_bytes == the destination's size: the key landed, its outcome will be ok and
+/// nothing writes any of its destination. A key whose later bytes then fail (a corrupt
+/// segment, an I/O error, the deadline) still completes with that failure: the bytes told
+/// stay the stored object's bytes, but the key is not ok. A backend that supports it
+/// (observable_load_backend, concepts.hpp) calls it with growing verified_bytes, at most once
+/// with the whole size, before the operation completes; a backend that verifies whole objects
+/// only tells the whole size. Keys it is not called for are settled by the completion as
+/// usual. It must not block: post the work elsewhere.
+using load_observer = std::function<void(std::size_t index, std::size_t verified_bytes)>;
 
 /// Bytes on the backend, as the backend measures them (the disk backend counts bytes actually
 /// allocated on the file system, not logical sizes).

@@ -71,6 +71,13 @@ struct prefetch_request {
   /// Set: answer when decided and tell each key still loading with on_key(index, landed)
   /// (docs/pipelines.md, step 6). Runs on the controller's executor; must not call into it.
   std::function<void(std::size_t, bool)> on_key;
+  /// Set (with on_key): told on_verified(index, bytes) when a key this request loads itself,
+  /// still loading, has its first `bytes` bytes verified and final in its L1 slot (the
+  /// backend told: l2::load_observer), before it lands. The slot is still write-locked; the
+  /// call runs on the controller's executor before the key can be finalized, so a reader may
+  /// take l1::tier::reserve_unfinished_read on it from inside the call and read those bytes.
+  /// Must not call into the controller.
+  std::function<void(std::size_t, std::size_t)> on_verified;
   /// The load-or-recompute gate (0: off, offer everything): the engine's prefill rate, and
   /// what a chunk is (keys per chunk, its tokens).
   std::uint64_t prefill_tokens_per_second = 0;
@@ -427,6 +434,15 @@ class prefetch_controller {
   boost::asio::awaitable<void> load_task(std::shared_ptr<state> sp, std::size_t b, bitmap mine);
   // Step 6: the completion events of a request that submitted loads.
   void publish_load_completed(const state& s, std::size_t submitted);
+
+  // A prefix of a key of a load in flight was verified (the backend told): pass it on while
+  // the key is still write-locked for this request (not finalized: settled is clear).
+  void verified(const std::shared_ptr<state>& sp, std::size_t i, std::size_t bytes) {
+    state& s = *sp;
+    if (i >= s.settled.size() || s.settled.test(i) || s.keys[i] != key_state::loading) return;
+    if (stopping() || s.gave_up || !decides(s) || !s.req.on_verified) return;
+    s.req.on_verified(i, bytes);
+  }
 
   // One key of a load in flight landed (the backend told): finalize it now.
   void land(const std::shared_ptr<state>& sp, std::size_t i) {

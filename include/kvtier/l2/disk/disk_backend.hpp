@@ -162,9 +162,14 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   //                         evicted) until unpin();
   //   async_load            void(error_code, batch_result); docs/l2-disk.md, "Reading
   //                         objects" and "Deadlines and the buffer contract".
-  //                         With a load_observer, each key is told as soon as all its parts
-  //                         landed and its checksum matched, so the caller can use it while
-  //                         the rest of the batch is read;
+  //                         Reads go segment-major (every key's header block, then segment
+  //                         0 of every key, then segment 1, ...). With a load_observer, each
+  //                         key is told its verified prefix each time it grows (segments
+  //                         0..s landed and matched their checksums: verified_bytes = end of
+  //                         segment s), and its whole size once every segment verified (only
+  //                         then is it ok), so the caller can use its first layers while the
+  //                         rest of the batch is read; an unsegmented object (written by an
+  //                         earlier version) is told once, whole;
   //   async_store           void(error_code, batch_result): ok, exists, no_space, io_error,
   //                         timeout per key;
   //   async_remove          void(error_code, batch_result): ok, not_found, rejected (pinned,
@@ -256,8 +261,10 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   void recover();
   /// Checks one entry of a shard directory; recovers it into scan.all, drops it, or leaves it alone.
   void scan_object_file(recovery_scan& scan, unsigned shard, const std::string& name);
-  /// verify_on_start: why the payload of the object open as fd fails its check, or empty.
-  static std::string_view check_payload(int fd, const object_header& h, aligned_buffer& scratch);
+  /// verify_on_start: why the payload of the object open as fd (its header h, from
+  /// header_block) fails its checksum, or each segment's, or empty.
+  static std::string_view check_payload(int fd, const object_header& h, std::span<const std::byte> header_block,
+                                        aligned_buffer& scratch);
   /// Deletes an object file found bad at start-up; counts it and warns about the first eight.
   void drop_at_start(recovery_scan& scan, int dirfd, const std::string& name, std::string_view why);
   void close_fds() noexcept;
@@ -283,8 +290,11 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   /// payload of `bytes` at `data`.
   void prepare_item(object_item& it, std::uint32_t j, const std::byte* data, std::size_t bytes, std::byte* blocks,
                     hash_state& hash);
-  /// Appends the parts of item's payload: part_bytes parts, then its partial last block.
-  void add_payload_parts(std::vector<part>& parts, const object_item& it, std::uint32_t item, std::size_t bytes) const;
+  /// Appends the parts of the bytes [from, to) of item's payload (one segment, or the whole
+  /// payload when unsegmented): part_bytes parts, then its partial last block when `to` is
+  /// past the last whole block; the last part added is marked segment_end.
+  void add_payload_parts(std::vector<part>& parts, const object_item& it, std::uint32_t item, std::size_t from,
+                         std::size_t to) const;
   /// The outcome of a key whose I/O failed with ec (not ENOSPC): timeout when cancelled,
   /// unavailable when shutting down, else io_error.
   static key_outcome outcome_of_failure(const error_code& ec) noexcept;
@@ -301,13 +311,24 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   /// Step 1, under the mutex: answers the keys absent or of another size, touches the others.
   std::vector<load_item> plan_load(std::span<const chunk_key> keys, std::span<const std::span<std::byte>> destinations,
                                    const load_observer& observer, batch_result& r);
-  /// Step 2: the parts of every item (header, payload, tail), its blocks in `blocks`.
+  /// Step 2: the parts of every item, its blocks in `blocks`: every header block, then
+  /// segment 0 of every item, segment 1 of every item, ... (payload parts, tail).
   std::vector<part> load_parts(std::vector<load_item>& items, std::byte* blocks, std::vector<hash_state>& hashes);
   /// Step 3: item's file could not be opened (ENOENT: removed behind our back, forgotten).
   void fail_open(load_item& it, const error_code& ec);
   void part_loaded(std::vector<load_item>& items, std::vector<part>& parts, std::size_t i, const error_code& ec,
                    std::size_t got);
+  /// item's header block landed: whether it decodes, names the key, has known flags, the
+  /// destination's length, and the segment table (valid, chained to the header by its
+  /// checksum) the index recorded; fails the item corrupt when not.
+  bool check_header(load_item& it);
+  /// Feeds item's checksum with its landed payload prefix, in payload order, checks each
+  /// segment that completed once the header landed, tells the observer of each verified
+  /// prefix, and completes the item when its last segment verified.
+  void verify_landed(load_item& it, std::vector<part>& parts);
   void fail_load(load_item& it, const error_code& ec);
+  void fail_corrupt(load_item& it, std::string_view why);
+  /// Every segment of item verified: ok, told whole.
   void verify_loaded(load_item& it);
   // The steps of a store (impl/disk_store.hpp).
   /// Step 1, under the mutex: answers the keys that exist or find no room, reserves room for the

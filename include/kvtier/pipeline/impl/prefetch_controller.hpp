@@ -234,8 +234,11 @@ boost::asio::awaitable<void> prefetch_controller<Tier, PlanPolicy, Bus>::load_ta
   const auto t0 = l2::clock::now();
   // Each key that lands (backends that tell) is finalized at once, on our executor.
   auto where = std::make_shared<const std::vector<std::size_t>>(idx);
-  l2::load_observer landed = [this, sp, where](std::size_t j) {
-    tracker_.post(executor_, [this, sp, where, j] { land(sp, (*where)[j]); });
+  l2::load_observer landed = [this, sp, where, whole = s.req.object_bytes](std::size_t j, std::size_t told) {
+    if (told >= whole)
+      tracker_.post(executor_, [this, sp, where, j] { land(sp, (*where)[j]); });
+    else if (sp->req.on_verified)
+      tracker_.post(executor_, [this, sp, where, j, told] { verified(sp, (*where)[j], told); });
   };
   auto [ec, result] = co_await backends_[b].async_load(keys, dst, t0 + options_.load_timeout, std::move(landed),
                                                        boost::asio::as_tuple(boost::asio::use_awaitable));

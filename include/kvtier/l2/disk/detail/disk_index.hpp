@@ -38,6 +38,9 @@ enum class entry_state : std::uint8_t { writing, ready, removing, stuck };
 
 struct disk_entry {
   std::uint64_t payload_bytes = 0;
+  /// The object's segment size (its table's; loads split their reads at its boundaries), 0
+  /// for an unsegmented object (one checksum over the whole payload: earlier versions', or empty).
+  std::uint64_t segment_bytes = 0;
   std::uint64_t allocated_bytes = 0;
   std::uint64_t generation = 0;
   std::uint32_t pins = 0;
@@ -71,9 +74,11 @@ class disk_index {
   }
 
   /// A recovered object, ready at once; call in eviction order (oldest first).
-  void add_ready(const chunk_key& k, std::uint64_t payload, std::uint64_t allocated, std::uint64_t generation) {
+  void add_ready(const chunk_key& k, std::uint64_t payload, std::uint64_t allocated, std::uint64_t generation,
+                 std::uint64_t segment_bytes = 0) {
     disk_entry e;
     e.payload_bytes = payload;
+    e.segment_bytes = segment_bytes;
     e.allocated_bytes = allocated;
     e.generation = generation;
     e.state = entry_state::ready;
@@ -84,10 +89,11 @@ class disk_index {
   }
 
   /// Reserves `estimate` bytes for a store of k (absent). Returns the new entry.
-  disk_entry& begin_write(const chunk_key& k, std::uint64_t payload, std::uint64_t estimate,
-                          std::uint64_t generation) {
+  disk_entry& begin_write(const chunk_key& k, std::uint64_t payload, std::uint64_t estimate, std::uint64_t generation,
+                          std::uint64_t segment_bytes = 0) {
     disk_entry e;
     e.payload_bytes = payload;
+    e.segment_bytes = segment_bytes;
     e.allocated_bytes = estimate;
     e.generation = generation;
     e.state = entry_state::writing;

@@ -108,19 +108,23 @@ struct disk_backend::fan_state {
 enum class part_kind : std::uint8_t { header, payload, tail };
 
 /// One read or write of a load or store: a 4 KiB header block, a payload part, or the
-/// payload's last partial block (through a bounce block).
+/// payload's last partial block (through a bounce block). A payload or tail part never
+/// crosses a segment boundary.
 struct disk_backend::part {
+  static constexpr std::size_t none = ~std::size_t{0};
   std::uint32_t item = 0;
   part_kind kind = part_kind::payload;
   bool landed = false;       ///< load: its bytes are in the destination
   std::uint64_t offset = 0;  ///< in the payload (payload and tail parts)
   std::size_t len = 0;
+  bool segment_end = false;  ///< the last part of its segment (of the payload, when unsegmented)
+  std::size_t next = none;   ///< load: the index of its item's next payload part, in payload order
 };
 
-/// The payload checksum is computed in part-sized steps as the bytes go by (XXH3 streaming),
-/// never in one pass over a whole 32 MiB object: one pass costs ~2.5 ms of the I/O thread,
-/// during which completed parts are not replaced and the device queue drains; 1 MiB steps
-/// (~80 us) keep it full.
+/// The payload checksums (one per segment) are computed in part-sized steps as the bytes go
+/// by (XXH3 streaming), never in one pass over a whole 32 MiB object: one pass costs ~2.5 ms
+/// of the I/O thread, during which completed parts are not replaced and the device queue
+/// drains; 1 MiB steps (~80 us) keep it full.
 struct alignas(64) disk_backend::hash_state {
   XXH3_state_t state;
 };
@@ -137,7 +141,9 @@ struct disk_backend::object_item {
   std::byte* header = nullptr;    ///< 4 KiB block of ours
   std::byte* tail = nullptr;      ///< 4 KiB bounce block for a partial last block
   unsigned parts_left = 0;
-  XXH3_state_t* hash = nullptr;  ///< the payload checksum, fed in payload order
+  XXH3_state_t* hash = nullptr;  ///< the checksum of the current segment, fed in payload order
+  /// The segment size (0: unsegmented, one checksum over the whole payload).
+  std::uint64_t segment_bytes = 0;
   bool failed = false;
   key_outcome outcome = key_outcome::timeout;
 };
@@ -345,12 +351,14 @@ inline void disk_backend::prepare_item(object_item& it, std::uint32_t j, const s
 }
 
 inline void disk_backend::add_payload_parts(std::vector<part>& parts, const object_item& it, std::uint32_t item,
-                                            std::size_t bytes) const {
+                                            std::size_t from, std::size_t to) const {
   const std::size_t part_bytes = detail::round_up_block(options_.part_bytes);
-  for (std::size_t off = 0; off < it.aligned_bytes; off += part_bytes)
-    parts.push_back({item, part_kind::payload, false, off, std::min(part_bytes, it.aligned_bytes - off)});
-  if (bytes > it.aligned_bytes)
+  const std::size_t aligned_to = std::min(to, it.aligned_bytes);
+  for (std::size_t off = from; off < aligned_to; off += part_bytes)
+    parts.push_back({item, part_kind::payload, false, off, std::min(part_bytes, aligned_to - off)});
+  if (to > it.aligned_bytes)
     parts.push_back({item, part_kind::tail, false, it.aligned_bytes, detail::disk_block_bytes});
+  if (to > from) parts.back().segment_end = true;
 }
 
 // --- the fan-out primitive ----------------------------------------------------------------------

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -207,6 +208,7 @@ struct disk_backend::recovery_scan {
     std::uint64_t payload = 0;
     std::uint64_t allocated = 0;
     ::timespec mtime{};
+    std::uint64_t segment_bytes = 0;  ///< 0: unsegmented
   };
   std::vector<found> all;  ///< the objects recovered
   aligned_buffer block{detail::disk_block_bytes};
@@ -240,7 +242,7 @@ inline void disk_backend::recover() {
     if (a.mtime.tv_nsec != b.mtime.tv_nsec) return a.mtime.tv_nsec < b.mtime.tv_nsec;
     return a.key < b.key;
   });
-  for (const auto& f : scan.all) index_.add_ready(f.key, f.payload, f.allocated, next_generation_++);
+  for (const auto& f : scan.all) index_.add_ready(f.key, f.payload, f.allocated, next_generation_++, f.segment_bytes);
 
   // 4. A capacity lowered since the last run: evict down to the low watermark now.
   if (auto victims = trim_victims()) {
@@ -294,13 +296,15 @@ inline void disk_backend::scan_object_file(recovery_scan& scan, unsigned shard, 
     return;
   }
   object_header h;
+  std::uint64_t segment_bytes = 0;
   const ssize_t got = ::pread(fd, scan.block.data(), scan.block.size(), 0);
-  auto check = got == static_cast<ssize_t>(scan.block.size())
-                   ? detail::check_object(scan.block.span(), *key, static_cast<std::uint64_t>(st.st_size), h)
-                   : (got >= 0 ? detail::object_check::wrong_size : detail::object_check::bad_header);
+  auto check =
+      got == static_cast<ssize_t>(scan.block.size())
+          ? detail::check_object(scan.block.span(), *key, static_cast<std::uint64_t>(st.st_size), h, &segment_bytes)
+          : (got >= 0 ? detail::object_check::wrong_size : detail::object_check::bad_header);
   std::string why(detail::to_string(check));
   if (check == detail::object_check::ok && options_.verify_on_start) {
-    if (const std::string_view bad = check_payload(fd, h, scan.scratch); !bad.empty()) {
+    if (const std::string_view bad = check_payload(fd, h, scan.block.span(), scan.scratch); !bad.empty()) {
       check = detail::object_check::bad_header;
       why = bad;
     }
@@ -310,20 +314,38 @@ inline void disk_backend::scan_object_file(recovery_scan& scan, unsigned shard, 
     drop_at_start(scan, dirfd, name, why);
     return;
   }
-  scan.all.push_back({*key, h.payload_bytes, static_cast<std::uint64_t>(st.st_blocks) * 512, st.st_mtim});
+  scan.all.push_back(
+      {*key, h.payload_bytes, static_cast<std::uint64_t>(st.st_blocks) * 512, st.st_mtim, segment_bytes});
 }
 
-inline std::string_view disk_backend::check_payload(int fd, const object_header& h, aligned_buffer& scratch) {
-  XXH3_state_t state;
-  XXH3_64bits_reset(&state);
-  for (std::uint64_t at = 0; at < h.payload_bytes;) {
-    const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(scratch.size(), h.payload_bytes - at));
-    const ssize_t n = ::pread(fd, scratch.data(), want, static_cast<off_t>(detail::disk_block_bytes + at));
-    if (n != static_cast<ssize_t>(want)) return "payload unreadable";
-    XXH3_64bits_update(&state, scratch.data(), want);
-    at += want;
+inline std::string_view disk_backend::check_payload(int fd, const object_header& h,
+                                                    std::span<const std::byte> header_block, aligned_buffer& scratch) {
+  // The XXH3-64 of payload bytes [from, to), or nullopt when they cannot be read.
+  auto digest_of = [&](std::uint64_t from, std::uint64_t to) -> std::optional<std::uint64_t> {
+    XXH3_state_t state;
+    XXH3_64bits_reset(&state);
+    for (std::uint64_t at = from; at < to;) {
+      const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(scratch.size(), to - at));
+      const ssize_t n = ::pread(fd, scratch.data(), want, static_cast<off_t>(detail::disk_block_bytes + at));
+      if (n != static_cast<ssize_t>(want)) return std::nullopt;
+      XXH3_64bits_update(&state, scratch.data(), want);
+      at += want;
+    }
+    return XXH3_64bits_digest(&state);
+  };
+  if ((h.flags & object_flag_segmented) == 0) {
+    const auto d = digest_of(0, h.payload_bytes);
+    if (!d) return "payload unreadable";
+    if (*d != h.payload_checksum) return "payload checksum mismatch";
+    return {};
   }
-  if (XXH3_64bits_digest(&state) != h.payload_checksum) return "payload checksum mismatch";
+  const auto t = decode_segment_table(h, detail::table_area(header_block));
+  if (!t) return "bad segment table";  // (check_object passed it: not reached)
+  for (std::uint32_t s = 0; s < t->count; ++s) {
+    const auto d = digest_of(t->begin(s), t->end(s));
+    if (!d) return "payload unreadable";
+    if (*d != t->checksum(s)) return "segment checksum mismatch";
+  }
   return {};
 }
 

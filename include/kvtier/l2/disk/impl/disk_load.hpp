@@ -33,16 +33,30 @@ namespace l2 {
 
 struct disk_backend::load_item : object_item {
   std::span<std::byte> dst;
-  std::size_t hash_next = 0;              ///< the next part (index into parts) to feed the checksum
-  std::size_t parts_end = 0;              ///< one past this key's last part
-  const load_observer* landed = nullptr;  ///< told when the key verified (the caller's observer)
+  std::size_t hash_next = part::none;  ///< the next payload part (index into parts) to feed the checksum
+  std::uint32_t segments = 0;          ///< of the payload (1 when unsegmented, 0 when empty)
+  std::uint32_t verified = 0;          ///< segments [0, verified) passed their checksum
+  bool header_ok = false;              ///< the header block landed and passed its checks
+  bool digest_pending = false;         ///< segment `verified` is hashed (digest), its check waits for the header
+  std::uint64_t digest = 0;
+  std::uint64_t whole_checksum = 0;       ///< unsegmented: the header's payload checksum
+  const load_observer* landed = nullptr;  ///< told as the verified prefix grows (the caller's observer)
   bool drop = false;                      ///< the object is bad: remove it
   /// Why it is dropped (the key listener): corrupt, or deleted when its file was gone.
   bus::key_removal drop_reason = bus::key_removal::corrupt;
+
+  /// Payload bytes up to the end of segment s.
+  [[nodiscard]] std::size_t segment_end(std::uint32_t s) const noexcept {
+    if (segment_bytes == 0) return dst.size();
+    return static_cast<std::size_t>(std::min<std::uint64_t>(segment_bytes * (std::uint64_t{s} + 1), dst.size()));
+  }
 };
 
-/// The reads of a load: every part of every key, in key order (the prefix a prefetch needs
-/// first lands first), queue_depth at a time across keys (io::async_run_parts).
+/// The reads of a load: the header block of every key, then segment 0 of every key, then
+/// segment 1 of every key, and so on (an unsegmented object is one segment), each segment in
+/// part_bytes parts, queue_depth at a time across keys (io::async_run_parts): the first
+/// layers of the whole prefix land (and are verified, and told) before the later layers of
+/// any key, which is what a layer-wise consumer needs first.
 struct disk_backend::load_plan {
   static constexpr bool writes = false;
   using signature = void(error_code);
@@ -102,7 +116,8 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
   std::vector<load_item> items = plan_load(keys, destinations, observer, r);
   if (items.empty()) co_return batch_tuple{error_code{}, r};
 
-  // 2. Parts, in key order: the header block, the payload in part_bytes parts, the tail.
+  // 2. Parts, segment-major: every key's header block, then segment 0 of every key, then
+  //    segment 1, ... (each in part_bytes parts, its partial last block through a bounce block).
   aligned_buffer blocks(items.size() * 2 * detail::disk_block_bytes);
   std::vector<hash_state> hashes(items.size());
   std::vector<part> parts = load_parts(items, blocks.data(), hashes);
@@ -120,7 +135,8 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
   };
   co_await fan_out(fs, items.size(), 64, d, open_body);
 
-  // 4. Read every part, queue_depth at a time across keys; verify each key when it landed.
+  // 4. Read every part, queue_depth at a time across keys; verify each segment as it and its
+  //    header landed, telling the observer of each key's verified prefix.
   co_await run_parts(fs, d, load_plan{this, &items, &parts});
 
   // 5. Close, drop what was found bad, answer.
@@ -156,6 +172,7 @@ inline std::vector<disk_backend::load_item> disk_backend::plan_load(std::span<co
     load_item it;
     it.key = keys[i];
     it.dst = destinations[i];
+    it.segment_bytes = e->segment_bytes;
     it.generation = e->generation;
     it.index = i;
     it.landed = observer ? &observer : nullptr;
@@ -167,15 +184,31 @@ inline std::vector<disk_backend::load_item> disk_backend::plan_load(std::span<co
 inline std::vector<disk_backend::part> disk_backend::load_parts(std::vector<load_item>& items, std::byte* blocks,
                                                                 std::vector<hash_state>& hashes) {
   std::vector<part> parts;
+  std::uint32_t rounds = 0;
   for (std::size_t j = 0; j < items.size(); ++j) {
     load_item& it = items[j];
-    const auto item = static_cast<std::uint32_t>(j);
-    prepare_item(it, item, it.dst.data(), it.dst.size(), blocks, hashes[j]);
-    it.hash_next = parts.size();
-    parts.push_back({item, part_kind::header, false, 0, detail::disk_block_bytes});
-    add_payload_parts(parts, it, item, it.dst.size());
-    it.parts_left = static_cast<unsigned>(parts.size() - it.hash_next);
-    it.parts_end = parts.size();
+    prepare_item(it, static_cast<std::uint32_t>(j), it.dst.data(), it.dst.size(), blocks, hashes[j]);
+    it.segments = it.dst.empty()          ? 0
+                  : it.segment_bytes == 0 ? 1
+                                          : static_cast<std::uint32_t>(segment_count(it.dst.size(), it.segment_bytes));
+    rounds = std::max(rounds, it.segments);
+    parts.push_back({static_cast<std::uint32_t>(j), part_kind::header, false, 0, detail::disk_block_bytes});
+  }
+  // Segment s of every key that has one, in key order; each key's payload parts linked in
+  // payload order (part::next) for the checksum.
+  std::vector<std::size_t> last(items.size(), part::none);
+  for (std::uint32_t s = 0; s < rounds; ++s) {
+    for (std::size_t j = 0; j < items.size(); ++j) {
+      load_item& it = items[j];
+      if (s >= it.segments) continue;
+      const std::size_t first = parts.size();
+      const std::size_t from = s == 0 ? 0 : it.segment_end(s - 1);
+      add_payload_parts(parts, it, static_cast<std::uint32_t>(j), from, it.segment_end(s));
+      for (std::size_t q = first; q < parts.size(); ++q) {
+        (last[j] == part::none ? it.hash_next : parts[last[j]].next) = q;
+        last[j] = q;
+      }
+    }
   }
   return parts;
 }
@@ -210,43 +243,91 @@ inline void disk_backend::part_loaded(std::vector<load_item>& items, std::vector
     return;
   }
   if (got < p.len) {  // end of file before the header's length: a truncated object
-    it.failed = true;
-    it.outcome = key_outcome::corrupt;
-    it.drop = true;
-    count_corrupt(it.key, "the file is shorter than its header says");
+    fail_corrupt(it, "the file is shorter than its header says");
     return;
   }
+  // The partial last block: into the last segment only (segments are whole 4 KiB blocks but
+  // the last), which is not verified, hence not told, before this part landed.
   if (p.kind == part_kind::tail)
     std::memcpy(it.dst.data() + it.aligned_bytes, it.tail, it.dst.size() - it.aligned_bytes);
   p.landed = true;
-  // Feed the checksum with the landed prefix of this key's payload, in order.
-  while (it.hash_next < it.parts_end && parts[it.hash_next].landed) {
-    const part& q = parts[it.hash_next++];
-    if (q.kind == part_kind::header) continue;
-    const std::size_t len = std::min<std::size_t>(q.len, it.dst.size() - q.offset);
-    XXH3_64bits_update(it.hash, it.dst.data() + q.offset, len);
-  }
-  if (--it.parts_left == 0) verify_loaded(it);
+  if (p.kind == part_kind::header && !check_header(it)) return;
+  verify_landed(it, parts);
 }
 
-inline void disk_backend::verify_loaded(load_item& it) {
-  const auto h = decode_header(std::span<const std::byte>(it.header, detail::disk_block_bytes));
+inline bool disk_backend::check_header(load_item& it) {
+  const std::span<const std::byte> block(it.header, detail::disk_block_bytes);
+  const auto h = decode_header(block);
   std::string_view why;
   if (!h) why = "bad header";
   else if (h->key != it.key) why = "the header names another key";
-  else if (h->flags != 0 || h->payload_bytes != it.dst.size()) why = "the header's length differs";
-  else if (XXH3_64bits_digest(it.hash) != h->payload_checksum) why = "payload checksum mismatch";
-  if (!why.empty()) {
-    it.failed = true;
-    it.outcome = key_outcome::corrupt;
-    it.drop = true;
-    count_corrupt(it.key, why);
-    return;
+  else if ((h->flags & ~object_known_flags) != 0) why = "unknown flags";
+  else if (h->payload_bytes != it.dst.size()) why = "the header's length differs";
+  else if ((h->flags & object_flag_segmented) != 0) {
+    const auto t = decode_segment_table(*h, detail::table_area(block));
+    if (!t) why = "bad segment table";
+    else if (t->segment_bytes != it.segment_bytes) why = "the segment table differs from the one indexed";
+  } else if (it.segment_bytes != 0) {
+    why = "the header's format differs from the one indexed";
+  } else if (it.dst.empty() && h->payload_checksum != payload_checksum({})) {
+    why = "payload checksum mismatch";
   }
+  if (!why.empty()) {
+    fail_corrupt(it, why);
+    return false;
+  }
+  it.header_ok = true;
+  it.whole_checksum = h->payload_checksum;
+  return true;
+}
+
+inline void disk_backend::verify_landed(load_item& it, std::vector<part>& parts) {
+  for (;;) {
+    if (it.digest_pending) {
+      if (!it.header_ok) return;  // its header block has not landed yet
+      // (the table was checked against the header by check_header)
+      const std::uint64_t want = it.segment_bytes == 0
+                                     ? it.whole_checksum
+                                     : stored_segment_checksum(detail::table_area(it.header), it.verified);
+      if (it.digest != want) {
+        fail_corrupt(it, it.segment_bytes == 0 ? "payload checksum mismatch" : "segment checksum mismatch");
+        return;
+      }
+      it.digest_pending = false;
+      const std::size_t verified_bytes = it.segment_end(it.verified++);
+      if (verified_bytes == it.dst.size()) break;
+      // Bytes [0, verified_bytes) are final: no read of this load crosses into them (reads
+      // never cross a segment boundary) and the tail copy lands in the last segment only.
+      if (it.landed != nullptr) (*it.landed)(it.index, verified_bytes);
+      continue;
+    }
+    if (it.hash_next == part::none) break;  // an empty payload (nothing to hash)
+    const part& q = parts[it.hash_next];
+    if (!q.landed) return;
+    XXH3_64bits_update(it.hash, it.dst.data() + q.offset, std::min<std::size_t>(q.len, it.dst.size() - q.offset));
+    it.hash_next = q.next;
+    if (q.segment_end) {
+      it.digest = XXH3_64bits_digest(it.hash);
+      XXH3_64bits_reset(it.hash);
+      it.digest_pending = true;
+    }
+  }
+  if (it.header_ok && it.verified == it.segments) verify_loaded(it);
+}
+
+inline void disk_backend::fail_corrupt(load_item& it, std::string_view why) {
+  it.failed = true;
+  it.outcome = key_outcome::corrupt;
+  it.drop = true;
+  count_corrupt(it.key, why);
+}
+
+inline void disk_backend::verify_loaded(load_item& it) {
+  // Every segment landed and verified: nothing writes dst any more.
   it.outcome = key_outcome::ok;
   stats_->loaded_bytes.fetch_add(it.dst.size(), std::memory_order_relaxed);
   count_success();
-  if (it.landed != nullptr) (*it.landed)(it.index);  // every part landed: nothing writes dst any more
+  if (it.landed != nullptr) (*it.landed)(it.index, it.dst.size());
 }
 
 inline boost::asio::awaitable<void> disk_backend::drop(std::vector<bad_object> bad) {

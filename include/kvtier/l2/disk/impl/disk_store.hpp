@@ -42,8 +42,10 @@ struct disk_backend::store_item : object_item {
 };
 
 /// The writes of one key of a store: its payload parts, its partial last block through a
-/// bounce block, then its header block. Parts begin in order, so the key's checksum is fed
-/// in order as its parts are issued, and its header (written last) carries the digest.
+/// bounce block, then its header block. Parts begin in order, so the key's checksums are fed
+/// in order as its parts are issued: each segment's digest goes into the segment table (in
+/// the header block) as its last part is issued, and the header (written last) carries the
+/// table's checksum (an empty payload: unsegmented, the payload's digest).
 struct disk_backend::store_plan {
   static constexpr bool writes = true;
   using signature = void(error_code);
@@ -61,12 +63,22 @@ struct disk_backend::store_plan {
       object_header h;
       h.key = it.key;
       h.payload_bytes = it.src.size();
-      h.payload_checksum = XXH3_64bits_digest(it.hash);
-      detail::encode_header_block(h,
-                                  std::span<std::byte, detail::disk_block_bytes>(it.header, detail::disk_block_bytes));
+      if (it.segment_bytes != 0) {
+        h.flags = object_flag_segmented;
+        const auto count = static_cast<std::uint32_t>(segment_count(it.src.size(), it.segment_bytes));
+        h.payload_checksum = segment_table_checksum(detail::table_area(it.header), count);
+      } else {
+        h.payload_checksum = XXH3_64bits_digest(it.hash);
+      }
+      // The block was zeroed and its table written by store_parts: only the header goes in.
+      encode_header(h, std::span<std::byte, object_header_bytes>(it.header, object_header_bytes));
       return io::file_part{it.fd, it.header, p.len, 0};
     }
     XXH3_64bits_update(it.hash, it.src.data() + p.offset, std::min<std::size_t>(p.len, it.src.size() - p.offset));
+    if (p.segment_end && it.segment_bytes != 0) {
+      put_segment_checksum(detail::table_area(it.header), p.offset / it.segment_bytes, XXH3_64bits_digest(it.hash));
+      XXH3_64bits_reset(it.hash);
+    }
     // Written from, never into: the caller's bytes (payload) or our bounce block (tail).
     std::byte* buf = p.kind == part_kind::tail ? it.tail : const_cast<std::byte*>(it.src.data() + p.offset);
     return io::file_part{it.fd, buf, p.len, detail::disk_block_bytes + p.offset};
@@ -108,9 +120,10 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
   if (!victims.empty()) co_await evict(std::move(victims));
   if (items.empty()) co_return batch_tuple{error_code{}, r};
 
-  // 2. Parts: the payload in part_bytes parts, its partial last block through a bounce block,
-  //    then the header block (written last: its checksum is computed while the payload's
-  //    writes are in flight). Key j's parts are parts[first[j], first[j + 1]).
+  // 2. Parts: the payload segment by segment in part_bytes parts (none crossing a segment
+  //    boundary), its partial last block through a bounce block, then the header block
+  //    (written last: the segments' checksums are computed while the payload's writes are in
+  //    flight). Key j's parts are parts[first[j], first[j + 1]).
   aligned_buffer blocks(items.size() * 2 * detail::disk_block_bytes);
   std::vector<hash_state> hashes(items.size());
   std::vector<std::size_t> first;
@@ -191,7 +204,8 @@ inline std::vector<disk_backend::store_item> disk_backend::plan_store(
     it.generation = next_generation_++;
     it.index = i;
     it.temp = detail::temp_name_of(it.key, next_temp_++);
-    index_.begin_write(it.key, it.src.size(), need, it.generation);
+    it.segment_bytes = detail::disk_segment_bytes(it.src.size());
+    index_.begin_write(it.key, it.src.size(), need, it.generation, it.segment_bytes);
     items.push_back(it);
   }
   tell_evicted(victims, first_victim);  // no longer served from now on (their unlinks follow)
@@ -212,7 +226,17 @@ inline std::vector<disk_backend::part> disk_backend::store_parts(std::vector<sto
       std::memcpy(it.tail, it.src.data() + it.aligned_bytes, rest);
       std::memset(it.tail + rest, 0, detail::disk_block_bytes - rest);
     }
-    add_payload_parts(parts, it, item, it.src.size());
+    std::memset(it.header, 0, detail::disk_block_bytes);
+    if (it.segment_bytes == 0) {
+      add_payload_parts(parts, it, item, 0, it.src.size());
+    } else {
+      const auto count = static_cast<std::uint32_t>(segment_count(it.src.size(), it.segment_bytes));
+      encode_segment_table(it.segment_bytes, count, detail::table_area(it.header));
+      for (std::uint32_t s = 0; s < count; ++s) {
+        const std::size_t from = std::size_t{s} * it.segment_bytes;
+        add_payload_parts(parts, it, item, from, std::min<std::size_t>(from + it.segment_bytes, it.src.size()));
+      }
+    }
     parts.push_back({item, part_kind::header, false, 0, detail::disk_block_bytes});
     it.parts_left = static_cast<unsigned>(parts.size() - first);
     first_parts.push_back(parts.size());
