@@ -94,11 +94,17 @@ struct fixture {
   telemetry::registry reg;
   metrics_bus events{telemetry::metrics_subscriber{reg}};
   std::shared_ptr<test::gated_backend> gated;
+  /// The copies run on a thread of their own (copy_pool) when `own_copy_thread`.
+  std::unique_ptr<asio::thread_pool> copy_pool;
   std::unique_ptr<cache_type> cache;
 
-  explicit fixture(std::size_t slots = 64) {
+  explicit fixture(std::size_t slots = 64, bool own_copy_thread = false) {
     gated = std::make_shared<test::gated_backend>(io.get_executor());
     cache::cache_options o;
+    if (own_copy_thread) {
+      copy_pool = std::make_unique<asio::thread_pool>(1);
+      o.copy_executor = copy_pool->get_executor();
+    }
     o.l1.slot_bytes = object_bytes;
     o.l1.slot_count = slots;
     o.l1.eviction_watermark = 1.0;
@@ -107,6 +113,7 @@ struct fixture {
                                          std::vector<l2::any_backend>{l2::any_backend(gated)});
   }
   ~fixture() {
+    if (copy_pool) copy_pool->join();
     if (gated->loading()) {
       gated->complete();
     }
@@ -280,6 +287,132 @@ TEST_CASE("a copy of readable chunks goes part-major and reports its progress", 
   for (std::size_t c = 0; c < 12; ++c) CHECK(sink.calls[c] == std::pair<std::size_t, std::size_t>{c % 3, c / 3});
   CHECK(progress == std::vector<std::size_t>{1, 2, 3});
   for (std::size_t i = 0; i < k.size(); ++i) CHECK(sink.bytes[i] == payload(k[i]));
+  f.cache->release_all(id);
+}
+
+// The layer-wise L2 hit: a copy in parts reads the verified prefix of a key still loading.
+TEST_CASE("a copy in parts copies each part as its bytes are verified, before the key lands", "[cache][partial]") {
+  fixture f;
+  const auto k = keys(50, 3);
+  for (const auto& x : k) f.gated->put(x, payload(x));
+  const auto id = f.start(k);
+  f.poll();
+  REQUIRE(f.gated->loading());
+  recording_sink sink(k.size(), 4);  // parts of 2048 bytes
+  std::vector<std::size_t> progress;
+  std::optional<std::size_t> copied;
+  cache::copy_out_request r;
+  r.lookup = id;
+  r.keys = k;
+  r.object_bytes = object_bytes;
+  r.parts = 4;
+  r.on_progress = [&](std::size_t p) { progress.push_back(p); };
+  f.cache->async_copy_out(r, sink.make(), [&](error_code ec, std::size_t n) {
+    REQUIRE_FALSE(ec);
+    copied = n;
+  });
+  f.poll();
+  CHECK(sink.calls.empty());
+  // Part 0 of keys 0 and 1 verified (and a bit of part 1 of key 0: not enough for it).
+  f.gated->verify(0, 3000);
+  f.gated->verify(1, 2048);
+  f.poll();
+  CHECK(sink.calls_for(0) == 1);
+  CHECK(sink.calls_for(1) == 1);
+  CHECK(sink.calls_for(2) == 0);
+  CHECK(progress.empty());  // key 2 has nothing yet
+  // Key 2's first two parts: part 0 is now copied for every key.
+  f.gated->verify(2, 4096);
+  f.poll();
+  CHECK(sink.calls_for(2) == 2);
+  CHECK(progress == std::vector<std::size_t>{1});
+  // Bytes past a verified prefix are never read: what lands there later is what is copied.
+  f.gated->scribble(0, 4096, 4096);
+  f.gated->verify(0, 6144);
+  f.gated->verify(1, 6144);
+  f.gated->verify(2, 6144);
+  f.poll();
+  CHECK(progress.back() == 3);
+  CHECK_FALSE(copied);  // the last parts come with the keys
+  f.gated->land(0);
+  f.gated->land(1);
+  f.gated->land(2);
+  f.poll();
+  REQUIRE(copied);
+  CHECK(*copied == 3);
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    CHECK(sink.calls_for(i) == 4);  // every part once
+    CHECK(sink.bytes[i] == payload(k[i]));
+  }
+  f.gated->complete();
+  f.poll();
+  CHECK(f.cache->l1().usage().objects == 0);
+  CHECK(f.cache->l1().usage().slots_used == 0);
+  f.cache->release_all(id);
+}
+
+TEST_CASE("a key that fails after its verified prefix was copied ends the prefix, and its slot outlives the copy",
+          "[cache][partial][concurrency]") {
+  fixture f(64, true);
+  const auto k = keys(60, 3);
+  for (const auto& x : k) f.gated->put(x, payload(x));
+  const auto id = f.start(k);
+  f.poll();
+  // The sink blocks on part 1 of key 1 until the test lets it go, so the load of key 1 fails
+  // while its verified bytes are being read.
+  std::mutex m;
+  std::condition_variable cv;
+  bool in_sink = false, release_sink = false;
+  recording_sink rec(k.size(), 4);
+  auto inner = rec.make();
+  cache::copy_out_sink sink = [&](std::size_t i, std::size_t part, std::span<const std::byte> obj) {
+    if (i == 1 && part == 1) {
+      std::unique_lock g(m);
+      in_sink = true;
+      cv.notify_all();
+      cv.wait(g, [&] { return release_sink; });
+    }
+    return inner(i, part, obj);
+  };
+  std::optional<std::size_t> copied;
+  cache::copy_out_request r;
+  r.lookup = id;
+  r.keys = k;
+  r.object_bytes = object_bytes;
+  r.parts = 4;
+  f.cache->async_copy_out(r, sink, [&](error_code, std::size_t n) { copied = n; });
+  f.gated->land(0);
+  f.gated->verify(1, 4096);  // parts 0 and 1 of key 1
+  f.gated->land(2);
+  f.poll();
+  {
+    std::unique_lock g(m);
+    cv.wait(g, [&] { return in_sink; });
+  }
+  // Key 1's load fails while its verified bytes are read: the prefix ends at 1, and its slot
+  // leaves the tier but is not freed under the copy.
+  f.gated->fail(1);
+  f.gated->complete();
+  f.poll();
+  CHECK(f.cache->l1().state(k[1]) == l1::object_state::removing);
+  CHECK(f.cache->l1().usage().removing == 1);
+  {
+    std::lock_guard g(m);
+    release_sink = true;
+  }
+  cv.notify_all();
+  f.copy_pool->join();
+  f.poll();
+  REQUIRE(copied);
+  CHECK(*copied == 1);
+  CHECK(rec.bytes[0] == payload(k[0]));
+  const auto p1 = payload(k[1]);
+  CHECK(std::equal(p1.begin(), p1.begin() + 4096, rec.bytes[1].begin()));  // the verified bytes
+  CHECK(rec.calls_for(1) == 2);  // and only them
+  CHECK(f.cache->l1().state(k[1]) == l1::object_state::absent);
+  CHECK(f.cache->l1().usage().removing == 0);
+  CHECK(f.cache->l1().usage().objects == 0);
+  CHECK(f.cache->l1().usage().slots_used == 0);
   f.cache->release_all(id);
 }
 

@@ -48,13 +48,19 @@ struct copy_out_request {
   std::uint64_t lookup = 0;
   std::span<const chunk_key> keys;  ///< copied at initiation
   std::size_t object_bytes = 0;     ///< size of every object (another size ends the prefix)
-  /// Slices of each object the sink copies one call at a time. With parts > 1 and every key
-  /// readable at the start, the copy goes part-major (part 0 of every key, then part 1, ...)
-  /// and on_progress tells how many leading parts are done for every key: an engine can use
-  /// the first layers of a layer-major object while the rest is copied.
+  /// Slices of each object the sink copies one call at a time: part p is bytes
+  /// [p * object / parts, (p + 1) * object / parts) (a layer of a layer-major object). With
+  /// parts > 1 the copy goes part-major (part 0 of every key, then part 1, ...) and
+  /// on_progress tells how many leading parts are done for every key: an engine can use the
+  /// first layers while the rest is copied. Every key readable at the start: one task per
+  /// part. Keys the lookup still loads: each part is copied once its bytes are final (the key
+  /// landed, or the backend verified a prefix that covers it: the disk backend's segments),
+  /// so the first layers of an L2 hit are usable before the last ones are read.
   std::size_t parts = 1;
   /// Called (on a copy thread) with the number of leading parts copied for every key of the
-  /// prefix, each time it grows before the completion; a part-major copy only.
+  /// prefix, each time it grows before the completion (parts > 1 only). A key whose load
+  /// fails after some of its parts were reported ends the prefix there: what was reported
+  /// holds for the shorter prefix, and the bytes reported were the stored, verified ones.
   std::function<void(std::size_t parts_done)> on_progress;
 };
 

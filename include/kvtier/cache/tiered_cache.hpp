@@ -255,7 +255,7 @@ class tiered_cache {
   void release(lookup_id id, std::span<const chunk_key> keys) {
     std::shared_ptr<lookup> l = find(id);
     if (!l) return;
-    std::vector<chunk_key> back;
+    std::vector<chunk_key> back, partial;
     {
       std::lock_guard g(mutex_);
       std::size_t guess = l->keys.size();
@@ -263,12 +263,14 @@ class tiered_cache {
         const std::size_t i = locate(*l, k, guess);
         if (i >= l->keys.size()) continue;
         if (l->pending.test(i)) l->gone.set(i);  // its hold goes back when it lands
+        take_partial_back(*l, i, partial);
         if (!l->held.test(i)) continue;
         l->held.reset(i);
         back.push_back(k);
       }
     }
     release_holds(back, l->extra);
+    release_holds(partial, 0);
     forget_if_done(id, *l);
   }
 
@@ -277,17 +279,20 @@ class tiered_cache {
   void release_all(lookup_id id) {
     std::shared_ptr<lookup> l = find(id);
     if (!l) return;
-    std::vector<chunk_key> back;
+    std::vector<chunk_key> back, partial;
     {
       std::lock_guard g(mutex_);
       l->abandoned = true;
-      for (std::size_t i = 0; i < l->keys.size(); ++i)
+      for (std::size_t i = 0; i < l->keys.size(); ++i) {
+        take_partial_back(*l, i, partial);
         if (l->held.test(i)) {
           l->held.reset(i);
           back.push_back(l->keys[i]);
         }
+      }
     }
     release_holds(back, l->extra);
+    release_holds(partial, 0);
     forget_if_done(id, *l);
   }
 
@@ -410,6 +415,13 @@ class tiered_cache {
     bitmap pending;  ///< keys of the decided answer whose load is in flight (held when they land)
     bitmap failed;   ///< keys of the decided answer whose load failed (or came too late)
     bitmap gone;     ///< pending keys a retrieve gave up: their hold goes back when they land
+    /// Pending keys whose verified prefix this lookup holds (one pinned hold on the slot
+    /// being written: l1::tier::reserve_unfinished_read) until a copy takes it over or the
+    /// key settles; `partial_given`: a copy took it over (no second hold is taken).
+    bitmap partial;
+    bitmap partial_given;
+    std::vector<std::size_t> verified;                  ///< per key: leading bytes verified while pending
+    std::vector<std::span<const std::byte>> partial_views;  ///< per key: its slot, while partial
     std::size_t l1_prefix = 0;
     std::size_t hit_keys = 0;  ///< the decided answer in keys (whole chunks)
     bool done = false;         ///< decided
@@ -491,6 +503,15 @@ class tiered_cache {
   void stage_out_of_memory(std::span<const chunk_key> keys, std::size_t object_bytes, std::span<l1::status> out,
                            std::span<std::span<std::byte>> buffers);
 
+  // Key i's verified-prefix hold, when the lookup still has it, goes into `back` (released
+  // with extra 0). Under mutex_.
+  static void take_partial_back(lookup& l, std::size_t i, std::vector<chunk_key>& back) {
+    if (i >= l.partial.size() || !l.partial.test(i)) return;
+    l.partial.reset(i);
+    l.partial_views[i] = {};
+    back.push_back(l.keys[i]);
+  }
+
   void release_holds(std::span<const chunk_key> keys, std::uint32_t extra) {
     if (keys.empty()) return;
     std::vector<l1::status> st(keys.size());
@@ -508,6 +529,7 @@ class tiered_cache {
   // The status of a decided answer of `chunks` whole chunks.
   static lookup_status decided_status(const lookup& l, const pipeline::prefetch_result& res, std::size_t chunks);
   void on_key(lookup_id id, const std::shared_ptr<lookup>& l, std::size_t i, bool landed);
+  void on_verified(const std::shared_ptr<lookup>& l, std::size_t i, std::size_t bytes);
   [[nodiscard]] lookup_status loaded_status(const lookup& l) const;
   // cache/impl/copy_ops.hpp
   void start_copy_out(copy_out_request r, copy_out_sink sink, copy_out_handler h);

@@ -1,21 +1,8 @@
 #pragma once
-// tiered_cache's whole copies (cache/copy.hpp): the state machines of async_copy_out and
-// async_copy_in. Declarations and documentation: cache/tiered_cache.hpp.
-//
-// copy_out_op. Walks the request's keys in order and makes each one *ready* (the op holds a
-// pinned read lock on it and knows its memory): a key the lookup holds is taken over (the
-// lookup's 1 + extra holds become the op's, so a concurrent release_all cannot free the slot
-// under the copy); a key the lookup is still loading is waited for (the lookup's watcher
-// wakes the op when its prefetch reports it); any other key is pinned if L1 has it. The
-// first key that is neither ends the prefix. Ready keys are copied on the copy executor:
-// one task per key (chunk-major, in order, as they become ready), or, when every key of the
-// prefix is ready at the start and the sink wants several parts, one task per part over all
-// keys (part-major: on_progress tells the parts done). Once no task runs and nothing is left
-// to wait for, the op gives back every hold it took and the lookup's holds on the rest of
-// the request's keys, and completes with the contiguous prefix copied.
-//
-// copy_in_op. reserve_write, one task per reserved key on the copy executor, then, on the
-// completion's executor, the fence per key and finish_write / abandon_write.
+// tiered_cache's whole copies (cache/copy.hpp): the state machines of async_copy_out
+// (copy_out_op: chunk-major, part-major, or part-wise from verified prefixes) and
+// async_copy_in (copy_in_op), each described above its class. Declarations and documentation:
+// cache/tiered_cache.hpp; docs/pipelines.md, "The cache".
 //
 // Locks: an op's mutex is taken before the cache's mutex_, never while holding it or the
 // tier's; the sink and the source run with no lock held.
@@ -32,6 +19,26 @@ namespace kvtier {
 inline namespace KVTIER_ABI_TAG {
 namespace cache {
 
+// copy_out_op. Walks the request's keys in order and makes each one *ready* (the op holds a
+// pinned read lock on it and knows its memory): a key the lookup holds is taken over (the
+// lookup's 1 + extra holds become the op's, so a concurrent release_all cannot free the slot
+// under the copy); a key the lookup is still loading is waited for (the lookup's watcher
+// wakes the op when its prefetch reports it); any other key is pinned if L1 has it. The
+// first key that is neither ends the prefix. Ready keys are copied on the copy executor:
+// one task per key (chunk-major, in order, as they become ready), or, when every key of the
+// prefix is ready at the start and the sink wants several parts, one task per part over all
+// keys (part-major: on_progress tells the parts done). Once no task runs and nothing is left
+// to wait for, the op gives back every hold it took and the lookup's holds on the rest of
+// the request's keys, and completes with the contiguous prefix copied.
+//
+// Part-wise (the sink wants several parts, the op serves a lookup, and not every key was ready
+// at the start: a layer-wise retrieve of an L2 hit). Every key of the request is watched at
+// once, not only the first one not ready: a key still loading whose backend verified a prefix
+// (the lookup's partial hold, taken over by the op: its slot stays allocated while the op
+// reads it, even if the rest of the load fails) has its parts inside that prefix copied at
+// once; a key that lands has all of them. Copies are posted part-major (part 0 of every key
+// before part 1 of any), one task per (key, part); on_progress tells the leading parts copied
+// for every key of the prefix.
 template <class Traits>
 class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<copy_out_op> {
  public:
@@ -65,20 +72,22 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
   }
 
  private:
-  enum class key_state : std::uint8_t { waiting, ready, copying, copied, failed };
+  enum class key_state : std::uint8_t { waiting, ready, copying, copied, failed, partial };
   static constexpr std::size_t npos = std::numeric_limits<std::size_t>::max();
 
   // How the op gets key i ready: take over the lookup's holds, wait for the lookup's
   // prefetch, pin it itself, or not at all (the prefix ends there).
-  enum class resolution : std::uint8_t { take, wait, pin, ends };
+  // Part-wise, a key still loading may also have a verified prefix to copy from (partial).
+  enum class resolution : std::uint8_t { take, wait, pin, ends, partial };
 
   // Makes the keys from resolved_ on ready while it can, then schedules copies. Under m_.
   void advance(std::unique_lock<std::mutex>& g, bool first) {
-    if (finishing_) return;          // a late watcher call: the op gave everything back already
+    if (finishing_) return;  // a late watcher call: the op gave everything back already
+    if (part_wise_) return advance_part_wise(g);
     std::vector<std::size_t> fresh;  // keys made ready now, in order
     while (resolved_ < end_) {
       const std::size_t i = resolved_;
-      const resolution what = l_ && pos_[i] != npos ? ask_lookup(i) : resolution::pin;
+      const resolution what = l_ && pos_[i] != npos ? ask_lookup(i, nullptr) : resolution::pin;
       if (what == resolution::ends) {
         end_ = i;  // its load (or its chunk's) failed: the prefix ends here
         break;
@@ -95,12 +104,118 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
       ++resolved_;
     }
     if (!fresh.empty()) read_fresh_views(fresh);
+    if (first && parts_ > 1 && l_ && resolved_ < end_) return start_part_wise(g);
     schedule_copies(first);
     maybe_finish(g);
   }
 
-  // Key i, which the lookup holds or loads, under the cache's mutex. Under m_.
-  resolution ask_lookup(std::size_t i) {
+  // --- part-wise ------------------------------------------------------------------------
+  // Switches to part-wise copying: the keys [0, resolved_) are ready. Under m_.
+  void start_part_wise(std::unique_lock<std::mutex>& g) {
+    part_wise_ = true;
+    final_parts_.assign(keys_.size(), 0);
+    posted_.assign(keys_.size(), 0);
+    lead_copied_.assign(keys_.size(), 0);
+    part_copied_.assign(keys_.size() * parts_, 0);
+    for (std::size_t i = 0; i < resolved_; ++i) final_parts_[i] = parts_;
+    advance_part_wise(g);
+  }
+
+  // Looks at every key not ready yet (not only the first): takes, pins, or reads the verified
+  // prefix of each one it can, then posts the parts that became copyable. Under m_.
+  void advance_part_wise(std::unique_lock<std::mutex>& g) {
+    std::vector<std::size_t> fresh;
+    for (std::size_t i = resolved_; i < end_; ++i) {
+      if (final_parts_[i] == parts_ || state_[i] == key_state::failed) continue;
+      std::size_t verified = 0;
+      const resolution what = l_ && pos_[i] != npos ? ask_lookup(i, &verified) : resolution::pin;
+      if (what == resolution::ends) {
+        end_ = i;
+        break;
+      }
+      if (what == resolution::wait) continue;
+      if (what == resolution::partial) {
+        state_[i] = key_state::partial;
+        std::size_t& f = final_parts_[i];
+        while (f < parts_ && part_end(i, f) <= verified) ++f;
+        if (f == parts_) f = parts_ - 1;  // the last part is copied once the key landed
+        continue;
+      }
+      if (what == resolution::take) {
+        from_lookup_.set(i);
+      } else if (!pin_own(i)) {
+        end_ = i;
+        break;
+      }
+      state_[i] = key_state::ready;
+      fresh.push_back(i);
+    }
+    if (!fresh.empty()) read_fresh_views(fresh);
+    for (std::size_t i : fresh)
+      if (i < end_) final_parts_[i] = parts_;
+    while (resolved_ < end_ && final_parts_[resolved_] == parts_) ++resolved_;
+    post_parts();
+    maybe_finish_part_wise(g);
+  }
+
+  // One past the last byte of part p of key i: parts are equal slices of the object.
+  [[nodiscard]] std::size_t part_end(std::size_t i, std::size_t p) const noexcept {
+    return views_[i].size() * (p + 1) / parts_;
+  }
+
+  // Posts the copyable parts not posted yet, part-major. Under m_.
+  void post_parts() {
+    std::size_t lo = parts_, hi = 0;
+    for (std::size_t i = 0; i < end_; ++i) {
+      lo = std::min(lo, posted_[i]);
+      hi = std::max(hi, final_parts_[i]);
+    }
+    for (std::size_t p = lo; p < hi; ++p)
+      for (std::size_t i = 0; i < end_; ++i) {
+        if (posted_[i] != p || p >= final_parts_[i] || state_[i] == key_state::failed) continue;
+        ++posted_[i];
+        ++running_;
+        post([self = this->shared_from_this(), i, p] { self->copy_one(i, p); });
+      }
+  }
+
+  void copy_one(std::size_t i, std::size_t p) {
+    const bool ok = sink_(i, p, views_[i]);
+    std::size_t report = 0;
+    {
+      std::lock_guard g(m_);
+      if (!ok) {
+        state_[i] = key_state::failed;
+        end_ = std::min(end_, i);
+      } else {
+        part_copied_[i * parts_ + p] = 1;
+        while (lead_copied_[i] < parts_ && part_copied_[i * parts_ + lead_copied_[i]] != 0) ++lead_copied_[i];
+      }
+      std::size_t done = end_ > 0 ? parts_ : 0;
+      for (std::size_t k = 0; k < end_; ++k) done = std::min(done, lead_copied_[k]);
+      if (done > parts_reported_ && done < parts_) report = parts_reported_ = done;
+    }
+    // Before this task counts as ended, so the completion always comes after its progress.
+    if (report > 0 && progress_) progress_(report);
+    std::unique_lock g(m_);
+    --running_;
+    maybe_finish_part_wise(g);
+  }
+
+  // Under m_: finishes once nothing runs and every key of the prefix is copied whole.
+  void maybe_finish_part_wise(std::unique_lock<std::mutex>& g) {
+    if (finishing_ || running_ > 0) return;
+    for (std::size_t i = 0; i < end_; ++i)
+      if (final_parts_[i] < parts_ || lead_copied_[i] < parts_) return;  // still loading: a watcher wakes us
+    finishing_ = true;
+    g.unlock();
+    finish(end_);
+  }
+
+  // Key i, which the lookup holds or loads, under the cache's mutex. Under m_. With
+  // `verified` (part-wise), a key still loading whose verified prefix the lookup holds (or
+  // the op took over) answers partial, with the verified bytes.
+  resolution ask_lookup(std::size_t i, std::size_t* verified) {
     std::lock_guard lg(c_.mutex_);
     const std::size_t p = pos_[i];
     resolution what = resolution::pin;
@@ -114,8 +229,19 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
       what = resolution::take;
     } else if (l_->pending.test(p)) {
       what = resolution::wait;
+      if (verified != nullptr && (l_->partial.test(p) || state_[i] == key_state::partial)) {
+        if (l_->partial.test(p)) {  // its hold on the slot is the op's now
+          l_->partial.reset(p);
+          l_->partial_given.set(p);
+          views_[i] = l_->partial_views[p];
+          l_->partial_views[p] = {};
+          own_pin_.push_back(keys_[i]);
+        }
+        *verified = l_->verified[p];
+        what = resolution::partial;
+      }
     }
-    if (what == resolution::wait && !watching_) watch_lookup();
+    if ((what == resolution::wait || what == resolution::partial) && !watching_) watch_lookup();
     return what;
   }
 
@@ -154,7 +280,9 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
     std::vector<std::span<const std::byte>> v(k.size());
     c_.l1_.read_views(k, st, v);
     for (std::size_t j = 0; j < fresh.size(); ++j) {
-      views_[fresh[j]] = v[j];
+      // A key copied part-wise from its verified prefix keeps the view its copies read (the
+      // same slot): rewriting it would race with them.
+      if (views_[fresh[j]].empty()) views_[fresh[j]] = v[j];
       if (st[j] != l1::status::success || (object_bytes_ != 0 && v[j].size() != object_bytes_))
         end_ = std::min(end_, fresh[j]);
     }
@@ -237,7 +365,7 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
   }
 
   void finish(std::size_t copied) {
-    std::vector<chunk_key> taken, back;
+    std::vector<chunk_key> taken, back, partial;
     for (std::size_t i = 0; i < keys_.size(); ++i)
       if (from_lookup_.test(i)) taken.push_back(keys_[i]);
     if (l_) {
@@ -246,6 +374,7 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
         const std::size_t p = pos_[i];
         if (p == npos || from_lookup_.test(i)) continue;
         if (l_->pending.test(p)) l_->gone.set(p);  // not copied: its hold goes back when it lands
+        take_partial_back(*l_, p, partial);
         if (l_->held.test(p)) {
           l_->held.reset(p);
           back.push_back(keys_[i]);
@@ -256,6 +385,7 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
     c_.release_holds(taken, extra);
     c_.release_holds(back, extra);
     c_.release_holds(own_pin_, 0);
+    c_.release_holds(partial, 0);
     c_.bus_.publish(bus::cache_read_prefetched{static_cast<std::uint32_t>(copied),
                                                static_cast<std::uint32_t>(keys_.size() - copied)});
     if (l_) c_.forget_if_done(lookup_id_, *l_);
@@ -301,6 +431,14 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
   bool finishing_ = false;
   std::vector<bool> part_done_;
   std::size_t parts_done_ = 0;
+  // Part-wise (under m_): per key, its leading parts whose bytes are final (landed, or inside
+  // its verified prefix), posted, and copied; per (key, part), copied.
+  bool part_wise_ = false;
+  std::vector<std::size_t> final_parts_;
+  std::vector<std::size_t> posted_;
+  std::vector<std::size_t> lead_copied_;
+  std::vector<std::uint8_t> part_copied_;
+  std::size_t parts_reported_ = 0;
 };
 
 template <class Traits>
@@ -310,6 +448,8 @@ void tiered_cache<Traits>::start_copy_out(copy_out_request r, copy_out_sink sink
   op->start();
 }
 
+// copy_in_op. reserve_write, one task per reserved key on the copy executor, then, on the
+// completion's executor, the fence per key and finish_write / abandon_write.
 template <class Traits>
 class tiered_cache<Traits>::copy_in_op : public std::enable_shared_from_this<copy_in_op> {
  public:

@@ -25,6 +25,8 @@ typename tiered_cache<Traits>::lookup_id tiered_cache<Traits>::start_lookup(cons
   l->pending = bitmap(n);
   l->failed = bitmap(n);
   l->gone = bitmap(n);
+  l->partial = bitmap(n);
+  l->partial_given = bitmap(n);
 
   // The L1 prefix, held now (pinned, owned by this lookup); nothing after its first miss
   // is touched.
@@ -59,8 +61,10 @@ typename tiered_cache<Traits>::lookup_id tiered_cache<Traits>::start_lookup(cons
   pr.prefill_tokens_per_second = r.prefill_tokens_per_second;
   pr.group = r.group;
   pr.chunk_tokens = r.chunk_tokens;
-  if (pr.wait_budget.count() > 0)  // a caller that waits is answered when decided
+  if (pr.wait_budget.count() > 0) {  // a caller that waits is answered when decided
     pr.on_key = [this, id, l, prefix](std::size_t i, bool landed) { on_key(id, l, prefix + i, landed); };
+    pr.on_verified = [this, l, prefix](std::size_t i, std::size_t bytes) { on_verified(l, prefix + i, bytes); };
+  }
   prefetch_.async_prefetch(std::move(pr), [this, id, l](error_code ec, pipeline::prefetch_result res) {
     complete(id, *l, ec ? pipeline::prefetch_result{} : std::move(res));
   });
@@ -214,7 +218,7 @@ lookup_status tiered_cache<Traits>::decided_status(const lookup& l, const pipeli
 template <class Traits>
 void tiered_cache<Traits>::on_key(lookup_id id, const std::shared_ptr<lookup>& lp, std::size_t i, bool landed) {
   lookup& l = *lp;
-  std::vector<chunk_key> back;
+  std::vector<chunk_key> back, partial;
   std::vector<std::function<void()>> watchers;
   std::vector<wait_handler> loaded_waiters;
   lookup_status lr;
@@ -225,6 +229,7 @@ void tiered_cache<Traits>::on_key(lookup_id id, const std::shared_ptr<lookup>& l
       return;
     }
     if (i >= l.keys.size()) return;
+    take_partial_back(l, i, partial);  // settled: its whole holds (landed) or nothing (failed)
     if (!l.pending.test(i)) {
       if (landed) back.push_back(l.keys[i]);  // past the hit's last whole chunk
     } else {
@@ -253,9 +258,50 @@ void tiered_cache<Traits>::on_key(lookup_id id, const std::shared_ptr<lookup>& l
     }
   }
   release_holds(back, l.extra);
+  release_holds(partial, 0);
   for (auto& w : watchers) w();
   for (auto& w : loaded_waiters) deliver(std::move(w), {}, lr);
   forget_if_done(id, l);
+}
+
+// Key i of a decided answer, still loading, has its first `bytes` bytes verified in its slot
+// (the prefetch calls this before the key can settle, on the prefetch's executor). The first
+// time, the lookup takes a hold on the slot being written, so the bytes outlive a failure of
+// the rest (l1::tier::reserve_unfinished_read); the copies waiting on the lookup are woken.
+template <class Traits>
+void tiered_cache<Traits>::on_verified(const std::shared_ptr<lookup>& lp, std::size_t i, std::size_t bytes) {
+  lookup& l = *lp;
+  const auto wanted = [&] { return l.done && !l.abandoned && i < l.keys.size() && l.pending.test(i) && !l.gone.test(i); };
+  bool hold = false;
+  {
+    std::lock_guard g(mutex_);
+    if (!wanted()) return;
+    hold = !l.partial.test(i) && !l.partial_given.test(i);
+  }
+  std::span<const std::byte> view;
+  if (hold) {  // the write is in flight and cannot end meanwhile (we run before its finalize)
+    l1::status st{};
+    if (l1_.reserve_unfinished_read(std::span(&l.keys[i], 1), std::span(&st, 1), std::span(&view, 1)) != 1) return;
+  }
+  std::vector<std::function<void()>> watchers;
+  {
+    std::lock_guard g(mutex_);
+    if (hold && !wanted()) {
+      hold = false;  // released meanwhile: nobody will read it
+    } else {
+      if (hold) {
+        l.partial.set(i);
+        if (l.partial_views.empty()) l.partial_views.resize(l.keys.size());
+        l.partial_views[i] = view;
+      }
+      if (l.verified.empty()) l.verified.resize(l.keys.size(), 0);
+      l.verified[i] = std::max(l.verified[i], bytes);
+      watchers = l.watchers;
+      view = {};
+    }
+  }
+  if (!view.empty()) release_holds(std::span(&l.keys[i], 1), 0);
+  for (auto& w : watchers) w();
 }
 
 // --- writes -------------------------------------------------------------------------------
