@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import random
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from kvtier.integrations.config import KVTierConfig
 from kvtier.integrations.scheduler_side import SchedulerSide
@@ -142,9 +142,13 @@ def test_a_decode_step_hashes_nothing_and_reads_no_key_material():
         side.after_alloc(rid, tables[rid], 0)
     assert side._hasher.calls == 8 and len(asked) == 8
     computed = {rid: 5 * CT + 3 for rid in tables}
-    for _ in range(3 * CT):
+    for step in range(3 * CT):
         plan = side.plan_step([], scheduled_rows(decode_output(tables, computed)))
-        assert plan.stores == [] and len(plan.fence_blocks) == 8
+        # A block is fenced by the first step that writes it since the request got it (the
+        # first one here, none having run before, then each new block's first token); the
+        # request's later tokens go into a block it already fenced.
+        starts = step == 0 or computed["r0"] % BS == 0
+        assert plan.stores == [] and len(plan.fence_blocks) == (8 if starts else 0)
         for rid in computed:
             computed[rid] += 1
     assert side._hasher.calls == 8 and len(asked) == 8  # decode steps hashed nothing
@@ -163,6 +167,42 @@ def test_a_decode_steps_calls_do_not_grow_with_the_prompt_and_grow_linearly_with
     c16, c32, c64 = calls(16, 2 * CT + 1), calls(32, 2 * CT + 1), calls(64, 2 * CT + 1)
     assert c64 - c32 == 2 * (c32 - c16), (c16, c32, c64)  # a constant per running request
     assert (c32 - c16) / 16 <= 6, (c16, c32)  # and a small one (4 today: two dict lookups, a len, an append)
+
+
+def test_every_block_a_step_writes_was_fenced_since_the_request_got_it():
+    """The fence's contract (a store still reading a block handed over to another request is
+    dropped): every block a step writes was fenced in that step or in an earlier step since
+    the request got it (a block's generation bump on its new owner's first write is what the
+    server checks). Random schedules: chunked prefill, decode across block boundaries,
+    preemptions and resumptions, blocks reused between requests."""
+    for seed in range(30):
+        side = make_side()
+        fenced: Dict[str, Set[int]] = {}
+        writes: List[Tuple[int, str, Set[int]]] = []
+        original = side.plan_step
+
+        def plan_step(preempted, rows, original=original):
+            rows = list(rows)
+            plan = original(preempted, rows)
+            step = len(writes)
+            for rid in preempted:
+                fenced.pop(rid, None)
+            for rid, block_ids, start, num, replace in rows:
+                if rid not in side._requests:
+                    continue  # untracked (no full chunk): it fences every new block it is given
+                got = fenced.setdefault(rid, set())
+                if replace:
+                    got.clear()  # a new table: every block may be another request's old one
+                table = side._requests[rid].blocks
+                written = {table[b] for b in range(start // BS, -(-(start + num) // BS)) if b < len(table)}
+                got.update(set(plan.fence_blocks) & set(table))
+                writes.append((step, rid, written))
+                missing = written - got
+                assert not missing, (seed, step, rid, start, num, sorted(missing))
+            return plan
+
+        side.plan_step = plan_step
+        _random_schedule(seed, side, use_rows=True)
 
 
 def _random_schedule(seed: int, side: SchedulerSide, use_rows: bool) -> List[Any]:

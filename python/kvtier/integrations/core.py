@@ -43,9 +43,11 @@ Semantics the engine relies on (docs/integration.md, "vLLM"):
   discards the step's output of the requests concerned and recomputes from their first
   failed block (so a layer computed from blocks that did not land never reaches a token),
   and the worker does not store what those requests computed in that step.
-* Fencing: before the engine writes a block (this step's tokens, a retrieve's destination) the
-  worker bumps the block's generation (``block_reused``), so a store still reading a block that
-  a preempted request left behind is dropped by the server instead of storing the new bytes.
+* Fencing: before the engine first writes a block it handed to a request (a step's tokens
+  starting the block, a prefill's blocks, a retrieve's destination) the worker bumps the
+  block's generation (``block_reused``), so a store still reading a block that a preempted
+  request left behind is dropped by the server instead of storing the new bytes. Later decode
+  tokens into the same block are not fenced again (one fence per block, not per step).
 * Quarantine: blocks of a retrieve the connector gave up on (timeout, server gone) may still
   be written by the server; the worker holds the request's ``finished_recving`` (and any
   ``finished_sending``) until none of its blocks is quarantined, so the engine keeps them

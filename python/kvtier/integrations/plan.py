@@ -41,8 +41,11 @@ class StoreOp:
 class StepPlan:
     """What every worker does in one step (vLLM's KV connector metadata).
 
-    ``fence_blocks``: blocks this step writes (tokens computed, retrieve destinations); the
-    worker fences each before the forward pass. ``preempted``: ids preempted this step.
+    ``fence_blocks``: blocks this step writes that the request had not written since it got
+    them (tokens computed into a new block, a prefill's or a resumed request's blocks, retrieve
+    destinations); the worker fences each before the forward pass. A decode step writing into
+    a block its request already wrote is not fenced again: the block's generation moved on its
+    new owner's first write, which is what drops a store of its previous owner. ``preempted``: ids preempted this step.
     ``recv_last``: ids the engine finished while it still waited for their receiving report
     (aborted while loading): every rank's last report of them is receiving, never sending
     (vLLM frees them on the aggregated finished_recving; a rank's sending report would stay

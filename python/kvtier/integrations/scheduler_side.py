@@ -39,6 +39,10 @@ class _Request:
     # once stored_chunks reaches it, a step of the request has nothing to store (every
     # decode step), which plan_step tells without computing the step's chunk count.
     store_cap: int = 0
+    # Blocks [0, fenced_to) of `blocks` were fenced since the request got them, or are never
+    # written by it (its prefix-cache hit, a load's destinations, fenced by the load): a step
+    # fences only the blocks it writes from there on, once each (plan_step).
+    fenced_to: int = 0
 
 
 def _token_array(seq: Sequence[int]) -> Sequence[int]:
@@ -239,8 +243,9 @@ class SchedulerSide:
 
         Runs every step for every running request, so it does a constant amount of work per
         request (docs/performance.md, "vLLM connector: cost per step"): a decode step appends
-        the request's new block ids, fences the block it writes and, its prompt's chunks all
-        stored, plans nothing else; no hash, no copy of its block table."""
+        the request's new block ids, fences the block it writes when the request had not
+        written it yet and, its prompt's chunks all stored, plans nothing else; no hash, no
+        copy of its block table."""
         plan = StepPlan(preempted=list(preempted))
         for rid in plan.preempted:
             st = self._requests.get(rid)
@@ -273,19 +278,33 @@ class SchedulerSide:
                 # whole (a new or resumed request).
                 fence.extend(block_ids[start // bs : -(-(start + num) // bs)] if replace else block_ids)
                 continue
+            first = start // bs
             if replace:
                 blocks = st.blocks = list(block_ids)
+                st.fenced_to = first  # a new table: nothing of it written by this request yet
             else:
                 blocks = st.blocks
                 if block_ids:
                     blocks.extend(block_ids)
             st.scheduled = True
-            if num == 1:  # a decode step: the one block holding token `start`
-                first = start // bs
-                if first < len(blocks):
-                    fence_one(blocks[first])
-            else:
-                fence.extend(blocks[start // bs : -(-(start + num) // bs)])
+            # Each block is fenced once, by the first step that writes it since the request got
+            # it (a store of its previous owner still reading it is then dropped): a decode step
+            # writing into a block its request already wrote fences nothing, so a step fences
+            # about one block in block_size per decoding request, not one per request.
+            if first >= st.fenced_to:
+                if num == 1:  # a decode step: the one block holding token `start`
+                    if first < len(blocks):
+                        fence_one(blocks[first])
+                        st.fenced_to = first + 1
+                else:
+                    end = min(-(-(start + num) // bs), len(blocks))
+                    fence.extend(blocks[first:end])
+                    st.fenced_to = max(st.fenced_to, end)
+            elif num > 1:
+                end = min(-(-(start + num) // bs), len(blocks))
+                if end > st.fenced_to:
+                    fence.extend(blocks[st.fenced_to : end])
+                    st.fenced_to = end
             if not stores:
                 continue  # kv_consumer: loads only, never stores
             stored = st.stored_chunks
