@@ -1,15 +1,17 @@
 """The bound connector against a real kvtier-server: a scheduler without a region looks up
 what workers stored, workers retrieve it byte for byte (NHD and HND), the finished-id
-contract, and the server refusing a scheduler's copies."""
+contract, the server refusing a scheduler's copies, and a layer-wise retrieve of a disk hit."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 import kvtier
 from kvtier import DtypeKind, KvLayoutKind, ModelShape, PagedKvLayout
-from kvtier_testing import finished, options, wait_until
+from kvtier_testing import finished, list_keys, options, status, wait_until
 
 CT = 16  # chunk tokens
 BS = 4  # block size
@@ -194,3 +196,64 @@ def test_layer_waits_time_out_while_the_server_is_stopped_and_return_when_it_ans
         srv.resume()
     assert w.wait_retrieves(["r"])
     assert w.take_load_error_blocks() == []
+
+
+def test_a_layerwise_retrieve_of_a_disk_hit_lands_every_byte_from_segmented_objects(servers, tmp_path):
+    """The layer-wise L2 hit end to end (docs/performance.md, "From an L2 (disk) hit"):
+    objects of 1 MiB stored on disk in 8 segments of 128 KiB (one layer each); after a
+    restart, a scheduler's lookup answers once its loads are decided and a worker's
+    layer-wise retrieve copies each layer as its segment is verified (or, for the chunks
+    that landed before it started, layer by layer at once), reports its layers and lands
+    every byte where the engine put it. Whether a chunk is still loading when the copy
+    starts depends on the disk's speed: tests/cache/copy_test.cpp ("[partial]") drives the
+    verified-prefix path step by step, tests/l2/disk_backend_test.cpp ("[segments]") the
+    segments."""
+    shape = ModelShape(8, 8, 128, DtypeKind.FP32)  # 64 KiB per token: 1 MiB objects of 16 tokens
+    chunks = 16
+    layout = PagedKvLayout(shape, BS, 2 * chunks * (CT // BS), KvLayoutKind.NHD)
+    disk = json.dumps({"type": "disk", "name": "disk", "path": str(tmp_path / "l2"), "capacity_gb": 0.25})
+    srv = servers.start(chunk_tokens=CT, slot_bytes=1 << 20, l1_mb=64,
+                        extra=["--l2-backend", disk, "--prefetch-policy", "wait_complete"], name="layerwise-disk")
+    region = kvtier.KvRegion.create(layout)
+    w = kvtier.Connector(options(srv.socket_path, chunk_tokens=CT, scheduler=False), region)
+    assert w.wait_ready(30), w.last_error
+    tokens = list(range(500, 500 + chunks * CT))
+    n = chunks * (CT // BS)  # blocks [0, n) hold the stored KV, [n, 2n) receive the retrieve
+    layers = kvtier.torch_layers(region)
+    torch.manual_seed(11)
+    for t in layers:
+        t[:, :n] = torch.randn_like(t[:, :n])
+    w.store("s", tokens, 0, chunks, list(range(n)))
+    finished(w, "s", "sending", ["s"])
+    wait_until(lambda: len(list_keys(srv.socket_path, "disk")) == chunks, what="the chunks on disk")
+    w.close()
+
+    srv.terminate()  # L1 is gone; the disk keeps the objects
+    srv.start()
+    # One engine (vLLM's scheduler process and its worker): the worker's retrieve copies
+    # through the scheduler's lookup, whose loads are in flight.
+    so = _scheduler_options(srv.socket_path, shape)
+    wo = options(srv.socket_path, chunk_tokens=CT, scheduler=False)
+    so.engine_id = wo.engine_id = "layerwise-disk-engine"
+    sched = kvtier.Connector(so)
+    assert sched.wait_ready(30), sched.last_error
+    w = kvtier.Connector(wo, region)
+    assert w.wait_ready(30), w.last_error
+    st = status(srv.socket_path)  # the hit can only come from the disk
+    assert st["l1"]["objects"] == 0 and st["backends"][0]["objects"] == chunks
+    assert lookup(sched, "r", tokens) == chunks * CT
+    w.retrieve("r", tokens, 0, list(range(n, 2 * n)), synchronous=True)
+    assert w.wait_retrieves(["r"], timeout_s=30)
+    assert w.layers_ready("r") == shape.num_layers
+    assert w.take_load_error_blocks() == []
+    for t in layers:
+        assert torch.equal(t[:, n : 2 * n], t[:, :n])
+    assert w.stats()["progress_messages"] >= 1
+
+
+def _scheduler_options(sock, shape):
+    o = options(sock, chunk_tokens=CT, scheduler=True)
+    o.model = shape
+    o.layout_kind = KvLayoutKind.NHD
+    return o
+
