@@ -195,11 +195,7 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
       for (std::size_t k = 0; k < end_; ++k) done = std::min(done, lead_copied_[k]);
       if (done > parts_reported_ && done < parts_) report = parts_reported_ = done;
     }
-    // Before this task counts as ended, so the completion always comes after its progress.
-    if (report > 0 && progress_) progress_(report);
-    std::unique_lock g(m_);
-    --running_;
-    maybe_finish_part_wise(g);
+    end_task(report);
   }
 
   // Under m_: finishes once nothing runs and every key of the prefix is copied whole.
@@ -343,12 +339,20 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
       while (parts_done_ < parts_ && part_done_[parts_done_]) ++parts_done_;
       if (parts_done_ > before && parts_done_ < parts_) done = parts_done_;
     }
-    // Before this task counts as ended, so the completion always comes after its progress
-    // (two tasks may report out of order: the receiver keeps the largest).
-    if (done > 0 && progress_) progress_(done);
+    end_task(done);
+  }
+
+  // The end of a part-major or part-wise copy task: its progress (`parts_done`, 0: none)
+  // before it stops counting, so the completion always comes after it (two tasks may report
+  // out of order: the receiver keeps the largest).
+  void end_task(std::size_t parts_done) {
+    if (parts_done > 0 && progress_) progress_(parts_done);
     std::unique_lock g(m_);
     --running_;
-    maybe_finish(g);
+    if (part_wise_)
+      maybe_finish_part_wise(g);
+    else
+      maybe_finish(g);
   }
 
   // Under m_: finishes once nothing runs and nothing is left to copy or wait for.
