@@ -65,6 +65,7 @@ void fill_for(const chunk_key& k, std::span<std::byte> out) {
   }
 }
 bool matches(const chunk_key& k, std::span<const std::byte> got) {
+  if (got.empty()) return true;  // memcmp of an empty vector's data() (null) is undefined
   std::vector<std::byte> want(got.size());
   fill_for(k, want);
   return std::memcmp(want.data(), got.data(), got.size()) == 0;
@@ -130,7 +131,7 @@ loaded load(asio::io_context& io, B& b, std::span<const chunk_key> keys, std::si
   std::vector<std::span<std::byte>> dst;
   for (std::size_t i = 0; i < keys.size(); ++i) {
     l.out.emplace_back(bytes);
-    std::memset(l.out.back().data(), 0xee, l.out.back().size());
+    if (bytes > 0) std::memset(l.out.back().data(), 0xee, bytes);
   }
   for (auto& x : l.out) dst.emplace_back(x.data(), bytes);
   std::tie(l.ec, l.r) = run_sync(io, [&]() -> asio::awaitable<std::tuple<error_code, l2::batch_result>> {
@@ -268,7 +269,7 @@ std::vector<std::size_t> check_told(const observed& o, std::size_t i, const chun
     INFO("key " << i << " told " << c.verified << " of " << bytes);
     CHECK(c.verified <= bytes);
     if (!seen.empty()) CHECK(c.verified > seen.back());
-    if (c.verified <= bytes && c.from <= c.verified)
+    if (c.verified <= bytes && c.from < c.verified)  // (memcmp of no bytes may get a null pointer: undefined)
       CHECK(std::memcmp(c.bytes.data(), want.data() + c.from, c.verified - c.from) == 0);
     seen.push_back(c.verified);
   }
@@ -329,7 +330,7 @@ void write_unsegmented_object(const fs::path& file, const chunk_key& k, std::spa
   h.payload_bytes = payload.size();
   h.payload_checksum = l2::payload_checksum(payload);
   l2::detail::encode_header_block(h, std::span<std::byte, 4096>(f.data(), 4096));
-  std::memcpy(f.data() + 4096, payload.data(), payload.size());
+  if (!payload.empty()) std::memcpy(f.data() + 4096, payload.data(), payload.size());
   const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   REQUIRE(fd >= 0);
   CHECK(::write(fd, f.data(), f.size()) == static_cast<ssize_t>(f.size()));
