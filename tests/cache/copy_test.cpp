@@ -60,6 +60,18 @@ std::vector<chunk_key> keys(std::uint64_t first, std::size_t n) {
   return k;
 }
 
+/// A copy out of lookup `id`'s keys `k` in `parts` parts (progress, when given, collected).
+cache::copy_out_request copy_request(std::uint64_t id, std::span<const chunk_key> k, std::size_t parts = 1,
+                                     std::vector<std::size_t>* progress = nullptr) {
+  cache::copy_out_request r;
+  r.lookup = id;
+  r.keys = k;
+  r.object_bytes = object_bytes;
+  r.parts = parts;
+  if (progress != nullptr) r.on_progress = [progress](std::size_t p) { progress->push_back(p); };
+  return r;
+}
+
 /// What a copy out's sink saw: (key index, part) in call order, and the bytes of each key.
 struct recording_sink {
   std::mutex m;
@@ -198,10 +210,7 @@ TEST_CASE("async_copy_out copies each chunk as soon as its load lands", "[cache]
   REQUIRE(f.gated->loading());
   recording_sink sink(k.size());
   std::optional<std::size_t> copied;
-  cache::copy_out_request r;
-  r.lookup = id;
-  r.keys = k;
-  r.object_bytes = object_bytes;
+  const cache::copy_out_request r = copy_request(id, k);
   f.cache->async_copy_out(r, sink.make(), [&](error_code ec, std::size_t n) {
     REQUIRE_FALSE(ec);
     copied = n;
@@ -239,10 +248,7 @@ TEST_CASE("a load that fails ends the copied prefix there", "[cache]") {
   f.poll();
   recording_sink sink(k.size());
   std::optional<std::size_t> copied;
-  cache::copy_out_request r;
-  r.lookup = id;
-  r.keys = k;
-  r.object_bytes = object_bytes;
+  const cache::copy_out_request r = copy_request(id, k);
   f.cache->async_copy_out(r, sink.make(), [&](error_code, std::size_t n) { copied = n; });
   f.gated->land(0);
   f.gated->fail(1);
@@ -272,12 +278,7 @@ TEST_CASE("a copy of readable chunks goes part-major and reports its progress", 
   recording_sink sink(k.size(), 4);
   std::vector<std::size_t> progress;
   std::optional<std::size_t> copied;
-  cache::copy_out_request r;
-  r.lookup = id;
-  r.keys = k;
-  r.object_bytes = object_bytes;
-  r.parts = 4;
-  r.on_progress = [&](std::size_t p) { progress.push_back(p); };
+  const cache::copy_out_request r = copy_request(id, k, 4, &progress);
   f.cache->async_copy_out(r, sink.make(), [&](error_code, std::size_t n) { copied = n; });
   f.poll();
   REQUIRE(copied);
@@ -301,12 +302,7 @@ TEST_CASE("a copy in parts copies each part as its bytes are verified, before th
   recording_sink sink(k.size(), 4);  // parts of 2048 bytes
   std::vector<std::size_t> progress;
   std::optional<std::size_t> copied;
-  cache::copy_out_request r;
-  r.lookup = id;
-  r.keys = k;
-  r.object_bytes = object_bytes;
-  r.parts = 4;
-  r.on_progress = [&](std::size_t p) { progress.push_back(p); };
+  const cache::copy_out_request r = copy_request(id, k, 4, &progress);
   f.cache->async_copy_out(r, sink.make(), [&](error_code ec, std::size_t n) {
     REQUIRE_FALSE(ec);
     copied = n;
@@ -375,11 +371,7 @@ TEST_CASE("a key that fails after its verified prefix was copied ends the prefix
     return inner(i, part, obj);
   };
   std::optional<std::size_t> copied;
-  cache::copy_out_request r;
-  r.lookup = id;
-  r.keys = k;
-  r.object_bytes = object_bytes;
-  r.parts = 4;
+  const cache::copy_out_request r = copy_request(id, k, 4);
   f.cache->async_copy_out(r, sink, [&](error_code, std::size_t n) { copied = n; });
   f.gated->land(0);
   f.gated->verify(1, 4096);  // parts 0 and 1 of key 1
@@ -427,10 +419,7 @@ TEST_CASE("a copy keeps its objects held while release_all runs, and copies with
   bool in_sink = false, go = false;
   std::vector<std::vector<std::byte>> got(k.size(), std::vector<std::byte>(object_bytes));
   std::optional<std::size_t> copied;
-  cache::copy_out_request r;
-  r.lookup = id;
-  r.keys = k;
-  r.object_bytes = object_bytes;
+  const cache::copy_out_request r = copy_request(id, k);
   f.cache->async_copy_out(
       r,
       [&](std::size_t i, std::size_t, std::span<const std::byte> obj) {

@@ -93,13 +93,7 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
         break;
       }
       if (what == resolution::wait) break;
-      if (what == resolution::take) {
-        from_lookup_.set(i);
-      } else if (!pin_own(i)) {
-        end_ = i;
-        break;
-      }
-      state_[i] = key_state::ready;
+      if (!hold(i, what)) break;
       fresh.push_back(i);
       ++resolved_;
     }
@@ -141,13 +135,7 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
         if (f == parts_) f = parts_ - 1;  // the last part is copied once the key landed
         continue;
       }
-      if (what == resolution::take) {
-        from_lookup_.set(i);
-      } else if (!pin_own(i)) {
-        end_ = i;
-        break;
-      }
-      state_[i] = key_state::ready;
+      if (!hold(i, what)) break;
       fresh.push_back(i);
     }
     if (!fresh.empty()) read_fresh_views(fresh);
@@ -254,6 +242,19 @@ class tiered_cache<Traits>::copy_out_op : public std::enable_shared_from_this<co
         op->advance(og, false);
       }
     });
+  }
+
+  // Key i resolved take or pin: takes over the lookup's holds, or pins it; ready then, else
+  // (L1 does not have it) the prefix ends at i. Under m_.
+  bool hold(std::size_t i, resolution what) {
+    if (what == resolution::take) {
+      from_lookup_.set(i);
+    } else if (!pin_own(i)) {
+      end_ = i;
+      return false;
+    }
+    state_[i] = key_state::ready;
+    return true;
   }
 
   // Not the lookup's: pins key i if L1 has it (one hold, ours). Under m_.
