@@ -256,28 +256,24 @@ inline void disk_backend::part_loaded(std::vector<load_item>& items, std::vector
 }
 
 inline bool disk_backend::check_header(load_item& it) {
-  const std::span<const std::byte> block(it.header, detail::disk_block_bytes);
-  const auto h = decode_header(block);
+  // The start-up scan's judgement (detail::check_object: header, key, flags, segment table),
+  // for the file this destination implies; then what the index recorded: the exact length
+  // and the segment layout.
+  object_header h;
+  std::uint64_t segment_bytes = 0;
+  const auto check = detail::check_object(std::span<const std::byte>(it.header, detail::disk_block_bytes), it.key,
+                                          detail::object_file_bytes(it.dst.size()), h, &segment_bytes);
   std::string_view why;
-  if (!h) why = "bad header";
-  else if (h->key != it.key) why = "the header names another key";
-  else if ((h->flags & ~object_known_flags) != 0) why = "unknown flags";
-  else if (h->payload_bytes != it.dst.size()) why = "the header's length differs";
-  else if ((h->flags & object_flag_segmented) != 0) {
-    const auto t = decode_segment_table(*h, detail::table_area(block));
-    if (!t) why = "bad segment table";
-    else if (t->segment_bytes != it.segment_bytes) why = "the segment table differs from the one indexed";
-  } else if (it.segment_bytes != 0) {
-    why = "the header's format differs from the one indexed";
-  } else if (it.dst.empty() && h->payload_checksum != payload_checksum({})) {
-    why = "payload checksum mismatch";
-  }
+  if (check != detail::object_check::ok) why = detail::to_string(check);
+  else if (h.payload_bytes != it.dst.size()) why = "the header's length differs";
+  else if (segment_bytes != it.segment_bytes) why = "the segment layout differs from the one indexed";
+  else if (it.dst.empty() && h.payload_checksum != payload_checksum({})) why = "payload checksum mismatch";
   if (!why.empty()) {
     fail_corrupt(it, why);
     return false;
   }
   it.header_ok = true;
-  it.whole_checksum = h->payload_checksum;
+  it.whole_checksum = h.payload_checksum;
   return true;
 }
 
