@@ -291,19 +291,15 @@ class SchedulerSide:
             # it (a store of its previous owner still reading it is then dropped): a decode step
             # writing into a block its request already wrote fences nothing, so a step fences
             # about one block in block_size per decoding request, not one per request.
-            if first >= st.fenced_to:
-                if num == 1:  # a decode step: the one block holding token `start`
-                    if first < len(blocks):
-                        fence_one(blocks[first])
-                        st.fenced_to = first + 1
-                else:
-                    end = min(-(-(start + num) // bs), len(blocks))
-                    fence.extend(blocks[first:end])
-                    st.fenced_to = max(st.fenced_to, end)
-            elif num > 1:
+            if num == 1:  # a decode step: the one block holding token `start`
+                if first >= st.fenced_to and first < len(blocks):
+                    fence_one(blocks[first])
+                    st.fenced_to = first + 1
+            else:
+                lo = max(first, st.fenced_to)
                 end = min(-(-(start + num) // bs), len(blocks))
-                if end > st.fenced_to:
-                    fence.extend(blocks[st.fenced_to : end])
+                if end > lo:
+                    fence.extend(blocks[lo:end])
                     st.fenced_to = end
             if not stores:
                 continue  # kv_consumer: loads only, never stores
