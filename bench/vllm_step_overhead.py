@@ -173,6 +173,7 @@ class Engine:
         self.gap_s = 0.0
         self.spin = args.wait == "spin"
         self.scenario = "mixed"
+        self.priming = False  # prime() runs: arrivals are hits (no store evicts the pool)
         self.pool = [self._tokens(2 * CHUNK) for _ in range(POOL)]
         self.profiler: Optional[cProfile.Profile] = None
         # the last step's times (ns) and the window's counters
@@ -378,7 +379,10 @@ class Engine:
                 self.tables.pop(rid, None)  # aborted while loading: its last report
         for req in done:
             if not req.request_id.startswith("prime"):
-                self.arrival()  # the steady state: a new request for each one that finished
+                # The steady state: a new request for each one that finished. While the pool is
+                # primed they are hits (a miss stores a pool prefix): a store of a new prompt
+                # would evict the prefixes being primed (L1 is 2 GiB, a nohit arrival 64 MiB).
+                self.arrival("hit" if self.priming else None)
         self.sched_ns, self.xfer_ns, self.worker_ns = sched_ns, xfer_ns, worker_ns
 
     def in_engine(self) -> int:
@@ -402,7 +406,16 @@ class Engine:
 
 def prime(engine: Engine) -> None:
     """Puts the hit pool's prefixes in the server's L1: requests of each prefix until a round
-    in which every one hit (the first round of an evicted prefix stores it)."""
+    in which every one hit (the first round of an evicted prefix stores it). Meanwhile the
+    running requests that finish are replaced by hits, not by the scenario's arrivals."""
+    engine.priming = True
+    try:
+        prime_rounds(engine)
+    finally:
+        engine.priming = False
+
+
+def prime_rounds(engine: Engine) -> None:
     for _ in range(10):
         reqs = []
         for p in engine.pool:
