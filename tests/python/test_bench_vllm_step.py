@@ -10,11 +10,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-from conftest import BUILD_DIR
-
-REPO = Path(__file__).resolve().parents[2]
+from conftest import BUILD_DIR, REPO
 
 
 def test_the_step_benchmark_profiles_the_256_request_windows():
