@@ -573,6 +573,7 @@ PYBIND11_MODULE(_kvtier, m) {
              d["progress_messages"] = st.progress_messages;
              d["ignored_progress"] = st.ignored_progress;
              d["calls_issued"] = st.calls_issued;
+             d["calls_sent_by_caller"] = st.calls_sent_by_caller;
              d["pending_calls"] = st.pending_calls;
              d["tracked_requests"] = st.tracked_requests;
              d["lookups"] = st.lookups;

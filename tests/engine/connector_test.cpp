@@ -125,6 +125,65 @@ TEST_CASE("a lookup costs one request frame when the server's answer is ready", 
   CHECK(h.server->lookups().at(0).answer_when_decided);  // the server answers when decided
 }
 
+TEST_CASE("an engine thread writes its calls itself; a full socket hands their rest to the connector's thread whole",
+          "[engine][connector][concurrency]") {
+  harness h;
+  auto o = h.options();
+  o.describe_chunks = false;
+  o.timeouts.ping_interval = 60s;  // no ping write of the connector's thread in the socket's queue
+  auto& c = h.connect(o);
+  const auto big = [](std::uint64_t seed) {  // a lookup of 1 MiB: more than a Unix socket holds
+    std::vector<hash128> hs(p::max_chunk_hashes);
+    for (std::size_t i = 0; i < hs.size(); ++i) hs[i] = hash128{seed, i};
+    return hs;
+  };
+
+  // The registration's and the first ping's writes finish on the connector's thread; from
+  // then on every call is written by its caller.
+  std::size_t n = 0;
+  for (; c.stats().calls_sent_by_caller == 0 && n < 1000; ++n) c.lookup_hashes("l" + std::to_string(n), {hash128{7, n}});
+  REQUIRE(c.stats().calls_sent_by_caller > 0);
+  REQUIRE(h.server->wait_received(p::message_type::lookup_request, n));
+  const std::uint64_t before = c.stats().calls_sent_by_caller;
+
+  SECTION("an idle connection: the engine's thread writes the lookup") {
+    c.lookup_hashes("direct", {hash128{8, 8}});
+    CHECK(c.stats().calls_sent_by_caller == before + 1);
+    REQUIRE(h.server->wait_received(p::message_type::lookup_request, n + 1));
+    REQUIRE(c.wait_lookups(ids{"direct"}, 60s));
+    CHECK(c.lookup_result("direct") == std::optional<std::size_t>(0));
+  }
+
+  SECTION("a stopped server: frames queue up behind the unsent end of a write, and arrive whole and in order") {
+    h.server->freeze();
+    constexpr std::uint64_t lookups = 6;
+    ids all;
+    for (std::uint64_t i = 0; i < lookups; ++i) {
+      all.push_back("big" + std::to_string(i));
+      c.lookup_hashes(all.back(), big(i));  // returns at once: nothing waits for the socket
+      all.push_back("small" + std::to_string(i));
+      c.lookup_hashes(all.back(), {hash128{i, 99}});
+    }
+    // The first one was written here, in part; the others waited behind its end.
+    CHECK(c.stats().calls_sent_by_caller == before + 1);
+    CHECK(c.healthy());
+    h.server->thaw();
+    REQUIRE(h.server->wait_received(p::message_type::lookup_request, n + 2 * lookups));
+    REQUIRE(c.wait_lookups(all, 60s));
+    auto got = h.server->lookups();
+    REQUIRE(got.size() == n + 2 * lookups);
+    got.erase(got.begin(), got.begin() + static_cast<std::ptrdiff_t>(n));
+    for (std::uint64_t i = 0; i < lookups; ++i) {
+      CHECK(got[2 * i].request_key == all[2 * i]);
+      CHECK(got[2 * i].chunk_hashes == big(i));
+      CHECK(got[2 * i + 1].request_key == all[2 * i + 1]);
+      CHECK(got[2 * i + 1].chunk_hashes == std::vector<hash128>{hash128{i, 99}});
+    }
+    CHECK(c.healthy());
+    CHECK(c.stats().registrations == 1);  // the stream never broke
+  }
+}
+
 TEST_CASE("a lookup waits for the server's decision up to the lookup deadline, not the call deadline",
           "[engine][connector][concurrency]") {
   harness h;

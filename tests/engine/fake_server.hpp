@@ -98,6 +98,29 @@ class fake_server {
     std::lock_guard g(m_);
     hang_ = on;
   }
+  /// The server's thread stops (reads, answers and accepts nothing) until thaw(): a server
+  /// whose sockets fill up. Returns once it stopped.
+  void freeze() {
+    auto stopped = std::make_shared<std::promise<void>>();
+    std::future<void> done = stopped->get_future();
+    {
+      std::lock_guard g(m_);
+      frozen_ = true;
+    }
+    boost::asio::post(io_, [this, stopped] {
+      std::unique_lock l(m_);
+      stopped->set_value();
+      cv_.wait(l, [&] { return !frozen_; });
+    });
+    done.wait();
+  }
+  void thaw() {
+    {
+      std::lock_guard g(m_);
+      frozen_ = false;
+    }
+    cv_.notify_all();
+  }
   /// Processes and answers every held request of connections still open (late replies; a
   /// retrieve then writes its blocks). Waits until done.
   void release_held() {
@@ -525,6 +548,7 @@ class fake_server {
   std::uint64_t boot_token_ = 0;
   std::uint64_t client_ids_ = 0;
   bool hang_ = false;
+  bool frozen_ = false;
   std::set<protocol::message_type> held_types_;
   std::vector<held_request> held_;
   std::optional<errc> reject_;

@@ -52,6 +52,9 @@ struct connector_stats {
   std::uint64_t progress_messages = 0;  ///< retrieve progress messages for retrieves in flight
   std::uint64_t ignored_progress = 0;   ///< progress for calls not in flight (late: ignored)
   std::uint64_t calls_issued = 0;    ///< requests handed to a connection
+  /// Of them, written by the engine's thread that issued them (without waking the
+  /// connector's thread; docs/fault-tolerance.md, "Sends leave the mutex").
+  std::uint64_t calls_sent_by_caller = 0;
   std::size_t pending_calls = 0;     ///< calls waiting for their reply now
   std::size_t tracked_requests = 0;  ///< finished_tracker::tracked()
   std::size_t lookups = 0;           ///< lookup entries kept (pending or answered)

@@ -15,11 +15,14 @@
 
 #include <sys/types.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace kvtier {
 inline namespace KVTIER_ABI_TAG {
@@ -48,6 +51,19 @@ struct server_connection {
   /// a peer check or a connection cap), kept for last_error() over the EOF that follows.
   std::string refusal;
 
+  // --- the socket's writers (server_link: "who writes") ---------------------------------
+  /// Taken by every writer of the socket and by its close: an engine's thread writes frames
+  /// itself (server_link::send_issued) when nothing of the link's thread is queued.
+  std::mutex send_mu;
+  /// Guarded by send_mu: the socket's descriptor for an engine thread's writes, -1 once
+  /// closed (close_socket waits for a write in progress).
+  int send_fd = -1;
+  /// Guarded by send_mu: frames handed to conn's write queue whose completion has not run.
+  std::size_t link_writes = 0;
+  /// Guarded by send_mu: the bytes an engine thread's write left unsent (the socket was
+  /// full); the link's thread writes them before anything else.
+  std::vector<std::byte> unsent;
+
   /// A connection over `socket` (connected and its peer checked), with the pid and pidfd
   /// of the process at the other end.
   static std::shared_ptr<server_connection> open(const boost::asio::any_io_executor& ex,
@@ -55,14 +71,23 @@ struct server_connection {
     auto c = std::make_shared<server_connection>();
     c->pid = peer_pid(socket.native_handle());
     const int fd = open_pidfd(c->pid);
+    c->send_fd = socket.native_handle();
     c->conn = std::make_shared<protocol::connection>(std::move(socket));
     if (fd >= 0) c->pidfd.emplace(ex, fd);
     return c;
   }
 
-  /// Closes the socket and the pidfd (pending operations complete with operation_aborted).
-  void close() {
+  /// Closes the socket (pending operations complete with operation_aborted), after an
+  /// engine thread's write in progress.
+  void close_socket() {
+    std::lock_guard g(send_mu);
+    send_fd = -1;
     conn->close();
+  }
+
+  /// Closes the socket and the pidfd.
+  void close() {
+    close_socket();
     if (pidfd) {
       error_code ignored;
       pidfd->close(ignored);

@@ -81,6 +81,7 @@ struct link_stats {
   std::uint64_t progress_messages = 0;  ///< progress messages for calls in flight
   std::uint64_t ignored_progress = 0;   ///< progress messages for calls not in flight (ignored)
   std::uint64_t calls_issued = 0;    ///< requests handed to a connection
+  std::uint64_t calls_sent_by_caller = 0;  ///< of them, written by the issuing engine thread itself
   std::size_t pending_calls = 0;     ///< calls waiting for their reply now
   std::size_t open_connections = 0;  ///< the current one plus those kept for late replies
 };
@@ -141,14 +142,13 @@ class server_link {
   }
   /// Issues call `id` (its frame `bytes`) on the current connection, expecting `expect`
   /// within `timeout` of its sending. `done` runs once when it completes, with the mutex
-  /// held, on the link's thread, never inside this call. The link's thread sends it; a
-  /// thread other than the link's must call wake() once it released the mutex (issue_lock
-  /// does both), so that waking the link's thread, a syscall, is not done under the mutex.
-  /// `lazy` (a notification nothing waits for, such as end_request): another thread does
-  /// not wake the link's thread for it; it goes with the next call that does, or when the
-  /// link's thread runs anyway (a reply read, the next ping: within ping_interval). Waking
-  /// the link's thread costs the caller more than the call itself (it usually takes the
-  /// caller's core for its turn).
+  /// held, on the link's thread, never inside this call. A thread other than the link's
+  /// issues through issue_lock, whose send_issued writes the calls on the caller's thread
+  /// after releasing the mutex (waking the link's thread instead would cost the caller more
+  /// than the call: on a busy machine the woken thread takes the caller's core).
+  /// `lazy` (a notification nothing waits for, such as end_request): nothing is sent for it
+  /// alone; it goes with the next call that is sent, or when the link's thread runs anyway
+  /// (a reply read, the next ping: within ping_interval).
   void issue_locked(std::uint64_t id, call_kind kind, protocol::message_type expect, std::vector<std::byte> bytes,
                     clock::duration timeout, call_done done, bool lazy = false) {
     issue_locked(id, kind, current_epoch_, expect, std::move(bytes), -1, timeout, std::move(done), lazy);
@@ -156,11 +156,13 @@ class server_link {
   /// Closes the older connections the owner no longer awaits late replies on.
   void retire_connections_locked();
 
-  // --- without the mutex ---------------------------------------------------------------
-  /// Wakes the link's thread to send the calls issued since the last wake-up, when an
-  /// issue_locked on this or another thread asked for it. Never blocks; cheap when nothing
-  /// waits. Call it without the mutex held, and only while the link runs (before stop()).
-  void wake();
+  /// Releases `lock` (on the mutex) and sends the calls a thread other than the link's
+  /// issued under it (issue_lock's end). They are written on the calling thread (one
+  /// sendmsg, MSG_DONTWAIT) when they are all for the current connection and nothing of the
+  /// link's thread waits in its write queue; their deadlines are armed first, under the
+  /// mutex. Otherwise, or for what the socket does not take, the link's thread is woken to
+  /// write them. Only while the link runs (before stop()).
+  void send_issued(std::unique_lock<std::mutex>& lock);
 
  private:
   struct call_waiter {
@@ -180,6 +182,13 @@ class server_link {
   /// Sends the calls queued by issue_locked, in their order: the checks and the deadlines
   /// under the mutex, the writes (sendmsg, which wakes the server) after releasing it.
   void send_queued_io();
+  /// Hands `bytes` (and `fd`; none when empty) to `s`'s write queue, after what an engine
+  /// thread's write left unsent; with s.send_mu held, on the link's thread. `counted`: the
+  /// frame is in s.link_writes already.
+  void write_io(const std::shared_ptr<server_connection>& s, std::vector<std::byte> bytes, int fd,
+                bool counted = false);
+  /// A write on connection `epoch` failed.
+  void on_write_error_io(std::uint64_t epoch, error_code ec);
   /// (Re)arms call `c`'s deadline timer to expire at `at`.
   void arm_deadline_locked(pending_call& c, clock::time_point at);
   void on_deadline_io(std::uint64_t id);
@@ -241,23 +250,19 @@ class server_link {
   call_table calls_;
   std::map<std::uint64_t, std::shared_ptr<server_connection>> connections_;
   link_stats stats_{};
-  std::vector<std::uint64_t> send_queue_;  ///< calls issued and not yet handed to send_queued_io
-  bool send_posted_ = false;               ///< a send_queued_io is posted or owed (wake_pending_)
-  // --- atomic ---
-  std::atomic<bool> wake_pending_{false};  ///< a send_queued_io owed by wake()
+  std::vector<std::uint64_t> send_queue_;  ///< calls issued and not yet written or handed to send_queued_io
+  bool send_posted_ = false;               ///< a send_queued_io is posted
+  bool caller_sends_ = false;              ///< a send_issued owes the queue a sending
 };
 
 /// The link's mutex for a function of an engine's thread that issues calls: on leaving the
-/// scope it releases the mutex, then wakes the link's thread (server_link::wake).
+/// scope it releases the mutex and sends what was issued (server_link::send_issued).
 class issue_lock {
  public:
   explicit issue_lock(server_link& link) : link_(link), lock_(link.mutex()) {}
   issue_lock(const issue_lock&) = delete;
   issue_lock& operator=(const issue_lock&) = delete;
-  ~issue_lock() {
-    lock_.unlock();
-    link_.wake();
-  }
+  ~issue_lock() { link_.send_issued(lock_); }
 
  private:
   server_link& link_;

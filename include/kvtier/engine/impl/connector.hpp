@@ -147,6 +147,7 @@ connector_stats connector<Bus>::stats() const {
   s.progress_messages = l.progress_messages;
   s.ignored_progress = l.ignored_progress;
   s.calls_issued = l.calls_issued;
+  s.calls_sent_by_caller = l.calls_sent_by_caller;
   s.pending_calls = l.pending_calls;
   s.tracked_requests = tracker_.tracked();
   s.lookups = lookups_.size();

@@ -11,9 +11,12 @@
 #include <boost/asio/use_awaitable.hpp>
 
 #include <pthread.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <exception>
 #include <variant>
 
@@ -113,18 +116,16 @@ inline void server_link::issue_locked(std::uint64_t id, call_kind kind, std::uin
   c->done = std::move(done);
   calls_.insert(std::move(c));
   ++stats_.calls_issued;
-  // Never completes inside this call: the sending (and everything after) runs on the thread,
-  // one send_queued_io for every call queued before it runs. On the link's thread the post
-  // costs nothing; another thread's would wake the link's thread under the mutex (a syscall,
-  // and a thread that runs only to wait for the mutex): wake() posts it after the unlock.
+  // Never completes inside this call. On the link's thread, one send_queued_io sends every
+  // call queued before it runs; another thread's calls are sent by its send_issued, after
+  // the mutex is released (issue_lock).
   send_queue_.push_back(id);
   if (send_posted_) return;
   if (io_->get_executor().running_in_this_thread()) {
     send_posted_ = true;
     boost::asio::post(ex_, [this] { send_queued_io(); });
   } else if (!lazy) {
-    send_posted_ = true;
-    wake_pending_.store(true, std::memory_order_release);
+    caller_sends_ = true;
   }
 }
 
@@ -134,9 +135,96 @@ inline void server_link::send_lazy_locked() {
   boost::asio::post(ex_, [this] { send_queued_io(); });
 }
 
-inline void server_link::wake() {
-  if (wake_pending_.load(std::memory_order_acquire) && wake_pending_.exchange(false, std::memory_order_acq_rel))
+inline void server_link::send_issued(std::unique_lock<std::mutex>& lock) {
+  if (!std::exchange(caller_sends_, false) || send_posted_ || stopping_) return lock.unlock();
+  // Written here only when every call queued is for the current connection, open, carries
+  // no fd, and no write of the link's thread (or the unsent end of an earlier write here)
+  // waits in the socket's queue: the frames go in order and whole.
+  std::shared_ptr<server_connection> s;
+  std::unique_lock<std::mutex> send;
+  if (auto it = connections_.find(current_epoch_); it != connections_.end() && !it->second->broken) {
+    s = it->second;
+    send = std::unique_lock(s->send_mu);
+  }
+  std::vector<std::shared_ptr<pending_call>> batch;
+  bool here = s && s->send_fd >= 0 && s->link_writes == 0 && s->unsent.empty();
+  for (std::size_t i = 0; here && i < send_queue_.size(); ++i) {
+    std::shared_ptr<pending_call> c = calls_.find(send_queue_[i]);
+    if (!c) continue;  // released before it could be sent
+    here = c->epoch == s->epoch && c->fd < 0;
+    batch.push_back(std::move(c));
+  }
+  if (!here) {
+    if (send) send.unlock();
+    send_posted_ = true;
+    lock.unlock();
     boost::asio::post(ex_, [this] { send_queued_io(); });
+    return;
+  }
+  send_queue_.clear();
+  std::vector<std::vector<std::byte>> frames;
+  frames.reserve(batch.size());
+  const clock::time_point now = clock::now();
+  for (const std::shared_ptr<pending_call>& c : batch) {
+    c->sent_at = now;
+    // From this thread: the timer's wait goes into the io_context's timer queue (its own
+    // lock; timerfd_settime when it is the earliest), which wakes nothing.
+    arm_deadline_locked(*c, c->sent_at + c->timeout);
+    c->sent = true;
+    frames.push_back(std::move(c->bytes));
+  }
+  stats_.calls_sent_by_caller += frames.size();
+  const std::uint64_t epoch = s->epoch;
+  lock.unlock();
+  // The write, under the socket's send_mu only: the server's reply (on the link's thread,
+  // under the mutex) may come before it returns. A call completed meanwhile (on the link's
+  // thread) was sent, which the checks above allowed for already.
+  constexpr std::size_t max_iov = 1024;  // Linux's UIO_MAXIOV
+  std::vector<iovec> iov;
+  iov.reserve(frames.size());
+  std::size_t total = 0;
+  for (auto& f : frames) {
+    iov.push_back(iovec{f.data(), f.size()});
+    total += f.size();
+  }
+  std::size_t written = 0;
+  std::size_t first = 0;  // iov[first] is the first piece not fully written
+  error_code ec;
+  while (written < total) {
+    msghdr msg{};
+    msg.msg_iov = iov.data() + first;
+    msg.msg_iovlen = std::min<std::size_t>(iov.size() - first, max_iov);
+    const ssize_t n = ::sendmsg(s->send_fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) ec = error_code(errno, boost::system::system_category());
+      break;
+    }
+    written += static_cast<std::size_t>(n);
+    for (std::size_t left = static_cast<std::size_t>(n); left > 0;) {
+      const std::size_t take = std::min(left, iov[first].iov_len);
+      iov[first].iov_base = static_cast<std::byte*>(iov[first].iov_base) + take;
+      iov[first].iov_len -= take;
+      left -= take;
+      if (iov[first].iov_len == 0) ++first;
+    }
+  }
+  if (ec) {
+    send.unlock();
+    boost::asio::post(ex_, [this, epoch, ec] { on_write_error_io(epoch, ec); });
+  } else if (written < total) {
+    // The socket is full: the rest goes first when the link's thread writes next, and it
+    // writes next now.
+    for (std::size_t i = first; i < iov.size(); ++i) {
+      const auto* p = static_cast<const std::byte*>(iov[i].iov_base);
+      s->unsent.insert(s->unsent.end(), p, p + iov[i].iov_len);
+    }
+    send.unlock();
+    boost::asio::post(ex_, [this, s] {
+      std::lock_guard g(s->send_mu);
+      if (!s->unsent.empty()) write_io(s, {}, -1);
+    });
+  }
 }
 
 inline void server_link::complete_locked(pending_call& c, call_result r) {
@@ -146,8 +234,7 @@ inline void server_link::complete_locked(pending_call& c, call_result r) {
 
 inline void server_link::send_queued_io() {
   struct frame_write {
-    std::shared_ptr<protocol::connection> conn;
-    std::uint64_t epoch = 0;
+    std::shared_ptr<server_connection> s;
     std::vector<std::byte> bytes;
     int fd = -1;
   };
@@ -170,24 +257,52 @@ inline void server_link::send_queued_io() {
       c->sent_at = clock::now();
       arm_deadline_locked(*c, c->sent_at + c->timeout);
       c->sent = true;
-      writes.push_back(frame_write{sit->second->conn, c->epoch, std::move(c->bytes), c->fd});
+      writes.push_back(frame_write{sit->second, std::move(c->bytes), c->fd});
+    }
+    // Counted before the mutex is released: an engine thread's send_issued after this point
+    // must not write ahead of these.
+    for (frame_write& w : writes) {
+      std::lock_guard sg(w.s->send_mu);
+      ++w.s->link_writes;
     }
   }
   // The writes without the mutex: a sendmsg wakes the server, which may take this core from
-  // this thread. The connections are used on this thread only (a close as well), so none
-  // changes under them; a call that completes meanwhile (only on this thread, after these)
-  // was sent, which its handling above allowed for already.
-  for (frame_write& w : writes)
-    w.conn->async_write_frame(std::move(w.bytes), w.fd, [this, epoch = w.epoch](error_code ec) {
-      if (!ec || ec == boost::asio::error::operation_aborted) return;
-      std::lock_guard lg(mu_);
-      if (stopping_) return;
-      if (auto s = connections_.find(epoch); s != connections_.end()) {
-        const bool closed = closed_by_peer(ec);
-        last_error_ = closed ? "the server closed the connection" : "socket error: " + ec.message();
-        on_broken_io(*s->second, closed ? "eof" : "socket_error", closed);
-      }
-    });
+  // this thread. The connections are closed on this thread only, so none closes under them;
+  // a call that completes meanwhile (only on this thread, after these) was sent, which its
+  // handling above allowed for already.
+  for (frame_write& w : writes) {
+    std::lock_guard g(w.s->send_mu);
+    write_io(w.s, std::move(w.bytes), w.fd, /*counted=*/true);
+  }
+}
+
+inline void server_link::write_io(const std::shared_ptr<server_connection>& s, std::vector<std::byte> bytes, int fd,
+                                  bool counted) {
+  auto written = [this, s](error_code ec) {
+    {
+      std::lock_guard g(s->send_mu);
+      --s->link_writes;
+    }
+    if (ec && ec != boost::asio::error::operation_aborted) on_write_error_io(s->epoch, ec);
+  };
+  if (!s->unsent.empty()) {
+    ++s->link_writes;
+    s->conn->async_write_frame(std::exchange(s->unsent, {}), -1, written);
+  }
+  if (!bytes.empty()) {
+    if (!counted) ++s->link_writes;
+    s->conn->async_write_frame(std::move(bytes), fd, written);
+  }
+}
+
+inline void server_link::on_write_error_io(std::uint64_t epoch, error_code ec) {
+  std::lock_guard g(mu_);
+  if (stopping_) return;
+  if (auto s = connections_.find(epoch); s != connections_.end()) {
+    const bool closed = closed_by_peer(ec);
+    last_error_ = closed ? "the server closed the connection" : "socket error: " + ec.message();
+    on_broken_io(*s->second, closed ? "eof" : "socket_error", closed);
+  }
 }
 
 inline void server_link::arm_deadline_locked(pending_call& c, clock::time_point at) {
@@ -343,7 +458,7 @@ inline void server_link::on_broken_io(server_connection& s, std::string_view rea
   if (s.broken) return;
   s.broken = true;
   s.closed_by_server = server_closed;
-  s.conn->close();
+  s.close_socket();
   // The server's close proves its copies for this connection over (docs/protocol.md): the
   // owner releases what it fenced for calls given up on it earlier, and the calls failed
   // below need no fencing (closed_by_server_locked).
@@ -415,7 +530,7 @@ inline std::string server_link::fail_handshake_locked(std::uint64_t epoch, std::
   if (current_epoch_ == epoch) current_epoch_ = 0;
   if (auto it = connections_.find(epoch); it != connections_.end()) {
     it->second->broken = true;
-    it->second->conn->close();
+    it->second->close_socket();
   }
   maybe_retire_io(epoch);
   mark_unhealthy_io(reason);  // only an edge when it was starting (a failed retry changes nothing)
