@@ -460,6 +460,15 @@ def summary(res, meta, table, made):
     row("vLLM connector, decode steps alone, 256 requests (`vllm_decode_step_vs_budget_256`: warm, no I/O)",
         g("vllm_decode_step_us_256"), "us", g("vllm_step_budget_us_256"), "us",
         "1% of an 8B decode step on an H100 (HBM floor)", g("vllm_decode_step_vs_budget_256"), "<= 1")
+    row("vLLM connector, the same decode steps after the forward-pass wait, 256 requests "
+        "(`vllm_decode_step_after_wait_us_256`: no I/O)",
+        g("vllm_decode_step_after_wait_us_256"), "us", g("vllm_decode_step_us_256"), "us",
+        "the same steps back to back (warm)",
+        (g("vllm_decode_step_after_wait_us_256") / g("vllm_decode_step_us_256"))
+        if g("vllm_decode_step_after_wait_us_256") and g("vllm_decode_step_us_256") else None, "")
+    row("machine control, no kvtier: Python work (1 MB touched) after the same wait (`machine_after_wait_slowdown`)",
+        g("machine_python_after_wait_us"), "us", g("machine_python_us"), "us", "the same work back to back",
+        g("machine_after_wait_slowdown"), "")
     row("vLLM connector, 256 requests, mean step (`vllm_step_overhead_mean_us_256`: C++ call outliers included)",
         g("vllm_step_overhead_mean_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step",
         None, "")

@@ -33,9 +33,16 @@ default synchronization spins, the engine core polls its queues): a sleep hands 
 other processes, and on a shared 2-core machine the calls after it then run on cold caches,
 two to three times slower (--wait sleep shows it).
 
---decode-only runs the n requests' decode steps back to back (nothing finishes or arrives, no
-forward-pass wait, so no I/O and warm caches): the floor of what a step of the connector
-costs, RESULT vllm_decode_step_us_<n> and vllm_decode_step_vs_budget_256.
+--decode-only runs the n requests' decode steps (nothing finishes or arrives, no I/O) in two
+interleaved ways: back to back, on warm caches, the floor of what a step of the connector
+costs (RESULT vllm_decode_step_us_<n>, vllm_decode_step_vs_budget_256); and with the
+forward-pass wait between save_kv_layer and wait_for_save as in the steady state
+(vllm_decode_step_after_wait_us_<n>): the same calls, the same work, after the wait. Beside
+them, a control without kvtier: the same Python work (a walk over 1024 small dicts of lists
+and a pickle, about 1 MB touched) back to back and after the same spin as n = 256's wait
+(machine_python_us, machine_python_after_wait_us, machine_after_wait_slowdown): what this
+machine does to code that waited, whoever wrote it. On a shared VM the steady-state figure is
+mostly that (docs/performance.md, "vLLM connector: cost per step").
 
 The workload: a steady state of n requests in the engine (n = 1, 64, 256). Each request has a
 prompt of --prompt-tokens tokens (520: 2 chunks of 256 tokens and 8 more) and generates
@@ -97,6 +104,9 @@ vllm_step_budget_us_<n>; vllm_step_overhead_vs_budget_256 (the headline at 256 o
 budget: <= 1 meets the target).
 ``--profile`` runs cProfile over the connector calls of the n = 256 mixed windows (nothing
 else) and prints the top functions by total and by cumulative time instead.
+``--time-calls`` wraps both connectors' C++ ``kvtier.Connector`` and the scheduler's
+``TokenHasher`` and prints each method's count, median and mean wall time (us) over the whole
+run (priming and the population included), cProfile's distortion aside.
 """
 
 from __future__ import annotations
@@ -144,6 +154,7 @@ WEIGHT_BYTES = 8.03e9 * 2  # bf16
 HBM_BYTES_PER_S = 3.35e12  # H100 SXM5 (NVIDIA's datasheet)
 NS = (1, 64, 256)
 SCENARIOS = ("nohit", "hit", "mixed")
+DECODE_SCENARIOS = ("decode", "decode_wait")  # --decode-only: back to back, and after the forward-pass wait
 POOL = 4  # prefixes the hit scenario's prompts start with
 
 
@@ -170,7 +181,8 @@ class Engine:
         self.recv_done: Set[str] = set()
         self.finished_ids: Set[str] = set()  # the next SchedulerOutput's finished_req_ids
         self.count = 0
-        self.gap_s = 0.0
+        self.gap_s = 0.0  # the forward-pass wait of this step
+        self.wait_s = 0.0  # the forward-pass wait of this n (the scenarios decide whether a step waits)
         self.spin = args.wait == "spin"
         self.scenario = "mixed"
         self.priming = False  # prime() runs: arrivals are hits (no store evicts the pool)
@@ -438,6 +450,8 @@ def window(engine: Engine, scenario: str, steps: int, warmup: int, profiler: Opt
     """One window: the scenario's hit pool primed, ``warmup`` steps, then ``steps`` measured
     steps (under ``profiler`` when given). Returns each measured step's times (us)."""
     engine.scenario = scenario
+    if scenario in DECODE_SCENARIOS:
+        engine.gap_s = engine.wait_s if scenario == "decode_wait" else 0.0
     if scenario in ("hit", "mixed"):
         prime(engine)
     for _ in range(warmup):
@@ -484,8 +498,72 @@ def report(n: int, scenario: str, windows: List[Dict[str, Any]], name: str = "vl
     steps = [p for w in windows for p in w["parts"]]
     mean_part = {k: statistics.fmean(p.get(k, 0.0) for p in steps) for k in parts}
     print("#   mean us/step by call: " + ", ".join(f"{k} {mean_part[k]:.1f}" for k in sorted(parts, key=lambda k: -mean_part[k])))
-    print(f"RESULT {name}_{n}_{scenario}={med(total):.1f}" if scenario != "decode" else f"RESULT {name}_{n}={med(total):.1f}")
+    print(f"RESULT {name}_{n}_{scenario}={med(total):.1f}" if scenario not in DECODE_SCENARIOS
+          else f"RESULT {name}_{n}={med(total):.1f}")
     return med(total)
+
+
+class CallTimer:
+    """Stands in for an object and times every method call made through it (--time-calls)."""
+
+    def __init__(self, inner: Any, tag: str, times: Dict[str, List[int]]) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_tag", tag)
+        object.__setattr__(self, "_times", times)
+
+    def __getattr__(self, name: str) -> Any:
+        v = getattr(self._inner, name)
+        if not callable(v):
+            return v
+        samples = self._times.setdefault(f"{self._tag}.{name}", [])
+
+        def timed(*a: Any, **k: Any) -> Any:
+            t0 = time.perf_counter_ns()
+            try:
+                return v(*a, **k)
+            finally:
+                samples.append(time.perf_counter_ns() - t0)
+
+        return timed
+
+
+def print_call_times(times: Dict[str, List[int]]) -> None:
+    print("# --- C++ calls (--time-calls): count, median and mean us, total ms ---")
+    for key, v in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+        v = sorted(v)
+        print(f"#   {key:32s} {len(v):6d} {v[len(v) // 2] / 1e3:8.1f} {statistics.fmean(v) / 1e3:8.1f} "
+              f"{sum(v) / 1e6:8.1f}")
+
+
+def machine_after_wait(wait_s: float, repeats: int, steps: int) -> None:
+    """The control without kvtier: a fixed piece of Python work (about 1 MB touched) timed
+    back to back and right after a spin of ``wait_s``, ``repeats`` interleaved windows of
+    ``steps`` each; prints the medians and their ratio."""
+    data = [{"id": f"req-{i}", "blocks": list(range(i, i + 40)), "n": i} for i in range(1024)]
+
+    def work() -> int:
+        s = 0
+        for r in data:
+            s += r["n"] + len(r["blocks"]) + r["blocks"][-1]
+        return s + len(pickle.dumps([r["blocks"][:2] for r in data]))
+
+    times: Dict[bool, List[float]] = {False: [], True: []}
+    for _ in range(repeats):
+        for after in (False, True):
+            for _ in range(steps):
+                if after:
+                    deadline = time.perf_counter() + wait_s
+                    while time.perf_counter() < deadline:
+                        pass
+                t0 = time.perf_counter_ns()
+                work()
+                times[after].append((time.perf_counter_ns() - t0) / 1e3)
+    back, waited = statistics.median(times[False]), statistics.median(times[True])
+    print(f"# control without kvtier: the same Python work (1024 dicts of lists + a pickle) {back:.1f} us back to "
+          f"back, {waited:.1f} us after a {wait_s * 1e3:.2f} ms spin ({repeats} x {steps} each, interleaved)")
+    print(f"RESULT machine_python_us={back:.1f}")
+    print(f"RESULT machine_python_after_wait_us={waited:.1f}")
+    print(f"RESULT machine_after_wait_slowdown={waited / back:.3f}")
 
 
 def main() -> None:
@@ -503,6 +581,7 @@ def main() -> None:
     ap.add_argument("--ns", default=",".join(map(str, NS)), help="running requests, comma-separated")
     ap.add_argument("--quick", action="store_true", help="3 windows of 24 steps per configuration")
     ap.add_argument("--profile", action="store_true", help="cProfile the n=256 mixed windows' connector calls")
+    ap.add_argument("--time-calls", action="store_true", help="time every C++ connector call (count, median, mean)")
     ap.add_argument("--decode-only", action="store_true",
                     help="decode steps back to back, nothing arriving (module docstring)")
     args = ap.parse_args()
@@ -524,6 +603,7 @@ def main() -> None:
     slot = kvtier.ChunkLayout(shape, CHUNK).object_bytes
     srv = factory.start(chunk_tokens=CHUNK, slot_bytes=slot, l1_mb=args.l1_mb)
     connectors: List[KVTierConnector] = []
+    call_times: Dict[str, List[int]] = {}
     try:
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         extra = {"socket_path": str(srv.socket_path), "chunk_tokens": CHUNK, "kv_layout": "NHD", "ready_timeout_s": 30}
@@ -539,15 +619,21 @@ def main() -> None:
         if not (sched.scheduler_side.connector.healthy and worker.worker_side.connector.healthy):
             raise SystemExit("vllm_step_overhead: the connectors did not register")
         engine = Engine(sched, worker, list(kv.items()), args)
+        if args.time_calls:
+            ss, ws = sched.scheduler_side, worker.worker_side
+            ss.connector = CallTimer(ss.connector, "scheduler", call_times)
+            ss._hasher = CallTimer(ss._hasher, "hasher", call_times)
+            ws.connector = CallTimer(ws.connector, "worker", call_times)
         print(f"# vLLM connector cost per step: {LAYERS} layers x (2, {args.region_blocks}, {BLOCK}, {KV_HEADS}, "
               f"{HEAD_DIM}) bf16, chunks of {CHUNK} tokens ({slot >> 20} MiB), prompts of {args.prompt_tokens} "
               f"tokens, {args.output_tokens} output tokens; {args.repeats} windows x {args.steps} steps per configuration")
         print(f"# python {sys.version.split()[0]}, torch {torch.__version__}, kvtier {kvtier.__version__}")
         results: Dict[tuple, List[Dict[str, Any]]] = {}
         profiler = cProfile.Profile() if args.profile else None
-        scenarios = ("decode",) if args.decode_only else ("mixed",) if args.profile else SCENARIOS
+        scenarios = DECODE_SCENARIOS if args.decode_only else ("mixed",) if args.profile else SCENARIOS
         for n in ns:
-            engine.gap_s = 0.0 if args.wait == "none" or args.decode_only else assumed_step_s(n, context) * args.gap_scale
+            engine.wait_s = 0.0 if args.wait == "none" else assumed_step_s(n, context) * args.gap_scale
+            engine.gap_s = engine.wait_s
             engine.add_population(n)
             for _ in range(50):
                 engine.step()
@@ -573,9 +659,14 @@ def main() -> None:
             for n in ns:
                 budget = assumed_step_s(n, context) * 1e6 / 100
                 got = report(n, "decode", results[(n, "decode")], "vllm_decode_step_us")
-                print(f"# n={n}: assumed decode step {budget * 100 / 1e3:.2f} ms (HBM floor), budget (1%) {budget:.0f} us")
+                waited = report(n, "decode_wait", results[(n, "decode_wait")], "vllm_decode_step_after_wait_us")
+                print(f"# n={n}: assumed decode step {budget * 100 / 1e3:.2f} ms (HBM floor), budget (1%) {budget:.0f} us; "
+                      f"after the wait the same decode step costs {waited / got:.2f}x")
                 if n == 256:
                     print(f"RESULT vllm_decode_step_vs_budget_256={got / budget:.3f}")
+                    print(f"RESULT vllm_decode_step_after_wait_vs_budget_256={waited / budget:.3f}")
+            if args.wait == "spin":
+                machine_after_wait(assumed_step_s(256, context) * args.gap_scale, args.repeats, args.steps)
             return
         for n in ns:
             budget = assumed_step_s(n, context) * 1e6 / 100
@@ -591,6 +682,8 @@ def main() -> None:
             if n == 256:
                 print(f"RESULT vllm_step_overhead_vs_budget_256={headline / budget:.3f}")
     finally:
+        if call_times:
+            print_call_times(call_times)
         for c in connectors:
             c.shutdown()
         factory.close()

@@ -2,6 +2,8 @@
 connector: cost per step"): --profile runs only the n = 256 mixed windows, so it primes the
 hit pool with no window before it; the population turning over while it primes must not
 evict the prefixes it is putting in L1 (it did: "the hit pool's prefixes do not stay in L1").
+--decode-only prints its steps back to back and after the forward-pass wait, and the control
+without kvtier (the same Python work both ways).
 A kvtier-server with 2 GiB of L1 and a 1.5 GiB KV region; about 10 s (--quick).
 """
 
@@ -21,3 +23,17 @@ def test_the_step_benchmark_profiles_the_256_request_windows():
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "# --- cProfile of the connector calls, n=256 mixed" in r.stdout
     assert "lookup_hashes" in r.stdout  # the profile saw the arrivals' lookups
+
+
+def test_decode_only_times_the_steps_back_to_back_and_after_the_wait_with_a_control_without_kvtier():
+    env = dict(os.environ, KVTIER_BUILD_DIR=str(BUILD_DIR))
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "vllm_step_overhead.py"), "--decode-only", "--quick",
+                        "--ns", "1"], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = dict(line[len("RESULT "):].split("=") for line in r.stdout.splitlines() if line.startswith("RESULT "))
+    for name in ("vllm_decode_step_us_1", "vllm_decode_step_after_wait_us_1", "machine_python_us",
+                 "machine_python_after_wait_us", "machine_after_wait_slowdown"):
+        assert float(results[name]) > 0, name
+    ratio = float(results["machine_python_after_wait_us"]) / float(results["machine_python_us"])
+    assert abs(ratio - float(results["machine_after_wait_slowdown"])) < 0.01
+    assert "# n=1 decode_wait: median step" in r.stdout
