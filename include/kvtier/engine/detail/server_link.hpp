@@ -187,6 +187,10 @@ class server_link {
   /// frame is in s.link_writes already.
   void write_io(const std::shared_ptr<server_connection>& s, std::vector<std::byte> bytes, int fd,
                 bool counted = false);
+  /// send_issued's write of `frames` on `s`, on the caller's thread, with `send` holding
+  /// s->send_mu: what the socket does not take goes to s->unsent, for the link's thread.
+  void write_here(std::shared_ptr<server_connection> s, std::unique_lock<std::mutex> send,
+                  std::vector<std::vector<std::byte>> frames);
   /// A write on connection `epoch` failed.
   void on_write_error_io(std::uint64_t epoch, error_code ec);
   /// (Re)arms call `c`'s deadline timer to expire at `at`.

@@ -174,11 +174,16 @@ inline void server_link::send_issued(std::unique_lock<std::mutex>& lock) {
     frames.push_back(std::move(c->bytes));
   }
   stats_.calls_sent_by_caller += frames.size();
-  const std::uint64_t epoch = s->epoch;
   lock.unlock();
   // The write, under the socket's send_mu only: the server's reply (on the link's thread,
   // under the mutex) may come before it returns. A call completed meanwhile (on the link's
   // thread) was sent, which the checks above allowed for already.
+  write_here(std::move(s), std::move(send), std::move(frames));
+}
+
+inline void server_link::write_here(std::shared_ptr<server_connection> s, std::unique_lock<std::mutex> send,
+                                    std::vector<std::vector<std::byte>> frames) {
+  const std::uint64_t epoch = s->epoch;
   constexpr std::size_t max_iov = 1024;  // Linux's UIO_MAXIOV
   std::vector<iovec> iov;
   iov.reserve(frames.size());
