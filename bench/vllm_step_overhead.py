@@ -158,6 +158,13 @@ DECODE_SCENARIOS = ("decode", "decode_wait")  # --decode-only: back to back, and
 POOL = 4  # prefixes the hit scenario's prompts start with
 
 
+def spin(seconds: float) -> None:
+    """Busy-waits ``seconds``, as vLLM's processes wait while the GPU computes."""
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        pass
+
+
 def assumed_step_s(n: int, context_tokens: float) -> float:
     """The HBM-bandwidth floor of one decode step of n requests (module docstring)."""
     return (WEIGHT_BYTES + n * context_tokens * KV_BYTES_PER_TOKEN) / HBM_BYTES_PER_S
@@ -341,9 +348,7 @@ class Engine:
         worker_ns = self._off(t0, "worker: bind..save_kv_layer")
         if self.gap_s > 0:  # the forward pass on the GPU
             if self.spin:
-                deadline = time.perf_counter() + self.gap_s
-                while time.perf_counter() < deadline:
-                    pass
+                spin(self.gap_s)
             else:
                 time.sleep(self.gap_s)
         t0 = self._on()
@@ -450,8 +455,7 @@ def window(engine: Engine, scenario: str, steps: int, warmup: int, profiler: Opt
     """One window: the scenario's hit pool primed, ``warmup`` steps, then ``steps`` measured
     steps (under ``profiler`` when given). Returns each measured step's times (us)."""
     engine.scenario = scenario
-    if scenario in DECODE_SCENARIOS:
-        engine.gap_s = engine.wait_s if scenario == "decode_wait" else 0.0
+    engine.gap_s = 0.0 if scenario == "decode" else engine.wait_s
     if scenario in ("hit", "mixed"):
         prime(engine)
     for _ in range(warmup):
@@ -552,9 +556,7 @@ def machine_after_wait(wait_s: float, repeats: int, steps: int) -> None:
         for after in (False, True):
             for _ in range(steps):
                 if after:
-                    deadline = time.perf_counter() + wait_s
-                    while time.perf_counter() < deadline:
-                        pass
+                    spin(wait_s)
                 t0 = time.perf_counter_ns()
                 work()
                 times[after].append((time.perf_counter_ns() - t0) / 1e3)
@@ -633,7 +635,7 @@ def main() -> None:
         scenarios = DECODE_SCENARIOS if args.decode_only else ("mixed",) if args.profile else SCENARIOS
         for n in ns:
             engine.wait_s = 0.0 if args.wait == "none" else assumed_step_s(n, context) * args.gap_scale
-            engine.gap_s = engine.wait_s
+            engine.gap_s = engine.wait_s  # the population's start-up steps
             engine.add_population(n)
             for _ in range(50):
                 engine.step()
