@@ -123,4 +123,11 @@ inline bool store_idle(const json& s) {
   return s["store"]["inflight_tasks"] == 0 && s["store"]["pending_keys"] == 0 && s["prefetch"]["active"] == 0;
 }
 
+/// The server's L1 set-up (prefault, then registration with the L2 backends) has ended, or
+/// never ran (status l1.residency: docs/server.md, "Start-up").
+inline bool l1_settled(const json& s) {
+  const auto r = s["l1"].value("residency", std::string("resident"));
+  return r != "faulting" && r != "registering";
+}
+
 }  // namespace long_doc_qa

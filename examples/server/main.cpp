@@ -166,6 +166,12 @@ int main(int argc, char** argv) {
        "true (default): fault L1 in behind the first requests, then register it for io_uring fixed-buffer reads; "
        "false: pages on first use",
        {}},
+      {"--l1-huge-pages",
+       "l1_huge_pages",
+       kind::text,
+       "true (default): madvise(MADV_HUGEPAGE) on L1 before it is faulted in (2 MiB pages where the kernel's "
+       "transparent huge pages allow); false: the kernel's default pages",
+       {}},
       {"--lookup-ttl-seconds", "lookup_ttl_seconds", kind::number, "forget lookups never released after this long", {}},
       {"--l2-store-policy", "l2_store_policy", kind::text, "write_through or skip_l1", {}},
       {"--prefetch-policy", "prefetch_policy", kind::text, "best_effort, wait_complete or timeout", {}},

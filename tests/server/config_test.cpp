@@ -50,6 +50,7 @@ TEST_CASE("the embedded defaults are valid and match the documented values", "[s
   CHECK(c.client_reap_timeout_s == 30.0 * config::timeout_scale);
   CHECK(c.l2_backends.empty());
   CHECK(c.l1_prefault);
+  CHECK(c.l1_huge_pages);
   CHECK((c.socket_path.ends_with("/kvtier.sock")));
   CHECK(server_config::parse(json::object()) == c);
 }
@@ -73,7 +74,8 @@ TEST_CASE("a configuration survives to_json and parse unchanged", "[server][conf
                    {"log_level", "debug"},
                    {"client_reap_timeout", 2.5},
                    {"metrics_port", 9100},
-                   {"l1_prefault", false}};
+                   {"l1_prefault", false},
+                   {"l1_huge_pages", false}};
   const server_config c = server_config::parse(in);
   CHECK(c.l1_size_bytes == std::uint64_t{2} << 30);
   CHECK(c.l1_slot_count() == 64);
@@ -83,6 +85,7 @@ TEST_CASE("a configuration survives to_json and parse unchanged", "[server][conf
   CHECK(c.client_reap_timeout_s == 2.5);
   CHECK(c.metrics_port == 9100);
   CHECK_FALSE(c.l1_prefault);
+  CHECK_FALSE(c.l1_huge_pages);
   // The prefetch's knobs reach the cache's options.
   const cache::cache_options o = cache_options_from(c);
   CHECK(o.prefetch.max_in_flight == 4);
@@ -186,6 +189,7 @@ TEST_CASE("a bad configuration is refused naming the key, the value and what to 
   CHECK(refusal({{"log_level", "verbose"}}).starts_with("log_level (\"verbose\"): must be one of trace"));
   CHECK(refusal({{"l1_prefault", "maybe"}}) == "l1_prefault (\"maybe\"): must be true or false");
   CHECK(refusal({{"l1_prefault", 1}}) == "l1_prefault (1): must be true or false");
+  CHECK(refusal({{"l1_huge_pages", "sometimes"}}) == "l1_huge_pages (\"sometimes\"): must be true or false");
   CHECK(refusal({{"socket", std::string(120, 'x')}}).find("shorter than 108 bytes") != std::string::npos);
   CHECK(refusal(json::array()).starts_with("configuration ([]): must be a JSON object"));
 }

@@ -20,12 +20,14 @@
 
 #include <netinet/in.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 
 #include <algorithm>
 #include <condition_variable>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -186,6 +188,92 @@ TEST_CASE("the server answers before L1 is resident, and registers L1 with the d
   c.ok(p::clear_request{true});
   CHECK(lookup_done(c, reg.model_id, hashes, 1, "after").hit_chunks == 4);
   retrieve_and_compare(c, source, hashes, 32, source, "after");
+}
+
+namespace {
+
+/// The kernel's transparent-huge-page mode ("always", "madvise" or "never"; "" where the file
+/// is missing: a kernel without THP).
+std::string thp_mode() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string line;
+  std::getline(f, line);
+  const auto open = line.find('['), close = line.find(']');
+  return open == std::string::npos || close == std::string::npos ? "" : line.substr(open + 1, close - open - 1);
+}
+
+/// An anonymous mapping of `bytes` (a multiple of 2 MiB) starting on a 2 MiB boundary.
+struct huge_aligned_mapping {
+  static constexpr std::size_t huge = std::size_t{2} << 20;
+  explicit huge_aligned_mapping(std::size_t bytes) : size(bytes) {
+    raw = ::mmap(nullptr, bytes + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    REQUIRE(raw != MAP_FAILED);
+    const auto a = (reinterpret_cast<std::uintptr_t>(raw) + huge - 1) & ~(huge - 1);
+    data = reinterpret_cast<std::byte*>(a);
+  }
+  ~huge_aligned_mapping() { ::munmap(raw, size + huge); }
+  huge_aligned_mapping(const huge_aligned_mapping&) = delete;
+  huge_aligned_mapping& operator=(const huge_aligned_mapping&) = delete;
+  [[nodiscard]] std::span<std::byte> span() const { return {data, size}; }
+  void* raw = nullptr;
+  std::byte* data = nullptr;
+  std::size_t size;
+};
+
+}  // namespace
+
+TEST_CASE("L1 in huge pages: asked for before the prefault, and /proc/self/smaps tells how much the kernel gave",
+          "[server][startup]") {
+  const std::string mode = thp_mode();
+  INFO("transparent huge pages: " << (mode.empty() ? "absent" : mode));
+  SECTION("the smaps reading counts the arena's mappings only") {
+    huge_aligned_mapping small(std::size_t{8} << 20), huge(std::size_t{8} << 20);
+    REQUIRE(::madvise(small.data, small.size, MADV_NOHUGEPAGE) == 0);
+    REQUIRE(kv_region::populate(small.data, small.size) == 0);
+    CHECK(server::l1_huge_page_bytes(small.span()) == 0);
+    const std::string asked = server::advise_l1_huge_pages(huge.span());
+    REQUIRE(kv_region::populate(huge.data, huge.size) == 0);
+    const long long got = server::l1_huge_page_bytes(huge.span());
+    CHECK(got <= static_cast<long long>(huge.size));
+    if (mode == "always" || mode == "madvise") {
+      CHECK(asked == "asked");
+      CHECK(got > 0);  // 4 pages of 2 MiB: the kernel compacts for them where it must
+    } else {
+      CHECK(got == 0);  // "never" (madvise still takes the flag) or no THP in this kernel (it refuses)
+    }
+    CHECK(server::l1_huge_page_bytes(small.span()) == 0);  // still: the other mapping is not counted
+    CHECK(server::advise_l1_huge_pages(std::span<std::byte>(huge.data + 4096, 4096)).starts_with("refused: "));
+  }
+  SECTION("the server asks, says so in its status, and logs what it got once L1 is resident") {
+    for (const bool on : {true, false}) {
+      captured_log log;
+      server::server_options opts;
+      opts.log_sink = log.sink();
+      running_server s(
+          [&](server::server_config& c) {
+            c.l1_slot_bytes = std::size_t{2} << 20;
+            c.l1_size_bytes = std::size_t{32} << 20;
+            c.l1_huge_pages = on;
+            c.log_level = telemetry::log_level::info;
+          },
+          std::move(opts));
+      raw_client c(s.path());
+      const json st = wait_for_status(c, [](const json& j) { return j["l1"]["residency"] == "resident"; });
+      INFO(log.text());
+      if (!on) {
+        CHECK(st["l1"]["huge_pages"] == "off");
+        CHECK_FALSE(log.contains("L1 huge pages"));
+      } else if (mode == "always" || mode == "madvise") {
+        CHECK(st["l1"]["huge_pages"] == "asked");
+        CHECK(log.contains("L1 huge pages: asked; "));
+        CHECK(server::l1_huge_page_bytes(s.srv->cache().l1_arena()) > 0);
+      } else {
+        const auto said = st["l1"]["huge_pages"].get<std::string>();
+        CHECK((said == "asked" || said.starts_with("refused: ")));
+        CHECK(server::l1_huge_page_bytes(s.srv->cache().l1_arena()) == 0);
+      }
+    }
+  }
 }
 
 TEST_CASE("a server stopped while its L1 prefault runs stops the prefault and registers nothing",

@@ -18,6 +18,7 @@
 #include <kvtier/core/kv_region.hpp>
 #include <kvtier/error.hpp>
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <span>
 #include <string>
@@ -72,6 +74,9 @@ struct l1_residency_report {
   bool populated = false;        ///< MADV_POPULATE_WRITE did it (false: the write loop, or not all)
   bool behind_requests = false;  ///< in the background, while the server served
   std::string error;             ///< why the pages were left to first use (empty: they were not)
+  /// "l1_huge_pages": "off", "asked" (madvise(MADV_HUGEPAGE) took the arena) or why the
+  /// kernel refused it ("refused: <strerror>")
+  std::string huge_pages = "off";
   cache::l1_registration_report registration;  ///< the registration's steps (on the I/O thread)
 };
 
@@ -100,6 +105,45 @@ inline l1_prefault_outcome populate_l1(std::span<std::byte> arena, const std::at
   o.complete = o.bytes == arena.size();
   o.elapsed = std::chrono::steady_clock::now() - t0;
   return o;
+}
+
+/// madvise(MADV_HUGEPAGE) over the arena's whole 2 MiB pages, before any of them is faulted
+/// in ("l1_huge_pages"): with transparent huge pages in "madvise" mode (Debian's default) the
+/// prefault then faults 2 MiB pages, so an L1 slot is physically contiguous and one 1 MiB
+/// O_DIRECT read into it is one block-layer segment instead of up to 256 (docs/performance.md,
+/// "L1 in huge pages"). "asked", or "refused: <why>" (a kernel without THP: EINVAL).
+inline std::string advise_l1_huge_pages(std::span<std::byte> arena) {
+  constexpr std::uintptr_t huge = std::uintptr_t{2} << 20;
+  const auto begin = (reinterpret_cast<std::uintptr_t>(arena.data()) + huge - 1) & ~(huge - 1);
+  const auto end = (reinterpret_cast<std::uintptr_t>(arena.data()) + arena.size()) & ~(huge - 1);
+  if (end <= begin) return "refused: L1 is smaller than one 2 MiB page";
+  if (::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) != 0)
+    return std::string("refused: ") + std::strerror(errno);
+  return "asked";
+}
+
+/// Bytes of the mappings that hold `arena` backed by transparent huge pages (/proc/self/smaps,
+/// "AnonHugePages" of every mapping that overlaps it; the arena's own mapping is all of L1 but
+/// for malloc's header page). -1 when smaps cannot be read.
+inline long long l1_huge_page_bytes(std::span<const std::byte> arena) {
+  std::FILE* f = std::fopen("/proc/self/smaps", "re");
+  if (f == nullptr) return -1;
+  const auto lo = reinterpret_cast<std::uintptr_t>(arena.data());
+  const auto hi = lo + arena.size();
+  long long total = 0;
+  bool inside = false;
+  char line[512];
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    unsigned long long b = 0, e = 0, kib = 0;
+    // A mapping's first line is "start-end perms ..."; its fields are "Name: value kB" (no
+    // field name parses as two hex numbers joined by '-').
+    if (std::sscanf(line, "%llx-%llx", &b, &e) == 2)
+      inside = b < hi && e > lo;
+    else if (inside && std::sscanf(line, "AnonHugePages: %llu kB", &kib) == 1)
+      total += static_cast<long long>(kib) * 1024;
+  }
+  std::fclose(f);
+  return total;
 }
 
 /// The fallback of kernels without MADV_POPULATE_WRITE: a write to every page. Only while

@@ -31,6 +31,7 @@ namespace server {
 
 inline void server::prepare_l1_residency() {
   const auto arena = cache_->l1_arena();
+  if (config_.l1_huge_pages && !arena.empty()) l1_report_.huge_pages = advise_l1_huge_pages(arena);
   if (!config_.l1_prefault || arena.empty()) return;  // off
   if (kv_region::populate_supported()) {
     l1_residency_.store(l1_residency_state::faulting, std::memory_order_release);
@@ -40,6 +41,7 @@ inline void server::prepare_l1_residency() {
   // nothing is in L1 (start-up waits for it, as it used to); io_ runs nothing yet, so the
   // registration may happen here too.
   l1_residency_report r = prefault_l1_by_writing(arena);
+  r.huge_pages = l1_report_.huge_pages;
   for (cache::l1_registration reg = cache_->register_l1_in_pieces(); reg.step(r.registration);) {
   }
   l1_prefaulted_bytes_.store(arena.size(), std::memory_order_relaxed);

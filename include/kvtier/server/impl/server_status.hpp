@@ -48,6 +48,11 @@ inline void server::log_l1_residency(const l1_residency_report& r) {
     log_.info("L1 prefaulted: {} MiB in {:.0f} ms ({}{})", r.bytes >> 20, r.prefault_ms,
               r.populated ? "MADV_POPULATE_WRITE" : "a write per page",
               r.behind_requests ? ", behind the first requests" : ", before serving");
+  if (r.huge_pages != "off") {
+    const long long huge = l1_huge_page_bytes(cache_->l1_arena());
+    log_.info("L1 huge pages: {}; {} of {} MiB of L1 are in huge pages", r.huge_pages,
+              huge < 0 ? std::string("? (/proc/self/smaps unreadable)") : std::to_string(huge >> 20), r.bytes >> 20);
+  }
   const cache::l1_registration_report& g = r.registration;
   if (!g.registered.empty())
     log_.info(
@@ -297,6 +302,7 @@ inline std::string server::status_json() {
              {"object_bytes", cs.l1.object_bytes},
              {"cache_lookups", cs.lookups},
              {"residency", std::string(name(l1_residency()))},
+             {"huge_pages", l1_report_.huge_pages},
              {"prefaulted_bytes", l1_prefaulted_bytes_.load(std::memory_order_relaxed)}};
   j["backends"] = detail::backends_status(cs, backend_types_);
   j["prefetch"] = {{"active", cs.prefetches_active}, {"inflight_bytes", cs.prefetch_inflight_bytes}};
