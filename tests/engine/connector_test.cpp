@@ -125,6 +125,23 @@ TEST_CASE("a lookup costs one request frame when the server's answer is ready", 
   CHECK(h.server->lookups().at(0).answer_when_decided);  // the server answers when decided
 }
 
+namespace {
+
+/// Lookups, each answered before the next, until one is written by the calling thread (the
+/// connector's thread then has nothing in the socket's queue); returns how many were made.
+std::size_t lookups_until_the_caller_writes(connector<test_bus>& c) {
+  std::size_t n = 0;
+  for (; c.stats().calls_sent_by_caller == 0 && n < 100; ++n) {
+    const std::string id = "l" + std::to_string(n);
+    c.lookup_hashes(id, {hash128{7, n}});
+    REQUIRE(c.wait_lookups(ids{id}, 60s));
+  }
+  REQUIRE(c.stats().calls_sent_by_caller > 0);
+  return n;
+}
+
+}  // namespace
+
 TEST_CASE("an engine thread writes its calls itself; a full socket hands their rest to the connector's thread whole",
           "[engine][connector][concurrency]") {
   harness h;
@@ -140,9 +157,8 @@ TEST_CASE("an engine thread writes its calls itself; a full socket hands their r
 
   // The registration's and the first ping's writes finish on the connector's thread; from
   // then on every call is written by its caller.
-  std::size_t n = 0;
-  for (; c.stats().calls_sent_by_caller == 0 && n < 1000; ++n) c.lookup_hashes("l" + std::to_string(n), {hash128{7, n}});
-  REQUIRE(c.stats().calls_sent_by_caller > 0);
+  REQUIRE(h.server->wait_received(p::message_type::ping_request, 1));
+  const std::size_t n = lookups_until_the_caller_writes(c);
   REQUIRE(h.server->wait_received(p::message_type::lookup_request, n));
   const std::uint64_t before = c.stats().calls_sent_by_caller;
 
@@ -182,6 +198,40 @@ TEST_CASE("an engine thread writes its calls itself; a full socket hands their r
     CHECK(c.healthy());
     CHECK(c.stats().registrations == 1);  // the stream never broke
   }
+}
+
+TEST_CASE("an engine thread's own write that fails (EPIPE) makes the connection unhealthy and the connector reconnects",
+          "[engine][connector][concurrency]") {
+  harness h;
+  auto o = h.options();
+  o.describe_chunks = false;
+  o.timeouts.ping_interval = 60s;  // one ping, at the start: none meets the error first
+  o.timeouts.lookup_timeout = 5s;  // an unseen error would end the lookup as a timeout
+  auto& c = h.connect(o);
+  REQUIRE(h.server->wait_received(p::message_type::ping_request, 1));
+  (void)lookups_until_the_caller_writes(c);
+  const std::uint64_t before = c.stats().calls_sent_by_caller;
+
+  // The server's read side is shut and it is frozen: no EOF reaches the connector's reads,
+  // so only the engine thread's sendmsg (EPIPE) can tell it.
+  h.server->shut_reads_and_freeze();
+  c.lookup_hashes("after", {hash128{9, 9}});
+  CHECK(c.stats().calls_sent_by_caller == before + 1);  // written (tried) by this thread
+  REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1; }));
+  CHECK(h.rec.snapshot().unhealthy.at(0).reason.view() == "eof");  // broken pipe: the server closed
+  REQUIRE(c.wait_lookups(ids{"after"}, 60s));
+  CHECK(c.lookup_result("after") == std::optional<std::size_t>(0));  // a miss, not an error
+  CHECK(h.rec.snapshot().lookups.back().outcome == bus::connector_outcome::unhealthy);
+  CHECK_FALSE(c.healthy());
+
+  h.server->thaw();
+  REQUIRE(h.wait([](const record& r) { return r.reconnected.size() == 1; }));
+  CHECK(c.wait_ready(60s));
+  CHECK(c.stats().registrations == 2);
+  c.lookup_hashes("again", {hash128{10, 10}});
+  REQUIRE(c.wait_lookups(ids{"again"}, 60s));
+  CHECK(c.lookup_result("again") == std::optional<std::size_t>(0));
+  CHECK(h.rec.snapshot().lookups.back().outcome == bus::connector_outcome::ok);
 }
 
 TEST_CASE("a lookup waits for the server's decision up to the lookup deadline, not the call deadline",

@@ -7,7 +7,7 @@
 // copy). It follows tests' scripts: delay nothing, hold requests of a type (a server stuck on
 // them) and answer them later (a hung server waking up), send progress for held
 // retrieves (layers, and chunks it then copies first; or for any call id: a late one), hang completely (pings too), close
-// every connection (EOF), restart (new boot token, everything forgotten), reject
+// every connection (EOF), shut their read sides (the connector's writes fail with EPIPE), restart (new boot token, everything forgotten), reject
 // registrations, answer lookups `pending` a number of times (a server that answers before the
 // prefetch is decided).
 //
@@ -34,6 +34,8 @@
 #include <boost/asio/io_context.hpp>
 #include <boost/asio/post.hpp>
 #include <boost/asio/use_awaitable.hpp>
+
+#include <sys/socket.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -108,6 +110,26 @@ class fake_server {
       frozen_ = true;
     }
     boost::asio::post(io_, [this, stopped] {
+      std::unique_lock l(m_);
+      stopped->set_value();
+      cv_.wait(l, [&] { return !frozen_; });
+    });
+    done.wait();
+  }
+  /// Shuts the read side of every client connection (shutdown(SHUT_RD): the connector's
+  /// next write fails with EPIPE, while its reads see no EOF), then freezes as freeze() does,
+  /// before this server's own reads can see their EOF and close: a write error the
+  /// connector meets before any read does. Returns once frozen; thaw() goes on (the
+  /// sessions then see EOF and close).
+  void shut_reads_and_freeze() {
+    auto stopped = std::make_shared<std::promise<void>>();
+    std::future<void> done = stopped->get_future();
+    {
+      std::lock_guard g(m_);
+      frozen_ = true;
+    }
+    boost::asio::post(io_, [this, stopped] {
+      for (auto& s : sessions_) (void)::shutdown(s->conn->socket().native_handle(), SHUT_RD);
       std::unique_lock l(m_);
       stopped->set_value();
       cv_.wait(l, [&] { return !frozen_; });
