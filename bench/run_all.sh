@@ -338,6 +338,6 @@ total=$(($(date +%s) - start_all))
 echo "run_all: done in $(fmt "$total")$([ ${#failed[@]} -gt 0 ] && echo "; failed: ${failed[*]}")"
 
 python3 bench/run_all_report.py --raw "$raw" --results "$results" --root "$root" --seconds "$total" \
-  --quick "$quick" --docs "$docs" --machine "$(nproc) cores, $(uname -r), load $(cut -d' ' -f1-3 /proc/loadavg)"
+  --quick "$quick" --docs "$docs" --only "$only" --machine "$(nproc) cores, $(uname -r), load $(cut -d' ' -f1-3 /proc/loadavg)"
 rm -f "$raw"
 [ ${#failed[@]} -eq 0 ]
