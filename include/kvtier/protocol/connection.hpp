@@ -9,6 +9,7 @@
 #include <kvtier/config.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/protocol/codec.hpp>
+#include <kvtier/protocol/detail/send.hpp>
 #include <kvtier/protocol/frame.hpp>
 #include <kvtier/protocol/frame_decoder.hpp>
 #include <kvtier/protocol/limits.hpp>
@@ -41,6 +42,7 @@
 #include <deque>
 #include <memory>
 #include <optional>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -181,37 +183,22 @@ class basic_connection {
           continue;
         }
         iovec iov{w.bytes.data() + w.sent, w.bytes.size() - w.sent};
-        msghdr msg{};
-        msg.msg_iov = &iov;
-        msg.msg_iovlen = 1;
-        alignas(cmsghdr) std::byte control[CMSG_SPACE(sizeof(int))];
-        if (w.fd) {
-          std::memset(control, 0, sizeof control);
-          msg.msg_control = control;
-          msg.msg_controllen = sizeof control;
-          cmsghdr* c = CMSG_FIRSTHDR(&msg);
-          c->cmsg_level = SOL_SOCKET;
-          c->cmsg_type = SCM_RIGHTS;
-          c->cmsg_len = CMSG_LEN(sizeof(int));
-          const int fd = w.fd.get();
-          std::memcpy(CMSG_DATA(c), &fd, sizeof fd);
+        const detail::send_outcome r =
+            detail::send_nonblocking(socket.native_handle(), std::span<iovec>(&iov, 1), w.fd ? w.fd.get() : -1);
+        if (r.sent > 0) w.fd.reset();  // sent with the first byte: the peer holds its own reference now
+        w.sent += r.sent;
+        if (r.error == EAGAIN) {
+          socket.async_wait(socket_type::wait_write, [self = this->shared_from_this()](error_code ec) {
+            if (ec && !self->write_ec) self->write_ec = ec;
+            self->pump();
+          });
+          return;  // still writing
         }
-        const ssize_t n = ::sendmsg(socket.native_handle(), &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n < 0) {
-          if (errno == EINTR) continue;
-          if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            socket.async_wait(socket_type::wait_write, [self = this->shared_from_this()](error_code ec) {
-              if (ec && !self->write_ec) self->write_ec = ec;
-              self->pump();
-            });
-            return;  // still writing
-          }
-          write_ec = error_code(errno, boost::system::system_category());
+        if (r.error != 0) {
+          write_ec = error_code(r.error, boost::system::system_category());
           continue;
         }
-        w.fd.reset();  // sent with the first byte: the peer holds its own reference now
-        w.sent += static_cast<std::size_t>(n);
-        if (w.sent == w.bytes.size()) complete_front({});
+        complete_front({});
       }
       writing = false;
     }

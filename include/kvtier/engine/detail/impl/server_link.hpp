@@ -3,6 +3,7 @@
 // kvtier/engine/detail/server_link.hpp).
 
 #include <kvtier/engine/detail/server_link.hpp>
+#include <kvtier/protocol/detail/send.hpp>
 #include <kvtier/protocol/unix_socket.hpp>
 
 #include <boost/asio/as_tuple.hpp>
@@ -184,7 +185,6 @@ inline void server_link::send_issued(std::unique_lock<std::mutex>& lock) {
 inline void server_link::write_here(std::shared_ptr<server_connection> s, std::unique_lock<std::mutex> send,
                                     std::vector<std::vector<std::byte>> frames) {
   const std::uint64_t epoch = s->epoch;
-  constexpr std::size_t max_iov = 1024;  // Linux's UIO_MAXIOV
   std::vector<iovec> iov;
   iov.reserve(frames.size());
   std::size_t total = 0;
@@ -192,37 +192,17 @@ inline void server_link::write_here(std::shared_ptr<server_connection> s, std::u
     iov.push_back(iovec{f.data(), f.size()});
     total += f.size();
   }
-  std::size_t written = 0;
-  std::size_t first = 0;  // iov[first] is the first piece not fully written
-  error_code ec;
-  while (written < total) {
-    msghdr msg{};
-    msg.msg_iov = iov.data() + first;
-    msg.msg_iovlen = std::min<std::size_t>(iov.size() - first, max_iov);
-    const ssize_t n = ::sendmsg(s->send_fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      if (errno != EAGAIN && errno != EWOULDBLOCK) ec = error_code(errno, boost::system::system_category());
-      break;
-    }
-    written += static_cast<std::size_t>(n);
-    for (std::size_t left = static_cast<std::size_t>(n); left > 0;) {
-      const std::size_t take = std::min(left, iov[first].iov_len);
-      iov[first].iov_base = static_cast<std::byte*>(iov[first].iov_base) + take;
-      iov[first].iov_len -= take;
-      left -= take;
-      if (iov[first].iov_len == 0) ++first;
-    }
-  }
-  if (ec) {
+  const protocol::detail::send_outcome r = protocol::detail::send_nonblocking(s->send_fd, iov);
+  if (r.error != 0 && r.error != EAGAIN) {
+    const error_code ec(r.error, boost::system::system_category());
     send.unlock();
     boost::asio::post(ex_, [this, epoch, ec] { on_write_error_io(epoch, ec); });
-  } else if (written < total) {
+  } else if (r.sent < total) {
     // The socket is full: the rest goes first when the link's thread writes next, and it
     // writes next now.
-    for (std::size_t i = first; i < iov.size(); ++i) {
-      const auto* p = static_cast<const std::byte*>(iov[i].iov_base);
-      s->unsent.insert(s->unsent.end(), p, p + iov[i].iov_len);
+    for (const iovec& piece : iov) {  // what was written is consumed (iov_len 0)
+      const auto* p = static_cast<const std::byte*>(piece.iov_base);
+      s->unsent.insert(s->unsent.end(), p, p + piece.iov_len);
     }
     send.unlock();
     boost::asio::post(ex_, [this, s] {
