@@ -103,18 +103,7 @@ class fake_server {
   /// The server's thread stops (reads, answers and accepts nothing) until thaw(): a server
   /// whose sockets fill up. Returns once it stopped.
   void freeze() {
-    auto stopped = std::make_shared<std::promise<void>>();
-    std::future<void> done = stopped->get_future();
-    {
-      std::lock_guard g(m_);
-      frozen_ = true;
-    }
-    boost::asio::post(io_, [this, stopped] {
-      std::unique_lock l(m_);
-      stopped->set_value();
-      cv_.wait(l, [&] { return !frozen_; });
-    });
-    done.wait();
+    freeze_after([] {});
   }
   /// Shuts the read side of every client connection (shutdown(SHUT_RD): the connector's
   /// next write fails with EPIPE, while its reads see no EOF), then freezes as freeze() does,
@@ -122,19 +111,9 @@ class fake_server {
   /// connector meets before any read does. Returns once frozen; thaw() goes on (the
   /// sessions then see EOF and close).
   void shut_reads_and_freeze() {
-    auto stopped = std::make_shared<std::promise<void>>();
-    std::future<void> done = stopped->get_future();
-    {
-      std::lock_guard g(m_);
-      frozen_ = true;
-    }
-    boost::asio::post(io_, [this, stopped] {
+    freeze_after([this] {
       for (auto& s : sessions_) (void)::shutdown(s->conn->socket().native_handle(), SHUT_RD);
-      std::unique_lock l(m_);
-      stopped->set_value();
-      cv_.wait(l, [&] { return !frozen_; });
     });
-    done.wait();
   }
   void thaw() {
     {
@@ -341,6 +320,25 @@ class fake_server {
       done.set_value();
     });
     done.get_future().wait();
+  }
+
+  /// Runs `first` on the server's thread, then stops that thread until thaw(); returns once
+  /// it stopped.
+  template <class F>
+  void freeze_after(F first) {
+    auto stopped = std::make_shared<std::promise<void>>();
+    std::future<void> done = stopped->get_future();
+    {
+      std::lock_guard g(m_);
+      frozen_ = true;
+    }
+    boost::asio::post(io_, [this, stopped, first = std::move(first)] {
+      first();
+      std::unique_lock l(m_);
+      stopped->set_value();
+      cv_.wait(l, [&] { return !frozen_; });
+    });
+    done.wait();
   }
 
   void close_all_io() {
