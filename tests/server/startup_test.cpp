@@ -244,6 +244,26 @@ TEST_CASE("L1 in huge pages: asked for before the prefault, and /proc/self/smaps
     CHECK(server::l1_huge_page_bytes(small.span()) == 0);  // still: the other mapping is not counted
     CHECK(server::advise_l1_huge_pages(std::span<std::byte>(huge.data + 4096, 4096)).starts_with("refused: "));
   }
+  SECTION("without the prefault, the server still asks and says so, and the pages come on first use") {
+    captured_log log;
+    server::server_options opts;
+    opts.log_sink = log.sink();
+    running_server s(
+        [&](server::server_config& c) {
+          c.l1_slot_bytes = std::size_t{2} << 20;
+          c.l1_size_bytes = std::size_t{32} << 20;
+          c.l1_prefault = false;
+          c.log_level = telemetry::log_level::info;
+        },
+        std::move(opts));
+    raw_client c(s.path());
+    const json st = c.status();
+    INFO(log.text());
+    CHECK(st["l1"]["residency"] == "off");
+    const auto said = st["l1"]["huge_pages"].get<std::string>();
+    CHECK((said == "asked" || said.starts_with("refused: ")));
+    CHECK(log.contains("L1 huge pages: " + said + "; L1 is not prefaulted"));
+  }
   SECTION("the server asks, says so in its status, and logs what it got once L1 is resident") {
     for (const bool on : {true, false}) {
       captured_log log;

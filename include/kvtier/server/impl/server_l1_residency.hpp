@@ -32,7 +32,12 @@ namespace server {
 inline void server::prepare_l1_residency() {
   const auto arena = cache_->l1_arena();
   if (config_.l1_huge_pages && !arena.empty()) l1_report_.huge_pages = advise_l1_huge_pages(arena);
-  if (!config_.l1_prefault || arena.empty()) return;  // off
+  if (!config_.l1_prefault || arena.empty()) {  // off: no prefault, so no line saying what the kernel gave
+    if (l1_report_.huge_pages != "off")
+      log_.info("L1 huge pages: {}; L1 is not prefaulted (l1_prefault off): each 2 MiB page comes on first use",
+                l1_report_.huge_pages);
+    return;
+  }
   if (kv_region::populate_supported()) {
     l1_residency_.store(l1_residency_state::faulting, std::memory_order_release);
     return;
