@@ -568,6 +568,16 @@ def machine_after_wait(wait_s: float, repeats: int, steps: int) -> None:
     print(f"RESULT machine_after_wait_slowdown={waited / back:.3f}")
 
 
+def wait_l1_settled(srv: Any, timeout_s: float = 300.0) -> None:
+    """The server faults its L1 in (2 GiB here; in huge pages, 0.3-6.5 s on the dev VM, the
+    kernel compacting memory) and registers it behind its first requests, on the same two
+    cores the steps run on: no window starts before that has ended (status l1.residency)."""
+    deadline = time.monotonic() + timeout_s
+    while srv.status()["l1"].get("residency") in ("faulting", "registering"):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"vllm_step_overhead: the server's L1 prefault did not end within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=5, help="windows per configuration, interleaved (>= 5; --quick: 3)")
@@ -604,6 +614,7 @@ def main() -> None:
     shape = kvtier.ModelShape(LAYERS, KV_HEADS, HEAD_DIM, kvtier.DtypeKind.BF16, kvtier.AttentionKind.MHA)
     slot = kvtier.ChunkLayout(shape, CHUNK).object_bytes
     srv = factory.start(chunk_tokens=CHUNK, slot_bytes=slot, l1_mb=args.l1_mb)
+    wait_l1_settled(srv)
     connectors: List[KVTierConnector] = []
     call_times: Dict[str, List[int]] = {}
     try:
