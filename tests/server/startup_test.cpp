@@ -220,6 +220,22 @@ struct huge_aligned_mapping {
   std::size_t size;
 };
 
+/// The huge-page sections' server: 32 MiB of L1 in 2 MiB slots, its info-level log lines
+/// into `log`.
+running_server huge_page_server(captured_log& log, bool prefault, bool huge_pages) {
+  server::server_options opts;
+  opts.log_sink = log.sink();
+  return running_server(
+      [&](server::server_config& c) {
+        c.l1_slot_bytes = std::size_t{2} << 20;
+        c.l1_size_bytes = std::size_t{32} << 20;
+        c.l1_prefault = prefault;
+        c.l1_huge_pages = huge_pages;
+        c.log_level = telemetry::log_level::info;
+      },
+      std::move(opts));
+}
+
 }  // namespace
 
 TEST_CASE("L1 in huge pages: asked for before the prefault, and /proc/self/smaps tells how much the kernel gave",
@@ -246,16 +262,7 @@ TEST_CASE("L1 in huge pages: asked for before the prefault, and /proc/self/smaps
   }
   SECTION("without the prefault, the server still asks and says so, and the pages come on first use") {
     captured_log log;
-    server::server_options opts;
-    opts.log_sink = log.sink();
-    running_server s(
-        [&](server::server_config& c) {
-          c.l1_slot_bytes = std::size_t{2} << 20;
-          c.l1_size_bytes = std::size_t{32} << 20;
-          c.l1_prefault = false;
-          c.log_level = telemetry::log_level::info;
-        },
-        std::move(opts));
+    running_server s = huge_page_server(log, /*prefault=*/false, /*huge_pages=*/true);
     raw_client c(s.path());
     const json st = c.status();
     INFO(log.text());
@@ -267,16 +274,7 @@ TEST_CASE("L1 in huge pages: asked for before the prefault, and /proc/self/smaps
   SECTION("the server asks, says so in its status, and logs what it got once L1 is resident") {
     for (const bool on : {true, false}) {
       captured_log log;
-      server::server_options opts;
-      opts.log_sink = log.sink();
-      running_server s(
-          [&](server::server_config& c) {
-            c.l1_slot_bytes = std::size_t{2} << 20;
-            c.l1_size_bytes = std::size_t{32} << 20;
-            c.l1_huge_pages = on;
-            c.log_level = telemetry::log_level::info;
-          },
-          std::move(opts));
+      running_server s = huge_page_server(log, /*prefault=*/true, /*huge_pages=*/on);
       raw_client c(s.path());
       const json st = wait_for_status(c, [](const json& j) { return j["l1"]["residency"] == "resident"; });
       INFO(log.text());

@@ -187,17 +187,13 @@ inline void server_link::write_here(std::shared_ptr<server_connection> s, std::u
   const std::uint64_t epoch = s->epoch;
   std::vector<iovec> iov;
   iov.reserve(frames.size());
-  std::size_t total = 0;
-  for (auto& f : frames) {
-    iov.push_back(iovec{f.data(), f.size()});
-    total += f.size();
-  }
+  for (auto& f : frames) iov.push_back(iovec{f.data(), f.size()});
   const protocol::detail::send_outcome r = protocol::detail::send_nonblocking(s->send_fd, iov);
   if (r.error != 0 && r.error != EAGAIN) {
     const error_code ec(r.error, boost::system::system_category());
     send.unlock();
     boost::asio::post(ex_, [this, epoch, ec] { on_write_error_io(epoch, ec); });
-  } else if (r.sent < total) {
+  } else if (r.error == EAGAIN) {
     // The socket is full: the rest goes first when the link's thread writes next, and it
     // writes next now.
     for (const iovec& piece : iov) {  // what was written is consumed (iov_len 0)
