@@ -469,6 +469,11 @@ def summary(res, meta, table, made):
     row("machine control, no kvtier: Python work (1 MB touched) after the same wait (`machine_after_wait_slowdown`)",
         g("machine_python_after_wait_us"), "us", g("machine_python_us"), "us", "the same work back to back",
         g("machine_after_wait_slowdown"), "")
+    row("vLLM connector, 256 requests, the engine thread's CPU time in the step's calls "
+        "(`vllm_step_overhead_cpu_us_256`: median; the wall time less what it spent off a core or blocked)",
+        g("vllm_step_overhead_cpu_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step (wall)",
+        (g("vllm_step_overhead_cpu_us_256") / g("vllm_step_overhead_us_256"))
+        if g("vllm_step_overhead_cpu_us_256") and g("vllm_step_overhead_us_256") else None, "")
     row("vLLM connector, 256 requests, mean step (`vllm_step_overhead_mean_us_256`: C++ call outliers included)",
         g("vllm_step_overhead_mean_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step",
         None, "")

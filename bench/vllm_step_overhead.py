@@ -197,6 +197,8 @@ class Engine:
         self.profiler: Optional[cProfile.Profile] = None
         # the last step's times (ns) and the window's counters
         self.sched_ns = self.xfer_ns = self.worker_ns = 0
+        self.cpu_ns = 0  # the engine thread's CPU time in the timed calls, this step
+        self._cpu0 = 0
         self.arrived = self.hits = self.misses = 0
         self.parts: Dict[str, int] = {}  # ns per group of calls, since the window began
 
@@ -243,10 +245,12 @@ class Engine:
     def _on(self) -> int:
         if self.profiler is not None:
             self.profiler.enable()
+        self._cpu0 = time.thread_time_ns()  # outside the wall time: a syscall
         return time.perf_counter_ns()
 
     def _off(self, t0: int, part: str) -> int:
         dt = time.perf_counter_ns() - t0
+        self.cpu_ns += time.thread_time_ns() - self._cpu0
         if self.profiler is not None:
             self.profiler.disable()
         self.parts[part] = self.parts.get(part, 0) + dt
@@ -256,6 +260,7 @@ class Engine:
     def step(self) -> None:
         s, w = self.sched, self.worker
         sched_ns = 0
+        self.cpu_ns = 0
         num_sched: Dict[str, int] = {}
         new_reqs: List[NewRequestData] = []
         cached = CachedRequestData()
@@ -462,13 +467,14 @@ def window(engine: Engine, scenario: str, steps: int, warmup: int, profiler: Opt
         engine.step()
     ws = engine.worker.worker_side
     stores0, loads0, arrived0, hits0, misses0 = ws.stores_issued, ws.loads_issued, engine.arrived, engine.hits, engine.misses
-    out: Dict[str, Any] = {"total": [], "sched": [], "xfer": [], "worker": [], "parts": []}
+    out: Dict[str, Any] = {"total": [], "cpu": [], "sched": [], "xfer": [], "worker": [], "parts": []}
     engine.profiler = profiler
     try:
         for _ in range(steps):
             engine.parts = {}
             engine.step()
             out["total"].append((engine.sched_ns + engine.xfer_ns + engine.worker_ns) / 1e3)
+            out["cpu"].append(engine.cpu_ns / 1e3)
             out["sched"].append(engine.sched_ns / 1e3)
             out["xfer"].append(engine.xfer_ns / 1e3)
             out["worker"].append(engine.worker_ns / 1e3)
@@ -502,6 +508,9 @@ def report(n: int, scenario: str, windows: List[Dict[str, Any]], name: str = "vl
     steps = [p for w in windows for p in w["parts"]]
     mean_part = {k: statistics.fmean(p.get(k, 0.0) for p in steps) for k in parts}
     print("#   mean us/step by call: " + ", ".join(f"{k} {mean_part[k]:.1f}" for k in sorted(parts, key=lambda k: -mean_part[k])))
+    cpu = pooled("cpu")
+    print(f"#   the engine thread's CPU time in these calls: median {med(cpu):.1f} us, mean {statistics.fmean(cpu):.1f} "
+          f"(the rest of the wall time it was off a core, or blocked)")
     print(f"RESULT {name}_{n}_{scenario}={med(total):.1f}" if scenario not in DECODE_SCENARIOS
           else f"RESULT {name}_{n}={med(total):.1f}")
     return med(total)
@@ -688,9 +697,11 @@ def main() -> None:
                 if scen == "mixed":
                     headline = got
                     mean = statistics.fmean(x for w in results[(n, scen)] for x in w["total"])
+                    cpu = statistics.median(x for w in results[(n, scen)] for x in w["cpu"])
             print(f"# n={n}: assumed decode step {budget * 100 / 1e3:.2f} ms (HBM floor), budget (1%) {budget:.0f} us")
             print(f"RESULT vllm_step_overhead_us_{n}={headline:.1f}")
             print(f"RESULT vllm_step_overhead_mean_us_{n}={mean:.1f}")
+            print(f"RESULT vllm_step_overhead_cpu_us_{n}={cpu:.1f}")
             print(f"RESULT vllm_step_budget_us_{n}={budget:.0f}")
             if n == 256:
                 print(f"RESULT vllm_step_overhead_vs_budget_256={headline / budget:.3f}")

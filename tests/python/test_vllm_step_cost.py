@@ -4,12 +4,15 @@ connector: cost per step"):
 
 * a decode step hashes nothing and reads no request's key material: a request's chunks are
   hashed once, at its lookup, however long it runs;
-* the calls one step's plan makes do not grow with the requests' prompt length or age, and
-  grow linearly with the running requests;
-* the per-step path the connector takes (``plan_step`` over ``scheduled_rows``: tuples, no
-  object per request) plans exactly what ``build_step`` over ``step_input_from`` plans, on
-  random schedules with chunked prefill, hits, preemptions, resumptions, load errors and
-  requests too short to store.
+* the calls one step's plan makes do not grow with the requests' prompt length or age; a
+  decode step of requests with nothing left to store makes none per request unless it hands
+  the request a block (and then a constant number);
+* the per-step path the connector takes (``plan_step`` over ``scheduled_rows(output,
+  watched)``: tuples, no object per request, no row for a request whose step plans nothing)
+  plans exactly what ``build_step`` over ``step_input_from`` (every row, as objects) plans, on
+  random schedules with chunked prefill, hits, preemptions, resumptions, load errors, blocks
+  allocated ahead of the tokens and requests too short to store;
+* every block a step writes was fenced since its request got it, whatever rows were left out.
 
 No server: the scheduler side runs on a stand-in of its connector (its lookups answer at once).
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import random
 import sys
-from typing import Any, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from kvtier.integrations.config import KVTierConfig
 from kvtier.integrations.scheduler_side import SchedulerSide
@@ -98,7 +101,7 @@ def running(side: SchedulerSide, n: int, prompt_tokens: int):
         side.after_alloc(rid, tables[rid], 0)
         new.append(NewRequestData(rid, tokens, (list(tables[rid]),), 0))
     so = SchedulerOutput(new, CachedRequestData(), {r: prompt_tokens for r in tables}, n * prompt_tokens, set())
-    plan = side.plan_step(preempted_ids(so), scheduled_rows(so))
+    plan = side.plan_step(preempted_ids(so), scheduled_rows(so, side.watched))
     assert len(plan.stores) == (n if prompt_tokens >= CT else 0)
     return tables, {rid: prompt_tokens for rid in tables}
 
@@ -114,7 +117,7 @@ def step_calls(side: SchedulerSide, so: SchedulerOutput) -> int:
 
     sys.setprofile(count)
     try:
-        side.plan_step(preempted_ids(so), scheduled_rows(so))
+        side.plan_step(preempted_ids(so), scheduled_rows(so, side.watched))
     finally:
         sys.setprofile(None)
     return calls
@@ -143,7 +146,7 @@ def test_a_decode_step_hashes_nothing_and_reads_no_key_material():
     assert side._hasher.calls == 8 and len(asked) == 8
     computed = {rid: 5 * CT + 3 for rid in tables}
     for step in range(3 * CT):
-        plan = side.plan_step([], scheduled_rows(decode_output(tables, computed)))
+        plan = side.plan_step([], scheduled_rows(decode_output(tables, computed), side.watched))
         # A block is fenced by the first step that writes it since the request got it (the
         # first one here, none having run before, then each new block's first token); the
         # request's later tokens go into a block it already fenced.
@@ -154,40 +157,45 @@ def test_a_decode_step_hashes_nothing_and_reads_no_key_material():
     assert side._hasher.calls == 8 and len(asked) == 8  # decode steps hashed nothing
 
 
-def test_a_decode_steps_calls_do_not_grow_with_the_prompt_and_grow_linearly_with_the_requests():
-    def calls(n: int, prompt_tokens: int) -> int:
+def test_a_decode_steps_calls_do_not_grow_with_the_prompt_nor_with_requests_that_get_no_block():
+    def calls(n: int, prompt_tokens: int, new_block: bool) -> int:
         side = make_side()
         tables, computed = running(side, n, prompt_tokens)
-        for rid in computed:  # off a block boundary: every request's step is the same
-            computed[rid] += 1
+        for rid in computed:  # every request's step the same: its token starts a new block, or not
+            computed[rid] = -(-computed[rid] // BS) * BS if new_block else computed[rid] + 1
         return step_calls(side, decode_output(tables, computed))
 
-    short, long = calls(32, CT + 1), calls(32, 40 * CT + 1)
-    assert short == long, (short, long)  # no per-step work proportional to the prompt
-    c16, c32, c64 = calls(16, 2 * CT + 1), calls(32, 2 * CT + 1), calls(64, 2 * CT + 1)
-    assert c64 - c32 == 2 * (c32 - c16), (c16, c32, c64)  # a constant per running request
-    assert (c32 - c16) / 16 <= 6, (c16, c32)  # and a small one (4 today: two dict lookups, a len, an append)
+    for new_block in (False, True):
+        short, long = calls(32, CT + 1, new_block), calls(32, 40 * CT + 1, new_block)
+        assert short == long, (new_block, short, long)  # no per-step work proportional to the prompt
+    # Nothing left to store and no new block: the step plans nothing and its row is left out,
+    # at no call (before: 4 per request, two dict lookups, a len and an append).
+    c16, c32, c64 = (calls(n, 2 * CT + 1, False) for n in (16, 32, 64))
+    assert c16 == c32 == c64, (c16, c32, c64)
+    # A new block (a request's step in every block_size, in decode): a constant per request,
+    # and a small one (first_group's list, the block's fence, the dict lookup, ...).
+    c16, c32, c64 = (calls(n, 2 * CT + 1, True) for n in (16, 32, 64))
+    assert c64 - c32 == 2 * (c32 - c16), (c16, c32, c64)
+    assert (c32 - c16) / 16 <= 8, (c16, c32)
 
 
 def test_every_block_a_step_writes_was_fenced_since_the_request_got_it():
     """The fence's contract (a store still reading a block handed over to another request is
     dropped): every block a step writes was fenced in that step or in an earlier step since
     the request got it (a block's generation bump on its new owner's first write is what the
-    server checks). Random schedules: chunked prefill, decode across block boundaries,
-    preemptions and resumptions, blocks reused between requests."""
+    server checks). Random schedules: chunked prefill, decode across block boundaries, blocks
+    allocated ahead of their tokens, preemptions and resumptions, blocks reused between
+    requests. Planned as the connector plans (rows it needs no plan for left out); checked
+    over every request the step runs."""
+    checked = [0, 0]  # steps checked of requests out of and in `watched` after the step
     for seed in range(30):
         side = make_side()
         fenced: Dict[str, Set[int]] = {}
-        writes: List[Tuple[int, str, Set[int]]] = []
-        original = side.plan_step
 
-        def plan_step(preempted, rows, original=original):
-            rows = list(rows)
-            plan = original(preempted, rows)
-            step = len(writes)
-            for rid in preempted:
+        def check(so: SchedulerOutput, plan: Any) -> None:
+            for rid in so.preempted_req_ids or ():
                 fenced.pop(rid, None)
-            for rid, block_ids, start, num, replace in rows:
+            for rid, block_ids, start, num, replace in scheduled_rows(so):
                 if rid not in side._requests:
                     continue  # untracked (no full chunk): it fences every new block it is given
                 got = fenced.setdefault(rid, set())
@@ -196,19 +204,24 @@ def test_every_block_a_step_writes_was_fenced_since_the_request_got_it():
                 table = side._requests[rid].blocks
                 written = {table[b] for b in range(start // BS, -(-(start + num) // BS)) if b < len(table)}
                 got.update(set(plan.fence_blocks) & set(table))
-                writes.append((step, rid, written))
                 missing = written - got
-                assert not missing, (seed, step, rid, start, num, sorted(missing))
-            return plan
+                assert not missing, (seed, rid, start, num, sorted(missing))
+                checked[rid in side.watched] += 1
+            assert len(set(plan.fence_blocks)) == len(plan.fence_blocks)  # each block once
 
-        side.plan_step = plan_step
-        _random_schedule(seed, side, use_rows=True)
+        _random_schedule(seed, side, use_rows=True, observe=check)
+    assert checked[0] > 1000 and checked[1] > 500, checked  # both kinds of step were checked
 
 
-def _random_schedule(seed: int, side: SchedulerSide, use_rows: bool) -> List[Any]:
+def _random_schedule(
+    seed: int, side: SchedulerSide, use_rows: bool, observe: Optional[Callable[[SchedulerOutput, Any], None]] = None
+) -> List[Any]:
     """A random vLLM schedule (arrivals with a local prefix hit or a kvtier hit, chunked
-    prefill, decode with new blocks now and then, preemptions, resumptions, aborts, load
-    errors) fed to ``side``; returns each step's plan as plain values."""
+    prefill, decode with new blocks now and then, now and then a block ahead of the tokens,
+    preemptions, resumptions, aborts, load errors) fed to ``side`` (``use_rows``: planned as
+    the connector plans, ``plan_step`` over ``scheduled_rows(output, watched)``; else
+    ``build_step`` over every request); returns each step's plan as plain values.
+    ``observe(output, plan)`` is called with each step's."""
     rng = random.Random(seed)
     reqs: Dict[str, Dict[str, Any]] = {}
     next_block = [0]
@@ -250,6 +263,8 @@ def _random_schedule(seed: int, side: SchedulerSide, use_rows: bool) -> List[Any
                 left = len(r["tokens"]) - r["done"]
                 n = 1 if left <= 1 else min(left, rng.choice([1, CT, 2 * CT]))
                 grow = -(-(r["done"] + n) // BS) - len(r["table"])
+                if rng.random() < 0.1:
+                    grow = max(grow, 0) + 1  # ahead of the tokens (speculative decoding's lookahead)
                 blocks = alloc(grow) if grow > 0 else []
                 r["table"] += blocks
                 new = (blocks,) if blocks or rng.random() < 0.5 else None
@@ -260,7 +275,12 @@ def _random_schedule(seed: int, side: SchedulerSide, use_rows: bool) -> List[Any
             cached.new_token_ids.append([])
             num[rid] = n
         so = SchedulerOutput(new_reqs, cached, num, sum(num.values()), set(), preempted_req_ids=preempted)
-        plan = side.plan_step(preempted_ids(so), scheduled_rows(so)) if use_rows else side.build_step(step_input_from(so))
+        if use_rows:
+            plan = side.plan_step(preempted_ids(so), scheduled_rows(so, side.watched))
+        else:
+            plan = side.build_step(step_input_from(so))
+        if observe is not None:
+            observe(so, plan)
         plans.append(
             (
                 [(o.request_id, o.first_chunk, list(o.hashes), o.block_ids, o.skip_tokens, o.error_blocks) for o in plan.loads],

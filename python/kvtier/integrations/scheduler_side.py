@@ -92,6 +92,11 @@ class SchedulerSide:
         self._async = not config.layerwise
         self._requests: Dict[str, _Request] = {}
         self._planned: List[str] = []  # ids with a load planned, in order
+        # Ids whose every scheduled step plan_step must see: a request may still store, or has
+        # blocks it got and did not write yet. Every other tracked request (nothing left to
+        # store, every block it got fenced: a decode step's whole life) needs a row only in a
+        # step that hands it a block, which it fences then (scheduled_rows leaves the others out).
+        self.watched: Set[str] = set()
         self._loaded: Set[str] = set()  # ids that had a load (until request_finished)
         self._awaiting_recv: Set[str] = set()  # ids with an asynchronous load vLLM has no finished_recving of yet
         self._recv_last: List[str] = []  # finished while awaiting it: told to the workers in the next plan
@@ -162,6 +167,7 @@ class SchedulerSide:
                 store_cap=min(n_prompt // self._ct, len(hashes)),
             )
             self._requests[request_id] = st
+            self.watched.add(request_id)
         if not self.config.loads:
             return 0, False  # kv_producer: stores only, never looks up
         if st.load_issued or (self._async and request_id in self._loaded):
@@ -241,11 +247,16 @@ class SchedulerSide:
         integrations.plan.ScheduledRow`), as :func:`~kvtier.integrations.vllm_scheduler_output.
         scheduled_rows` reads them from vLLM's ``SchedulerOutput``.
 
-        Runs every step for every running request, so it does a constant amount of work per
-        request (docs/performance.md, "vLLM connector: cost per step"): a decode step appends
-        the request's new block ids, fences the block it writes when the request had not
-        written it yet and, its prompt's chunks all stored, plans nothing else; no hash, no
-        copy of its block table."""
+        Runs every step, so it does a constant amount of work per row, and needs no row for
+        most decode steps (docs/performance.md, "vLLM connector: cost per step"). A request
+        in :attr:`watched` (it may still store, or got blocks it has not written) fences the
+        blocks the step writes that it had not written since it got them, and stores the
+        chunks the step completes. Once nothing is left to store, it fences every block it
+        got and did not write yet and leaves :attr:`watched`: from then on a step fences the
+        blocks it is handed, when it is handed them (before their first write: a store of a
+        previous owner still reading one is dropped then), and a step that hands it none
+        plans nothing, so its row may be left out (``scheduled_rows(output, watched)``). A
+        row that is there plans the same. No hash, no copy of a block table."""
         plan = StepPlan(preempted=list(preempted))
         for rid in plan.preempted:
             st = self._requests.get(rid)
@@ -269,6 +280,7 @@ class SchedulerSide:
         requests = self._requests
         fence = plan.fence_blocks
         fence_one = fence.append
+        watched = self.watched
         for rid, block_ids, start, num, replace in scheduled:
             st = requests.get(rid)
             if st is None:
@@ -277,6 +289,14 @@ class SchedulerSide:
                 # reads). Its new blocks, or those of the tokens it computes when the table is
                 # whole (a new or resumed request).
                 fence.extend(block_ids[start // bs : -(-(start + num) // bs)] if replace else block_ids)
+                continue
+            if not replace and rid not in watched:
+                # Nothing left to store, every block it got fenced: it fences what it is handed.
+                if block_ids:
+                    blocks = st.blocks
+                    blocks.extend(block_ids)
+                    fence.extend(block_ids)
+                    st.fenced_to = len(blocks)
                 continue
             first = start // bs
             if replace:
@@ -301,17 +321,24 @@ class SchedulerSide:
                 if end > lo:
                     fence.extend(blocks[lo:end])
                     st.fenced_to = end
-            if not stores:
-                continue  # kv_consumer: loads only, never stores
-            stored = st.stored_chunks
-            if stored is None:
-                stored = st.stored_chunks = start // ct
-            if stored >= st.store_cap:
-                continue  # every chunk it can store is stored (or not to store): every decode step
-            done = min(min(start + num, st.num_prompt_tokens) // ct, st.store_cap, len(blocks) // bpc)
-            if done > stored:
-                plan.stores.append(StoreOp(rid, stored, st.hashes[stored:done], blocks[stored * bpc : done * bpc], st.cache_salt))
-                st.stored_chunks = done
+            if stores:  # not kv_consumer (loads only, never stores)
+                stored = st.stored_chunks
+                if stored is None:
+                    stored = st.stored_chunks = start // ct
+                if stored < st.store_cap:
+                    done = min(min(start + num, st.num_prompt_tokens) // ct, st.store_cap, len(blocks) // bpc)
+                    if done > stored:
+                        plan.stores.append(StoreOp(rid, stored, st.hashes[stored:done], blocks[stored * bpc : done * bpc], st.cache_salt))
+                        st.stored_chunks = stored = done
+                    if stored < st.store_cap:
+                        watched.add(rid)  # (a whole table may come back to a request that had left)
+                        continue
+            # Every chunk it can store is stored (or not to store): it leaves `watched`, its
+            # blocks got and not written yet fenced now (a lookahead's; none in most steps).
+            if st.fenced_to < len(blocks):
+                fence.extend(blocks[st.fenced_to :])
+                st.fenced_to = len(blocks)
+            watched.discard(rid)
         return plan
 
     # -- vLLM: update_connector_output -----------------------------------------------------
@@ -327,9 +354,10 @@ class SchedulerSide:
         bad = set(invalid_block_ids)
         if not bad:
             return
-        for st in self._requests.values():
+        for rid, st in self._requests.items():
             if st.stored_chunks is not None and bad.intersection(st.blocks):
                 st.stored_chunks = None  # set again from the step that recomputes
+                self.watched.add(rid)
 
     # -- vLLM: request_finished ------------------------------------------------------------
     def request_finished(self, request_id: str) -> bool:
@@ -337,6 +365,7 @@ class SchedulerSide:
         whether the engine must keep its blocks until a worker reports the id (always True:
         see the module docstring)."""
         st = self._requests.pop(request_id, None)
+        self.watched.discard(request_id)
         if st is not None and st.lookup_sent:
             self.connector.end_request(request_id)
         if request_id in self._awaiting_recv:  # aborted while loading: its last report is receiving
@@ -397,4 +426,5 @@ class SchedulerSide:
         if request_id in self._planned:
             self._planned.remove(request_id)
         del self._requests[request_id]
+        self.watched.discard(request_id)
 

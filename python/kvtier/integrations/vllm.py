@@ -177,9 +177,10 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler_side.after_alloc(request.request_id, first_group(blocks), int(num_external_tokens))
 
     def build_connector_meta(self, scheduler_output: Any) -> KVTierConnectorMetadata:
-        # Every step, over every running request: the rows are tuples, not StepInput's objects
-        # (docs/performance.md, "vLLM connector: cost per step").
-        plan = self.scheduler_side.plan_step(preempted_ids(scheduler_output), scheduled_rows(scheduler_output))
+        # Every step: the rows are tuples, not StepInput's objects, and only the requests whose
+        # step may plan something (docs/performance.md, "vLLM connector: cost per step").
+        side = self.scheduler_side
+        plan = side.plan_step(preempted_ids(scheduler_output), scheduled_rows(scheduler_output, side.watched))
         if plan.loads:
             self._stats.add("load_chunks_planned", sum(len(op.hashes) for op in plan.loads))
         if plan.stores:
