@@ -474,6 +474,10 @@ def summary(res, meta, table, made):
         g("vllm_step_overhead_cpu_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step (wall)",
         (g("vllm_step_overhead_cpu_us_256") / g("vllm_step_overhead_us_256"))
         if g("vllm_step_overhead_cpu_us_256") and g("vllm_step_overhead_us_256") else None, "")
+    row("steady-state control, 256 requests: the step's metadata pickled again after the forward-pass wait "
+        "(`steady_after_wait_slowdown_256`: the server moving the arrivals' KV meanwhile)",
+        g("steady_repickle_after_wait_us_256"), "us", g("steady_repickle_us_256"), "us",
+        "the same pickle right after the first (warm)", g("steady_after_wait_slowdown_256"), "")
     row("vLLM connector, 256 requests, mean step (`vllm_step_overhead_mean_us_256`: C++ call outliers included)",
         g("vllm_step_overhead_mean_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step",
         None, "")

@@ -44,6 +44,15 @@ and a pickle, about 1 MB touched) back to back and after the same spin as n = 25
 machine does to code that waited, whoever wrote it. On a shared VM the steady-state figure is
 mostly that (docs/performance.md, "vLLM connector: cost per step").
 
+The steady state prints the engine thread's CPU time in the same calls beside their wall time
+(RESULT vllm_step_overhead_cpu_us_<n>: where it is well below, the thread waited for a core or
+a mutex), and at n = 256 runs control windows of its own (mixed, not in the headline; off with
+--no-steady-control): each step pickles its metadata once more right after the measured
+pickle and once more right after the forward-pass wait, outside the step's figure
+(steady_repickle_us_256, steady_repickle_after_wait_us_256, steady_after_wait_slowdown_256):
+the same work on the same object, warm and after a wait during which the server moved the
+arrivals' KV.
+
 The workload: a steady state of n requests in the engine (n = 1, 64, 256). Each request has a
 prompt of --prompt-tokens tokens (520: 2 chunks of 256 tokens and 8 more) and generates
 --output-tokens tokens (256); a request that finishes is replaced by a new one at once, so
@@ -198,6 +207,11 @@ class Engine:
         # the last step's times (ns) and the window's counters
         self.sched_ns = self.xfer_ns = self.worker_ns = 0
         self.cpu_ns = 0  # the engine thread's CPU time in the timed calls, this step
+        # Control windows (--steady-control): the step's metadata pickled again, untimed in
+        # the step's figure, right after its first pickle and right after the forward-pass
+        # wait; ns of the last step's two.
+        self.control = False
+        self.control_ns = (0, 0)
         self._cpu0 = 0
         self.arrived = self.hits = self.misses = 0
         self.parts: Dict[str, int] = {}  # ns per group of calls, since the window began
@@ -341,6 +355,8 @@ class Engine:
         t0 = self._on()
         meta = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
         xfer_ns = self._off(t0, "metadata pickle")
+        if self.control:
+            warm_ns = repickle_ns(meta)
 
         # --- the worker: before and during the forward pass ---
         t0 = self._on()
@@ -356,6 +372,8 @@ class Engine:
                 spin(self.gap_s)
             else:
                 time.sleep(self.gap_s)
+        if self.control:
+            self.control_ns = (warm_ns, repickle_ns(meta))
         t0 = self._on()
         w.wait_for_save()
         sending, recving = w.get_finished(so.finished_req_ids)
@@ -456,9 +474,19 @@ def prime_rounds(engine: Engine) -> None:
     raise SystemExit("vllm_step_overhead: the hit pool's prefixes do not stay in L1")
 
 
+def repickle_ns(meta: Any) -> int:
+    """ns to pickle and unpickle ``meta`` (the steady-state control)."""
+    t0 = time.perf_counter_ns()
+    pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
+    return time.perf_counter_ns() - t0
+
+
 def window(engine: Engine, scenario: str, steps: int, warmup: int, profiler: Optional[cProfile.Profile] = None) -> Dict[str, Any]:
     """One window: the scenario's hit pool primed, ``warmup`` steps, then ``steps`` measured
-    steps (under ``profiler`` when given). Returns each measured step's times (us)."""
+    steps (under ``profiler`` when given). Returns each measured step's times (us). The
+    scenario "control" is the mixed one with the control's two repickles in every step."""
+    engine.control = scenario == "control"
+    scenario = "mixed" if engine.control else scenario
     engine.scenario = scenario
     engine.gap_s = 0.0 if scenario == "decode" else engine.wait_s
     if scenario in ("hit", "mixed"):
@@ -475,12 +503,15 @@ def window(engine: Engine, scenario: str, steps: int, warmup: int, profiler: Opt
             engine.step()
             out["total"].append((engine.sched_ns + engine.xfer_ns + engine.worker_ns) / 1e3)
             out["cpu"].append(engine.cpu_ns / 1e3)
+            if engine.control:
+                out.setdefault("control", []).append(engine.control_ns)
             out["sched"].append(engine.sched_ns / 1e3)
             out["xfer"].append(engine.xfer_ns / 1e3)
             out["worker"].append(engine.worker_ns / 1e3)
             out["parts"].append({k: v / 1e3 for k, v in engine.parts.items()})
     finally:
         engine.profiler = None
+        engine.control = False
     out.update(
         stores=ws.stores_issued - stores0,
         loads=ws.loads_issued - loads0,
@@ -577,6 +608,20 @@ def machine_after_wait(wait_s: float, repeats: int, steps: int) -> None:
     print(f"RESULT machine_after_wait_slowdown={waited / back:.3f}")
 
 
+def steady_control(windows: List[Dict[str, Any]]) -> None:
+    """Prints the steady-state control: the same pickle of the same metadata right after its
+    first pickle and right after the forward-pass wait, in mixed windows of their own."""
+    pairs = [p for w in windows for p in w["control"]]
+    warm = statistics.median(p[0] for p in pairs) / 1e3
+    waited = statistics.median(p[1] for p in pairs) / 1e3
+    print(f"# n=256 control (mixed windows of their own, {len(pairs)} steps): the step's metadata pickled again "
+          f"right after its first pickle {warm:.1f} us, right after the forward-pass wait {waited:.1f} us: the same "
+          f"work, {waited / warm:.2f}x slower after the wait while the server moves the arrivals' KV")
+    print(f"RESULT steady_repickle_us_256={warm:.1f}")
+    print(f"RESULT steady_repickle_after_wait_us_256={waited:.1f}")
+    print(f"RESULT steady_after_wait_slowdown_256={waited / warm:.3f}")
+
+
 def wait_l1_settled(srv: Any, timeout_s: float = 300.0) -> None:
     """The server faults its L1 in (2 GiB here; in huge pages, 0.3-6.5 s on the dev VM, the
     kernel compacting memory) and registers it behind its first requests, on the same two
@@ -589,13 +634,15 @@ def wait_l1_settled(srv: Any, timeout_s: float = 300.0) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=5, help="windows per configuration, interleaved (>= 5; --quick: 3)")
-    ap.add_argument("--steps", type=int, default=64, help="measured steps per window")
-    ap.add_argument("--warmup", type=int, default=8, help="steps before each window")
+    ap.add_argument("--repeats", type=int, help="windows per configuration, interleaved (default 5, >= 5; --quick: 3, any)")
+    ap.add_argument("--steps", type=int, help="measured steps per window (default 64; --quick: 24)")
+    ap.add_argument("--warmup", type=int, help="steps before each window (default 8; --quick: 4)")
     ap.add_argument("--prompt-tokens", type=int, default=2 * CHUNK + 8)
     ap.add_argument("--output-tokens", type=int, default=256)
     ap.add_argument("--region-blocks", type=int, default=768, help="blocks of the KV region (2 MiB each)")
     ap.add_argument("--l1-mb", type=int, default=2048)
+    ap.add_argument("--no-steady-control", dest="steady_control", action="store_false",
+                    help="skip the steady-state control windows at n = 256 (steady_after_wait_slowdown_256)")
     ap.add_argument("--gap-scale", type=float, default=1.0, help="the emulated forward pass: this times the assumed step")
     ap.add_argument("--wait", choices=("spin", "sleep", "none"), default="spin",
                     help="how the engine waits out the emulated forward pass (none: steps back to back)")
@@ -606,9 +653,10 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true",
                     help="decode steps back to back, nothing arriving (module docstring)")
     args = ap.parse_args()
-    if args.quick:
-        args.repeats, args.steps, args.warmup = 3, 24, 4
-    elif args.repeats < 5:
+    for name, full, quick in (("repeats", 5, 3), ("steps", 64, 24), ("warmup", 8, 4)):
+        if getattr(args, name) is None:
+            setattr(args, name, quick if args.quick else full)
+    if not args.quick and args.repeats < 5:
         raise SystemExit("vllm_step_overhead: --repeats must be >= 5 (or --quick)")
     if args.prompt_tokens < 2 * CHUNK + 1:
         raise SystemExit(f"vllm_step_overhead: --prompt-tokens must be > {2 * CHUNK}")
@@ -667,6 +715,8 @@ def main() -> None:
             for _ in range(args.repeats):
                 for scen in scenarios:
                     results.setdefault((n, scen), []).append(window(engine, scen, args.steps, args.warmup, profiler))
+                if n == 256 and scenarios == SCENARIOS and args.steady_control:
+                    results.setdefault((n, "control"), []).append(window(engine, "control", args.steps, args.warmup))
             engine.drain()
         if args.profile:
             for key in ("tottime", "cumulative"):
@@ -705,6 +755,8 @@ def main() -> None:
             print(f"RESULT vllm_step_budget_us_{n}={budget:.0f}")
             if n == 256:
                 print(f"RESULT vllm_step_overhead_vs_budget_256={headline / budget:.3f}")
+                if (n, "control") in results:
+                    steady_control(results[(n, "control")])
     finally:
         if call_times:
             print_call_times(call_times)

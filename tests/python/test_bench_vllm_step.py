@@ -3,7 +3,8 @@ connector: cost per step"): --profile runs only the n = 256 mixed windows, so it
 hit pool with no window before it; the population turning over while it primes must not
 evict the prefixes it is putting in L1 (it did: "the hit pool's prefixes do not stay in L1").
 --decode-only prints its steps back to back and after the forward-pass wait, and the control
-without kvtier (the same Python work both ways).
+without kvtier (the same Python work both ways); the steady state at n = 256 prints the engine
+thread's CPU time and its own control (the same repickle warm and after the wait).
 A kvtier-server with 2 GiB of L1 and a 1.5 GiB KV region; about 10 s (--quick).
 """
 
@@ -37,3 +38,18 @@ def test_decode_only_times_the_steps_back_to_back_and_after_the_wait_with_a_cont
     ratio = float(results["machine_python_after_wait_us"]) / float(results["machine_python_us"])
     assert abs(ratio - float(results["machine_after_wait_slowdown"])) < 0.01
     assert "# n=1 decode_wait: median step" in r.stdout
+
+
+def test_the_steady_state_prints_the_engine_threads_cpu_time_and_the_control_of_its_own_windows():
+    env = dict(os.environ, KVTIER_BUILD_DIR=str(BUILD_DIR))
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "vllm_step_overhead.py"), "--quick", "--ns", "256",
+                        "--repeats", "1", "--steps", "8", "--warmup", "2"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    results = dict(line[len("RESULT "):].split("=") for line in r.stdout.splitlines() if line.startswith("RESULT "))
+    for name in ("vllm_step_overhead_us_256", "vllm_step_overhead_cpu_us_256", "steady_repickle_us_256",
+                 "steady_repickle_after_wait_us_256", "steady_after_wait_slowdown_256"):
+        assert float(results[name]) > 0, name
+    ratio = float(results["steady_repickle_after_wait_us_256"]) / float(results["steady_repickle_us_256"])
+    assert abs(ratio - float(results["steady_after_wait_slowdown_256"])) < 0.01
+    assert "# n=256 control (mixed windows of their own, 8 steps)" in r.stdout

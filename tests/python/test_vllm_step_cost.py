@@ -366,3 +366,28 @@ def test_a_lookup_converts_its_tokens_once_and_hashes_and_describes_what_the_lis
         assert isinstance(_token_array(tokens), array)
     for odd in ([-1] * CT, [2**32] * CT, [1.0] * CT, (1,) * CT):
         assert _token_array(odd) is odd
+
+
+def test_the_step_plan_pickles_to_itself_as_tuples():
+    """vLLM pickles the connector metadata to every worker each step: it comes back equal,
+    every field of every op, in about half the bytes of the dataclasses' own pickle."""
+    import pickle
+
+    from kvtier.integrations.plan import LoadOp, StepPlan, StoreOp
+    from kvtier.integrations.vllm import KVTierConnectorMetadata
+
+    plan = StepPlan(
+        loads=[LoadOp("a", 1, [1 << 100, 7], [4, 5, 6, 7], 3, "salt", [9]), LoadOp("b", 0, [], [], 0)],
+        stores=[StoreOp("c", 2, [(1 << 127) + 5], [10, 11], "s2"), StoreOp("d", 0, [1], [12])],
+        fence_blocks=[4, 5, 6, 7, 13],
+        preempted=["e"],
+        recv_last=["f", "g"],
+    )
+    meta = pickle.loads(pickle.dumps(KVTierConnectorMetadata(plan), protocol=pickle.HIGHEST_PROTOCOL))
+    assert type(meta) is KVTierConnectorMetadata and meta.plan == plan
+    assert pickle.loads(pickle.dumps(StepPlan())) == StepPlan()
+    compact = len(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+    # The same plan's fields with the ops pickled as dataclasses (what StepPlan sent before).
+    as_dataclasses = len(pickle.dumps((plan.loads, plan.stores, plan.fence_blocks, plan.preempted, plan.recv_last),
+                                      protocol=pickle.HIGHEST_PROTOCOL))
+    assert compact < 0.7 * as_dataclasses, (compact, as_dataclasses)

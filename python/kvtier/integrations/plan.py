@@ -4,7 +4,7 @@ connector metadata). Plain ints, strings and lists, so it pickles."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
 __all__ = ["LoadOp", "StoreOp", "StepPlan", "ScheduledRequest", "ScheduledRow", "StepInput"]
 
@@ -56,6 +56,27 @@ class StepPlan:
     fence_blocks: List[int] = field(default_factory=list)
     preempted: List[str] = field(default_factory=list)
     recv_last: List[str] = field(default_factory=list)
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        # Pickled every step (vLLM sends the metadata to each worker process): the ops as
+        # tuples, not as dataclasses (a class reference and a dict of field names each), which
+        # halves the bytes and the time.
+        return (
+            _plan_from_tuples,
+            (
+                [(o.request_id, o.first_chunk, o.hashes, o.block_ids, o.skip_tokens, o.cache_salt, o.error_blocks) for o in self.loads],
+                [(o.request_id, o.first_chunk, o.hashes, o.block_ids, o.cache_salt) for o in self.stores],
+                self.fence_blocks,
+                self.preempted,
+                self.recv_last,
+            ),
+        )
+
+
+def _plan_from_tuples(loads: List[Tuple[Any, ...]], stores: List[Tuple[Any, ...]], fence_blocks: List[int],
+                      preempted: List[str], recv_last: List[str]) -> StepPlan:
+    """A :class:`StepPlan` from what its ``__reduce__`` pickled."""
+    return StepPlan([LoadOp(*t) for t in loads], [StoreOp(*t) for t in stores], fence_blocks, preempted, recv_last)
 
 
 @dataclass

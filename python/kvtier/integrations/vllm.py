@@ -94,6 +94,9 @@ class KVTierConnectorMetadata(KVConnectorMetadata):
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
 
+    def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
+        return (KVTierConnectorMetadata, (self.plan,))  # no attribute dict to pickle
+
     def __repr__(self) -> str:
         p = self.plan
         return f"KVTierConnectorMetadata(loads={len(p.loads)}, stores={len(p.stores)}, fence={len(p.fence_blocks)})"
