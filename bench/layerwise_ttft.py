@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO / "tests" / "python"))
 import torch  # noqa: E402
 
 import kvtier  # noqa: E402
-from kvtier_testing import status  # noqa: E402
+from kvtier_testing import status, wait_l1_settled  # noqa: E402
 
 
 def start_server(binary: Path, sock: Path, chunk_tokens: int, slot_bytes: int, l1_mb: int, worker_threads: int,
@@ -174,6 +174,7 @@ def main() -> None:
     l1_mb = max(64, (nchunks * chunk.object_bytes * 2) >> 20)
     proc = start_server(server_bin, sock, CT, chunk.object_bytes, l1_mb, args.worker_threads, extra)
     try:
+        wait_l1_settled(sock, who="layerwise_ttft")  # no trial while the server faults its L1 in
         o = kvtier.ConnectorOptions()
         o.socket_path = str(sock)
         o.model_name = "bench/layerwise"

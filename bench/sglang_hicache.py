@@ -47,6 +47,7 @@ import torch  # noqa: E402
 
 from kvtier.integrations._sglang_standin import HiCacheStorageConfig  # noqa: E402
 from kvtier.integrations.sglang import KVTierStorage, _gather, _scatter  # noqa: E402
+from kvtier_testing import wait_l1_settled  # noqa: E402
 from replay.sglang import HostPool, host_indices, page_keys  # noqa: E402
 
 
@@ -86,6 +87,7 @@ def main() -> None:
     sock = tmp / "kvtier.sock"
     server = start_server(sock, page_bytes, args)
     try:
+        wait_l1_settled(sock, who="sglang_hicache")  # no trial while the server faults its L1 in
         cfg = HiCacheStorageConfig(0, 1, 0, 1, 0, 1, False, False, args.layout == "page_first", "bench-8b",
                                    extra_config={"socket_path": str(sock), "staging_mb": 2 * n * page_bytes / (1 << 20)})
         storage = KVTierStorage(cfg, {})

@@ -144,7 +144,7 @@ import torch  # noqa: E402
 
 import kvtier  # noqa: E402
 from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector  # noqa: E402
-from kvtier_testing import ServerFactory, server_binary  # noqa: E402
+from kvtier_testing import ServerFactory, server_binary, wait_l1_settled  # noqa: E402
 from replay.vllm_configs import full_attention_config  # noqa: E402
 from replay.vllm_shapes import (  # noqa: E402
     CachedRequestData,
@@ -622,16 +622,6 @@ def steady_control(windows: List[Dict[str, Any]]) -> None:
     print(f"RESULT steady_after_wait_slowdown_256={waited / warm:.3f}")
 
 
-def wait_l1_settled(srv: Any, timeout_s: float = 300.0) -> None:
-    """The server faults its L1 in (2 GiB here; in huge pages, 0.3-6.5 s on the dev VM, the
-    kernel compacting memory) and registers it behind its first requests, on the same two
-    cores the steps run on: no window starts before that has ended (status l1.residency)."""
-    deadline = time.monotonic() + timeout_s
-    while srv.status()["l1"].get("residency") in ("faulting", "registering"):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"vllm_step_overhead: the server's L1 prefault did not end within {timeout_s:.0f} s")
-        time.sleep(0.05)
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, help="windows per configuration, interleaved (default 5, >= 5; --quick: 3, any)")
@@ -671,7 +661,7 @@ def main() -> None:
     shape = kvtier.ModelShape(LAYERS, KV_HEADS, HEAD_DIM, kvtier.DtypeKind.BF16, kvtier.AttentionKind.MHA)
     slot = kvtier.ChunkLayout(shape, CHUNK).object_bytes
     srv = factory.start(chunk_tokens=CHUNK, slot_bytes=slot, l1_mb=args.l1_mb)
-    wait_l1_settled(srv)
+    wait_l1_settled(srv.socket_path, who="vllm_step_overhead")
     connectors: List[KVTierConnector] = []
     call_times: Dict[str, List[int]] = {}
     try:

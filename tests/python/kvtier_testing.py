@@ -201,6 +201,19 @@ def status(socket_path: Path, timeout_s: float = DEADLINE_S) -> dict:
     return _json_call(socket_path, _STATUS_REQUEST, b"", "status", timeout_s)
 
 
+def wait_l1_settled(socket_path: Path, timeout_s: float = 300.0, who: str = "kvtier") -> None:
+    """Returns once the server on ``socket_path`` has faulted its L1 in and registered it
+    (status ``l1.residency`` neither ``faulting`` nor ``registering``). A server does that
+    behind its first requests, on the cores a benchmark's steps run on, for 1 s or more per
+    GiB (0.3-6.5 s per 2 GiB in huge pages on the dev VM, the kernel compacting memory): a
+    benchmark's first timed window waits for it. ``who`` names the caller in the error."""
+    deadline = time.monotonic() + timeout_s
+    while status(socket_path)["l1"].get("residency") in ("faulting", "registering"):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{who}: the server's L1 prefault did not end within {timeout_s:.0f} s")
+        time.sleep(0.05)
+
+
 _LIST_KEYS_REQUEST = 0x0010
 
 
