@@ -88,6 +88,11 @@ __all__ = [
 log = logging.getLogger("kvtier")
 
 
+# The cumulative counters get_kv_connector_stats reports the growth of, per role, in order.
+_SCHEDULER_COUNTERS = ("lookups", "lookup_tokens", "lookup_hit_tokens", "reconnects", "late_replies")
+_WORKER_COUNTERS = ("fence_refusals", "reconnects", "late_replies")
+
+
 class KVTierConnectorMetadata(KVConnectorMetadata):
     """One step's :class:`~kvtier.integrations.core.StepPlan`, sent to every worker."""
 
@@ -120,7 +125,8 @@ class KVTierConnector(KVConnectorBase_V1):
         self._scheduler: Optional[SchedulerSide] = None
         self._worker: Optional[WorkerSide] = None
         self._stats = KVTierConnectorStats()
-        self._sampled: Dict[str, float] = {}  # connector counters at the last stats report
+        # The cumulative counters behind the stats (_COUNTERS' names, in order), as last reported.
+        self._sampled: Tuple[int, ...] = ()
         self._sampled_at: Optional[float] = None
         # worker: chunk block sets of each retrieve not over yet, and whether each failed
         self._loads: Dict[str, List[List[Any]]] = {}
@@ -292,26 +298,35 @@ class KVTierConnector(KVConnectorBase_V1):
         """What happened since the last call (:data:`STATS_KEYS`; None when nothing did).
         vLLM calls it on every worker after each step and on the scheduler after each
         update_from_output, folds them with ``aggregate`` and hands ``data`` to its loggers."""
+        # Called twice per step (the scheduler's and each worker's): the counters are compared
+        # as one tuple, and only a changed one costs more (docs/performance.md, "vLLM
+        # connector: cost per step").
         if self._scheduler is not None:
-            conn = self._scheduler.connector
             s = self._scheduler
-            counters = {"lookups": s.lookups_sent, "lookup_tokens": s.lookup_tokens, "lookup_hit_tokens": s.lookup_hit_tokens}
+            conn = s.connector
+            names = _SCHEDULER_COUNTERS
+            counters: Tuple[int, ...] = (s.lookups_sent, s.lookup_tokens, s.lookup_hit_tokens)
         else:
             conn = self.worker_side.connector
-            counters = {"fence_refusals": self.worker_side.fence_refusals}
+            names = _WORKER_COUNTERS
+            counters = (self.worker_side.fence_refusals,)
             if conn is not None:
                 self._stats.add("quarantined_blocks_max", len(conn.quarantined_blocks()))
         now = time.monotonic()
         if conn is not None:
             c = conn.stats()
-            counters["reconnects"] = max(int(c["registrations"]) - 1, 0)
-            counters["late_replies"] = int(c["late_replies"])
+            counters += (max(int(c["registrations"]) - 1, 0), int(c["late_replies"]))
             if self._sampled_at is not None and not conn.healthy:
                 self._stats.add("degraded_s", now - self._sampled_at)
+        else:
+            counters += (0, 0)
         self._sampled_at = now
-        for key, value in counters.items():
-            self._stats.add(key, value - self._sampled.get(key, 0))
-            self._sampled[key] = value
+        if counters != self._sampled:
+            before = self._sampled or (0,) * len(counters)
+            for key, value, old in zip(names, counters, before):
+                if value != old:
+                    self._stats.add(key, value - old)
+            self._sampled = counters
         if self._stats.is_empty():
             return None
         out, self._stats = self._stats, KVTierConnectorStats()

@@ -334,6 +334,8 @@ class WorkerSide:
         conn = self._conn()
         sending, recving = conn.get_finished(sorted(finished_by_engine))
         st = self._st
+        if not (sending or recving or st.held_sending or st.held_recving or st.unissued):
+            return None, None  # nothing finished and nothing held: most steps
         st.held_sending.extend(sending)
         st.held_recving.extend(recving)
         quarantined = set(conn.quarantined_blocks()) if (st.held_sending or st.held_recving) else set()
