@@ -582,6 +582,13 @@ PYBIND11_MODULE(_kvtier, m) {
              d["chunks_described"] = st.chunks_described;
              return d;
            })
+      .def_property_readonly(
+          "counters",
+          [](const py_connector& s) {
+            const engine::connector_stats st = without_gil(s, [](auto& c) { return c.stats(); });
+            return py::make_tuple(st.registrations, st.late_replies);
+          },
+          "(registrations, late_replies) of stats(), without its dict: what the vLLM connector samples every step.")
       .def(
           "chunk_hashes",
           [](const py_connector& s, const token_array& tokens) {

@@ -257,3 +257,19 @@ def _scheduler_options(sock, shape):
     o.layout_kind = KvLayoutKind.NHD
     return o
 
+
+
+def test_counters_are_stats_registrations_and_late_replies_across_a_restart(servers):
+    # What the vLLM connector samples every step (its reconnects and late replies) without
+    # stats()'s dict: the same two numbers.
+    srv = servers.start(chunk_tokens=CT)
+    s = scheduler(srv.socket_path)
+    try:
+        st = s.stats()
+        assert s.counters == (st["registrations"], st["late_replies"]) == (1, 0)
+        srv.restart()
+        wait_until(lambda: s.counters[0] == 2, what="the scheduler registered with the new server")
+        st = s.stats()
+        assert s.counters == (st["registrations"], st["late_replies"])
+    finally:
+        s.close()

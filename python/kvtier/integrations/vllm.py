@@ -314,8 +314,8 @@ class KVTierConnector(KVConnectorBase_V1):
                 self._stats.add("quarantined_blocks_max", len(conn.quarantined_blocks()))
         now = time.monotonic()
         if conn is not None:
-            c = conn.stats()
-            counters += (max(int(c["registrations"]) - 1, 0), int(c["late_replies"]))
+            registrations, late_replies = conn.counters
+            counters += (max(registrations - 1, 0), late_replies)
             if self._sampled_at is not None and not conn.healthy:
                 self._stats.add("degraded_s", now - self._sampled_at)
         else:
