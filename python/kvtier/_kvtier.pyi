@@ -262,6 +262,11 @@ class Connector:
         (no extras: :meth:`TokenHasher.chunk_hashes` folds those)."""
     def lookup(self, request_id: str, tokens: _Tokens, cache_salt: str = "") -> None: ...
     def lookup_hashes(self, request_id: str, hashes: Iterable[int], cache_salt: str = "") -> None: ...
+    @property
+    def describes_chunks(self) -> bool:
+        """Whether :meth:`describe_chunks` may send anything now: False once this connection's
+        server answered that it publishes no KV events (until a reconnection), or with the
+        ``describe_chunks`` option off."""
     def describe_chunks(
         self,
         hashes: Iterable[int],

@@ -611,6 +611,10 @@ PYBIND11_MODULE(_kvtier, m) {
             without_gil(s, [&](auto& c) { c.lookup_hashes(id, std::move(hs), salt); });
           },
           py::arg("request_id"), py::arg("hashes"), py::arg("cache_salt") = "")
+      .def_property_readonly(
+          "describes_chunks",
+          [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.describes_chunks(); }); },
+          "Whether describe_chunks may send anything now (False once the server said it publishes no KV events).")
       .def(
           "describe_chunks",
           [](const py_connector& s, const py::iterable& hashes, const token_array& tokens, const std::string& salt,

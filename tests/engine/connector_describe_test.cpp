@@ -119,10 +119,12 @@ TEST_CASE("lookup describes each new chunk once per connection and stops after d
   CHECK(c.stats().chunks_described == 3 + 2 + 3);
 
   // The server stops publishing: its answer to the next description turns them off.
+  CHECK(c.describes_chunks());
   h.server->set_described(false);
   c.lookup("f", tokens(2 * ct, 3));
   h.barrier(c, "sync-2");
   CHECK(h.server->received(p::message_type::describe_chunks_request) == 4);
+  CHECK_FALSE(c.describes_chunks());
   c.lookup("g", tokens(2 * ct, 4));
   c.describe_chunks(c.chunk_hashes(tokens(ct, 5)), tokens(ct, 5));
   h.barrier(c, "sync-3");
@@ -133,6 +135,7 @@ TEST_CASE("lookup describes each new chunk once per connection and stops after d
   h.server->set_described(true);
   h.server->close_connections();
   REQUIRE(h.wait([](const record& r) { return r.healthy.size() == 2; }));
+  CHECK(c.describes_chunks());
   c.lookup("a-reconnected", a);
   d = h.descriptions(5);
   REQUIRE(d.size() == 5);
@@ -273,6 +276,7 @@ TEST_CASE("descriptions are off with the option, and skipped while unhealthy", "
   auto o = h.options();
   o.describe_chunks = false;
   auto& c = h.connect(o);
+  CHECK_FALSE(c.describes_chunks());
   c.lookup("a", tokens(2 * ct, 1));
   c.describe_chunks(c.chunk_hashes(tokens(ct, 2)), tokens(ct, 2));
   h.barrier(c, "sync");

@@ -254,6 +254,8 @@ def test_a_preempted_request_keys_its_chunks_as_before_and_output_chunks_consist
 
 def test_a_request_that_cannot_be_keyed_is_neither_looked_up_nor_stored(caplog):
     class Lookups:  # a scheduler connector that records what it was asked
+        describes_chunks = True
+
         def __init__(self) -> None:
             self.asked = []
 
@@ -284,6 +286,8 @@ def test_the_key_material_is_built_once_per_lookup():
     # While a lookup is pending vLLM asks every step; a digest of prompt embeddings (hundreds
     # of MiB for a long prompt) must not be recomputed each time.
     class Pending:
+        describes_chunks = True
+
         def __init__(self) -> None:
             self.asked = []
             self.described = []

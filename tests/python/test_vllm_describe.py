@@ -1,8 +1,9 @@
 """The vLLM scheduler side describes the chunks it looks up (issue 28: KV events for routers):
 once per lookup, with the token ids the hashes were computed from, the request's salt, the
 engine's block size and its LoRA adapter (name and int id), and no block extra keys; a
-request it does not look up is not described. Driven as vLLM's scheduler calls it, with the
-scheduler's kvtier.Connector wrapped to record what it is asked to describe."""
+request it does not look up is not described; once the server said it publishes no KV events,
+no lookup is described (nothing converted, no call). Driven as vLLM's scheduler calls it, with
+the scheduler's kvtier.Connector wrapped to record what it is asked to describe."""
 
 from __future__ import annotations
 
@@ -35,15 +36,26 @@ class RecordingConnector:
         return getattr(self.inner, name)
 
 
-@pytest.fixture
-def engine(servers):
-    srv = servers.start(chunk_tokens=CT)
+def _engine(srv):
     e = ReplayEngine(socket_path=srv.socket_path, chunk_tokens=CT, block_size=BS)
     rec = RecordingConnector(e.connector.scheduler_side.connector)
     e.connector.scheduler_side.connector = rec
     yield e.connector, rec
     e.connector.scheduler_side.connector = rec.inner
     e.close()
+
+
+@pytest.fixture
+def engine(servers, tmp_path):
+    """An engine whose server publishes KV events (so it wants every description)."""
+    srv = servers.start(chunk_tokens=CT, extra=["--kv-events", '{"endpoint": "ipc://%s/events"}' % tmp_path])
+    yield from _engine(srv)
+
+
+@pytest.fixture
+def quiet_engine(servers):
+    """An engine whose server publishes no KV events."""
+    yield from _engine(servers.start(chunk_tokens=CT))
 
 
 def decided(conn: kv_vllm.KVTierConnector, req: Request, computed: int = 0):
@@ -63,20 +75,34 @@ def test_a_lookup_describes_its_chunks_once_with_the_tokens_salt_block_size_and_
     assert tokens == DOC  # the 3 full chunks' tokens, not the partial tail
     assert salt == "tenant"
     assert kw == {"block_size": BS, "lora_name": "adapter-a", "lora_id": 3}  # no block_extra_keys
-    # The connector sent it; the server (no KV events configured) answered described=False.
     assert rec.inner.stats()["descriptions_sent"] == 1
     assert rec.inner.stats()["chunks_described"] == 3
     conn.request_finished(req, [])
 
-    # A plain request: no adapter. The connection's server said it publishes nothing, so the
-    # connector sends no more (the call itself still happens, once per lookup).
+    # A plain request: no adapter.
     plain = Request("p", list(range(100, 132)), 1)
     decided(conn, plain)
     assert len(rec.described) == 2
     hashes, tokens, salt, kw = rec.described[1]
     assert tokens == list(range(100, 132)) and salt == ""
     assert kw == {"block_size": BS, "lora_name": "", "lora_id": -1}
-    assert rec.inner.stats()["descriptions_sent"] == 1
+    assert rec.inner.stats()["descriptions_sent"] == 2 and rec.inner.describes_chunks
+    conn.request_finished(plain, [])
+
+
+def test_once_the_server_said_it_publishes_no_kv_events_lookups_are_not_described(quiet_engine):
+    conn, rec = quiet_engine
+    assert rec.inner.describes_chunks  # not known yet: the connection's first description asks
+    req = Request("q", DOC + [5, 6, 7], 1)
+    decided(conn, req)
+    assert len(rec.described) == 1 and rec.inner.stats()["descriptions_sent"] == 1
+    # Its server answered described=False (no KV events configured): from then on a lookup
+    # converts and sends nothing for a description, and does not call describe_chunks.
+    wait_until(lambda: not rec.inner.describes_chunks, what="the server's answer to the description")
+    plain = Request("p", list(range(100, 132)), 1)
+    decided(conn, plain)
+    assert len(rec.described) == 1 and rec.inner.stats()["descriptions_sent"] == 1
+    conn.request_finished(req, [])
     conn.request_finished(plain, [])
 
 

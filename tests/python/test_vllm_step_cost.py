@@ -34,6 +34,8 @@ BS, CT = 4, 16
 class Lookups:
     """A scheduler connector whose lookups answer at once, with ``answer(request_id)`` tokens."""
 
+    describes_chunks = True  # a server that publishes KV events
+
     def __init__(self, answer=lambda rid: 0) -> None:
         self.answer = answer
         self.answers: Dict[str, int] = {}

@@ -393,6 +393,8 @@ class SchedulerSide:
             return
         seq, lora_name, lora_id = st.describe
         st.describe = None  # the tokens are vLLM's request's: not kept past the lookup
+        if not self.connector.describes_chunks:
+            return  # the server said it publishes no KV events: nothing to convert or send
         n = len(st.hashes) * self._ct
         try:
             self.connector.describe_chunks(

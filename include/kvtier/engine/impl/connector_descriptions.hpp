@@ -120,6 +120,13 @@ std::size_t connector<Bus>::description_end(std::size_t begin, std::size_t end, 
 }
 
 template <class Bus>
+bool connector<Bus>::describes_chunks() const {
+  if (!options_.describe_chunks) return false;
+  std::lock_guard g(mu());
+  return describe_state_ != describe_state::off;
+}
+
+template <class Bus>
 void connector<Bus>::describe_chunks(std::span<const hash128> hashes, std::span<const token_id> tokens,
                                      std::string_view cache_salt, const chunk_description_extras& extras) {
   const std::uint32_t bs = description_block_size(hashes.size(), tokens.size(), cache_salt, extras);
