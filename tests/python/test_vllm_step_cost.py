@@ -323,6 +323,28 @@ def test_the_connectors_per_step_path_plans_what_build_step_plans():
     assert stored > 100 and loaded > 100  # the schedules exercised both
 
 
+def test_scheduled_rows_leave_out_exactly_the_rows_with_no_block_that_are_neither_watched_nor_resumed():
+    # Whatever the number of watched ids (a few are found by position, many by a scan), ids
+    # watched but not running, and blocks given as None or as a tuple of empty lists.
+    rng = random.Random(7)
+    for _ in range(300):
+        n = rng.randrange(0, 80)
+        ids = [f"r{i}" for i in range(n)]
+        cached = CachedRequestData()
+        for rid in ids:
+            cached.req_ids.append(rid)
+            cached.new_block_ids.append(rng.choice([None, None, None, ([],), ([rng.randrange(100)],)]))
+            cached.num_computed_tokens.append(rng.randrange(1000))
+            cached.num_output_tokens.append(0)
+            cached.new_token_ids.append([])
+        cached.resumed_req_ids = set(rng.sample(ids, min(n, rng.randrange(0, 3))))
+        so = SchedulerOutput([], cached, {rid: rng.randrange(1, 4) for rid in ids}, n, set())
+        watched = set(rng.sample(ids, min(n, rng.choice([0, 1, 5, 16, 17, 40])))) | {f"absent{i}" for i in range(rng.randrange(3))}
+        every = scheduled_rows(so)
+        want = [row for row, new in zip(every, cached.new_block_ids) if new is not None or row[0] in watched or row[4]]
+        assert scheduled_rows(so, watched) == want
+
+
 def test_scheduled_rows_read_older_vllms_resumed_flags():
     cached = CachedRequestData(req_ids=["a", "b"], new_block_ids=[([1, 2],), None], num_computed_tokens=[8, 4],
                                num_output_tokens=[0, 0], new_token_ids=[[], []])

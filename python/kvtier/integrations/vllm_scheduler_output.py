@@ -5,7 +5,8 @@ running request), and the block ids kvtier uses of vLLM's per-group ones (:func:
 
 from __future__ import annotations
 
-from typing import Any, Container, List, Optional
+from itertools import compress
+from typing import AbstractSet, Any, List, Optional
 
 from .plan import ScheduledRequest, ScheduledRow, StepInput
 
@@ -30,7 +31,7 @@ def preempted_ids(scheduler_output: Any) -> List[str]:
     return sorted(getattr(scheduler_output, "preempted_req_ids", None) or ())
 
 
-def scheduled_rows(scheduler_output: Any, watched: Optional[Container[str]] = None) -> List[ScheduledRow]:
+def scheduled_rows(scheduler_output: Any, watched: Optional[AbstractSet[str]] = None) -> List[ScheduledRow]:
     """The requests vLLM's ``SchedulerOutput`` runs this step, one
     :data:`~kvtier.integrations.plan.ScheduledRow` each: the new ones (their whole block table,
     ``replace_blocks``), then the cached ones (their new blocks; the whole table when resumed
@@ -59,13 +60,29 @@ def scheduled_rows(scheduler_output: Any, watched: Optional[Container[str]] = No
             for rid, new, computed in zip(req_ids, cached.new_block_ids, cached.num_computed_tokens)
         ]
     else:
-        # A left-out row costs two tests and no call. vLLM gives None for "no new block"
-        # (get_block_ids(allow_none=True)); a tuple of empty lists is a row that fences nothing.
-        rows += [
-            (rid, () if new is None else first_group(new), computed, get(rid, 0), rid in resumed)
-            for rid, new, computed in zip(req_ids, cached.new_block_ids, cached.num_computed_tokens)
-            if new is not None or rid in watched or rid in resumed
-        ]
+        # The rows kept, by position: those handed blocks, found by a scan in C (vLLM gives
+        # None for "no new block", get_block_ids(allow_none=True); a tuple of empty lists is
+        # kept, a row that fences nothing), then the watched or resumed ones, a few, each
+        # found by list.index. A left-out row costs no Python bytecode: 3.4 us for 256
+        # requests, against 22 us for a list comprehension that tests each.
+        new_ids, computed = cached.new_block_ids, cached.num_computed_tokens
+        keep = list(compress(range(len(req_ids)), new_ids))
+        wanted = watched | resumed if resumed else watched
+        if wanted:
+            if len(wanted) <= 16:
+                more = []
+                for rid in wanted:
+                    try:
+                        more.append(req_ids.index(rid))
+                    except ValueError:
+                        pass  # not running this step, or a new request (its row is above)
+            else:
+                more = list(compress(range(len(req_ids)), map(wanted.__contains__, req_ids)))
+            if more:
+                keep = sorted(set(keep).union(more))
+        for i in keep:
+            rid, new = req_ids[i], new_ids[i]
+            rows.append((rid, () if new is None else first_group(new), computed[i], get(rid, 0), rid in resumed))
     return rows
 
 
