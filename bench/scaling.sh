@@ -9,7 +9,7 @@
 #     RESULT clients_<n>_p99_ttft_s = the highest p99 TTFT of the clients' query rounds.
 #  2. The server's resident memory (VmRSS, shared memory included) with an L1 of 0.5, 1 and 2
 #     GiB (--quick: 0.5 and 1), no L2, after a warmup that stores 1.5x the L1 size:
-#     RESULT rss_l1_<gb>gb_mib (full) and rss_empty_l1_<gb>gb_mib (just started); 0.5 -> 0p5.
+#     RESULT rss_l1_<gb>gb_mib (full) and rss_empty_l1_<gb>gb_mib (started, its L1 prefaulted); 0.5 -> 0p5.
 #
 #   bench/scaling.sh BUILD_DIR WORK_DIR RESULTS_DIR [--quick]
 set -euo pipefail
@@ -30,7 +30,12 @@ start_server() {  # DIR L1_GB [more server flags]
     > "$d/server.log" 2>&1 &
   server_pid=$!
   for _ in $(seq 1 500); do
-    [ -S "$d/s.sock" ] && return 0
+    if [ -S "$d/s.sock" ]; then
+      # No client runs while the server faults its L1 in (status l1.residency), on these cores.
+      /usr/bin/python3 -c "import sys; sys.path[:0] = ['tests/python', '$build/python']
+from kvtier_testing import wait_l1_settled; wait_l1_settled('$d/s.sock', who='scaling')" && return 0
+      exit 1
+    fi
     kill -0 "$server_pid" 2>/dev/null || { echo "kvtier-server exited: $(tail -5 "$d/server.log")" >&2; exit 1; }
     sleep 0.02
   done
