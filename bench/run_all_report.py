@@ -387,7 +387,8 @@ def summary(res, meta, table, made):
         None, "")
     row("connector L2 hit: lookup + retrieve into the engine's blocks (`l2_hit_added_latency_us` over disk time)",
         g("l2_hit_latency_us"), "us", g("l2_hit_disk_time_us"), "us",
-        "O_DIRECT read of the same object files, depth 16, after the hit", None, "")
+        "O_DIRECT read of the same object files, depth 16, into huge pages: the mean of a read right before "
+        "and one right after each hit, agreeing pairs only", None, "")
     row("**kvtier-server start to its first answered lookup** (`server_start_to_first_lookup_ms`, the worst of "
         "1 and 8 GiB of L1, with and without a disk backend)",
         g("server_start_to_first_lookup_ms"), "ms", g("server_start_to_l1_prefaulted_8gib_ms")

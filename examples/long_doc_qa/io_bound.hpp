@@ -8,9 +8,9 @@
 // each drew than about kvtier. A pair whose two probes disagree by more than
 // max_probe_disagreement is *split*: reported, never in the medians.
 
+#include <kvtier_program/disk_probe.hpp>
 #include <kvtier_program/stats.hpp>
 #include "../mini_engine/engine.hpp"
-#include "disk_probe.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -24,6 +24,16 @@
 #include <vector>
 
 namespace long_doc_qa {
+
+// The probes a pair is made of (kvtier_program/disk_probe.hpp).
+using examples::disk_probe::disk_read_bandwidth;
+using examples::disk_probe::memcpy_bandwidth;
+using examples::disk_probe::probe_files;
+using examples::disk_probe::probe_memory;
+using examples::disk_probe::sched_delta;
+using examples::disk_probe::sched_sample;
+using examples::disk_probe::sched_sample_of;
+using examples::disk_probe::sched_time;
 
 /// The pairs of a run (one per trial): each query round between two probes of the disk and
 /// of memcpy; the medians over the pairs whose disk probes agree, as RESULT lines.

@@ -32,7 +32,7 @@
 // one io_uring reading into registered memory, as the server reads into its registered L1,
 // else 16 threads), twice: into small reused buffers (the earlier probe), then into a region
 // of one request's bytes in huge pages (the headline: where a read lands changes its speed by
-// up to 1.5x on the dev VM, disk_probe.hpp's probe_memory says why). Right after the round (once
+// up to 1.5x on the dev VM, kvtier_program/disk_probe.hpp's probe_memory says why). Right after the round (once
 // the server is idle): the same files again, read the other way round (even pairs: forward
 // before, backward after; odd pairs the reverse), then memcpy again. Per pair:
 //   kvtier_s  = mean over query requests of (TTFT - computed tokens / --tokens-per-second)
@@ -59,7 +59,7 @@
 //
 // The parts: options.hpp (the command line, the engine's configuration fitted to the
 // server), rounds.hpp (query order, TTFT summaries, waiting for the server to go idle),
-// io_bound.hpp (the --io-bound-dir pairs) over disk_probe.hpp (what a pair measures); here,
+// io_bound.hpp (the --io-bound-dir pairs) over kvtier_program/disk_probe.hpp (what a pair measures); here,
 // one trial and the report.
 #include <kvtier_program/stats.hpp>
 #include "../mini_engine/engine.hpp"

@@ -1,8 +1,9 @@
 #pragma once
-// kvtier_long_doc_qa --io-bound-dir: the measurements a pair is made of (io_bound.hpp makes
-// the pairs): memcpy bandwidth, the O_DIRECT read bandwidth of the object files a query round
-// loads (into small reused buffers, or into memory spread like the server's L1 slots, in huge
-// pages), and the server's CPU and run-queue time from /proc.
+// The disk probes that L2-hit figures are paired with (kvtier_long_doc_qa --io-bound-dir:
+// examples/long_doc_qa/io_bound.hpp makes its pairs; kvtier_bench_rpc's L2 hit): memcpy
+// bandwidth, the O_DIRECT read bandwidth of a disk backend's object files (into small reused
+// buffers, or into memory spread like the server's L1 slots, in huge pages), and the server's
+// CPU and run-queue time from /proc.
 
 #include <fcntl.h>
 #include <liburing.h>
@@ -26,7 +27,7 @@
 #include <utility>
 #include <vector>
 
-namespace long_doc_qa {
+namespace examples::disk_probe {
 
 // Bytes per second of memcpy for `bytes` bytes in `piece`-byte calls over a pre-touched
 // working set of up to 2 x 256 MiB (cycled when `bytes` is larger).
@@ -75,7 +76,7 @@ struct probe_files {
       const std::size_t size = fs::file_size(p);
       for (std::size_t off = 0; off < size; off += part) parts.emplace_back(fd, off);
     }
-    if (parts.empty()) throw std::runtime_error("--io-bound-dir: no object files under " + (dir / "objects").string());
+    if (parts.empty()) throw std::runtime_error("disk probe: no object files under " + (dir / "objects").string());
   }
   probe_files(const probe_files&) = delete;
   probe_files& operator=(const probe_files&) = delete;
@@ -291,4 +292,4 @@ inline sched_time sched_delta(const sched_sample& before, const sched_sample& af
   return d;
 }
 
-}  // namespace long_doc_qa
+}  // namespace examples::disk_probe
