@@ -127,6 +127,11 @@ class connector final : private detail::link_owner {
   /// The same with the chunk hashes already computed (chunk_hashes(tokens)); describes
   /// nothing (it has no tokens): call describe_chunks beside it.
   void lookup_hashes(std::string_view request_id, std::vector<hash128> hashes, std::string_view cache_salt = {});
+  /// Whether describe_chunks may send anything now: false with options().describe_chunks
+  /// false, and once this connection's server answered that it publishes no KV events (until
+  /// a reconnection asks again). A caller that must prepare a description (convert tokens,
+  /// read extras) asks this first: a server without KV events then costs it nothing per lookup.
+  [[nodiscard]] bool describes_chunks() const;
   /// Tells the server the token ids of consecutive chunks of one prompt (`hashes`, as a
   /// lookup names them; `tokens`: at least hashes.size() x chunk_tokens, the chunks' tokens
   /// from the first, the rest ignored), so that a server publishing KV events for routers can
@@ -138,11 +143,6 @@ class connector final : private detail::link_owner {
   /// parent, split to fit the protocol's limits. Throws std::invalid_argument on malformed
   /// arguments (too few tokens, a block size that does not divide chunk_tokens, extra keys
   /// not one per block, a salt or LoRA name too long, lora_id below -1).
-  /// Whether describe_chunks may send anything now: false with options().describe_chunks
-  /// false, and once this connection's server answered that it publishes no KV events (until
-  /// a reconnection asks again). A caller that must prepare a description (convert tokens,
-  /// read extras) asks this first: a server without KV events then costs it nothing per lookup.
-  [[nodiscard]] bool describes_chunks() const;
   void describe_chunks(std::span<const hash128> hashes, std::span<const token_id> tokens,
                        std::string_view cache_salt = {}, const chunk_description_extras& extras = {});
   /// Hit tokens (hit chunks x chunk_tokens, a chunk counting only when every rank has it)
