@@ -207,9 +207,9 @@ class Engine:
         # the last step's times (ns) and the window's counters
         self.sched_ns = self.xfer_ns = self.worker_ns = 0
         self.cpu_ns = 0  # the engine thread's CPU time in the timed calls, this step
-        # Control windows (--steady-control): the step's metadata pickled again, untimed in
-        # the step's figure, right after its first pickle and right after the forward-pass
-        # wait; ns of the last step's two.
+        # Control windows (n = 256; --no-steady-control skips them): the step's metadata
+        # pickled again, untimed in the step's figure, right after its first pickle and right
+        # after the forward-pass wait; ns of the last step's two.
         self.control = False
         self.control_ns = (0, 0)
         self._cpu0 = 0
