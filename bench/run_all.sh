@@ -10,7 +10,7 @@
 # ~10 min on the 2-core dev VM (--quick: ~4.5; budget 15 and 5), not counting the build. Uses the build in
 # $KVTIER_BUILD_DIR when set, else configures and builds build/ (Release). Installs missing
 # Debian packages (gnuplot-nox, fio, redis-server, redis-tools, python3) as the quick-start
-# scripts do (as root). Benchmarks: event_bus l1_policies gather server_copy copy_pool io l2_fio
+# scripts do (as root). Benchmarks: event_bus l1_policies gather checksum server_copy copy_pool io l2_fio
 # l2_redis rpc server_start degraded longdoc layerwise sglang vllm_step scaling (--only picks some; the docs are regenerated from whatever results.json holds).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -39,7 +39,7 @@ source "$root/scripts/lib/common.sh"
 kvtier_ensure_packages gnuplot-nox fio redis-server redis-tools python3
 
 targets=(kvtier-server kvtier_mini_engine kvtier_long_doc_qa kvtier_fault_tolerance kvtier_bench_event_bus
-  kvtier_bench_l1_policies kvtier_bench_gather kvtier_bench_server kvtier_bench_copy_pool kvtier_bench_io
+  kvtier_bench_l1_policies kvtier_bench_gather kvtier_bench_checksum kvtier_bench_server kvtier_bench_copy_pool kvtier_bench_io
   kvtier_bench_l2_disk kvtier_bench_l2_redis kvtier_bench_rpc kvtier_bench_server_start kvtier_python)
 build="${KVTIER_BUILD_DIR:-}"
 if [ -z "$build" ]; then
@@ -89,6 +89,11 @@ bench_l1_policies() {
 bench_gather() {
   "$build/bench/kvtier_bench_gather" "${qflag[@]}" > "$logs/gather.log" 2>&1
   gather gather "$logs/gather.log"
+}
+bench_checksum() {
+  # The object checksum's XXH3 kernels (run-time AVX2 vs the build's own), in cache and cold.
+  "$build/bench/kvtier_bench_checksum" --repeats $((quick ? 5 : 7)) > "$logs/checksum.log" 2>&1
+  gather checksum "$logs/checksum.log"
 }
 bench_server_copy() {
   "$build/bench/kvtier_bench_server" "${qflag[@]}" > "$logs/server_copy.log" 2>&1
@@ -291,7 +296,7 @@ bench_scaling() {
 # ---- the run ------------------------------------------------------------------------------
 
 # name, estimated seconds (full, quick) on the 2-core dev VM
-stages=(event_bus:50:50 l1_policies:15:5 gather:25:10 server_copy:20:2 copy_pool:25:10 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 server_start:150:60 degraded:85:35
+stages=(event_bus:50:50 l1_policies:15:5 gather:25:10 checksum:5:4 server_copy:20:2 copy_pool:25:10 io:25:25 l2_fio:90:55 l2_redis:12:10 rpc:8:3 server_start:150:60 degraded:85:35
   longdoc:240:100 layerwise:70:45 sglang:15:10 vllm_step:60:25 scaling:20:10)
 selected=()
 for s in "${stages[@]}"; do

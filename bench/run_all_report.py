@@ -341,6 +341,13 @@ def summary(res, meta, table, made):
         for sh, tgt in (("8b", ">= 0.85"), ("05b", ">= 0.6")):
             row(f"{op} 256-token chunk, {sh} shape", g(f"{op}_{sh}_gbps"), "GB/s", g(f"memcpy_{sh}_gbps"), "GB/s",
                 "glibc memcpy of the same bytes: cached stores", g(f"{op}_vs_memcpy_{sh}"), tgt)
+    if g("xxh3_best_is_portable") == 0:
+        row("object checksum (XXH3), run-time AVX2 kernel, 1 MiB updates in cache (`xxh3_best_vs_portable`)",
+            g("xxh3_best_gbps"), "GB/s", g("xxh3_portable_gbps"), "GB/s", "the build's own kernel, SSE2 at -O3",
+            g("xxh3_best_vs_portable"), "")
+        row("object checksum (XXH3), the same over cold memory (`xxh3_best_vs_portable_cold`)",
+            g("xxh3_best_cold_gbps"), "GB/s", g("xxh3_portable_cold_gbps"), "GB/s",
+            "the build's own kernel; both are bound by memory bandwidth", g("xxh3_best_vs_portable_cold"), "")
     for op, what in (("store", "engine blocks -> L1 (gather)"), ("retrieve", "L1 -> engine blocks (scatter)")):
         for sh in ("05b", "8b"):
             if g(f"server_{op}_{sh}_gbps") is not None:

@@ -328,7 +328,7 @@ inline std::string_view disk_backend::check_payload(int fd, const object_header&
       const std::size_t want = static_cast<std::size_t>(std::min<std::uint64_t>(scratch.size(), to - at));
       const ssize_t n = ::pread(fd, scratch.data(), want, static_cast<off_t>(detail::disk_block_bytes + at));
       if (n != static_cast<ssize_t>(want)) return std::nullopt;
-      XXH3_64bits_update(&state, scratch.data(), want);
+      kvtier::detail::xxh3_update(&state, scratch.data(), want);
       at += want;
     }
     return XXH3_64bits_digest(&state);

@@ -300,7 +300,8 @@ inline void disk_backend::verify_landed(load_item& it, std::vector<part>& parts)
     if (it.hash_next == part::none) break;  // an empty payload (nothing to hash)
     const part& q = parts[it.hash_next];
     if (!q.landed) return;
-    XXH3_64bits_update(it.hash, it.dst.data() + q.offset, std::min<std::size_t>(q.len, it.dst.size() - q.offset));
+    kvtier::detail::xxh3_update(it.hash, it.dst.data() + q.offset,
+                                std::min<std::size_t>(q.len, it.dst.size() - q.offset));
     it.hash_next = q.next;
     if (q.segment_end) {
       it.digest = XXH3_64bits_digest(it.hash);

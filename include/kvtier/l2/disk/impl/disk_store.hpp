@@ -74,7 +74,8 @@ struct disk_backend::store_plan {
       encode_header(h, std::span<std::byte, object_header_bytes>(it.header, object_header_bytes));
       return io::file_part{it.fd, it.header, p.len, 0};
     }
-    XXH3_64bits_update(it.hash, it.src.data() + p.offset, std::min<std::size_t>(p.len, it.src.size() - p.offset));
+    kvtier::detail::xxh3_update(it.hash, it.src.data() + p.offset,
+                                std::min<std::size_t>(p.len, it.src.size() - p.offset));
     if (p.segment_end && it.segment_bytes != 0) {
       put_segment_checksum(detail::table_area(it.header), p.offset / it.segment_bytes, XXH3_64bits_digest(it.hash));
       XXH3_64bits_reset(it.hash);
