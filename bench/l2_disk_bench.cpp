@@ -11,9 +11,12 @@
 //   ours through the pread fallback (io = pread, pread_threads = the queue depth).
 // Stores: each repeat, fio rw=write (new files, fsync_on_close=1, fixedbufs=1) and our backend storing N
 //   objects in batches of `store_batch` (64, the store pipeline's batch; --store-batch),
-//   one batch after the other, into a fresh directory. Our backend takes 8 keys of a batch at
-//   once (depth / 2), each through its own pipeline (temporary file, 2 O_DIRECT writes in
-//   flight, rename, fdatasync), then fsyncs the touched directories once per batch. fio's
+//   submitted as the store pipeline submits them (batches in flight up to its 2 GiB bound,
+//   --store-inflight-gib: one batch of 32 MiB objects, ten of 3 MiB ones), into a fresh
+//   directory, from memory registered with the backend as the server registers L1
+//   (WRITE_FIXED). Our backend writes 8 keys at once across the batches in flight (its
+//   store lanes, depth / 2), each through its own pipeline (temporary file, 2 O_DIRECT
+//   writes in flight, rename, fdatasync), and fsyncs each batch's touched directories once. fio's
 //   store job does the same: 8 jobs (numjobs, each its own files) of iodepth 2, so the same
 //   16 writes and up to 8 fsyncs are in flight, each job's fsync at a file's close
 //   overlapping the other jobs' writes (--fio-store-jobs 1: one job of iodepth 16 whose
@@ -29,13 +32,19 @@
 // virtual disk's speed for recent files, not necessarily the device's.
 //
 // Usage: kvtier_bench_l2_disk [--dir DIR] [--gib X] [--repeats N] [--quick] [--fio PATH]
-//                             [--fio-store-jobs N] [--store-batch N]
+//                             [--fio-store-jobs N] [--store-batch N] [--store-inflight-gib X]
+//                             [--huge-pages]
+//   --huge-pages: stores from memory in transparent huge pages (as the server's L1 is, by
+//   default) against fio writing from hugetlb pages (iomem=shmhuge; it needs free ones:
+//   /proc/sys/vm/nr_hugepages): RESULT names end in _huge. Both gain from it (fio about
+//   1.5x on this VM), so the default compares 4 KiB pages on both sides.
 //   DIR defaults to $KVTIER_BENCH_DIR, else ./l2-disk-bench (it must not be tmpfs for the
 //   figures to mean anything); X GiB per measurement (default 2); --quick: 0.25 GiB, 2 repeats.
 #include <kvtier/cache/tiered_cache.hpp>
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/pipeline/store_controller.hpp>
+#include <kvtier/server/l1_residency.hpp>
 
 #include <common/results.hpp>
 
@@ -51,6 +60,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <optional>
 #include <stdexcept>
@@ -74,7 +84,13 @@ struct bench_config {
   std::size_t batch = 8;  ///< keys per lookup (loads)
   /// Keys per store: the store pipeline's batch (pipeline::store_options::max_batch_keys).
   std::size_t store_batch = pipeline::store_options{}.max_batch_keys;
+  /// Bytes of store batches in flight at once: the store pipeline's bound
+  /// (pipeline::store_options::max_inflight_bytes; --store-inflight-gib).
+  std::uint64_t store_inflight_bytes = pipeline::store_options{}.max_inflight_bytes;
   unsigned fio_store_jobs = 0;  ///< fio store jobs (concurrent fsyncs); 0: the backend's store lanes
+  /// --huge-pages: the store sources in transparent huge pages (the server's L1 default) and
+  /// fio's store buffers in hugetlb pages (iomem=shmhuge); store figures get a _huge suffix.
+  bool huge_pages = false;
   /// The backend writes depth / 2 keys at once, 2 writes each (disk_backend::store_lanes):
   /// as many fsyncs in flight as fio's jobs.
   [[nodiscard]] unsigned store_jobs() const { return fio_store_jobs ? fio_store_jobs : std::max(1U, depth / 2); }
@@ -162,29 +178,43 @@ l2::disk_backend_options backend_options(const bench_config& cfg, const fs::path
   return o;
 }
 
-/// Stores n objects in batches of cfg.store_batch, one batch after the other; returns bytes per second.
+/// Stores n objects in batches of cfg.store_batch as the store pipeline submits them: a batch
+/// starts while the batches in flight hold at most cfg.store_inflight_bytes with it (or when
+/// none is in flight); returns bytes per second.
 double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes, std::size_t n,
-                  std::vector<aligned_buffer>& sources) {
+                  aligned_buffer& sources) {
   asio::io_context io;
   l2::disk_backend b(io.get_executor(), backend_options(cfg, dir, object_bytes, n, io::file_io_choice::automatic));
+  // The sources stand for L1 slots, which the server registers (WRITE_FIXED; fio: fixedbufs).
+  (void)b.register_buffers(std::span<std::byte>(sources.data(), sources.size()));
+  const std::size_t source_count = sources.size() / object_bytes;
   std::size_t ok = 0;
-  const auto t0 = clock_type::now();
-  for (std::size_t first = 0; first < n; first += cfg.store_batch) {
-    const std::size_t m = std::min(cfg.store_batch, n - first);
-    std::vector<chunk_key> keys;
-    std::vector<std::span<const std::byte>> src;
-    for (std::size_t i = 0; i < m; ++i) {
-      keys.push_back(key_of(object_bytes, first + i));
-      src.emplace_back(sources[i % sources.size()].data(), object_bytes);
+  std::size_t next = 0;
+  std::uint64_t inflight = 0;
+  std::function<void()> launch = [&] {
+    while (next < n) {
+      const std::size_t m = std::min(cfg.store_batch, n - next);
+      const std::uint64_t bytes = std::uint64_t{m} * object_bytes;
+      if (inflight > 0 && inflight + bytes > cfg.store_inflight_bytes) return;
+      auto keys = std::make_shared<std::vector<chunk_key>>();
+      auto src = std::make_shared<std::vector<std::span<const std::byte>>>();
+      for (std::size_t i = 0; i < m; ++i) {
+        keys->push_back(key_of(object_bytes, next + i));
+        src->emplace_back(sources.data() + (i % source_count) * object_bytes, object_bytes);
+      }
+      next += m;
+      inflight += bytes;
+      b.async_store(*keys, *src, l2::clock::now() + std::chrono::minutes(5),
+                    [&, keys, src, bytes](error_code, l2::batch_result res) {
+                      ok += res.count(l2::key_outcome::ok);
+                      inflight -= bytes;
+                      launch();
+                    });
     }
-    std::optional<l2::batch_result> r;
-    b.async_store(keys, src, l2::clock::now() + std::chrono::minutes(5),
-                  [&](error_code, l2::batch_result res) { r = std::move(res); });
-    io.restart();
-    io.run();
-    if (!r) throw std::runtime_error("a store did not complete");
-    ok += r->count(l2::key_outcome::ok);
-  }
+  };
+  const auto t0 = clock_type::now();
+  launch();
+  io.run();
   const double s = seconds_since(t0);
   if (ok != n) throw std::runtime_error("stored " + std::to_string(ok) + " of " + std::to_string(n) + " objects");
   return static_cast<double>(n * object_bytes) / s;
@@ -251,9 +281,22 @@ fs::path write_write_job(const bench_config& cfg, const fs::path& at, const fs::
   std::ofstream j(at);
   j << "[global]\nioengine=io_uring\nfixedbufs=1\ndirect=1\nrw=write\nbs=" << cfg.part << "\niodepth=" << depth
     << "\nnumjobs=" << jobs
+    << (cfg.huge_pages ? "\niomem=shmhuge" : "")
     << "\ngroup_reporting=1\nfile_service_type=sequential\nfsync_on_close=1\ndirectory=" << dir.string()
     << "\nnrfiles=" << per_job << "\nfilesize=" << object_bytes << "\nsize=" << per_job * object_bytes << "\n[write]\n";
   return at;
+}
+
+/// HugePages_Free of /proc/meminfo (-1 when unreadable).
+long free_hugetlb_pages() {
+  std::ifstream m("/proc/meminfo");
+  std::string key;
+  long value = 0;
+  while (m >> key >> value) {
+    if (key == "HugePages_Free:") return value;
+    m.ignore(256, '\n');
+  }
+  return -1;
 }
 
 std::string size_label(std::size_t object_bytes) { return std::to_string(object_bytes >> 20) + " MiB"; }
@@ -267,17 +310,20 @@ figures measure(const bench_config& cfg, std::size_t object_bytes) {
   const std::size_t n = std::max<std::size_t>(
       cfg.batch, static_cast<std::size_t>(cfg.gib * static_cast<double>(std::size_t{1} << 30)) / object_bytes);
   std::printf(
-      "== %s objects: %zu per measurement (%.2f GiB), lookups of %zu, stores of %zu, bs %zu KiB, depth %u; fio store: "
-      "%u jobs of depth %u\n",
+      "== %s objects: %zu per measurement (%.2f GiB), lookups of %zu, stores of %zu (up to %.2f GiB of them in "
+      "flight), bs %zu KiB, depth %u; fio store: %u jobs of depth %u\n",
       size_label(object_bytes).c_str(), n, static_cast<double>(n * object_bytes) / (1 << 30), cfg.batch,
-      cfg.store_batch, cfg.part >> 10,
+      cfg.store_batch, static_cast<double>(cfg.store_inflight_bytes) / (1 << 30), cfg.part >> 10,
       cfg.depth, cfg.store_jobs(), std::max(1u, cfg.depth / cfg.store_jobs()));
-  std::vector<aligned_buffer> sources;
+  aligned_buffer sources(cfg.batch * object_bytes);  // cfg.batch objects, one after the other
+  if (cfg.huge_pages) {
+    const std::string huge = server::advise_l1_huge_pages(std::span<std::byte>(sources.data(), sources.size()));
+    if (huge != "asked") throw std::runtime_error("--huge-pages: madvise(MADV_HUGEPAGE) " + huge);
+  }
   for (std::size_t i = 0; i < cfg.batch; ++i) {
-    sources.emplace_back(object_bytes);
     for (std::size_t j = 0; j < object_bytes; j += 8) {
       const std::uint64_t v = (i + 1) * 0x9e3779b97f4a7c15ULL ^ j;
-      std::memcpy(sources.back().data() + j, &v, 8);
+      std::memcpy(sources.data() + i * object_bytes + j, &v, 8);
     }
   }
   const fs::path set = cfg.dir / ("load-" + std::to_string(object_bytes >> 20) + "m");
@@ -348,16 +394,30 @@ int main(int argc, char** argv) try {
       cfg.fio_store_jobs = static_cast<unsigned>(std::stoul(next()));
     else if (a == "--store-batch")
       cfg.store_batch = std::stoul(next());
+    else if (a == "--store-inflight-gib")
+      cfg.store_inflight_bytes = static_cast<std::uint64_t>(std::stod(next()) * static_cast<double>(1ULL << 30));
+    else if (a == "--huge-pages")
+      cfg.huge_pages = true;
     else if (a == "--quick") {
       cfg.gib = 0.25;
       cfg.repeats = 2;
     } else
       throw std::invalid_argument("unknown argument " + a +
                                   " (use --dir, --gib, --repeats, --quick, --fio, "
-                                  "--fio-store-jobs, --store-batch)");
+                                  "--fio-store-jobs, --store-batch, --store-inflight-gib, --huge-pages)");
   }
   if (cfg.repeats < 1 || cfg.gib <= 0) throw std::invalid_argument("--repeats and --gib must be positive");
   if (cfg.fio_store_jobs > 64) throw std::invalid_argument("--fio-store-jobs must be at most 64");
+  if (cfg.huge_pages) {
+    // fio's shm buffer per job: depth x bs plus alignment, rounded up to 2 MiB pages.
+    const unsigned per_job = static_cast<unsigned>(
+        (cfg.depth / cfg.store_jobs() * cfg.part + 4096 + (std::size_t{2} << 20) - 1) / (std::size_t{2} << 20));
+    const long need = static_cast<long>(cfg.store_jobs() * per_job);
+    if (free_hugetlb_pages() < need)
+      throw std::runtime_error("--huge-pages: fio needs " + std::to_string(need) +
+                               " free hugetlb pages (HugePages_Free in /proc/meminfo); as root: echo " +
+                               std::to_string(need + 8) + " > /proc/sys/vm/nr_hugepages");
+  }
   if (cfg.store_batch == 0 || cfg.store_batch > 4096) throw std::invalid_argument("--store-batch must be in 1..4096");
   fs::create_directories(cfg.dir);
   std::printf("l2_disk_bench in %s (%s)\n", cfg.dir.c_str(), io::probe_uring().detail.c_str());
@@ -369,25 +429,26 @@ int main(int argc, char** argv) try {
   using kvtier::bench::median_ratio;
   using kvtier::bench::print_result;
   print_result("l2_load_vs_fio", median_ratio(big.ours_read, big.fio_read));
-  print_result("l2_store_vs_fio", median_ratio(big.ours_write, big.fio_write));
+  const std::string huge = cfg.huge_pages ? "_huge" : "";
+  print_result("l2_store_vs_fio" + huge, median_ratio(big.ours_write, big.fio_write));
   print_result("l2_load_vs_fio_3m", median_ratio(small.ours_read, small.fio_read));
-  print_result("l2_store_vs_fio_3m", median_ratio(small.ours_write, small.fio_write));
+  print_result("l2_store_vs_fio_3m" + huge, median_ratio(small.ours_write, small.fio_write));
   print_result("l2_load_pread_vs_fio", median_ratio(big.ours_pread, big.fio_read));
   print_result("l2_load_pread_vs_fio_3m", median_ratio(small.ours_pread, small.fio_read));
   print_result("l2_load_gbps", median(big.ours_read) / 1e9);
   print_result("fio_read_gbps", median(big.fio_read) / 1e9);
   print_result("l2_load_pread_gbps", median(big.ours_pread) / 1e9);
-  print_result("l2_store_gbps", median(big.ours_write) / 1e9);
-  print_result("fio_write_gbps", median(big.fio_write) / 1e9);
+  print_result("l2_store_gbps" + huge, median(big.ours_write) / 1e9);
+  print_result("fio_write_gbps" + huge, median(big.fio_write) / 1e9);
   print_result("l2_load_3m_gbps", median(small.ours_read) / 1e9);
   print_result("fio_read_3m_gbps", median(small.fio_read) / 1e9);
-  print_result("l2_store_3m_gbps", median(small.ours_write) / 1e9);
-  print_result("fio_write_3m_gbps", median(small.fio_write) / 1e9);
+  print_result("l2_store_3m_gbps" + huge, median(small.ours_write) / 1e9);
+  print_result("fio_write_3m_gbps" + huge, median(small.fio_write) / 1e9);
   print_result("fio_store_jobs", cfg.store_jobs());
   print_result("fio_read_depth_full_pct", median(big.fio_read_full_pct));
   print_result("fio_read_3m_depth_full_pct", median(small.fio_read_full_pct));
-  print_result("fio_write_depth_full_pct", median(big.fio_write_full_pct));
-  print_result("fio_write_3m_depth_full_pct", median(small.fio_write_full_pct));
+  print_result("fio_write_depth_full_pct" + huge, median(big.fio_write_full_pct));
+  print_result("fio_write_3m_depth_full_pct" + huge, median(small.fio_write_full_pct));
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "kvtier_bench_l2_disk: %s\n", e.what());

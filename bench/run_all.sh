@@ -116,6 +116,15 @@ bench_l2_fio() {
   KVTIER_BUILD_DIR="$build" KVTIER_BENCH_DIR="$work/l2-disk" bench/l2_vs_fio.sh "${args[@]}" > "$logs/l2_fio.log" 2>&1
   rm -rf "$work/l2-disk"
   gather l2_fio "$logs/l2_fio.log"
+  # Stores with both sides in huge pages (the _huge figures), where hugetlb pages are free
+  # for fio's buffers (as root: echo 24 > /proc/sys/vm/nr_hugepages); not reserved here.
+  if [ "$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)" -ge 24 ] 2>/dev/null; then
+    KVTIER_BUILD_DIR="$build" KVTIER_BENCH_DIR="$work/l2-disk" bench/l2_vs_fio.sh "${args[@]}" --huge-pages \
+      > "$logs/l2_fio_huge.log" 2>&1
+    rm -rf "$work/l2-disk"
+    grep '^RESULT [a-z0-9_]*_huge=' "$logs/l2_fio_huge.log" > "$logs/l2_fio_huge.results" || true
+    gather l2_fio "$logs/l2_fio_huge.results"
+  fi
 }
 bench_l2_redis() {
   # --quick is 3 repeats: ratios get at least 5 interleaved repeats in either mode.

@@ -380,6 +380,11 @@ def summary(res, meta, table, made):
     row("**L2 disk store, 3 MiB objects** (`l2_store_vs_fio_3m`, batches of 64)", g("l2_store_3m_gbps"), "GB/s",
         g("fio_write_3m_gbps"), "GB/s", fio_w, g("l2_store_vs_fio_3m"), ">= 0.9")
     for sz, sfx in (("32 MiB", ""), ("3 MiB", "_3m")):
+        if g(f"l2_store_vs_fio{sfx}_huge") is not None:
+            row(f"L2 disk store, {sz} objects, both in huge pages (`l2_store_vs_fio{sfx}_huge`: ours from THP, "
+                "as the server's L1)", g(f"l2_store{sfx}_gbps_huge"), "GB/s", g(f"fio_write{sfx}_gbps_huge"), "GB/s",
+                fio_w + ", from hugetlb pages (iomem=shmhuge)", g(f"l2_store_vs_fio{sfx}_huge"), ">= 0.9")
+    for sz, sfx in (("32 MiB", ""), ("3 MiB", "_3m")):
         row(f"fio read of {sz} files: submissions at its full depth (16-31)", g(f"fio_read{sfx}_depth_full_pct"), "%",
             None, "", "fio's iodepth histogram", None, "")
     row("L2 Redis load, 3 MiB values", g("l2_redis_load_gbps"), "GB/s", g("redis_benchmark_get_gbps"), "GB/s",

@@ -46,6 +46,7 @@ namespace asio = boost::asio;
 namespace fs = std::filesystem;
 using kvtier::test::captured_log;
 using kvtier::test::run_sync;
+using kvtier::test::run_until;
 using kvtier::test::temp_dir;
 
 namespace {
@@ -942,6 +943,34 @@ TEST_CASE("a batch of more keys than the store runs at once round-trips, each ke
   CHECK(d.objects == 11);
   CHECK(b.usage().bytes_used == d.allocated);
   CHECK(check_all_served(io, b, o.keys, o.bytes) == 11);
+}
+
+TEST_CASE("stores in flight at once share the backend's store lanes, and every key of each commits",
+          "[l2][disk]") {
+  // queue_depth 2: one lane for the whole backend. Three batches submitted together (as the
+  // store pipeline submits them) go through it one key at a time; the keys that wait have
+  // their files open, and each batch answers for its own keys.
+  temp_dir dir;
+  asio::io_context io;
+  auto opts = options_for(dir.path());
+  opts.queue_depth = 2;
+  l2::disk_backend b(io.get_executor(), opts);
+  std::vector<objects> batches;
+  for (std::uint64_t i = 0; i < 3; ++i) batches.emplace_back(10 * i, 3, (1 << 20) + 100);
+  std::vector<std::vector<std::span<const std::byte>>> sources;
+  for (const auto& o : batches) sources.push_back(o.sources());
+  std::vector<std::optional<l2::batch_result>> results(batches.size());
+  for (std::size_t i = 0; i < batches.size(); ++i)
+    b.async_store(batches[i].keys, sources[i], soon(),
+                  [&results, i](error_code, l2::batch_result r) { results[i] = std::move(r); });
+  REQUIRE(run_until(io, [&] { return results[0] && results[1] && results[2]; }));
+  for (const auto& r : results) CHECK(r->count(l2::key_outcome::ok) == 3);
+  CHECK(b.io_in_flight() == 0);
+  const auto d = scan(dir.path());
+  CHECK(d.temp_files == 0);
+  CHECK(d.objects == 9);
+  CHECK(b.usage().bytes_used == d.allocated);
+  for (const auto& o : batches) CHECK(check_all_served(io, b, o.keys, o.bytes) == 3);
 }
 
 // --- crash recovery -----------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 #include <kvtier/core/bitmap.hpp>
 #include <kvtier/core/buffer.hpp>
 #include <kvtier/core/chunk_key.hpp>
+#include <kvtier/detail/async_slots.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/io/any_file_io.hpp>
 #include <kvtier/io/probe.hpp>
@@ -342,8 +343,13 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
                                 std::vector<std::size_t>& first_parts);
   /// How many keys of a batch of `keys` go through their pipelines at once.
   [[nodiscard]] unsigned store_lanes(std::size_t keys) const noexcept;
-  /// Step 3: item's temporary file is open as fd; preallocates it (fails the item on ENOSPC).
-  void adopt_temp_file(store_item& it, int fd);
+  /// The store lanes of the whole backend: keys whose writes and sync are in flight at once.
+  [[nodiscard]] static unsigned store_lane_count(const disk_backend_options& o) noexcept {
+    return std::max(1U, o.queue_depth / 2);
+  }
+  /// Step 3: creates item's temporary file (on an io-wq worker) and preallocates it; fails the
+  /// item on an error, ENOSPC included.
+  boost::asio::awaitable<void> create_temp_file(store_item& it, fan_state& fs, unsigned lane);
   boost::asio::awaitable<void> commit_stored(store_item& it, fan_state& fs, unsigned lane);
   void fail_store(store_item& it, const error_code& ec);
   /// Step 6: closes every file and answers each key; what is left to clean up.
@@ -402,6 +408,12 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   std::uint64_t next_temp_ = 1;
   unsigned consecutive_errors_ = 0;
   std::string last_error_;
+  /// Taken by a key of a store for its writes and sync (impl/disk_store.hpp), shared by
+  /// every store in flight; on executor_.
+  kvtier::detail::async_slots store_lanes_{executor_, store_lane_count(options_)};
+  /// Taken by a key of a store from its file's creation until it has a lane: as many files
+  /// are made ready ahead as there are lanes, whatever the number of batches in flight.
+  kvtier::detail::async_slots store_opens_{executor_, store_lane_count(options_)};
 
   telemetry::log_throttle enospc_log_;
   telemetry::log_throttle io_error_log_;
