@@ -394,8 +394,11 @@ int main(int argc, char** argv) try {
       cfg.fio_store_jobs = static_cast<unsigned>(std::stoul(next()));
     else if (a == "--store-batch")
       cfg.store_batch = std::stoul(next());
-    else if (a == "--store-inflight-gib")
-      cfg.store_inflight_bytes = static_cast<std::uint64_t>(std::stod(next()) * static_cast<double>(1ULL << 30));
+    else if (a == "--store-inflight-gib") {
+      const double gib = std::stod(next());
+      if (!(gib > 0 && gib <= 1024)) throw std::invalid_argument("--store-inflight-gib must be in (0, 1024]");
+      cfg.store_inflight_bytes = static_cast<std::uint64_t>(gib * static_cast<double>(1ULL << 30));
+    }
     else if (a == "--huge-pages")
       cfg.huge_pages = true;
     else if (a == "--quick") {
