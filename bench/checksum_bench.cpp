@@ -50,12 +50,11 @@ int main(int argc, char** argv) try {
     else throw std::invalid_argument("unknown argument " + a + " (use --repeats N)");
   }
   if (repeats < 1) throw std::invalid_argument("--repeats must be positive");
-  std::size_t count = 0;
-  const kvtier::detail::xxh3_kernel* kernels = kvtier::detail::xxh3_kernels(count);
-  const kvtier::detail::xxh3_kernel& best = kernels[0];
-  const kvtier::detail::xxh3_kernel& portable = kernels[count - 1];
+  const auto kernels = kvtier::detail::xxh3_kernels();
+  const kvtier::detail::xxh3_kernel& best = kernels.front();
+  const kvtier::detail::xxh3_kernel& portable = kernels.back();
   std::printf("checksum_bench: kernels:");
-  for (std::size_t i = 0; i < count; ++i) std::printf(" %s", kernels[i].name);
+  for (const auto& k : kernels) std::printf(" %s", k.name);
   std::printf(" (best first)\n");
 
   std::vector<unsigned char> warm(part_bytes), cold(std::size_t{256} << 20);

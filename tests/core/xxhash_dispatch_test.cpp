@@ -21,9 +21,8 @@ std::vector<unsigned char> random_bytes(std::size_t n, std::uint64_t seed) {
 }
 
 std::vector<kvtier::detail::xxh3_kernel> kernels() {
-  std::size_t n = 0;
-  const kvtier::detail::xxh3_kernel* k = kvtier::detail::xxh3_kernels(n);
-  return {k, k + n};
+  const auto k = kvtier::detail::xxh3_kernels();
+  return {k.begin(), k.end()};
 }
 
 }  // namespace

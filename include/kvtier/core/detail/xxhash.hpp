@@ -35,6 +35,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 
 #if KVTIER_DETAIL_XXH3_DISPATCH && XXH_VERSION_NUMBER != 801
 #undef KVTIER_DETAIL_XXH3_DISPATCH
@@ -65,9 +66,10 @@ struct xxh3_kernel {
   xxh3_update_function update;
 };
 
-/// The kernels this CPU runs, the one xxh3_update uses first, then the others down to the
-/// portable one (always last; the only one where dispatch is off).
-[[nodiscard]] inline const xxh3_kernel* xxh3_kernels(std::size_t& count) noexcept {
+/// The kernels this CPU runs, best first: the one xxh3_update uses, then the others down to
+/// the portable one (always last; the only one where dispatch is off). Probed once: a
+/// function-local static, so thread-safe, and one guard load per call afterwards.
+[[nodiscard]] inline std::span<const xxh3_kernel> xxh3_kernels() noexcept {
   struct table {
     xxh3_kernel entries[2];
     std::size_t size = 0;
@@ -80,18 +82,11 @@ struct xxh3_kernel {
     r.entries[r.size++] = {"portable", &xxh3_update_portable};
     return r;
   }();
-  count = t.size;
-  return t.entries;
+  return {t.entries, t.size};
 }
 
 /// The fastest kernel this CPU runs.
-[[nodiscard]] inline const xxh3_kernel& xxh3_best() noexcept {
-  static const xxh3_kernel& best = [] {
-    std::size_t n = 0;
-    return *xxh3_kernels(n);
-  }();
-  return best;
-}
+[[nodiscard]] inline const xxh3_kernel& xxh3_best() noexcept { return xxh3_kernels()[0]; }
 
 /// XXH3_64bits_update with the fastest kernel: the same state, the same digest.
 inline void xxh3_update(XXH3_state_t* state, const void* data, std::size_t n) noexcept {
