@@ -1270,7 +1270,8 @@ TEST_CASE("segmented objects of every size round-trip and tell a growing verifie
           "[l2][disk][segments]") {
   // Sizes: empty (unsegmented), under one segment and not a 4 KiB multiple, exactly one
   // segment, two segments the second of one block, 16 segments with a partial last block,
-  // 16 segments each split in parts (part_bytes 256 KiB under 2 MiB segments).
+  // 16 segments each split in parts (pread: part_bytes 256 KiB under 2 MiB segments); with
+  // 1 MiB parts (automatic), parts that span several segments (192 KiB ones at 3 MiB).
   const std::vector<std::size_t> sizes = {0,        100,           128 * 1024, 128 * 1024 + 4096, (3 << 20) + 100,
                                           32 << 20, 300 * 1024 + 7};
   for (const auto choice : {io::file_io_choice::automatic, io::file_io_choice::pread}) {
@@ -1279,7 +1280,7 @@ TEST_CASE("segmented objects of every size round-trip and tell a growing verifie
     asio::io_context io;
     auto opts = options_for(dir.path());
     opts.io = choice;
-    opts.part_bytes = 256 * 1024;
+    opts.part_bytes = choice == io::file_io_choice::pread ? 256 * 1024 : 1 << 20;
     auto backend = std::make_unique<l2::disk_backend>(io.get_executor(), opts);
     l2::disk_backend& b = *backend;
     std::vector<chunk_key> keys;
@@ -1328,34 +1329,68 @@ TEST_CASE("segmented objects of every size round-trip and tell a growing verifie
   }
 }
 
-TEST_CASE("a load reads segment-major: segment 0 of every key is told before segment 1 of any",
-          "[l2][disk][segments]") {
-  // Queue depth 1: one read at a time, in the order issued, so the calls come in that order.
+TEST_CASE("a payload moves in part_bytes reads and writes, whatever its segments", "[l2][disk][segments]") {
+  // 3 MiB: 16 segments of 192 KiB. The device sees part_bytes (1 MiB) operations, as fio
+  // does, not one per segment: 3 payload writes and 3 payload reads, not 16 of each. The
+  // pread pool counts every operation it runs (io_stats::ops_completed).
+  constexpr std::size_t bytes = std::size_t{3} << 20;
+  REQUIRE(l2::segment_count(bytes, l2::detail::disk_segment_bytes(bytes)) == 16);
   temp_dir dir;
   asio::io_context io;
   auto opts = options_for(dir.path());
-  opts.queue_depth = 1;
-  opts.part_bytes = 64 * 1024;  // several parts per segment
+  opts.io = io::file_io_choice::pread;
+  opts.part_bytes = std::size_t{1} << 20;
   l2::disk_backend b(io.get_executor(), opts);
-  const std::vector<std::size_t> sizes = {(3 << 20) + 100, 256 * 1024, (3 << 20) + 100, 64 * 1024, 1 << 20};
-  std::vector<chunk_key> keys;
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    keys.push_back(key_of(200 + i));
-    aligned_buffer d(sizes[i]);
-    fill_for(keys.back(), std::span(d.data(), sizes[i]));
-    const auto src = std::vector<std::span<const std::byte>>{std::span<const std::byte>(d.data(), sizes[i])};
-    REQUIRE(store(io, b, std::span(&keys.back(), 1), src).count(l2::key_outcome::ok) == 1);
+  const auto stats = b.shared_io_stats();
+  const objects o(700, 1, bytes);
+  const std::uint64_t before_store = stats->ops_completed.load();
+  REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 1);
+  // open, 3 payload writes, the header block, rename, fdatasync, the shard directory's fsync
+  CHECK(stats->ops_completed.load() - before_store == 1 + 3 + 1 + 1 + 1 + 1);
+  const std::vector<std::size_t> sizes = {bytes};
+  const std::uint64_t before_load = stats->ops_completed.load();
+  const auto l = observed_load(io, b, o.keys, sizes);
+  REQUIRE(l.r.outcomes[0] == l2::key_outcome::ok);
+  // open, the header block, 3 payload reads
+  CHECK(stats->ops_completed.load() - before_load == 1 + 1 + 3);
+  // Still verified and told segment by segment.
+  CHECK(check_told(l, 0, o.keys[0], bytes) == segment_ends(bytes));
+}
+
+TEST_CASE("a load reads in rounds across keys, telling each segment as it completes", "[l2][disk][segments]") {
+  // Round r reads the bytes [r * part_bytes, (r + 1) * part_bytes) of every key that has
+  // them, in key order: the first layers of every key come before the later layers of any.
+  // Queue depth 1: one read at a time, in the order issued, so the calls come in that order.
+  // Parts of 64 KiB (several per segment) and of 1 MiB (several segments per part).
+  for (const std::size_t part_bytes : {std::size_t{64} << 10, std::size_t{1} << 20}) {
+    INFO("part_bytes " << part_bytes);
+    temp_dir dir;
+    asio::io_context io;
+    auto opts = options_for(dir.path());
+    opts.queue_depth = 1;
+    opts.part_bytes = part_bytes;
+    l2::disk_backend b(io.get_executor(), opts);
+    const std::vector<std::size_t> sizes = {(3 << 20) + 100, 256 * 1024, (3 << 20) + 100, 64 * 1024, 1 << 20};
+    std::vector<chunk_key> keys;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      keys.push_back(key_of(200 + i));
+      aligned_buffer d(sizes[i]);
+      fill_for(keys.back(), std::span(d.data(), sizes[i]));
+      const auto src = std::vector<std::span<const std::byte>>{std::span<const std::byte>(d.data(), sizes[i])};
+      REQUIRE(store(io, b, std::span(&keys.back(), 1), src).count(l2::key_outcome::ok) == 1);
+    }
+    std::vector<std::pair<std::size_t, std::size_t>> want;  // (key, verified), round by round
+    for (std::size_t from = 0; from < (std::size_t{3} << 20) + 100; from += part_bytes)
+      for (std::size_t i = 0; i < sizes.size(); ++i)
+        for (const std::size_t end : segment_ends(sizes[i]))
+          if (end > from && end <= std::min(from + part_bytes, sizes[i])) want.emplace_back(i, end);
+    const auto o = observed_load(io, b, keys, sizes);
+    CHECK(o.r.count(l2::key_outcome::ok) == sizes.size());
+    std::vector<std::pair<std::size_t, std::size_t>> got;
+    for (const auto& c : o.calls) got.emplace_back(c.index, c.verified);
+    CHECK(got == want);
+    for (std::size_t i = 0; i < sizes.size(); ++i) CHECK(check_told(o, i, keys[i], sizes[i]) == segment_ends(sizes[i]));
   }
-  std::vector<std::pair<std::size_t, std::size_t>> want;  // (key, verified), segment-major
-  for (std::size_t s = 0; s < 16; ++s)
-    for (std::size_t i = 0; i < sizes.size(); ++i)
-      if (const auto ends = segment_ends(sizes[i]); s < ends.size()) want.emplace_back(i, ends[s]);
-  const auto o = observed_load(io, b, keys, sizes);
-  CHECK(o.r.count(l2::key_outcome::ok) == sizes.size());
-  std::vector<std::pair<std::size_t, std::size_t>> got;
-  for (const auto& c : o.calls) got.emplace_back(c.index, c.verified);
-  CHECK(got == want);
-  for (std::size_t i = 0; i < sizes.size(); ++i) check_told(o, i, keys[i], sizes[i]);
 }
 
 TEST_CASE("bytes told verified are never written again by the load", "[l2][disk][segments]") {

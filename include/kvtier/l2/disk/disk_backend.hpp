@@ -291,9 +291,8 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   /// payload of `bytes` at `data`.
   void prepare_item(object_item& it, std::uint32_t j, const std::byte* data, std::size_t bytes, std::byte* blocks,
                     hash_state& hash);
-  /// Appends the parts of the bytes [from, to) of item's payload (one segment, or the whole
-  /// payload when unsegmented): part_bytes parts, then its partial last block when `to` is
-  /// past the last whole block; the last part added is marked segment_end.
+  /// Appends the parts of the bytes [from, to) of item's payload: part_bytes parts (across
+  /// segment boundaries), then its partial last block when `to` is past the last whole block.
   void add_payload_parts(std::vector<part>& parts, const object_item& it, std::uint32_t item, std::size_t from,
                          std::size_t to) const;
   /// The outcome of a key whose I/O failed with ec (not ENOSPC): timeout when cancelled,

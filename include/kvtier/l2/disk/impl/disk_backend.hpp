@@ -108,8 +108,9 @@ struct disk_backend::fan_state {
 enum class part_kind : std::uint8_t { header, payload, tail };
 
 /// One read or write of a load or store: a 4 KiB header block, a payload part, or the
-/// payload's last partial block (through a bounce block). A payload or tail part never
-/// crosses a segment boundary.
+/// payload's last partial block (through a bounce block). A payload part may span several
+/// segments (a 3 MiB object's are 192 KiB): the device sees part_bytes operations, and the
+/// checksums split at the segment boundaries as the part's bytes are hashed.
 struct disk_backend::part {
   static constexpr std::size_t none = ~std::size_t{0};
   std::uint32_t item = 0;
@@ -117,7 +118,6 @@ struct disk_backend::part {
   bool landed = false;       ///< load: its bytes are in the destination
   std::uint64_t offset = 0;  ///< in the payload (payload and tail parts)
   std::size_t len = 0;
-  bool segment_end = false;  ///< the last part of its segment (of the payload, when unsegmented)
   std::size_t next = none;   ///< load: the index of its item's next payload part, in payload order
 };
 
@@ -358,7 +358,6 @@ inline void disk_backend::add_payload_parts(std::vector<part>& parts, const obje
     parts.push_back({item, part_kind::payload, false, off, std::min(part_bytes, aligned_to - off)});
   if (to > it.aligned_bytes)
     parts.push_back({item, part_kind::tail, false, it.aligned_bytes, detail::disk_block_bytes});
-  if (to > from) parts.back().segment_end = true;
 }
 
 // --- the fan-out primitive ----------------------------------------------------------------------

@@ -34,6 +34,7 @@ namespace l2 {
 struct disk_backend::load_item : object_item {
   std::span<std::byte> dst;
   std::size_t hash_next = part::none;  ///< the next payload part (index into parts) to feed the checksum
+  std::size_t hashed = 0;              ///< payload bytes fed to the checksum (a part may span segments)
   std::uint32_t segments = 0;          ///< of the payload (1 when unsegmented, 0 when empty)
   std::uint32_t verified = 0;          ///< segments [0, verified) passed their checksum
   bool header_ok = false;              ///< the header block landed and passed its checks
@@ -52,10 +53,11 @@ struct disk_backend::load_item : object_item {
   }
 };
 
-/// The reads of a load: the header block of every key, then segment 0 of every key, then
-/// segment 1 of every key, and so on (an unsegmented object is one segment), each segment in
-/// part_bytes parts, queue_depth at a time across keys (io::async_run_parts): the first
-/// layers of the whole prefix land (and are verified, and told) before the later layers of
+/// The reads of a load: the header block of every key, then the first part_bytes of every
+/// key's payload, then the next part_bytes of every key, and so on (a read may span several
+/// segments: a 3 MiB object's 16 segments come in 3 reads, as fio reads them),
+/// queue_depth at a time across keys (io::async_run_parts): the first layers of the whole
+/// prefix land (and are verified, and told, segment by segment) before the later layers of
 /// any key, which is what a layer-wise consumer needs first.
 struct disk_backend::load_plan {
   static constexpr bool writes = false;
@@ -116,8 +118,8 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::load_impl
   std::vector<load_item> items = plan_load(keys, destinations, observer, r);
   if (items.empty()) co_return batch_tuple{error_code{}, r};
 
-  // 2. Parts, segment-major: every key's header block, then segment 0 of every key, then
-  //    segment 1, ... (each in part_bytes parts, its partial last block through a bounce block).
+  // 2. Parts, in rounds of part_bytes: every key's header block, then the payload's first
+  //    part of every key, then its second, ... (the partial last block through a bounce block).
   aligned_buffer blocks(items.size() * 2 * detail::disk_block_bytes);
   std::vector<hash_state> hashes(items.size());
   std::vector<part> parts = load_parts(items, blocks.data(), hashes);
@@ -184,26 +186,26 @@ inline std::vector<disk_backend::load_item> disk_backend::plan_load(std::span<co
 inline std::vector<disk_backend::part> disk_backend::load_parts(std::vector<load_item>& items, std::byte* blocks,
                                                                 std::vector<hash_state>& hashes) {
   std::vector<part> parts;
-  std::uint32_t rounds = 0;
+  std::size_t longest = 0;
   for (std::size_t j = 0; j < items.size(); ++j) {
     load_item& it = items[j];
     prepare_item(it, static_cast<std::uint32_t>(j), it.dst.data(), it.dst.size(), blocks, hashes[j]);
     it.segments = it.dst.empty()          ? 0
                   : it.segment_bytes == 0 ? 1
                                           : static_cast<std::uint32_t>(segment_count(it.dst.size(), it.segment_bytes));
-    rounds = std::max(rounds, it.segments);
+    longest = std::max(longest, it.dst.size());
     parts.push_back({static_cast<std::uint32_t>(j), part_kind::header, false, 0, detail::disk_block_bytes});
   }
-  // Segment s of every key that has one, in key order; each key's payload parts linked in
-  // payload order (part::next) for the checksum.
+  // The bytes [from, from + part_bytes) of every key that has them, in key order; each key's
+  // payload parts linked in payload order (part::next) for the checksum.
+  const std::size_t round_bytes = detail::round_up_block(options_.part_bytes);
   std::vector<std::size_t> last(items.size(), part::none);
-  for (std::uint32_t s = 0; s < rounds; ++s) {
+  for (std::size_t from = 0; from < longest; from += round_bytes) {
     for (std::size_t j = 0; j < items.size(); ++j) {
       load_item& it = items[j];
-      if (s >= it.segments) continue;
+      if (from >= it.dst.size()) continue;
       const std::size_t first = parts.size();
-      const std::size_t from = s == 0 ? 0 : it.segment_end(s - 1);
-      add_payload_parts(parts, it, static_cast<std::uint32_t>(j), from, it.segment_end(s));
+      add_payload_parts(parts, it, static_cast<std::uint32_t>(j), from, std::min(from + round_bytes, it.dst.size()));
       for (std::size_t q = first; q < parts.size(); ++q) {
         (last[j] == part::none ? it.hash_next : parts[last[j]].next) = q;
         last[j] = q;
@@ -292,18 +294,22 @@ inline void disk_backend::verify_landed(load_item& it, std::vector<part>& parts)
       it.digest_pending = false;
       const std::size_t verified_bytes = it.segment_end(it.verified++);
       if (verified_bytes == it.dst.size()) break;
-      // Bytes [0, verified_bytes) are final: no read of this load crosses into them (reads
-      // never cross a segment boundary) and the tail copy lands in the last segment only.
+      // Bytes [0, verified_bytes) are final: they were hashed only once the reads holding them
+      // had landed whole, reads never overlap, and the tail copy happened as its read landed.
       if (it.landed != nullptr) (*it.landed)(it.index, verified_bytes);
       continue;
     }
     if (it.hash_next == part::none) break;  // an empty payload (nothing to hash)
     const part& q = parts[it.hash_next];
     if (!q.landed) return;
-    kvtier::detail::xxh3_update(it.hash, it.dst.data() + q.offset,
-                                std::min<std::size_t>(q.len, it.dst.size() - q.offset));
-    it.hash_next = q.next;
-    if (q.segment_end) {
+    // Up to the end of the part or of the segment being verified, whichever comes first: a
+    // part may span several segments, each checked (and told) on its own.
+    const std::size_t part_end = std::min<std::size_t>(q.offset + q.len, it.dst.size());
+    const std::size_t upto = std::min(part_end, it.segment_end(it.verified));
+    kvtier::detail::xxh3_update(it.hash, it.dst.data() + it.hashed, upto - it.hashed);
+    it.hashed = upto;
+    if (upto == part_end) it.hash_next = q.next;
+    if (upto == it.segment_end(it.verified)) {
       it.digest = XXH3_64bits_digest(it.hash);
       XXH3_64bits_reset(it.hash);
       it.digest_pending = true;

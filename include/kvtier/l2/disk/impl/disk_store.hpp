@@ -41,11 +41,12 @@ struct disk_backend::store_item : object_item {
   bool committed = false;
 };
 
-/// The writes of one key of a store: its payload parts, its partial last block through a
-/// bounce block, then its header block. Parts begin in order, so the key's checksums are fed
-/// in order as its parts are issued: each segment's digest goes into the segment table (in
-/// the header block) as its last part is issued, and the header (written last) carries the
-/// table's checksum (an empty payload: unsegmented, the payload's digest).
+/// The writes of one key of a store: its payload in part_bytes parts (across segment
+/// boundaries), its partial last block through a bounce block, then its header block. Parts
+/// begin in order, so the key's checksums are fed in order as its parts are issued: each
+/// segment's digest goes into the segment table (in the header block) as its last byte goes
+/// by, and the header (written last) carries the table's checksum (an empty payload:
+/// unsegmented, the payload's digest).
 struct disk_backend::store_plan {
   static constexpr bool writes = true;
   using signature = void(error_code);
@@ -74,15 +75,30 @@ struct disk_backend::store_plan {
       encode_header(h, std::span<std::byte, object_header_bytes>(it.header, object_header_bytes));
       return io::file_part{it.fd, it.header, p.len, 0};
     }
-    kvtier::detail::xxh3_update(it.hash, it.src.data() + p.offset,
-                                std::min<std::size_t>(p.len, it.src.size() - p.offset));
-    if (p.segment_end && it.segment_bytes != 0) {
-      put_segment_checksum(detail::table_area(it.header), p.offset / it.segment_bytes, XXH3_64bits_digest(it.hash));
-      XXH3_64bits_reset(it.hash);
-    }
+    hash_payload(it, p.offset, std::min<std::size_t>(p.offset + p.len, it.src.size()));
     // Written from, never into: the caller's bytes (payload) or our bounce block (tail).
     std::byte* buf = p.kind == part_kind::tail ? it.tail : const_cast<std::byte*>(it.src.data() + p.offset);
     return io::file_part{it.fd, buf, p.len, detail::disk_block_bytes + p.offset};
+  }
+
+  /// Feeds the payload bytes [from, to) (a part's, parts in order) to the key's checksum; a
+  /// segmented object's running digest goes into its table at each segment's end.
+  static void hash_payload(store_item& it, std::size_t from, std::size_t to) noexcept {
+    while (from < to) {
+      const std::uint64_t segment = it.segment_bytes == 0 ? 0 : from / it.segment_bytes;
+      const std::size_t segment_end =
+          it.segment_bytes == 0 ? it.src.size()
+                                : static_cast<std::size_t>(std::min<std::uint64_t>((segment + 1) * it.segment_bytes,
+                                                                                   it.src.size()));
+      const std::size_t upto = std::min(to, segment_end);
+      kvtier::detail::xxh3_update(it.hash, it.src.data() + from, upto - from);
+      from = upto;
+      if (from == segment_end && it.segment_bytes != 0) {
+        put_segment_checksum(detail::table_area(it.header), static_cast<std::size_t>(segment),
+                             XXH3_64bits_digest(it.hash));
+        XXH3_64bits_reset(it.hash);
+      }
+    }
   }
 
   bool end_part(std::size_t i, const error_code& ec, std::size_t) {
@@ -121,10 +137,10 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
   if (!victims.empty()) co_await evict(std::move(victims));
   if (items.empty()) co_return batch_tuple{error_code{}, r};
 
-  // 2. Parts: the payload segment by segment in part_bytes parts (none crossing a segment
-  //    boundary), its partial last block through a bounce block, then the header block
-  //    (written last: the segments' checksums are computed while the payload's writes are in
-  //    flight). Key j's parts are parts[first[j], first[j + 1]).
+  // 2. Parts: the payload in part_bytes parts (across segment boundaries: a 3 MiB object's
+  //    16 segments go out in 3 writes), its partial last block through a bounce block, then
+  //    the header block (written last: the segments' checksums are computed while the
+  //    payload's writes are in flight). Key j's parts are parts[first[j], first[j + 1]).
   aligned_buffer blocks(items.size() * 2 * detail::disk_block_bytes);
   std::vector<hash_state> hashes(items.size());
   std::vector<std::size_t> first;
@@ -236,16 +252,11 @@ inline std::vector<disk_backend::part> disk_backend::store_parts(std::vector<sto
       std::memset(it.tail + rest, 0, detail::disk_block_bytes - rest);
     }
     std::memset(it.header, 0, detail::disk_block_bytes);
-    if (it.segment_bytes == 0) {
-      add_payload_parts(parts, it, item, 0, it.src.size());
-    } else {
+    if (it.segment_bytes != 0) {
       const auto count = static_cast<std::uint32_t>(segment_count(it.src.size(), it.segment_bytes));
       encode_segment_table(it.segment_bytes, count, detail::table_area(it.header));
-      for (std::uint32_t s = 0; s < count; ++s) {
-        const std::size_t from = std::size_t{s} * it.segment_bytes;
-        add_payload_parts(parts, it, item, from, std::min<std::size_t>(from + it.segment_bytes, it.src.size()));
-      }
     }
+    add_payload_parts(parts, it, item, 0, it.src.size());
     parts.push_back({item, part_kind::header, false, 0, detail::disk_block_bytes});
     it.parts_left = static_cast<unsigned>(parts.size() - first);
     first_parts.push_back(parts.size());
