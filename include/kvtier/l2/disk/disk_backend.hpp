@@ -50,7 +50,7 @@ namespace l2 {
 /// What a store makes durable before it answers ok.
 enum class disk_sync : std::uint8_t {
   none,  ///< nothing: a crash may lose recent objects (loads still verify: never a wrong byte)
-  data,  ///< fdatasync of each object before its rename, fsync of the touched directories per batch
+  data,  ///< fdatasync of each object after its rename, fsync of the touched directories per batch
 };
 
 struct disk_backend_options {

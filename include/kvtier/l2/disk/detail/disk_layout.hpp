@@ -75,6 +75,18 @@ static_assert(segment_count(max_object_bytes, disk_segment_bytes(max_object_byte
 static_assert(segment_count((std::uint64_t{3} << 20) + 100, disk_segment_bytes((std::uint64_t{3} << 20) + 100)) == 16);
 static_assert(disk_segment_bytes(100) == (std::uint64_t{128} << 10));
 
+/// Payload bytes up to the end of segment s of a `payload`-byte object in segments of
+/// `segment_bytes` (0: unsegmented, its one segment the whole payload). Loads and stores
+/// close a segment's checksum there.
+[[nodiscard]] constexpr std::uint64_t segment_end(std::uint64_t segment_bytes, std::uint64_t payload,
+                                                  std::uint64_t s) noexcept {
+  if (segment_bytes == 0) return payload;
+  const std::uint64_t end = segment_bytes * (s + 1);
+  return end < payload ? end : payload;
+}
+static_assert(segment_end(0, 100, 0) == 100 && segment_end(4096, 10000, 1) == 8192 &&
+              segment_end(4096, 10000, 2) == 10000);
+
 /// The bytes after the header in an object's header block: where a segmented object's table
 /// lives.
 [[nodiscard]] inline std::span<std::byte> table_area(std::byte* header_block) noexcept {

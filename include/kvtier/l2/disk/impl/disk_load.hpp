@@ -48,8 +48,7 @@ struct disk_backend::load_item : object_item {
 
   /// Payload bytes up to the end of segment s.
   [[nodiscard]] std::size_t segment_end(std::uint32_t s) const noexcept {
-    if (segment_bytes == 0) return dst.size();
-    return static_cast<std::size_t>(std::min<std::uint64_t>(segment_bytes * (std::uint64_t{s} + 1), dst.size()));
+    return static_cast<std::size_t>(detail::segment_end(segment_bytes, dst.size(), s));
   }
 };
 
@@ -305,11 +304,12 @@ inline void disk_backend::verify_landed(load_item& it, std::vector<part>& parts)
     // Up to the end of the part or of the segment being verified, whichever comes first: a
     // part may span several segments, each checked (and told) on its own.
     const std::size_t part_end = std::min<std::size_t>(q.offset + q.len, it.dst.size());
-    const std::size_t upto = std::min(part_end, it.segment_end(it.verified));
+    const std::size_t segment_end = it.segment_end(it.verified);
+    const std::size_t upto = std::min(part_end, segment_end);
     kvtier::detail::xxh3_update(it.hash, it.dst.data() + it.hashed, upto - it.hashed);
     it.hashed = upto;
     if (upto == part_end) it.hash_next = q.next;
-    if (upto == it.segment_end(it.verified)) {
+    if (upto == segment_end) {
       it.digest = XXH3_64bits_digest(it.hash);
       XXH3_64bits_reset(it.hash);
       it.digest_pending = true;

@@ -86,10 +86,7 @@ struct disk_backend::store_plan {
   static void hash_payload(store_item& it, std::size_t from, std::size_t to) noexcept {
     while (from < to) {
       const std::uint64_t segment = it.segment_bytes == 0 ? 0 : from / it.segment_bytes;
-      const std::size_t segment_end =
-          it.segment_bytes == 0 ? it.src.size()
-                                : static_cast<std::size_t>(std::min<std::uint64_t>((segment + 1) * it.segment_bytes,
-                                                                                   it.src.size()));
+      const auto segment_end = static_cast<std::size_t>(detail::segment_end(it.segment_bytes, it.src.size(), segment));
       const std::size_t upto = std::min(to, segment_end);
       kvtier::detail::xxh3_update(it.hash, it.src.data() + from, upto - from);
       from = upto;
