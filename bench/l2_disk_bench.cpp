@@ -46,6 +46,7 @@
 #include <kvtier/pipeline/store_controller.hpp>
 #include <kvtier/server/l1_residency.hpp>
 
+#include <common/meminfo.hpp>
 #include <common/results.hpp>
 
 #include <boost/asio/as_tuple.hpp>
@@ -289,14 +290,8 @@ fs::path write_write_job(const bench_config& cfg, const fs::path& at, const fs::
 
 /// HugePages_Free of /proc/meminfo (-1 when unreadable).
 long free_hugetlb_pages() {
-  std::ifstream m("/proc/meminfo");
-  std::string key;
-  long value = 0;
-  while (m >> key >> value) {
-    if (key == "HugePages_Free:") return value;
-    m.ignore(256, '\n');
-  }
-  return -1;
+  const auto free = kvtier::bench::meminfo_field("HugePages_Free:");
+  return free ? static_cast<long>(*free) : -1;
 }
 
 std::string size_label(std::size_t object_bytes) { return std::to_string(object_bytes >> 20) + " MiB"; }

@@ -36,6 +36,7 @@
 #include <kvtier/protocol/codec.hpp>
 #include <kvtier/protocol/messages.hpp>
 
+#include <common/meminfo.hpp>
 #include <common/protocol_client.hpp>
 #include <common/results.hpp>
 
@@ -48,7 +49,6 @@
 #include <cstdlib>
 #include <exception>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <optional>
@@ -71,15 +71,7 @@ double ms_between(clock_type::time_point a, clock_type::time_point b) {
 }
 
 /// MemAvailable of /proc/meminfo in bytes (0 when unknown).
-std::uint64_t memory_available() {
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  std::uint64_t kib = 0;
-  std::string unit;
-  while (in >> key >> kib >> unit)
-    if (key == "MemAvailable:") return kib << 10;
-  return 0;
-}
+std::uint64_t memory_available() { return kvtier::bench::meminfo_field("MemAvailable:").value_or(0) << 10; }
 
 /// Waits (up to 60 s) until MemAvailable is back within 512 MiB of `baseline`.
 void wait_memory_back(std::uint64_t baseline) {
