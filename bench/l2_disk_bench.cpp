@@ -16,7 +16,8 @@
 //   directory, from memory registered with the backend as the server registers L1
 //   (WRITE_FIXED). Our backend writes 8 keys at once across the batches in flight (its
 //   store lanes, depth / 2), each through its own pipeline (temporary file, 2 O_DIRECT
-//   writes in flight, rename, fdatasync), and fsyncs each batch's touched directories once. fio's
+//   writes in flight, rename, then fsync where that commits the rename (ext4 with a journal,
+//   xfs), else fdatasync and an fsync of each batch's touched directories; --name-sync). fio's
 //   store job does the same: 8 jobs (numjobs, each its own files) of iodepth 2, so the same
 //   16 writes and up to 8 fsyncs are in flight, each job's fsync at a file's close
 //   overlapping the other jobs' writes (--fio-store-jobs 1: one job of iodepth 16 whose
@@ -33,7 +34,7 @@
 //
 // Usage: kvtier_bench_l2_disk [--dir DIR] [--gib X] [--repeats N] [--quick] [--fio PATH]
 //                             [--fio-store-jobs N] [--store-batch N] [--store-inflight-gib X]
-//                             [--huge-pages]
+//                             [--huge-pages] [--name-sync auto|directory|file]
 //   --huge-pages: stores from memory in transparent huge pages (as the server's L1 is, by
 //   default) against fio writing from hugetlb pages (iomem=shmhuge; it needs free ones:
 //   /proc/sys/vm/nr_hugepages): RESULT names end in _huge. Both gain from it (fio about
@@ -92,6 +93,8 @@ struct bench_config {
   /// --huge-pages: the store sources in transparent huge pages (the server's L1 default) and
   /// fio's store buffers in hugetlb pages (iomem=shmhuge); store figures get a _huge suffix.
   bool huge_pages = false;
+  /// How the backend makes names durable (docs/l2-disk.md, "Durability"); --name-sync.
+  l2::disk_name_sync name_sync = l2::disk_name_sync::automatic;
   /// The backend writes depth / 2 keys at once, 2 writes each (disk_backend::store_lanes):
   /// as many fsyncs in flight as fio's jobs.
   [[nodiscard]] unsigned store_jobs() const { return fio_store_jobs ? fio_store_jobs : std::max(1U, depth / 2); }
@@ -176,6 +179,7 @@ l2::disk_backend_options backend_options(const bench_config& cfg, const fs::path
   o.queue_depth = cfg.depth;
   o.part_bytes = cfg.part;
   o.pread_threads = cfg.depth;
+  o.name_sync = cfg.name_sync;
   return o;
 }
 
@@ -186,6 +190,13 @@ double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t obje
                   aligned_buffer& sources) {
   asio::io_context io;
   l2::disk_backend b(io.get_executor(), backend_options(cfg, dir, object_bytes, n, io::file_io_choice::automatic));
+  static const bool told = [&] {
+    std::printf("  stores make names durable by %s\n", b.name_sync_active() == l2::disk_name_sync::file
+                                                           ? "each object's fsync (name_sync file)"
+                                                           : "fdatasync and directory fsyncs (name_sync directory)");
+    return true;
+  }();
+  (void)told;
   // The sources stand for L1 slots, which the server registers (WRITE_FIXED; fio: fixedbufs).
   (void)b.register_buffers(std::span<std::byte>(sources.data(), sources.size()));
   const std::size_t source_count = sources.size() / object_bytes;
@@ -396,13 +407,20 @@ int main(int argc, char** argv) try {
     }
     else if (a == "--huge-pages")
       cfg.huge_pages = true;
+    else if (a == "--name-sync") {
+      const std::string v = next();
+      if (v == "auto") cfg.name_sync = l2::disk_name_sync::automatic;
+      else if (v == "directory") cfg.name_sync = l2::disk_name_sync::directory;
+      else if (v == "file") cfg.name_sync = l2::disk_name_sync::file;
+      else throw std::invalid_argument("--name-sync takes auto, directory or file");
+    }
     else if (a == "--quick") {
       cfg.gib = 0.25;
       cfg.repeats = 2;
     } else
       throw std::invalid_argument("unknown argument " + a +
                                   " (use --dir, --gib, --repeats, --quick, --fio, "
-                                  "--fio-store-jobs, --store-batch, --store-inflight-gib, --huge-pages)");
+                                  "--fio-store-jobs, --store-batch, --store-inflight-gib, --huge-pages, --name-sync)");
   }
   if (cfg.repeats < 1 || cfg.gib <= 0) throw std::invalid_argument("--repeats and --gib must be positive");
   if (cfg.fio_store_jobs > 64) throw std::invalid_argument("--fio-store-jobs must be at most 64");

@@ -1041,11 +1041,17 @@ TEST_CASE("a writer killed mid-store leaves only whole objects, and the restarte
   // The child stores 4 MiB objects in batches of 4, reporting each finished batch on a pipe.
   // The parent kills it (SIGKILL) after k batches, while the next batch's writes, fsyncs or
   // renames are in flight, then starts a backend on the directory.
+  // Both ways of making names durable (name_sync): the steps a kill can cut differ.
   constexpr std::size_t bytes = 4 << 20;
   constexpr std::uint64_t per_batch = 4;
-  for (const int kill_after : {1, 2, 3, 5}) {
-    INFO("killed after " << kill_after << " batches");
+  using enum l2::disk_name_sync;
+  const std::pair<l2::disk_name_sync, int> runs[] = {
+      {directory, 1}, {file, 1}, {directory, 2}, {file, 3}, {directory, 5}};
+  for (const auto& [name_sync, kill_after] : runs) {
+    INFO("name_sync " << static_cast<int>(name_sync) << ", killed after " << kill_after << " batches");
     temp_dir dir;
+    auto opts = options_for(dir.path());
+    opts.name_sync = name_sync;
     int fds[2];
     REQUIRE(::pipe(fds) == 0);
     const pid_t pid = ::fork();
@@ -1054,7 +1060,7 @@ TEST_CASE("a writer killed mid-store leaves only whole objects, and the restarte
       ::close(fds[0]);
       try {
         asio::io_context io;
-        l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+        l2::disk_backend b(io.get_executor(), opts);
         for (std::uint64_t batch = 0;; ++batch) {
           const objects o(batch * per_batch, per_batch, bytes);
           const auto r = store(io, b, o);
@@ -1080,7 +1086,7 @@ TEST_CASE("a writer killed mid-store leaves only whole objects, and the restarte
     CHECK(WIFSIGNALED(status));
 
     asio::io_context io;
-    l2::disk_backend b(io.get_executor(), options_for(dir.path()));
+    l2::disk_backend b(io.get_executor(), opts);
     std::vector<chunk_key> candidates;
     for (std::uint64_t i = 0; i < (static_cast<std::uint64_t>(kill_after) + 3) * per_batch; ++i)
       candidates.push_back(key_of(i));
@@ -1093,6 +1099,123 @@ TEST_CASE("a writer killed mid-store leaves only whole objects, and the restarte
     CHECK(b.usage().bytes_used == d.allocated);
     CHECK(b.stats().corrupt_objects.load() == 0);  // no torn object was ever visible
   }
+}
+
+// --- durable names (name_sync) ------------------------------------------------------------------
+
+namespace {
+
+/// A fake /sys and /proc for the name-durability probe: block device `major:minor` named
+/// `device`, with ext4's journal_task reading `journal_task` (none: no such file) and
+/// jbd2's entry for an internal journal when `jbd2`.
+struct fake_kernel_tree {
+  temp_dir root;
+  fake_kernel_tree(const std::string& numbers, const std::string& device, std::optional<std::string> journal_task,
+                   bool jbd2) {
+    fs::create_directories(sys() / "dev" / "block");
+    fs::create_symlink("../../devices/virtual/block/" + device, sys() / "dev" / "block" / numbers);
+    if (journal_task) {
+      fs::create_directories(sys() / "fs" / "ext4" / device);
+      std::ofstream(sys() / "fs" / "ext4" / device / "journal_task") << *journal_task;
+    }
+    fs::create_directories(proc() / "fs" / "jbd2");
+    if (jbd2) fs::create_directories(proc() / "fs" / "jbd2" / (device + "-8"));
+  }
+  [[nodiscard]] fs::path sys() const { return root.path() / "sys"; }
+  [[nodiscard]] fs::path proc() const { return root.path() / "proc"; }
+};
+
+}  // namespace
+
+TEST_CASE("the probe: ext4 with a journal and xfs commit a rename with the file's fsync; nothing else is trusted to",
+          "[l2][disk][durability]") {
+  using l2::detail::probe_rename_durability;
+  const ::dev_t loop0 = makedev(7, 0);
+  SECTION("ext4 with a journal: journal_task names jbd2's thread") {
+    const fake_kernel_tree t("7:0", "loop0", "7212\n", true);
+    const auto p = probe_rename_durability(l2::detail::ext4_magic, loop0, t.sys(), t.proc());
+    CHECK(p.file_fsync_commits);
+    CHECK(p.file_system == "ext4 with a journal (loop0)");
+  }
+  SECTION("ext4 without a journal (or ext2): journal_task says <none>") {
+    const fake_kernel_tree t("7:0", "loop0", "<none>\n", false);
+    const auto p = probe_rename_durability(l2::detail::ext4_magic, loop0, t.sys(), t.proc());
+    CHECK_FALSE(p.file_fsync_commits);
+    CHECK(p.file_system == "ext4 without a journal (loop0)");
+  }
+  SECTION("a kernel without journal_task: jbd2's entry for the device's internal journal decides") {
+    const fake_kernel_tree with("7:0", "loop0", std::nullopt, true);
+    CHECK(probe_rename_durability(l2::detail::ext4_magic, loop0, with.sys(), with.proc()).file_fsync_commits);
+    const fake_kernel_tree without("7:0", "loop0", std::nullopt, false);
+    CHECK_FALSE(
+        probe_rename_durability(l2::detail::ext4_magic, loop0, without.sys(), without.proc()).file_fsync_commits);
+  }
+  SECTION("ext4 whose device is not found: not trusted") {
+    const fake_kernel_tree t("7:1", "loop1", "7212\n", true);
+    const auto p = probe_rename_durability(l2::detail::ext4_magic, loop0, t.sys(), t.proc());
+    CHECK_FALSE(p.file_fsync_commits);
+    CHECK(p.file_system == "ext4 on device 7:0, its journal unknown");
+  }
+  SECTION("xfs always has its log; any other file system is not trusted") {
+    const fake_kernel_tree t("7:0", "loop0", std::nullopt, false);
+    CHECK(probe_rename_durability(l2::detail::xfs_magic, loop0, t.sys(), t.proc()).file_fsync_commits);
+    const auto tmpfs = probe_rename_durability(0x01021994, loop0, t.sys(), t.proc());
+    CHECK_FALSE(tmpfs.file_fsync_commits);
+    CHECK(tmpfs.file_system == "file system 0x1021994");
+  }
+}
+
+TEST_CASE("sync data makes names durable by the shard directory's fsync, or by the object's fsync where that commits",
+          "[l2][disk][durability]") {
+  // One 1 MiB object through the pread pool, which counts every operation: open, the payload
+  // write, the header block, rename, the object's sync (fdatasync or fsync), then the shard
+  // directory's fsync only with name_sync directory.
+  temp_dir dir;
+  asio::io_context io;
+  struct run {
+    l2::disk_name_sync name_sync;
+    l2::disk_sync sync;
+    int ops;
+    double gauge;  // kvtier_l2_disk_directory_fsync
+  };
+  const run runs[] = {{l2::disk_name_sync::directory, l2::disk_sync::data, 6, 1.0},
+                      {l2::disk_name_sync::file, l2::disk_sync::data, 5, 0.0},
+                      {l2::disk_name_sync::directory, l2::disk_sync::none, 4, 0.0}};
+  for (const auto& [name_sync, sync, ops, gauge] : runs) {
+    INFO("name_sync " << static_cast<int>(name_sync) << ", sync " << static_cast<int>(sync));
+    const fs::path path = dir.path() / fmt::format("{}-{}", static_cast<int>(name_sync), static_cast<int>(sync));
+    auto opts = options_for(path);
+    opts.io = io::file_io_choice::pread;
+    opts.name_sync = name_sync;
+    opts.sync = sync;
+    l2::disk_backend b(io.get_executor(), opts);
+    telemetry::registry r;
+    collect(r, b);
+    CHECK(b.name_sync_active() == name_sync);
+    CHECK(r.value("kvtier_l2_disk_directory_fsync", {{"backend", "disk"}}) == gauge);
+    const auto stats = b.shared_io_stats();
+    const objects o(800, 1, 1 << 20);
+    const std::uint64_t before = stats->ops_completed.load();
+    REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 1);
+    CHECK(stats->ops_completed.load() - before == static_cast<std::uint64_t>(ops));
+    CHECK(load(io, b, o.keys, o.bytes).r.outcomes[0] == l2::key_outcome::ok);
+  }
+}
+
+TEST_CASE("name_sync auto fsyncs the directories on a file system not known to commit a rename with the file",
+          "[l2][disk][durability]") {
+  tmpfs_mount mnt(8 << 20);
+  if (!mnt.mounted()) {
+    WARN("cannot mount a tmpfs (" << mnt.error() << "): needs root; skipped");
+    CHECK_FALSE(mnt.error().empty());
+    return;
+  }
+  asio::io_context io;
+  captured_log cap;  // at info
+  l2::disk_backend b(io.get_executor(), options_for(mnt.path() / "l2", 4 << 20), &cap.log);
+  CHECK(b.name_sync_active() == l2::disk_name_sync::directory);
+  CHECK(b.stats().directory_fsync.load());
+  CHECK(cap.count("file system 0x1021994: fdatasync of each object, then an fsync of each shard directory") == 1);
 }
 
 // --- ENOSPC -----------------------------------------------------------------------------------
@@ -1345,8 +1468,10 @@ TEST_CASE("a payload moves in part_bytes reads and writes, whatever its segments
   const objects o(700, 1, bytes);
   const std::uint64_t before_store = stats->ops_completed.load();
   REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 1);
-  // open, 3 payload writes, the header block, rename, fdatasync, the shard directory's fsync
-  CHECK(stats->ops_completed.load() - before_store == 1 + 3 + 1 + 1 + 1 + 1);
+  // open, 3 payload writes, the header block, rename, the object's sync, and the shard
+  // directory's fsync where the object's sync does not commit its name
+  const unsigned directory_fsync = b.name_sync_active() == l2::disk_name_sync::directory ? 1 : 0;
+  CHECK(stats->ops_completed.load() - before_store == 1 + 3 + 1 + 1 + 1 + directory_fsync);
   const std::vector<std::size_t> sizes = {bytes};
   const std::uint64_t before_load = stats->ops_completed.load();
   const auto l = observed_load(io, b, o.keys, sizes);

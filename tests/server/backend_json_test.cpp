@@ -22,7 +22,7 @@ TEST_CASE("the disk backend's JSON options parse with clear errors", "[server][d
   using nlohmann::json;
   const auto o = server::disk_backend_options_from_json(json::parse(R"({"type": "disk", "name": "nvme0",
       "path": "/mnt/x", "capacity_gb": 1.5, "o_direct": false, "io": "pread", "eviction": "fifo",
-      "queue_depth": 32, "part_kib": 512, "sync": "none"})"));
+      "queue_depth": 32, "part_kib": 512, "sync": "none", "name_sync": "file"})"));
   CHECK(o.name == "nvme0");
   CHECK(o.path == "/mnt/x");
   CHECK(o.capacity_bytes == (std::uint64_t{3} << 29));
@@ -32,8 +32,11 @@ TEST_CASE("the disk backend's JSON options parse with clear errors", "[server][d
   CHECK(o.queue_depth == 32);
   CHECK(o.part_bytes == 512 * 1024);
   CHECK(o.sync == l2::disk_sync::none);
+  CHECK(o.name_sync == l2::disk_name_sync::file);
   const auto d = server::disk_backend_options_from_json(json::parse(R"({"path": "/p", "capacity_bytes": 4096})"));
   CHECK(d.capacity_bytes == 4096);
+  CHECK(d.name_sync == l2::disk_name_sync::automatic);
+  CHECK(d.sync == l2::disk_sync::data);
   CHECK(d.eviction == l2::disk_eviction::lru);
   CHECK(d.o_direct);
   auto fails = [](const char* text) {
@@ -56,6 +59,8 @@ TEST_CASE("the disk backend's JSON options parse with clear errors", "[server][d
         std::uint64_t{1} << 50);
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "io": "threads"})"), Catch::Contains("\"pread\""));
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "eviction": "random"})"), Catch::Contains("'eviction'"));
+  CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "name_sync": "fsync"})"),
+             Catch::Contains("'name_sync' is \"fsync\": use \"auto\", \"directory\" or \"file\""));
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "o_direct": "yes"})"), Catch::Contains("true or false"));
   CHECK_THAT(fails(R"({"path": "/p", "capacity_gb": 1, "capacity": 3})"), Catch::Contains("unknown key 'capacity'"));
   CHECK_THAT(fails(R"({"type": "redis", "path": "/p", "capacity_gb": 1})"), Catch::Contains("'type'"));

@@ -229,6 +229,7 @@ concept disk_counter_set = requires(const S& s, std::size_t op) {
   s.enospc.load();
   s.corrupt_objects.load();
   s.o_direct.load();
+  s.directory_fsync.load();
 };
 
 /// A disk backend: its name and its shared statistics.
@@ -289,6 +290,11 @@ void collect_disk_backend(registry& reg, const Backend& backend) {
         st->recovery_untrusted);
   reg.add_callback("kvtier_l2_disk_o_direct", "1 when the disk backend uses O_DIRECT", metric_type::gauge, l,
                    [st] { return st->o_direct.load(std::memory_order_relaxed) ? 1.0 : 0.0; });
+  reg.add_callback("kvtier_l2_disk_directory_fsync",
+                   "1 when stores fsync the shard directories they touched (sync data, name_sync directory); 0 "
+                   "when each object's fsync commits its name, or with sync none",
+                   metric_type::gauge, l,
+                   [st] { return st->directory_fsync.load(std::memory_order_relaxed) ? 1.0 : 0.0; });
 }
 
 // --- the Redis L2 backend -------------------------------------------------------------------

@@ -50,7 +50,22 @@ namespace l2 {
 /// What a store makes durable before it answers ok.
 enum class disk_sync : std::uint8_t {
   none,  ///< nothing: a crash may lose recent objects (loads still verify: never a wrong byte)
-  data,  ///< fdatasync of each object after its rename, fsync of the touched directories per batch
+  data,  ///< each object's data and its name (disk_name_sync says how), before the store answers
+};
+
+/// How `sync = data` makes a stored object's name (its rename into objects/) durable
+/// (docs/l2-disk.md, "Durability").
+enum class disk_name_sync : std::uint8_t {
+  /// `file` where the file system is known to commit a rename with the file's fsync (ext4
+  /// with a journal, xfs), else `directory`.
+  automatic,
+  /// fdatasync of each object after its rename, then one fsync per shard directory the batch
+  /// touched: holds on every file system.
+  directory,
+  /// fsync of each object after its rename, and no directory fsync: the file's fsync commits
+  /// the journal transaction of its rename (ext4 with a journal, xfs). On a file system that
+  /// does not (ext4 without a journal, ext2), a power failure may lose the object's name.
+  file,
 };
 
 struct disk_backend_options {
@@ -80,6 +95,8 @@ struct disk_backend_options {
   /// threads beyond the cores cost little CPU (measured: docs/performance.md).
   unsigned pread_threads = 16;
   disk_sync sync = disk_sync::data;
+  /// How `sync = data` makes names durable. automatic: probed at start-up (name_sync_active()).
+  disk_name_sync name_sync = disk_name_sync::automatic;
   /// fallocate each object before writing it: ENOSPC shows before any byte is written, and
   /// O_DIRECT writes into allocated extents run in parallel on ext4 (an extending write
   /// takes the inode lock exclusively).
@@ -132,6 +149,8 @@ struct disk_stats {
   std::atomic<std::uint64_t> recovery_temp_files{0};
   std::atomic<std::uint64_t> recovery_untrusted{0};
   std::atomic<bool> o_direct{false};
+  /// Whether stores fsync the shard directories they touched (sync = data, name_sync directory).
+  std::atomic<bool> directory_fsync{false};
 };
 
 /// Operations may start from any thread; the I/O runs on a strand of the executor given.
@@ -218,6 +237,8 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   [[nodiscard]] io::file_io_kind file_io_kind() const noexcept { return file_io_->kind(); }
   /// Whether O_DIRECT is in use (asked for, and accepted by the file system).
   [[nodiscard]] bool o_direct_active() const noexcept { return direct_; }
+  /// How names are made durable: directory or file (automatic resolved at start-up).
+  [[nodiscard]] disk_name_sync name_sync_active() const noexcept { return name_sync_; }
   /// File I/O operations in flight (0 whenever no backend operation runs).
   [[nodiscard]] std::size_t io_in_flight() const noexcept { return file_io_->in_flight(); }
   /// Where the file of key lives (whether or not it exists), for tests and tools.
@@ -259,6 +280,8 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   void open_subdirectories();
   /// Whether the file system takes O_DIRECT (a probe file in tmp/); warns when it does not.
   bool takes_o_direct();
+  /// options_.name_sync, automatic resolved by the file system of objects/; logs the choice.
+  disk_name_sync choose_name_sync();
   void recover();
   /// Checks one entry of a shard directory; recovers it into scan.all, drops it, or leaves it alone.
   void scan_object_file(recovery_scan& scan, unsigned shard, const std::string& name);
@@ -394,6 +417,7 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   std::shared_ptr<disk_stats> stats_ = std::make_shared<disk_stats>();
   disk_recovery_report recovery_;
   bool direct_ = false;
+  disk_name_sync name_sync_ = disk_name_sync::directory;
 
   int lock_fd_ = -1;
   int objects_fd_ = -1;

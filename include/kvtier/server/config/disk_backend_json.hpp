@@ -83,7 +83,7 @@ inline void check_disk_keys(const nlohmann::json& j) {
   static constexpr std::string_view known[] = {
       "type",        "name",        "path",        "capacity_gb",   "capacity_bytes", "o_direct",
       "io",          "eviction",    "high_watermark", "low_watermark", "queue_depth", "part_kib",
-      "pread_threads", "sync",      "preallocate", "verify_on_start"};
+      "pread_threads", "sync",      "name_sync",   "preallocate", "verify_on_start"};
   for (const auto& [k, v] : j.items()) {
     bool ok = false;
     for (auto n : known) ok = ok || k == n;
@@ -173,6 +173,14 @@ inline void disk_choices_from_json(const nlohmann::json& j, l2::disk_backend_opt
     else if (s == "none") out.sync = l2::disk_sync::none;
     else
       json_fail("'sync' is \"" + json_excerpt(s) + "\": use \"data\" or \"none\"");
+  }
+  if (const auto* v = detail::json_find(j, "name_sync")) {
+    const auto s = detail::json_string(*v, "name_sync");
+    if (s == "auto") out.name_sync = l2::disk_name_sync::automatic;
+    else if (s == "directory") out.name_sync = l2::disk_name_sync::directory;
+    else if (s == "file") out.name_sync = l2::disk_name_sync::file;
+    else
+      json_fail("'name_sync' is \"" + json_excerpt(s) + "\": use \"auto\", \"directory\" or \"file\"");
   }
   if (const auto* v = detail::json_find(j, "preallocate")) out.preallocate = detail::json_bool(*v, "preallocate");
   if (const auto* v = detail::json_find(j, "verify_on_start"))

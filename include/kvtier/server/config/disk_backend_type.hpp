@@ -4,7 +4,7 @@
 //   {"type": "disk", "name": "nvme0", "path": "/mnt/nvme/kvtier", "capacity_gb": 512}
 //
 // The keys are those of server/config/disk_backend_json.hpp (path, capacity_gb | capacity_bytes,
-// o_direct, io, eviction, watermarks, queue_depth, part_kib, pread_threads, sync,
+// o_direct, io, eviction, watermarks, queue_depth, part_kib, pread_threads, sync, name_sync,
 // preallocate, verify_on_start). Needs kvtier::uring (liburing). create() throws config_error
 // for a directory the backend does not trust (another user owns it, or group or others may
 // write it: l2/disk/disk_backend.hpp, "TRUST"). check() (check_disk_directory) refuses the
@@ -94,8 +94,8 @@ inline void add_disk_backend_type(backend_factory& f) {
   f.add_type("disk",
              "local files (io_uring, O_DIRECT, checksummed, survives restarts); keys: name, path (required), "
              "capacity_gb|capacity_bytes (required), o_direct, io (auto|uring|pread), eviction (lru|fifo|none), "
-             "high_watermark, low_watermark, queue_depth, part_kib, pread_threads, sync (data|none), preallocate, "
-             "verify_on_start",
+             "high_watermark, low_watermark, queue_depth, part_kib, pread_threads, sync (data|none), "
+             "name_sync (auto|directory|file), preallocate, verify_on_start",
              [](json_object_reader& r) {
                const std::string where = r.prefix();
                l2::disk_backend_options o;

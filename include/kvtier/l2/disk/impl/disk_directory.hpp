@@ -1,7 +1,8 @@
 #pragma once
 // The directory of l2::disk_backend (declarations: kvtier/l2/disk/disk_backend.hpp; docs/l2-disk.md):
 // opening it (trust: ownership and modes; the FORMAT marker; the LOCK; whether the file system
-// takes O_DIRECT) and the start-up scan that rebuilds the index from it (recovery).
+// takes O_DIRECT; how its file system makes a rename durable) and the start-up scan that
+// rebuilds the index from it (recovery).
 
 #include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/l2/disk/impl/disk_backend.hpp>
@@ -12,6 +13,8 @@
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -84,6 +88,49 @@ namespace detail {
   return 0;
 }
 
+/// statfs(2) f_type of the file systems the name-durability probe knows.
+inline constexpr std::uint64_t ext4_magic = 0xEF53;  // ext2, ext3 and ext4 share it
+inline constexpr std::uint64_t xfs_magic = 0x58465342;
+
+/// What a file system does with a renamed file's fsync.
+struct rename_durability {
+  /// fsync(2) of the file after its rename commits the rename (and the file's creation).
+  bool file_fsync_commits = false;
+  std::string file_system;  ///< for the log: "ext4 with a journal (loop0)", "xfs", ...
+};
+
+/// Whether fsync of a file commits its rename on the file system `fs_magic` (statfs f_type)
+/// on device `dev` (st_dev), read from `sys` (/sys) and `proc` (/proc).
+/// - ext4 with a journal: the rename marks the file's inode dirty in the rename's
+///   transaction, so the file's fsync waits for that transaction's commit (i_sync_tid; with
+///   fast_commit, the fast commit carries the file's directory entries); jbd2 commits in
+///   order, so its creation is in too. fdatasync waits only for the data's transaction.
+/// - xfs: the rename logs the file's inode; fsync forces the log up to the inode's last
+///   commit, and the log is forced in order.
+/// - ext4 without a journal writes the file's own inode only, so ext2/ext3/ext4 are
+///   told apart by /sys/fs/ext4/<dev>/journal_task ("<none>" without a journal; the pid of
+///   jbd2's thread with one), else by /proc/fs/jbd2/<dev>-8 (an internal journal). Any
+///   doubt (a device not found, another file system) answers false.
+[[nodiscard]] inline rename_durability probe_rename_durability(std::uint64_t fs_magic, ::dev_t dev,
+                                                               const std::filesystem::path& sys = "/sys",
+                                                               const std::filesystem::path& proc = "/proc") {
+  namespace fs = std::filesystem;
+  if (fs_magic == xfs_magic) return {true, "xfs"};
+  if (fs_magic != ext4_magic) return {false, fmt::format("file system 0x{:x}", fs_magic)};
+  std::error_code ec;
+  const fs::path link = fs::read_symlink(sys / "dev" / "block" / fmt::format("{}:{}", major(dev), minor(dev)), ec);
+  const std::string device = ec ? std::string() : link.filename().string();
+  if (device.empty()) return {false, fmt::format("ext4 on device {}:{}, its journal unknown", major(dev), minor(dev))};
+  if (std::ifstream task(sys / "fs" / "ext4" / device / "journal_task"); task) {
+    std::string word;
+    task >> word;
+    if (!word.empty() && word != "<none>") return {true, "ext4 with a journal (" + device + ")"};
+    if (word == "<none>") return {false, "ext4 without a journal (" + device + ")"};
+  }
+  if (fs::exists(proc / "fs" / "jbd2" / (device + "-8"), ec)) return {true, "ext4 with a journal (" + device + ")"};
+  return {false, "ext4 without a journal found (" + device + ")"};
+}
+
 }  // namespace detail
 
 // --- opening the directory ---------------------------------------------------------------
@@ -104,6 +151,9 @@ inline void disk_backend::open_directory() {
   open_subdirectories();
   direct_ = options_.o_direct && takes_o_direct();
   stats_->o_direct.store(direct_, std::memory_order_relaxed);
+  name_sync_ = choose_name_sync();
+  stats_->directory_fsync.store(options_.sync == disk_sync::data && name_sync_ == disk_name_sync::directory,
+                                std::memory_order_relaxed);
 }
 
 inline void disk_backend::throw_directory_error(const std::string& what, int err) const {
@@ -177,6 +227,20 @@ inline void disk_backend::open_subdirectories() {
     if (shard_fds_[s] < 0) throw_directory_error("cannot open objects/" + name, errno);
     check_own_directory(shard_fds_[s], (root / "objects" / name).string());
   }
+}
+
+inline disk_name_sync disk_backend::choose_name_sync() {
+  if (options_.name_sync != disk_name_sync::automatic) return options_.name_sync;
+  struct ::statfs sfs {};
+  struct ::stat st {};
+  if (::fstatfs(objects_fd_, &sfs) != 0 || ::fstat(objects_fd_, &st) != 0) return disk_name_sync::directory;
+  const auto probe = detail::probe_rename_durability(static_cast<std::uint64_t>(sfs.f_type), st.st_dev);
+  if (options_.sync == disk_sync::data)
+    log_->info("disk backend '{}' at {}: {}: {}", options_.name, options_.path.string(), probe.file_system,
+               probe.file_fsync_commits
+                   ? "an object's fsync commits its rename (no directory fsyncs)"
+                   : "fdatasync of each object, then an fsync of each shard directory a batch touched");
+  return probe.file_fsync_commits ? disk_name_sync::file : disk_name_sync::directory;
 }
 
 inline bool disk_backend::takes_o_direct() {

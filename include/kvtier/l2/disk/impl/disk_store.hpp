@@ -2,8 +2,8 @@
 // The store path of l2::disk_backend (declarations: kvtier/l2/disk/disk_backend.hpp; docs/l2-disk.md,
 // "Writing an object"): per batch: plan and reserve room (evicting); then each key through
 // its own pipeline, several keys at once (create the temporary file, write its parts through
-// io::async_run_parts, commit: fdatasync, rename into place); clean up what did not commit,
-// fsync the touched directories, trim back under the watermark.
+// io::async_run_parts, commit: rename into place, then sync); clean up what did not commit,
+// fsync the touched directories (name_sync directory), trim back under the watermark.
 
 #include <kvtier/l2/disk/disk_backend.hpp>
 #include <kvtier/l2/disk/impl/disk_backend.hpp>
@@ -145,9 +145,9 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
 
   // 3-5. Each key through its own pipeline, `depth` writes each: create the temporary file
   //      (and allocate its blocks), take one of the backend's store lanes, write its parts,
-  //      commit it (rename into objects/, fdatasync), give the lane back. The lanes
+  //      commit it (rename into objects/, then fsync or fdatasync), give the lane back. The lanes
   //      (queue_depth / 2, shared by every store in flight) bound the writes and syncs in
-  //      flight, as fio's jobs do: a key's fdatasync overlaps the other lanes' writes. The
+  //      flight, as fio's jobs do: a key's sync overlaps the other lanes' writes. The
   //      file is created before the lane is taken, so as many keys again (the backend's
   //      store_opens_) have their files ready when a lane frees; and the next batch's keys
   //      fill the lanes that this batch's last keys leave (the store pipeline keeps several
@@ -188,8 +188,10 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
   }
   release_uncommitted(items, unlink_errors, left.bytes);
 
-  // 7. Durability of the renames: one fsync per touched shard directory, for the batch.
-  if (options_.sync == disk_sync::data && left.dirty.any()) co_await sync_shards(left.dirty);
+  // 7. Durability of the renames, where the objects' fsyncs did not commit them: one fsync
+  //    per touched shard directory, for the batch.
+  if (options_.sync == disk_sync::data && name_sync_ == disk_name_sync::directory && left.dirty.any())
+    co_await sync_shards(left.dirty);
 
   // 8. st_blocks may exceed the estimate (extent blocks): trim back under the watermark.
   if (auto trim = trim_victims(); trim && !trim->empty()) co_await evict(std::move(*trim));
@@ -355,10 +357,11 @@ inline void disk_backend::fail_store(store_item& it, const error_code& ec) {
 }
 
 inline boost::asio::awaitable<void> disk_backend::commit_stored(store_item& it, fan_state& fs, unsigned lane) {
-  // Rename first, then sync: the file's fdatasync then commits the rename with the file's own
-  // metadata (one journal commit: ext4 and xfs commit the running transaction), and the
-  // directory fsync at the batch's end finds nothing left to commit; synced first, the
-  // renames waited for a second commit per batch. The key counts as stored only once synced.
+  // Rename first, then sync, so that one journal commit takes both. name_sync file: the
+  // file's fsync waits for the rename's transaction (ext4 with a journal, xfs), and the name
+  // is durable with the data. name_sync directory: fdatasync, and the shard directories'
+  // fsyncs at the batch's end (step 7) make the names durable; synced before its rename,
+  // each key waited for a second commit. The key counts as stored only once synced.
   // A process that dies in between leaves a complete file (its writes had all completed),
   // which a restart serves; a power failure may leave a torn one, which the load's checksum
   // catches (never a wrong byte).
@@ -382,7 +385,11 @@ inline boost::asio::awaitable<void> disk_backend::commit_stored(store_item& it, 
   }
   it.renamed = true;  // from here on, a failure removes objects/<path> (close_stored)
   if (options_.sync == disk_sync::data) {
-    std::tie(ec) = co_await file_io_->async_fdatasync(it.fd, fs.bind(lane));
+    // Two statements, not co_await in both arms of ?: (g++ 12 ran both).
+    if (name_sync_ == disk_name_sync::file)
+      std::tie(ec) = co_await file_io_->async_fsync(it.fd, fs.bind(lane));
+    else
+      std::tie(ec) = co_await file_io_->async_fdatasync(it.fd, fs.bind(lane));
     if (ec) {
       fail_store(it, ec);
       co_return;
