@@ -16,8 +16,8 @@
 //   directory, from memory registered with the backend as the server registers L1
 //   (WRITE_FIXED). Our backend writes 8 keys at once across the batches in flight (its
 //   store lanes, depth / 2), each through its own pipeline (temporary file, 2 O_DIRECT
-//   writes in flight, rename, then fsync where that commits the rename (ext4 with a journal,
-//   xfs), else fdatasync and an fsync of each batch's touched directories; --name-sync). fio's
+//   writes in flight, rename, fdatasync), and fsyncs each batch's touched directories once
+//   (--name-sync file or auto: an fsync of each object instead, where that commits the rename). fio's
 //   store job does the same: 8 jobs (numjobs, each its own files) of iodepth 2, so the same
 //   16 writes and up to 8 fsyncs are in flight, each job's fsync at a file's close
 //   overlapping the other jobs' writes (--fio-store-jobs 1: one job of iodepth 16 whose
@@ -94,7 +94,7 @@ struct bench_config {
   /// fio's store buffers in hugetlb pages (iomem=shmhuge); store figures get a _huge suffix.
   bool huge_pages = false;
   /// How the backend makes names durable (docs/l2-disk.md, "Durability"); --name-sync.
-  l2::disk_name_sync name_sync = l2::disk_name_sync::automatic;
+  l2::disk_name_sync name_sync = l2::disk_backend_options{}.name_sync;
   /// The backend writes depth / 2 keys at once, 2 writes each (disk_backend::store_lanes):
   /// as many fsyncs in flight as fio's jobs.
   [[nodiscard]] unsigned store_jobs() const { return fio_store_jobs ? fio_store_jobs : std::max(1U, depth / 2); }
@@ -183,6 +183,9 @@ l2::disk_backend_options backend_options(const bench_config& cfg, const fs::path
   return o;
 }
 
+/// Whether the stores fsynced directories (kvtier_l2_disk_directory_fsync): -1 until one ran.
+int store_directory_fsync = -1;
+
 /// Stores n objects in batches of cfg.store_batch as the store pipeline submits them: a batch
 /// starts while the batches in flight hold at most cfg.store_inflight_bytes with it (or when
 /// none is in flight); returns bytes per second.
@@ -190,13 +193,12 @@ double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t obje
                   aligned_buffer& sources) {
   asio::io_context io;
   l2::disk_backend b(io.get_executor(), backend_options(cfg, dir, object_bytes, n, io::file_io_choice::automatic));
-  static const bool told = [&] {
-    std::printf("  stores make names durable by %s\n", b.name_sync_active() == l2::disk_name_sync::file
-                                                           ? "each object's fsync (name_sync file)"
-                                                           : "fdatasync and directory fsyncs (name_sync directory)");
-    return true;
-  }();
-  (void)told;
+  const int directory_fsync = b.stats().directory_fsync.load() ? 1 : 0;
+  if (store_directory_fsync < 0)
+    std::printf("  stores make names durable by %s\n", directory_fsync
+                                                           ? "fdatasync and directory fsyncs (name_sync directory)"
+                                                           : "each object's fsync (name_sync file)");
+  store_directory_fsync = directory_fsync;
   // The sources stand for L1 slots, which the server registers (WRITE_FIXED; fio: fixedbufs).
   (void)b.register_buffers(std::span<std::byte>(sources.data(), sources.size()));
   const std::size_t source_count = sources.size() / object_bytes;
@@ -463,6 +465,7 @@ int main(int argc, char** argv) try {
   print_result("l2_store_3m_gbps" + huge, median(small.ours_write) / 1e9);
   print_result("fio_write_3m_gbps" + huge, median(small.fio_write) / 1e9);
   print_result("fio_store_jobs", cfg.store_jobs());
+  print_result("l2_store_directory_fsync" + huge, store_directory_fsync);
   print_result("fio_read_depth_full_pct", median(big.fio_read_full_pct));
   print_result("fio_read_3m_depth_full_pct", median(small.fio_read_full_pct));
   print_result("fio_write_depth_full_pct" + huge, median(big.fio_write_full_pct));

@@ -373,16 +373,20 @@ def summary(res, meta, table, made):
         g("l2_load_vs_fio"), ">= 0.9")
     row("L2 disk load, 3 MiB objects", g("l2_load_3m_gbps"), "GB/s", g("fio_read_3m_gbps"), "GB/s", "fio read, fixedbufs",
         g("l2_load_vs_fio_3m"), ">= 0.9")
+    def names(sfx=""):
+        """How the stores made names durable (docs/l2-disk.md, "Durability")."""
+        d = g(f"l2_store_directory_fsync{sfx}")
+        return "" if d is None else ("; names: fdatasync + directory fsyncs" if d else "; names: the object's fsync")
     jobs = g("fio_store_jobs")
     fio_w = f"fio write, {jobs:.0f} jobs: {jobs:.0f} fsyncs in flight, depth 16 in all" if jobs else "fio write"
-    row("**L2 disk store, 32 MiB objects** (`l2_store_vs_fio`, batches of 64)", g("l2_store_gbps"), "GB/s",
+    row(f"**L2 disk store, 32 MiB objects** (`l2_store_vs_fio`, batches of 64{names()})", g("l2_store_gbps"), "GB/s",
         g("fio_write_gbps"), "GB/s", fio_w, g("l2_store_vs_fio"), ">= 0.9")
-    row("**L2 disk store, 3 MiB objects** (`l2_store_vs_fio_3m`, batches of 64)", g("l2_store_3m_gbps"), "GB/s",
-        g("fio_write_3m_gbps"), "GB/s", fio_w, g("l2_store_vs_fio_3m"), ">= 0.9")
+    row(f"**L2 disk store, 3 MiB objects** (`l2_store_vs_fio_3m`, batches of 64{names()})", g("l2_store_3m_gbps"),
+        "GB/s", g("fio_write_3m_gbps"), "GB/s", fio_w, g("l2_store_vs_fio_3m"), ">= 0.9")
     for sz, sfx in (("32 MiB", ""), ("3 MiB", "_3m")):
         if g(f"l2_store_vs_fio{sfx}_huge") is not None:
             row(f"L2 disk store, {sz} objects, both in huge pages (`l2_store_vs_fio{sfx}_huge`: ours from THP, "
-                "as the server's L1)", g(f"l2_store{sfx}_gbps_huge"), "GB/s", g(f"fio_write{sfx}_gbps_huge"), "GB/s",
+                f"as the server's L1{names('_huge')})", g(f"l2_store{sfx}_gbps_huge"), "GB/s", g(f"fio_write{sfx}_gbps_huge"), "GB/s",
                 fio_w + ", from hugetlb pages (iomem=shmhuge)", g(f"l2_store_vs_fio{sfx}_huge"), ">= 0.9")
     for sz, sfx in (("32 MiB", ""), ("3 MiB", "_3m")):
         row(f"fio read of {sz} files: submissions at its full depth (16-31)", g(f"fio_read{sfx}_depth_full_pct"), "%",

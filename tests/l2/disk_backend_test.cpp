@@ -1202,8 +1202,11 @@ TEST_CASE("sync data makes names durable by the shard directory's fsync, or by t
   }
 }
 
-TEST_CASE("name_sync auto fsyncs the directories on a file system not known to commit a rename with the file",
-          "[l2][disk][durability]") {
+TEST_CASE(
+    "name_sync: directory by default; auto fsyncs the directories, and file warns, where the file's fsync is "
+    "not known to commit a rename",
+    "[l2][disk][durability]") {
+  CHECK(l2::disk_backend_options{}.name_sync == l2::disk_name_sync::directory);
   tmpfs_mount mnt(8 << 20);
   if (!mnt.mounted()) {
     WARN("cannot mount a tmpfs (" << mnt.error() << "): needs root; skipped");
@@ -1211,11 +1214,22 @@ TEST_CASE("name_sync auto fsyncs the directories on a file system not known to c
     return;
   }
   asio::io_context io;
-  captured_log cap;  // at info
-  l2::disk_backend b(io.get_executor(), options_for(mnt.path() / "l2", 4 << 20), &cap.log);
-  CHECK(b.name_sync_active() == l2::disk_name_sync::directory);
-  CHECK(b.stats().directory_fsync.load());
-  CHECK(cap.count("file system 0x1021994: fdatasync of each object, then an fsync of each shard directory") == 1);
+  {
+    captured_log cap;  // at info
+    auto opts = options_for(mnt.path() / "auto", 2 << 20);
+    opts.name_sync = l2::disk_name_sync::automatic;
+    l2::disk_backend b(io.get_executor(), opts, &cap.log);
+    CHECK(b.name_sync_active() == l2::disk_name_sync::directory);
+    CHECK(b.stats().directory_fsync.load());
+    CHECK(cap.count("file system 0x1021994: fdatasync of each object, then an fsync of each shard directory") == 1);
+  }
+  captured_log cap;
+  auto opts = options_for(mnt.path() / "file", 2 << 20);
+  opts.name_sync = l2::disk_name_sync::file;
+  l2::disk_backend b(io.get_executor(), opts, &cap.log);
+  CHECK(b.name_sync_active() == l2::disk_name_sync::file);
+  CHECK_FALSE(b.stats().directory_fsync.load());
+  CHECK(cap.count("name_sync file on file system 0x1021994, whose fsync of a file is not known to commit") == 1);
 }
 
 // --- ENOSPC -----------------------------------------------------------------------------------

@@ -35,7 +35,9 @@ TEST_CASE("the disk backend's JSON options parse with clear errors", "[server][d
   CHECK(o.name_sync == l2::disk_name_sync::file);
   const auto d = server::disk_backend_options_from_json(json::parse(R"({"path": "/p", "capacity_bytes": 4096})"));
   CHECK(d.capacity_bytes == 4096);
-  CHECK(d.name_sync == l2::disk_name_sync::automatic);
+  CHECK(d.name_sync == l2::disk_name_sync::directory);
+  CHECK(server::disk_backend_options_from_json(json::parse(R"({"path": "/p", "capacity_gb": 1, "name_sync": "auto"})"))
+            .name_sync == l2::disk_name_sync::automatic);
   CHECK(d.sync == l2::disk_sync::data);
   CHECK(d.eviction == l2::disk_eviction::lru);
   CHECK(d.o_direct);

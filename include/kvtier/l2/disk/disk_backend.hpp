@@ -56,15 +56,16 @@ enum class disk_sync : std::uint8_t {
 /// How `sync = data` makes a stored object's name (its rename into objects/) durable
 /// (docs/l2-disk.md, "Durability").
 enum class disk_name_sync : std::uint8_t {
-  /// `file` where the file system is known to commit a rename with the file's fsync (ext4
-  /// with a journal, xfs), else `directory`.
-  automatic,
   /// fdatasync of each object after its rename, then one fsync per shard directory the batch
-  /// touched: holds on every file system.
+  /// touched: holds on every file system (the default: measured no slower, docs/l2-disk.md).
   directory,
+  /// `file` where the start-up probe finds a file system known to commit a rename with the
+  /// file's fsync (ext4 with a journal, xfs), else `directory`.
+  automatic,
   /// fsync of each object after its rename, and no directory fsync: the file's fsync commits
   /// the journal transaction of its rename (ext4 with a journal, xfs). On a file system that
-  /// does not (ext4 without a journal, ext2), a power failure may lose the object's name.
+  /// does not (ext4 without a journal, ext2), a power failure may lose the object's name: the
+  /// backend warns at start-up when the probe does not find one it trusts.
   file,
 };
 
@@ -95,8 +96,8 @@ struct disk_backend_options {
   /// threads beyond the cores cost little CPU (measured: docs/performance.md).
   unsigned pread_threads = 16;
   disk_sync sync = disk_sync::data;
-  /// How `sync = data` makes names durable. automatic: probed at start-up (name_sync_active()).
-  disk_name_sync name_sync = disk_name_sync::automatic;
+  /// How `sync = data` makes names durable (name_sync_active() says which ran).
+  disk_name_sync name_sync = disk_name_sync::directory;
   /// fallocate each object before writing it: ENOSPC shows before any byte is written, and
   /// O_DIRECT writes into allocated extents run in parallel on ext4 (an extending write
   /// takes the inode lock exclusively).
@@ -280,7 +281,8 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   void open_subdirectories();
   /// Whether the file system takes O_DIRECT (a probe file in tmp/); warns when it does not.
   bool takes_o_direct();
-  /// options_.name_sync, automatic resolved by the file system of objects/; logs the choice.
+  /// options_.name_sync, automatic resolved by the file system of objects/ (logged); warns
+  /// when `file` was asked for on a file system the probe does not trust with it.
   disk_name_sync choose_name_sync();
   void recover();
   /// Checks one entry of a shard directory; recovers it into scan.all, drops it, or leaves it alone.

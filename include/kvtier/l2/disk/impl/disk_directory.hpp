@@ -230,11 +230,20 @@ inline void disk_backend::open_subdirectories() {
 }
 
 inline disk_name_sync disk_backend::choose_name_sync() {
-  if (options_.name_sync != disk_name_sync::automatic) return options_.name_sync;
+  if (options_.name_sync == disk_name_sync::directory) return disk_name_sync::directory;
   struct ::statfs sfs {};
   struct ::stat st {};
-  if (::fstatfs(objects_fd_, &sfs) != 0 || ::fstat(objects_fd_, &st) != 0) return disk_name_sync::directory;
-  const auto probe = detail::probe_rename_durability(static_cast<std::uint64_t>(sfs.f_type), st.st_dev);
+  detail::rename_durability probe{false, "a file system that could not be inspected"};
+  if (::fstatfs(objects_fd_, &sfs) == 0 && ::fstat(objects_fd_, &st) == 0)
+    probe = detail::probe_rename_durability(static_cast<std::uint64_t>(sfs.f_type), st.st_dev);
+  if (options_.name_sync == disk_name_sync::file) {
+    if (!probe.file_fsync_commits && options_.sync == disk_sync::data)
+      log_->warn(
+          "disk backend '{}' at {}: name_sync file on {}, whose fsync of a file is not known to commit its "
+          "rename: a power failure may lose the names of stored objects (use name_sync directory or auto)",
+          options_.name, options_.path.string(), probe.file_system);
+    return disk_name_sync::file;
+  }
   if (options_.sync == disk_sync::data)
     log_->info("disk backend '{}' at {}: {}: {}", options_.name, options_.path.string(), probe.file_system,
                probe.file_fsync_commits
