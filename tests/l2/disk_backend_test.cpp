@@ -1482,10 +1482,9 @@ TEST_CASE("a payload moves in part_bytes reads and writes, whatever its segments
   const objects o(700, 1, bytes);
   const std::uint64_t before_store = stats->ops_completed.load();
   REQUIRE(store(io, b, o).count(l2::key_outcome::ok) == 1);
-  // open, 3 payload writes, the header block, rename, the object's sync, and the shard
-  // directory's fsync where the object's sync does not commit its name
-  const unsigned directory_fsync = b.name_sync_active() == l2::disk_name_sync::directory ? 1 : 0;
-  CHECK(stats->ops_completed.load() - before_store == 1 + 3 + 1 + 1 + 1 + directory_fsync);
+  // open, 3 payload writes, the header block, rename, fdatasync, the shard directory's fsync
+  // (name_sync directory, the default)
+  CHECK(stats->ops_completed.load() - before_store == 1 + 3 + 1 + 1 + 1 + 1);
   const std::vector<std::size_t> sizes = {bytes};
   const std::uint64_t before_load = stats->ops_completed.load();
   const auto l = observed_load(io, b, o.keys, sizes);

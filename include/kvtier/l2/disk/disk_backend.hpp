@@ -284,6 +284,10 @@ class disk_backend : public detail::coroutine_backend<disk_backend> {
   /// options_.name_sync, automatic resolved by the file system of objects/ (logged); warns
   /// when `file` was asked for on a file system the probe does not trust with it.
   disk_name_sync choose_name_sync();
+  /// Whether a store batch ends with an fsync of each shard directory it touched.
+  [[nodiscard]] bool syncs_directories() const noexcept {
+    return options_.sync == disk_sync::data && name_sync_ == disk_name_sync::directory;
+  }
   void recover();
   /// Checks one entry of a shard directory; recovers it into scan.all, drops it, or leaves it alone.
   void scan_object_file(recovery_scan& scan, unsigned shard, const std::string& name);

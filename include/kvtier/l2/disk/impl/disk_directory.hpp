@@ -152,8 +152,7 @@ inline void disk_backend::open_directory() {
   direct_ = options_.o_direct && takes_o_direct();
   stats_->o_direct.store(direct_, std::memory_order_relaxed);
   name_sync_ = choose_name_sync();
-  stats_->directory_fsync.store(options_.sync == disk_sync::data && name_sync_ == disk_name_sync::directory,
-                                std::memory_order_relaxed);
+  stats_->directory_fsync.store(syncs_directories(), std::memory_order_relaxed);
 }
 
 inline void disk_backend::throw_directory_error(const std::string& what, int err) const {

@@ -190,8 +190,7 @@ inline boost::asio::awaitable<disk_backend::batch_tuple> disk_backend::store_imp
 
   // 7. Durability of the renames, where the objects' fsyncs did not commit them: one fsync
   //    per touched shard directory, for the batch.
-  if (options_.sync == disk_sync::data && name_sync_ == disk_name_sync::directory && left.dirty.any())
-    co_await sync_shards(left.dirty);
+  if (syncs_directories() && left.dirty.any()) co_await sync_shards(left.dirty);
 
   // 8. st_blocks may exceed the estimate (extent blocks): trim back under the watermark.
   if (auto trim = trim_victims(); trim && !trim->empty()) co_await evict(std::move(*trim));
