@@ -106,6 +106,10 @@ class any_file_io : public detail::file_io_operations<any_file_io> {
   void shutdown() {
     visit([](auto& e) { e.shutdown(); });
   }
+  /// uring_context::submit_now where io_uring runs; the pread pool starts each op at once.
+  void submit_now() {
+    if (auto* u = uring()) u->submit_now();
+  }
   [[nodiscard]] std::size_t in_flight() const noexcept {
     return visit([](const auto& e) { return e.in_flight(); });
   }

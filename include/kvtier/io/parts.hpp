@@ -56,7 +56,9 @@ struct parts_outcome {
 
 // clang-format off
 /// What async_run_parts runs (docs/io.md, "Operations"). `writes` says whether the parts are
-/// writes; `signature` is the completion signature and result() returns its arguments.
+/// writes; `signature` is the completion signature and result() returns its arguments. A plan
+/// whose end_part does real work on what a part moved (a checksum) says so with
+/// `static constexpr bool digests_parts = true` (digests_parts_v).
 template <class P>
 concept part_plan = requires(P& p, std::size_t i, const error_code& ec, std::size_t n, parts_outcome o) {
   { P::writes } -> std::convertible_to<bool>;
@@ -67,6 +69,13 @@ concept part_plan = requires(P& p, std::size_t i, const error_code& ec, std::siz
   p.result(o);
 };
 // clang-format on
+
+/// Whether end_part of Plan digests what a part moved: async_run_parts then starts the next
+/// parts, and has the file I/O hand them to the kernel (submit_now()), before it calls
+/// end_part for a part that moved all its bytes, so that the work overlaps the device's
+/// instead of leaving its queue short (docs/io.md, "Operations").
+template <class Plan>
+inline constexpr bool digests_parts_v = requires { requires Plan::digests_parts; };
 
 namespace detail {
 
@@ -234,6 +243,14 @@ class parts_op {
     release_lane(lane);
     const std::size_t part = l.part;
     const std::size_t moved = l.done + n;
+    if constexpr (digests_parts_v<Plan>) {
+      // The queue refilled and in the kernel before the plan digests what landed. Only a
+      // whole part: after an error or a short read the plan may skip or stop what follows.
+      if (!result && moved == l.io.size) {
+        launch_parts();
+        if constexpr (requires { io_.submit_now(); }) io_.submit_now();
+      }
+    }
     if (plan_.end_part(part, result, moved)) stopped_ = true;
     launch_parts();
     if (in_flight_ == 0) finish();

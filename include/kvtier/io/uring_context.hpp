@@ -63,6 +63,12 @@ class uring_context : public detail::file_io_operations<uring_context> {
   // async_openat, async_close, async_renameat, async_unlinkat: each returns what its Token
   // makes of the completion.
 
+  /// Hands the ops started so far to the kernel now instead of at the end of this executor
+  /// turn (one io_uring_enter): from a completion handler that is about to work on the CPU
+  /// (async_run_parts calls it before a digesting plan's end_part: docs/io.md, "Operations").
+  /// On the ring's executor.
+  void submit_now() { core_.submit_now(); }
+
   // --- registered buffers ------------------------------------------------------------------
 
   /// Registers the regions as fixed buffers (each split into 1 GiB buffers, the kernel's

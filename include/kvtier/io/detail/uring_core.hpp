@@ -174,6 +174,13 @@ class uring_core {
     post_turn();
   }
 
+  /// Enters the kernel now with the SQEs prepared so far, which would otherwise wait for the
+  /// end of this turn: for a completion handler about to work on the CPU (async_run_parts
+  /// before a digesting plan's end_part). Their completions are reaped as any others.
+  void submit_now() {
+    if (!shutting_down_) submit();
+  }
+
   /// Asks for `op` to be cancelled (from its cancellation slot). Queued: it completes with
   /// operation_aborted in the next turn, never having reached the kernel. Submitted: an
   /// ASYNC_CANCEL request goes to the kernel; the op completes with its own CQE

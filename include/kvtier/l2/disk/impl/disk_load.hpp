@@ -60,6 +60,8 @@ struct disk_backend::load_item : object_item {
 /// any key, which is what a layer-wise consumer needs first.
 struct disk_backend::load_plan {
   static constexpr bool writes = false;
+  /// end_part checksums what landed (verify_landed): the next reads go to the disk first.
+  static constexpr bool digests_parts = true;
   using signature = void(error_code);
   disk_backend* self;
   std::vector<load_item>* items;
