@@ -520,11 +520,11 @@ TEMPLATE_TEST_CASE("async_run_parts starts the next part before a digesting plan
   // and on io_uring every one of them already in the kernel, not waiting for the end of the
   // reaping turn.
   const auto [ec] = test::run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code>> {
-    co_return co_await io::async_run_parts(f.file_io(),
-                                           digesting_plan{fd.get(), in.data(), blocks,
-                                                          counts_submissions ? &f.file_io().stats() : nullptr, 0, 0,
-                                                          &in_flight_at_end, &unsubmitted_at_end},
-                                           depth, asio::as_tuple(asio::use_awaitable));
+    co_return co_await io::async_run_parts(
+        f.file_io(),
+        digesting_plan{fd.get(), in.data(), blocks, counts_submissions ? &f.file_io().stats() : nullptr, 0, 0,
+                       &in_flight_at_end, &unsubmitted_at_end},
+        depth, asio::as_tuple(asio::use_awaitable));
   }());
   CHECK_FALSE(ec);
   REQUIRE(in_flight_at_end.size() == blocks);

@@ -75,7 +75,9 @@ concept part_plan = requires(P& p, std::size_t i, const error_code& ec, std::siz
 /// end_part for a part that moved all its bytes, so that the work overlaps the device's
 /// instead of leaving its queue short (docs/io.md, "Operations").
 template <class Plan>
-inline constexpr bool digests_parts_v = requires { requires Plan::digests_parts; };
+inline constexpr bool digests_parts_v = requires {
+  requires Plan::digests_parts;
+};
 
 namespace detail {
 
