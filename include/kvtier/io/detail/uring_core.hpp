@@ -11,6 +11,7 @@
 //             Posts one "turn" per executor turn.
 //   turn:     one io_uring_enter submits every SQE prepared since the last turn, then the
 //             completions already there (page-cache hits complete inline) are reaped.
+//             submit_now() submits at once instead, from a handler about to work on the CPU.
 //   wake:     the eventfd (registered with io_uring_register_eventfd) is read by a pending
 //             async_read_some on an asio stream_descriptor; when it fires, every CQE is
 //             reaped and each op completes: its handler is dispatched to its executor.
