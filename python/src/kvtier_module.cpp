@@ -183,11 +183,36 @@ class py_connector {
   std::shared_ptr<connector_box> box_;
 };
 
+/// A call that may wait (for the server, a condition, the connector's thread): the GIL is
+/// released, so the program's other Python threads run meanwhile.
 template <class F>
 auto without_gil(const py_connector& self, F&& f) {
   auto b = self.box();
   py::gil_scoped_release nogil;
   return f(*b->conn);
+}
+
+/// A call that cannot block (a lock held for microseconds, a non-blocking send): the GIL is
+/// kept. Releasing it would hand it to any Python thread waiting for it, and the caller would
+/// then wait for that thread to give it back, up to sys.getswitchinterval() (5 ms): a
+/// microsecond call costing a tenth of a decode step (docs/python.md, "The GIL"). The
+/// connector's thread never takes the GIL, so holding it while waiting for the connector's
+/// mutex cannot deadlock.
+template <class F>
+auto holding_gil(const py_connector& self, F&& f) {
+  auto b = self.box();
+  return f(*b->conn);
+}
+
+/// Token counts from which hashing (or copying) the tokens is worth a release of the GIL:
+/// 65536 tokens are 256 KiB, about 25 us of XXH3 on the dev VM.
+constexpr std::size_t release_gil_from_tokens = std::size_t{1} << 16;
+
+/// holding_gil, or without_gil for a call given release_gil_from_tokens tokens or more.
+template <class F>
+auto gil_for_tokens(const py_connector& self, std::size_t tokens, F&& f) {
+  if (tokens >= release_gil_from_tokens) return without_gil(self, std::forward<F>(f));
+  return holding_gil(self, std::forward<F>(f));
 }
 
 std::string options_repr(const engine::connector_options& o) {
@@ -406,10 +431,12 @@ PYBIND11_MODULE(_kvtier, m) {
                                             std::to_string(h.full_chunks(static_cast<std::size_t>(tokens.size()))) +
                                             " full chunks: give one bytes object per full chunk (b\"\" for none)");
             }
+            const auto tk = tokens_of(tokens);
+            if (tk.size() < release_gil_from_tokens) return to_list(h.chunk_hashes(tk, spans));  // holding_gil's reason
             std::vector<hash128> out;
             {
               py::gil_scoped_release nogil;
-              out = h.chunk_hashes(tokens_of(tokens), spans);
+              out = h.chunk_hashes(tk, spans);
             }
             return to_list(out);
           },
@@ -557,16 +584,16 @@ PYBIND11_MODULE(_kvtier, m) {
           py::arg("timeout_s"), "Blocks until registered with a server (True) or the timeout passes.")
       .def_property_readonly("healthy", [](const py_connector& s) { return s.box()->conn->healthy(); })
       .def_property_readonly("state",
-                             [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.state(); }); })
+                             [](const py_connector& s) { return holding_gil(s, [](auto& c) { return c.state(); }); })
       .def_property_readonly(
-          "last_error", [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.last_error(); }); })
+          "last_error", [](const py_connector& s) { return holding_gil(s, [](auto& c) { return c.last_error(); }); })
       .def_property_readonly(
-          "boot_token", [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.boot_token(); }); })
+          "boot_token", [](const py_connector& s) { return holding_gil(s, [](auto& c) { return c.boot_token(); }); })
       .def_property_readonly("has_region", [](const py_connector& s) { return s.box()->conn->has_region(); })
       .def_property_readonly("options", [](const py_connector& s) { return s.box()->conn->options(); })
       .def("stats",
            [](const py_connector& s) {
-             const engine::connector_stats st = without_gil(s, [](auto& c) { return c.stats(); });
+             const engine::connector_stats st = holding_gil(s, [](auto& c) { return c.stats(); });
              py::dict d;
              d["registrations"] = st.registrations;
              d["late_replies"] = st.late_replies;
@@ -585,7 +612,7 @@ PYBIND11_MODULE(_kvtier, m) {
       .def_property_readonly(
           "counters",
           [](const py_connector& s) {
-            const engine::connector_stats st = without_gil(s, [](auto& c) { return c.stats(); });
+            const engine::connector_stats st = holding_gil(s, [](auto& c) { return c.stats(); });
             return py::make_tuple(st.registrations, st.late_replies);
           },
           "(registrations, late_replies) of stats(), without its dict: what the vLLM connector samples every step.")
@@ -593,7 +620,7 @@ PYBIND11_MODULE(_kvtier, m) {
           "chunk_hashes",
           [](const py_connector& s, const token_array& tokens) {
             const auto tk = tokens_of(tokens);
-            return to_list(without_gil(s, [&](auto& c) { return c.chunk_hashes(tk); }));
+            return to_list(gil_for_tokens(s, tk.size(), [&](auto& c) { return c.chunk_hashes(tk); }));
           },
           py::arg("tokens"))
       // Scheduler side.
@@ -601,19 +628,19 @@ PYBIND11_MODULE(_kvtier, m) {
           "lookup",
           [](const py_connector& s, const std::string& id, const token_array& tokens, const std::string& salt) {
             const auto tk = tokens_of(tokens);
-            without_gil(s, [&](auto& c) { c.lookup(id, tk, salt); });
+            gil_for_tokens(s, tk.size(), [&](auto& c) { c.lookup(id, tk, salt); });
           },
           py::arg("request_id"), py::arg("tokens"), py::arg("cache_salt") = "")
       .def(
           "lookup_hashes",
           [](const py_connector& s, const std::string& id, const py::iterable& hashes, const std::string& salt) {
             auto hs = to_hashes(hashes);
-            without_gil(s, [&](auto& c) { c.lookup_hashes(id, std::move(hs), salt); });
+            holding_gil(s, [&](auto& c) { c.lookup_hashes(id, std::move(hs), salt); });
           },
           py::arg("request_id"), py::arg("hashes"), py::arg("cache_salt") = "")
       .def_property_readonly(
           "describes_chunks",
-          [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.describes_chunks(); }); },
+          [](const py_connector& s) { return holding_gil(s, [](auto& c) { return c.describes_chunks(); }); },
           "Whether describe_chunks may send anything now (False once the server said it publishes no KV events).")
       .def(
           "describe_chunks",
@@ -628,7 +655,7 @@ PYBIND11_MODULE(_kvtier, m) {
             x.lora_name = lora_name;
             x.lora_id = lora_id;
             x.block_extra_keys = block_extra_keys;
-            without_gil(s, [&](auto& c) { c.describe_chunks(hs, tk, salt, x); });
+            gil_for_tokens(s, tk.size(), [&](auto& c) { c.describe_chunks(hs, tk, salt, x); });
           },
           py::arg("hashes"), py::arg("tokens"), py::arg("cache_salt") = "", py::kw_only(), py::arg("block_size") = 0,
           py::arg("parent") = py::none(), py::arg("lora_name") = "", py::arg("lora_id") = -1,
@@ -638,7 +665,7 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "lookup_result",
           [](const py_connector& s, const std::string& id) {
-            return without_gil(s, [&](auto& c) { return c.lookup_result(id); });
+            return holding_gil(s, [&](auto& c) { return c.lookup_result(id); });
           },
           py::arg("request_id"), "Hit tokens once answered; None while pending.")
       .def(
@@ -652,33 +679,31 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "free_lookup_locks",
           [](const py_connector& s, const std::string& id) {
-            without_gil(s, [&](auto& c) { c.free_lookup_locks(id); });
+            holding_gil(s, [&](auto& c) { c.free_lookup_locks(id); });
           },
           py::arg("request_id"))
       .def(
           "end_request",
-          [](const py_connector& s, const std::string& id) { without_gil(s, [&](auto& c) { c.end_request(id); }); },
+          [](const py_connector& s, const std::string& id) { holding_gil(s, [&](auto& c) { c.end_request(id); }); },
           py::arg("request_id"))
       // Worker side.
       .def(
           "retrieve",
           [](const py_connector& s, const std::string& id, const token_array& tokens, std::uint32_t first_chunk,
-             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt,
-             bool synchronous) {
+             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt, bool synchronous) {
             const auto tk = tokens_of(tokens);
             const engine::retrieve_options how{synchronous};
-            without_gil(s, [&](auto& c) { c.retrieve(id, tk, first_chunk, blocks, skip, salt, how); });
+            gil_for_tokens(s, tk.size(), [&](auto& c) { c.retrieve(id, tk, first_chunk, blocks, skip, salt, how); });
           },
           py::arg("request_id"), py::arg("tokens"), py::arg("first_chunk"), py::arg("block_ids"),
           py::arg("skip_tokens") = 0, py::arg("cache_salt") = "", py::kw_only(), py::arg("synchronous") = false)
       .def(
           "retrieve_hashes",
           [](const py_connector& s, const std::string& id, const py::iterable& hashes, std::uint32_t first_chunk,
-             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt,
-             bool synchronous) {
+             const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt, bool synchronous) {
             const auto hs = to_hashes(hashes);
             const engine::retrieve_options how{synchronous};
-            without_gil(s, [&](auto& c) { c.retrieve_hashes(id, hs, first_chunk, blocks, skip, salt, how); });
+            holding_gil(s, [&](auto& c) { c.retrieve_hashes(id, hs, first_chunk, blocks, skip, salt, how); });
           },
           py::arg("request_id"), py::arg("hashes"), py::arg("first_chunk"), py::arg("block_ids"),
           py::arg("skip_tokens") = 0, py::arg("cache_salt") = "", py::kw_only(), py::arg("synchronous") = false)
@@ -687,7 +712,7 @@ PYBIND11_MODULE(_kvtier, m) {
           [](const py_connector& s, const std::string& id, const token_array& tokens, std::uint32_t first_chunk,
              std::uint32_t chunk_count, const std::vector<std::uint32_t>& blocks, const std::string& salt) {
             const auto tk = tokens_of(tokens);
-            without_gil(s, [&](auto& c) { c.store(id, tk, first_chunk, chunk_count, blocks, salt); });
+            gil_for_tokens(s, tk.size(), [&](auto& c) { c.store(id, tk, first_chunk, chunk_count, blocks, salt); });
           },
           py::arg("request_id"), py::arg("tokens"), py::arg("first_chunk"), py::arg("chunk_count"),
           py::arg("block_ids"), py::arg("cache_salt") = "")
@@ -696,24 +721,24 @@ PYBIND11_MODULE(_kvtier, m) {
           [](const py_connector& s, const std::string& id, const py::iterable& hashes, std::uint32_t first_chunk,
              const std::vector<std::uint32_t>& blocks, const std::string& salt) {
             const auto hs = to_hashes(hashes);
-            without_gil(s, [&](auto& c) { c.store_hashes(id, hs, first_chunk, blocks, salt); });
+            holding_gil(s, [&](auto& c) { c.store_hashes(id, hs, first_chunk, blocks, salt); });
           },
           py::arg("request_id"), py::arg("hashes"), py::arg("first_chunk"), py::arg("block_ids"),
           py::arg("cache_salt") = "")
       .def(
           "get_finished",
           [](const py_connector& s, const std::vector<std::string>& finished) {
-            engine::finished_requests r = without_gil(s, [&](auto& c) { return c.get_finished(finished); });
+            engine::finished_requests r = holding_gil(s, [&](auto& c) { return c.get_finished(finished); });
             return py::make_tuple(r.sending, r.recving);
           },
           py::arg("finished_by_engine"), "(finished sending, finished receiving) ids; each id once.")
       .def("take_load_error_blocks",
-           [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.take_load_error_blocks(); }); })
+           [](const py_connector& s) { return holding_gil(s, [](auto& c) { return c.take_load_error_blocks(); }); })
       // Layer-wise loading: the waits release the GIL while they block.
       .def(
           "layers_ready",
           [](const py_connector& s, const std::string& id) {
-            return without_gil(s, [&](auto& c) { return c.layers_ready(id); });
+            return holding_gil(s, [&](auto& c) { return c.layers_ready(id); });
           },
           py::arg("request_id"), "Leading layers usable in every block of the request's retrieves in flight.")
       .def(
@@ -753,21 +778,21 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "block_is_quarantined",
           [](const py_connector& s, std::uint32_t b) {
-            return without_gil(s, [&](auto& c) { return c.block_is_quarantined(b); });
+            return holding_gil(s, [&](auto& c) { return c.block_is_quarantined(b); });
           },
           py::arg("block"))
       .def("quarantined_blocks",
-           [](const py_connector& s) { return without_gil(s, [](auto& c) { return c.quarantined_blocks(); }); })
+           [](const py_connector& s) { return holding_gil(s, [](auto& c) { return c.quarantined_blocks(); }); })
       .def(
           "block_reused",
           [](const py_connector& s, std::uint32_t b) {
-            return without_gil(s, [&](auto& c) { return c.block_reused(b); });
+            return holding_gil(s, [&](auto& c) { return c.block_reused(b); });
           },
           py::arg("block"), "Fences `block` before the engine writes it; False (nothing done) when quarantined.")
       .def(
           "blocks_reused",
           [](const py_connector& s, const std::vector<std::uint32_t>& blocks) {
-            return without_gil(s, [&](auto& c) { return c.blocks_reused(blocks); });
+            return holding_gil(s, [&](auto& c) { return c.blocks_reused(blocks); });
           },
           py::arg("blocks"), "block_reused for each; returns the quarantined ones (not fenced).");
 }

@@ -5,6 +5,11 @@ contract, the server refusing a scheduler's copies, and a layer-wise retrieve of
 from __future__ import annotations
 
 import json
+import sys
+import threading
+import time
+from array import array
+from collections import Counter
 
 import pytest
 import torch
@@ -273,3 +278,73 @@ def test_counters_are_stats_registrations_and_late_replies_across_a_restart(serv
         assert s.counters == (st["registrations"], st["late_replies"])
     finally:
         s.close()
+
+
+def test_a_call_that_cannot_block_keeps_the_gil(servers):
+    # Releasing the GIL for a call that takes a microsecond hands it to any Python thread that
+    # waits for it (vLLM's EngineCore serializes outputs in a thread of its own), and the caller
+    # then waits for that thread: up to sys.getswitchinterval(), 5 ms (docs/python.md, "The
+    # GIL"). Every call an engine makes per step keeps the GIL; the waits release it.
+    srv = servers.start(chunk_tokens=CT)
+    region, w = worker(srv.socket_path)
+    sched = scheduler(srv.socket_path)
+    hasher = kvtier.TokenHasher(CT)
+    tokens = array("I", range(7, 7 + 2 * CT + 3))  # 2 full chunks and a tail
+    hashes = hasher.chunk_hashes(tokens)
+    w.store_hashes("stored", hashes, 0, list(range(8)))
+    finished(w, "stored", "sending", ["stored"])
+    calls = {
+        "TokenHasher.chunk_hashes": lambda i: hasher.chunk_hashes(tokens),
+        "chunk_hashes": lambda i: sched.chunk_hashes(tokens),
+        "lookup": lambda i: sched.lookup(f"t{i}", tokens),
+        "lookup_hashes": lambda i: sched.lookup_hashes(f"h{i}", hashes),
+        "lookup_result": lambda i: sched.lookup_result(f"h{i}"),
+        "describes_chunks": lambda i: sched.describes_chunks,
+        "free_lookup_locks": lambda i: sched.free_lookup_locks(f"t{i}"),
+        "end_request": lambda i: (sched.end_request(f"t{i}"), sched.end_request(f"h{i}")),
+        "counters": lambda i: sched.counters,
+        "stats": lambda i: sched.stats(),
+        "state": lambda i: sched.state,
+        "blocks_reused": lambda i: w.blocks_reused([16 + i % 8, 24 + i % 8]),
+        "block_reused": lambda i: w.block_reused(16 + i % 8),
+        "block_is_quarantined": lambda i: w.block_is_quarantined(i % 32),
+        "quarantined_blocks": lambda i: w.quarantined_blocks(),
+        "retrieve_hashes": lambda i: w.retrieve_hashes(f"r{i}", hashes, 0, list(range(8, 16))),
+        "layers_ready": lambda i: w.layers_ready(f"r{i}"),
+        "store_hashes": lambda i: w.store_hashes(f"s{i}", hashes, 0, list(range(8))),
+        "get_finished": lambda i: w.get_finished([f"s{i}", f"r{i}"]),
+        "take_load_error_blocks": lambda i: w.take_load_error_blocks(),
+    }
+    ticks = [0]
+    stop = threading.Event()
+
+    def other_thread():  # runs Python whenever it holds the GIL, then gives it up at once
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    # The other thread never asks for the GIL in this test: it runs only when a call releases it.
+    sys.setswitchinterval(60.0)
+    t = threading.Thread(target=other_thread)
+    t.start()
+    handed_over = Counter()
+    try:
+        time.sleep(0.05)  # a release: the other thread runs (the check can see one)
+        seen = ticks[0]
+        assert seen > 0
+        for i in range(200):
+            for name, call in calls.items():
+                before = ticks[0]
+                call(i)
+                if ticks[0] != before:
+                    handed_over[name] += 1
+    finally:
+        stop.set()
+        sys.setswitchinterval(interval)
+        t.join()
+    assert not handed_over, f"calls that released the GIL: {dict(handed_over)}"
+    # The calls did their work: the stored chunks are found, the retrieves end without errors.
+    assert lookup(sched, "final", tokens) == 2 * CT
+    assert w.wait_retrieves([f"r{i}" for i in range(200)], 30)
+    assert w.take_load_error_blocks() == []
