@@ -44,6 +44,12 @@ and a pickle, about 1 MB touched) back to back and after the same spin as n = 25
 machine does to code that waited, whoever wrote it. On a shared VM the steady-state figure is
 mostly that (docs/performance.md, "vLLM connector: cost per step").
 
+--output-thread runs a second Python thread in the process, as vLLM's EngineCore has one
+(process_output_sockets) that serializes each step's outputs: at the start of every step the
+driver hands it the step's outputs (n small tuples, pickled), and it waits for the next. It
+needs the GIL for that work: a connector call that releases the GIL lets it in, and the
+engine thread then waits for it (up to sys.getswitchinterval(), 5 ms), in the step's figure.
+
 The steady state prints the engine thread's CPU time in the same calls beside their wall time
 (RESULT vllm_step_overhead_cpu_us_<n>: where it is well below, the thread waited for a core or
 a mutex), and at n = 256 runs control windows of its own (mixed, not in the headline; off with
@@ -126,10 +132,12 @@ import io
 import os
 import pickle
 import pstats
+import queue
 import random
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from pathlib import Path
@@ -174,6 +182,32 @@ def spin(seconds: float) -> None:
         pass
 
 
+class OutputThread:
+    """--output-thread: vLLM's EngineCore's output thread reduced to its GIL use (module
+    docstring): each step's n outputs built and pickled, then a blocking wait for the next."""
+
+    def __init__(self) -> None:
+        self.jobs: "queue.SimpleQueue[Optional[int]]" = queue.SimpleQueue()
+        self.serialized = 0  # steps whose outputs it serialized
+        self.thread = threading.Thread(target=self._run, name="output-thread", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            n = self.jobs.get()
+            if n is None:
+                return
+            pickle.dumps([(f"req-{i}", [7], None, 0, None) for i in range(n)])
+            self.serialized += 1
+
+    def post(self, n: int) -> None:
+        self.jobs.put(n)
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
+
+
 def assumed_step_s(n: int, context_tokens: float) -> float:
     """The HBM-bandwidth floor of one decode step of n requests (module docstring)."""
     return (WEIGHT_BYTES + n * context_tokens * KV_BYTES_PER_TOKEN) / HBM_BYTES_PER_S
@@ -215,6 +249,7 @@ class Engine:
         self._cpu0 = 0
         self.arrived = self.hits = self.misses = 0
         self.parts: Dict[str, int] = {}  # ns per group of calls, since the window began
+        self.output_thread = OutputThread() if args.output_thread else None
 
     # --- requests ---------------------------------------------------------------------
     def _tokens(self, n: int) -> List[int]:
@@ -278,6 +313,8 @@ class Engine:
         num_sched: Dict[str, int] = {}
         new_reqs: List[NewRequestData] = []
         cached = CachedRequestData()
+        if self.output_thread is not None:  # the last step's outputs, serialized meanwhile
+            self.output_thread.post(len(self.running))
         # Running requests: one decode token each (a new block at each block boundary).
         for req in self.running:
             rid = req.request_id
@@ -640,6 +677,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 windows of 24 steps per configuration")
     ap.add_argument("--profile", action="store_true", help="cProfile the n=256 mixed windows' connector calls")
     ap.add_argument("--time-calls", action="store_true", help="time every C++ connector call (count, median, mean)")
+    ap.add_argument("--output-thread", action="store_true",
+                    help="a second Python thread serializes each step's outputs, as vLLM's EngineCore's does")
     ap.add_argument("--decode-only", action="store_true",
                     help="decode steps back to back, nothing arriving (module docstring)")
     args = ap.parse_args()
@@ -664,6 +703,7 @@ def main() -> None:
     wait_l1_settled(srv.socket_path, who="vllm_step_overhead")
     connectors: List[KVTierConnector] = []
     call_times: Dict[str, List[int]] = {}
+    engine: Optional[Engine] = None
     try:
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
         extra = {"socket_path": str(srv.socket_path), "chunk_tokens": CHUNK, "kv_layout": "NHD", "ready_timeout_s": 30}
@@ -688,6 +728,8 @@ def main() -> None:
               f"{HEAD_DIM}) bf16, chunks of {CHUNK} tokens ({slot >> 20} MiB), prompts of {args.prompt_tokens} "
               f"tokens, {args.output_tokens} output tokens; {args.repeats} windows x {args.steps} steps per configuration")
         print(f"# python {sys.version.split()[0]}, torch {torch.__version__}, kvtier {kvtier.__version__}")
+        if args.output_thread:
+            print("# --output-thread: a second Python thread serializes each step's outputs (module docstring)")
         results: Dict[tuple, List[Dict[str, Any]]] = {}
         profiler = cProfile.Profile() if args.profile else None
         scenarios = DECODE_SCENARIOS if args.decode_only else ("mixed",) if args.profile else SCENARIOS
@@ -750,6 +792,9 @@ def main() -> None:
     finally:
         if call_times:
             print_call_times(call_times)
+        if engine is not None and engine.output_thread is not None:
+            engine.output_thread.close()
+            print(f"# --output-thread: serialized the outputs of {engine.output_thread.serialized} steps")
         for c in connectors:
             c.shutdown()
         factory.close()

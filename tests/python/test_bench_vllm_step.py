@@ -4,7 +4,8 @@ hit pool with no window before it; the population turning over while it primes m
 evict the prefixes it is putting in L1 (it did: "the hit pool's prefixes do not stay in L1").
 --decode-only prints its steps back to back and after the forward-pass wait, and the control
 without kvtier (the same Python work both ways); the steady state at n = 256 prints the engine
-thread's CPU time and its own control (the same repickle warm and after the wait).
+thread's CPU time and its own control (the same repickle warm and after the wait);
+--output-thread runs the steps beside a second Python thread that serializes their outputs.
 A kvtier-server with 2 GiB of L1 and a 1.5 GiB KV region; about 10 s (--quick).
 """
 
@@ -55,3 +56,12 @@ def test_the_steady_state_prints_the_engine_threads_cpu_time_and_the_control_of_
     check_results(results, ("vllm_step_overhead_us_256", "vllm_step_overhead_cpu_us_256"),
                   ("steady_after_wait_slowdown_256", "steady_repickle_after_wait_us_256", "steady_repickle_us_256"))
     assert "# n=256 control (mixed windows of their own, 8 steps)" in out
+
+
+def test_output_thread_serializes_every_steps_outputs_beside_the_connector_calls():
+    out, results = bench("--quick", "--ns", "1", "--repeats", "1", "--steps", "8", "--warmup", "2",
+                         "--no-steady-control", "--output-thread")
+    assert results["vllm_step_overhead_us_1"] > 0
+    assert "# --output-thread: a second Python thread serializes each step's outputs" in out
+    served = int(out.split("# --output-thread: serialized the outputs of ")[1].split()[0])
+    assert served >= 3 * (8 + 2)  # every step of the three scenarios' windows, and the start-up steps
