@@ -34,11 +34,14 @@
 //
 // Usage: kvtier_bench_l2_disk [--dir DIR] [--gib X] [--repeats N] [--quick] [--fio PATH]
 //                             [--fio-store-jobs N] [--store-batch N] [--store-inflight-gib X]
-//                             [--huge-pages] [--name-sync auto|directory|file]
-//   --huge-pages: stores from memory in transparent huge pages (as the server's L1 is, by
-//   default) against fio writing from hugetlb pages (iomem=shmhuge; it needs free ones:
-//   /proc/sys/vm/nr_hugepages): RESULT names end in _huge. Both gain from it (fio about
-//   1.5x on this VM), so the default compares 4 KiB pages on both sides.
+//                             [--huge-pages] [--name-sync auto|directory|file] [--lookup-keys N]
+//   --huge-pages: stores from memory and loads into an L1 in transparent huge pages (as the
+//   server's L1 is, by default; the L1 faulted in before the clock starts) against fio
+//   writing from and reading into hugetlb pages (iomem=shmhuge; it needs free ones:
+//   /proc/sys/vm/nr_hugepages): RESULT names end in _huge. Both gain from it (fio's stores
+//   about 1.5x on this VM), so the default compares 4 KiB pages on both sides.
+//   --lookup-keys: keys per lookup of the loads (default 8); the next lookup starts when one
+//   has loaded, so the disk's queue drains between lookups.
 //   DIR defaults to $KVTIER_BENCH_DIR, else ./l2-disk-bench (it must not be tmpfs for the
 //   figures to mean anything); X GiB per measurement (default 2); --quick: 0.25 GiB, 2 repeats.
 #include <kvtier/cache/tiered_cache.hpp>
@@ -246,6 +249,14 @@ double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t objec
   o.l1.slot_bytes = object_bytes;
   o.l1.slot_count = 2 * cfg.batch;
   cache::tiered_cache<> c(io.get_executor(), o, events, std::vector<l2::any_backend>{l2::any_backend(disk)});
+  if (cfg.huge_pages) {
+    // As the server's L1 by default (l1_huge_pages, l1_prefault): 2 MiB pages, faulted in
+    // before the clock starts, so that a 1 MiB read lands in one physically contiguous piece.
+    const std::span<std::byte> arena = c.l1().arena();
+    const std::string huge = server::advise_l1_huge_pages(arena);
+    if (huge != "asked") throw std::runtime_error("--huge-pages: madvise(MADV_HUGEPAGE) of L1 " + huge);
+    std::memset(arena.data(), 0, arena.size());
+  }
   (void)disk->register_buffers(c.l1().arena());  // as the server does; the kernel may refuse
   std::size_t loaded = 0;
   const auto t0 = clock_type::now();
@@ -280,6 +291,7 @@ double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t objec
 fs::path write_read_job(const bench_config& cfg, const fs::path& at, const fs::path& set) {
   std::ofstream j(at);
   j << "[global]\nioengine=io_uring\nfixedbufs=1\ndirect=1\nrw=read\nbs=" << cfg.part << "\niodepth=" << cfg.depth
+    << (cfg.huge_pages ? "\niomem=shmhuge" : "")
     << "\nnumjobs=1\nfile_service_type=sequential\n[read]\nopendir=" << (set / "objects").string() << "\n";
   return at;
 }
@@ -406,8 +418,10 @@ int main(int argc, char** argv) try {
       const double gib = std::stod(next());
       if (!(gib > 0 && gib <= 1024)) throw std::invalid_argument("--store-inflight-gib must be in (0, 1024]");
       cfg.store_inflight_bytes = static_cast<std::uint64_t>(gib * static_cast<double>(1ULL << 30));
-    }
-    else if (a == "--huge-pages")
+    } else if (a == "--lookup-keys") {
+      cfg.batch = std::stoul(next());
+      if (cfg.batch == 0 || cfg.batch > 1024) throw std::invalid_argument("--lookup-keys must be in 1..1024");
+    } else if (a == "--huge-pages")
       cfg.huge_pages = true;
     else if (a == "--name-sync") {
       const std::string v = next();
@@ -420,9 +434,10 @@ int main(int argc, char** argv) try {
       cfg.gib = 0.25;
       cfg.repeats = 2;
     } else
-      throw std::invalid_argument("unknown argument " + a +
-                                  " (use --dir, --gib, --repeats, --quick, --fio, "
-                                  "--fio-store-jobs, --store-batch, --store-inflight-gib, --huge-pages, --name-sync)");
+      throw std::invalid_argument(
+          "unknown argument " + a +
+          " (use --dir, --gib, --repeats, --quick, --fio, "
+          "--fio-store-jobs, --store-batch, --store-inflight-gib, --huge-pages, --name-sync, --lookup-keys)");
   }
   if (cfg.repeats < 1 || cfg.gib <= 0) throw std::invalid_argument("--repeats and --gib must be positive");
   if (cfg.fio_store_jobs > 64) throw std::invalid_argument("--fio-store-jobs must be at most 64");
@@ -430,9 +445,12 @@ int main(int argc, char** argv) try {
     // fio's shm buffer per job: depth x bs plus alignment, rounded up to 2 MiB pages, and one
     // page more: measured, 8 jobs of depth 2 x 1 MiB fail ("no huge pages available") with 20
     // free pages and run with 24.
-    const unsigned per_job = static_cast<unsigned>(
-        (cfg.depth / cfg.store_jobs() * cfg.part + 4096 + (std::size_t{2} << 20) - 1) / (std::size_t{2} << 20) + 1);
-    const long need = static_cast<long>(cfg.store_jobs() * per_job);
+    // The read job is one job of the whole depth; the two never run at once.
+    const auto pages = [&](unsigned depth) {
+      return static_cast<long>((depth * cfg.part + 4096 + (std::size_t{2} << 20) - 1) / (std::size_t{2} << 20) + 1);
+    };
+    const long need =
+        std::max(static_cast<long>(cfg.store_jobs()) * pages(cfg.depth / cfg.store_jobs()), pages(cfg.depth));
     if (free_hugetlb_pages() < need)
       throw std::runtime_error("--huge-pages: fio needs " + std::to_string(need) +
                                " free hugetlb pages (HugePages_Free in /proc/meminfo); as root: echo " +
@@ -448,26 +466,26 @@ int main(int argc, char** argv) try {
   using kvtier::bench::median;
   using kvtier::bench::median_ratio;
   using kvtier::bench::print_result;
-  print_result("l2_load_vs_fio", median_ratio(big.ours_read, big.fio_read));
   const std::string huge = cfg.huge_pages ? "_huge" : "";
+  print_result("l2_load_vs_fio" + huge, median_ratio(big.ours_read, big.fio_read));
   print_result("l2_store_vs_fio" + huge, median_ratio(big.ours_write, big.fio_write));
-  print_result("l2_load_vs_fio_3m", median_ratio(small.ours_read, small.fio_read));
+  print_result("l2_load_vs_fio_3m" + huge, median_ratio(small.ours_read, small.fio_read));
   print_result("l2_store_vs_fio_3m" + huge, median_ratio(small.ours_write, small.fio_write));
-  print_result("l2_load_pread_vs_fio", median_ratio(big.ours_pread, big.fio_read));
-  print_result("l2_load_pread_vs_fio_3m", median_ratio(small.ours_pread, small.fio_read));
-  print_result("l2_load_gbps", median(big.ours_read) / 1e9);
-  print_result("fio_read_gbps", median(big.fio_read) / 1e9);
-  print_result("l2_load_pread_gbps", median(big.ours_pread) / 1e9);
+  print_result("l2_load_pread_vs_fio" + huge, median_ratio(big.ours_pread, big.fio_read));
+  print_result("l2_load_pread_vs_fio_3m" + huge, median_ratio(small.ours_pread, small.fio_read));
+  print_result("l2_load_gbps" + huge, median(big.ours_read) / 1e9);
+  print_result("fio_read_gbps" + huge, median(big.fio_read) / 1e9);
+  print_result("l2_load_pread_gbps" + huge, median(big.ours_pread) / 1e9);
   print_result("l2_store_gbps" + huge, median(big.ours_write) / 1e9);
   print_result("fio_write_gbps" + huge, median(big.fio_write) / 1e9);
-  print_result("l2_load_3m_gbps", median(small.ours_read) / 1e9);
-  print_result("fio_read_3m_gbps", median(small.fio_read) / 1e9);
+  print_result("l2_load_3m_gbps" + huge, median(small.ours_read) / 1e9);
+  print_result("fio_read_3m_gbps" + huge, median(small.fio_read) / 1e9);
   print_result("l2_store_3m_gbps" + huge, median(small.ours_write) / 1e9);
   print_result("fio_write_3m_gbps" + huge, median(small.fio_write) / 1e9);
   print_result("fio_store_jobs", cfg.store_jobs());
   print_result("l2_store_directory_fsync" + huge, store_directory_fsync);
-  print_result("fio_read_depth_full_pct", median(big.fio_read_full_pct));
-  print_result("fio_read_3m_depth_full_pct", median(small.fio_read_full_pct));
+  print_result("fio_read_depth_full_pct" + huge, median(big.fio_read_full_pct));
+  print_result("fio_read_3m_depth_full_pct" + huge, median(small.fio_read_full_pct));
   print_result("fio_write_depth_full_pct" + huge, median(big.fio_write_full_pct));
   print_result("fio_write_3m_depth_full_pct" + huge, median(small.fio_write_full_pct));
   return 0;

@@ -116,7 +116,7 @@ bench_l2_fio() {
   KVTIER_BUILD_DIR="$build" KVTIER_BENCH_DIR="$work/l2-disk" bench/l2_vs_fio.sh "${args[@]}" > "$logs/l2_fio.log" 2>&1
   rm -rf "$work/l2-disk"
   gather l2_fio "$logs/l2_fio.log"
-  # Stores with both sides in huge pages (the _huge figures), where hugetlb pages are free
+  # Stores and loads with both sides in huge pages (the _huge figures), where hugetlb pages are free
   # for fio's buffers (as root: echo 24 > /proc/sys/vm/nr_hugepages); not reserved here.
   if [ "$(awk '/^HugePages_Free:/ {print $2}' /proc/meminfo)" -ge 24 ] 2>/dev/null; then
     KVTIER_BUILD_DIR="$build" KVTIER_BENCH_DIR="$work/l2-disk" bench/l2_vs_fio.sh "${args[@]}" --huge-pages \

@@ -373,6 +373,11 @@ def summary(res, meta, table, made):
         g("l2_load_vs_fio"), ">= 0.9")
     row("L2 disk load, 3 MiB objects", g("l2_load_3m_gbps"), "GB/s", g("fio_read_3m_gbps"), "GB/s", "fio read, fixedbufs",
         g("l2_load_vs_fio_3m"), ">= 0.9")
+    for sz, sfx in (("32 MiB", ""), ("3 MiB", "_3m")):
+        if g(f"l2_load_vs_fio{sfx}_huge") is not None:
+            row(f"L2 disk load, {sz} objects, both in huge pages (`l2_load_vs_fio{sfx}_huge`: into an L1 in THP, "
+                "faulted in first, as the server's)", g(f"l2_load{sfx}_gbps_huge"), "GB/s", g(f"fio_read{sfx}_gbps_huge"),
+                "GB/s", "fio read, fixedbufs, into hugetlb pages (iomem=shmhuge)", g(f"l2_load_vs_fio{sfx}_huge"), ">= 0.9")
     def names(sfx=""):
         """How the stores made names durable (docs/l2-disk.md, "Durability")."""
         d = g(f"l2_store_directory_fsync{sfx}")
