@@ -208,11 +208,20 @@ auto holding_gil(const py_connector& self, F&& f) {
 /// 65536 tokens are 256 KiB, about 25 us of XXH3 on the dev VM.
 constexpr std::size_t release_gil_from_tokens = std::size_t{1} << 16;
 
-/// holding_gil, or without_gil for a call given release_gil_from_tokens tokens or more.
+/// f() with the GIL held, or released when it works on release_gil_from_tokens tokens or
+/// more (holding_gil's reason below that).
+template <class F>
+auto call_for_tokens(std::size_t tokens, F&& f) {
+  if (tokens < release_gil_from_tokens) return f();
+  py::gil_scoped_release nogil;
+  return f();
+}
+
+/// call_for_tokens for a connector call (the connector taken with the GIL held).
 template <class F>
 auto gil_for_tokens(const py_connector& self, std::size_t tokens, F&& f) {
-  if (tokens >= release_gil_from_tokens) return without_gil(self, std::forward<F>(f));
-  return holding_gil(self, std::forward<F>(f));
+  auto b = self.box();
+  return call_for_tokens(tokens, [&] { return f(*b->conn); });
 }
 
 std::string options_repr(const engine::connector_options& o) {
@@ -432,13 +441,7 @@ PYBIND11_MODULE(_kvtier, m) {
                                             " full chunks: give one bytes object per full chunk (b\"\" for none)");
             }
             const auto tk = tokens_of(tokens);
-            if (tk.size() < release_gil_from_tokens) return to_list(h.chunk_hashes(tk, spans));  // holding_gil's reason
-            std::vector<hash128> out;
-            {
-              py::gil_scoped_release nogil;
-              out = h.chunk_hashes(tk, spans);
-            }
-            return to_list(out);
+            return to_list(call_for_tokens(tk.size(), [&] { return h.chunk_hashes(tk, spans); }));
           },
           py::arg("tokens"), py::arg("extras") = py::none(),
           "The hashes of every full chunk of a sequence that starts at token 0; extras (one bytes per "

@@ -40,6 +40,20 @@ def test_chunk_hashes_follow_the_documented_encoding():
     assert kvtier.TokenHasher(4, kvtier.HashAlgorithm.SHA256).chunk_hashes(tokens) != want
 
 
+def test_a_long_sequence_hashes_the_same_with_the_gil_released():
+    # From 65536 tokens hashing releases the GIL (docs/python.md, "The GIL"); the prefix chunks
+    # hash as they do in a short sequence, with and without extras.
+    h = kvtier.TokenHasher(256)
+    tokens = np.arange(1, 70001, dtype=np.uint32)
+    short = tokens[:1024]
+    long_hashes = h.chunk_hashes(tokens)
+    assert len(long_hashes) == 70000 // 256
+    assert long_hashes[:4] == h.chunk_hashes(short)
+    extras = [b"lora:1"] + [b""] * (70000 // 256 - 1)
+    assert h.chunk_hashes(tokens, extras)[:4] == h.chunk_hashes(short, extras[:4])
+    assert h.chunk_hashes(tokens, extras)[0] != long_hashes[0]
+
+
 def test_model_ids_fold_dtype_layout_and_salt():
     m = ModelShape(2, 2, 16, DtypeKind.BF16)
     # Encoding 2: name || 0 || u32 layers, heads, head dim, u8 dtype, attention, layout || 0 || salt.
