@@ -37,6 +37,29 @@ endif()
 # cppzmq (zmq.hpp, header-only; its .pc requires libzmq's): one target for both.
 if(NOT TARGET PkgConfig::ZMQ)
   pkg_check_modules(ZMQ QUIET IMPORTED_TARGET GLOBAL libzmq cppzmq)
+  # Debian's libzmq.pc has "-isystem /usr/include/mit-krb5" in its Cflags. CMake 3.25 makes it
+  # an include directory at a build directory's first configure and a compile option at every
+  # later one, so the compile commands of everything linking the target change between the
+  # two, and the second configure (the test command after the demo) rebuilt kvtier-server's
+  # main.cpp. Moved to the include directories here, it is one thing every time.
+  if(TARGET PkgConfig::ZMQ)
+    get_target_property(_kvtier_zmq_options PkgConfig::ZMQ INTERFACE_COMPILE_OPTIONS)
+    if(_kvtier_zmq_options)
+      set(_kvtier_kept "")
+      set(_kvtier_next_is_dir OFF)
+      foreach(_o IN LISTS _kvtier_zmq_options)
+        if(_kvtier_next_is_dir)
+          set_property(TARGET PkgConfig::ZMQ APPEND PROPERTY INTERFACE_INCLUDE_DIRECTORIES "${_o}")
+          set(_kvtier_next_is_dir OFF)
+        elseif(_o STREQUAL "-isystem")
+          set(_kvtier_next_is_dir ON)
+        else()
+          list(APPEND _kvtier_kept "${_o}")
+        endif()
+      endforeach()
+      set_property(TARGET PkgConfig::ZMQ PROPERTY INTERFACE_COMPILE_OPTIONS "${_kvtier_kept}")
+    endif()
+  endif()
 endif()
 
 # xxHash is used header-only (XXH_INLINE_ALL), so only its header has to be present.

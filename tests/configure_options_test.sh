@@ -155,6 +155,29 @@ else
   echo "note: no nvcc here, the case of nvcc appearing was not run"
 fi
 
+# A second configure with the same arguments changes no compile command: the test command
+# configures build/ again after the demo, and a changed command rebuilds (libzmq's
+# "-isystem" Cflag was an include directory at the first configure and a compile option
+# after it, so kvtier-server's main.cpp was compiled twice; cmake/kvtier_dependencies.cmake).
+d=$work/reconfigure
+compile_vars() { grep -E '^  (DEFINES|FLAGS|INCLUDES) = ' "$1/build.ninja"; }
+if configure "$d" -G Ninja -DKVTIER_BUILD_TESTS=OFF -DKVTIER_BUILD_EXAMPLES=ON -DKVTIER_BUILD_BENCH=OFF \
+     -DKVTIER_BUILD_PYTHON=OFF -DKVTIER_WITH_CUDA=OFF; then
+  compile_vars "$d" >"$d.first"
+  configure "$d"
+  compile_vars "$d" >"$d.second"
+  if [ ! -s "$d.first" ]; then
+    fail "configured twice: no compile commands in $d/build.ninja"
+  elif cmp -s "$d.first" "$d.second"; then
+    echo "ok: configured twice: the same $(wc -l <"$d.first") compile variables"
+  else
+    fail "configured twice: the compile commands changed:"
+    diff "$d.first" "$d.second" | head -n 10
+  fi
+else
+  fail "configured twice: the first configure failed ($d.log)"
+fi
+
 if [ "$failures" -gt 0 ]; then
   echo "configure_options_test: $failures FAILED" >&2
   exit 1
