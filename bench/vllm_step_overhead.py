@@ -50,6 +50,12 @@ driver hands it the step's outputs (n small tuples, pickled), and it waits for t
 needs the GIL for that work: a connector call that releases the GIL lets it in, and the
 engine thread then waits for it (up to sys.getswitchinterval(), 5 ms), in the step's figure.
 
+The start-up heap is frozen before the first step, as vLLM's EngineCore.__init__ freezes it
+(vllm/utils/gc_utils.py freeze_gc_heap: gc.collect of each generation, then gc.freeze()) once
+its scheduler, its workers (at TP=1 in the same process) and their connectors exist and the KV
+caches are registered, before any request: the garbage collector's passes then skip those
+objects, in vLLM and here. --no-gc-freeze leaves the heap as it is.
+
 The steady state prints the engine thread's CPU time in the same calls beside their wall time
 (RESULT vllm_step_overhead_cpu_us_<n>: where it is well below, the thread waited for a core or
 a mutex), and at n = 256 runs control windows of its own (mixed, not in the headline; off with
@@ -128,6 +134,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import os
 import pickle
@@ -173,6 +180,17 @@ NS = (1, 64, 256)
 SCENARIOS = ("nohit", "hit", "mixed")
 DECODE_SCENARIOS = ("decode", "decode_wait")  # --decode-only: back to back, and after the forward-pass wait
 POOL = 4  # prefixes the hit scenario's prompts start with
+
+
+def freeze_startup_heap() -> int:
+    """vLLM's freeze_gc_heap (vllm/utils/gc_utils.py), which EngineCore.__init__ calls once the
+    engine is set up: every generation collected, then everything alive moved to the permanent
+    generation, which collections skip. Returns the objects frozen."""
+    gc.collect(0)
+    gc.collect(1)
+    gc.collect(2)
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def spin(seconds: float) -> None:
@@ -677,6 +695,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 windows of 24 steps per configuration")
     ap.add_argument("--profile", action="store_true", help="cProfile the n=256 mixed windows' connector calls")
     ap.add_argument("--time-calls", action="store_true", help="time every C++ connector call (count, median, mean)")
+    ap.add_argument("--no-gc-freeze", dest="gc_freeze", action="store_false",
+                    help="do not freeze the start-up heap (vLLM's EngineCore.__init__ does: freeze_gc_heap)")
     ap.add_argument("--output-thread", action="store_true",
                     help="a second Python thread serializes each step's outputs, as vLLM's EngineCore's does")
     ap.add_argument("--decode-only", action="store_true",
@@ -724,6 +744,11 @@ def main() -> None:
             ss.connector = CallTimer(ss.connector, "scheduler", call_times)
             ss._hasher = CallTimer(ss._hasher, "hasher", call_times)
             ws.connector = CallTimer(ws.connector, "worker", call_times)
+        if args.gc_freeze:
+            frozen = freeze_startup_heap()
+            print(f"# gc: the start-up heap frozen ({frozen} objects), as vLLM's EngineCore.__init__ freezes it")
+        else:
+            print("# gc: --no-gc-freeze: the start-up heap is not frozen (vLLM's EngineCore.__init__ freezes it)")
         print(f"# vLLM connector cost per step: {LAYERS} layers x (2, {args.region_blocks}, {BLOCK}, {KV_HEADS}, "
               f"{HEAD_DIM}) bf16, chunks of {CHUNK} tokens ({slot >> 20} MiB), prompts of {args.prompt_tokens} "
               f"tokens, {args.output_tokens} output tokens; {args.repeats} windows x {args.steps} steps per configuration")

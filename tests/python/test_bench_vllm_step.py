@@ -6,6 +6,8 @@ evict the prefixes it is putting in L1 (it did: "the hit pool's prefixes do not 
 without kvtier (the same Python work both ways); the steady state at n = 256 prints the engine
 thread's CPU time and its own control (the same repickle warm and after the wait);
 --output-thread runs the steps beside a second Python thread that serializes their outputs.
+The start-up heap is frozen before the first step, as vLLM's EngineCore.__init__ freezes it
+(--no-gc-freeze leaves it).
 A kvtier-server with 2 GiB of L1 and a 1.5 GiB KV region; about 10 s (--quick).
 """
 
@@ -56,6 +58,19 @@ def test_the_steady_state_prints_the_engine_threads_cpu_time_and_the_control_of_
     check_results(results, ("vllm_step_overhead_us_256", "vllm_step_overhead_cpu_us_256"),
                   ("steady_after_wait_slowdown_256", "steady_repickle_after_wait_us_256", "steady_repickle_us_256"))
     assert "# n=256 control (mixed windows of their own, 8 steps)" in out
+    # vLLM's EngineCore.__init__ freezes the start-up heap (freeze_gc_heap) once the scheduler,
+    # the workers (TP=1: in its process) and their connectors exist, before any request: the
+    # bench replays that, so the garbage collector's full passes skip the same objects.
+    frozen = int(out.split("# gc: the start-up heap frozen (")[1].split()[0])
+    assert frozen > 1000  # torch, the connectors, the KV tensors' wrappers
+
+
+def test_no_gc_freeze_leaves_the_heap_as_it_is():
+    out, results = bench("--quick", "--ns", "1", "--repeats", "1", "--steps", "8", "--warmup", "2",
+                         "--no-steady-control", "--no-gc-freeze")
+    assert results["vllm_step_overhead_us_1"] > 0
+    assert "# gc: --no-gc-freeze: the start-up heap is not frozen" in out
+    assert "# gc: the start-up heap frozen (" not in out
 
 
 def test_output_thread_serializes_every_steps_outputs_beside_the_connector_calls():
