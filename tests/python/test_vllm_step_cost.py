@@ -415,3 +415,42 @@ def test_the_step_plan_pickles_to_itself_as_tuples():
     as_dataclasses = len(pickle.dumps((plan.loads, plan.stores, plan.fence_blocks, plan.preempted, plan.recv_last),
                                       protocol=pickle.HIGHEST_PROTOCOL))
     assert compact < 0.7 * as_dataclasses, (compact, as_dataclasses)
+
+
+def test_the_metadata_pickles_with_one_global_and_an_empty_plan_with_no_list():
+    """The metadata's pickle names one global to find at the worker (each costs a module
+    lookup per step), and a plan with nothing in it (most decode steps) none of its five
+    lists; every plan, empty or not, and every pickle protocol, comes back equal."""
+    import pickle
+    import pickletools
+
+    from kvtier.integrations.plan import LoadOp, StepPlan, StoreOp
+    from kvtier.integrations.vllm import KVTierConnectorMetadata
+
+    def globals_named(data: bytes) -> int:
+        return sum(op.name in ("GLOBAL", "STACK_GLOBAL") for op, _, _ in pickletools.genops(data))
+
+    def lists_built(data: bytes) -> int:
+        return sum(op.name in ("EMPTY_LIST", "LIST") for op, _, _ in pickletools.genops(data))
+
+    plans = [
+        StepPlan(),
+        StepPlan(fence_blocks=[3]),
+        StepPlan(preempted=["p"]),
+        StepPlan(recv_last=["r"]),
+        StepPlan(loads=[LoadOp("a", 1, [1 << 100], [4, 5], 3, "salt", [9])]),
+        StepPlan(stores=[StoreOp("c", 2, [(1 << 127) + 5], [10, 11], "s2")], fence_blocks=[10, 11]),
+    ]
+    for plan in plans:
+        for protocol in range(2, pickle.HIGHEST_PROTOCOL + 1):
+            data = pickle.dumps(KVTierConnectorMetadata(plan), protocol=protocol)
+            meta = pickle.loads(data)
+            assert type(meta) is KVTierConnectorMetadata and meta.plan == plan, (plan, protocol)
+            assert globals_named(data) == 1, (plan, protocol)
+    empty = pickle.dumps(KVTierConnectorMetadata(StepPlan()), protocol=pickle.HIGHEST_PROTOCOL)
+    assert lists_built(empty) == 0
+    assert len(empty) <= 64, len(empty)
+    # The plan a worker gets from an empty pickle is its own: appending to it changes no other.
+    a, b = pickle.loads(empty).plan, pickle.loads(empty).plan
+    a.fence_blocks.append(1)
+    assert b.fence_blocks == [] and pickle.loads(empty).plan == StepPlan()
