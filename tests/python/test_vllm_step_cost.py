@@ -433,11 +433,15 @@ def test_the_metadata_pickles_with_one_global_and_an_empty_plan_with_no_list():
     def lists_built(data: bytes) -> int:
         return sum(op.name in ("EMPTY_LIST", "LIST") for op, _, _ in pickletools.genops(data))
 
-    plans = [
+    import dataclasses
+
+    # Each field alone (every field StepPlan has, so a field added later is covered too) must
+    # not pickle as an empty plan.
+    samples = {"loads": [LoadOp("x", 0, [1], [2], 0)], "stores": [StoreOp("y", 0, [1], [2])],
+               "fence_blocks": [3], "preempted": ["p"], "recv_last": ["r"]}
+    plans = [StepPlan(**{f.name: samples[f.name]}) for f in dataclasses.fields(StepPlan)]
+    plans += [
         StepPlan(),
-        StepPlan(fence_blocks=[3]),
-        StepPlan(preempted=["p"]),
-        StepPlan(recv_last=["r"]),
         StepPlan(loads=[LoadOp("a", 1, [1 << 100], [4, 5], 3, "salt", [9])]),
         StepPlan(stores=[StoreOp("c", 2, [(1 << 127) + 5], [10, 11], "s2")], fence_blocks=[10, 11]),
     ]

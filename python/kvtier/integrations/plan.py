@@ -57,6 +57,11 @@ class StepPlan:
     preempted: List[str] = field(default_factory=list)
     recv_last: List[str] = field(default_factory=list)
 
+    def is_empty(self) -> bool:
+        """Nothing to do in any field (most decode steps); beside __reduce__, which pickles
+        the same fields."""
+        return not (self.loads or self.stores or self.fence_blocks or self.preempted or self.recv_last)
+
     def __reduce__(self) -> Tuple[Any, Tuple[Any, ...]]:
         # Pickled every step (vLLM sends the metadata to each worker process): the ops as
         # tuples, not as dataclasses (a class reference and a dict of field names each), which
