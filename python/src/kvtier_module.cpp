@@ -40,13 +40,16 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <bit>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -64,13 +67,97 @@ struct kvtier_failure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Tokens as the C++ side takes them: any sequence of ints or any array-like, as uint32.
-using token_array = py::array_t<std::uint32_t, py::array::c_style | py::array::forcecast>;
+/// Tokens as the C++ side takes them: any sequence of ints or any array-like, as uint32
+/// (the argument type of every binding that takes tokens; its caster is below).
+struct token_input {
+  std::span<const token_id> tokens;
+};
 
-std::span<const token_id> tokens_of(const token_array& a) {
-  if (a.ndim() != 1) throw std::invalid_argument("kvtier: tokens must be one-dimensional");
-  return {a.data(), static_cast<std::size_t>(a.size())};
+std::span<const token_id> tokens_of(const token_input& t) { return t.tokens; }
+
+/// Whether a buffer's struct format is a native 4-byte unsigned int (array('I'), numpy.uint32).
+bool native_u32_format(const char* f) {
+  if (f == nullptr) return false;  // the buffer gave no format: bytes ("B"), not ints
+  const std::string_view s(f);
+  return s == "I" || s == "@I" || s == "=I" ||
+         (s == (std::endian::native == std::endian::little ? "<I" : ">I"));
 }
+
+}  // namespace
+
+namespace pybind11::detail {
+
+/// token_input from Python, by the first of three ways that applies:
+/// - a list of ints in 0..2**32-1 (vLLM's token ids): copied in one pass over its items;
+/// - a one-dimensional, C-contiguous, aligned buffer of native uint32 (array('I'), a numpy
+///   uint32 array, a memoryview of either): read where it lies through the buffer protocol,
+///   held until the call returns;
+/// - anything else (a list holding something else, other dtypes, torch tensors): numpy's
+///   conversion to a C-contiguous uint32 array (forcecast), as before these fast paths.
+/// The first two skip numpy, whose conversion was most of what hashing a prompt's tokens cost
+/// an engine step: it converts a list item by item through Python, and its code is cold
+/// there (docs/performance.md, "vLLM connector: cost per step").
+template <>
+struct type_caster<token_input> {
+  PYBIND11_TYPE_CASTER(token_input, const_name("Sequence[int]"));
+
+  type_caster() = default;
+  type_caster(const type_caster&) = delete;
+  type_caster& operator=(const type_caster&) = delete;
+  ~type_caster() {
+    if (view_.obj != nullptr) PyBuffer_Release(&view_);
+  }
+
+  bool load(handle src, bool convert) {
+    if (PyList_CheckExact(src.ptr()) && load_list(src.ptr())) return true;
+    if (PyObject_CheckBuffer(src.ptr())) {
+      if (PyObject_GetBuffer(src.ptr(), &view_, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
+        if (view_.ndim == 1 && view_.itemsize == sizeof(token_id) && native_u32_format(view_.format) &&
+            reinterpret_cast<std::uintptr_t>(view_.buf) % alignof(token_id) == 0) {
+          value.tokens = {static_cast<const token_id*>(view_.buf), static_cast<std::size_t>(view_.shape[0])};
+          return true;
+        }
+        PyBuffer_Release(&view_);
+        view_ = Py_buffer{};
+      } else {
+        PyErr_Clear();  // not contiguous, or refused: numpy decides
+      }
+    }
+    if (!array_.load(src, convert)) return false;
+    const auto& a = static_cast<const array_t<std::uint32_t, array::c_style | array::forcecast>&>(array_);
+    if (a.ndim() != 1) throw std::invalid_argument("kvtier: tokens must be one-dimensional");
+    value.tokens = {a.data(), static_cast<std::size_t>(a.size())};
+    return true;
+  }
+
+  static handle cast(const token_input&, return_value_policy, handle) = delete;
+
+ private:
+  /// A list whose every item is an int in 0..2**32-1 (what vLLM's token ids are), copied in
+  /// one pass; false (nothing loaded) at the first other item, for numpy to convert or refuse.
+  bool load_list(PyObject* list) {
+    const Py_ssize_t n = PyList_GET_SIZE(list);
+    owned_.resize(static_cast<std::size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = PyList_GET_ITEM(list, i);
+      if (!PyLong_CheckExact(item)) return false;
+      int overflow = 0;
+      const long v = PyLong_AsLongAndOverflow(item, &overflow);
+      if (overflow != 0 || v < 0 || static_cast<unsigned long>(v) > std::numeric_limits<token_id>::max()) return false;
+      owned_[static_cast<std::size_t>(i)] = static_cast<token_id>(v);
+    }
+    value.tokens = owned_;
+    return true;
+  }
+
+  std::vector<token_id> owned_;
+  Py_buffer view_{};
+  type_caster<array_t<std::uint32_t, array::c_style | array::forcecast>> array_;
+};
+
+}  // namespace pybind11::detail
+
+namespace {
 
 // --- 128-bit hashes as Python ints ------------------------------------------------------
 
@@ -421,7 +508,7 @@ PYBIND11_MODULE(_kvtier, m) {
       .def("root", [](const token_hasher& h) { return to_int(h.root()); })
       .def(
           "chunk_hashes",
-          [](const token_hasher& h, const token_array& tokens, const py::object& extras) {
+          [](const token_hasher& h, const token_input& tokens, const py::object& extras) {
             // extras: None, or one bytes object per full chunk (b"": that chunk's tokens alone).
             std::vector<py::bytes> held;  // keeps the buffers alive while the GIL is released
             std::vector<std::span<const std::byte>> spans;
@@ -434,10 +521,10 @@ PYBIND11_MODULE(_kvtier, m) {
                 spans.emplace_back(reinterpret_cast<const std::byte*>(PyBytes_AS_STRING(item.ptr())),
                                    static_cast<std::size_t>(PyBytes_GET_SIZE(item.ptr())));
               }
-              if (spans.size() != h.full_chunks(static_cast<std::size_t>(tokens.size())))
+              if (spans.size() != h.full_chunks(tokens.tokens.size()))
                 throw std::invalid_argument("kvtier: TokenHasher.chunk_hashes: " + std::to_string(spans.size()) +
                                             " extras for " +
-                                            std::to_string(h.full_chunks(static_cast<std::size_t>(tokens.size()))) +
+                                            std::to_string(h.full_chunks(tokens.tokens.size())) +
                                             " full chunks: give one bytes object per full chunk (b\"\" for none)");
             }
             const auto tk = tokens_of(tokens);
@@ -621,7 +708,7 @@ PYBIND11_MODULE(_kvtier, m) {
           "(registrations, late_replies) of stats(), without its dict: what the vLLM connector samples every step.")
       .def(
           "chunk_hashes",
-          [](const py_connector& s, const token_array& tokens) {
+          [](const py_connector& s, const token_input& tokens) {
             const auto tk = tokens_of(tokens);
             return to_list(gil_for_tokens(s, tk.size(), [&](auto& c) { return c.chunk_hashes(tk); }));
           },
@@ -629,7 +716,7 @@ PYBIND11_MODULE(_kvtier, m) {
       // Scheduler side.
       .def(
           "lookup",
-          [](const py_connector& s, const std::string& id, const token_array& tokens, const std::string& salt) {
+          [](const py_connector& s, const std::string& id, const token_input& tokens, const std::string& salt) {
             const auto tk = tokens_of(tokens);
             gil_for_tokens(s, tk.size(), [&](auto& c) { c.lookup(id, tk, salt); });
           },
@@ -647,7 +734,7 @@ PYBIND11_MODULE(_kvtier, m) {
           "Whether describe_chunks may send anything now (False once the server said it publishes no KV events).")
       .def(
           "describe_chunks",
-          [](const py_connector& s, const py::iterable& hashes, const token_array& tokens, const std::string& salt,
+          [](const py_connector& s, const py::iterable& hashes, const token_input& tokens, const std::string& salt,
              std::uint32_t block_size, const std::optional<py::int_>& parent, const std::string& lora_name,
              std::int64_t lora_id, const std::vector<std::string>& block_extra_keys) {
             const auto hs = to_hashes(hashes);
@@ -692,7 +779,7 @@ PYBIND11_MODULE(_kvtier, m) {
       // Worker side.
       .def(
           "retrieve",
-          [](const py_connector& s, const std::string& id, const token_array& tokens, std::uint32_t first_chunk,
+          [](const py_connector& s, const std::string& id, const token_input& tokens, std::uint32_t first_chunk,
              const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt, bool synchronous) {
             const auto tk = tokens_of(tokens);
             const engine::retrieve_options how{synchronous};
@@ -712,7 +799,7 @@ PYBIND11_MODULE(_kvtier, m) {
           py::arg("skip_tokens") = 0, py::arg("cache_salt") = "", py::kw_only(), py::arg("synchronous") = false)
       .def(
           "store",
-          [](const py_connector& s, const std::string& id, const token_array& tokens, std::uint32_t first_chunk,
+          [](const py_connector& s, const std::string& id, const token_input& tokens, std::uint32_t first_chunk,
              std::uint32_t chunk_count, const std::vector<std::uint32_t>& blocks, const std::string& salt) {
             const auto tk = tokens_of(tokens);
             gil_for_tokens(s, tk.size(), [&](auto& c) { c.store(id, tk, first_chunk, chunk_count, blocks, salt); });

@@ -21,8 +21,12 @@ from __future__ import annotations
 
 import random
 import sys
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
+import pytest
+
+from kvtier import TokenHasher
 from kvtier.integrations.config import KVTierConfig
 from kvtier.integrations.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm_scheduler_output import preempted_ids, scheduled_rows, step_input_from
@@ -60,9 +64,11 @@ class CountingHasher:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.calls = 0
+        self.given: List[Any] = []
 
     def chunk_hashes(self, tokens: Any, extras: Any = None) -> Any:
         self.calls += 1
+        self.given.append(tokens)
         return self.inner.chunk_hashes(tokens, extras)
 
 
@@ -367,15 +373,10 @@ class Describing(Lookups):
         self.described.append((list(hashes), list(tokens)))
 
 
-def test_a_lookup_converts_its_tokens_once_and_hashes_and_describes_what_the_list_holds():
-    # The list of token ids becomes one array('I') that the hashing and the description both
-    # read (the bindings' conversion of a list is the costly part); the hashes and the
-    # described tokens are the list's. Ids that are no uint32 stay a list (the bindings decide).
-    from array import array
-
-    from kvtier import TokenHasher
-    from kvtier.integrations.scheduler_side import _token_array
-
+def test_a_lookup_hands_its_token_list_to_the_bindings_as_it_is_and_hashes_and_describes_what_it_holds():
+    # The bindings read a list of token ids in one pass (no array('I') made in Python first,
+    # no numpy): the scheduler side hashes and describes the request's own list. The hashes
+    # and the described tokens are the list's.
     hasher = TokenHasher(CT)
     for tokens in ([(t * 7919) % 150000 + 1 for t in range(3 * CT + 5)], [2**32 - 1] * (2 * CT)):
         conn = Describing()
@@ -383,13 +384,46 @@ def test_a_lookup_converts_its_tokens_once_and_hashes_and_describes_what_the_lis
                              connector=conn)
         side._hasher = CountingHasher(side._hasher)
         assert side.num_new_matched_tokens("r", lambda t=tokens: t, 0) == (0, False)
-        assert side._hasher.calls == 1
+        assert side._hasher.calls == 1 and side._hasher.given == [tokens]
         full = len(tokens) // CT
         assert side._requests["r"].hashes == hasher.chunk_hashes(tokens)
         assert conn.described == [(hasher.chunk_hashes(tokens), tokens[: full * CT])]
-        assert isinstance(_token_array(tokens), array)
-    for odd in ([-1] * CT, [2**32] * CT, [1.0] * CT, (1,) * CT):
-        assert _token_array(odd) is odd
+
+
+def test_the_bindings_hash_every_form_of_the_same_tokens_alike():
+    # A list of uint32 ids and native uint32 buffers take the bindings' fast paths (no numpy);
+    # every other form goes through numpy's conversion, as before. Each names the same chunks.
+    from array import array
+
+    import numpy
+
+    hasher = TokenHasher(CT)
+    ids = [(t * 7919) % 150000 + 1 for t in range(3 * CT + 5)] + [0, 2**32 - 1]
+    want = hasher.chunk_hashes(tuple(ids))  # a tuple: numpy's conversion
+    wide = numpy.array(ids, dtype=numpy.int64)
+    forms = {
+        "list": ids,
+        "array('I')": array("I", ids),
+        "memoryview": memoryview(array("I", ids)),
+        "numpy uint32": numpy.array(ids, dtype=numpy.uint32),
+        "numpy int64": wide,
+        "strided": numpy.repeat(wide, 2)[::2],
+        "unaligned": memoryview(b"\0" + array("I", ids).tobytes())[1:].cast("I"),
+        "a bool for 1": [True] + ids[1:],  # not an exact int: numpy's conversion
+    }
+    assert ids[0] == 1
+    for name, tokens in forms.items():
+        assert hasher.chunk_hashes(tokens) == want, name
+    assert hasher.chunk_hashes([]) == [] and hasher.chunk_hashes(array("I")) == []
+    with pytest.raises(ValueError, match="one-dimensional"):
+        hasher.chunk_hashes(numpy.array(ids[: 2 * CT], dtype=numpy.uint32).reshape(2, CT))
+    # A list with an id that is no uint32 is numpy's to convert or refuse, as before: never
+    # read as some other id.
+    for odd in ([2**32] * CT, [-1] * CT):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(TypeError):
+                hasher.chunk_hashes(odd)
 
 
 def test_the_step_plan_pickles_to_itself_as_tuples():

@@ -4,7 +4,6 @@ per-step plan. The semantics are in :mod:`kvtier.integrations.core`'s docstring.
 from __future__ import annotations
 
 import logging
-from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
@@ -43,20 +42,6 @@ class _Request:
     # written by it (its prefix-cache hit, a load's destinations, fenced by the load): a step
     # fences only the blocks it writes from there on, once each (plan_step).
     fenced_to: int = 0
-
-
-def _token_array(seq: Sequence[int]) -> Sequence[int]:
-    """A list of token ids as an ``array('I')``, which the bindings read through the buffer
-    protocol: converting a list costs them (numpy) about 13 us per 520 tokens, the array 2 us,
-    and the lookup uses the tokens twice (the hashes, the description). Anything else, and a
-    list with an id that is not a uint32 (the bindings' own conversion then decides what
-    happens to it), is returned as it is."""
-    if type(seq) is not list:
-        return seq
-    try:
-        return array("I", seq)
-    except (OverflowError, TypeError):
-        return seq
 
 
 class SchedulerSide:
@@ -156,7 +141,6 @@ class SchedulerSide:
             if n < self._ct:
                 return 0, False  # no full chunk: nothing to look up (or ever to store)
             n_prompt = n if num_prompt_tokens is None else int(num_prompt_tokens)
-            seq = _token_array(seq)
             hashes = self._hasher.chunk_hashes(seq, extras)
             st = _Request(
                 num_tokens=n,
