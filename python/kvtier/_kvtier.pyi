@@ -254,9 +254,9 @@ class Connector:
     def options(self) -> ConnectorOptions: ...
     def stats(self) -> dict: ...
     @property
-    def counters(self) -> Tuple[int, int]:
-        """``(registrations, late_replies)`` of :meth:`stats`, without its dict: what the vLLM
-        connector samples every step."""
+    def counters(self) -> Tuple[int, int, int]:
+        """``(registrations, late_replies, quarantined_blocks)`` of :meth:`stats`, without its
+        dict: what the vLLM connector samples every step, in one call (one lock)."""
     def chunk_hashes(self, tokens: _Tokens) -> List[int]:
         """One hash per full chunk of ``tokens``, with the connector's chunk size and hash
         (no extras: :meth:`TokenHasher.chunk_hashes` folds those)."""

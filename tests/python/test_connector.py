@@ -264,18 +264,18 @@ def _scheduler_options(sock, shape):
 
 
 
-def test_counters_are_stats_registrations_and_late_replies_across_a_restart(servers):
-    # What the vLLM connector samples every step (its reconnects and late replies) without
-    # stats()'s dict: the same two numbers.
+def test_counters_are_stats_registrations_late_replies_and_quarantined_blocks_across_a_restart(servers):
+    # What the vLLM connector samples every step (its reconnects, late replies and
+    # quarantined blocks) without stats()'s dict: the same three numbers.
     srv = servers.start(chunk_tokens=CT)
     s = scheduler(srv.socket_path)
     try:
         st = s.stats()
-        assert s.counters == (st["registrations"], st["late_replies"]) == (1, 0)
+        assert s.counters == (st["registrations"], st["late_replies"], st["quarantined_blocks"]) == (1, 0, 0)
         srv.restart()
         wait_until(lambda: s.counters[0] == 2, what="the scheduler registered with the new server")
         st = s.stats()
-        assert s.counters == (st["registrations"], st["late_replies"])
+        assert s.counters == (st["registrations"], st["late_replies"], st["quarantined_blocks"])
     finally:
         s.close()
 

@@ -309,6 +309,7 @@ def test_a_quarantined_block_is_never_fenced_for_writing_nor_loaded_into(servers
     try:
         side.start_step(StepPlan(loads=[LoadOp("r", 0, [21], [8, 9, 10, 11], 0)], fence_blocks=[8, 9, 10, 11]))
         wait_until(lambda: set(side.connector.quarantined_blocks()) == {8, 9, 10, 11}, what="the load's blocks quarantined")
+        assert side.connector.counters[2] == 4 == side.connector.stats()["quarantined_blocks"]  # what vLLM's stats sample
         assert side.fence_refusals == 0
         side.start_step(StepPlan(loads=[LoadOp("x", 0, [21], [9, 12, 13, 14], 0)], fence_blocks=[9, 12, 13, 14]))
         assert side.fence_refusals == 1  # block 9: refused, and nothing is loaded into x's blocks
@@ -320,6 +321,7 @@ def test_a_quarantined_block_is_never_fenced_for_writing_nor_loaded_into(servers
     finally:
         srv.resume()
     wait_until(lambda: not side.connector.quarantined_blocks(), what="the late answer releasing the blocks")
+    assert side.connector.counters[2] == 0
     got = wait_until(lambda: side.finished([])[1], what="r finished receiving")
     assert got == {"r"}
     side.shutdown()

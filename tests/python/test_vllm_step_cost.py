@@ -426,6 +426,53 @@ def test_the_bindings_hash_every_form_of_the_same_tokens_alike():
                 hasher.chunk_hashes(odd)
 
 
+class _SampledConnector:
+    """A worker's kvtier.Connector as get_kv_connector_stats samples it: its counters (one
+    call, under one lock in C++) and its health; records what is asked of it."""
+
+    def __init__(self, registrations: int, late_replies: int, quarantined: int) -> None:
+        self.asked: List[str] = []
+        self._counters = (registrations, late_replies, quarantined)
+
+    @property
+    def counters(self) -> Tuple[int, int, int]:
+        self.asked.append("counters")
+        return self._counters
+
+    @property
+    def healthy(self) -> bool:
+        self.asked.append("healthy")
+        return True
+
+    def quarantined_blocks(self) -> List[int]:
+        self.asked.append("quarantined_blocks")
+        return list(range(self._counters[2]))
+
+
+def test_a_workers_stats_sample_is_one_call_for_its_counters_and_the_quarantine():
+    # vLLM asks every worker for its stats after every step: the registrations, the late
+    # replies and the quarantined blocks come from one call into the bindings (one lock), not
+    # from a list of the quarantined blocks made only to be counted.
+    from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector
+    from replay.vllm_configs import full_attention_config
+    from replay.vllm_shapes import vllm_config
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    extra = {"socket_path": "/nonexistent/kvtier.sock", "chunk_tokens": 2 * BS, "rank": 0}
+    worker = KVTierConnector(vllm_config(extra=extra, model="m", num_layers=2, num_kv_heads=2, head_size=8,
+                                         block_size=BS, dtype="bfloat16"),
+                             KVConnectorRole.WORKER, full_attention_config(names, 8, BS, 2, 8, "bfloat16"))
+    assert worker.get_kv_connector_stats() is None  # no connector yet (register_kv_caches makes it)
+    conn = worker.worker_side.connector = _SampledConnector(registrations=1, late_replies=0, quarantined=3)
+    stats = worker.get_kv_connector_stats()
+    assert conn.asked == ["counters", "healthy"]
+    assert stats is not None and stats.data == {"quarantined_blocks_max": 3}
+    conn.asked.clear()
+    conn._counters = (3, 2, 0)  # two reconnections, two late replies, the quarantine released
+    assert worker.get_kv_connector_stats().data == {"reconnects": 2, "late_replies": 2}  # a max of 0: not kept
+    assert conn.asked == ["counters", "healthy"]
+
+
 def test_the_step_plan_pickles_to_itself_as_tuples():
     """vLLM pickles the connector metadata to every worker each step: it comes back equal,
     every field of every op, in about half the bytes of the dataclasses' own pickle."""

@@ -61,6 +61,7 @@ struct connector_stats {
   std::size_t open_connections = 0;  ///< the current one plus those kept for late replies
   std::uint64_t descriptions_sent = 0;  ///< describe_chunks_request frames sent
   std::uint64_t chunks_described = 0;   ///< chunks in them
+  std::size_t quarantined_blocks = 0;   ///< blocks quarantined now (quarantined_blocks().size())
 };
 
 template <class Bus>

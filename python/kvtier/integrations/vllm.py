@@ -327,12 +327,13 @@ class KVTierConnector(KVConnectorBase_V1):
             conn = self.worker_side.connector
             names = _WORKER_COUNTERS
             counters = (self.worker_side.fence_refusals,)
-            if conn is not None:
-                self._stats.add("quarantined_blocks_max", len(conn.quarantined_blocks()))
         now = time.monotonic()
         if conn is not None:
-            registrations, late_replies = conn.counters
+            # One call (one lock in C++): a scheduler's connector quarantines nothing.
+            registrations, late_replies, quarantined = conn.counters
             counters += (max(registrations - 1, 0), late_replies)
+            if self._scheduler is None:
+                self._stats.add("quarantined_blocks_max", quarantined)
             if self._sampled_at is not None and not conn.healthy:
                 self._stats.add("degraded_s", now - self._sampled_at)
         else:

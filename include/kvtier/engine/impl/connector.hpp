@@ -154,6 +154,7 @@ connector_stats connector<Bus>::stats() const {
   s.open_connections = l.open_connections;
   s.descriptions_sent = descriptions_sent_;
   s.chunks_described = chunks_described_;
+  s.quarantined_blocks = quarantine_.size();
   return s;
 }
 
