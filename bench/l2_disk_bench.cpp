@@ -35,6 +35,7 @@
 // Usage: kvtier_bench_l2_disk [--dir DIR] [--gib X] [--repeats N] [--quick] [--fio PATH]
 //                             [--fio-store-jobs N] [--store-batch N] [--store-inflight-gib X]
 //                             [--huge-pages] [--name-sync auto|directory|file] [--lookup-keys N]
+//                             [--lookups-in-flight N]
 //   --huge-pages: stores from memory and loads into an L1 in transparent huge pages (as the
 //   server's L1 is, by default; the L1 faulted in before the clock starts) against fio
 //   writing from and reading into hugetlb pages (iomem=shmhuge; it needs free ones:
@@ -42,6 +43,10 @@
 //   about 1.5x on this VM), so the default compares 4 KiB pages on both sides.
 //   --lookup-keys: keys per lookup of the loads (default 8); the next lookup starts when one
 //   has loaded, so the disk's queue drains between lookups.
+//   --lookups-in-flight N: up to N lookups loading at once (1..8; default 1), as the server's
+//   prefetches of several requests overlap: the load RESULTs are then l2_load_vs_fio_inflight<N>
+//   and l2_load_vs_fio_3m_inflight<N> (a throughput against fio's; the default figures are
+//   one request's load at a time).
 //   DIR defaults to $KVTIER_BENCH_DIR, else ./l2-disk-bench (it must not be tmpfs for the
 //   figures to mean anything); X GiB per measurement (default 2); --quick: 0.25 GiB, 2 repeats.
 #include <kvtier/cache/tiered_cache.hpp>
@@ -70,6 +75,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -87,6 +93,10 @@ struct bench_config {
   unsigned depth = 16;
   std::size_t part = std::size_t{1} << 20;
   std::size_t batch = 8;  ///< keys per lookup (loads)
+  /// Lookups loading at once (--lookups-in-flight): 1, one after the other (the default: the
+  /// disk's queue drains between lookups); more, a new one whenever one has loaded, as the
+  /// server's prefetches of several requests overlap (prefetch_max_in_flight).
+  std::size_t lookups_in_flight = 1;
   /// Keys per store: the store pipeline's batch (pipeline::store_options::max_batch_keys).
   std::size_t store_batch = pipeline::store_options{}.max_batch_keys;
   /// Bytes of store batches in flight at once: the store pipeline's bound
@@ -237,7 +247,8 @@ double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t obje
   return static_cast<double>(n * object_bytes) / s;
 }
 
-/// Loads n objects through tiered_cache lookups of cfg.batch keys; returns bytes per second.
+/// Loads n objects through tiered_cache lookups of cfg.batch keys, cfg.lookups_in_flight at
+/// once; returns bytes per second.
 double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes, std::size_t n,
                  io::file_io_choice choice, bool* used_uring = nullptr) {
   asio::io_context io;
@@ -247,7 +258,7 @@ double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t objec
   bus::null_bus events;
   cache::cache_options o;
   o.l1.slot_bytes = object_bytes;
-  o.l1.slot_count = 2 * cfg.batch;
+  o.l1.slot_count = 2 * cfg.batch * cfg.lookups_in_flight;
   cache::tiered_cache<> c(io.get_executor(), o, events, std::vector<l2::any_backend>{l2::any_backend(disk)});
   if (cfg.huge_pages) {
     // As the server's L1 by default (l1_huge_pages, l1_prefault): 2 MiB pages, faulted in
@@ -259,23 +270,34 @@ double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t objec
   }
   (void)disk->register_buffers(c.l1().arena());  // as the server does; the kernel may refuse
   std::size_t loaded = 0;
-  const auto t0 = clock_type::now();
-  for (std::size_t first = 0; first < n; first += cfg.batch) {
-    const std::size_t m = std::min(cfg.batch, n - first);
+  std::size_t next = 0;
+  std::size_t in_flight = 0;
+  std::vector<cache::tiered_cache<>::lookup_id> answered;  // released by the loop, outside the completion
+  auto start_one = [&] {
+    const std::size_t m = std::min(cfg.batch, n - next);
     std::vector<chunk_key> keys;
-    for (std::size_t i = 0; i < m; ++i) keys.push_back(key_of(object_bytes, first + i));
+    for (std::size_t i = 0; i < m; ++i) keys.push_back(key_of(object_bytes, next + i));
+    next += m;
     cache::lookup_request r;
     r.keys = keys;
     r.object_bytes = object_bytes;
     r.chunk_tokens = 256;
     const auto id = c.start_lookup(r);
-    std::optional<cache::lookup_status> st;
-    c.async_wait_loaded(id, [&](error_code, cache::lookup_status s) { st = s; });
-    io.restart();
-    while (!st)
-      if (io.run_one() == 0) throw std::runtime_error("a lookup never answered");
-    loaded += st->chunks;
-    c.release_all(id);
+    ++in_flight;
+    c.async_wait_loaded(id, [&, id](error_code, cache::lookup_status st) {
+      loaded += st.chunks;
+      answered.push_back(id);
+    });
+  };
+  const auto t0 = clock_type::now();
+  io.restart();
+  while (next < n || in_flight > 0) {
+    while (next < n && in_flight < cfg.lookups_in_flight) start_one();
+    if (io.run_one() == 0) throw std::runtime_error("a lookup never answered");
+    for (const auto id : std::exchange(answered, {})) {
+      c.release_all(id);
+      --in_flight;
+    }
   }
   const double s = seconds_since(t0);
   if (loaded != n) throw std::runtime_error("loaded " + std::to_string(loaded) + " of " + std::to_string(n) + " objects");
@@ -421,6 +443,10 @@ int main(int argc, char** argv) try {
     } else if (a == "--lookup-keys") {
       cfg.batch = std::stoul(next());
       if (cfg.batch == 0 || cfg.batch > 1024) throw std::invalid_argument("--lookup-keys must be in 1..1024");
+    } else if (a == "--lookups-in-flight") {
+      cfg.lookups_in_flight = std::stoul(next());
+      if (cfg.lookups_in_flight == 0 || cfg.lookups_in_flight > 8)
+        throw std::invalid_argument("--lookups-in-flight must be in 1..8 (the prefetch controller's bound)");
     } else if (a == "--huge-pages")
       cfg.huge_pages = true;
     else if (a == "--name-sync") {
@@ -437,7 +463,8 @@ int main(int argc, char** argv) try {
       throw std::invalid_argument(
           "unknown argument " + a +
           " (use --dir, --gib, --repeats, --quick, --fio, "
-          "--fio-store-jobs, --store-batch, --store-inflight-gib, --huge-pages, --name-sync, --lookup-keys)");
+          "--fio-store-jobs, --store-batch, --store-inflight-gib, --huge-pages, --name-sync, --lookup-keys, "
+          "--lookups-in-flight)");
   }
   if (cfg.repeats < 1 || cfg.gib <= 0) throw std::invalid_argument("--repeats and --gib must be positive");
   if (cfg.fio_store_jobs > 64) throw std::invalid_argument("--fio-store-jobs must be at most 64");
@@ -467,19 +494,22 @@ int main(int argc, char** argv) try {
   using kvtier::bench::median_ratio;
   using kvtier::bench::print_result;
   const std::string huge = cfg.huge_pages ? "_huge" : "";
-  print_result("l2_load_vs_fio" + huge, median_ratio(big.ours_read, big.fio_read));
+  // Loads with several lookups in flight are another figure than one lookup after the other:
+  // every load figure (and its fio baseline, from the same run) carries the suffix.
+  const std::string lk = cfg.lookups_in_flight > 1 ? "_inflight" + std::to_string(cfg.lookups_in_flight) : "";
+  print_result("l2_load_vs_fio" + lk + huge, median_ratio(big.ours_read, big.fio_read));
   print_result("l2_store_vs_fio" + huge, median_ratio(big.ours_write, big.fio_write));
-  print_result("l2_load_vs_fio_3m" + huge, median_ratio(small.ours_read, small.fio_read));
+  print_result("l2_load_vs_fio_3m" + lk + huge, median_ratio(small.ours_read, small.fio_read));
   print_result("l2_store_vs_fio_3m" + huge, median_ratio(small.ours_write, small.fio_write));
-  print_result("l2_load_pread_vs_fio" + huge, median_ratio(big.ours_pread, big.fio_read));
-  print_result("l2_load_pread_vs_fio_3m" + huge, median_ratio(small.ours_pread, small.fio_read));
-  print_result("l2_load_gbps" + huge, median(big.ours_read) / 1e9);
-  print_result("fio_read_gbps" + huge, median(big.fio_read) / 1e9);
-  print_result("l2_load_pread_gbps" + huge, median(big.ours_pread) / 1e9);
+  print_result("l2_load_pread_vs_fio" + lk + huge, median_ratio(big.ours_pread, big.fio_read));
+  print_result("l2_load_pread_vs_fio_3m" + lk + huge, median_ratio(small.ours_pread, small.fio_read));
+  print_result("l2_load" + lk + "_gbps" + huge, median(big.ours_read) / 1e9);
+  print_result("fio_read" + lk + "_gbps" + huge, median(big.fio_read) / 1e9);
+  print_result("l2_load_pread" + lk + "_gbps" + huge, median(big.ours_pread) / 1e9);
   print_result("l2_store_gbps" + huge, median(big.ours_write) / 1e9);
   print_result("fio_write_gbps" + huge, median(big.fio_write) / 1e9);
-  print_result("l2_load_3m_gbps" + huge, median(small.ours_read) / 1e9);
-  print_result("fio_read_3m_gbps" + huge, median(small.fio_read) / 1e9);
+  print_result("l2_load_3m" + lk + "_gbps" + huge, median(small.ours_read) / 1e9);
+  print_result("fio_read_3m" + lk + "_gbps" + huge, median(small.fio_read) / 1e9);
   print_result("l2_store_3m_gbps" + huge, median(small.ours_write) / 1e9);
   print_result("fio_write_3m_gbps" + huge, median(small.fio_write) / 1e9);
   print_result("fio_store_jobs", cfg.store_jobs());

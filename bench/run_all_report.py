@@ -378,6 +378,12 @@ def summary(res, meta, table, made):
             row(f"L2 disk load, {sz} objects, both in huge pages (`l2_load_vs_fio{sfx}_huge`: into an L1 in THP, "
                 "faulted in first, as the server's)", g(f"l2_load{sfx}_gbps_huge"), "GB/s", g(f"fio_read{sfx}_gbps_huge"),
                 "GB/s", "fio read, fixedbufs, into hugetlb pages (iomem=shmhuge)", g(f"l2_load_vs_fio{sfx}_huge"), ">= 0.9")
+    for sz, sfx in (("32 MiB", ""), ("3 MiB", "_3m")):
+        if g(f"l2_load_vs_fio{sfx}_inflight4_huge") is not None:
+            row(f"L2 disk load, {sz} objects, huge pages, 4 lookups in flight (`l2_load_vs_fio{sfx}_inflight4_huge`: "
+                "as the server's prefetches of several requests overlap; the queue does not drain between lookups)",
+                g(f"l2_load{sfx}_inflight4_gbps_huge"), "GB/s", g(f"fio_read{sfx}_inflight4_gbps_huge"), "GB/s",
+                "fio read, fixedbufs, into hugetlb pages, same run", g(f"l2_load_vs_fio{sfx}_inflight4_huge"), "")
     def names(sfx=""):
         """How the stores made names durable (docs/l2-disk.md, "Durability")."""
         d = g(f"l2_store_directory_fsync{sfx}")
