@@ -10,9 +10,10 @@
 //         other, each released once answered; bytes loaded / wall time of the phase;
 //   ours through the pread fallback (io = pread, pread_threads = the queue depth).
 // Stores: each repeat, fio rw=write (new files, fsync_on_close=1, fixedbufs=1) and our backend storing N
-//   objects in batches of `store_batch` (64, the store pipeline's batch; --store-batch),
-//   submitted as the store pipeline submits them (batches in flight up to its 2 GiB bound,
-//   --store-inflight-gib: one batch of 32 MiB objects, ten of 3 MiB ones), into a fresh
+//   objects in batches of `store_batch` (64, the store pipeline's batch; --store-batch) and at
+//   most half the in-flight bound (pipeline::task_keys: 32 keys of 32 MiB), submitted as the
+//   store pipeline submits them (batches in flight up to its 2 GiB bound,
+//   --store-inflight-gib: two batches of 32 MiB objects, ten of 3 MiB ones), into a fresh
 //   directory, from memory registered with the backend as the server registers L1
 //   (WRITE_FIXED). Our backend writes 8 keys at once across the batches in flight (its
 //   store lanes, depth / 2), each through its own pipeline (temporary file, 2 O_DIRECT
@@ -196,12 +197,22 @@ l2::disk_backend_options backend_options(const bench_config& cfg, const fs::path
   return o;
 }
 
+/// Keys per store batch, as the store pipeline sizes its tasks: cfg.store_batch keys, at most
+/// half of cfg.store_inflight_bytes.
+std::size_t store_batch_keys(const bench_config& cfg, std::size_t object_bytes) {
+  pipeline::store_options o;
+  o.max_batch_keys = cfg.store_batch;
+  o.max_inflight_bytes = cfg.store_inflight_bytes;
+  return pipeline::task_keys(o, object_bytes);
+}
+
 /// Whether the stores fsynced directories (kvtier_l2_disk_directory_fsync): -1 until one ran.
 int store_directory_fsync = -1;
 
-/// Stores n objects in batches of cfg.store_batch as the store pipeline submits them: a batch
-/// starts while the batches in flight hold at most cfg.store_inflight_bytes with it (or when
-/// none is in flight); returns bytes per second.
+/// Stores n objects in batches as the store pipeline submits them (pipeline::task_keys:
+/// cfg.store_batch keys, at most half of cfg.store_inflight_bytes): a batch starts while the
+/// batches in flight hold at most cfg.store_inflight_bytes with it (or when none is in flight);
+/// returns bytes per second.
 double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t object_bytes, std::size_t n,
                   aligned_buffer& sources) {
   asio::io_context io;
@@ -218,9 +229,10 @@ double ours_store(const bench_config& cfg, const fs::path& dir, std::size_t obje
   std::size_t ok = 0;
   std::size_t next = 0;
   std::uint64_t inflight = 0;
+  const std::size_t per_batch = store_batch_keys(cfg, object_bytes);
   std::function<void()> launch = [&] {
     while (next < n) {
-      const std::size_t m = std::min(cfg.store_batch, n - next);
+      const std::size_t m = std::min(per_batch, n - next);
       const std::uint64_t bytes = std::uint64_t{m} * object_bytes;
       if (inflight > 0 && inflight + bytes > cfg.store_inflight_bytes) return;
       auto keys = std::make_shared<std::vector<chunk_key>>();
@@ -355,7 +367,7 @@ figures measure(const bench_config& cfg, std::size_t object_bytes) {
       "== %s objects: %zu per measurement (%.2f GiB), lookups of %zu, stores of %zu (up to %.2f GiB of them in "
       "flight), bs %zu KiB, depth %u; fio store: %u jobs of depth %u\n",
       size_label(object_bytes).c_str(), n, static_cast<double>(n * object_bytes) / (1 << 30), cfg.batch,
-      cfg.store_batch, static_cast<double>(cfg.store_inflight_bytes) / (1 << 30), cfg.part >> 10,
+      store_batch_keys(cfg, object_bytes), static_cast<double>(cfg.store_inflight_bytes) / (1 << 30), cfg.part >> 10,
       cfg.depth, cfg.store_jobs(), std::max(1u, cfg.depth / cfg.store_jobs()));
   aligned_buffer sources(cfg.batch * object_bytes);  // cfg.batch objects, one after the other
   if (cfg.huge_pages) {

@@ -38,11 +38,25 @@ inline namespace KVTIER_ABI_TAG {
 namespace pipeline {
 
 struct store_options {
-  std::size_t max_batch_keys = 64;                   ///< keys per backend store task
+  /// Keys per backend store task, at most (task_keys: also at most half the in-flight bound).
+  std::size_t max_batch_keys = 64;
   /// Bytes being stored at once; also the bound of the staging memory of stores larger than L1.
   std::uint64_t max_inflight_bytes = std::uint64_t{2} << 30;
   std::chrono::nanoseconds task_timeout = std::chrono::seconds(30);  ///< deadline of one task
 };
+
+/// Keys per backend store task for objects of up to `object_bytes` (L1's slot size): at most
+/// max_batch_keys, and at most half of max_inflight_bytes' worth (one key at least), so that a
+/// second task is always in flight beside one: a task's tail (its last keys' writes and syncs,
+/// a disk backend's directory fsyncs) overlaps the next task's writes. 64 keys of 32 MiB
+/// filled the 2 GiB bound alone, and the device idled through every task's tail
+/// (docs/performance.md, "L2 disk vs fio").
+[[nodiscard]] inline std::size_t task_keys(const store_options& o, std::size_t object_bytes) noexcept {
+  const std::size_t most = std::max<std::size_t>(1, o.max_batch_keys);
+  if (object_bytes == 0) return most;
+  const std::uint64_t by_bytes = std::max<std::uint64_t>(1, o.max_inflight_bytes / 2 / object_bytes);
+  return by_bytes < most ? static_cast<std::size_t>(by_bytes) : most;
+}
 
 /// Keys written into staging memory instead of L1 (a store larger than L1), with that memory.
 struct staged_keys {
@@ -224,8 +238,9 @@ class store_controller {
       std::vector<chunk_key> mine;
       for (std::size_t i = 0; i < keys.size(); ++i)
         if (b < targets.size() && targets[b].test(i)) mine.push_back(keys[i]);
-      for (std::size_t at = 0; at < mine.size() && !stopping(); at += options_.max_batch_keys) {
-        const std::size_t n = std::min(options_.max_batch_keys, mine.size() - at);
+      const std::size_t per_task = task_keys(options_, l1_.slot_bytes());
+      for (std::size_t at = 0; at < mine.size() && !stopping(); at += per_task) {
+        const std::size_t n = std::min(per_task, mine.size() - at);
         co_await submit_task(b, std::span(mine).subspan(at, n));
       }
     }
@@ -242,12 +257,13 @@ class store_controller {
       std::vector<std::size_t> mine;
       for (std::size_t i = 0; i < keys.size(); ++i)
         if (b < targets.size() && targets[b].test(i)) mine.push_back(i);
-      for (std::size_t at = 0; at < mine.size() && !stopping(); at += options_.max_batch_keys) {
+      const std::size_t per_task = task_keys(options_, memory->staged.object_bytes);
+      for (std::size_t at = 0; at < mine.size() && !stopping(); at += per_task) {
         auto task = std::make_shared<store_task>();
         task->backend = b;
         task->from_l1 = false;
         task->memory = memory;
-        const std::size_t n = std::min(options_.max_batch_keys, mine.size() - at);
+        const std::size_t n = std::min(per_task, mine.size() - at);
         for (std::size_t j = at; j < at + n; ++j) {
           task->keys.push_back(keys[mine[j]]);
           task->sources.emplace_back(memory->staged.buffers[mine[j]].data(), memory->staged.object_bytes);
