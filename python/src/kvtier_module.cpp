@@ -73,8 +73,6 @@ struct token_input {
   std::span<const token_id> tokens;
 };
 
-std::span<const token_id> tokens_of(const token_input& t) { return t.tokens; }
-
 /// Whether a buffer's struct format is a native 4-byte unsigned int (array('I'), numpy.uint32).
 bool native_u32_format(const char* f) {
   if (f == nullptr) return false;  // the buffer gave no format: bytes ("B"), not ints
@@ -527,7 +525,7 @@ PYBIND11_MODULE(_kvtier, m) {
                                             std::to_string(h.full_chunks(tokens.tokens.size())) +
                                             " full chunks: give one bytes object per full chunk (b\"\" for none)");
             }
-            const auto tk = tokens_of(tokens);
+            const auto tk = tokens.tokens;
             return to_list(call_for_tokens(tk.size(), [&] { return h.chunk_hashes(tk, spans); }));
           },
           py::arg("tokens"), py::arg("extras") = py::none(),
@@ -711,7 +709,7 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "chunk_hashes",
           [](const py_connector& s, const token_input& tokens) {
-            const auto tk = tokens_of(tokens);
+            const auto tk = tokens.tokens;
             return to_list(gil_for_tokens(s, tk.size(), [&](auto& c) { return c.chunk_hashes(tk); }));
           },
           py::arg("tokens"))
@@ -719,7 +717,7 @@ PYBIND11_MODULE(_kvtier, m) {
       .def(
           "lookup",
           [](const py_connector& s, const std::string& id, const token_input& tokens, const std::string& salt) {
-            const auto tk = tokens_of(tokens);
+            const auto tk = tokens.tokens;
             gil_for_tokens(s, tk.size(), [&](auto& c) { c.lookup(id, tk, salt); });
           },
           py::arg("request_id"), py::arg("tokens"), py::arg("cache_salt") = "")
@@ -740,7 +738,7 @@ PYBIND11_MODULE(_kvtier, m) {
              std::uint32_t block_size, const std::optional<py::int_>& parent, const std::string& lora_name,
              std::int64_t lora_id, const std::vector<std::string>& block_extra_keys) {
             const auto hs = to_hashes(hashes);
-            const auto tk = tokens_of(tokens);
+            const auto tk = tokens.tokens;
             engine::chunk_description_extras x;
             x.block_size = block_size;
             if (parent) x.parent = to_hash(*parent);
@@ -783,7 +781,7 @@ PYBIND11_MODULE(_kvtier, m) {
           "retrieve",
           [](const py_connector& s, const std::string& id, const token_input& tokens, std::uint32_t first_chunk,
              const std::vector<std::uint32_t>& blocks, std::uint32_t skip, const std::string& salt, bool synchronous) {
-            const auto tk = tokens_of(tokens);
+            const auto tk = tokens.tokens;
             const engine::retrieve_options how{synchronous};
             gil_for_tokens(s, tk.size(), [&](auto& c) { c.retrieve(id, tk, first_chunk, blocks, skip, salt, how); });
           },
@@ -803,7 +801,7 @@ PYBIND11_MODULE(_kvtier, m) {
           "store",
           [](const py_connector& s, const std::string& id, const token_input& tokens, std::uint32_t first_chunk,
              std::uint32_t chunk_count, const std::vector<std::uint32_t>& blocks, const std::string& salt) {
-            const auto tk = tokens_of(tokens);
+            const auto tk = tokens.tokens;
             gil_for_tokens(s, tk.size(), [&](auto& c) { c.store(id, tk, first_chunk, chunk_count, blocks, salt); });
           },
           py::arg("request_id"), py::arg("tokens"), py::arg("first_chunk"), py::arg("chunk_count"),

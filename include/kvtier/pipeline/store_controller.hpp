@@ -234,11 +234,11 @@ class store_controller {
   boost::asio::awaitable<void> submit(std::vector<chunk_key> keys) {
     std::vector<bitmap> targets;
     policy_.select_targets(keys, backends_.size(), targets);
+    const std::size_t per_task = task_keys(options_, l1_.slot_bytes());
     for (std::size_t b = 0; b < backends_.size(); ++b) {
       std::vector<chunk_key> mine;
       for (std::size_t i = 0; i < keys.size(); ++i)
         if (b < targets.size() && targets[b].test(i)) mine.push_back(keys[i]);
-      const std::size_t per_task = task_keys(options_, l1_.slot_bytes());
       for (std::size_t at = 0; at < mine.size() && !stopping(); at += per_task) {
         const std::size_t n = std::min(per_task, mine.size() - at);
         co_await submit_task(b, std::span(mine).subspan(at, n));
@@ -253,11 +253,11 @@ class store_controller {
     const auto& keys = memory->staged.keys;
     std::vector<bitmap> targets;
     policy_.select_targets(keys, backends_.size(), targets);
+    const std::size_t per_task = task_keys(options_, memory->staged.object_bytes);
     for (std::size_t b = 0; b < backends_.size(); ++b) {
       std::vector<std::size_t> mine;
       for (std::size_t i = 0; i < keys.size(); ++i)
         if (b < targets.size() && targets[b].test(i)) mine.push_back(i);
-      const std::size_t per_task = task_keys(options_, memory->staged.object_bytes);
       for (std::size_t at = 0; at < mine.size() && !stopping(); at += per_task) {
         auto task = std::make_shared<store_task>();
         task->backend = b;
