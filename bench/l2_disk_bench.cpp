@@ -36,7 +36,9 @@
 // Usage: kvtier_bench_l2_disk [--dir DIR] [--gib X] [--repeats N] [--quick] [--fio PATH]
 //                             [--fio-store-jobs N] [--store-batch N] [--store-inflight-gib X]
 //                             [--huge-pages] [--name-sync auto|directory|file] [--lookup-keys N]
-//                             [--lookups-in-flight N]
+//                             [--lookups-in-flight N] [--only loads|stores] [--sizes MIB[,MIB...]]
+//   --only: one phase (loads: the load set is still stored first, untimed); --sizes: the
+//   object sizes in MiB (default 32,3; 32 names the plain RESULTs, another size n adds _<n>m).
 //   --huge-pages: stores from memory and loads into an L1 in transparent huge pages (as the
 //   server's L1 is, by default; the L1 faulted in before the clock starts) against fio
 //   writing from and reading into hugetlb pages (iomem=shmhuge; it needs free ones:
@@ -74,6 +76,7 @@
 #include <functional>
 #include <fstream>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -112,6 +115,10 @@ struct bench_config {
   /// The backend writes depth / 2 keys at once, 2 writes each (disk_backend::store_lanes):
   /// as many fsyncs in flight as fio's jobs.
   [[nodiscard]] unsigned store_jobs() const { return fio_store_jobs ? fio_store_jobs : std::max(1U, depth / 2); }
+  /// --only loads|stores: one phase (the other's figures are not printed); both by default.
+  bool loads = true, stores = true;
+  /// --sizes: the object sizes to measure, in MiB (default 32 and 3).
+  std::vector<std::size_t> sizes_mib{32, 3};
 };
 
 /// fio's iodepth histogram of one job ("1", "2", ... ">=64" -> percent of submissions).
@@ -382,8 +389,11 @@ figures measure(const bench_config& cfg, std::size_t object_bytes) {
   }
   const fs::path set = cfg.dir / ("load-" + std::to_string(object_bytes >> 20) + "m");
   fs::remove_all(set);
-  ours_store(cfg, set, object_bytes, n, sources);  // the load set (not timed as a figure)
-  const fs::path read_job = write_read_job(cfg, cfg.dir / "read.fio", set);
+  fs::path read_job;
+  if (cfg.loads) {
+    ours_store(cfg, set, object_bytes, n, sources);  // the load set (not timed as a figure)
+    read_job = write_read_job(cfg, cfg.dir / "read.fio", set);
+  }
   figures f;
   bool uring = false;
   for (int r = 0; r < cfg.repeats; ++r) {
@@ -407,21 +417,26 @@ figures measure(const bench_config& cfg, std::size_t object_bytes) {
       write_depths = depth_text(fr.depths);
       fs::remove_all(fio_dir);
     };
-    if (fio_first) fio_read();
-    f.ours_read.push_back(ours_load(cfg, set, object_bytes, n, io::file_io_choice::automatic, &uring));
-    f.ours_pread.push_back(ours_load(cfg, set, object_bytes, n, io::file_io_choice::pread));
-    if (!fio_first) fio_read();
-    if (fio_first) fio_write();
-    const fs::path ours_dir = cfg.dir / "ours-write";
-    fs::remove_all(ours_dir);
-    f.ours_write.push_back(ours_store(cfg, ours_dir, object_bytes, n, sources));
-    fs::remove_all(ours_dir);
-    if (!fio_first) fio_write();
-    std::printf("  repeat %d: read fio %.2f, ours %.2f (%s), pread %.2f GB/s; write fio %.2f, ours %.2f GB/s\n", r,
-                f.fio_read.back() / 1e9, f.ours_read.back() / 1e9, uring ? "io_uring" : "pread fallback",
-                f.ours_pread.back() / 1e9, f.fio_write.back() / 1e9, f.ours_write.back() / 1e9);
-    std::printf("    fio iodepth histogram (%% of submissions): read %s; write (per job) %s\n", read_depths.c_str(),
-                write_depths.c_str());
+    if (cfg.loads) {
+      if (fio_first) fio_read();
+      f.ours_read.push_back(ours_load(cfg, set, object_bytes, n, io::file_io_choice::automatic, &uring));
+      f.ours_pread.push_back(ours_load(cfg, set, object_bytes, n, io::file_io_choice::pread));
+      if (!fio_first) fio_read();
+      std::printf("  repeat %d: read fio %.2f, ours %.2f (%s), pread %.2f GB/s\n", r, f.fio_read.back() / 1e9,
+                  f.ours_read.back() / 1e9, uring ? "io_uring" : "pread fallback", f.ours_pread.back() / 1e9);
+    }
+    if (cfg.stores) {
+      if (fio_first) fio_write();
+      const fs::path ours_dir = cfg.dir / "ours-write";
+      fs::remove_all(ours_dir);
+      f.ours_write.push_back(ours_store(cfg, ours_dir, object_bytes, n, sources));
+      fs::remove_all(ours_dir);
+      if (!fio_first) fio_write();
+      std::printf("  repeat %d: write fio %.2f, ours %.2f GB/s\n", r, f.fio_write.back() / 1e9,
+                  f.ours_write.back() / 1e9);
+    }
+    std::printf("    fio iodepth histogram (%% of submissions): read %s; write (per job) %s\n",
+                cfg.loads ? read_depths.c_str() : "-", cfg.stores ? write_depths.c_str() : "-");
     std::fflush(stdout);
   }
   fs::remove_all(set);
@@ -468,7 +483,22 @@ int main(int argc, char** argv) try {
       else if (v == "file") cfg.name_sync = l2::disk_name_sync::file;
       else throw std::invalid_argument("--name-sync takes auto, directory or file");
     }
-    else if (a == "--quick") {
+    else if (a == "--only") {
+      const std::string phase = next();
+      if (phase == "loads") cfg.stores = false;
+      else if (phase == "stores") cfg.loads = false;
+      else throw std::invalid_argument("--only takes loads or stores");
+    } else if (a == "--sizes") {
+      cfg.sizes_mib.clear();
+      std::stringstream list(next());
+      for (std::string item; std::getline(list, item, ',');) {
+        std::size_t used = 0;
+        const unsigned long mib = item.empty() ? 0 : std::stoul(item, &used);
+        if (used != item.size() || mib == 0 || mib > 1024)
+          throw std::invalid_argument("--sizes takes MiB in 1..1024, comma separated (e.g. 32,3)");
+        cfg.sizes_mib.push_back(mib);
+      }
+    } else if (a == "--quick") {
       cfg.gib = 0.25;
       cfg.repeats = 2;
     } else
@@ -476,7 +506,7 @@ int main(int argc, char** argv) try {
           "unknown argument " + a +
           " (use --dir, --gib, --repeats, --quick, --fio, "
           "--fio-store-jobs, --store-batch, --store-inflight-gib, --huge-pages, --name-sync, --lookup-keys, "
-          "--lookups-in-flight)");
+          "--lookups-in-flight, --only, --sizes)");
   }
   if (cfg.repeats < 1 || cfg.gib <= 0) throw std::invalid_argument("--repeats and --gib must be positive");
   if (cfg.fio_store_jobs > 64) throw std::invalid_argument("--fio-store-jobs must be at most 64");
@@ -499,9 +529,6 @@ int main(int argc, char** argv) try {
   fs::create_directories(cfg.dir);
   std::printf("l2_disk_bench in %s (%s)\n", cfg.dir.c_str(), io::probe_uring().detail.c_str());
 
-  const figures big = measure(cfg, std::size_t{32} << 20);
-  const figures small = measure(cfg, std::size_t{3} << 20);
-
   using kvtier::bench::median;
   using kvtier::bench::median_ratio;
   using kvtier::bench::print_result;
@@ -509,27 +536,29 @@ int main(int argc, char** argv) try {
   // Loads with several lookups in flight are another figure than one lookup after the other:
   // every load figure (and its fio baseline, from the same run) carries the suffix.
   const std::string lk = cfg.lookups_in_flight > 1 ? "_inflight" + std::to_string(cfg.lookups_in_flight) : "";
-  print_result("l2_load_vs_fio" + lk + huge, median_ratio(big.ours_read, big.fio_read));
-  print_result("l2_store_vs_fio" + huge, median_ratio(big.ours_write, big.fio_write));
-  print_result("l2_load_vs_fio_3m" + lk + huge, median_ratio(small.ours_read, small.fio_read));
-  print_result("l2_store_vs_fio_3m" + huge, median_ratio(small.ours_write, small.fio_write));
-  print_result("l2_load_pread_vs_fio" + lk + huge, median_ratio(big.ours_pread, big.fio_read));
-  print_result("l2_load_pread_vs_fio_3m" + lk + huge, median_ratio(small.ours_pread, small.fio_read));
-  print_result("l2_load" + lk + "_gbps" + huge, median(big.ours_read) / 1e9);
-  print_result("fio_read" + lk + "_gbps" + huge, median(big.fio_read) / 1e9);
-  print_result("l2_load_pread" + lk + "_gbps" + huge, median(big.ours_pread) / 1e9);
-  print_result("l2_store_gbps" + huge, median(big.ours_write) / 1e9);
-  print_result("fio_write_gbps" + huge, median(big.fio_write) / 1e9);
-  print_result("l2_load_3m" + lk + "_gbps" + huge, median(small.ours_read) / 1e9);
-  print_result("fio_read_3m" + lk + "_gbps" + huge, median(small.fio_read) / 1e9);
-  print_result("l2_store_3m_gbps" + huge, median(small.ours_write) / 1e9);
-  print_result("fio_write_3m_gbps" + huge, median(small.fio_write) / 1e9);
-  print_result("fio_store_jobs", cfg.store_jobs());
-  print_result("l2_store_directory_fsync" + huge, store_directory_fsync);
-  print_result("fio_read_depth_full_pct" + huge, median(big.fio_read_full_pct));
-  print_result("fio_read_3m_depth_full_pct" + huge, median(small.fio_read_full_pct));
-  print_result("fio_write_depth_full_pct" + huge, median(big.fio_write_full_pct));
-  print_result("fio_write_3m_depth_full_pct" + huge, median(small.fio_write_full_pct));
+  for (const std::size_t mib : cfg.sizes_mib) {
+    const figures f = measure(cfg, mib << 20);
+    // 32 MiB (a 256-token chunk of Llama-3.1-8B) names the plain figures; other sizes add _<n>m.
+    const std::string m = mib == 32 ? "" : "_" + std::to_string(mib) + "m";
+    if (cfg.loads) {
+      print_result("l2_load_vs_fio" + m + lk + huge, median_ratio(f.ours_read, f.fio_read));
+      print_result("l2_load_pread_vs_fio" + m + lk + huge, median_ratio(f.ours_pread, f.fio_read));
+      print_result("l2_load" + m + lk + "_gbps" + huge, median(f.ours_read) / 1e9);
+      print_result("fio_read" + m + lk + "_gbps" + huge, median(f.fio_read) / 1e9);
+      if (mib == 32) print_result("l2_load_pread" + lk + "_gbps" + huge, median(f.ours_pread) / 1e9);
+      print_result("fio_read" + m + "_depth_full_pct" + huge, median(f.fio_read_full_pct));
+    }
+    if (cfg.stores) {
+      print_result("l2_store_vs_fio" + m + huge, median_ratio(f.ours_write, f.fio_write));
+      print_result("l2_store" + m + "_gbps" + huge, median(f.ours_write) / 1e9);
+      print_result("fio_write" + m + "_gbps" + huge, median(f.fio_write) / 1e9);
+      print_result("fio_write" + m + "_depth_full_pct" + huge, median(f.fio_write_full_pct));
+    }
+  }
+  if (cfg.stores) {
+    print_result("fio_store_jobs", cfg.store_jobs());
+    print_result("l2_store_directory_fsync" + huge, store_directory_fsync);
+  }
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "kvtier_bench_l2_disk: %s\n", e.what());

@@ -126,9 +126,9 @@ bench_l2_fio() {
     gather l2_fio "$logs/l2_fio_huge.results"
     # The loads again with 4 lookups in flight, as the server's prefetches of several requests
     # overlap (the _inflight4 figures, a throughput; the ones above are one lookup at a time,
-    # whose queue drains between lookups). Only its load figures are kept.
+    # whose queue drains between lookups). Loads only (--only loads: the stores were measured above).
     KVTIER_BUILD_DIR="$build" KVTIER_BENCH_DIR="$work/l2-disk" bench/l2_vs_fio.sh "${args[@]}" --huge-pages \
-      --lookups-in-flight 4 > "$logs/l2_fio_inflight.log" 2>&1
+      --lookups-in-flight 4 --only loads > "$logs/l2_fio_inflight.log" 2>&1
     rm -rf "$work/l2-disk"
     grep '^RESULT [a-z0-9_]*_inflight4[a-z0-9_]*_huge=' "$logs/l2_fio_inflight.log" > "$logs/l2_fio_inflight.results" || true
     gather l2_fio "$logs/l2_fio_inflight.results"
