@@ -144,21 +144,28 @@ def test_a_decode_step_hashes_nothing_and_reads_no_key_material():
         return read
 
     tables: Dict[str, List[int]] = {}
+    prompt = 5 * CT + 3
+    new = []
     for i in range(8):
         rid = f"r{i}"
-        tokens = list(range(i * 100 + 1, i * 100 + 1 + 5 * CT + 3))
+        tokens = list(range(i * 100 + 1, i * 100 + 1 + prompt))
         side.num_new_matched_tokens(rid, keys(tokens), 0)
         side.num_new_matched_tokens(rid, keys(tokens), 0)  # vLLM asks again: nothing recomputed
         tables[rid] = list(range(100 * i, 100 * i + 21))
         side.after_alloc(rid, tables[rid], 0)
+        new.append(NewRequestData(rid, tokens, (list(tables[rid]),), 0))
     assert side._hasher.calls == 8 and len(asked) == 8
-    computed = {rid: 5 * CT + 3 for rid in tables}
+    # The prefill, as vLLM first schedules a request: a new request, its whole table written
+    # (and fenced) and its 5 full chunks stored.
+    so = SchedulerOutput(new, CachedRequestData(), {rid: prompt for rid in tables}, 8 * prompt, set())
+    plan = side.plan_step(preempted_ids(so), scheduled_rows(so, side.watched))
+    assert len(plan.stores) == 8 and sorted(plan.fence_blocks) == sorted(b for t in tables.values() for b in t)
+    computed = {rid: prompt for rid in tables}
     for step in range(3 * CT):
         plan = side.plan_step([], scheduled_rows(decode_output(tables, computed), side.watched))
-        # A block is fenced by the first step that writes it since the request got it (the
-        # first one here, none having run before, then each new block's first token); the
-        # request's later tokens go into a block it already fenced.
-        starts = step == 0 or computed["r0"] % BS == 0
+        # A block is fenced by the first step that writes it since the request got it (each new
+        # block's first token); the request's later tokens go into a block it already fenced.
+        starts = computed["r0"] % BS == 0
         assert plan.stores == [] and len(plan.fence_blocks) == (8 if starts else 0)
         for rid in computed:
             computed[rid] += 1
@@ -187,7 +194,8 @@ def test_a_decode_steps_calls_do_not_grow_with_the_prompt_nor_with_requests_that
     assert (c32 - c16) / 16 <= 8, (c16, c32)
 
 
-def test_every_block_a_step_writes_was_fenced_since_the_request_got_it():
+@pytest.mark.parametrize("waiting", [False, True])
+def test_every_block_a_step_writes_was_fenced_since_the_request_got_it(waiting: bool):
     """The fence's contract (a store still reading a block handed over to another request is
     dropped): every block a step writes was fenced in that step or in an earlier step since
     the request got it (a block's generation bump on its new owner's first write is what the
@@ -217,21 +225,28 @@ def test_every_block_a_step_writes_was_fenced_since_the_request_got_it():
                 checked[rid in side.watched] += 1
             assert len(set(plan.fence_blocks)) == len(plan.fence_blocks)  # each block once
 
-        _random_schedule(seed, side, use_rows=True, observe=check)
+        _random_schedule(seed, side, use_rows=True, observe=check, waiting=waiting)
     assert checked[0] > 1000 and checked[1] > 500, checked  # both kinds of step were checked
 
 
 def _random_schedule(
-    seed: int, side: SchedulerSide, use_rows: bool, observe: Optional[Callable[[SchedulerOutput, Any], None]] = None
+    seed: int,
+    side: SchedulerSide,
+    use_rows: bool,
+    observe: Optional[Callable[[SchedulerOutput, Any], None]] = None,
+    waiting: bool = False,
 ) -> List[Any]:
     """A random vLLM schedule (arrivals with a local prefix hit or a kvtier hit, chunked
     prefill, decode with new blocks now and then, now and then a block ahead of the tokens,
     preemptions, resumptions, aborts, load errors) fed to ``side`` (``use_rows``: planned as
     the connector plans, ``plan_step`` over ``scheduled_rows(output, watched)``; else
     ``build_step`` over every request); returns each step's plan as plain values.
-    ``observe(output, plan)`` is called with each step's."""
+    ``observe(output, plan)`` is called with each step's. ``waiting``: half the arrivals are
+    looked up one to three steps before they are first scheduled (as a request whose lookup
+    or asynchronous load is pending waits in vLLM), and asked again each step meanwhile."""
     rng = random.Random(seed)
     reqs: Dict[str, Dict[str, Any]] = {}
+    pending: Dict[str, Dict[str, Any]] = {}  # looked up, not scheduled yet
     next_block = [0]
     plans = []
 
@@ -243,10 +258,9 @@ def _random_schedule(
     for _ in range(40):
         new_reqs, cached, num = [], CachedRequestData(), {}
         preempted = set()
-        for _ in range(rng.randrange(0, 3)):
-            rid = f"q{len(reqs)}-{rng.randrange(10 ** 6)}"
-            tokens = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6 * CT))]
-            local = (rng.randrange(0, len(tokens)) // BS) * BS if rng.random() < 0.3 else 0
+
+        def admit(rid: str, p: Dict[str, Any]) -> None:
+            tokens, local = p["tokens"], p["local"]
             got: Optional[int] = side.num_new_matched_tokens(rid, tokens, local)[0]
             ext = got or 0
             table = alloc(-(-len(tokens) // BS))
@@ -256,6 +270,25 @@ def _random_schedule(
             reqs[rid] = {"tokens": tokens, "done": done, "table": table}
             new_reqs.append(NewRequestData(rid, tokens, (list(table),), done))
             num[rid] = n
+
+        for rid, p in list(pending.items()):
+            p["steps"] -= 1
+            if p["steps"] == 0:
+                del pending[rid]
+                admit(rid, p)
+            else:
+                side.num_new_matched_tokens(rid, p["tokens"], p["local"])  # vLLM asks again
+        for _ in range(rng.randrange(0, 3)):
+            rid = f"q{len(reqs) + len(pending)}-{rng.randrange(10 ** 6)}"
+            tokens = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6 * CT))]
+            local = (rng.randrange(0, len(tokens)) // BS) * BS if rng.random() < 0.3 else 0
+            p = {"tokens": tokens, "local": local}
+            if waiting and rng.random() < 0.5:
+                side.num_new_matched_tokens(rid, tokens, local)
+                p["steps"] = rng.randrange(1, 4)
+                pending[rid] = p
+            else:
+                admit(rid, p)
         for rid, r in list(reqs.items()):
             if rid in num:
                 continue
@@ -307,13 +340,18 @@ def _random_schedule(
             rid = rng.choice(sorted(reqs))
             side.request_finished(rid)
             del reqs[rid]
+        if pending and rng.random() < 0.1:
+            rid = rng.choice(sorted(pending))  # aborted while it waited
+            side.request_finished(rid)
+            del pending[rid]
         if plan.fence_blocks and rng.random() < 0.05:
             side.on_load_errors([rng.choice(plan.fence_blocks)])
         side.on_finished_recving([rid for rid in sorted(reqs) if rng.random() < 0.5])
     return plans
 
 
-def test_the_connectors_per_step_path_plans_what_build_step_plans():
+@pytest.mark.parametrize("waiting", [False, True])
+def test_the_connectors_per_step_path_plans_what_build_step_plans(waiting: bool):
     stored = loaded = 0
     for seed in range(40):
         for kv_role in ("kv_both", "kv_consumer"):
@@ -321,8 +359,8 @@ def test_the_connectors_per_step_path_plans_what_build_step_plans():
                 def answer(rid: str) -> int:
                     return random.Random(rid).choice([0, BS, CT, 3 * CT, 10 ** 6])
 
-                rows = _random_schedule(seed, make_side(answer, kv_role, load_mode), use_rows=True)
-                objects = _random_schedule(seed, make_side(answer, kv_role, load_mode), use_rows=False)
+                rows = _random_schedule(seed, make_side(answer, kv_role, load_mode), use_rows=True, waiting=waiting)
+                objects = _random_schedule(seed, make_side(answer, kv_role, load_mode), use_rows=False, waiting=waiting)
                 assert rows == objects, (seed, kv_role, load_mode)
                 stored += sum(len(p[1]) for p in rows)
                 loaded += sum(len(p[0]) for p in rows)
@@ -539,3 +577,26 @@ def test_the_metadata_pickles_with_one_global_and_an_empty_plan_with_no_list():
     a, b = pickle.loads(empty).plan, pickle.loads(empty).plan
     a.fence_blocks.append(1)
     assert b.fence_blocks == [] and pickle.loads(empty).plan == StepPlan()
+
+
+def test_watched_names_only_requests_that_have_run():
+    """``scheduled_rows`` looks each watched id up among the step's running requests (a scan of
+    up to n ids for each one absent). A request that was looked up and waits (its lookup or its
+    asynchronous load pending: in vLLM it is not scheduled meanwhile, and at 256 running
+    requests several such wait at any step) can only come back as a new request, whose row is
+    always there: it is not watched until it has run."""
+    seen = [0, 0]  # waiting requests seen; watched requests checked
+
+    for seed in range(20):
+        side = make_side(lambda rid: random.Random(rid).choice([0, CT, 3 * CT]))
+
+        def check(so: SchedulerOutput, plan: Any) -> None:
+            for rid, st in side._requests.items():
+                if not st.scheduled:
+                    seen[0] += 1
+                    assert rid not in side.watched, (seed, rid)
+                elif rid in side.watched:
+                    seen[1] += 1
+
+        _random_schedule(seed, side, use_rows=True, observe=check, waiting=True)
+    assert seen[0] > 100 and seen[1] > 100, seen

@@ -150,8 +150,9 @@ class SchedulerSide:
                 describe=(seq, lora_name, lora_id),
                 store_cap=min(n_prompt // self._ct, len(hashes)),
             )
+            # Not watched yet: until it has run, it can only be scheduled as a new request, whose
+            # row is always planned (plan_step watches it from its first step if it may store).
             self._requests[request_id] = st
-            self.watched.add(request_id)
         if not self.config.loads:
             return 0, False  # kv_producer: stores only, never looks up
         if st.load_issued or (self._async and request_id in self._loaded):
