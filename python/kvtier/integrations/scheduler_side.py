@@ -77,10 +77,12 @@ class SchedulerSide:
         self._async = not config.layerwise
         self._requests: Dict[str, _Request] = {}
         self._planned: List[str] = []  # ids with a load planned, in order
-        # Ids whose every scheduled step plan_step must see: a request may still store, or has
-        # blocks it got and did not write yet. Every other tracked request (nothing left to
-        # store, every block it got fenced: a decode step's whole life) needs a row only in a
-        # step that hands it a block, which it fences then (scheduled_rows leaves the others out).
+        # Ids whose every scheduled step plan_step must see: a request that has run and may
+        # still store, or has blocks it got and did not write yet. Every other tracked request
+        # (nothing left to store, every block it got fenced: a decode step's whole life) needs
+        # a row only in a step that hands it a block, which it fences then (scheduled_rows
+        # leaves the others out). A request that has not run yet is not in it: vLLM schedules
+        # it first as a new request (a preempted one as resumed), whose row is always there.
         self.watched: Set[str] = set()
         self._loaded: Set[str] = set()  # ids that had a load (until request_finished)
         self._awaiting_recv: Set[str] = set()  # ids with an asynchronous load vLLM has no finished_recving of yet
