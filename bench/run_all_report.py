@@ -480,7 +480,7 @@ def summary(res, meta, table, made):
     for n in (1, 64, 256):
         mark = "**" if n == 256 else ""
         row(f"{mark}vLLM connector, one engine step, {n} request(s), steady state "
-            f"(`vllm_step_overhead_us_{n}`, median step, half the arrivals hit){mark}",
+            f"(`vllm_step_overhead_us_{n}`, median step, half the arrivals hit; TP=1: vLLM's UniProcExecutor, nothing pickled){mark}",
             g(f"vllm_step_overhead_us_{n}"), "us", g(f"vllm_step_budget_us_{n}"), "us",
             "1% of an 8B decode step on an H100 (HBM floor: weights + KV / 3.35 TB/s)",
             (g(f"vllm_step_overhead_us_{n}") / g(f"vllm_step_budget_us_{n}"))
@@ -502,10 +502,10 @@ def summary(res, meta, table, made):
         g("vllm_step_overhead_cpu_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step (wall)",
         (g("vllm_step_overhead_cpu_us_256") / g("vllm_step_overhead_us_256"))
         if g("vllm_step_overhead_cpu_us_256") and g("vllm_step_overhead_us_256") else None, "")
-    row("steady-state control, 256 requests: the step's metadata pickled again after the forward-pass wait "
+    row("steady-state control, 256 requests: the step's metadata pickled after the forward-pass wait "
         "(`steady_after_wait_slowdown_256`: the server moving the arrivals' KV meanwhile)",
         g("steady_repickle_after_wait_us_256"), "us", g("steady_repickle_us_256"), "us",
-        "the same pickle right after the first (warm)", g("steady_after_wait_slowdown_256"), "")
+        "the same pickle right after build_connector_meta (warm)", g("steady_after_wait_slowdown_256"), "")
     row("vLLM connector, 256 requests, mean step (`vllm_step_overhead_mean_us_256`: C++ call outliers included)",
         g("vllm_step_overhead_mean_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step",
         None, "")

@@ -15,8 +15,11 @@ scheduler.py + the worker's kv_connector_model_runner_mixin.py, at the commit
              SchedulerOutput: the running requests' decode tokens, the new requests' prefill),
              request_finished (each request that finished), update_connector_output,
              get_kv_connector_stats (+ aggregate with the worker's), take_events
-  metadata   pickle.dumps + pickle.loads of the connector metadata (vLLM's multiproc executor
-             sends the SchedulerOutput to the workers pickled)
+  metadata   with --executor mp only: pickle.dumps + pickle.loads of the connector metadata
+             (vLLM's multiproc executor, TP > 1, sends the SchedulerOutput to the workers
+             pickled). The default, --executor uni, is what vLLM runs on one GPU
+             (ParallelConfig: world_size 1 -> "uni"): UniProcExecutor calls the worker in the
+             engine core's process with the SchedulerOutput as it is, nothing pickled
   worker     bind_connector_metadata, handle_preemptions, start_load_kv, per layer
              wait_for_layer_load + save_kv_layer (32 layers), then (after the forward pass)
              wait_for_save, get_finished, get_block_ids_with_load_errors,
@@ -59,8 +62,8 @@ objects, in vLLM and here. --no-gc-freeze leaves the heap as it is.
 The steady state prints the engine thread's CPU time in the same calls beside their wall time
 (RESULT vllm_step_overhead_cpu_us_<n>: where it is well below, the thread waited for a core or
 a mutex), and at n = 256 runs control windows of its own (mixed, not in the headline; off with
---no-steady-control): each step pickles its metadata once more right after the measured
-pickle and once more right after the forward-pass wait, outside the step's figure
+--no-steady-control): each step pickles its metadata once right after it was built (and sent,
+with --executor mp) and once more right after the forward-pass wait, outside the step's figure
 (steady_repickle_us_256, steady_repickle_after_wait_us_256, steady_after_wait_slowdown_256):
 the same work on the same object, warm and after a wait during which the server moved the
 arrivals' KV.
@@ -252,6 +255,7 @@ class Engine:
         self.gap_s = 0.0  # the forward-pass wait of this step
         self.wait_s = 0.0  # the forward-pass wait of this n (the scenarios decide whether a step waits)
         self.spin = args.wait == "spin"
+        self.pickle_metadata = args.executor == "mp"
         self.scenario = "mixed"
         self.priming = False  # prime() runs: arrivals are hits (no store evicts the pool)
         self.pool = [self._tokens(2 * CHUNK) for _ in range(POOL)]
@@ -260,7 +264,7 @@ class Engine:
         self.sched_ns = self.xfer_ns = self.worker_ns = 0
         self.cpu_ns = 0  # the engine thread's CPU time in the timed calls, this step
         # Control windows (n = 256; --no-steady-control skips them): the step's metadata
-        # pickled again, untimed in the step's figure, right after its first pickle and right
+        # pickled, untimed in the step's figure, right after it was built (and sent) and right
         # after the forward-pass wait; ns of the last step's two.
         self.control = False
         self.control_ns = (0, 0)
@@ -407,9 +411,11 @@ class Engine:
         t0 = self._on()
         meta = s.build_connector_meta(so)
         sched_ns += self._off(t0, "build_connector_meta")
-        t0 = self._on()
-        meta = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
-        xfer_ns = self._off(t0, "metadata pickle")
+        xfer_ns = 0
+        if self.pickle_metadata:  # --executor mp: to the workers through pickle
+            t0 = self._on()
+            meta = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
+            xfer_ns = self._off(t0, "metadata pickle")
         if self.control:
             warm_ns = repickle_ns(meta)
 
@@ -664,13 +670,13 @@ def machine_after_wait(wait_s: float, repeats: int, steps: int) -> None:
 
 
 def steady_control(windows: List[Dict[str, Any]]) -> None:
-    """Prints the steady-state control: the same pickle of the same metadata right after its
-    first pickle and right after the forward-pass wait, in mixed windows of their own."""
+    """Prints the steady-state control: the same pickle of the same metadata right after it was
+    built and right after the forward-pass wait, in mixed windows of their own."""
     pairs = [p for w in windows for p in w["control"]]
     warm = statistics.median(p[0] for p in pairs) / 1e3
     waited = statistics.median(p[1] for p in pairs) / 1e3
-    print(f"# n=256 control (mixed windows of their own, {len(pairs)} steps): the step's metadata pickled again "
-          f"right after its first pickle {warm:.1f} us, right after the forward-pass wait {waited:.1f} us: the same "
+    print(f"# n=256 control (mixed windows of their own, {len(pairs)} steps): the step's metadata pickled "
+          f"right after it was built {warm:.1f} us, right after the forward-pass wait {waited:.1f} us: the same "
           f"work, {waited / warm:.2f}x slower after the wait while the server moves the arrivals' KV")
     print(f"RESULT steady_repickle_us_256={warm:.1f}")
     print(f"RESULT steady_repickle_after_wait_us_256={waited:.1f}")
@@ -699,6 +705,9 @@ def main() -> None:
                     help="do not freeze the start-up heap (vLLM's EngineCore.__init__ does: freeze_gc_heap)")
     ap.add_argument("--output-thread", action="store_true",
                     help="a second Python thread serializes each step's outputs, as vLLM's EngineCore's does")
+    ap.add_argument("--executor", choices=("uni", "mp"), default="uni",
+                    help="vLLM's executor: uni (one GPU, TP=1: the worker in the engine core's process, the "
+                    "metadata handed over as it is) or mp (TP > 1: the metadata pickled to the workers, counted)")
     ap.add_argument("--decode-only", action="store_true",
                     help="decode steps back to back, nothing arriving (module docstring)")
     args = ap.parse_args()
@@ -753,6 +762,9 @@ def main() -> None:
               f"{HEAD_DIM}) bf16, chunks of {CHUNK} tokens ({slot >> 20} MiB), prompts of {args.prompt_tokens} "
               f"tokens, {args.output_tokens} output tokens; {args.repeats} windows x {args.steps} steps per configuration")
         print(f"# python {sys.version.split()[0]}, torch {torch.__version__}, kvtier {kvtier.__version__}")
+        print("# executor: " + ("mp (TP > 1): the connector metadata pickled to the workers each step, counted as metadata"
+                                if args.executor == "mp" else
+                                "uni (one GPU, vLLM's default at TP=1): the metadata handed to the worker as it is, nothing pickled"))
         if args.output_thread:
             print("# --output-thread: a second Python thread serializes each step's outputs (module docstring)")
         results: Dict[tuple, List[Dict[str, Any]]] = {}

@@ -80,3 +80,22 @@ def test_output_thread_serializes_every_steps_outputs_beside_the_connector_calls
     assert "# --output-thread: a second Python thread serializes each step's outputs" in out
     served = int(out.split("# --output-thread: serialized the outputs of ")[1].split()[0])
     assert served >= 3 * (8 + 2)  # every step of the three scenarios' windows, and the start-up steps
+
+
+def test_the_metadata_is_pickled_only_under_the_multiproc_executor():
+    """On one GPU (TP=1) vLLM runs UniProcExecutor (ParallelConfig: world_size 1 -> "uni"), which
+    hands the SchedulerOutput, the connector metadata in it, to the worker in the same process:
+    nothing pickled, so the step counts no metadata time. The multiproc executor (TP > 1)
+    pickles it to the workers: --executor mp counts the round trip."""
+    common = ("--quick", "--ns", "1", "--repeats", "1", "--steps", "8", "--warmup", "2", "--no-steady-control")
+
+    def metadata_us(out: str) -> float:
+        line = next(l for l in out.splitlines() if l.startswith("# n=1 mixed: median step"))
+        return float(line.split(", metadata ")[1].split(",")[0])
+
+    out, results = bench(*common)
+    assert "# executor: uni (one GPU" in out and results["vllm_step_overhead_us_1"] > 0
+    assert metadata_us(out) == 0.0 and "metadata pickle" not in out
+    out, results = bench(*common, "--executor", "mp")
+    assert "# executor: mp (TP > 1)" in out and results["vllm_step_overhead_us_1"] > 0
+    assert metadata_us(out) > 0.0 and "metadata pickle" in out
