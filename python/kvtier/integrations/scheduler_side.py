@@ -235,8 +235,10 @@ class SchedulerSide:
         scheduled_rows` reads them from vLLM's ``SchedulerOutput``.
 
         Runs every step, so it does a constant amount of work per row, and needs no row for
-        most decode steps (docs/performance.md, "vLLM connector: cost per step"). A request
-        in :attr:`watched` (it may still store, or got blocks it has not written) fences the
+        most decode steps (docs/performance.md, "vLLM connector: cost per step"). A request's
+        first step is a new row (``replace``: its whole table), as vLLM schedules a waiting or
+        a resumed request; from it on, a request in :attr:`watched` (it may still store, or
+        got blocks it has not written) fences the
         blocks the step writes that it had not written since it got them, and stores the
         chunks the step completes. Once nothing is left to store, it fences every block it
         got and did not write yet and leaves :attr:`watched`: from then on a step fences the
