@@ -600,3 +600,20 @@ def test_watched_names_only_requests_that_have_run():
 
         _random_schedule(seed, side, use_rows=True, observe=check, waiting=True)
     assert seen[0] > 100 and seen[1] > 100, seen
+
+
+def test_a_first_step_given_as_a_cached_row_still_stores():
+    """An engine that drives ``SchedulerSide`` itself may give a request's first step as a row
+    that appends blocks (``replace_blocks`` False) rather than as a new one: it is not in
+    ``watched`` (it has not run), and its chunks are stored all the same."""
+    from kvtier.integrations.plan import ScheduledRequest, StepInput
+
+    side = make_side()
+    tokens = list(range(1, 3 * CT + 2))
+    side.num_new_matched_tokens("r", tokens, 0)
+    table = list(range(-(-len(tokens) // BS)))
+    side.after_alloc("r", table, 0)
+    assert "r" not in side.watched
+    plan = side.build_step(StepInput([ScheduledRequest("r", [], 0, len(tokens))]))
+    assert [(op.request_id, op.first_chunk, len(op.hashes)) for op in plan.stores] == [("r", 0, 3)]
+    assert sorted(plan.fence_blocks) == table

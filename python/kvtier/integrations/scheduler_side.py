@@ -152,8 +152,9 @@ class SchedulerSide:
                 describe=(seq, lora_name, lora_id),
                 store_cap=min(n_prompt // self._ct, len(hashes)),
             )
-            # Not watched yet: until it has run, it can only be scheduled as a new request, whose
-            # row is always planned (plan_step watches it from its first step if it may store).
+            # Not watched yet: until it has run, vLLM can only schedule it as a new request, whose
+            # row scheduled_rows always keeps (plan_step plans any row of it in full, and watches
+            # it from its first step if it may still store).
             self._requests[request_id] = st
         if not self.config.loads:
             return 0, False  # kv_producer: stores only, never looks up
@@ -235,10 +236,9 @@ class SchedulerSide:
         scheduled_rows` reads them from vLLM's ``SchedulerOutput``.
 
         Runs every step, so it does a constant amount of work per row, and needs no row for
-        most decode steps (docs/performance.md, "vLLM connector: cost per step"). A request's
-        first step is a new row (``replace``: its whole table), as vLLM schedules a waiting or
-        a resumed request; from it on, a request in :attr:`watched` (it may still store, or
-        got blocks it has not written) fences the
+        most decode steps (docs/performance.md, "vLLM connector: cost per step"). A request
+        that has not run, or one in :attr:`watched` (it may still store, or got blocks it has
+        not written), fences the
         blocks the step writes that it had not written since it got them, and stores the
         chunks the step completes. Once nothing is left to store, it fences every block it
         got and did not write yet and leaves :attr:`watched`: from then on a step fences the
@@ -279,8 +279,10 @@ class SchedulerSide:
                 # whole (a new or resumed request).
                 fence.extend(block_ids[start // bs : -(-(start + num) // bs)] if replace else block_ids)
                 continue
-            if not replace and rid not in watched:
+            if not replace and rid not in watched and st.scheduled:
                 # Nothing left to store, every block it got fenced: it fences what it is handed.
+                # (A request that has not run is not watched either: vLLM gives its first step
+                # as a new row, but an engine driving build_step may not, and it plans in full.)
                 if block_ids:
                     blocks = st.blocks
                     blocks.extend(block_ids)
