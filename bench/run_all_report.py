@@ -505,7 +505,7 @@ def summary(res, meta, table, made):
     row("steady-state control, 256 requests: the step's metadata pickled after the forward-pass wait "
         "(`steady_after_wait_slowdown_256`: the server moving the arrivals' KV meanwhile)",
         g("steady_repickle_after_wait_us_256"), "us", g("steady_repickle_us_256"), "us",
-        "the same pickle right after build_connector_meta (warm)", g("steady_after_wait_slowdown_256"), "")
+        "the same pickle right after a first one (warm)", g("steady_after_wait_slowdown_256"), "")
     row("vLLM connector, 256 requests, mean step (`vllm_step_overhead_mean_us_256`: C++ call outliers included)",
         g("vllm_step_overhead_mean_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step",
         None, "")
