@@ -37,8 +37,9 @@
 //                             [--fio-store-jobs N] [--store-batch N] [--store-inflight-gib X]
 //                             [--huge-pages] [--name-sync auto|directory|file] [--lookup-keys N]
 //                             [--lookups-in-flight N] [--only loads|stores] [--sizes MIB[,MIB...]]
-//   --only: one phase (loads: the load set is still stored first, untimed); --sizes: the
-//   object sizes in MiB (default 32,3; 32 names the plain RESULTs, another size n adds _<n>m).
+//   --only: one phase (loads: the load set is still stored first, untimed; the last --only
+//   counts); --sizes: distinct object sizes in MiB (default 32,3; 32 names the plain RESULTs,
+//   another size n adds _<n>m).
 //   --huge-pages: stores from memory and loads into an L1 in transparent huge pages (as the
 //   server's L1 is, by default; the L1 faulted in before the clock starts) against fio
 //   writing from and reading into hugetlb pages (iomem=shmhuge; it needs free ones:
@@ -68,6 +69,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -485,19 +487,21 @@ int main(int argc, char** argv) try {
     }
     else if (a == "--only") {
       const std::string phase = next();
-      if (phase == "loads") cfg.stores = false;
-      else if (phase == "stores") cfg.loads = false;
-      else throw std::invalid_argument("--only takes loads or stores");
+      if (phase != "loads" && phase != "stores") throw std::invalid_argument("--only takes loads or stores");
+      cfg.loads = phase == "loads";  // (a second --only replaces the first)
+      cfg.stores = phase == "stores";
     } else if (a == "--sizes") {
       cfg.sizes_mib.clear();
       std::stringstream list(next());
       for (std::string item; std::getline(list, item, ',');) {
-        std::size_t used = 0;
-        const unsigned long mib = item.empty() ? 0 : std::stoul(item, &used);
-        if (used != item.size() || mib == 0 || mib > 1024)
-          throw std::invalid_argument("--sizes takes MiB in 1..1024, comma separated (e.g. 32,3)");
+        const bool digits = !item.empty() && item.size() <= 4 &&
+                            std::all_of(item.begin(), item.end(), [](char c) { return c >= '0' && c <= '9'; });
+        const std::size_t mib = digits ? std::stoul(item) : 0;
+        if (mib == 0 || mib > 1024 || std::find(cfg.sizes_mib.begin(), cfg.sizes_mib.end(), mib) != cfg.sizes_mib.end())
+          throw std::invalid_argument("--sizes takes distinct MiB in 1..1024, comma separated (e.g. 32,3)");
         cfg.sizes_mib.push_back(mib);
       }
+      if (cfg.sizes_mib.empty()) throw std::invalid_argument("--sizes takes distinct MiB in 1..1024, comma separated (e.g. 32,3)");
     } else if (a == "--quick") {
       cfg.gib = 0.25;
       cfg.repeats = 2;

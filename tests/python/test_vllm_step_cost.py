@@ -28,6 +28,7 @@ import pytest
 
 from kvtier import TokenHasher
 from kvtier.integrations.config import KVTierConfig
+from kvtier.integrations.plan import ScheduledRequest, StepInput
 from kvtier.integrations.scheduler_side import SchedulerSide
 from kvtier.integrations.vllm_scheduler_output import preempted_ids, scheduled_rows, step_input_from
 from replay.vllm_shapes import CachedRequestData, NewRequestData, SchedulerOutput
@@ -606,8 +607,6 @@ def test_a_first_step_given_as_a_cached_row_still_stores():
     """An engine that drives ``SchedulerSide`` itself may give a request's first step as a row
     that appends blocks (``replace_blocks`` False) rather than as a new one: it is not in
     ``watched`` (it has not run), and its chunks are stored all the same."""
-    from kvtier.integrations.plan import ScheduledRequest, StepInput
-
     side = make_side()
     tokens = list(range(1, 3 * CT + 2))
     side.num_new_matched_tokens("r", tokens, 0)

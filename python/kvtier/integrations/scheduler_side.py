@@ -238,9 +238,8 @@ class SchedulerSide:
         Runs every step, so it does a constant amount of work per row, and needs no row for
         most decode steps (docs/performance.md, "vLLM connector: cost per step"). A request
         that has not run, or one in :attr:`watched` (it may still store, or got blocks it has
-        not written), fences the
-        blocks the step writes that it had not written since it got them, and stores the
-        chunks the step completes. Once nothing is left to store, it fences every block it
+        not written), fences the blocks the step writes that it had not written since it got
+        them, and stores the chunks the step completes. Once nothing is left to store, it fences every block it
         got and did not write yet and leaves :attr:`watched`: from then on a step fences the
         blocks it is handed, when it is handed them (before their first write: a store of a
         previous owner still reading one is dropped then), and a step that hands it none
