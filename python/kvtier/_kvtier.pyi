@@ -254,9 +254,11 @@ class Connector:
     def options(self) -> ConnectorOptions: ...
     def stats(self) -> dict: ...
     @property
-    def counters(self) -> Tuple[int, int, int]:
-        """``(registrations, late_replies, quarantined_blocks)`` of :meth:`stats`, without its
-        dict: what the vLLM connector samples every step, in one call (one lock)."""
+    def counters(self) -> Tuple[int, int, int, int]:
+        """``(registrations, late_replies, quarantined_blocks, unhealthy_ns)`` of :meth:`stats`,
+        without its dict: what the vLLM connector samples every step, in one call (one lock).
+        ``unhealthy_ns``: the time spent without a registered server since the start, the
+        current outage included."""
     def chunk_hashes(self, tokens: _Tokens) -> List[int]:
         """One hash per full chunk of ``tokens``, with the connector's chunk size and hash
         (no extras: :meth:`TokenHasher.chunk_hashes` folds those)."""

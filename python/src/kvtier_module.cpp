@@ -696,16 +696,17 @@ PYBIND11_MODULE(_kvtier, m) {
              d["descriptions_sent"] = st.descriptions_sent;
              d["chunks_described"] = st.chunks_described;
              d["quarantined_blocks"] = st.quarantined_blocks;
+             d["unhealthy_ns"] = st.unhealthy_ns;
              return d;
            })
       .def_property_readonly(
           "counters",
           [](const py_connector& s) {
             const engine::connector_stats st = holding_gil(s, [](auto& c) { return c.stats(); });
-            return py::make_tuple(st.registrations, st.late_replies, st.quarantined_blocks);
+            return py::make_tuple(st.registrations, st.late_replies, st.quarantined_blocks, st.unhealthy_ns);
           },
-          "(registrations, late_replies, quarantined_blocks) of stats(), without its dict: what the vLLM "
-          "connector samples every step, in one call.")
+          "(registrations, late_replies, quarantined_blocks, unhealthy_ns) of stats(), without its dict: what "
+          "the vLLM connector samples every step, in one call.")
       .def(
           "chunk_hashes",
           [](const py_connector& s, const token_input& tokens) {

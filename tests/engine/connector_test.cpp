@@ -539,6 +539,7 @@ TEST_CASE("a hung server is declared unhealthy by the ping timeout, and recovery
   o.timeouts.ping_timeout = 100ms;
   o.timeouts.request_timeout = 200ms;
   auto& c = h.connect(o);
+  CHECK(c.stats().unhealthy_ns == 0);
   // A retrieve is in flight when the server stops.
   h.server->hold(p::message_type::retrieve_request);
   c.retrieve("h", tokens(ct, 14), 0, blocks{8, 9});
@@ -546,6 +547,13 @@ TEST_CASE("a hung server is declared unhealthy by the ping timeout, and recovery
 
   h.server->hang();  // stopped (SIGSTOP): the socket stays open, nothing is answered
   REQUIRE(h.wait([](const record& r) { return r.unhealthy.size() == 1; }));
+  // The time without a server counts while it lasts (what the vLLM connector's degraded_s
+  // reports between two samples), and grows.
+  const std::uint64_t outage_so_far = c.stats().unhealthy_ns;
+  CHECK(outage_so_far > 0);
+  std::uint64_t later = c.stats().unhealthy_ns;
+  for (int i = 0; i < 1'000'000 && later == outage_so_far; ++i) later = c.stats().unhealthy_ns;  // the clock's tick
+  CHECK(later > outage_so_far);
   const auto u = h.rec.snapshot().unhealthy.at(0);
   CHECK(u.reason.view() == "ping_timeout");
   CHECK(u.released_requests == 1);
@@ -564,6 +572,9 @@ TEST_CASE("a hung server is declared unhealthy by the ping timeout, and recovery
   REQUIRE(h.wait([](const record& r) { return r.healthy.size() == 2; }));
   const auto s = h.rec.snapshot();
   CHECK(s.healthy.at(1).unhealthy_ns > 0);
+  // Once healthy again, stats() holds exactly the outage the event reported, and stays.
+  CHECK(c.stats().unhealthy_ns == s.healthy.at(1).unhealthy_ns);
+  CHECK(c.stats().unhealthy_ns == s.healthy.at(1).unhealthy_ns);
   CHECK_FALSE(s.reconnected.at(0).server_restarted);
   CHECK(c.healthy());
   CHECK(c.get_finished(ids{}).recving.empty());  // the late reply reports nothing again
@@ -641,6 +652,7 @@ TEST_CASE("without a server the connector runs degraded: stores skipped, retriev
   REQUIRE(h.wait([](const record& r) { return r.healthy.size() == 1; }));
   s = h.rec.snapshot();
   CHECK(s.healthy.at(0).unhealthy_ns > 0);
+  CHECK(c.stats().unhealthy_ns == s.healthy.at(0).unhealthy_ns);  // from the failed first connect on
   CHECK(s.reconnected.empty());  // the first registration is no reconnection
   CHECK(h.server->received(p::message_type::store_request) == 0);
 }

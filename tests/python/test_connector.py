@@ -264,18 +264,20 @@ def _scheduler_options(sock, shape):
 
 
 
-def test_counters_are_stats_registrations_late_replies_and_quarantined_blocks_across_a_restart(servers):
-    # What the vLLM connector samples every step (its reconnects, late replies and
-    # quarantined blocks) without stats()'s dict: the same three numbers.
+def test_counters_are_stats_registrations_late_replies_quarantined_blocks_and_unhealthy_ns_across_a_restart(servers):
+    # What the vLLM connector samples every step (its reconnects, late replies, quarantined
+    # blocks and time without a server) without stats()'s dict: the same four numbers.
     srv = servers.start(chunk_tokens=CT)
     s = scheduler(srv.socket_path)
+    keys = ("registrations", "late_replies", "quarantined_blocks", "unhealthy_ns")
     try:
         st = s.stats()
-        assert s.counters == (st["registrations"], st["late_replies"], st["quarantined_blocks"]) == (1, 0, 0)
+        assert s.counters == tuple(st[k] for k in keys) == (1, 0, 0, 0)
         srv.restart()
         wait_until(lambda: s.counters[0] == 2, what="the scheduler registered with the new server")
         st = s.stats()
-        assert s.counters == (st["registrations"], st["late_replies"], st["quarantined_blocks"])
+        assert s.counters == tuple(st[k] for k in keys)  # healthy: the outage's time stays put
+        assert st["unhealthy_ns"] > 0  # the restart's outage (the old server's EOF to the registration)
     finally:
         s.close()
 

@@ -524,6 +524,39 @@ def test_a_failed_load_is_counted_in_the_stats(servers):
     assert d["degraded_s"] > 0 and d["reconnects"] >= 1
 
 
+def test_degraded_time_is_the_outage_itself_not_the_time_between_two_samples(servers):
+    """degraded_s is the time the connector spent without a registered server since the last
+    sample: an outage that ends between two samples counts, and the time an idle engine spent
+    before the outage does not (vLLM samples once per step: an idle engine does not step)."""
+    import time
+
+    from replay.vllm_shapes import vllm_config
+
+    srv = servers.start(chunk_tokens=CT)
+    cfg = vllm_config(model="m", num_layers=2, num_kv_heads=2, head_size=8, block_size=BS,
+                      extra={"socket_path": str(srv.socket_path), "chunk_tokens": CT, "kv_layout": "NHD"})
+    sched = kv_vllm.KVTierConnector(cfg, kv_vllm.KVConnectorRole.SCHEDULER)
+    try:
+        conn = sched._scheduler.connector
+        assert conn.wait_ready(30.0)
+        sched.get_kv_connector_stats()  # the first sample: healthy
+        srv.kill()
+        wait_until(lambda: not conn.healthy, what="the scheduler saw the server gone")
+        srv.start()
+        wait_until(lambda: conn.healthy, what="the scheduler registered again")
+        d = sched.get_kv_connector_stats().data
+        assert d.get("degraded_s", 0) > 0 and d["reconnects"] == 1
+
+        time.sleep(0.3)  # the engine idles (no step, no sample) with its server up
+        killed = time.monotonic()
+        srv.kill()
+        wait_until(lambda: not conn.healthy, what="the scheduler saw the server gone again")
+        d = sched.get_kv_connector_stats().data
+        assert 0 < d["degraded_s"] <= time.monotonic() - killed
+    finally:
+        sched.shutdown()
+
+
 def _kv_cache_config(*specs):
     from replay import vllm_configs as vc
 

@@ -467,14 +467,15 @@ def test_the_bindings_hash_every_form_of_the_same_tokens_alike():
 
 class _SampledConnector:
     """A worker's kvtier.Connector as get_kv_connector_stats samples it: its counters (one
-    call, under one lock in C++) and its health; records what is asked of it."""
+    call, under one lock in C++), its health and quarantine should anything ask; records what
+    is asked of it."""
 
-    def __init__(self, registrations: int, late_replies: int, quarantined: int) -> None:
+    def __init__(self, registrations: int, late_replies: int, quarantined: int, unhealthy_ns: int = 0) -> None:
         self.asked: List[str] = []
-        self._counters = (registrations, late_replies, quarantined)
+        self._counters = (registrations, late_replies, quarantined, unhealthy_ns)
 
     @property
-    def counters(self) -> Tuple[int, int, int]:
+    def counters(self) -> Tuple[int, int, int, int]:
         self.asked.append("counters")
         return self._counters
 
@@ -490,8 +491,9 @@ class _SampledConnector:
 
 def test_a_workers_stats_sample_is_one_call_for_its_counters_and_the_quarantine():
     # vLLM asks every worker for its stats after every step: the registrations, the late
-    # replies and the quarantined blocks come from one call into the bindings (one lock), not
-    # from a list of the quarantined blocks made only to be counted.
+    # replies, the quarantined blocks and the time without a server come from one call into
+    # the bindings (one lock), not from a list of the quarantined blocks made only to be
+    # counted, nor from a second call for the health.
     from kvtier.integrations.vllm import KVConnectorRole, KVTierConnector
     from replay.vllm_configs import full_attention_config
     from replay.vllm_shapes import vllm_config
@@ -504,12 +506,14 @@ def test_a_workers_stats_sample_is_one_call_for_its_counters_and_the_quarantine(
     assert worker.get_kv_connector_stats() is None  # no connector yet (register_kv_caches makes it)
     conn = worker.worker_side.connector = _SampledConnector(registrations=1, late_replies=0, quarantined=3)
     stats = worker.get_kv_connector_stats()
-    assert conn.asked == ["counters", "healthy"]
+    assert conn.asked == ["counters"]
     assert stats is not None and stats.data == {"quarantined_blocks_max": 3}
     conn.asked.clear()
-    conn._counters = (3, 2, 0)  # two reconnections, two late replies, the quarantine released
+    conn._counters = (3, 2, 0, 0)  # two reconnections, two late replies, the quarantine released
     assert worker.get_kv_connector_stats().data == {"reconnects": 2, "late_replies": 2}  # a max of 0: not kept
-    assert conn.asked == ["counters", "healthy"]
+    assert conn.asked == ["counters"]
+    conn._counters = (3, 2, 0, 1_500_000_000)  # 1.5 s without a server since the last sample
+    assert worker.get_kv_connector_stats().data == {"degraded_s": 1.5}
 
 
 def test_the_step_plan_pickles_to_itself_as_tuples():

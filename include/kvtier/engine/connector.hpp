@@ -62,6 +62,11 @@ struct connector_stats {
   std::uint64_t descriptions_sent = 0;  ///< describe_chunks_request frames sent
   std::uint64_t chunks_described = 0;   ///< chunks in them
   std::size_t quarantined_blocks = 0;   ///< blocks quarantined now (quarantined_blocks().size())
+  /// Nanoseconds spent unhealthy (without a registered server: health_state::unhealthy)
+  /// since the connector started, the current outage included: exactly the sum of the
+  /// outages connector_healthy reported once healthy again. Not the first connection's
+  /// attempt while it lasts (health_state::starting), which counts only once it failed.
+  std::uint64_t unhealthy_ns = 0;
 };
 
 template <class Bus>

@@ -45,7 +45,7 @@ STATS_KEYS: Dict[str, str] = {
     "fence_refusals": "workers: blocks vLLM was about to write while quarantined (never expected)",
     "quarantined_blocks_max": "workers: the most blocks one rank held quarantined at a report",
     # both
-    "degraded_s": "seconds a connector spent without a registered server (sampled once per step)",
+    "degraded_s": "seconds a connector spent without a registered server (its own clock of its outages: exact, whenever the steps come)",
     "reconnects": "registrations with a server after the first one (a restart, a lost connection)",
     "late_replies": "server replies to calls the connector had given up on",
 }

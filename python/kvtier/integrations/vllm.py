@@ -51,7 +51,6 @@ docs/integration.md ("vLLM") says what each optional method of the interface doe
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 from .config import KV_ROLES
@@ -89,8 +88,8 @@ log = logging.getLogger("kvtier")
 
 
 # The cumulative counters get_kv_connector_stats reports the growth of, per role, in order.
-_SCHEDULER_COUNTERS = ("lookups", "lookup_tokens", "lookup_hit_tokens", "reconnects", "late_replies")
-_WORKER_COUNTERS = ("fence_refusals", "reconnects", "late_replies")
+_SCHEDULER_COUNTERS = ("lookups", "lookup_tokens", "lookup_hit_tokens", "reconnects", "late_replies", "degraded_s")
+_WORKER_COUNTERS = ("fence_refusals", "reconnects", "late_replies", "degraded_s")
 
 
 class KVTierConnectorMetadata(KVConnectorMetadata):
@@ -143,8 +142,7 @@ class KVTierConnector(KVConnectorBase_V1):
         self._worker: Optional[WorkerSide] = None
         self._stats = KVTierConnectorStats()
         # The cumulative counters behind the stats (_COUNTERS' names, in order), as last reported.
-        self._sampled: Tuple[int, ...] = ()
-        self._sampled_at: Optional[float] = None
+        self._sampled: Tuple[float, ...] = ()
         # worker: chunk block sets of each retrieve not over yet, and whether each failed
         self._loads: Dict[str, List[List[Any]]] = {}
         self._recved: Set[str] = set()
@@ -322,23 +320,22 @@ class KVTierConnector(KVConnectorBase_V1):
             s = self._scheduler
             conn = s.connector
             names = _SCHEDULER_COUNTERS
-            counters: Tuple[int, ...] = (s.lookups_sent, s.lookup_tokens, s.lookup_hit_tokens)
+            counters: Tuple[float, ...] = (s.lookups_sent, s.lookup_tokens, s.lookup_hit_tokens)
         else:
             conn = self.worker_side.connector
             names = _WORKER_COUNTERS
             counters = (self.worker_side.fence_refusals,)
-        now = time.monotonic()
         if conn is not None:
-            # One call (one lock in C++): a scheduler's connector quarantines nothing.
-            registrations, late_replies, quarantined = conn.counters
-            counters += (max(registrations - 1, 0), late_replies)
+            # One call (one lock in C++): a scheduler's connector quarantines nothing. The time
+            # without a server is the connector's own clock of its outages, not a guess from
+            # the health at this sample (an outage between two samples counts, and an idle
+            # engine's time before one does not).
+            registrations, late_replies, quarantined, unhealthy_ns = conn.counters
+            counters += (max(registrations - 1, 0), late_replies, unhealthy_ns / 1e9)
             if self._scheduler is None:
                 self._stats.add("quarantined_blocks_max", quarantined)
-            if self._sampled_at is not None and not conn.healthy:
-                self._stats.add("degraded_s", now - self._sampled_at)
         else:
-            counters += (0, 0)
-        self._sampled_at = now
+            counters += (0, 0, 0.0)
         if counters != self._sampled:
             before = self._sampled or (0,) * len(counters)
             for key, value, old in zip(names, counters, before):

@@ -84,6 +84,8 @@ struct link_stats {
   std::uint64_t calls_sent_by_caller = 0;  ///< of them, written by the issuing engine thread itself
   std::size_t pending_calls = 0;     ///< calls waiting for their reply now
   std::size_t open_connections = 0;  ///< the current one plus those kept for late replies
+  /// Time spent unhealthy (no registered server) since the start, the current outage included.
+  std::uint64_t unhealthy_ns = 0;
 };
 
 class server_link {
@@ -244,6 +246,7 @@ class server_link {
   bool stopping_ = false;
   health_state state_ = health_state::starting;
   clock::time_point unhealthy_since_{};
+  std::uint64_t unhealthy_ns_ = 0;  ///< the outages that ended (stats_locked adds the current one)
   std::string last_error_;
   std::optional<std::uint64_t> boot_token_;  ///< of the last registration
   std::uint64_t model_id_ = 0;

@@ -155,6 +155,7 @@ connector_stats connector<Bus>::stats() const {
   s.descriptions_sent = descriptions_sent_;
   s.chunks_described = chunks_described_;
   s.quarantined_blocks = quarantine_.size();
+  s.unhealthy_ns = l.unhealthy_ns;
   return s;
 }
 

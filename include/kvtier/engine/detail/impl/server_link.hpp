@@ -87,6 +87,7 @@ inline bool server_link::wait_ready(std::chrono::milliseconds timeout) {
 inline link_stats server_link::stats_locked() const {
   link_stats s = stats_;
   s.pending_calls = calls_.size();
+  s.unhealthy_ns = unhealthy_ns_ + (state_ == health_state::unhealthy ? elapsed_ns(unhealthy_since_) : 0);
   s.open_connections = 0;
   for (const auto& [epoch, c] : connections_)
     if (!c->broken) ++s.open_connections;
@@ -607,7 +608,9 @@ inline boost::asio::awaitable<std::string> server_link::handshake(std::shared_pt
   state_ = health_state::healthy;
   healthy_.store(true, std::memory_order_release);
   ++stats_.registrations;
-  owner_.on_healthy_locked(reconnect, restarted, was_unhealthy ? elapsed_ns(unhealthy_since_) : 0);
+  const std::uint64_t outage = was_unhealthy ? elapsed_ns(unhealthy_since_) : 0;
+  unhealthy_ns_ += outage;
+  owner_.on_healthy_locked(reconnect, restarted, outage);
   ready_cv_.notify_all();
   co_return std::string{};
 }
