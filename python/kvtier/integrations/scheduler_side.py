@@ -239,12 +239,13 @@ class SchedulerSide:
         most decode steps (docs/performance.md, "vLLM connector: cost per step"). A request
         that has not run, or one in :attr:`watched` (it may still store, or got blocks it has
         not written), fences the blocks the step writes that it had not written since it got
-        them, and stores the chunks the step completes. Once nothing is left to store, it fences every block it
-        got and did not write yet and leaves :attr:`watched`: from then on a step fences the
-        blocks it is handed, when it is handed them (before their first write: a store of a
-        previous owner still reading one is dropped then), and a step that hands it none
-        plans nothing, so its row may be left out (``scheduled_rows(output, watched)``). A
-        row that is there plans the same. No hash, no copy of a block table."""
+        them, and stores the chunks the step completes. Once nothing is left to store, it
+        fences every block it got and did not write yet and leaves :attr:`watched`: from then
+        on a step fences the blocks it is handed, when it is handed them (before their first
+        write: a store of a previous owner still reading one is dropped then), and a step
+        that hands it none plans nothing, so its row may be left out
+        (``scheduled_rows(output, watched)``). A row that is there plans the same. No hash,
+        no copy of a block table."""
         plan = StepPlan(preempted=list(preempted))
         for rid in plan.preempted:
             st = self._requests.get(rid)
