@@ -516,9 +516,12 @@ TEMPLATE_TEST_CASE("async_run_parts starts the next part before a digesting plan
   const bool counts_submissions = f.file_io().kind() == io::file_io_kind::uring;
 
   // A whole part's end_part (a checksum, in the disk backend) runs with the device's queue
-  // already refilled: depth parts in flight besides the one that ended, while parts remain,
-  // and on io_uring every one of them already in the kernel, not waiting for the end of the
-  // reaping turn.
+  // already refilled: depth parts in flight besides the ones that landed and wait for their
+  // end_part (this one included), while parts remain, and on io_uring every one of them
+  // already in the kernel, not waiting for the end of the reaping turn. Parts that land
+  // together (one reaping turn) are all replaced before the first of them is digested: a
+  // device that completes a batch at once (a VM's virtio disk) gets the whole batch back in
+  // one submission, not one read per digest.
   const auto [ec] = test::run_sync(f.io, [&]() -> asio::awaitable<std::tuple<error_code>> {
     co_return co_await io::async_run_parts(
         f.file_io(),
@@ -530,9 +533,13 @@ TEMPLATE_TEST_CASE("async_run_parts starts the next part before a digesting plan
   REQUIRE(in_flight_at_end.size() == blocks);
   for (std::size_t k = 0; k < blocks; ++k) {
     INFO("end_part number " << k);
-    CHECK(in_flight_at_end[k] == std::min<std::size_t>(depth + 1, blocks - k));
+    CHECK(in_flight_at_end[k] >= std::min<std::size_t>(depth + 1, blocks - k));
+    CHECK(in_flight_at_end[k] <= std::min<std::size_t>(2 * depth, blocks - k));
   }
   if (counts_submissions) {
+    // The first wave (page-cache reads: io_uring completes them inline, so all three land in
+    // the turn that submitted them) was replaced whole before its first end_part.
+    CHECK(in_flight_at_end[0] == 2 * depth);
     REQUIRE(unsubmitted_at_end.size() == blocks);
     for (std::size_t k = 0; k < blocks; ++k) {
       INFO("end_part number " << k);

@@ -71,9 +71,10 @@ concept part_plan = requires(P& p, std::size_t i, const error_code& ec, std::siz
 // clang-format on
 
 /// Whether end_part of Plan digests what a part moved: async_run_parts then starts the next
-/// parts, and has the file I/O hand them to the kernel (submit_now()), before it calls
-/// end_part for a part that moved all its bytes, so that the work overlaps the device's
-/// instead of leaving its queue short (docs/io.md, "Operations").
+/// parts for every part that landed whole in one reaping turn, and has the file I/O hand
+/// them to the kernel in one submission (submit_now()), before it calls the end_part of the
+/// first of them, so that the work overlaps the device's instead of leaving its queue short
+/// (docs/io.md, "Operations").
 template <class Plan>
 inline constexpr bool digests_parts_v = requires {
   requires Plan::digests_parts;
@@ -88,6 +89,14 @@ struct part_lane {
   std::size_t done = 0;  ///< bytes of the part already moved
 };
 
+/// A part that completed and waits for its end_part (digesting plans only).
+struct landed_part {
+  std::size_t part = 0;
+  error_code ec;
+  std::size_t moved = 0;
+  bool whole = false;  ///< moved all its bytes without an error
+};
+
 template <class Io, class Plan, class Handler>
 class parts_op {
  public:
@@ -98,6 +107,8 @@ class parts_op {
   using signal_allocator =
       typename std::allocator_traits<allocator_type>::template rebind_alloc<boost::asio::cancellation_signal>;
   using lane_allocator = typename std::allocator_traits<allocator_type>::template rebind_alloc<part_lane>;
+  using landed_allocator = typename std::allocator_traits<allocator_type>::template rebind_alloc<landed_part>;
+  static constexpr bool digesting = digests_parts_v<Plan>;
   using work_guard = boost::asio::executor_work_guard<executor_type>;
 
   /// Starts the parts; never completes inline.
@@ -155,6 +166,11 @@ class parts_op {
       ::new (static_cast<void*>(lanes_ + l)) part_lane();
       free_[l / 64] |= std::uint64_t{1} << (l % 64);
     }
+    if constexpr (digesting) {
+      landed_allocator da(alloc_);
+      landed_ = std::allocator_traits<landed_allocator>::allocate(da, lanes_count_);
+      for (unsigned l = 0; l < lanes_count_; ++l) ::new (static_cast<void*>(landed_ + l)) landed_part();
+    }
     auto slot = boost::asio::get_associated_cancellation_slot(handler_);
     if (slot.is_connected()) {
       signal_allocator sa(alloc_);
@@ -169,6 +185,10 @@ class parts_op {
   ~parts_op() {
     lane_allocator la(alloc_);
     std::allocator_traits<lane_allocator>::deallocate(la, lanes_, lanes_count_);
+    if constexpr (digesting) {
+      landed_allocator da(alloc_);
+      std::allocator_traits<landed_allocator>::deallocate(da, landed_, lanes_count_);
+    }
     if (signals_ != nullptr) {
       for (unsigned i = 0; i < lanes_count_; ++i) signals_[i].~cancellation_signal();
       signal_allocator sa(alloc_);
@@ -245,17 +265,51 @@ class parts_op {
     release_lane(lane);
     const std::size_t part = l.part;
     const std::size_t moved = l.done + n;
-    if constexpr (digests_parts_v<Plan>) {
-      // The queue refilled and in the kernel before the plan digests what landed. Only a
-      // whole part: after an error or a short read the plan may skip or stop what follows.
-      if (!result && moved == l.io.size) {
-        launch_parts();
-        if constexpr (requires { io_.submit_now(); }) io_.submit_now();
-      }
+    if constexpr (digesting) {
+      land(landed_part{part, result, moved, !result && moved == l.io.size});
+    } else {
+      if (plan_.end_part(part, result, moved)) stopped_ = true;
+      launch_parts();
+      if (in_flight_ == 0) finish();
     }
-    if (plan_.end_part(part, result, moved)) stopped_ = true;
+  }
+
+  // Digesting plans. A part that landed whole makes room at once: its replacement is started
+  // (the ring submits it with the turn's one io_uring_enter), and its end_part waits for
+  // drain_landed(), posted once behind the completions of this reaping turn. So every part
+  // that lands in one turn is replaced, and the replacements are in the kernel, before the
+  // first of them is digested: a device that completes a batch at once (a VM's virtio disk)
+  // gets a batch back in one submission, not one read per digest. end_parts run in the order
+  // the parts completed, as they did inline.
+  void land(const landed_part& p) {
+    if (landed_count_ == lanes_count_) drain_landed();  // never more than a lane's worth waits
+    landed_[(landed_head_ + landed_count_) % lanes_count_] = p;
+    ++landed_count_;
+    if (!p.whole) ++landed_failures_;
+    // After an error or a short read the plan decides first: it may skip or stop what follows.
+    if (p.whole && landed_failures_ == 0) launch_parts();
+    if (!drain_posted_) {
+      drain_posted_ = true;
+      boost::asio::post(work_.get_executor(), [self = this] { self->on_drain(); });
+    }
+  }
+
+  void on_drain() {
+    drain_posted_ = false;
+    if constexpr (requires { io_.submit_now(); }) io_.submit_now();  // no-op when the turn already did
+    drain_landed();
     launch_parts();
-    if (in_flight_ == 0) finish();
+    if (in_flight_ == 0 && landed_count_ == 0) finish();
+  }
+
+  void drain_landed() {
+    while (landed_count_ > 0) {
+      const landed_part p = landed_[landed_head_];
+      landed_head_ = (landed_head_ + 1) % lanes_count_;
+      --landed_count_;
+      if (!p.whole) --landed_failures_;
+      if (plan_.end_part(p.part, p.ec, p.moved)) stopped_ = true;
+    }
   }
 
   void cancel(boost::asio::cancellation_type_t type) {
@@ -286,6 +340,11 @@ class parts_op {
   unsigned lanes_count_;
   std::uint64_t free_[words]{};                          // bit l set: lane l is free
   part_lane* lanes_ = nullptr;                           // lanes_count_ of them
+  landed_part* landed_ = nullptr;                        // digesting: a ring of lanes_count_
+  unsigned landed_head_ = 0;                             // the oldest landed part
+  unsigned landed_count_ = 0;                            // landed parts waiting for end_part
+  unsigned landed_failures_ = 0;                         // of them, not whole
+  bool drain_posted_ = false;                            // on_drain() is in the executor's queue
   boost::asio::cancellation_signal* signals_ = nullptr;  // one per lane, only when cancellable
   boost::asio::cancellation_slot slot_;
   std::size_t next_ = 0;
