@@ -39,6 +39,11 @@
 //   bytes     = mean over query requests of retrieved tokens x bytes per token
 //   disk_s    = bytes / mean of the two headline probes' bandwidths; copy_s likewise (memcpy)
 //   ratios    kvtier_s / disk_s, / max(disk_s, copy_s) (the overlap bound), / (disk_s + copy_s)
+//   together  the same reads while a memcpy of as many bytes runs beside them, until both end
+//             (twice, both directions, after the round's last probe): the overlap bound as the
+//             machine delivers it; on the dev VM a copy in the guest slows its virtual disk.
+//             RESULT l2_hit_ttft_vs_together_bound, l2_hit_together_bound_s,
+//             l2_hit_disk_read_with_copy_gbps (io_uring only)
 // A pair whose two headline probes differ by more than 1.5x is *split* (the disk changed
 // around the round: the dev VM's throughput drifts by minutes) and kept out of the medians: `# split pair` lines name
 // them. RESULT l2_hit_ttft_vs_disk_time<--result-suffix> is the median over the agreeing pairs, with its spread (_p25,

@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <new>
 #include <span>
 #include <stdexcept>
@@ -154,9 +155,10 @@ class probe_memory {
 // The reads of those files at the disk backend's depth: one io_uring, `depth` 1 MiB reads in
 // flight, into registered memory (READ_FIXED, as the server's loads into its registered L1):
 // `spread` (k-th read at k MiB mod its size) when given, else `depth` reused buffers. Bytes
-// per second, or 0 where the kernel refuses io_uring.
+// per second, or 0 where the kernel refuses io_uring. `at_start`, when given, runs right
+// before the first read is prepared (where the timing starts).
 inline double uring_read_bandwidth(const probe_files& f, bool backward, unsigned depth,
-                                   std::span<std::byte> spread = {}) {
+                                   std::span<std::byte> spread = {}, const std::function<void()>& at_start = {}) {
   io_uring ring;
   if (::io_uring_queue_init(depth, &ring, 0) != 0) return 0;
   const std::size_t part = probe_files::part;
@@ -178,6 +180,7 @@ inline double uring_read_bandwidth(const probe_files& f, bool backward, unsigned
   for (unsigned i = 0; i < depth; ++i) free_slots.push_back(i);
   std::size_t next = 0, in_flight = 0, total = 0;
   bool failed = false;
+  if (at_start) at_start();
   const auto t0 = std::chrono::steady_clock::now();
   while (!failed && (next < f.parts.size() || in_flight > 0)) {
     while (next < f.parts.size() && !free_slots.empty()) {
@@ -252,6 +255,60 @@ inline double disk_read_bandwidth(const probe_files& f, bool backward, unsigned 
                                   std::span<std::byte> spread = {}) {
   if (const double bps = uring_read_bandwidth(f, backward, depth, spread); bps > 0) return bps;
   return pread_read_bandwidth(f, backward, depth, spread);
+}
+
+// The disk and a copy at the same time: the reads of disk_read_bandwidth (io_uring, into
+// `spread`) while a second thread memcpys as many bytes as they read, in `piece`-byte calls
+// (memcpy_bandwidth's working set), both started together. An L2 hit does both with the
+// same bytes (the load reads them into L1, the retrieve copies each chunk into the engine's
+// blocks as it lands), so `both_s` is the overlapped bound as this machine delivers it: on
+// hardware where a disk's DMA and a CPU copy do not compete it is max(disk, copy); on a VM
+// whose virtual disk is a copy by the host (the dev VM's at 5 GB/s), a copy in the guest
+// slows the disk, and `read_s` says by how much. All zero where io_uring is refused.
+struct read_with_copy {
+  double read_s = 0;  ///< the reads alone, from their start
+  double copy_s = 0;  ///< the copy, from the same start
+  double both_s = 0;  ///< until both ended
+};
+inline read_with_copy read_with_copy_seconds(const probe_files& f, bool backward, std::span<std::byte> spread,
+                                             std::size_t piece) {
+  const std::size_t bytes = f.bytes;
+  const std::size_t set = std::max(piece, std::min<std::size_t>(bytes, 256u << 20) / piece * piece);
+  std::vector<char> src(set, 1), dst(set, 2);
+  std::memcpy(dst.data(), src.data(), set);  // fault everything in before timing
+  enum : int { waiting, started, abandoned };
+  std::atomic<int> state{waiting};
+  std::chrono::steady_clock::time_point t0{}, copy_end{};
+  std::thread copier([&] {
+    state.wait(waiting);
+    if (state == abandoned) return;
+    std::size_t done = 0, off = 0;
+    while (done < bytes) {
+      const std::size_t n = std::min(piece, bytes - done);
+      std::memcpy(dst.data() + off, src.data() + off, n);
+      done += n;
+      off = off + piece >= set ? 0 : off + piece;
+    }
+    copy_end = std::chrono::steady_clock::now();
+  });
+  const double bps = uring_read_bandwidth(f, backward, 16, spread, [&] {
+    t0 = std::chrono::steady_clock::now();
+    state = started;
+    state.notify_one();
+  });
+  if (state == waiting) {  // io_uring refused before the reads started
+    state = abandoned;
+    state.notify_one();
+  }
+  copier.join();
+  volatile char sink = dst[set / 2];
+  (void)sink;
+  if (bps <= 0) return {};
+  read_with_copy r;
+  r.read_s = static_cast<double>(bytes) / bps;
+  r.copy_s = std::chrono::duration<double>(copy_end - t0).count();
+  r.both_s = std::max(r.read_s, r.copy_s);
+  return r;
 }
 
 // CPU time and time spent runnable but waiting for a CPU, per thread of process `pid`
