@@ -30,23 +30,43 @@
 
 namespace examples::disk_probe {
 
-// Bytes per second of memcpy for `bytes` bytes in `piece`-byte calls over a pre-touched
+// What memcpy_bandwidth copies: `bytes` bytes in `piece`-byte calls over a pre-touched
 // working set of up to 2 x 256 MiB (cycled when `bytes` is larger).
-inline double memcpy_bandwidth(std::size_t bytes, std::size_t piece) {
-  const std::size_t set = std::max(piece, std::min<std::size_t>(bytes, 256u << 20) / piece * piece);
-  std::vector<char> src(set, 1), dst(set, 2);
-  std::memcpy(dst.data(), src.data(), set);  // fault everything in before timing
-  const auto t0 = std::chrono::steady_clock::now();
-  std::size_t done = 0, off = 0;
-  while (done < bytes) {
-    const std::size_t n = std::min(piece, bytes - done);
-    std::memcpy(dst.data() + off, src.data() + off, n);
-    done += n;
-    off = off + piece >= set ? 0 : off + piece;
+class piecewise_copy {
+ public:
+  piecewise_copy(std::size_t bytes, std::size_t piece)
+      : bytes_(bytes),
+        piece_(piece),
+        set_(std::max(piece, std::min<std::size_t>(bytes, 256u << 20) / piece * piece)),
+        src_(set_, 1),
+        dst_(set_, 2) {
+    std::memcpy(dst_.data(), src_.data(), set_);  // fault everything in before timing
   }
+  /// Copies all the bytes; returns how many.
+  std::size_t run() {
+    std::size_t done = 0, off = 0;
+    while (done < bytes_) {
+      const std::size_t n = std::min(piece_, bytes_ - done);
+      std::memcpy(dst_.data() + off, src_.data() + off, n);
+      done += n;
+      off = off + piece_ >= set_ ? 0 : off + piece_;
+    }
+    volatile char sink = dst_[set_ / 2];
+    (void)sink;
+    return done;
+  }
+
+ private:
+  std::size_t bytes_, piece_, set_;
+  std::vector<char> src_, dst_;
+};
+
+// Bytes per second of memcpy for `bytes` bytes in `piece`-byte calls (piecewise_copy).
+inline double memcpy_bandwidth(std::size_t bytes, std::size_t piece) {
+  piecewise_copy copy(bytes, piece);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::size_t done = copy.run();
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  volatile char sink = dst[set / 2];
-  (void)sink;
   return static_cast<double>(done) / s;
 }
 
@@ -272,23 +292,14 @@ struct read_with_copy {
 };
 inline read_with_copy read_with_copy_seconds(const probe_files& f, bool backward, std::span<std::byte> spread,
                                              std::size_t piece) {
-  const std::size_t bytes = f.bytes;
-  const std::size_t set = std::max(piece, std::min<std::size_t>(bytes, 256u << 20) / piece * piece);
-  std::vector<char> src(set, 1), dst(set, 2);
-  std::memcpy(dst.data(), src.data(), set);  // fault everything in before timing
+  piecewise_copy copy(f.bytes, piece);
   enum : int { waiting, started, abandoned };
   std::atomic<int> state{waiting};
   std::chrono::steady_clock::time_point t0{}, copy_end{};
   std::thread copier([&] {
     state.wait(waiting);
     if (state == abandoned) return;
-    std::size_t done = 0, off = 0;
-    while (done < bytes) {
-      const std::size_t n = std::min(piece, bytes - done);
-      std::memcpy(dst.data() + off, src.data() + off, n);
-      done += n;
-      off = off + piece >= set ? 0 : off + piece;
-    }
+    copy.run();
     copy_end = std::chrono::steady_clock::now();
   });
   const double bps = uring_read_bandwidth(f, backward, 16, spread, [&] {
@@ -301,11 +312,9 @@ inline read_with_copy read_with_copy_seconds(const probe_files& f, bool backward
     state.notify_one();
   }
   copier.join();
-  volatile char sink = dst[set / 2];
-  (void)sink;
   if (bps <= 0) return {};
   read_with_copy r;
-  r.read_s = static_cast<double>(bytes) / bps;
+  r.read_s = static_cast<double>(f.bytes) / bps;
   r.copy_s = std::chrono::duration<double>(copy_end - t0).count();
   r.both_s = std::max(r.read_s, r.copy_s);
   return r;
