@@ -27,6 +27,29 @@ namespace cache {
 
 /// The piece of L1 one registration step pins: ~10-15 ms of a thread here.
 inline constexpr std::size_t l1_register_piece_bytes = std::size_t{256} << 20;
+/// Where pieces are cut: the huge page (x86-64's 2 MiB). io_uring coalesces a registered
+/// buffer into huge-page segments only when every page of it is in a huge page; the arena's
+/// unaligned head and tail are in 4 KiB pages, and a piece holding them would make every
+/// 1 MiB read into it 256 segments, which virtio-blk (254) splits into two requests
+/// (docs/performance.md, "A burst refilled at once"). So the head and the tail are pieces of
+/// their own, and the pieces between them start and end on huge-page boundaries.
+inline constexpr std::size_t l1_register_align_bytes = std::size_t{2} << 20;
+
+/// The end (an offset into `arena`) of the registration piece that starts at `from`: the
+/// unaligned head up to the first huge-page boundary, then l1_register_piece_bytes at a time
+/// up to the last boundary, then the unaligned tail.
+[[nodiscard]] inline std::size_t l1_register_piece_end(std::span<std::byte> arena, std::size_t from) noexcept {
+  constexpr std::uintptr_t align = l1_register_align_bytes;
+  const auto base = reinterpret_cast<std::uintptr_t>(arena.data());
+  const std::uintptr_t end = base + arena.size();
+  const std::uintptr_t head_end = std::min(end, (base + align - 1) / align * align);
+  const std::uintptr_t tail_begin = std::max(head_end, end / align * align);
+  const std::uintptr_t at = base + from;
+  const std::uintptr_t stop = at < head_end     ? head_end
+                              : at < tail_begin ? std::min<std::uintptr_t>(at + l1_register_piece_bytes, tail_begin)
+                                                : end;
+  return static_cast<std::size_t>(stop - base);
+}
 
 /// What a registration of L1 did.
 struct l1_registration_report {
@@ -37,8 +60,8 @@ struct l1_registration_report {
   std::vector<std::string> refused;     ///< "name: reason" of backends that refused it
 };
 
-/// The registration of an arena with L2 backends, a piece of l1_register_piece_bytes per
-/// step() (any_backend::add_buffers); a backend that cannot take pieces (errc::unsupported:
+/// The registration of an arena with L2 backends, a piece of up to l1_register_piece_bytes
+/// per step() (l1_register_piece_end: cut on huge-page boundaries; any_backend::add_buffers); a backend that cannot take pieces (errc::unsupported:
 /// before Linux 5.19) gets the whole arena at its first step (register_buffers); one that
 /// has nothing to register (a memory backend) is left alone. Call step() on the thread of
 /// the backends' io_uring rings (the cache's executor), or before it runs anything. The
@@ -53,7 +76,7 @@ class l1_registration {
   bool step(l1_registration_report& r) {
     if (next_ >= arena_.size()) return false;
     const auto t0 = std::chrono::steady_clock::now();
-    const std::span<std::byte> piece = arena_.subspan(next_, std::min(l1_register_piece_bytes, arena_.size() - next_));
+    const std::span<std::byte> piece = arena_.subspan(next_, l1_register_piece_end(arena_, next_) - next_);
     for (std::size_t i = 0; i < backends_.size(); ++i) {
       if (state_[i] != state::pieces) continue;
       l2::any_backend& b = backends_[i];
