@@ -289,7 +289,10 @@ double ours_load(const bench_config& cfg, const fs::path& dir, std::size_t objec
     if (huge != "asked") throw std::runtime_error("--huge-pages: madvise(MADV_HUGEPAGE) of L1 " + huge);
     std::memset(arena.data(), 0, arena.size());
   }
-  (void)disk->register_buffers(c.l1().arena());  // as the server does; the kernel may refuse
+  // As the server does: in pieces cut on huge-page boundaries (a piece with the arena's
+  // unaligned head in 4 KiB pages is not coalesced, and its 1 MiB reads split in two); the
+  // kernel may refuse.
+  (void)c.register_l1();
   std::size_t loaded = 0;
   std::size_t next = 0;
   std::size_t in_flight = 0;
