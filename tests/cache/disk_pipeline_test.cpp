@@ -23,6 +23,7 @@
 
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <vector>
 
 // This file's names (its test binary is compiled in unity batches with the module's other files).
@@ -283,10 +284,12 @@ TEST_CASE("L1's registration pieces start and end on huge-page boundaries inside
   // make every 1 MiB read into it a request of 256 pages, which virtio-blk (254 segments)
   // splits in two. So the head and the tail are pieces of their own.
   constexpr std::size_t huge = cache::l1_register_align_bytes;
-  std::vector<std::byte> memory(3 * cache::l1_register_piece_bytes / 2 + 4 * huge);
-  const auto at = reinterpret_cast<std::uintptr_t>(memory.data());
+  // Never touched (only addresses are computed): no page of it becomes resident.
+  const std::size_t memory_bytes = 3 * cache::l1_register_piece_bytes / 2 + 4 * huge;
+  const auto memory = std::make_unique_for_overwrite<std::byte[]>(memory_bytes);
+  const auto at = reinterpret_cast<std::uintptr_t>(memory.get());
   const std::size_t skew = (huge - at % huge) % huge + 4096;  // the arena starts 4 KiB past a boundary
-  const std::span<std::byte> arena(memory.data() + skew, memory.size() - skew - 8192);
+  const std::span<std::byte> arena(memory.get() + skew, memory_bytes - skew - 8192);
   const auto base = reinterpret_cast<std::uintptr_t>(arena.data());
   std::vector<std::pair<std::size_t, std::size_t>> pieces;
   for (std::size_t from = 0; from < arena.size();) {
@@ -307,7 +310,7 @@ TEST_CASE("L1's registration pieces start and end on huge-page boundaries inside
   CHECK((base + arena.size()) % huge != 0);
   CHECK(pieces.back().second - pieces.back().first < huge);  // the tail: from the last boundary
   // An aligned arena has no head piece; a tiny one is one piece.
-  const std::span<std::byte> aligned(memory.data() + skew - 4096, 3 * huge);
+  const std::span<std::byte> aligned(memory.get() + skew - 4096, 3 * huge);
   CHECK(cache::l1_register_piece_end(aligned, 0) == 3 * huge);
   CHECK(cache::l1_register_piece_end(arena.subspan(0, 8192), 0) == 8192);
 }
