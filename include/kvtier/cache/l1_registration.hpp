@@ -61,8 +61,9 @@ struct l1_registration_report {
 };
 
 /// The registration of an arena with L2 backends, a piece of up to l1_register_piece_bytes
-/// per step() (l1_register_piece_end: cut on huge-page boundaries; any_backend::add_buffers); a backend that cannot take pieces (errc::unsupported:
-/// before Linux 5.19) gets the whole arena at its first step (register_buffers); one that
+/// per step() (l1_register_piece_end: cut on huge-page boundaries; any_backend::add_buffers);
+/// a backend that cannot take pieces (errc::unsupported: before Linux 5.19) gets the whole
+/// arena at its first step (register_buffers, not coalesced where it holds 4 KiB pages); one that
 /// has nothing to register (a memory backend) is left alone. Call step() on the thread of
 /// the backends' io_uring rings (the cache's executor), or before it runs anything. The
 /// arena and the backends must outlive it.
