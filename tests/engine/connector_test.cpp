@@ -336,6 +336,39 @@ TEST_CASE("a retrieve writes the cached KV into the engine's blocks and reports 
   }
 }
 
+TEST_CASE("wait_progress wakes an idle engine at a lookup's answer and a retrieve's end, and times out otherwise",
+          "[engine][connector][concurrency]") {
+  harness h;
+  auto& c = h.connect();
+  const auto toks = tokens(4 * ct, 3);
+  h.store_prefix(c, "s", toks, 3);
+  CHECK(c.get_finished(ids{"s"}).sending == ids{"s"});
+
+  std::uint64_t seen = c.progress();
+  CHECK_FALSE(c.wait_progress(seen, 20ms));  // nothing in flight: nothing moves it
+  CHECK(c.progress() == seen);
+
+  c.lookup("q", toks);
+  REQUIRE(c.wait_progress(seen, 60s));  // the answer
+  CHECK(c.lookup_result("q") == std::optional<std::size_t>(3 * ct));
+  CHECK(c.progress() != seen);
+  CHECK(c.wait_progress(seen, 0us));  // it moved before the wait: no sleep, nothing missed
+
+  // A retrieve moves it at its progress and at its end; the engine sleeps between them.
+  seen = c.progress();
+  c.retrieve("r", toks, 0, range(10, 6));
+  std::vector<std::string> recving;
+  for (int turns = 0; recving.empty(); ++turns) {
+    REQUIRE(turns < 64);
+    REQUIRE(c.wait_progress(seen, 60s));
+    seen = c.progress();
+    recving = c.get_finished(ids{}).recving;
+  }
+  CHECK(recving == ids{"r"});
+  CHECK(c.take_load_error_blocks().empty());
+  CHECK_FALSE(c.wait_progress(seen, 20ms));  // all done: it rests again
+}
+
 TEST_CASE("a timed-out retrieve is a load error and its blocks stay quarantined until the late reply",
           "[engine][connector][concurrency]") {
   harness h;

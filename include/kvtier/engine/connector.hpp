@@ -110,6 +110,15 @@ class connector final : private detail::link_owner {
   /// Why the last connection attempt or connection failed (human-readable, may be empty).
   [[nodiscard]] std::string last_error() const;
   [[nodiscard]] connector_stats stats() const;
+
+  // --- an idle engine's wait ---------------------------------------------------------------
+  /// A count that moves each time something an engine acts on happens: a lookup answered, a
+  /// retrieve's progress or completion, a store's end, quarantined blocks released. Read it
+  /// at the top of a step; wait_progress(seen, t) then sleeps until it moved (true) or `t`
+  /// passed (false), so an engine with nothing to compute wakes at the answer instead of
+  /// polling on a timer (and returns at once when it moved meanwhile: nothing is missed).
+  [[nodiscard]] std::uint64_t progress() const;
+  bool wait_progress(std::uint64_t seen, std::chrono::microseconds timeout);
   /// The current server's boot token (0 before the first registration).
   [[nodiscard]] std::uint64_t boot_token() const;
   [[nodiscard]] const connector_options& options() const noexcept { return options_; }
@@ -343,6 +352,11 @@ class connector final : private detail::link_owner {
   /// Marks `key` described on this connection; false when it was already.
   bool mark_described_locked(const hash128& key);
   void on_description_reply_io(std::uint64_t generation, const call_result& r);
+  /// Moves progress() and wakes every wait (mutex held).
+  void notify_waiters_locked() {
+    ++progress_;
+    waits_cv_.notify_all();
+  }
   /// Waits on waits_cv_ until done() holds (true) or `timeout` passes (false).
   template <class Done>
   bool wait_for_locked(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout, Done done);
@@ -390,8 +404,9 @@ class connector final : private detail::link_owner {
   std::uint64_t chunks_described_ = 0;
   /// Notified (mutex held) when a retrieve progresses or completes and when quarantined
   /// blocks are released, a lookup is answered or a store ends: wait_layers, wait_retrieves,
-  /// wait_released, wait_lookups, wait_stores.
+  /// wait_released, wait_lookups, wait_stores, wait_progress.
   std::condition_variable waits_cv_;
+  std::uint64_t progress_ = 0;  ///< bumped with each waits_cv_ notification (progress())
   // The transport last: it starts after everything above exists and stops (~connector)
   // before any of it goes.
   detail::server_link link_;

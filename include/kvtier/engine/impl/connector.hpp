@@ -120,6 +120,23 @@ bool connector<Bus>::wait_ready(std::chrono::milliseconds timeout) {
 }
 
 template <class Bus>
+std::uint64_t connector<Bus>::progress() const {
+  std::lock_guard g(mu());
+  return progress_;
+}
+
+template <class Bus>
+bool connector<Bus>::wait_progress(std::uint64_t seen, std::chrono::microseconds timeout) {
+  std::unique_lock lock(mu());
+  const auto moved = [&] { return progress_ != seen; };
+  if (timeout >= std::chrono::hours(24 * 365)) {  // "no timeout" (and no overflowing deadline)
+    waits_cv_.wait(lock, moved);
+    return true;
+  }
+  return waits_cv_.wait_until(lock, clock::now() + timeout, moved);
+}
+
+template <class Bus>
 health_state connector<Bus>::state() const {
   std::lock_guard g(mu());
   return link_.state_locked();
@@ -225,7 +242,7 @@ void connector<Bus>::on_retrieve_progress_locked(std::uint64_t id, std::uint32_t
   const std::uint32_t layers = std::min(layers_ready, region_->layout().model.num_layers);
   if (layers <= load.layers_ready) return;
   load.layers_ready = layers;
-  waits_cv_.notify_all();
+  notify_waiters_locked();
 }
 
 template <class Bus>

@@ -135,7 +135,7 @@ void connector<Bus>::answer_lookup_locked(const std::string& id, lookup_entry& e
                                           bus::connector_outcome outcome) {
   e.answered = true;
   e.tokens = tokens;
-  waits_cv_.notify_all();
+  notify_waiters_locked();
   bus_.publish(bus::connector_lookup_completed{options_.rank, outcome, e.requested_chunks,
                                                static_cast<std::uint32_t>(tokens / options_.chunk_tokens),
                                                options_.chunk_tokens, detail::elapsed_ns(e.started)});

@@ -109,7 +109,7 @@ void connector<Bus>::finish_retrieve_locked(const retrieve_info& info, std::uint
       load_errors_.push_back(b);
     }
   tracker_.retrieve_done(info.request_id);
-  if (call != nullptr && loads_.erase(call->id) != 0) waits_cv_.notify_all();
+  if (call != nullptr && loads_.erase(call->id) != 0) notify_waiters_locked();
   // The completion comes last: whoever waits for it sees the retrieve's other events.
   if (!affected.empty())
     bus_.publish(bus::connector_load_error{options_.rank, outcome, static_cast<std::uint32_t>(affected.size())});
@@ -223,7 +223,7 @@ void connector<Bus>::finish_store_locked(const store_info& info, const call_resu
   }
   e.duration_ns = detail::elapsed_ns(info.started);
   tracker_.store_done(info.request_id);
-  waits_cv_.notify_all();
+  notify_waiters_locked();
   bus_.publish(e);
 }
 
@@ -308,7 +308,7 @@ bool connector<Bus>::wait_released(std::span<const std::uint32_t> blocks, std::c
 
 template <class Bus>
 void connector<Bus>::publish_quarantine_locked(std::size_t held, std::size_t released) {
-  if (released != 0) waits_cv_.notify_all();
+  if (released != 0) notify_waiters_locked();
   bus_.publish(bus::connector_quarantine_changed{options_.rank, static_cast<std::uint32_t>(held),
                                                  static_cast<std::uint32_t>(released),
                                                  static_cast<std::uint32_t>(quarantine_.size())});
