@@ -4,6 +4,8 @@
 
 #include <cstdint>
 #include <set>
+#include <stdexcept>
+#include <vector>
 
 using kvtier::slot_allocator;
 using kvtier::slot_id;
@@ -21,6 +23,35 @@ TEST_CASE("slots are 4 KiB aligned and sized in whole pages", "[core][slot_alloc
     distinct.insert(a.data(id));
   }
   CHECK(distinct.size() == 4);
+}
+
+TEST_CASE("an arena of a huge page or more starts on a huge-page boundary", "[core][slot_allocator]") {
+  // Transparent huge pages cover an arena from its first byte only when it starts on a 2 MiB
+  // boundary; a 4 KiB-aligned one leaves its first slot partly in 4 KiB pages (the first slot
+  // handed out), whose 1 MiB reads virtio-blk splits in two and whose io_uring registration
+  // is not coalesced. Several allocations, so a lucky address cannot pass it.
+  constexpr std::size_t huge = std::size_t{2} << 20;
+  std::vector<slot_allocator> arenas;
+  for (int i = 0; i < 4; ++i) {
+    arenas.emplace_back(std::size_t{3} << 20, 3);  // 9 MiB: not a multiple of 2 MiB either
+    CHECK(reinterpret_cast<std::uintptr_t>(arenas.back().arena().data()) % huge == 0);
+    CHECK(arenas.back().arena().size() == std::size_t{9} << 20);
+  }
+  slot_allocator small(8192, 16);  // 128 KiB: no huge page to cover, 4 KiB alignment as before
+  CHECK(reinterpret_cast<std::uintptr_t>(small.arena().data()) % 4096 == 0);
+}
+
+TEST_CASE("an aligned_buffer takes a larger alignment and frees with it", "[core][buffer]") {
+  for (std::size_t alignment : {std::size_t{4096}, std::size_t{65536}, std::size_t{2} << 20}) {
+    kvtier::aligned_buffer b(5000, alignment);
+    CHECK(b.size() == 8192);
+    CHECK(reinterpret_cast<std::uintptr_t>(b.data()) % alignment == 0);
+    kvtier::aligned_buffer moved(std::move(b));  // released once, with its own alignment
+    CHECK(reinterpret_cast<std::uintptr_t>(moved.data()) % alignment == 0);
+    CHECK(b.data() == nullptr);
+  }
+  CHECK_THROWS_AS(kvtier::aligned_buffer(4096, 3 << 12), std::invalid_argument);  // not a power of two
+  CHECK_THROWS_AS(kvtier::aligned_buffer(4096, 512), std::invalid_argument);      // below 4 KiB
 }
 
 TEST_CASE("batch allocation is all or nothing", "[core][slot_allocator]") {

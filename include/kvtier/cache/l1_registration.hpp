@@ -10,6 +10,7 @@
 // the report names it.
 
 #include <kvtier/config.hpp>
+#include <kvtier/core/buffer.hpp>
 #include <kvtier/error.hpp>
 #include <kvtier/l2/any_backend.hpp>
 
@@ -33,7 +34,8 @@ inline constexpr std::size_t l1_register_piece_bytes = std::size_t{256} << 20;
 /// 1 MiB read into it 256 segments, which virtio-blk (254) splits into two requests
 /// (docs/performance.md, "A burst refilled at once"). So the head and the tail are pieces of
 /// their own, and the pieces between them start and end on huge-page boundaries.
-inline constexpr std::size_t l1_register_align_bytes = std::size_t{2} << 20;
+/// (An L1 arena from slot_allocator starts on one, so it has no head piece.)
+inline constexpr std::size_t l1_register_align_bytes = huge_page_bytes;
 
 /// The end (an offset into `arena`) of the registration piece that starts at `from`: the
 /// unaligned head up to the first huge-page boundary, then l1_register_piece_bytes at a time

@@ -3,7 +3,9 @@
 // all-or-nothing batches. The L1 tier keeps one chunk object per slot. Standard library only.
 //
 // Not thread-safe: the owner (l1::tier) serialises calls under its own lock. The arena is one
-// contiguous range, so it can be registered once with io_uring or cudaHostRegister.
+// contiguous range, so it can be registered once with io_uring or cudaHostRegister; from
+// 2 MiB on it starts on a huge-page boundary (huge_page_bytes), so huge pages can cover its
+// first slot too.
 
 #include <kvtier/config.hpp>
 #include <kvtier/core/buffer.hpp>
@@ -30,7 +32,8 @@ class slot_allocator {
     if (slot_bytes == 0 || slot_count == 0)
       throw std::invalid_argument("kvtier::slot_allocator: slot size and slot count must be > 0");
     if (slot_count > UINT32_MAX) throw std::invalid_argument("kvtier::slot_allocator: too many slots");
-    arena_ = aligned_buffer(slot_bytes_ * slot_count_);
+    const std::size_t bytes = slot_bytes_ * slot_count_;
+    arena_ = aligned_buffer(bytes, bytes >= huge_page_bytes ? huge_page_bytes : buffer_alignment);
     free_.reserve(slot_count_);
     // LIFO free list, lowest index on top, so recently freed (cache-warm) slots are reused first.
     for (std::size_t i = slot_count_; i-- > 0;) free_.push_back(static_cast<slot_id>(i));
