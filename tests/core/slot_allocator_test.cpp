@@ -30,7 +30,8 @@ TEST_CASE("an arena of a huge page or more starts on a huge-page boundary", "[co
   // boundary; a 4 KiB-aligned one leaves its first slot partly in 4 KiB pages (the first slot
   // handed out), whose 1 MiB reads virtio-blk splits in two and whose io_uring registration
   // is not coalesced. Several allocations, so a lucky address cannot pass it.
-  constexpr std::size_t huge = std::size_t{2} << 20;
+  constexpr std::size_t huge = kvtier::huge_page_bytes;
+  static_assert(huge == std::size_t{2} << 20);
   std::vector<slot_allocator> arenas;
   for (int i = 0; i < 4; ++i) {
     arenas.emplace_back(std::size_t{3} << 20, 3);  // 9 MiB: not a multiple of 2 MiB either

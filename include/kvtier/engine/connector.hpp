@@ -358,8 +358,8 @@ class connector final : private detail::link_owner {
     waits_cv_.notify_all();
   }
   /// Waits on waits_cv_ until done() holds (true) or `timeout` passes (false).
-  template <class Done>
-  bool wait_for_locked(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout, Done done);
+  template <class Rep, class Period, class Done>
+  bool wait_for_locked(std::unique_lock<std::mutex>& lock, std::chrono::duration<Rep, Period> timeout, Done done);
   /// Whether a retrieve in flight belongs to one of `ids`.
   static bool listed(std::span<const std::string> ids, const std::string& id) noexcept {
     return std::find(ids.begin(), ids.end(), id) != ids.end();

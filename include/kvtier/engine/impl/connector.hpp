@@ -128,12 +128,7 @@ std::uint64_t connector<Bus>::progress() const {
 template <class Bus>
 bool connector<Bus>::wait_progress(std::uint64_t seen, std::chrono::microseconds timeout) {
   std::unique_lock lock(mu());
-  const auto moved = [&] { return progress_ != seen; };
-  if (timeout >= std::chrono::hours(24 * 365)) {  // "no timeout" (and no overflowing deadline)
-    waits_cv_.wait(lock, moved);
-    return true;
-  }
-  return waits_cv_.wait_until(lock, clock::now() + timeout, moved);
+  return wait_for_locked(lock, timeout, [&] { return progress_ != seen; });
 }
 
 template <class Bus>

@@ -124,8 +124,8 @@ void connector<Bus>::finish_retrieve_locked(const retrieve_info& info, std::uint
 // ---------------------------------------------------------------------------------------
 
 template <class Bus>
-template <class Done>
-bool connector<Bus>::wait_for_locked(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
+template <class Rep, class Period, class Done>
+bool connector<Bus>::wait_for_locked(std::unique_lock<std::mutex>& lock, std::chrono::duration<Rep, Period> timeout,
                                      Done done) {
   // A timeout beyond a year is "no timeout" (and keeps the deadline from overflowing).
   if (timeout >= std::chrono::hours(24 * 365)) {
