@@ -506,6 +506,12 @@ def summary(res, meta, table, made):
     row("machine control, no kvtier: Python work (1 MB touched) after the same wait (`machine_after_wait_slowdown`)",
         g("machine_python_after_wait_us"), "us", g("machine_python_us"), "us", "the same work back to back",
         g("machine_after_wait_slowdown"), "")
+    row("machine control, no kvtier: one write to a process asleep in read(), after the same wait "
+        "(`machine_wake_us`: what telling the server something costs the engine thread here)",
+        g("machine_wake_us"), "us", g("machine_write_no_wake_us"), "us",
+        "the same write while that process polls (nothing to wake)",
+        (g("machine_wake_us") / g("machine_write_no_wake_us"))
+        if g("machine_wake_us") and g("machine_write_no_wake_us") else None, "")
     row("vLLM connector, 256 requests, the engine thread's CPU time in the step's calls "
         "(`vllm_step_overhead_cpu_us_256`: median; the wall time less what it spent off a core or blocked)",
         g("vllm_step_overhead_cpu_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step (wall)",

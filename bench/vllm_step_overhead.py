@@ -66,7 +66,10 @@ a mutex), and at n = 256 runs control windows of its own (mixed, not in the head
 second one timed: warm) and once more right after the forward-pass wait, outside the step's figure
 (steady_repickle_us_256, steady_repickle_after_wait_us_256, steady_after_wait_slowdown_256):
 the same work on the same object, warm and after a wait during which the server moved the
-arrivals' KV.
+arrivals' KV. Then, without kvtier, one write to a pipe right after the same wait, read by a
+process asleep in read() (the write wakes it) and by one spinning on non-blocking reads
+(machine_wake_us, machine_write_no_wake_us): what a connector call's sendmsg to the server costs
+the engine thread after the wait, and how much of it is the wake.
 
 The workload: a steady state of n requests in the engine (n = 1, 64, 256). Each request has a
 prompt of --prompt-tokens tokens (520: 2 chunks of 256 tokens and 8 more) and generates
@@ -670,6 +673,62 @@ def machine_after_wait(wait_s: float, repeats: int, steps: int) -> None:
     print(f"RESULT machine_after_wait_slowdown={waited / back:.3f}")
 
 
+WAKE_PEER = """
+import os, sys
+while True:  # blocked in read (asleep) until told to poll, then spinning on reads until told to stop
+    m = os.read(0, 64)
+    if not m or m.startswith(b"q"):
+        break
+    if m.startswith(b"p"):
+        os.set_blocking(0, False)
+        while True:
+            try:
+                m = os.read(0, 64)
+            except BlockingIOError:
+                continue
+            if not m or m.startswith(b"s"):
+                break
+        os.set_blocking(0, True)
+"""
+
+
+def machine_wake(wait_s: float, repeats: int, steps: int) -> None:
+    """The control for what each arrival's calls into the server cost the engine thread beyond
+    their work: one write of a few bytes to another process, timed right after a spin of
+    ``wait_s``, while that process sleeps in read() (the write wakes it, as a connector's call
+    wakes the server's thread that sleeps between steps) and while it spins on non-blocking
+    reads (nothing to wake); ``repeats`` interleaved windows of ``steps`` each."""
+    import subprocess
+
+    peer = subprocess.Popen([sys.executable, "-c", WAKE_PEER], stdin=subprocess.PIPE)
+    assert peer.stdin is not None
+    fd = peer.stdin.fileno()
+    times: Dict[bool, List[float]] = {False: [], True: []}
+    try:
+        for _ in range(repeats):
+            for awake in (False, True):
+                if awake:
+                    os.write(fd, b"p")
+                for _ in range(steps):
+                    spin(wait_s)
+                    t0 = time.perf_counter_ns()
+                    os.write(fd, b"x")
+                    times[awake].append((time.perf_counter_ns() - t0) / 1e3)
+                if awake:
+                    os.write(fd, b"s")
+                    spin(wait_s)  # back in its blocking read before the next window
+    finally:
+        os.write(fd, b"q")
+        peer.stdin.close()
+        peer.wait()
+    wake, plain = statistics.median(times[False]), statistics.median(times[True])
+    print(f"# control without kvtier: one write to another process after a {wait_s * 1e3:.2f} ms spin, {wake:.1f} us "
+          f"when it wakes the process (asleep in read), {plain:.1f} us when the process is polling ({repeats} x {steps} "
+          f"each, interleaved); an arrival's lookup and its load or store are two such wake-ups of the server")
+    print(f"RESULT machine_wake_us={wake:.1f}")
+    print(f"RESULT machine_write_no_wake_us={plain:.1f}")
+
+
 def steady_control(windows: List[Dict[str, Any]]) -> None:
     """Prints the steady-state control: the same pickle of the same metadata right after a first
     pickle of it and right after the forward-pass wait, in mixed windows of their own."""
@@ -827,6 +886,8 @@ def main() -> None:
                 print(f"RESULT vllm_step_overhead_vs_budget_256={headline / budget:.3f}")
                 if (n, "control") in results:
                     steady_control(results[(n, "control")])
+                    if args.wait == "spin":
+                        machine_wake(assumed_step_s(n, context) * args.gap_scale, args.repeats, 16)
     finally:
         if call_times:
             print_call_times(call_times)

@@ -4,7 +4,8 @@ hit pool with no window before it; the population turning over while it primes m
 evict the prefixes it is putting in L1 (it did: "the hit pool's prefixes do not stay in L1").
 --decode-only prints its steps back to back and after the forward-pass wait, and the control
 without kvtier (the same Python work both ways); the steady state at n = 256 prints the engine
-thread's CPU time and its own control (the same repickle warm and after the wait);
+thread's CPU time and its own controls (the same repickle warm and after the wait; one write
+to another process after the wait, waking it and not);
 --output-thread runs the steps beside a second Python thread that serializes their outputs.
 The start-up heap is frozen before the first step, as vLLM's EngineCore.__init__ freezes it
 (--no-gc-freeze leaves it).
@@ -58,6 +59,10 @@ def test_the_steady_state_prints_the_engine_threads_cpu_time_and_the_control_of_
     check_results(results, ("vllm_step_overhead_us_256", "vllm_step_overhead_cpu_us_256"),
                   ("steady_after_wait_slowdown_256", "steady_repickle_after_wait_us_256", "steady_repickle_us_256"))
     assert "# n=256 control (mixed windows of their own, 8 steps)" in out
+    # The write control: a write to a process asleep in read() and to one polling, both timed.
+    for name in ("machine_wake_us", "machine_write_no_wake_us"):
+        assert results[name] > 0, name
+    assert "# control without kvtier: one write to another process" in out
     # vLLM's EngineCore.__init__ freezes the start-up heap (freeze_gc_heap) once the scheduler,
     # the workers (TP=1: in its process) and their connectors exist, before any request: the
     # bench replays that, so the garbage collector's full passes skip the same objects.
