@@ -287,6 +287,13 @@ class Connector:
         the connection's server said it publishes none, or for chunks described on the
         connection recently."""
     def lookup_result(self, request_id: str) -> Optional[int]: ...
+    @property
+    def progress(self) -> int:
+        """A count that moves each time something an engine acts on happens: a lookup answered,
+        a retrieve's progress or end, a store's end, quarantined blocks released."""
+    def wait_progress(self, seen: int, timeout_s: Optional[float] = None) -> bool:
+        """Blocks (the GIL released) until ``progress`` differs from ``seen`` (True, at once when
+        it moved already) or ``timeout_s`` passes (False)."""
     def wait_lookups(self, request_ids: Sequence[str], timeout_s: Optional[float] = None) -> bool: ...
     def free_lookup_locks(self, request_id: str) -> None: ...
     def end_request(self, request_id: str) -> None: ...

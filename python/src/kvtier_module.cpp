@@ -317,10 +317,14 @@ std::string options_repr(const engine::connector_options& o) {
 
 /// A wait's timeout in seconds as the connector takes it; None: no timeout (the connector's
 /// own deadlines end every retrieve, docs/python.md).
-std::chrono::milliseconds wait_timeout(std::optional<double> seconds) {
-  if (!seconds) return std::chrono::hours(24 * 366);
-  const double ms = std::max(0.0, *seconds * 1000.0);
-  return ms >= 1e12 ? std::chrono::milliseconds(std::chrono::hours(24 * 366)) : std::chrono::milliseconds(static_cast<std::int64_t>(ms));
+/// `Duration`: milliseconds for the waits on requests, microseconds for wait_progress (an idle
+/// step's wait, shorter than a millisecond).
+template <class Duration = std::chrono::milliseconds>
+Duration wait_timeout(std::optional<double> seconds) {
+  constexpr Duration none = std::chrono::hours(24 * 366);
+  if (!seconds) return none;
+  const double ticks = std::max(0.0, *seconds * Duration::period::den / Duration::period::num);
+  return ticks >= static_cast<double>(none.count()) ? none : Duration(static_cast<std::int64_t>(ticks));
 }
 
 /// A millisecond property of connector_timeouts.
@@ -759,6 +763,21 @@ PYBIND11_MODULE(_kvtier, m) {
             return holding_gil(s, [&](auto& c) { return c.lookup_result(id); });
           },
           py::arg("request_id"), "Hit tokens once answered; None while pending.")
+      .def_property_readonly(
+          "progress", [](const py_connector& s) { return holding_gil(s, [](auto& c) { return c.progress(); }); },
+          "A count that moves each time something an engine acts on happens: a lookup answered, a retrieve's "
+          "progress or end, a store's end, quarantined blocks released. Read it at the top of a step; "
+          "wait_progress(seen) sleeps until it moved.")
+      .def(
+          "wait_progress",
+          [](const py_connector& s, std::uint64_t seen, std::optional<double> timeout_s) {
+            const auto us = wait_timeout<std::chrono::microseconds>(timeout_s);
+            return without_gil(s, [&](auto& c) { return c.wait_progress(seen, us); });
+          },
+          py::arg("seen"), py::arg("timeout_s") = py::none(),
+          "Blocks until progress differs from `seen` (True; at once when it moved already) or the timeout "
+          "passes (False): an engine with nothing to compute wakes at the connector's next event instead of "
+          "polling on a timer.")
       .def(
           "wait_lookups",
           [](const py_connector& s, const std::vector<std::string>& ids, std::optional<double> timeout_s) {

@@ -203,6 +203,42 @@ def test_layer_waits_time_out_while_the_server_is_stopped_and_return_when_it_ans
     assert w.take_load_error_blocks() == []
 
 
+def test_wait_progress_wakes_at_a_lookups_answer_and_times_out_with_nothing_in_flight(servers):
+    # An engine with nothing to compute reads progress at the top of its step and sleeps in
+    # wait_progress until the connector's next event (docs/python.md, "An idle engine's wait").
+    srv = servers.start(chunk_tokens=CT)
+    sched = scheduler(srv.socket_path)
+    seen = sched.progress
+    assert sched.wait_progress(seen, timeout_s=0.05) is False  # nothing in flight: the timeout
+    assert sched.progress == seen
+    sched.lookup("q", list(range(3 * CT)))
+    assert sched.wait_progress(seen, timeout_s=30) is True
+    assert sched.lookup_result("q") == 0  # answered (a miss) when the wait returned
+    assert sched.progress != seen
+    assert sched.wait_progress(seen, timeout_s=0) is True  # it moved before: at once, nothing missed
+
+    ticks = [0]
+    stop = threading.Event()
+
+    def other_thread():
+        while not stop.is_set():
+            ticks[0] += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    try:
+        time.sleep(0.01)
+        before = ticks[0]
+        assert sched.wait_progress(sched.progress, timeout_s=0.2) is False
+        assert ticks[0] - before >= 5  # the wait released the GIL: the other thread ran meanwhile
+    finally:
+        stop.set()
+        t.join()
+    sched.end_request("q")
+    sched.close()
+
+
 def test_a_layerwise_retrieve_of_a_disk_hit_lands_every_byte_from_segmented_objects(servers, tmp_path):
     """The layer-wise L2 hit end to end (docs/performance.md, "From an L2 (disk) hit"):
     objects of 1 MiB stored on disk in 8 segments of 128 KiB (one layer each); after a
@@ -305,6 +341,7 @@ def test_a_call_that_cannot_block_keeps_the_gil(servers):
         "free_lookup_locks": lambda i: sched.free_lookup_locks(f"t{i}"),
         "end_request": lambda i: (sched.end_request(f"t{i}"), sched.end_request(f"h{i}")),
         "counters": lambda i: sched.counters,
+        "progress": lambda i: sched.progress,
         "stats": lambda i: sched.stats(),
         "state": lambda i: sched.state,
         "blocks_reused": lambda i: w.blocks_reused([16 + i % 8, 24 + i % 8]),
