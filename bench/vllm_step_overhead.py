@@ -273,6 +273,9 @@ class Engine:
         self.control_ns = (0, 0)
         self._cpu0 = 0
         self.arrived = self.hits = self.misses = 0
+        # Per arrival of the scenario whose lookup was answered: the steps whose schedule asked
+        # get_num_new_matched_tokens until it answered (2 when the first ask is pending).
+        self.asks: List[int] = []
         self.parts: Dict[str, int] = {}  # ns per group of calls, since the window began
         self.output_thread = OutputThread() if args.output_thread else None
 
@@ -288,6 +291,7 @@ class Engine:
         req.target = target  # type: ignore[attr-defined]
         req.local = local  # type: ignore[attr-defined]  # tokens in vLLM's own prefix cache (block-aligned)
         req.saw_hit = False  # type: ignore[attr-defined]
+        req.asks = 0  # type: ignore[attr-defined]
         return req
 
     def add_population(self, n: int) -> None:
@@ -375,12 +379,14 @@ class Engine:
             t0 = self._on()
             ext, load_async = s.get_num_new_matched_tokens(req, local)
             sched_ns += self._off(t0, "get_num_new_matched_tokens")
+            req.asks += 1  # type: ignore[attr-defined]
             if ext is None:
                 still.append(req)  # the lookup is pending: asked again next step
                 continue
             if ext > 0:
                 req.saw_hit = True  # type: ignore[attr-defined]
             if req.request_id.startswith(("new", "hit")):  # the scenario's arrivals
+                self.asks.append(req.asks)  # type: ignore[attr-defined]
                 if ext > 0:
                     self.hits += 1
                 else:
@@ -560,6 +566,7 @@ def window(engine: Engine, scenario: str, steps: int, warmup: int, profiler: Opt
         engine.step()
     ws = engine.worker.worker_side
     stores0, loads0, arrived0, hits0, misses0 = ws.stores_issued, ws.loads_issued, engine.arrived, engine.hits, engine.misses
+    asks0 = len(engine.asks)
     out: Dict[str, Any] = {"total": [], "cpu": [], "sched": [], "xfer": [], "worker": [], "parts": []}
     engine.profiler = profiler
     try:
@@ -583,6 +590,7 @@ def window(engine: Engine, scenario: str, steps: int, warmup: int, profiler: Opt
         arrived=engine.arrived - arrived0,
         hits=engine.hits - hits0,
         misses=engine.misses - misses0,
+        asks=engine.asks[asks0:],
     )
     return out
 
@@ -607,6 +615,12 @@ def report(n: int, scenario: str, windows: List[Dict[str, Any]], name: str = "vl
     cpu = pooled("cpu")
     print(f"#   the engine thread's CPU time in these calls: median {med(cpu):.1f} us, mean {statistics.fmean(cpu):.1f} "
           f"(the rest of the wall time it was off a core, or blocked)")
+    asks = pooled("asks")
+    if asks and scenario == "mixed":
+        print(f"#   the arrivals' lookups: answered at the first ask for {sum(a == 1 for a in asks)} of {len(asks)}; "
+              f"{statistics.fmean(asks):.2f} steps asked on average (each step after the first delays the request "
+              f"by one engine step)")
+        print(f"RESULT vllm_lookup_steps_{n}={statistics.fmean(asks):.2f}")
     print(f"RESULT {name}_{n}_{scenario}={med(total):.1f}" if scenario not in DECODE_SCENARIOS
           else f"RESULT {name}_{n}={med(total):.1f}")
     return med(total)
@@ -768,6 +782,9 @@ def main() -> None:
     ap.add_argument("--executor", choices=("uni", "mp"), default="uni",
                     help="vLLM's executor: uni (one GPU, TP=1: the worker in the engine core's process, the "
                     "metadata handed over as it is) or mp (TP > 1: the metadata pickled to the workers, counted)")
+    ap.add_argument("--lookup-wait-ms", type=float, default=0.0,
+                    help="the connector's lookup_wait_ms: how long a step's lookups may wait for their answers "
+                    "(default 0: never; the first ask of each request is then pending)")
     ap.add_argument("--decode-only", action="store_true",
                     help="decode steps back to back, nothing arriving (module docstring)")
     args = ap.parse_args()
@@ -795,7 +812,8 @@ def main() -> None:
     engine: Optional[Engine] = None
     try:
         names = [f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)]
-        extra = {"socket_path": str(srv.socket_path), "chunk_tokens": CHUNK, "kv_layout": "NHD", "ready_timeout_s": 30}
+        extra = {"socket_path": str(srv.socket_path), "chunk_tokens": CHUNK, "kv_layout": "NHD", "ready_timeout_s": 30,
+                 "lookup_wait_ms": args.lookup_wait_ms}
         common = dict(model="bench/llama-3.1-8b", num_layers=LAYERS, num_kv_heads=KV_HEADS, head_size=HEAD_DIM,
                       block_size=BLOCK, dtype="bfloat16", engine_id="0b9f6c1e-5a7d-4c2b-9e13-7f0a6d2c4b81")
         kcc = full_attention_config(names, args.region_blocks, BLOCK, KV_HEADS, HEAD_DIM, "bfloat16")
@@ -825,6 +843,8 @@ def main() -> None:
         print("# executor: " + ("mp (TP > 1): the connector metadata pickled to the workers each step, counted as metadata"
                                 if args.executor == "mp" else
                                 "uni (one GPU, vLLM's default at TP=1): the metadata handed to the worker as it is, nothing pickled"))
+        print(f"# lookup_wait_ms {args.lookup_wait_ms:g}: " + ("a step's lookups wait up to that, together, for their answers"
+              if args.lookup_wait_ms > 0 else "the first ask of each request is pending (vLLM asks again next step)"))
         if args.output_thread:
             print("# --output-thread: a second Python thread serializes each step's outputs (module docstring)")
         results: Dict[tuple, List[Dict[str, Any]]] = {}

@@ -294,7 +294,11 @@ class Connector:
     def wait_progress(self, seen: int, timeout_s: Optional[float] = None) -> bool:
         """Blocks (the GIL released) until ``progress`` differs from ``seen`` (True, at once when
         it moved already) or ``timeout_s`` passes (False)."""
-    def wait_lookups(self, request_ids: Sequence[str], timeout_s: Optional[float] = None) -> bool: ...
+    def wait_lookups(
+        self, request_ids: Sequence[str], timeout_s: Optional[float] = None, *, release_gil: bool = True
+    ) -> bool:
+        """Blocks until every listed lookup is answered (True) or the timeout passes (False);
+        ``release_gil=False`` keeps the GIL through a short wait on an engine's thread."""
     def free_lookup_locks(self, request_id: str) -> None: ...
     def end_request(self, request_id: str) -> None: ...
     def retrieve(

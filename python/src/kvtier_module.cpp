@@ -780,12 +780,16 @@ PYBIND11_MODULE(_kvtier, m) {
           "polling on a timer.")
       .def(
           "wait_lookups",
-          [](const py_connector& s, const std::vector<std::string>& ids, std::optional<double> timeout_s) {
-            const auto ms = wait_timeout(timeout_s);
-            return without_gil(s, [&](auto& c) { return c.wait_lookups(ids, ms); });
+          [](const py_connector& s, const std::vector<std::string>& ids, std::optional<double> timeout_s,
+             bool release_gil) {
+            const auto us = wait_timeout<std::chrono::microseconds>(timeout_s);
+            if (!release_gil) return holding_gil(s, [&](auto& c) { return c.wait_lookups(ids, us); });
+            return without_gil(s, [&](auto& c) { return c.wait_lookups(ids, us); });
           },
-          py::arg("request_ids"), py::arg("timeout_s") = py::none(),
-          "Blocks until every listed lookup is answered (True), or the timeout passes (False).")
+          py::arg("request_ids"), py::arg("timeout_s") = py::none(), py::kw_only(), py::arg("release_gil") = true,
+          "Blocks until every listed lookup is answered (True), or the timeout passes (False). release_gil=False "
+          "keeps the GIL through the wait: for a wait of a fraction of a millisecond on an engine's thread, which "
+          "releasing the GIL could make wait for another Python thread (docs/python.md, \"The GIL\").")
       .def(
           "free_lookup_locks",
           [](const py_connector& s, const std::string& id) {

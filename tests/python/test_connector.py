@@ -337,6 +337,7 @@ def test_a_call_that_cannot_block_keeps_the_gil(servers):
         "lookup": lambda i: sched.lookup(f"t{i}", tokens),
         "lookup_hashes": lambda i: sched.lookup_hashes(f"h{i}", hashes),
         "lookup_result": lambda i: sched.lookup_result(f"h{i}"),
+        "wait_lookups(release_gil=False)": lambda i: sched.wait_lookups([f"h{i}"], 0.0, release_gil=False),
         "describes_chunks": lambda i: sched.describes_chunks,
         "free_lookup_locks": lambda i: sched.free_lookup_locks(f"t{i}"),
         "end_request": lambda i: (sched.end_request(f"t{i}"), sched.end_request(f"h{i}")),

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 
 import pytest
 
@@ -124,6 +125,58 @@ def _empty_output():
     from replay.vllm_shapes import CachedRequestData, SchedulerOutput
 
     return SchedulerOutput([], CachedRequestData(), {}, 0, set())
+
+
+def test_a_lookup_wait_answers_the_first_ask_and_a_silent_server_costs_one_budget_per_step(servers):
+    # Without a wait the first ask of every request is None (vLLM skips it for a step: above);
+    # lookup_wait_ms lets the ask wait for the answer, out of a budget the step's lookups share
+    # and build_connector_meta refills (kvtier.integrations.scheduler_side's docstring).
+    srv = servers.start(chunk_tokens=CT)
+    # (Deadlines far beyond the test, so that the paused server is not found dead meanwhile.)
+    extra = {"lookup_wait_ms": 500, "ping_timeout_ms": 60000, "lookup_timeout_ms": 60000}
+    e = ReplayEngine(socket_path=srv.socket_path, chunk_tokens=CT, block_size=BS, extra=extra)
+    e.add("warm", DOC + [90, 91], 1)
+    e.run()
+    assert e.violations == []
+    conn = e.connector
+    side = conn.scheduler_side
+    hit, miss = Request("hit", DOC + [5, 6, 7], 1), Request("miss", list(range(500, 548)), 1)
+    assert conn.get_num_new_matched_tokens(hit, 0) == (48, True)  # answered at the first ask
+    assert conn.get_num_new_matched_tokens(miss, 0) == (0, False)
+    left = side.lookup_wait_left_s
+    assert 0 < left <= 0.5  # less what the two answers took
+    a, b = Request("a", list(range(600, 648)), 1), Request("b", list(range(700, 748)), 1)
+    srv.pause()  # answers nothing
+    try:
+        t0 = time.monotonic()
+        assert conn.get_num_new_matched_tokens(a, 0) == (None, True)
+        assert time.monotonic() - t0 >= left - 0.001  # it waited out what was left
+        assert side.lookup_wait_left_s < 0.001  # spent: the step's next lookup does not wait
+        assert conn.get_num_new_matched_tokens(b, 0) == (None, True)
+        conn.build_connector_meta(_empty_output())  # the step's end
+        assert side.lookup_wait_left_s == 0.5  # the next step's lookups wait afresh
+    finally:
+        srv.resume()
+    assert matched(conn, a, 0) == (0, False)
+    assert matched(conn, b, 0) == (0, False)
+    for r in (hit, miss, a, b):
+        conn.request_finished(r, [])
+    wait_until(lambda: srv.status()["lookups"] == 0, what="the lookups ended")
+    e.close()
+
+
+def test_lookup_wait_ms_is_read_and_checked():
+    from replay.vllm_shapes import vllm_config
+
+    cfg = vllm_config(model="m", num_layers=2, num_kv_heads=2, head_size=8, block_size=BS,
+                      extra={"socket_path": "/x", "chunk_tokens": CT})
+    assert kv_vllm.config_from_vllm(cfg, kv_vllm.KVConnectorRole.SCHEDULER).lookup_wait_ms == 0.0
+    cfg.kv_transfer_config.kv_connector_extra_config["lookup_wait_ms"] = "0.5"
+    assert kv_vllm.config_from_vllm(cfg, kv_vllm.KVConnectorRole.SCHEDULER).lookup_wait_ms == 0.5
+    for bad in (-1, 1001, float("nan")):
+        cfg.kv_transfer_config.kv_connector_extra_config["lookup_wait_ms"] = bad
+        with pytest.raises(ValueError, match="lookup_wait_ms"):
+            kv_vllm.config_from_vllm(cfg, kv_vllm.KVConnectorRole.SCHEDULER)
 
 
 def test_request_finished_delays_freeing_and_forgets_the_request(warm):

@@ -170,7 +170,7 @@ class connector final : private detail::link_owner {
   /// lookup is always answered by its deadline (lookup_timeout), so this never outlives it
   /// by much. For engines that ask synchronously (SGLang's batch_exists). Throws
   /// std::logic_error on a connector that is not the scheduler.
-  bool wait_lookups(std::span<const std::string> request_ids, std::chrono::milliseconds timeout);
+  bool wait_lookups(std::span<const std::string> request_ids, std::chrono::microseconds timeout);
   /// Releases the server's locks of chunks of the lookup that will never be retrieved.
   /// Fire and forget; skipped while unhealthy.
   void free_lookup_locks(std::string_view request_id);

@@ -64,6 +64,13 @@ class KVTierConfig:
             ``FLASH_ATTN``, ``CPU_ATTN``, ``FLASHMLA``, ...).
         cache_dtype: vLLM's ``cache_config.cache_dtype`` (``"auto"``, ``"fp8"``, ...): asked
             of the attention backend with its KV shape.
+        lookup_wait_ms: how long the lookups of one scheduler step may wait, together, for the
+            server's answers (0, the default: never). vLLM skips a request whose lookup is not
+            answered yet and asks again in its next step, so an unanswered first ask costs
+            every request one engine step of TTFT; a wait at least the lookup's round trip
+            admits it in the step it arrived in, for that much of the engine thread's time.
+            Shared by the step's lookups, so a server that does not answer costs at most this
+            per step (module docstring of :mod:`kvtier.integrations.scheduler_side`).
         engine_id: the engine instance, the same on the scheduler side and every worker
             (vLLM's ``kv_transfer_config.engine_id``): the server serves a worker's retrieve
             from the scheduler's lookup (docs/server.md, "Engines"). Empty: each connection
@@ -88,6 +95,7 @@ class KVTierConfig:
     kv_cache_backend: str = "auto"
     cache_dtype: str = "auto"
     engine_id: str = ""
+    lookup_wait_ms: float = 0.0
 
     @property
     def loads(self) -> bool:
@@ -128,6 +136,8 @@ class KVTierConfig:
             raise ValueError(f"kvtier: load_mode '{self.load_mode}': use {' or '.join(LOAD_MODES)}")
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kvtier: kv_role '{self.kv_role}': use {', '.join(KV_ROLES)}")
+        if not 0.0 <= self.lookup_wait_ms <= 1000.0:  # NaN fails too
+            raise ValueError(f"kvtier: lookup_wait_ms {self.lookup_wait_ms}: use 0 (never wait) to 1000")
         if len(self.engine_id.encode()) > 128:
             raise ValueError(f"kvtier: engine_id '{self.engine_id[:40]}...' is longer than 128 bytes")
 

@@ -1,9 +1,22 @@
 """The scheduler's half of the adapter (:class:`SchedulerSide`): lookups, hit counts and the
-per-step plan. The semantics are in :mod:`kvtier.integrations.core`'s docstring."""
+per-step plan. The semantics are in :mod:`kvtier.integrations.core`'s docstring.
+
+The lookup's wait (``KVTierConfig.lookup_wait_ms``). A lookup is answered by the server, a
+round trip after the first ``get_num_new_matched_tokens`` of a request sends it; until then
+the call answers ``None`` and vLLM's scheduler skips the request for this step and asks again
+in the next one, so without a wait every request, hit or miss, starts one engine step after it
+could have. With ``lookup_wait_ms`` > 0 an unanswered call waits for the answer (the GIL kept:
+a fraction of a millisecond, which releasing the GIL could stretch to another Python thread's
+switch interval), out of a budget that the step's lookups share and that each
+``build_connector_meta`` (the end of the scheduler's step) refills: a server that does not
+answer costs the engine at most ``lookup_wait_ms`` per step, and a request whose answer did
+not come within it is asked again next step as without the wait.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
@@ -88,12 +101,21 @@ class SchedulerSide:
         self._awaiting_recv: Set[str] = set()  # ids with an asynchronous load vLLM has no finished_recving of yet
         self._recv_last: List[str] = []  # finished while awaiting it: told to the workers in the next plan
         self._warned: Set[str] = set()  # reasons of uncacheable requests already logged
+        # What the lookups of this step may still wait for their answers (module docstring).
+        self._lookup_wait_s = config.lookup_wait_ms / 1000.0
+        self._wait_left_s = self._lookup_wait_s
         self._describe_failed = False  # a description refused by the connector was logged
         # Counters (for the connector's stats): lookups sent, the tokens they asked for, the
         # tokens the server answered as present.
         self.lookups_sent = 0
         self.lookup_tokens = 0
         self.lookup_hit_tokens = 0
+
+    @property
+    def lookup_wait_left_s(self) -> float:
+        """What this step's lookups may still wait for their answers (``lookup_wait_ms``, less
+        what they waited; refilled at each :meth:`plan_step`)."""
+        return self._wait_left_s
 
     # -- vLLM: get_num_new_matched_tokens --------------------------------------------------
     def num_new_matched_tokens(
@@ -172,6 +194,11 @@ class SchedulerSide:
                 self.lookups_sent += 1
                 self.lookup_tokens += len(st.hashes) * self._ct
             answer = self.connector.lookup_result(request_id)
+            if answer is None and self._wait_left_s > 0:
+                t0 = time.perf_counter()
+                self.connector.wait_lookups([request_id], self._wait_left_s, release_gil=False)
+                self._wait_left_s -= time.perf_counter() - t0
+                answer = self.connector.lookup_result(request_id)
             if answer is None:
                 return None, self._async
             st.hit = min(int(answer), len(st.hashes) * self._ct)
@@ -246,6 +273,7 @@ class SchedulerSide:
         that hands it none plans nothing, so its row may be left out
         (``scheduled_rows(output, watched)``). A row that is there plans the same. No hash,
         no copy of a block table."""
+        self._wait_left_s = self._lookup_wait_s  # the next step's lookups wait afresh
         plan = StepPlan(preempted=list(preempted))
         for rid in plan.preempted:
             st = self._requests.get(rid)

@@ -29,6 +29,8 @@ Options (``kv_connector_extra_config``; docs/integration.md has the table):
 ``hash``                     ``xxh3_128`` (default) or ``sha256``
 ``prefill_tokens_per_second`` the engine's prefill rate (0: not declared)
 ``ready_timeout_s``          how long start-up waits for the server (default 5)
+``lookup_wait_ms``           how long a step's lookups may wait for their answers (default 0:
+                             never; an unanswered first ask delays the request by a step)
 ``load_mode``                ``async`` (default: loads complete between steps) or ``layerwise``
                              (synchronous loads; each layer computes as soon as it landed)
 ``*_timeout_ms`` ...         connector deadlines (``retrieve_timeout_ms``, ``ping_timeout_ms``,

@@ -81,6 +81,7 @@ def config_from_vllm(vllm_config: Any, role: Any) -> KVTierConfig:
         kv_cache_backend=str(extra.get("kv_cache_backend", "auto")),
         cache_dtype=str(getattr(vllm_config.cache_config, "cache_dtype", "auto") or "auto"),
         engine_id=_engine_id(vllm_config, extra),
+        lookup_wait_ms=float(extra.get("lookup_wait_ms", 0.0)),
     )
     cfg.validate()
     return cfg

@@ -87,7 +87,7 @@ std::optional<std::size_t> connector<Bus>::lookup_result(std::string_view reques
 }
 
 template <class Bus>
-bool connector<Bus>::wait_lookups(std::span<const std::string> request_ids, std::chrono::milliseconds timeout) {
+bool connector<Bus>::wait_lookups(std::span<const std::string> request_ids, std::chrono::microseconds timeout) {
   for (const std::string& id : request_ids) check_lookup(id);
   std::unique_lock lock(mu());
   return wait_for_locked(lock, timeout, [&] {
