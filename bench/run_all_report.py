@@ -521,6 +521,10 @@ def summary(res, meta, table, made):
         "(`steady_after_wait_slowdown_256`: the server moving the arrivals' KV meanwhile)",
         g("steady_repickle_after_wait_us_256"), "us", g("steady_repickle_us_256"), "us",
         "the same pickle right after a first one (warm)", g("steady_after_wait_slowdown_256"), "")
+    row("vLLM connector, 256 requests: steps in which an arrival was asked until its lookup answered "
+        "(`vllm_lookup_steps_256`, mean; `lookup_wait_ms` 0, the default)",
+        g("vllm_lookup_steps_256"), "", 1, "", "answered at the first ask: admitted in the step it arrived in "
+        "(each step more delays the request by an engine step)", None, "")
     row("vLLM connector, 256 requests, mean step (`vllm_step_overhead_mean_us_256`: C++ call outliers included)",
         g("vllm_step_overhead_mean_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step",
         None, "")
