@@ -328,6 +328,11 @@ def summary(res, meta, table, made):
         rows.append((figure, value, vunit, base, bunit, base_name, ratio, target, how))
 
     g = f.get
+
+    def quotient(over, under):
+        """g(over) / g(under), None when either is missing or zero."""
+        a, b = g(over), g(under)
+        return a / b if a and b else None
     row("event bus: publish an L2 event (exact metrics)", g("bus_publish_l2_ns"), "ns", g("atomic_fetch_add_ns"), "ns",
         "one relaxed atomic fetch_add", g("bus_vs_atomic"), "<= 2")
     row("event bus: LMCache-style runtime bus", g("runtime_bus_ns"), "ns", g("bus_publish_l2_ns"), "ns",
@@ -492,8 +497,7 @@ def summary(res, meta, table, made):
             f"(`vllm_step_overhead_us_{n}`, median step, half the arrivals hit; TP=1: vLLM's UniProcExecutor, nothing pickled){mark}",
             g(f"vllm_step_overhead_us_{n}"), "us", g(f"vllm_step_budget_us_{n}"), "us",
             "1% of an 8B decode step on an H100 (HBM floor: weights + KV / 3.35 TB/s)",
-            (g(f"vllm_step_overhead_us_{n}") / g(f"vllm_step_budget_us_{n}"))
-            if g(f"vllm_step_overhead_us_{n}") and g(f"vllm_step_budget_us_{n}") else None, "<= 1")
+            quotient(f"vllm_step_overhead_us_{n}", f"vllm_step_budget_us_{n}"), "<= 1")
     row("vLLM connector, decode steps alone, 256 requests (`vllm_decode_step_vs_budget_256`: warm, no I/O)",
         g("vllm_decode_step_us_256"), "us", g("vllm_step_budget_us_256"), "us",
         "1% of an 8B decode step on an H100 (HBM floor)", g("vllm_decode_step_vs_budget_256"), "<= 1")
@@ -501,8 +505,7 @@ def summary(res, meta, table, made):
         "(`vllm_decode_step_after_wait_us_256`: no I/O)",
         g("vllm_decode_step_after_wait_us_256"), "us", g("vllm_decode_step_us_256"), "us",
         "the same steps back to back (warm)",
-        (g("vllm_decode_step_after_wait_us_256") / g("vllm_decode_step_us_256"))
-        if g("vllm_decode_step_after_wait_us_256") and g("vllm_decode_step_us_256") else None, "")
+        quotient("vllm_decode_step_after_wait_us_256", "vllm_decode_step_us_256"), "")
     row("machine control, no kvtier: Python work (1 MB touched) after the same wait (`machine_after_wait_slowdown`)",
         g("machine_python_after_wait_us"), "us", g("machine_python_us"), "us", "the same work back to back",
         g("machine_after_wait_slowdown"), "")
@@ -510,13 +513,11 @@ def summary(res, meta, table, made):
         "(`machine_wake_us`: what telling the server something costs the engine thread here)",
         g("machine_wake_us"), "us", g("machine_write_no_wake_us"), "us",
         "the same write while that process polls (nothing to wake)",
-        (g("machine_wake_us") / g("machine_write_no_wake_us"))
-        if g("machine_wake_us") and g("machine_write_no_wake_us") else None, "")
+        quotient("machine_wake_us", "machine_write_no_wake_us"), "")
     row("vLLM connector, 256 requests, the engine thread's CPU time in the step's calls "
         "(`vllm_step_overhead_cpu_us_256`: median; the wall time less what it spent off a core or blocked)",
         g("vllm_step_overhead_cpu_us_256"), "us", g("vllm_step_overhead_us_256"), "us", "the median step (wall)",
-        (g("vllm_step_overhead_cpu_us_256") / g("vllm_step_overhead_us_256"))
-        if g("vllm_step_overhead_cpu_us_256") and g("vllm_step_overhead_us_256") else None, "")
+        quotient("vllm_step_overhead_cpu_us_256", "vllm_step_overhead_us_256"), "")
     row("steady-state control, 256 requests: the step's metadata pickled after the forward-pass wait "
         "(`steady_after_wait_slowdown_256`: the server moving the arrivals' KV meanwhile)",
         g("steady_repickle_after_wait_us_256"), "us", g("steady_repickle_us_256"), "us",
