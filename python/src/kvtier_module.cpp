@@ -783,8 +783,8 @@ PYBIND11_MODULE(_kvtier, m) {
           [](const py_connector& s, const std::vector<std::string>& ids, std::optional<double> timeout_s,
              bool release_gil) {
             const auto us = wait_timeout<std::chrono::microseconds>(timeout_s);
-            if (!release_gil) return holding_gil(s, [&](auto& c) { return c.wait_lookups(ids, us); });
-            return without_gil(s, [&](auto& c) { return c.wait_lookups(ids, us); });
+            const auto wait = [&](auto& c) { return c.wait_lookups(ids, us); };
+            return release_gil ? without_gil(s, wait) : holding_gil(s, wait);
           },
           py::arg("request_ids"), py::arg("timeout_s") = py::none(), py::kw_only(), py::arg("release_gil") = true,
           "Blocks until every listed lookup is answered (True), or the timeout passes (False). release_gil=False "
