@@ -148,6 +148,7 @@ import pstats
 import queue
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -688,21 +689,28 @@ def machine_after_wait(wait_s: float, repeats: int, steps: int) -> None:
 
 
 WAKE_PEER = """
-import os, sys
-while True:  # blocked in read (asleep) until told to poll, then spinning on reads until told to stop
+import os
+# Asleep in read() until told to poll ("p"), then spinning on non-blocking reads until told to
+# stop ("s"); each switch acknowledged on stdout once made. Bytes written back to back may
+# arrive in one read ("xp"), so a command is looked for anywhere in what was read.
+while True:
     m = os.read(0, 64)
-    if not m or m.startswith(b"q"):
+    if not m or b"q" in m:
         break
-    if m.startswith(b"p"):
+    if b"p" in m:
         os.set_blocking(0, False)
+        os.write(1, b"P")
         while True:
             try:
                 m = os.read(0, 64)
             except BlockingIOError:
                 continue
-            if not m or m.startswith(b"s"):
+            if not m or b"s" in m or b"q" in m:
                 break
         os.set_blocking(0, True)
+        if not m or b"q" in m:
+            break
+        os.write(1, b"S")
 """
 
 
@@ -712,29 +720,33 @@ def machine_wake(wait_s: float, repeats: int, steps: int) -> None:
     ``wait_s``, while that process sleeps in read() (the write wakes it, as a connector's call
     wakes the server's thread that sleeps between steps) and while it spins on non-blocking
     reads (nothing to wake); ``repeats`` interleaved windows of ``steps`` each."""
-    import subprocess
+    peer = subprocess.Popen([sys.executable, "-c", WAKE_PEER], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert peer.stdin is not None and peer.stdout is not None
+    fd, acks = peer.stdin.fileno(), peer.stdout.fileno()
 
-    peer = subprocess.Popen([sys.executable, "-c", WAKE_PEER], stdin=subprocess.PIPE)
-    assert peer.stdin is not None
-    fd = peer.stdin.fileno()
+    def switch(command: bytes, ack: bytes) -> None:  # returns once the peer made the switch
+        os.write(fd, command)
+        if os.read(acks, 1) != ack:
+            raise SystemExit("vllm_step_overhead: the wake control's peer did not acknowledge " + command.decode())
+
     times: Dict[bool, List[float]] = {False: [], True: []}
     try:
         for _ in range(repeats):
             for awake in (False, True):
                 if awake:
-                    os.write(fd, b"p")
+                    switch(b"p", b"P")
                 for _ in range(steps):
                     spin(wait_s)
                     t0 = time.perf_counter_ns()
                     os.write(fd, b"x")
                     times[awake].append((time.perf_counter_ns() - t0) / 1e3)
                 if awake:
-                    os.write(fd, b"s")
-                    spin(wait_s)  # back in its blocking read before the next window
+                    switch(b"s", b"S")  # back to its blocking read before the next window
     finally:
         os.write(fd, b"q")
         peer.stdin.close()
         peer.wait()
+        peer.stdout.close()
     wake, plain = statistics.median(times[False]), statistics.median(times[True])
     print(f"# control without kvtier: one write to another process after a {wait_s * 1e3:.2f} ms spin, {wake:.1f} us "
           f"when it wakes the process (asleep in read), {plain:.1f} us when the process is polling ({repeats} x {steps} "
